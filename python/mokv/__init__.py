@@ -1,0 +1,1 @@
+"""mokv: KV-cache managers, graph types and Mojo kernels for Modular MAX."""

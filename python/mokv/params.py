@@ -1,0 +1,113 @@
+"""Static configuration of a KV cache: what one token's keys and values look like.
+
+One frozen `KVCacheParams` flows from the user into every manager, graph type and
+kernel wrapper; nothing else carries configuration. Derived sizes are properties so
+that they cannot drift from the fields they come from.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from max.dtype import DType
+
+
+class KVCacheStrategy(str, enum.Enum):
+    """How cache memory is handed to sequences.
+
+    CONTINUOUS: one contiguous `max_seq_len` slot per sequence (seed 002).
+    PAGED: fixed-size pages from a shared pool, with an optional prefix cache (seed 000).
+    """
+
+    CONTINUOUS = "continuous"
+    PAGED = "paged"
+
+
+PREFIX_HASH_ALGORITHMS = ("builtin", "sha256")
+"""Names accepted by `KVCacheParams.prefix_hash`; see `mokv.cache.hashing`."""
+
+
+@dataclass(frozen=True)
+class KVCacheParams:
+    """The shape of the cache and the features a manager turns on.
+
+    Attributes:
+        dtype: element type of the cached keys and values.
+        n_kv_heads: key/value heads of the model (all devices together).
+        head_dim: size of one head's key or value vector.
+        page_size: tokens per page of the paged cache.
+        cache_strategy: `KVCacheStrategy.PAGED` or `KVCacheStrategy.CONTINUOUS`.
+        enable_prefix_caching: share full pages between requests whose token
+            prefixes are identical (paged strategy only).
+        enable_kvcache_swapping_to_host: keep evicted pages in host memory
+            (not available yet: managers raise NotImplementedError).
+        host_kvcache_swap_space_gb: size of that host tier.
+        data_parallel_degree: number of independent replicas of the cache, each
+            with its own page pool on its own group of devices.
+        n_devices: total devices; each replica gets `n_devices // data_parallel_degree`
+            of them and splits its KV heads across them (tensor parallelism).
+        prefix_hash: hash of a page's (parent hash, token ids) chain:
+            "builtin" (fast, stable within one process) or "sha256" (stable
+            across processes and machines).
+        prefix_hash_seed: mixed into the root of every hash chain, so that two
+            caches with different seeds never share a page.
+    """
+
+    dtype: DType
+    n_kv_heads: int
+    head_dim: int
+    page_size: int = 128
+    cache_strategy: KVCacheStrategy = KVCacheStrategy.PAGED
+    enable_prefix_caching: bool = False
+    enable_kvcache_swapping_to_host: bool = False
+    host_kvcache_swap_space_gb: float | None = None
+    data_parallel_degree: int = 1
+    n_devices: int = 1
+    prefix_hash: str = "builtin"
+    prefix_hash_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, DType):
+            raise TypeError(f"dtype must be a max.dtype.DType, got {self.dtype!r}")
+        for name in ("n_kv_heads", "head_dim", "page_size", "data_parallel_degree", "n_devices"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        # Accept the enum's string value too ("paged"), as configs often come from text.
+        object.__setattr__(self, "cache_strategy", KVCacheStrategy(self.cache_strategy))
+        if self.n_devices % self.data_parallel_degree:
+            raise ValueError(
+                f"n_devices={self.n_devices} is not a multiple of "
+                f"data_parallel_degree={self.data_parallel_degree}"
+            )
+        if self.n_kv_heads % self.tensor_parallel_degree:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} cannot be split evenly across the "
+                f"{self.tensor_parallel_degree} devices of a replica"
+            )
+        if self.prefix_hash not in PREFIX_HASH_ALGORITHMS:
+            raise ValueError(
+                f"prefix_hash={self.prefix_hash!r} is not one of {PREFIX_HASH_ALGORITHMS}"
+            )
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        """Devices per replica; the KV heads are split across them."""
+        return self.n_devices // self.data_parallel_degree
+
+    @property
+    def n_kv_heads_per_device(self) -> int:
+        """KV heads stored on each device of a replica."""
+        return self.n_kv_heads // self.tensor_parallel_degree
+
+    def bytes_per_token(self, num_layers: int) -> int:
+        """Bytes of K and V that one token occupies in one replica (all its devices).
+
+        `2 (K and V) * num_layers * n_kv_heads * head_dim * dtype size`.
+        """
+        return 2 * num_layers * self.n_kv_heads * self.head_dim * self.dtype.size_in_bytes
+
+    def bytes_per_page(self, num_layers: int) -> int:
+        """Bytes of one page in one replica: `page_size * bytes_per_token(num_layers)`."""
+        return self.page_size * self.bytes_per_token(num_layers)
