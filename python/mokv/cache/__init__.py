@@ -1,0 +1,1 @@
+"""Page-level bookkeeping of the paged cache: the page pool and prefix hashing."""

@@ -1,0 +1,186 @@
+"""PagePool: the pages of one cache replica, their reference counts and the prefix index.
+
+Every page is in exactly one of three states:
+
+    free    ref 0, no hash         in `_free` (a stack: the most recently freed page is
+                                   reused first, which keeps the working set small)
+    cached  ref 0, hashed          in `_cached` (LRU order, oldest first); still findable
+                                   through the prefix index until it is evicted
+    owned   ref >= 1               held by one or more requests; may be hashed
+
+Allocation takes free pages first and evicts cached pages only when no free page is
+left, oldest first. Owners hand pages back in the order they want them evicted:
+the managers release a request's pages tail first, so a shared prompt prefix outlives
+the suffixes that extend it (the eviction order of vLLM's `FreeKVCacheBlockQueue`).
+
+The hash index maps a chained page hash (see `hashing.py`) to the one page committed
+under it. Two requests that compute the same page at the same time each keep their
+own copy, but only the first committed copy is indexed; the other is an ordinary
+unhashed page. Lookups compare the page's token bytes too, so a hash collision can
+never hand out the wrong page.
+
+Invariants (checked by `check_invariants`):
+  1. free, cached and owned partition the pages; `_free` and `_cached` hold no duplicates.
+  2. owned pages have ref >= 1, free and cached pages ref 0.
+  3. every page's ref count equals the number of times the owners hold it.
+  4. cached pages are hashed, free pages are not; the index maps each hash to a page
+     carrying exactly that hash, and every hashed page is in the index.
+
+Everything here is plain integers in flat lists, so that the pool can move to Mojo
+without changing its shape.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from ..errors import InvariantError
+
+
+class PagePool:
+    """Reference-counted pages with an LRU of reusable cached pages."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"a page pool needs at least one page, got num_pages={num_pages}")
+        self.num_pages = num_pages
+        self._ref_count = [0] * num_pages
+        self._page_hash: list[int | None] = [None] * num_pages
+        self._page_tokens: list[bytes | None] = [None] * num_pages
+        # Pop from the end; page 0 is handed out first on a fresh pool.
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._index: dict[int, int] = {}
+
+    # --- queries (change nothing) ---------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Pages that `allocate` can hand out now: free and cached pages."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages that hold a reusable prefix but no owner."""
+        return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        """Pages owned by at least one request."""
+        return self.num_pages - self.num_free
+
+    def ref_count(self, page_id: int) -> int:
+        return self._ref_count[page_id]
+
+    def page_hash(self, page_id: int) -> int | None:
+        return self._page_hash[page_id]
+
+    def lookup(self, page_hash: int, token_bytes: bytes) -> int | None:
+        """The page committed under `page_hash` holding exactly `token_bytes`, if any."""
+        page_id = self._index.get(page_hash)
+        if page_id is None or self._page_tokens[page_id] != token_bytes:
+            return None
+        return page_id
+
+    def is_cached(self, page_id: int) -> bool:
+        """True if the page has no owner but can still be reused through the index."""
+        return page_id in self._cached
+
+    # --- changes --------------------------------------------------------------------
+
+    def allocate(self, num_pages: int) -> list[int] | None:
+        """`num_pages` pages with ref count 1, or None (and no change) if they do not fit."""
+        if num_pages > self.num_free:
+            return None
+        pages = []
+        for _ in range(num_pages):
+            page_id = self._free.pop() if self._free else self._evict_oldest()
+            self._ref_count[page_id] = 1
+            pages.append(page_id)
+        return pages
+
+    def acquire(self, page_id: int) -> None:
+        """Adds an owner to a page found through `lookup` (taking it out of the LRU)."""
+        if self._ref_count[page_id] == 0:
+            del self._cached[page_id]
+        self._ref_count[page_id] += 1
+
+    def release(self, page_ids: Iterable[int]) -> None:
+        """Drops one owner from each page; pages left without owners become reusable.
+
+        Unowned hashed pages join the LRU in the order given, so pass the page to be
+        evicted first first.
+        """
+        for page_id in page_ids:
+            ref = self._ref_count[page_id] - 1
+            if ref < 0:
+                raise InvariantError(f"page {page_id} released more often than it was acquired")
+            self._ref_count[page_id] = ref
+            if ref == 0:
+                if self._page_hash[page_id] is None:
+                    self._free.append(page_id)
+                else:
+                    self._cached[page_id] = None
+
+    def commit(self, page_id: int, page_hash: int, token_bytes: bytes) -> bool:
+        """Makes an owned, full page findable under `page_hash`.
+
+        Returns False (and leaves the page unhashed) if another page already holds
+        this hash: the index keeps one copy per prefix, and owners' page lists never
+        change under them.
+        """
+        if self._ref_count[page_id] < 1 or self._page_hash[page_id] is not None:
+            raise InvariantError(f"page {page_id} committed while unowned or already hashed")
+        if page_hash in self._index:
+            return False
+        self._index[page_hash] = page_id
+        self._page_hash[page_id] = page_hash
+        self._page_tokens[page_id] = token_bytes
+        return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every hash: cached pages become free, owned pages stop being shareable."""
+        for page_id in self._index.values():
+            self._page_hash[page_id] = None
+            self._page_tokens[page_id] = None
+        self._index.clear()
+        self._free.extend(self._cached)
+        self._cached.clear()
+
+    def _evict_oldest(self) -> int:
+        page_id, _ = self._cached.popitem(last=False)
+        del self._index[self._page_hash[page_id]]  # type: ignore[index]
+        self._page_hash[page_id] = None
+        self._page_tokens[page_id] = None
+        return page_id
+
+    # --- checks ---------------------------------------------------------------------
+
+    def check_invariants(self, owned_pages: Iterable[Iterable[int]]) -> None:
+        """Raises InvariantError unless invariants 1-4 hold for these owners' page lists."""
+        holders = [0] * self.num_pages
+        for pages in owned_pages:
+            for page_id in pages:
+                holders[page_id] += 1
+        free, cached = set(self._free), set(self._cached)
+        if len(free) != len(self._free):
+            raise InvariantError(f"free list holds duplicates: {sorted(self._free)}")
+        if free & cached:
+            raise InvariantError(f"pages both free and cached: {sorted(free & cached)}")
+        for page_id in range(self.num_pages):
+            ref, h = self._ref_count[page_id], self._page_hash[page_id]
+            state = "free" if page_id in free else "cached" if page_id in cached else "owned"
+            if ref != holders[page_id]:
+                raise InvariantError(
+                    f"page {page_id} ({state}) has ref count {ref} but {holders[page_id]} owners"
+                )
+            if (state == "owned") != (ref > 0):
+                raise InvariantError(f"page {page_id} is {state} with ref count {ref}")
+            if state == "cached" and h is None or state == "free" and h is not None:
+                raise InvariantError(f"page {page_id} is {state} with hash {h}")
+            if h is not None and self._index.get(h) != page_id:
+                raise InvariantError(f"page {page_id} has hash {h} but is not indexed under it")
+        for h, page_id in self._index.items():
+            if self._page_hash[page_id] != h:
+                raise InvariantError(f"index maps {h} to page {page_id}, which carries another hash")

@@ -1,0 +1,197 @@
+"""Request contexts: the token state of one request, as a KV cache manager sees it.
+
+A context's tokens are split by three indices:
+
+    tokens:  | in the KV cache      | active this step      | not yet fed     |
+             0                  start_idx             active_idx          end_idx
+
+- `start_idx`   tokens whose K/V are already in the cache (processed, or reused
+                from the prefix cache);
+- `active_idx`  end of the window the model processes this step; usually `end_idx`,
+                smaller while a long prompt is prefilled in chunks;
+- `end_idx`     all tokens known so far (prompt + generated).
+
+`update(token)` ends a step: the active window moves into the cache and, unless a
+prompt chunk was just processed, the new token is appended and becomes the next
+window. `reset()` undoes everything in the cache after preemption: the generated
+tokens fold into the prompt and will be recomputed (or found in the prefix cache).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+class RequestID(str):
+    """Identifier of one request; `RequestID()` makes a fresh random one."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: str | None = None) -> RequestID:
+        return super().__new__(cls, uuid.uuid4().hex if value is None else value)
+
+    def __repr__(self) -> str:
+        return f"RequestID({str.__repr__(self)})"
+
+
+@runtime_checkable
+class TextGenerationContext(Protocol):
+    """What a KV cache manager reads from, and writes to, a request."""
+
+    @property
+    def request_id(self) -> RequestID: ...
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """All known token ids, `tokens[:end_idx]`."""
+        ...
+
+    @property
+    def start_idx(self) -> int: ...
+
+    @property
+    def active_idx(self) -> int: ...
+
+    @property
+    def end_idx(self) -> int: ...
+
+    @property
+    def active_length(self) -> int: ...
+
+    def skip_cached_prefix(self, num_tokens: int) -> None:
+        """Marks the first `num_tokens` tokens as found in the prefix cache."""
+        ...
+
+    def update(self, new_token: int) -> None: ...
+
+
+class TextContext:
+    """A concrete request context over a growing numpy buffer of token ids.
+
+    Args:
+        tokens: the prompt's token ids (any integer array-like, at least one token).
+        request_id: defaults to a fresh `RequestID()`.
+        max_length: optional cap on `end_idx` (prompt + generated tokens).
+    """
+
+    __slots__ = ("_request_id", "_buf", "_start", "_active", "_end", "_prompt_len", "max_length")
+
+    def __init__(
+        self,
+        tokens: np.ndarray | list[int],
+        request_id: RequestID | str | None = None,
+        max_length: int | None = None,
+    ) -> None:
+        prompt = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise ValueError("a TextContext needs at least one prompt token")
+        self._request_id = RequestID(request_id) if request_id is not None else RequestID()
+        self._buf = np.empty(max(16, 2 * prompt.size), dtype=np.int64)
+        self._buf[: prompt.size] = prompt
+        self._start = 0
+        self._end = self._active = self._prompt_len = int(prompt.size)
+        self.max_length = max_length
+
+    def __repr__(self) -> str:
+        return (
+            f"TextContext({self._request_id!r}, start_idx={self._start}, "
+            f"active_idx={self._active}, end_idx={self._end})"
+        )
+
+    @property
+    def request_id(self) -> RequestID:
+        return self._request_id
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._buf[: self._end]
+
+    @property
+    def start_idx(self) -> int:
+        return self._start
+
+    @property
+    def active_idx(self) -> int:
+        return self._active
+
+    @property
+    def end_idx(self) -> int:
+        return self._end
+
+    @property
+    def current_length(self) -> int:
+        return self._end
+
+    @property
+    def active_length(self) -> int:
+        return self._active - self._start
+
+    @property
+    def next_tokens(self) -> np.ndarray:
+        """The token ids the model processes this step."""
+        return self._buf[self._start : self._active]
+
+    @property
+    def prompt_length(self) -> int:
+        """Tokens that are prompt (after a `reset`, this includes earlier generated tokens)."""
+        return self._prompt_len
+
+    @property
+    def generated_tokens(self) -> np.ndarray:
+        return self._buf[self._prompt_len : self._end]
+
+    @property
+    def is_chunked(self) -> bool:
+        """True while the active window stops short of the known tokens."""
+        return self._active < self._end
+
+    def chunk(self, max_tokens: int) -> None:
+        """Limits this step's active window to at most `max_tokens` tokens (chunked prefill)."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        self._active = min(self._end, self._start + max_tokens)
+
+    def skip_cached_prefix(self, num_tokens: int) -> None:
+        """Moves `start_idx` to `num_tokens`, keeping the active window's length.
+
+        Called by a manager when the first `num_tokens` tokens were found in the
+        prefix cache. At least one token always stays active, since the model must
+        run on the last token to produce the next one.
+        """
+        if not self._start <= num_tokens < self._end:
+            raise ValueError(
+                f"cannot skip to {num_tokens}: must lie in [start_idx={self._start}, "
+                f"end_idx={self._end})"
+            )
+        window = self._active - self._start
+        self._start = num_tokens
+        self._active = min(self._end, num_tokens + max(window, 1))
+
+    def update(self, new_token: int) -> None:
+        """Ends a step: the active window is now in the cache.
+
+        After the last chunk of a prompt (or a decode step) `new_token` is appended and
+        becomes the next active window; after an intermediate prompt chunk it is
+        ignored, since the model's output there is not a sampled token.
+        """
+        if self._active < self._end:
+            self._start = self._active
+            self._active = self._end
+            return
+        if self.max_length is not None and self._end >= self.max_length:
+            raise ValueError(f"request {self._request_id!r} reached max_length={self.max_length}")
+        if self._end == self._buf.size:
+            self._buf = np.concatenate([self._buf, np.empty_like(self._buf)])
+        self._buf[self._end] = new_token
+        self._start = self._active
+        self._end += 1
+        self._active = self._end
+
+    def reset(self) -> None:
+        """Forgets the cache after preemption: everything becomes prompt, to be recomputed."""
+        self._start = 0
+        self._active = self._end
+        self._prompt_len = self._end

@@ -1,0 +1,89 @@
+"""Advance cache lengths between the steps of multistep decoding, on the device.
+
+After a step, each sequence's cache grew by the number of tokens it processed, which
+is the difference of consecutive `input_row_offsets`. Doing that add in a tiny MAX
+graph keeps the lengths on the device: no copy through the host, no synchronisation.
+One graph per device is compiled the first time it is needed and reused after that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from max.driver import Buffer, Device
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import DeviceRef, Graph, TensorType, ops
+
+
+def _build_graph(device: DeviceRef, with_max_lengths: bool) -> Graph:
+    inputs = [
+        TensorType(DType.uint32, ["batch_size"], device=device),
+        TensorType(DType.uint32, ["num_offsets"], device=device),
+    ]
+    if with_max_lengths:
+        inputs.append(TensorType(DType.uint32, ["steps_remaining", 2], device=DeviceRef.CPU()))
+    with Graph("mokv_increment_cache_lengths", input_types=inputs) as graph:
+        cache_lengths, row_offsets = graph.inputs[0].tensor, graph.inputs[1].tensor
+        grown = (row_offsets[1:] - row_offsets[:-1]).rebind(cache_lengths.shape)
+        outputs = [cache_lengths + grown]
+        if with_max_lengths:
+            outputs.append(graph.inputs[2].tensor[1:])
+        graph.output(*outputs)
+    return graph
+
+
+class CacheLengthIncrementer:
+    """Compiles, once per device, `cache_lengths + diff(row_offsets)` (and drops a
+    `max_lengths` row when asked)."""
+
+    def __init__(self, session: InferenceSession, with_max_lengths: bool) -> None:
+        self._session = session
+        self._with_max_lengths = with_max_lengths
+        self._models: dict[tuple[str, int], Model] = {}
+
+    def _model(self, device: Device) -> Model:
+        key = (device.label, device.id)
+        if key not in self._models:
+            graph = _build_graph(DeviceRef.from_device(device), self._with_max_lengths)
+            self._models[key] = self._session.load(graph)
+        return self._models[key]
+
+    def __call__(
+        self, cache_lengths: Buffer, row_offsets: Buffer, max_lengths: Buffer | None = None
+    ) -> list[Buffer]:
+        """New cache lengths (and `max_lengths` without its first row)."""
+        model = self._model(cache_lengths.device)
+        args = [cache_lengths, row_offsets.to(cache_lengths.device)]
+        if self._with_max_lengths:
+            args.append(max_lengths)
+        return [out for out in model.execute(*args)]  # type: ignore[misc]
+
+
+def row_offsets_per_device(
+    prev_model_inputs: Any, num_replicas: int, devices_per_replica: int
+) -> list[Buffer]:
+    """The previous step's `input_row_offsets`, one per device.
+
+    Accepts an object with an `input_row_offsets` attribute, or the offsets themselves:
+    a Buffer or numpy array (one replica), or a sequence with one entry per replica
+    (local to that replica's requests) or per device.
+    """
+    offsets = getattr(prev_model_inputs, "input_row_offsets", prev_model_inputs)
+    if isinstance(offsets, (Buffer, np.ndarray)):
+        offsets = [offsets]
+    offsets = [
+        Buffer.from_numpy(np.ascontiguousarray(o, dtype=np.uint32)) if isinstance(o, np.ndarray) else o
+        for o in offsets
+    ]
+    num_devices = num_replicas * devices_per_replica
+    if len(offsets) == num_devices:
+        return offsets
+    if len(offsets) == num_replicas:
+        return [o for o in offsets for _ in range(devices_per_replica)]
+    raise ValueError(
+        f"input_row_offsets has {len(offsets)} entries; expected one per replica "
+        f"({num_replicas}) or per device ({num_devices})"
+    )

@@ -1,0 +1,49 @@
+"""load_kv_manager: the manager for a `KVCacheParams`, or the null one on virtual devices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from max import driver
+from max.driver import Device
+from max.engine import InferenceSession
+
+from ..params import KVCacheParams, KVCacheStrategy
+from .base import KVCacheManager
+from .continuous import ContinuousBatchingKVCacheManager
+from .null import NullKVCacheManager
+from .paged import PagedKVCacheManager
+
+
+def load_kv_manager(
+    params: KVCacheParams,
+    max_batch_size: int,
+    max_seq_len: int,
+    num_layers: int,
+    devices: Sequence[Device],
+    session: InferenceSession,
+    available_cache_memory: int | None = None,
+    page_size: int = 128,
+    enable_runtime_checks: bool = False,
+) -> KVCacheManager:
+    """Builds the manager that `params.cache_strategy` names.
+
+    In MAX's virtual-device (compile-only) mode no memory can be used, so a
+    `NullKVCacheManager` is returned whatever the strategy. `available_cache_memory`
+    is required by the paged strategy.
+    """
+    if driver.is_virtual_device_mode():
+        return NullKVCacheManager(
+            params, max_batch_size, max_seq_len, num_layers, devices, session,
+            available_cache_memory or 0, page_size,
+        )
+    if params.cache_strategy is KVCacheStrategy.CONTINUOUS:
+        return ContinuousBatchingKVCacheManager(
+            params, max_batch_size, max_seq_len, num_layers, devices, session
+        )
+    if available_cache_memory is None:
+        raise ValueError("available_cache_memory is required for the paged cache strategy")
+    return PagedKVCacheManager(
+        params, max_batch_size, max_seq_len, num_layers, devices, session,
+        available_cache_memory, page_size=page_size, enable_runtime_checks=enable_runtime_checks,
+    )

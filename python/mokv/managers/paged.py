@@ -1,0 +1,376 @@
+"""PagedKVCacheManager: fixed-size pages, prefix cache, data- and tensor-parallel replicas.
+
+The request lifecycle (seed 000):
+
+    external_claim(request_id, replica_idx)   # or claim(); binds the request to a replica
+    maybe_reserve(ctx, num_steps) -> bool      # or alloc(), which raises instead of False
+    fetch(batch, num_steps) -> inputs          # or get_runtime_inputs(); feeds the graph
+    ... run the model, ctx.update(token) ...
+    step(batch)                                # commits pages that became full
+    release(request_id)
+
+Memory: `available_cache_memory` is split evenly between the `data_parallel_degree`
+replicas; each replica holds `floor(memory_per_replica / bytes_per_page)` pages, where
+`bytes_per_page = page_size * 2 * num_layers * n_kv_heads * head_dim * dtype size`.
+A replica's pages live in one `max.driver.Buffer` per device, each device holding
+`n_kv_heads_per_device` of the heads (layout in `mokv.inputs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from max.driver import Buffer, Device
+from max.engine import InferenceSession
+from max.graph import BufferType, DeviceRef, TensorType
+
+from ..cache.hashing import page_hash_fn, root_hash
+from ..context import RequestID, TextGenerationContext
+from ..errors import (
+    BatchTooLargeError,
+    InsufficientMemoryError,
+    InsufficientPagesError,
+    InvalidReplicaError,
+    UnknownRequestError,
+)
+from ..inputs import RaggedKVCacheInputs, paged_input_symbols
+from ..metrics import KVCacheMetrics
+from ..params import KVCacheParams
+from .base import KVCacheManager, check_devices, check_page_size
+from .increment import CacheLengthIncrementer, row_offsets_per_device
+from .paged_replica import PagedReplica, _ceil_div
+
+
+class PagedKVCacheManager(KVCacheManager):
+    """Paged KV cache manager with data and tensor parallelism support.
+
+    Args:
+        params: cache shape and features (see `KVCacheParams`).
+        max_batch_size: most requests held at once, over all replicas together.
+        max_seq_len: most tokens one request may hold.
+        num_layers: transformer layers; each page holds K and V of every layer.
+        devices: `params.n_devices` devices; replica `r` owns
+            `devices[r * tp : (r + 1) * tp]` with `tp = params.tensor_parallel_degree`.
+        session: the InferenceSession that runs the model (and the small graph of
+            `increment_cache_lengths`).
+        available_cache_memory: bytes for KV pages over all devices.
+        zmq_endpoint_base: KV-cache events endpoint (not available yet).
+        page_size: kept for signature compatibility; must equal `params.page_size`
+            unless left at its default.
+        enable_runtime_checks: verify the pools' invariants after every operation.
+    """
+
+    def __init__(
+        self,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        devices: Sequence[Device],
+        session: InferenceSession,
+        available_cache_memory: int,
+        zmq_endpoint_base: str | None = None,
+        page_size: int = 128,
+        enable_runtime_checks: bool = False,
+    ) -> None:
+        super().__init__(params, max_batch_size, max_seq_len, num_layers, devices, session)
+        check_page_size(params, page_size)
+        if params.enable_kvcache_swapping_to_host:
+            raise NotImplementedError("the host-memory page tier is not available yet")
+        if zmq_endpoint_base is not None:
+            raise NotImplementedError("KV-cache events over ZMQ are not available yet")
+        dp = params.data_parallel_degree
+        num_pages = self._pages_per_replica(params, num_layers, available_cache_memory)
+        pages_per_seq = _ceil_div(max_seq_len, params.page_size)
+        if num_pages < pages_per_seq:
+            raise InsufficientMemoryError(
+                f"available_cache_memory={available_cache_memory} bytes gives {num_pages} "
+                f"page(s) per replica; one sequence of max_seq_len={max_seq_len} needs "
+                f"{pages_per_seq} (at {params.bytes_per_page(num_layers)} bytes per page)"
+            )
+        if max_batch_size < dp:
+            raise ValueError(
+                f"max_batch_size={max_batch_size} is smaller than data_parallel_degree={dp}"
+            )
+        hash_fn = page_hash_fn(params.prefix_hash)
+        root = root_hash(params.prefix_hash, params.prefix_hash_seed)
+        tp = params.tensor_parallel_degree
+        self.replicas = [
+            PagedReplica(
+                params,
+                num_pages,
+                _ceil_div(max_batch_size, dp),
+                max_seq_len,
+                num_layers,
+                list(self.devices[r * tp : (r + 1) * tp]),
+                hash_fn,
+                root,
+            )
+            for r in range(dp)
+        ]
+        self.page_size = params.page_size
+        self.total_num_pages = num_pages * dp
+        self.enable_runtime_checks = enable_runtime_checks
+        self._replica_of: dict[RequestID, int] = {}
+        self._increment = CacheLengthIncrementer(session, with_max_lengths=True)
+
+    # --- sizing ---------------------------------------------------------------------
+
+    @staticmethod
+    def _pages_per_replica(params: KVCacheParams, num_layers: int, memory: int) -> int:
+        """`floor(memory / data_parallel_degree / bytes_per_page(num_layers))`."""
+        per_replica = memory // params.data_parallel_degree
+        return per_replica // params.bytes_per_page(num_layers)
+
+    @classmethod
+    def estimated_memory_size(
+        cls,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[Device],
+        **kwargs: Any,
+    ) -> int:
+        """Bytes the manager allocates for these arguments.
+
+        `data_parallel_degree * floor(available_cache_memory / data_parallel_degree /
+        bytes_per_page) * bytes_per_page`: the budget, rounded down to whole pages.
+        """
+        pages = cls._pages_per_replica(params, num_layers, available_cache_memory)
+        return params.data_parallel_degree * pages * params.bytes_per_page(num_layers)
+
+    @classmethod
+    def infer_optimal_batch_size(
+        cls,
+        params: KVCacheParams,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[Device],
+        **kwargs: Any,
+    ) -> int:
+        """Most requests of `max_seq_len` tokens that fit at once, at least 1.
+
+        `max(1, data_parallel_degree * floor(pages_per_replica / ceil(max_seq_len / page_size)))`.
+        """
+        pages = cls._pages_per_replica(params, num_layers, available_cache_memory)
+        per_seq = _ceil_div(max_seq_len, params.page_size)
+        return max(1, params.data_parallel_degree * (pages // per_seq))
+
+    @classmethod
+    def max_supported_sequence_length(
+        cls, params: KVCacheParams, num_layers: int, memory_available: int
+    ) -> int:
+        """Longest sequence every replica can hold: `pages_per_replica * page_size`.
+
+        Replicas get equal shares of `memory_available`, so the minimum over replicas is
+        the value of any one of them; it is a multiple of `page_size`.
+        """
+        return cls._pages_per_replica(params, num_layers, memory_available) * params.page_size
+
+    # --- requests -------------------------------------------------------------------
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    def _replica(self, request_id: RequestID) -> PagedReplica:
+        return self.replicas[self._replica_index(request_id)]
+
+    def _replica_index(self, request_id: RequestID) -> int:
+        try:
+            return self._replica_of[request_id]
+        except KeyError:
+            raise UnknownRequestError(request_id) from None
+
+    def contains(self, request_id: RequestID) -> bool:
+        return request_id in self._replica_of
+
+    def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
+        """Binds `request_id` to a replica (by default the one with the most free pages)."""
+        if replica_idx is None:
+            replica_idx = max(range(self.num_replicas), key=lambda r: self.replicas[r].pool.num_free)
+        if not isinstance(replica_idx, int) or not 0 <= replica_idx < self.num_replicas:
+            raise InvalidReplicaError(
+                f"replica_idx={replica_idx!r} is out of range for {self.num_replicas} replica(s)"
+            )
+        self.replicas[replica_idx].claim(request_id)
+        self._replica_of[request_id] = replica_idx
+        self._after_change()
+
+    def release(self, request_id: RequestID) -> None:
+        """Frees the request's pages (hashed ones stay reusable) and forgets it."""
+        self._replica(request_id).release(request_id)
+        del self._replica_of[request_id]
+        self._after_change()
+
+    def get_replica(self, context: TextGenerationContext) -> int:
+        return self._replica_index(context.request_id)
+
+    def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
+        """The request's replica if claimed; else the one with the longest cached prefix
+        of its tokens, ties going to the one with the most free pages."""
+        if context.request_id in self._replica_of:
+            return self._replica_of[context.request_id]
+        return max(
+            range(self.num_replicas),
+            key=lambda r: (
+                self.replicas[r].num_prefix_hit_pages(context),
+                self.replicas[r].pool.num_free,
+            ),
+        )
+
+    def get_req_blocks(self, request_id: RequestID) -> list[int]:
+        """Page ids the request holds, in token order."""
+        return self._replica(request_id).pages_of(request_id)
+
+    # --- steps ----------------------------------------------------------------------
+
+    def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
+        """Holds the pages `data` needs for `num_steps` steps, reusing its cached prefix.
+
+        Returns False, changing nothing, when they do not fit; after True, `fetch` for
+        the same steps cannot run out of pages. A prefix hit moves `data.start_idx` past
+        the reused tokens.
+        """
+        self._check_num_steps(num_steps)
+        ok = self._replica(data.request_id).reserve(data, num_steps)
+        self._after_change()
+        return ok
+
+    def fetch(
+        self, batch: Sequence[TextGenerationContext], num_steps: int = 1
+    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+        """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device.
+
+        The batch must be ordered by replica (as `get_data_parallel_splits` expects);
+        devices come replica by replica. Requests not yet reserved are reserved here;
+        `InsufficientPagesError` if their pages do not fit (requests reserved before the
+        failing one keep their pages, as after `maybe_reserve`).
+        """
+        self._check_num_steps(num_steps)
+        if len(batch) > self.max_batch_size:
+            raise BatchTooLargeError(
+                f"batch of {len(batch)} requests is larger than max_batch_size={self.max_batch_size}"
+            )
+        groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
+        last = 0
+        for ctx in batch:
+            r = self._replica_index(ctx.request_id)
+            if r < last:
+                raise ValueError(
+                    f"batch is not ordered by replica: {ctx.request_id!r} (replica {r}) "
+                    f"comes after a request of replica {last}"
+                )
+            last = r
+            groups[r].append(ctx)
+        for replica, group in zip(self.replicas, groups):
+            for ctx in group:
+                if not replica.has_room(ctx, num_steps) and not replica.reserve(ctx, num_steps):
+                    raise InsufficientPagesError(
+                        f"request {ctx.request_id!r} needs more pages than the "
+                        f"{replica.pool.num_free} free; call maybe_reserve before fetch"
+                    )
+        inputs = [
+            device_inputs
+            for replica, group in zip(self.replicas, groups)
+            for device_inputs in replica.runtime_inputs(group, num_steps)
+        ]
+        self._after_change()
+        return inputs
+
+    def step(self, batch: Sequence[TextGenerationContext]) -> None:
+        """Commits the pages that the batch's last step filled to the prefix cache."""
+        for ctx in batch:
+            self._replica(ctx.request_id).commit(ctx)
+        self._after_change()
+
+    def increment_cache_lengths(
+        self,
+        kv_cache_inputs: Sequence[RaggedKVCacheInputs[Buffer, Buffer]],
+        prev_model_inputs: Any,
+    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+        """Inputs for the next step of multistep decoding, computed on the device.
+
+        `prev_model_inputs.input_row_offsets` (or the offsets themselves) gives the rows
+        each request processed: one Buffer for a single replica, else one per replica or
+        per device. Cache lengths grow by those counts and `max_lengths` drops a row.
+        """
+        offsets = row_offsets_per_device(
+            prev_model_inputs, self.num_replicas, self.params.tensor_parallel_degree
+        )
+        out = []
+        for inputs, row_offsets in zip(kv_cache_inputs, offsets, strict=True):
+            cache_lengths, max_lengths = self._increment(
+                inputs.cache_lengths, row_offsets, inputs.max_lengths
+            )
+            out.append(inputs._replace(cache_lengths=cache_lengths, max_lengths=max_lengths))
+        return out
+
+    def get_data_parallel_splits(self, context_batch: Sequence[TextGenerationContext]) -> Buffer:
+        """int64 `[num_replicas + 1]`: offsets of each replica's requests in the batch,
+        `[0, n_0, n_0 + n_1, ...]` (the batch must be ordered by replica)."""
+        counts = np.zeros(self.num_replicas + 1, dtype=np.int64)
+        for ctx in context_batch:
+            counts[self._replica_index(ctx.request_id) + 1] += 1
+        return Buffer.from_numpy(np.cumsum(counts))
+
+    # --- graph types ----------------------------------------------------------------
+
+    def input_symbols(
+        self, devices: Sequence[Device] | None = None, num_layers: int | None = None
+    ) -> list[RaggedKVCacheInputs[BufferType, TensorType]]:
+        """Graph input types matching `fetch`'s output, one tuple per device."""
+        return [
+            paged_input_symbols(self.params, num_layers or self.num_layers, DeviceRef.from_device(d))
+            for d in (devices or self.devices)
+        ]
+
+    # --- occupancy and metrics ------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Pages that can be handed out now (cached-free pages included), all replicas."""
+        return sum(r.pool.num_free for r in self.replicas)
+
+    @property
+    def free_blocks_pct(self) -> float:
+        """Fraction (0.0-1.0) of all pages that are free or cached-free."""
+        return self.num_free_blocks / self.total_num_pages
+
+    @property
+    def used_blocks_pct(self) -> float:
+        """Fraction (0.0-1.0) of all pages owned by requests."""
+        return 1.0 - self.free_blocks_pct
+
+    @property
+    def metrics(self) -> KVCacheMetrics:
+        return KVCacheMetrics(
+            input_tokens=sum(r.input_tokens for r in self.replicas),
+            cache_tokens=sum(r.cache_tokens for r in self.replicas),
+            used_pages=sum(r.pool.num_used for r in self.replicas),
+            free_pages=self.num_free_blocks,
+        )
+
+    def reset_metrics(self) -> None:
+        for r in self.replicas:
+            r.input_tokens = r.cache_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix; pages owned by requests stay theirs."""
+        for r in self.replicas:
+            r.pool.reset_prefix_cache()
+        self._after_change()
+
+    def check_invariants(self) -> None:
+        """Raises InvariantError if any replica's bookkeeping is inconsistent."""
+        for r in self.replicas:
+            r.check_invariants()
+
+    def _after_change(self) -> None:
+        if self.enable_runtime_checks:
+            self.check_invariants()

@@ -1,0 +1,265 @@
+"""One data-parallel replica of the paged cache: a page pool, its device buffers, its requests.
+
+A request's pages, drawn as token regions (page_size 4 here):
+
+    pages:   [ p7      ][ p2      ][ p9      ][ p4      ]
+    tokens:  |committed (hashed)  |  written | reserved for this fetch   |
+             0               n_hashed*ps  start_idx              needed tokens
+
+- the first `len(hashes)` pages are full and were committed to the prefix index
+  (or found in it); their hash chain is `hashes`;
+- pages after them hold tokens written but not yet filling a page, and room for
+  the tokens of the coming `num_steps` steps.
+
+Prefix matching runs only when every page the request holds is committed and the
+cache ends exactly at their end (a new request, or one whose cache ends on a page
+boundary after a chunk or a reset); it then extends the request with the longest run of
+indexed pages that continues its hash chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from max.driver import Buffer, Device
+
+from ..cache.hashing import PageHashFn, token_bytes
+from ..cache.page_pool import PagePool
+from ..context import RequestID, TextGenerationContext
+from ..errors import (
+    AlreadyClaimedError,
+    BatchTooLargeError,
+    InvariantError,
+    SequenceTooLongError,
+    UnknownRequestError,
+)
+from ..inputs import RaggedKVCacheInputs
+from ..params import KVCacheParams
+
+
+@dataclass(slots=True)
+class _Request:
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedReplica:
+    """The pages, buffers and requests of one replica (its devices split the KV heads)."""
+
+    def __init__(
+        self,
+        params: KVCacheParams,
+        num_pages: int,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        devices: list[Device],
+        hash_fn: PageHashFn,
+        root_hash: int,
+    ) -> None:
+        self.params = params
+        self.page_size = params.page_size
+        self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
+        self.devices = devices
+        self.pool = PagePool(num_pages)
+        self._hash_fn = hash_fn
+        self._root_hash = root_hash
+        self._prefix_caching = params.enable_prefix_caching
+        self.max_pages_per_seq = _ceil_div(max_seq_len, params.page_size)
+        shape = [
+            num_pages,
+            2,
+            num_layers,
+            params.page_size,
+            params.n_kv_heads_per_device,
+            params.head_dim,
+        ]
+        self.blocks = [Buffer(params.dtype, shape, device=d) for d in devices]
+        # Row `slot` of the page table lists the pages of the request in that slot, so
+        # that `runtime_inputs` gathers a whole batch's lookup table with one numpy take.
+        self._page_table = np.zeros((max_batch_size, self.max_pages_per_seq), dtype=np.uint32)
+        self._free_slots = list(range(max_batch_size - 1, -1, -1))
+        self._requests: dict[RequestID, _Request] = {}
+        self.input_tokens = 0
+        self.cache_tokens = 0
+
+    # --- requests -------------------------------------------------------------------
+
+    def __contains__(self, request_id: RequestID) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def claim(self, request_id: RequestID) -> None:
+        if request_id in self._requests:
+            raise AlreadyClaimedError(request_id)
+        if not self._free_slots:
+            raise BatchTooLargeError(
+                f"cannot claim {request_id!r}: all {self.max_batch_size} request slots of the "
+                "replica are taken (max_batch_size)"
+            )
+        self._requests[request_id] = _Request(self._free_slots.pop())
+
+    def release(self, request_id: RequestID) -> None:
+        req = self._request(request_id)
+        del self._requests[request_id]
+        self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
+        self._free_slots.append(req.slot)
+
+    def pages_of(self, request_id: RequestID) -> list[int]:
+        return list(self._request(request_id).pages)
+
+    def _request(self, request_id: RequestID) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise UnknownRequestError(request_id) from None
+
+    # --- prefix cache ---------------------------------------------------------------
+
+    def _match_prefix(self, ctx: TextGenerationContext, req: _Request) -> list[tuple[int, int]]:
+        """(page id, hash) of indexed pages that continue the request's committed pages.
+
+        Pure: changes nothing. Stops one token short of `end_idx`, which must be computed.
+        """
+        ps = self.page_size
+        n_committed = len(req.hashes)
+        if (
+            not self._prefix_caching
+            or len(req.pages) != n_committed
+            or ctx.start_idx != n_committed * ps
+        ):
+            return []
+        tokens = ctx.tokens
+        parent = req.hashes[-1] if req.hashes else self._root_hash
+        hits = []
+        for page_idx in range(n_committed, (ctx.end_idx - 1) // ps):
+            data = token_bytes(tokens[page_idx * ps : (page_idx + 1) * ps])
+            parent = self._hash_fn(parent, data)
+            page_id = self.pool.lookup(parent, data)
+            if page_id is None:
+                break
+            hits.append((page_id, parent))
+        return hits
+
+    def num_prefix_hit_pages(self, ctx: TextGenerationContext) -> int:
+        """Pages of `ctx`'s tokens this replica could serve from its prefix cache."""
+        req = self._requests.get(ctx.request_id) or _Request(-1)
+        return len(self._match_prefix(ctx, req))
+
+    def commit(self, ctx: TextGenerationContext) -> None:
+        """Hashes and indexes the request's pages that became full since the last call."""
+        req = self._request(ctx.request_id)
+        ps = self.page_size
+        num_full = ctx.start_idx // ps
+        if ctx.start_idx > len(req.pages) * ps:
+            raise ValueError(
+                f"request {ctx.request_id!r} has start_idx={ctx.start_idx} but only "
+                f"{len(req.pages) * ps} token slots were fetched for it"
+            )
+        if not self._prefix_caching or num_full <= len(req.hashes):
+            return
+        tokens = ctx.tokens
+        parent = req.hashes[-1] if req.hashes else self._root_hash
+        for page_idx in range(len(req.hashes), num_full):
+            data = token_bytes(tokens[page_idx * ps : (page_idx + 1) * ps])
+            parent = self._hash_fn(parent, data)
+            self.pool.commit(req.pages[page_idx], parent, data)
+            req.hashes.append(parent)
+
+    # --- reservation ----------------------------------------------------------------
+
+    def _tokens_needed(self, ctx: TextGenerationContext, num_steps: int, start_idx: int) -> int:
+        """Cache slots `ctx` needs after `num_steps` steps, if its cache ended at `start_idx`.
+
+        The active window keeps its length when a prefix hit moves its start (see
+        `TextContext.skip_cached_prefix`); each step after the first adds one token.
+        """
+        active_idx = min(ctx.end_idx, start_idx + max(ctx.active_idx - ctx.start_idx, 1))
+        needed = active_idx + num_steps - 1
+        if needed > self.max_seq_len:
+            raise SequenceTooLongError(
+                f"request {ctx.request_id!r} needs {needed} tokens of cache for {num_steps} "
+                f"step(s), past max_seq_len={self.max_seq_len}"
+            )
+        return needed
+
+    def reserve(self, ctx: TextGenerationContext, num_steps: int) -> bool:
+        """Holds the pages `ctx` needs for `num_steps` steps, reusing its cached prefix.
+
+        All or nothing: returns False and changes nothing when the pages do not fit.
+        """
+        req = self._request(ctx.request_id)
+        hits = self._match_prefix(ctx, req)
+        start_idx = (len(req.hashes) + len(hits)) * self.page_size if hits else ctx.start_idx
+        needed_pages = _ceil_div(self._tokens_needed(ctx, num_steps, start_idx), self.page_size)
+        num_new = needed_pages - len(req.pages) - len(hits)
+        # Reused pages that sit unowned in the LRU stop counting as free once acquired.
+        num_hits_cached = sum(self.pool.is_cached(page_id) for page_id, _ in hits)
+        if num_new > self.pool.num_free - num_hits_cached:
+            return False
+        for page_id, page_hash in hits:
+            self.pool.acquire(page_id)
+            req.hashes.append(page_hash)
+            req.pages.append(page_id)
+        new_pages = self.pool.allocate(max(num_new, 0)) or []
+        req.pages.extend(new_pages)
+        if hits or new_pages:
+            self._page_table[req.slot, : len(req.pages)] = req.pages
+        if hits:
+            skipped = start_idx - ctx.start_idx
+            self.cache_tokens += skipped
+            self.input_tokens += skipped
+            ctx.skip_cached_prefix(start_idx)
+        return True
+
+    def has_room(self, ctx: TextGenerationContext, num_steps: int) -> bool:
+        """True if the request already holds the pages for `num_steps` steps (no change)."""
+        req = self._request(ctx.request_id)
+        return self._tokens_needed(ctx, num_steps, ctx.start_idx) <= len(req.pages) * self.page_size
+
+    # --- graph inputs ---------------------------------------------------------------
+
+    def runtime_inputs(
+        self, batch: list[TextGenerationContext], num_steps: int
+    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+        """The batch's lookup table, cache lengths and max lengths on each device.
+
+        Every request must already hold its pages (`has_room`).
+        """
+        ps = self.page_size
+        requests = self._requests
+        slots = [requests[ctx.request_id].slot for ctx in batch]
+        cache_lengths = np.fromiter((ctx.start_idx for ctx in batch), np.uint32, len(batch))
+        active = np.fromiter((ctx.active_length for ctx in batch), np.uint32, len(batch))
+        self.input_tokens += int(active.sum())
+        ends = cache_lengths + active + (num_steps - 1)
+        max_pages = max(1, _ceil_div(int(ends.max()), ps)) if batch else 1
+        lookup_table = self._page_table[slots, :max_pages]
+        max_lengths = np.empty((num_steps, 2), dtype=np.uint32)
+        max_lengths[0, 0] = active.max() if batch else 0
+        max_lengths[1:, 0] = 1
+        max_lengths[:, 1] = (cache_lengths.max() if batch else 0) + np.arange(num_steps)
+        # Buffer.from_numpy aliases host memory; on an accelerator the small tables are copied.
+        host = [Buffer.from_numpy(a) for a in (cache_lengths, lookup_table)]
+        max_lengths_buf = Buffer.from_numpy(max_lengths)
+        out = []
+        for blocks, device in zip(self.blocks, self.devices):
+            on_device = host if device.is_host else [b.to(device) for b in host]
+            out.append(RaggedKVCacheInputs(blocks, *on_device, max_lengths_buf))
+        return out
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants(req.pages for req in self._requests.values())
+        for request_id, req in self._requests.items():
+            if len(req.hashes) > len(req.pages):
+                raise InvariantError(f"request {request_id!r} has more hashes than pages")
