@@ -1,0 +1,95 @@
+"""PagePool: all-or-nothing allocation, eviction order, the hash index and its invariants."""
+
+import pytest
+
+from mokv import InvariantError
+from mokv.cache.page_pool import PagePool
+
+
+def test_allocate_is_all_or_nothing():
+    pool = PagePool(4)
+    assert pool.allocate(5) is None
+    assert pool.num_free == 4 and pool.num_used == 0
+    pages = pool.allocate(3)
+    assert sorted(pages) == [0, 1, 2] and pool.num_free == 1
+    pool.check_invariants([pages])
+
+
+def test_free_pages_are_used_before_cached_ones_are_evicted():
+    pool = PagePool(3)
+    a, b, c = pool.allocate(3)
+    assert pool.commit(a, 111, b"a")
+    pool.release([a, b])  # a becomes cached, b free
+    assert pool.is_cached(a) and pool.num_cached == 1
+    (page,) = pool.allocate(1)
+    assert page == b and pool.lookup(111, b"a") == a
+    (page,) = pool.allocate(1)  # no free page left: evicts a
+    assert page == a and pool.lookup(111, b"a") is None
+    pool.check_invariants([[b, c, a]])
+
+
+def test_cached_pages_are_evicted_in_release_order():
+    pool = PagePool(3)
+    pages = pool.allocate(3)
+    for i, p in enumerate(pages):
+        pool.commit(p, 100 + i, bytes([i]))
+    pool.release(reversed(pages))  # tail first, as managers do
+    assert pool.allocate(1) == [pages[2]]
+    assert pool.allocate(1) == [pages[1]]
+    assert pool.lookup(100, bytes([0])) == pages[0]  # the head outlived its suffixes
+
+
+def test_acquire_takes_a_cached_page_out_of_the_lru():
+    pool = PagePool(2)
+    (p,) = pool.allocate(1)
+    pool.commit(p, 5, b"x")
+    pool.release([p])
+    pool.acquire(p)
+    assert pool.ref_count(p) == 1 and not pool.is_cached(p) and pool.num_free == 1
+    pool.acquire(p)
+    assert pool.ref_count(p) == 2
+    pool.check_invariants([[p], [p]])
+
+
+def test_lookup_guards_against_hash_collisions():
+    pool = PagePool(2)
+    (p,) = pool.allocate(1)
+    pool.commit(p, 7, b"tokens-a")
+    assert pool.lookup(7, b"tokens-a") == p
+    assert pool.lookup(7, b"tokens-b") is None
+
+
+def test_second_copy_of_a_prefix_is_not_indexed():
+    pool = PagePool(2)
+    p, q = pool.allocate(2)
+    assert pool.commit(p, 9, b"t")
+    assert not pool.commit(q, 9, b"t")
+    assert pool.page_hash(q) is None
+    pool.release([q])
+    assert pool.num_cached == 0  # an unhashed copy goes straight back to the free list
+
+
+def test_reset_prefix_cache_frees_cached_pages_and_forgets_hashes():
+    pool = PagePool(3)
+    p, q = pool.allocate(2)
+    pool.commit(p, 1, b"p")
+    pool.commit(q, 2, b"q")
+    pool.release([p])
+    pool.reset_prefix_cache()
+    assert pool.num_cached == 0 and pool.num_free == 2
+    assert pool.lookup(1, b"p") is None and pool.page_hash(q) is None
+    pool.check_invariants([[q]])
+
+
+def test_check_invariants_reports_broken_ref_counts():
+    pool = PagePool(2)
+    pages = pool.allocate(1)
+    with pytest.raises(InvariantError, match="ref count 1 but 0 owners"):
+        pool.check_invariants([])
+    with pytest.raises(InvariantError, match="released more often"):
+        pool.release(pages * 2)
+
+
+def test_pool_needs_a_page():
+    with pytest.raises(ValueError, match="num_pages=0"):
+        PagePool(0)

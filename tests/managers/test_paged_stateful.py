@@ -1,0 +1,132 @@
+"""Random operation sequences against the paged manager, with the pages' contents checked.
+
+Each token's "KV" written into the real page buffer is a hash of the whole token prefix
+up to it, as a real model's keys and values would be. Before every step, a request's
+cached tokens must read back exactly those values: so a prefix hit is only ever between
+identical prefixes, reused pages hold what the first request wrote, and no request
+writes into another's pages. The manager runs with `enable_runtime_checks`, so the pool's
+invariants are verified after every operation.
+"""
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import mokv
+from mokv import TextContext
+
+from .conftest import make_paged
+
+MAX_SEQ_LEN = 24
+SHARED_PREFIXES = [[1, 2, 1, 2, 1, 2, 1, 2, 0], [2, 2, 2, 2, 2]]
+MODULUS = 2**23 - 15  # values below 2**23 are exact in float32
+
+
+def prefix_values(tokens: np.ndarray) -> np.ndarray:
+    """value[i] = rolling hash of tokens[: i + 1]."""
+    out, h = np.empty(len(tokens), dtype=np.float32), 7
+    for i, t in enumerate(tokens.tolist()):
+        h = (h * 1000003 + int(t) + 1) % MODULUS
+        out[i] = h
+    return out
+
+
+prompts = st.builds(
+    lambda prefix, suffix: np.array(prefix + suffix),
+    st.sampled_from([[]] + SHARED_PREFIXES),
+    st.lists(st.integers(0, 2), min_size=1, max_size=8),
+)
+
+
+class PagedManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.m = make_paged(SESSION, num_pages=12, max_batch_size=4, max_seq_len=MAX_SEQ_LEN)
+        self.blocks = self.m.replicas[0].blocks[0].to_numpy()  # aliases the device buffer
+        self.running: dict[mokv.RequestID, TextContext] = {}
+        self.preempted: list[TextContext] = []
+
+    def cached_values(self, ctx):
+        page_size = self.m.page_size
+        pages = self.m.get_req_blocks(ctx.request_id)
+        pos = np.arange(ctx.start_idx)
+        return self.blocks[np.array(pages)[pos // page_size], 0, 0, pos % page_size, 0, 0]
+
+    @precondition(lambda self: len(self.running) < 4)
+    @rule(prompt=prompts, resume=st.booleans())
+    def claim(self, prompt, resume):
+        ctx = self.preempted.pop() if resume and self.preempted else TextContext(prompt)
+        self.m.claim(ctx.request_id)
+        self.running[ctx.request_id] = ctx
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), num_steps=st.integers(1, 3))
+    def reserve(self, data, num_steps):
+        ctx = data.draw(st.sampled_from(sorted(self.running.values(), key=lambda c: c.request_id)))
+        if ctx.active_idx + num_steps - 1 > MAX_SEQ_LEN:
+            return
+        free_before = self.m.num_free_blocks
+        start_before = ctx.start_idx
+        if not self.m.maybe_reserve(ctx, num_steps):
+            assert (self.m.num_free_blocks, ctx.start_idx) == (free_before, start_before)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), chunk=st.integers(1, 6), token=st.integers(0, 2))
+    def run_step(self, data, chunk, token):
+        ids = sorted(self.running)
+        batch = [self.running[i] for i in data.draw(st.sets(st.sampled_from(ids), min_size=1))]
+        batch.sort(key=lambda c: c.request_id)
+        for ctx in batch:
+            if data.draw(st.booleans()):
+                ctx.chunk(chunk)
+        batch = [c for c in batch if c.active_idx < MAX_SEQ_LEN]
+        try:
+            self.m.fetch(batch)
+        except mokv.InsufficientPagesError:
+            return
+        page_size = self.m.page_size
+        for ctx in batch:
+            expected = prefix_values(ctx.tokens)
+            np.testing.assert_array_equal(self.cached_values(ctx), expected[: ctx.start_idx])
+            pages = np.array(self.m.get_req_blocks(ctx.request_id))
+            pos = np.arange(ctx.start_idx, ctx.active_idx)
+            self.blocks[pages[pos // page_size], 0, 0, pos % page_size, 0, 0] = expected[pos]
+            ctx.update(token)
+        self.m.step(batch)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), preempt=st.booleans())
+    def release(self, data, preempt):
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        ctx = self.running.pop(rid)
+        self.m.release(rid)
+        if preempt:
+            ctx.reset()
+            self.preempted.append(ctx)
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.m.reset_prefix_cache()
+
+    @invariant()
+    def pages_add_up(self):
+        held = {p for rid in self.running for p in self.m.get_req_blocks(rid)}
+        assert self.m.num_free_blocks + len(held) == 12
+
+    def teardown(self):
+        for rid in list(self.running):
+            self.m.release(rid)
+        assert self.m.num_free_blocks == 12
+        self.m.check_invariants()
+
+
+SESSION = None
+
+
+def test_random_operations_keep_the_cache_consistent(session):
+    global SESSION
+    SESSION = session
+    run = PagedManagerMachine.TestCase
+    run.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+    run().runTest()
