@@ -67,7 +67,8 @@ class KVCacheManager:
 
     @staticmethod
     def _check_num_steps(num_steps: int) -> None:
-        check_positive(num_steps=num_steps)
+        if num_steps.__class__ is not int or num_steps < 1:  # on every step: kept cheap
+            raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
 
     # Newer names of the same operations (seed 001).
 

@@ -239,7 +239,8 @@ class PagedKVCacheManager(KVCacheManager):
         """
         self._check_num_steps(num_steps)
         ok = self._replica(data.request_id).reserve(data, num_steps)
-        self._after_change()
+        if self.enable_runtime_checks:
+            self.check_invariants()
         return ok
 
     def fetch(
@@ -270,7 +271,7 @@ class PagedKVCacheManager(KVCacheManager):
             groups[r].append(ctx)
         for replica, group in zip(self.replicas, groups):
             for ctx in group:
-                if not replica.has_room(ctx, num_steps) and not replica.reserve(ctx, num_steps):
+                if not replica.reserve(ctx, num_steps):
                     raise InsufficientPagesError(
                         f"request {ctx.request_id!r} needs more pages than the "
                         f"{replica.pool.num_free} free; call maybe_reserve before fetch"
@@ -287,7 +288,8 @@ class PagedKVCacheManager(KVCacheManager):
         """Commits the pages that the batch's last step filled to the prefix cache."""
         for ctx in batch:
             self._replica(ctx.request_id).commit(ctx)
-        self._after_change()
+        if self.enable_runtime_checks:
+            self.check_invariants()
 
     def increment_cache_lengths(
         self,

@@ -160,12 +160,13 @@ class PagedReplica:
         """Hashes and indexes the request's pages that became full since the last call."""
         req = self._request(ctx.request_id)
         ps = self.page_size
-        num_full = ctx.start_idx // ps
-        if ctx.start_idx > len(req.pages) * ps:
+        start_idx = ctx.start_idx
+        if start_idx > len(req.pages) * ps:
             raise ValueError(
-                f"request {ctx.request_id!r} has start_idx={ctx.start_idx} but only "
+                f"request {ctx.request_id!r} has start_idx={start_idx} but only "
                 f"{len(req.pages) * ps} token slots were fetched for it"
             )
+        num_full = start_idx // ps
         if not self._prefix_caching or num_full <= len(req.hashes):
             return
         tokens = ctx.tokens
@@ -199,6 +200,11 @@ class PagedReplica:
         All or nothing: returns False and changes nothing when the pages do not fit.
         """
         req = self._request(ctx.request_id)
+        # The common decode step: the window is already held, and then no prefix can
+        # match (see _match_prefix). `active_idx > start_idx` holds between steps.
+        needed = ctx.active_idx + num_steps - 1
+        if needed <= len(req.pages) * self.page_size and needed <= self.max_seq_len:
+            return True
         hits = self._match_prefix(ctx, req)
         start_idx = (len(req.hashes) + len(hits)) * self.page_size if hits else ctx.start_idx
         needed_pages = _ceil_div(self._tokens_needed(ctx, num_steps, start_idx), self.page_size)
@@ -211,21 +217,14 @@ class PagedReplica:
             self.pool.acquire(page_id)
             req.hashes.append(page_hash)
             req.pages.append(page_id)
-        new_pages = self.pool.allocate(max(num_new, 0)) or []
-        req.pages.extend(new_pages)
-        if hits or new_pages:
-            self._page_table[req.slot, : len(req.pages)] = req.pages
+        req.pages.extend(self.pool.allocate(max(num_new, 0)) or [])
+        self._page_table[req.slot, : len(req.pages)] = req.pages
         if hits:
             skipped = start_idx - ctx.start_idx
             self.cache_tokens += skipped
             self.input_tokens += skipped
             ctx.skip_cached_prefix(start_idx)
         return True
-
-    def has_room(self, ctx: TextGenerationContext, num_steps: int) -> bool:
-        """True if the request already holds the pages for `num_steps` steps (no change)."""
-        req = self._request(ctx.request_id)
-        return self._tokens_needed(ctx, num_steps, ctx.start_idx) <= len(req.pages) * self.page_size
 
     # --- graph inputs ---------------------------------------------------------------
 
@@ -234,29 +233,33 @@ class PagedReplica:
     ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
         """The batch's lookup table, cache lengths and max lengths on each device.
 
-        Every request must already hold its pages (`has_room`).
+        Every request must already hold its pages (`reserve`). Plain Python lists are
+        used until the final arrays: for a few dozen requests they beat numpy's
+        per-call overhead.
         """
-        ps = self.page_size
         requests = self._requests
         slots = [requests[ctx.request_id].slot for ctx in batch]
-        cache_lengths = np.fromiter((ctx.start_idx for ctx in batch), np.uint32, len(batch))
-        active = np.fromiter((ctx.active_length for ctx in batch), np.uint32, len(batch))
-        self.input_tokens += int(active.sum())
-        ends = cache_lengths + active + (num_steps - 1)
-        max_pages = max(1, _ceil_div(int(ends.max()), ps)) if batch else 1
+        starts = [ctx.start_idx for ctx in batch]
+        actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
+        self.input_tokens += sum(actives)
+        max_start = max(starts, default=0)
+        max_active = max(actives, default=0)
+        max_end = max((s + a for s, a in zip(starts, actives)), default=0) + num_steps - 1
+        max_pages = max(1, _ceil_div(max_end, self.page_size))
+        cache_lengths = np.array(starts, dtype=np.uint32)
         lookup_table = self._page_table[slots, :max_pages]
-        max_lengths = np.empty((num_steps, 2), dtype=np.uint32)
-        max_lengths[0, 0] = active.max() if batch else 0
-        max_lengths[1:, 0] = 1
-        max_lengths[:, 1] = (cache_lengths.max() if batch else 0) + np.arange(num_steps)
+        # Row s: (most tokens one sequence processes in step s, longest cache before it).
+        max_lengths = np.array(
+            [(max_active if s == 0 else 1, max_start + s) for s in range(num_steps)],
+            dtype=np.uint32,
+        )
         # Buffer.from_numpy aliases host memory; on an accelerator the small tables are copied.
-        host = [Buffer.from_numpy(a) for a in (cache_lengths, lookup_table)]
+        host = [Buffer.from_numpy(cache_lengths), Buffer.from_numpy(lookup_table)]
         max_lengths_buf = Buffer.from_numpy(max_lengths)
-        out = []
-        for blocks, device in zip(self.blocks, self.devices):
-            on_device = host if device.is_host else [b.to(device) for b in host]
-            out.append(RaggedKVCacheInputs(blocks, *on_device, max_lengths_buf))
-        return out
+        return [
+            RaggedKVCacheInputs(blocks, *(host if d.is_host else [b.to(d) for b in host]), max_lengths_buf)
+            for blocks, d in zip(self.blocks, self.devices)
+        ]
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(req.pages for req in self._requests.values())
