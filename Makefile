@@ -1,11 +1,12 @@
 # Two entry points for a fresh machine (no pixi needed):
 #   make demo   installs mokv into .venv and runs the demo on the CPU
 #   make test   installs mokv and its test tools into .venv and runs every test
+#   make bench  runs the benchmark suite (make bench-quick: a shorter run)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench install
+.PHONY: demo test bench bench-quick install
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,3 +21,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/run.py
+
+bench-quick: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/run.py --quick

@@ -1,0 +1,1 @@
+"""Kernels generic over `KVCollectionT`; the `@register` wrappers live in mokv/ops.mojo."""

@@ -1,0 +1,301 @@
+"""Graph-facing ops: only the `@register` structs; the work is in mokv/kernels/.
+
+Names follow `mokv.<op>.<layout>.<cache>`. Each cache kind gets one small struct that
+unpacks the graph tensors into raw pointers and calls the one generic implementation.
+
+Conventions shared by every op:
+  * tensors are dense row-major (what the graph hands a custom op);
+  * `layer_idx` is a uint32 [1] tensor on the host, so one compiled kernel serves
+    every layer (a kernel parameter would compile one instance per layer);
+  * consumers take the opaque collection BY VALUE (26.7 rejects `mut` opaque args) and
+    write through its pointers.
+"""
+
+from extensibility import register, InputTensor, OutputTensor
+from extensibility import _MutableInputTensor as MutableInputTensor
+from max.gpu.host import DeviceContext
+
+from .continuous import ContinuousBatchingKVCacheCollection
+from .paged import PagedKVCacheCollection
+from .types import Ptr, U32Ptr
+from .kernels.flash_attention import flash_attention
+from .kernels.fused_qkv import fused_qkv_matmul
+from .kernels.store_kv import store_kv
+from .types import KVCollectionT
+
+
+@always_inline
+def _u32[origin: Origin, //](p: Pointer[UInt32, origin]) -> U32Ptr:
+    return p.unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+
+
+@always_inline
+def _f32[origin: Origin, //](p: Pointer[Float32, origin]) -> Pointer[Float32, MutUntrackedOrigin]:
+    return p.unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+
+
+@always_inline
+def _elems[dt: DType, origin: Origin, //](p: Pointer[Scalar[dt], origin]) -> Ptr[dt]:
+    return p.unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+
+
+# ===----------------------------------------------------------------------=== #
+# Collection constructors: flat graph inputs (python/mokv/inputs.py) -> opaque view
+# ===----------------------------------------------------------------------=== #
+
+
+@register("mokv.kv_collection_ctor.continuous")
+struct ContinuousKVCollectionCtor:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, target: StaticString](
+        blocks: MutableInputTensor[rank=6, ...],  # [max_batch_size, 2, num_layers, max_seq_len, H, D]
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size]
+        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size]
+        is_cache_empty: InputTensor[dtype=DType.bool, rank=1, ...],  # [1], host
+        ctx: DeviceContext,
+    ) raises -> ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]:
+        return ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size](
+            _elems(blocks.unsafe_ptr()),
+            _u32(cache_lengths.unsafe_ptr()),
+            _u32(lookup_table.unsafe_ptr()),
+            cache_lengths.dim_size(0),
+            blocks.dim_size(2),
+            blocks.dim_size(3),
+            Bool(is_cache_empty.unsafe_ptr()[unsafe_offset=0]),
+        )
+
+
+@register("mokv.kv_collection_ctor.paged")
+struct PagedKVCollectionCtor:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, target: StaticString](
+        blocks: MutableInputTensor[rank=6, ...],  # [total_num_pages, 2, num_layers, page_size, H, D]
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size]
+        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],  # [batch_size, max_num_pages]
+        max_lengths: InputTensor[dtype=DType.uint32, rank=2, ...],  # [num_steps, 2], host
+        ctx: DeviceContext,
+    ) raises -> PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]:
+        var ml = max_lengths.unsafe_ptr()
+        return PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size](
+            _elems(blocks.unsafe_ptr()),
+            _u32(cache_lengths.unsafe_ptr()),
+            _u32(lookup_table.unsafe_ptr()),
+            cache_lengths.dim_size(0),
+            lookup_table.dim_size(1),
+            blocks.dim_size(0),
+            blocks.dim_size(2),
+            Int(ml[unsafe_offset=0]),
+            Int(ml[unsafe_offset=1]),
+        )
+
+
+# ===----------------------------------------------------------------------=== #
+# store_kv
+# ===----------------------------------------------------------------------=== #
+
+
+@register("mokv.store_kv.ragged.continuous")
+struct StoreKVContinuous:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString](
+        collection: ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size],
+        k: InputTensor[rank=3, ...],  # [total_tokens, H, D]
+        v: InputTensor[dtype=k.dtype, rank=3, ...],  # [total_tokens, H, D]
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size + 1]
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],  # [1], host
+        ctx: DeviceContext,
+    ) raises:
+        store_kv[target=target](
+            collection,
+            _elems(k.unsafe_ptr()),
+            _elems(v.unsafe_ptr()),
+            _u32(input_row_offsets.unsafe_ptr()),
+            k.dim_size(0),
+            Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
+            ctx,
+        )
+
+
+@register("mokv.store_kv.ragged.paged")
+struct StoreKVPaged:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString](
+        collection: PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size],
+        k: InputTensor[rank=3, ...],  # [total_tokens, H, D]
+        v: InputTensor[dtype=k.dtype, rank=3, ...],  # [total_tokens, H, D]
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size + 1]
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],  # [1], host
+        ctx: DeviceContext,
+    ) raises:
+        store_kv[target=target](
+            collection,
+            _elems(k.unsafe_ptr()),
+            _elems(v.unsafe_ptr()),
+            _u32(input_row_offsets.unsafe_ptr()),
+            k.dim_size(0),
+            Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
+            ctx,
+        )
+
+
+# ===----------------------------------------------------------------------=== #
+# fused_qkv_matmul (+ .rope)
+# ===----------------------------------------------------------------------=== #
+
+
+def _fused_qkv[Coll: KVCollectionT, rope: Bool, target: StaticString](
+    collection: Coll,
+    output: OutputTensor[rank=2, ...],  # [total_tokens, n_q * D]
+    hidden: InputTensor[dtype=output.dtype, rank=2, ...],  # [total_tokens, hidden_size]
+    wqkv: InputTensor[dtype=output.dtype, rank=2, ...],  # [(n_q + 2 * n_kv) * D, hidden_size]
+    input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size + 1]
+    layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],  # [1], host
+    freqs: Pointer[Float32, MutUntrackedOrigin],  # [max_seq_len, D] or null
+    ctx: DeviceContext,
+) raises:
+    comptime D = Coll.CacheType.kv_params.head_size
+    fused_qkv_matmul[Coll, output.dtype, rope, target](
+        collection,
+        _elems(output.unsafe_ptr()),
+        _elems(hidden.unsafe_ptr()),
+        _elems(wqkv.unsafe_ptr()),
+        _u32(input_row_offsets.unsafe_ptr()),
+        freqs,
+        hidden.dim_size(0),
+        hidden.dim_size(1),
+        output.dim_size(1) // D,
+        Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
+        ctx,
+    )
+
+
+@always_inline
+def _no_freqs[origin: Origin, //](p: Pointer[UInt32, origin]) -> Pointer[Float32, MutUntrackedOrigin]:
+    """A placeholder for the unused `freqs` of the no-RoPE variant (never dereferenced).
+
+    Pointer is non-nullable in Mojo 1.2, so any valid address stands in for "none".
+    """
+    return _u32(p).unsafe_bitcast[Float32]()
+
+
+@register("mokv.fused_qkv_matmul.ragged.continuous")
+struct FusedQKVMatmulContinuous:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString](
+        output: OutputTensor[rank=2, ...],
+        hidden: InputTensor[dtype=output.dtype, rank=2, ...],
+        wqkv: InputTensor[dtype=output.dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        collection: ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        _fused_qkv[rope=False, target=target](collection, output, hidden, wqkv, input_row_offsets, layer_idx, _no_freqs(layer_idx.unsafe_ptr()), ctx)
+
+
+@register("mokv.fused_qkv_matmul.ragged.paged")
+struct FusedQKVMatmulPaged:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString](
+        output: OutputTensor[rank=2, ...],
+        hidden: InputTensor[dtype=output.dtype, rank=2, ...],
+        wqkv: InputTensor[dtype=output.dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        collection: PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        _fused_qkv[rope=False, target=target](collection, output, hidden, wqkv, input_row_offsets, layer_idx, _no_freqs(layer_idx.unsafe_ptr()), ctx)
+
+
+@register("mokv.fused_qkv_matmul.ragged.continuous.rope")
+struct FusedQKVMatmulRopeContinuous:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString](
+        output: OutputTensor[rank=2, ...],
+        hidden: InputTensor[dtype=output.dtype, rank=2, ...],
+        wqkv: InputTensor[dtype=output.dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        collection: ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        freqs_cis: InputTensor[dtype=DType.float32, rank=2, ...],  # [max_seq_len, D]
+        ctx: DeviceContext,
+    ) raises:
+        _fused_qkv[rope=True, target=target](
+            collection, output, hidden, wqkv, input_row_offsets, layer_idx, _f32(freqs_cis.unsafe_ptr()), ctx
+        )
+
+
+@register("mokv.fused_qkv_matmul.ragged.paged.rope")
+struct FusedQKVMatmulRopePaged:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString](
+        output: OutputTensor[rank=2, ...],
+        hidden: InputTensor[dtype=output.dtype, rank=2, ...],
+        wqkv: InputTensor[dtype=output.dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        collection: PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        freqs_cis: InputTensor[dtype=DType.float32, rank=2, ...],  # [max_seq_len, D]
+        ctx: DeviceContext,
+    ) raises:
+        _fused_qkv[rope=True, target=target](
+            collection, output, hidden, wqkv, input_row_offsets, layer_idx, _f32(freqs_cis.unsafe_ptr()), ctx
+        )
+
+
+# ===----------------------------------------------------------------------=== #
+# flash_attention
+# ===----------------------------------------------------------------------=== #
+
+
+def _attention[Coll: KVCollectionT, target: StaticString](
+    output: OutputTensor[rank=3, ...],  # [total_tokens, n_q, D]
+    q: InputTensor[dtype=output.dtype, rank=3, ...],  # [total_tokens, n_q, D]
+    input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size + 1]
+    collection: Coll,
+    layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],  # [1], host
+    scale: InputTensor[dtype=DType.float32, rank=1, ...],  # [1], host
+    ctx: DeviceContext,
+) raises:
+    flash_attention[Coll, output.dtype, target](
+        collection,
+        _elems(output.unsafe_ptr()),
+        _elems(q.unsafe_ptr()),
+        _u32(input_row_offsets.unsafe_ptr()),
+        q.dim_size(0),
+        q.dim_size(1),
+        Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
+        scale.unsafe_ptr()[unsafe_offset=0],
+        ctx,
+    )
+
+
+@register("mokv.flash_attention.ragged.continuous")
+struct FlashAttentionContinuous:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString](
+        output: OutputTensor[rank=3, ...],
+        q: InputTensor[dtype=output.dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        collection: ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        scale: InputTensor[dtype=DType.float32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, ctx)
+
+
+@register("mokv.flash_attention.ragged.paged")
+struct FlashAttentionPaged:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString](
+        output: OutputTensor[rank=3, ...],
+        q: InputTensor[dtype=output.dtype, rank=3, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        collection: PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        scale: InputTensor[dtype=DType.float32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, ctx)

@@ -1,0 +1,115 @@
+"""Static cache facts and the two traits every cache kind implements.
+
+Roles (after modular/modular max/kernels/src/kv_cache/types.mojo, trimmed to what
+mokv's kernels use):
+  `KVCacheT`       ONE layer's K or V cache for the sequences of a batch. Kernels read
+                   and write token vectors through it and never see the layout.
+  `KVCollectionT`  K and V of every layer; hands out `KVCacheT` views per layer.
+
+Both are non-owning views: raw pointers into the manager's buffers plus ints. The
+graph compiler copies an opaque collection bitwise into every consumer op and runs its
+destructor once per copy, so a view must never own memory.
+
+Opaque graph values cannot carry a `DType` parameter in MAX 26.7 (it is emitted as
+`dtype=f32`, an unknown name), so the structs take an Int `dtype_code`; `dtype_of`
+turns it back into a DType and `python/mokv/graph/types.py` holds the same table.
+"""
+
+comptime Ptr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin]
+"""Untracked mutable element pointer: views outlive no graph buffer but the compiler cannot know."""
+
+comptime U32Ptr = Pointer[UInt32, MutUntrackedOrigin]
+
+comptime DTYPE_CODE_FLOAT32 = 0
+comptime DTYPE_CODE_BFLOAT16 = 1
+comptime DTYPE_CODE_FLOAT16 = 2
+
+
+def dtype_of[code: Int]() -> DType:
+    """Returns the DType of a dtype code (the table in python/mokv/graph/types.py)."""
+    comptime assert code >= 0 and code <= 2, "unknown mokv dtype code"
+    comptime if code == DTYPE_CODE_FLOAT32:
+        return DType.float32
+    elif code == DTYPE_CODE_BFLOAT16:
+        return DType.bfloat16
+    else:
+        return DType.float16
+
+
+@fieldwise_init
+struct KVCacheStaticParams(ImplicitlyCopyable, Movable):
+    """Shape facts of one token's K (or V) in one layer, known at compile time."""
+
+    var num_heads: Int
+    """KV heads stored on this device."""
+    var head_size: Int
+    """Elements of one head's K or V vector."""
+
+
+trait KVCacheT(TrivialRegisterPassable):
+    """One layer's K or V cache for the sequences of the current batch.
+
+    Token `tok` of batch entry `b` holds `num_heads` vectors of `head_size` elements,
+    heads contiguous. Positions count from the start of the sequence (the cache
+    prefix, then this step's new tokens). Callers keep `tok` below the capacity the
+    manager reserved; debug builds assert it.
+    """
+
+    comptime dtype: DType
+    comptime kv_params: KVCacheStaticParams
+
+    def batch_size(self) -> Int:
+        """Sequences in the batch."""
+        ...
+
+    def cache_length(self, batch_idx: Int) -> Int:
+        """Tokens already cached for `batch_idx` before this step."""
+        ...
+
+    def row_ptr(self, batch_idx: Int, head_idx: Int, tok: Int) -> Ptr[Self.dtype]:
+        """Address of the `head_size` elements of (batch entry, head, token position)."""
+        ...
+
+    def contiguous_tokens(self, tok: Int) -> Int:
+        """How many tokens from `tok` on sit at a constant stride `token_stride()`.
+
+        Paged caches stop at the page end; fast loops walk one such run at a time.
+        """
+        ...
+
+    @staticmethod
+    def token_stride() -> Int:
+        """Elements between the same head of two consecutive tokens in one run."""
+        ...
+
+    def load[width: Int](self, batch_idx: Int, head_idx: Int, tok: Int, dim: Int) -> SIMD[Self.dtype, width]:
+        """Loads `width` elements of a K/V vector starting at element `dim`."""
+        return self.row_ptr(batch_idx, head_idx, tok).unsafe_load[width=width](dim)
+
+    def store[width: Int](self, batch_idx: Int, head_idx: Int, tok: Int, dim: Int, val: SIMD[Self.dtype, width]):
+        """Stores `width` elements of a K/V vector starting at element `dim`."""
+        self.row_ptr(batch_idx, head_idx, tok).unsafe_store(dim, val)
+
+
+trait KVCollectionT(ImplicitlyCopyable, Movable):
+    """K and V caches of every layer, for the sequences of the current batch."""
+
+    comptime CacheType: KVCacheT
+    comptime name_str: StaticString
+
+    def get_key_cache(self, layer_idx: Int) -> Self.CacheType:
+        """The K cache of `layer_idx`."""
+        ...
+
+    def get_value_cache(self, layer_idx: Int) -> Self.CacheType:
+        """The V cache of `layer_idx`."""
+        ...
+
+    def num_layers(self) -> Int:
+        """Layers in the cache buffer."""
+        ...
+
+    def batch_size(self) -> Int:
+        """Sequences in the batch."""
+        ...
+

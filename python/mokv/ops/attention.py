@@ -1,0 +1,63 @@
+"""Wrapper of `mokv.flash_attention.ragged.<cache>`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from max.dtype import DType
+from max.graph import TensorType, TensorValue, ops
+
+from ._checks import (
+    check_collection,
+    check_dtype,
+    check_rank,
+    check_row_offsets,
+    check_static_dim,
+    host_scalar,
+    layer_index,
+)
+
+
+def flash_attention(
+    q: TensorValue,
+    input_row_offsets: TensorValue,
+    collection: Any,
+    layer_idx: int | TensorValue,
+    scale: float | TensorValue,
+) -> TensorValue:
+    """Causal grouped-query attention of this step's queries over the cached K and V.
+
+    New token `i` of batch entry `b` attends to cache positions [0, cache_lengths[b] + i],
+    so its own K/V (and those of earlier new tokens) must already be in the cache
+    (`store_kv` or `fused_qkv_matmul` first). A batch may mix prefill and decode rows.
+    Query head `qh` reads KV head `qh // (n_heads // n_kv_heads)`.
+
+    Args:
+        q: [total_tokens, n_heads, head_dim], the cache's dtype.
+        input_row_offsets: uint32 [batch_size + 1].
+        collection: a `PagedKVCacheCollection` or `ContinuousBatchingKVCacheCollection`.
+        layer_idx: layer to read (int, or uint32 scalar tensor on the host).
+        scale: softmax scale, usually 1 / sqrt(head_dim) (float, or float32 host scalar).
+
+    Returns:
+        [total_tokens, n_heads, head_dim] in q's dtype.
+    """
+    info = check_collection("collection", collection)
+    q = TensorValue(q)
+    check_dtype("q", q, info.dtype)
+    check_rank("q", q, 3)
+    check_static_dim("q", q, 2, info.head_size)
+    n_heads = q.shape[1]
+    if not hasattr(n_heads, "dim") or int(n_heads) % info.num_heads:
+        raise ValueError(
+            f"q dim 1 (query heads, {n_heads}) must be a static multiple of the cache's "
+            f"{info.num_heads} KV heads"
+        )
+    offsets = check_row_offsets(input_row_offsets, q.device)
+    out_type = TensorType(q.dtype, q.shape, device=q.device)
+    return ops.inplace_custom(
+        f"mokv.flash_attention.ragged.{info.kind}",
+        q.device,
+        [q, offsets, collection, layer_index(layer_idx), host_scalar("scale", scale, DType.float32)],
+        out_types=[out_type],
+    )[0].tensor

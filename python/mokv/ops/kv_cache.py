@@ -1,0 +1,55 @@
+"""Wrapper of `mokv.store_kv.ragged.<cache>`: write this step's K and V into the cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from max.graph import TensorValue, ops
+
+from ._checks import (
+    check_collection,
+    check_device,
+    check_dtype,
+    check_rank,
+    check_row_offsets,
+    check_same_dim,
+    check_static_dim,
+    layer_index,
+)
+
+
+def store_kv(
+    collection: Any,
+    k: TensorValue,
+    v: TensorValue,
+    input_row_offsets: TensorValue,
+    layer_idx: int | TensorValue,
+) -> None:
+    """Stores new K and V rows of one layer at each sequence's cache position.
+
+    Token `i` of batch entry `b` (flat row `input_row_offsets[b] + i`) is written at
+    position `cache_lengths[b] + i`. The op mutates the cache buffer in place; it is
+    ordered with the other ops of the device's chain.
+
+    Args:
+        collection: a `PagedKVCacheCollection` or `ContinuousBatchingKVCacheCollection`.
+        k: [total_tokens, n_kv_heads, head_dim], the cache's dtype.
+        v: [total_tokens, n_kv_heads, head_dim], the cache's dtype.
+        input_row_offsets: uint32 [batch_size + 1], row offsets of each batch entry.
+        layer_idx: layer to write (int, or a uint32 scalar tensor on the host).
+    """
+    info = check_collection("collection", collection)
+    k, v = TensorValue(k), TensorValue(v)
+    for name, x in (("k", k), ("v", v)):
+        check_dtype(name, x, info.dtype)
+        check_rank(name, x, 3)
+        check_static_dim(name, x, 1, info.num_heads)
+        check_static_dim(name, x, 2, info.head_size)
+    check_same_dim("k", k, 0, "v", v, 0)
+    check_device("v", v, k.device)
+    offsets = check_row_offsets(input_row_offsets, k.device)
+    ops.inplace_custom(
+        f"mokv.store_kv.ragged.{info.kind}",
+        k.device,
+        [collection, k, v, offsets, layer_index(layer_idx)],
+    )

@@ -1,0 +1,90 @@
+"""Wrapper of `mokv.fused_qkv_matmul.ragged.<cache>[.rope]`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from max.dtype import DType
+from max.graph import TensorType, TensorValue, ops
+
+from ._checks import (
+    check_collection,
+    check_device,
+    check_dtype,
+    check_rank,
+    check_row_offsets,
+    check_same_dim,
+    check_static_dim,
+    layer_index,
+)
+
+
+def fused_qkv_matmul(
+    collection: Any,
+    hidden: TensorValue,
+    wqkv: TensorValue,
+    input_row_offsets: TensorValue,
+    layer_idx: int | TensorValue,
+    n_heads: int,
+    freqs_cis: TensorValue | None = None,
+) -> TensorValue:
+    """Projects hidden states to Q, K, V; returns Q and writes K and V into the cache.
+
+    New token `i` of batch entry `b` is written at cache position `cache_lengths[b] + i`.
+    With `freqs_cis`, Q and K are rotated (rotate-half / Llama pairing) at that position.
+
+    Args:
+        collection: a `PagedKVCacheCollection` or `ContinuousBatchingKVCacheCollection`.
+        hidden: [total_tokens, hidden_size], the cache's dtype.
+        wqkv: [(n_heads + 2 * n_kv_heads) * head_dim, hidden_size], same dtype; rows are
+            the Q heads, then the K heads, then the V heads (a Linear weight).
+        input_row_offsets: uint32 [batch_size + 1].
+        layer_idx: layer whose K/V to write (int, or uint32 scalar tensor on the host).
+        n_heads: query heads on this device (a multiple of the cache's KV heads).
+        freqs_cis: optional float32 [max_seq_len, head_dim]; row p holds
+            (cos t_0 .. cos t_{d/2-1}, sin t_0 .. sin t_{d/2-1}) for position p.
+
+    Returns:
+        Q: [total_tokens, n_heads * head_dim], hidden's dtype (rotated if freqs_cis).
+    """
+    info = check_collection("collection", collection)
+    hidden, wqkv = TensorValue(hidden), TensorValue(wqkv)
+    if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
+        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+    if n_heads % info.num_heads:
+        raise ValueError(f"n_heads={n_heads} must be a multiple of the cache's {info.num_heads} KV heads")
+    check_dtype("hidden", hidden, info.dtype)
+    check_rank("hidden", hidden, 2)
+    check_dtype("wqkv", wqkv, info.dtype)
+    check_rank("wqkv", wqkv, 2)
+    check_static_dim("wqkv", wqkv, 0, (n_heads + 2 * info.num_heads) * info.head_size)
+    check_same_dim("wqkv", wqkv, 1, "hidden", hidden, 1)
+    check_device("wqkv", wqkv, hidden.device)
+    offsets = check_row_offsets(input_row_offsets, hidden.device)
+    values = [hidden, wqkv, offsets, collection, layer_index(layer_idx)]
+    name = f"mokv.fused_qkv_matmul.ragged.{info.kind}"
+    if freqs_cis is not None:
+        freqs_cis = TensorValue(freqs_cis)
+        check_dtype("freqs_cis", freqs_cis, DType.float32)
+        check_rank("freqs_cis", freqs_cis, 2)
+        check_static_dim("freqs_cis", freqs_cis, 1, info.head_size)
+        check_device("freqs_cis", freqs_cis, hidden.device)
+        values.append(freqs_cis)
+        name += ".rope"
+    out_type = TensorType(info.dtype, [hidden.shape[0], n_heads * info.head_size], device=hidden.device)
+    return ops.inplace_custom(name, hidden.device, values, out_types=[out_type])[0].tensor
+
+
+def rope_freqs_cis(head_dim: int, max_seq_len: int, theta: float = 10000.0) -> Any:
+    """Numpy float32 [max_seq_len, head_dim] table for `freqs_cis` (Llama's inverse frequencies).
+
+    Row p = (cos(p * f_0) .. cos(p * f_{d/2-1}), sin(p * f_0) .. sin(p * f_{d/2-1})),
+    f_i = theta ** (-2i / head_dim).
+    """
+    import numpy as np
+
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    inv = theta ** (-np.arange(0, head_dim // 2, dtype=np.float64) * 2 / head_dim)
+    ang = np.arange(max_seq_len, dtype=np.float64)[:, None] * inv[None, :]
+    return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)

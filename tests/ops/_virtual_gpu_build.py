@@ -1,0 +1,64 @@
+"""Subprocess body of test_virtual_gpu.py: compile every op for a virtual GPU.
+
+Virtual-device mode is process-global, so it runs in its own interpreter:
+    python _virtual_gpu_build.py <api> <arch>      e.g. cuda sm_90, hip gfx942
+Prints COMPILED after load and EXEC_REFUSED:<exception type> after execute fails.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from max import driver
+
+driver.set_virtual_device_api(sys.argv[1])
+driver.set_virtual_device_target_arch(sys.argv[2])
+driver.set_virtual_device_count(1)
+
+import numpy as np  # noqa: E402
+from max.driver import CPU, Accelerator, Buffer  # noqa: E402
+from max.dtype import DType  # noqa: E402
+from max.engine import InferenceSession  # noqa: E402
+from max.graph import DeviceRef, Graph, TensorType, ops  # noqa: E402
+
+from mokv.graph import FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection  # noqa: E402
+from mokv.inputs import continuous_input_symbols, paged_input_symbols  # noqa: E402
+from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv  # noqa: E402
+from mokv.params import KVCacheParams  # noqa: E402
+
+
+def main() -> None:
+    gpu = Accelerator()
+    dev = DeviceRef.GPU()
+    params = KVCacheParams(dtype=DType.bfloat16, n_kv_heads=2, head_dim=128, page_size=16)
+    n_q, hidden, layers = 8, 256, 2
+    paged = paged_input_symbols(params, layers, dev)
+    cont = continuous_input_symbols(params, layers, 64, dev)
+    ht = TensorType(DType.bfloat16, ["total_tokens", hidden], device=dev)
+    wt = TensorType(DType.bfloat16, [(n_q + 4) * 128, hidden], device=dev)
+    kt = TensorType(DType.bfloat16, ["total_tokens", 2, 128], device=dev)
+    ot = TensorType(DType.uint32, ["num_offsets"], device=dev)
+    ft = TensorType(DType.float32, [64, 128], device=dev)
+    with Graph(
+        "virtual_gpu", input_types=[*paged, *cont, ht, wt, kt, ot, ft], custom_extensions=[kernels_path()]
+    ) as g:
+        p_in, c_in, (h, w, k, off, freqs) = g.inputs[:4], g.inputs[4:8], g.inputs[8:]
+        outs = []
+        for kv in (FetchPagedKVCacheCollection(params, layers)(*p_in),
+                   FetchContinuousBatchingKVCacheCollection(params, layers)(*c_in)):
+            store_kv(kv, k, k, off, 0)
+            q = fused_qkv_matmul(kv, h, w, off, 1, n_q)
+            q = fused_qkv_matmul(kv, h, w, off, 1, n_q, freqs_cis=freqs)
+            q3 = ops.reshape(q, [q.shape[0], n_q, 128])
+            outs.append(flash_attention(q3, off, kv, 1, 0.08))
+        g.output(*outs)
+    model = InferenceSession(devices=[CPU(), gpu]).load(g)
+    print("COMPILED", flush=True)
+    try:
+        model.execute(*[Buffer.from_numpy(np.zeros(1, np.float32))])
+    except Exception as exc:  # noqa: BLE001 - the type is what the test checks
+        print(f"EXEC_REFUSED:{type(exc).__name__}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

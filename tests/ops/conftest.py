@@ -1,0 +1,292 @@
+"""Shared fixtures for the op tests: hand-built caches, numpy references, compiled graphs.
+
+Caches are built with numpy in the layouts of python/mokv/inputs.py. On the CPU,
+`Buffer.from_numpy` aliases the array, so after a run the test reads the in-place
+writes straight from numpy. bfloat16 travels as uint16 bit patterns viewed as bf16.
+
+Graph compiles cost ~10-20 s each on the 2-core box, so every graph is built once per
+session (`compiled` memoizes on its configuration) with symbolic batch/token dims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession
+from max.graph import DeviceRef, Graph, TensorType, ops
+
+from mokv.graph import FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
+from mokv.inputs import continuous_input_symbols, paged_input_symbols
+from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv
+from mokv.params import KVCacheParams, KVCacheStrategy
+
+NUM_LAYERS = 2
+LAYER = 1  # tests write/read layer 1 and check that layer 0 stays untouched
+MAX_SEQ_LEN = 96  # continuous slots; also the rope table length
+
+
+# ---------------------------------------------------------------- bf16 helpers
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16_bits(b: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32."""
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def storage(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """The numpy array that holds `x` (float) in `dtype`: float32, or uint16 bf16 bits."""
+    return to_bf16_bits(x) if dtype == DType.bfloat16 else np.ascontiguousarray(x, np.float32)
+
+
+def values(a: np.ndarray, dtype: DType) -> np.ndarray:
+    """float32 view of a storage array."""
+    return from_bf16_bits(a) if dtype == DType.bfloat16 else a.astype(np.float32)
+
+
+def buffer(a: np.ndarray, dtype: DType | None = None) -> Buffer:
+    """A CPU Buffer aliasing `a`; uint16 storage is viewed as bfloat16 when asked."""
+    buf = Buffer.from_numpy(a)
+    return buf.view(DType.bfloat16) if dtype == DType.bfloat16 else buf
+
+
+# ---------------------------------------------------------------- caches
+
+
+@dataclasses.dataclass
+class Cache:
+    """A hand-built cache in the inputs.py layout, with per-sequence K/V readers."""
+
+    params: KVCacheParams
+    blocks: np.ndarray  # storage dtype, layout of params.cache_strategy
+    cache_lengths: np.ndarray  # uint32 [batch]
+    lookup_table: np.ndarray  # uint32 [batch] or [batch, max_num_pages]
+
+    @property
+    def paged(self) -> bool:
+        return self.params.cache_strategy == KVCacheStrategy.PAGED
+
+    def buffers(self) -> list[Buffer]:
+        """The 4 runtime inputs, in inputs.py order."""
+        if self.paged:
+            extra = np.array([[0, int(self.cache_lengths.max(initial=0))]], np.uint32)
+        else:
+            extra = np.array([not self.cache_lengths.any()], np.bool_)
+        return [
+            buffer(self.blocks, self.params.dtype),
+            buffer(self.cache_lengths),
+            buffer(self.lookup_table),
+            buffer(extra),
+        ]
+
+    def rows(self, b: int, layer: int, kv: int, start: int, stop: int) -> np.ndarray:
+        """float32 [stop - start, H, D]: positions [start, stop) of sequence b."""
+        out = []
+        for t in range(start, stop):
+            if self.paged:
+                p = self.params.page_size
+                page = self.lookup_table[b, t // p]
+                out.append(self.blocks[page, kv, layer, t % p])
+            else:
+                out.append(self.blocks[self.lookup_table[b], kv, layer, t])
+        return values(np.stack(out), self.params.dtype) if out else np.zeros((0,))
+
+    def write(self, b: int, layer: int, kv: int, start: int, rows: np.ndarray) -> None:
+        """Puts float rows [n, H, D] at positions start.. of sequence b (test setup)."""
+        st = storage(rows, self.params.dtype)
+        for i in range(rows.shape[0]):
+            t = start + i
+            if self.paged:
+                p = self.params.page_size
+                self.blocks[self.lookup_table[b, t // p], kv, layer, t % p] = st[i]
+            else:
+                self.blocks[self.lookup_table[b], kv, layer, t] = st[i]
+
+
+def make_cache(
+    params: KVCacheParams,
+    cache_lengths: list[int],
+    new_tokens: list[int],
+    rng: np.random.Generator,
+    share_prefix_pages: int = 0,
+) -> Cache:
+    """A cache whose prefixes hold random K/V; room for `new_tokens` more per sequence.
+
+    Paged: page ids are shuffled (so neighbours in a sequence are not neighbours in
+    memory), page 0 is left unused like a null page, and with `share_prefix_pages=n`
+    sequence 1 reuses sequence 0's first n pages (its prefix must then equal seq 0's).
+    """
+    h, d = params.n_kv_heads_per_device, params.head_dim
+    batch = len(cache_lengths)
+    storage_dtype = np.uint16 if params.dtype == DType.bfloat16 else np.float32
+    if params.cache_strategy == KVCacheStrategy.PAGED:
+        p = params.page_size
+        need = [-(-(c + n) // p) for c, n in zip(cache_lengths, new_tokens)]
+        max_pages = max(need)
+        total = sum(need) - min(share_prefix_pages, need[1] if batch > 1 else 0) + 1
+        ids = rng.permutation(np.arange(1, total))
+        table = np.zeros((batch, max_pages), np.uint32)
+        k = 0
+        for b in range(batch):
+            for i in range(need[b]):
+                if b == 1 and i < share_prefix_pages:
+                    table[b, i] = table[0, i]
+                else:
+                    table[b, i] = ids[k]
+                    k += 1
+        blocks = np.zeros((total, 2, NUM_LAYERS, p, h, d), storage_dtype)
+    else:
+        slots = rng.permutation(batch + 1)[:batch]
+        table = slots.astype(np.uint32)
+        blocks = np.zeros((batch + 1, 2, NUM_LAYERS, MAX_SEQ_LEN, h, d), storage_dtype)
+    cache = Cache(params, blocks, np.array(cache_lengths, np.uint32), table)
+    for b, c in enumerate(cache_lengths):
+        # Sequence 1's shared pages already hold sequence 0's prefix.
+        start = share_prefix_pages * params.page_size if b == 1 and cache.paged else 0
+        for layer in range(NUM_LAYERS):
+            for kv in range(2):
+                rows = rng.standard_normal((max(c - start, 0), h, d)).astype(np.float32)
+                cache.write(b, layer, kv, start, rows)
+    return cache
+
+
+def row_offsets(new_tokens: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.uint32)
+
+
+# ---------------------------------------------------------------- references
+
+
+def ref_attention(
+    q: np.ndarray, cache: Cache, offsets: np.ndarray, layer: int, scale: float
+) -> np.ndarray:
+    """float64 causal GQA attention: [T, n_q, D] queries over the cache (after the store)."""
+    out = np.zeros(q.shape, np.float64)
+    n_q = q.shape[1]
+    group = n_q // cache.params.n_kv_heads_per_device
+    for b in range(len(offsets) - 1):
+        c = int(cache.cache_lengths[b])
+        for i, t in enumerate(range(offsets[b], offsets[b + 1])):
+            k = cache.rows(b, layer, 0, 0, c + i + 1).astype(np.float64)
+            v = cache.rows(b, layer, 1, 0, c + i + 1).astype(np.float64)
+            for qh in range(n_q):
+                s = k[:, qh // group] @ q[t, qh].astype(np.float64) * scale
+                p = np.exp(s - s.max())
+                out[t, qh] = (p / p.sum()) @ v[:, qh // group]
+    return out
+
+
+def ref_rope(x: np.ndarray, pos: int, freqs: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of x [..., D] at position `pos`."""
+    half = x.shape[-1] // 2
+    cos, sin = freqs[pos, :half], freqs[pos, half:]
+    x0, x1 = x[..., :half], x[..., half:]
+    return np.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
+
+
+# ---------------------------------------------------------------- graphs
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One compiled graph's static configuration."""
+
+    strategy: str  # "paged" | "continuous"
+    dtype: DType
+    n_kv_heads: int
+    head_dim: int
+    group: int  # n_q // n_kv_heads
+    page_size: int = 16
+    hidden: int = 64
+    rope: bool = False
+
+    @property
+    def params(self) -> KVCacheParams:
+        return KVCacheParams(
+            dtype=self.dtype,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            cache_strategy=self.strategy,
+        )
+
+    @property
+    def n_q(self) -> int:
+        return self.n_kv_heads * self.group
+
+
+def cache_symbols(cfg: Config, device: DeviceRef) -> tuple[Any, ...]:
+    if cfg.strategy == "paged":
+        return tuple(paged_input_symbols(cfg.params, NUM_LAYERS, device))
+    return tuple(continuous_input_symbols(cfg.params, NUM_LAYERS, MAX_SEQ_LEN, device))
+
+
+def fetch(cfg: Config) -> Callable[..., Any]:
+    if cfg.strategy == "paged":
+        return FetchPagedKVCacheCollection(cfg.params, num_layers=NUM_LAYERS)
+    return FetchContinuousBatchingKVCacheCollection(cfg.params, num_layers=NUM_LAYERS)
+
+
+def build_store_attention(cfg: Config, device: DeviceRef) -> Graph:
+    """Inputs: cache(4), k, v [T, H, D], q [T, n_q, D], offsets. Output: attention [T, n_q, D]."""
+    kt = TensorType(cfg.dtype, ["total_tokens", cfg.n_kv_heads, cfg.head_dim], device=device)
+    qt = TensorType(cfg.dtype, ["total_tokens", cfg.n_q, cfg.head_dim], device=device)
+    ot = TensorType(DType.uint32, ["num_offsets"], device=device)
+    with Graph(
+        "store_attention", input_types=[*cache_symbols(cfg, device), kt, kt, qt, ot],
+        custom_extensions=[kernels_path()],
+    ) as g:
+        *cache_in, k, v, q, offsets = g.inputs
+        kv = fetch(cfg)(*cache_in)
+        store_kv(kv, k, v, offsets, LAYER)
+        g.output(flash_attention(q, offsets, kv, LAYER, 1.0 / np.sqrt(cfg.head_dim)))
+    return g
+
+
+def build_qkv_attention(cfg: Config, device: DeviceRef) -> Graph:
+    """Inputs: cache(4), hidden [T, hidden], wqkv, offsets[, freqs]. Outputs: Q, attention."""
+    d = cfg.head_dim
+    ht = TensorType(cfg.dtype, ["total_tokens", cfg.hidden], device=device)
+    wt = TensorType(cfg.dtype, [(cfg.n_q + 2 * cfg.n_kv_heads) * d, cfg.hidden], device=device)
+    ot = TensorType(DType.uint32, ["num_offsets"], device=device)
+    extra = [TensorType(DType.float32, [MAX_SEQ_LEN, d], device=device)] if cfg.rope else []
+    with Graph(
+        "qkv_attention", input_types=[*cache_symbols(cfg, device), ht, wt, ot, *extra],
+        custom_extensions=[kernels_path()],
+    ) as g:
+        cache_in, (hidden, wqkv, offsets, *freqs) = g.inputs[:4], g.inputs[4:]
+        kv = fetch(cfg)(*cache_in)
+        q = fused_qkv_matmul(kv, hidden, wqkv, offsets, LAYER, cfg.n_q, freqs[0] if freqs else None)
+        q3 = ops.reshape(q, [q.shape[0], cfg.n_q, d])
+        g.output(q, flash_attention(q3, offsets, kv, LAYER, 1.0 / np.sqrt(d)))
+    return g
+
+
+@pytest.fixture(scope="session")
+def session() -> InferenceSession:
+    return InferenceSession(devices=[CPU()])
+
+
+@pytest.fixture(scope="session")
+def compiled(session: InferenceSession) -> Callable[[str, Config], Any]:
+    """`compiled(kind, cfg)` -> loaded model, compiled once per session per (kind, cfg)."""
+    models: dict[tuple[str, Config], Any] = {}
+    builders = {"store_attention": build_store_attention, "qkv_attention": build_qkv_attention}
+
+    def get(kind: str, cfg: Config) -> Any:
+        key = (kind, cfg)
+        if key not in models:
+            models[key] = session.load(builders[kind](cfg, DeviceRef.CPU()))
+        return models[key]
+
+    return get

@@ -1,0 +1,101 @@
+"""store_kv then flash_attention, against numpy: positions, layers, pages, GQA, dtypes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from max.dtype import DType
+
+from .conftest import (
+    LAYER,
+    Config,
+    buffer,
+    make_cache,
+    ref_attention,
+    row_offsets,
+    storage,
+    values,
+)
+
+PAGED_F32_GQA4 = Config("paged", DType.float32, n_kv_heads=2, head_dim=64, group=4, page_size=16)
+PAGED_BF16_GQA8 = Config("paged", DType.bfloat16, n_kv_heads=1, head_dim=128, group=8, page_size=8)
+CONT_F32_MHA = Config("continuous", DType.float32, n_kv_heads=4, head_dim=128, group=1)
+
+TOL = {DType.float32: 2e-5, DType.bfloat16: 2e-2}
+
+
+def run_store_attention(compiled, cfg, cache_lengths, new_tokens, seed=0, share=0):
+    """Runs the graph on a random batch; returns (cache before, cache after, k, v, q, out)."""
+    rng = np.random.default_rng(seed)
+    cache = make_cache(cfg.params, cache_lengths, new_tokens, rng, share_prefix_pages=share)
+    before = cache.blocks.copy()
+    total = sum(new_tokens)
+    h, d = cfg.n_kv_heads, cfg.head_dim
+    k = storage(rng.standard_normal((total, h, d)).astype(np.float32), cfg.dtype)
+    v = storage(rng.standard_normal((total, h, d)).astype(np.float32), cfg.dtype)
+    q = storage(rng.standard_normal((total, cfg.n_q, d)).astype(np.float32), cfg.dtype)
+    offsets = row_offsets(new_tokens)
+    model = compiled("store_attention", cfg)
+    (out,) = model.execute(
+        *cache.buffers(), buffer(k, cfg.dtype), buffer(v, cfg.dtype), buffer(q, cfg.dtype), buffer(offsets)
+    )
+    # numpy has no bf16: read the output's bits as uint16.
+    out = out.view(DType.uint16) if cfg.dtype == DType.bfloat16 else out
+    return cache, before, k, v, q, offsets, out.to_numpy()
+
+
+def check(cfg, cache, before, k, v, q, offsets, out):
+    # 1. Every new token landed at cache_lengths[b] + i, in K and V of LAYER only.
+    for b in range(len(offsets) - 1):
+        c, lo, hi = int(cache.cache_lengths[b]), int(offsets[b]), int(offsets[b + 1])
+        np.testing.assert_array_equal(cache.rows(b, LAYER, 0, c, c + hi - lo), values(k[lo:hi], cfg.dtype))
+        np.testing.assert_array_equal(cache.rows(b, LAYER, 1, c, c + hi - lo), values(v[lo:hi], cfg.dtype))
+    np.testing.assert_array_equal(cache.blocks[:, :, 0], before[:, :, 0])  # layer 0 untouched
+    # 2. Nothing else changed: restore the written rows' old bytes and compare.
+    changed = (cache.blocks != before).any(axis=(-1, -2))
+    assert changed.sum() <= 2 * int(offsets[-1]), "store_kv wrote outside the new tokens' rows"
+    # 3. Attention over prefix + new tokens.
+    ref = ref_attention(values(q, cfg.dtype), cache, offsets, LAYER, 1.0 / np.sqrt(cfg.head_dim))
+    np.testing.assert_allclose(values(out, cfg.dtype), ref, atol=TOL[cfg.dtype], rtol=TOL[cfg.dtype])
+
+
+@pytest.mark.parametrize(
+    "cache_lengths,new_tokens",
+    [
+        # decode | prefill crossing pages | prefill after a cached prefix | decode opening a new page
+        ([20, 0, 30, 16], [1, 35, 5, 1]),
+        # decode only, a different batch size through the same compiled graph
+        ([5, 47, 63], [1, 1, 1]),
+        # one long prefill: several 64-key tiles and masked-out tiles skipped
+        ([0], [90]),
+    ],
+)
+def test_paged_f32_gqa4(compiled, cache_lengths, new_tokens):
+    cache, before, k, v, q, offsets, out = run_store_attention(compiled, PAGED_F32_GQA4, cache_lengths, new_tokens)
+    check(PAGED_F32_GQA4, cache, before, k, v, q, offsets, out)
+
+
+def test_paged_shared_prefix_pages(compiled):
+    """Sequences 0 and 1 share their first two pages (32 tokens); each appends its own."""
+    cache, before, k, v, q, offsets, out = run_store_attention(
+        compiled, PAGED_F32_GQA4, [40, 36], [1, 3], seed=3, share=2
+    )
+    np.testing.assert_array_equal(cache.lookup_table[0, :2], cache.lookup_table[1, :2])
+    np.testing.assert_array_equal(cache.rows(0, LAYER, 0, 0, 32), cache.rows(1, LAYER, 0, 0, 32))
+    check(PAGED_F32_GQA4, cache, before, k, v, q, offsets, out)
+
+
+def test_paged_bf16_gqa8_head128(compiled):
+    """bf16 cache, 8 query heads per KV head, pages of 8 tokens."""
+    cache, before, k, v, q, offsets, out = run_store_attention(
+        compiled, PAGED_BF16_GQA8, [9, 0, 24], [1, 20, 3], seed=1
+    )
+    check(PAGED_BF16_GQA8, cache, before, k, v, q, offsets, out)
+
+
+def test_continuous_f32_mha_head128(compiled):
+    """Continuous slots (shuffled), plain multi-head attention."""
+    cache, before, k, v, q, offsets, out = run_store_attention(
+        compiled, CONT_F32_MHA, [0, 17, 70], [12, 1, 4], seed=2
+    )
+    check(CONT_F32_MHA, cache, before, k, v, q, offsets, out)

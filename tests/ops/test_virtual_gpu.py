@@ -1,0 +1,31 @@
+"""Every mokv op compiles for a GPU through MAX's virtual (compile-only) devices.
+
+Virtual-device mode is process-global, so each target builds in a subprocess
+(`_virtual_gpu_build.py`): constructor + store_kv + fused_qkv_matmul (plain and RoPE)
++ flash_attention, for both cache kinds, bf16. Loading must succeed and executing must
+raise MAX's `CompileOnlyExecutionError`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mokv.ops import kernels_path
+
+SCRIPT = Path(__file__).with_name("_virtual_gpu_build.py")
+
+
+@pytest.mark.parametrize("api,arch", [("cuda", "sm_90"), ("hip", "gfx942")])
+def test_ops_compile_for_virtual_gpu(api: str, arch: str) -> None:
+    kernels_path()  # build the package here, not inside the subprocess's timeout
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), api, arch], capture_output=True, text=True, timeout=900
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "COMPILED" in proc.stdout, out[-4000:]
+    assert "EXEC_REFUSED:CompileOnlyExecutionError" in proc.stdout, out[-4000:]
