@@ -1,0 +1,244 @@
+"""Ragged flash attention over a KV cache on the CPU: mokv's kernels against MAX's.
+
+One layer of Llama-3-8B-shaped attention (32 query heads, 8 KV heads, head_dim 128,
+float32), compiled once per implementation and run on identical request shapes:
+
+- **decode**: B requests, each with `ctx` cached tokens and one new query token. The
+  kernel must stream every cached K and V row once, so it is memory bound: we report
+  the achieved bandwidth `bytes of K/V read / time` next to the machine's copy
+  bandwidth measured in the same run (a numpy copy, and a two-thread read);
+- **prefill**: one request of L new tokens, causal (compute bound): time and GFLOP/s.
+
+Implementations: mokv's `mokv.ops.flash_attention` over the paged and the continuous
+cache (inputs from mokv's own managers), and MAX 26.7's `flash_attention_ragged` over
+its paged cache (inputs from MAX's `PagedKVCacheManager`). Cache memory is filled with
+data before timing (untouched pages would read as the shared zero page). Each timing is
+the median of repeated `model.execute` calls after a warm-up, graph launch included.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.graph import DeviceRef, Graph, TensorType, ops
+
+import mokv
+import mokv.graph  # noqa: F401 - submodules `import mokv` does not load
+import mokv.ops  # noqa: F401
+
+H, HKV, D = 32, 8, 128
+DTYPE, PAGE = DType.float32, 128
+KV_BYTES_PER_TOKEN = 2 * HKV * D * 4
+MAX_CTX = 16384
+
+
+def _fill(buf: Buffer) -> None:
+    """Writes a repeating random pattern over the whole buffer (cheap, and real memory)."""
+    a = buf.to_numpy().reshape(-1, D)
+    a[...] = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32) * 0.1
+
+
+def _time(fn: Callable[[], object], min_time: float, max_reps: int = 200) -> float:
+    fn()
+    times, t_end = [], time.perf_counter() + min_time
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 5) -> dict:
+    """GB/s of a numpy copy (bytes copied / time) and of a two-thread streaming read."""
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    copy = min(_time(lambda: np.copyto(dst, src), 0) for _ in range(repeats))
+    halves = np.array_split(src, 2)
+
+    def read2():
+        ts = [threading.Thread(target=np.add.reduce, args=(h,)) for h in halves]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    read = min(_time(read2, 0) for _ in range(repeats))
+    one = min(_time(lambda: np.add.reduce(src), 0) for _ in range(repeats))
+    return {"numpy_copy_GBps": nbytes / copy / 1e9, "read_2threads_GBps": nbytes / read / 1e9,
+            "read_1thread_GBps": nbytes / one / 1e9, "bytes": nbytes}
+
+
+def _io_types():
+    return [TensorType(DTYPE, ["total_tokens", H, D], DeviceRef.CPU()),
+            TensorType(DType.uint32, ["batch_plus_1"], DeviceRef.CPU())]
+
+
+def _q_and_offsets(new: list[int]) -> list[Buffer]:
+    q = np.random.default_rng(1).standard_normal((sum(new), H, D)).astype(np.float32)
+    offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+    return [Buffer.from_numpy(q), Buffer.from_numpy(offsets)]
+
+
+class MokvSide:
+    """mokv's flash attention over one of its caches ("paged" or "continuous")."""
+
+    def __init__(self, session, kind: str):
+        self.session, self.kind, self.name = session, kind, f"mokv-{kind}"
+        strategy = mokv.KVCacheStrategy.PAGED if kind == "paged" else mokv.KVCacheStrategy.CONTINUOUS
+        self.params = mokv.KVCacheParams(DTYPE, HKV, D, page_size=PAGE, cache_strategy=strategy)
+        if kind == "continuous":  # one cache for every case (its max_seq_len is a static dim)
+            self.mgr = mokv.ContinuousBatchingKVCacheManager(self.params, 64, MAX_CTX + 1, 1,
+                                                             [CPU()], session)
+        else:
+            self.mgr = self._paged_manager(1, 2 * PAGE)
+        fetch = (mokv.graph.FetchPagedKVCacheCollection if kind == "paged"
+                 else mokv.graph.FetchContinuousBatchingKVCacheCollection)(self.params, num_layers=1)
+        with Graph(f"mokv_attention_{kind}", input_types=[*_io_types(), *self.mgr.input_symbols()[0]],
+                   custom_extensions=[mokv.ops.kernels_path()]) as g:
+            q, offsets, *kv = g.inputs
+            out = mokv.ops.flash_attention(q.tensor, offsets.tensor, fetch(*kv), 0, 1 / math.sqrt(D))
+            g.output(out)
+        self.model = session.load(g)
+
+    def _paged_manager(self, batch: int, seq: int):
+        pages = batch * -(-seq // PAGE) + 1
+        return mokv.PagedKVCacheManager(self.params, batch, seq, 1, [CPU()], self.session,
+                                        pages * self.params.bytes_per_page(1))
+
+    def inputs(self, cached: list[int], new: list[int]) -> list[Buffer]:
+        if self.kind == "paged":
+            self.mgr = self._paged_manager(len(cached), max(c + n for c, n in zip(cached, new)))
+            self._claimed = []
+        for rid in list(getattr(self, "_claimed", [])):
+            self.mgr.release(rid)
+        ctxs = [mokv.TextContext(np.zeros(c + n, dtype=np.int64)) for c, n in zip(cached, new)]
+        for ctx, c in zip(ctxs, cached):
+            self.mgr.external_claim(ctx.request_id, 0)
+            assert self.mgr.maybe_reserve(ctx, 1)
+            if c:
+                ctx.skip_cached_prefix(c)
+        self._claimed = [ctx.request_id for ctx in ctxs]
+        kv = self.mgr.fetch(ctxs, 1)[0]
+        if self.kind == "paged":
+            _fill(kv.blocks)
+        else:
+            blocks = kv.blocks.to_numpy()
+            for slot, c in enumerate(cached):
+                blocks[slot, :, :, : c + new[slot]] = 0.05
+        return [*_q_and_offsets(new), *kv]
+
+
+class MaxSide:
+    """MAX 26.7's `flash_attention_ragged` over its own paged cache."""
+
+    name = "max-paged"
+
+    def __init__(self, session):
+        from max.nn.kernels import flash_attention_ragged
+        from max.nn.kv_cache import MHAKVCacheParams
+        from max.nn.attention.mask_config import MHAMaskVariant
+
+        from maxcompat import load_max_pipelines
+
+        self.Manager, _, self.Ctx, self.Tokens, self.RID, _ = load_max_pipelines()
+        self.session = session
+        self.params = MHAKVCacheParams(dtype=DTYPE, head_dim=D, num_layers=1,
+                                       devices=[DeviceRef.CPU()], page_size=PAGE, n_kv_heads=HKV)
+        with Graph("max_attention", input_types=[*_io_types(), *self.params.flattened_kv_inputs()]) as g:
+            q, offsets, *kv = g.inputs
+            coll = self.params.unflatten_kv_inputs(iter(kv))[0]
+            out = flash_attention_ragged(self.params, q.tensor, offsets.tensor, coll,
+                                         ops.constant(0, DType.uint32, DeviceRef.CPU()),
+                                         MHAMaskVariant.CAUSAL_MASK, 1 / math.sqrt(D))
+            g.output(out)
+        self.model = session.load(g)
+
+    def inputs(self, cached: list[int], new: list[int]) -> list[Buffer]:
+        from max import tree
+
+        pages = sum(-(-(c + n) // PAGE) for c, n in zip(cached, new)) + 1
+        mgr = self.Manager(params=self.params, session=self.session, total_num_pages=pages,
+                           max_batch_size=len(cached))
+        ctxs = []
+        for i, (c, n) in enumerate(zip(cached, new)):
+            ctx = self.Ctx(request_id=self.RID(f"a{i}"), max_length=c + n + 8,
+                           tokens=self.Tokens(np.zeros(c + n, dtype=np.int64)))
+            mgr.claim(ctx, 0)
+            mgr.alloc(ctx)
+            if c:
+                ctx.tokens.skip_processing(c)
+            ctxs.append(ctx)
+        kv = mgr.runtime_inputs([ctxs])
+        _fill(kv[0].kv_blocks)
+        self._keep = mgr  # the inputs alias the manager's buffers
+        return [*_q_and_offsets(new), *tree.leaves(kv)]
+
+
+def cases(quick: bool) -> dict:
+    """Decode (batch, context) pairs, capped at ~1.1 GB of K/V each, and prefill lengths."""
+    batches, ctxs = ([1, 16], [512, 4096, 16384]) if quick else ([1, 4, 16, 64], [512, 2048, 8192, 16384])
+    decode = [(b, c) for b in batches for c in ctxs if b * c * KV_BYTES_PER_TOKEN <= 1.1e9]
+    return {"decode": decode, "prefill": [512, 2048] if quick else [512, 1024, 2048]}
+
+
+def run(quick: bool = False, progress=None) -> dict:
+    from max.engine import InferenceSession
+
+    session = InferenceSession(devices=[CPU()])
+    out: dict = {"shape": {"n_heads": H, "n_kv_heads": HKV, "head_dim": D, "dtype": "float32",
+                           "page_size": PAGE},
+                 "copy": copy_bandwidth(1 << (28 if quick else 29)), "sides": {}, "errors": {},
+                 "decode": [], "prefill": []}
+    sides = []
+    for name, make in (("max-paged", lambda: MaxSide(session)),
+                       ("mokv-paged", lambda: MokvSide(session, "paged")),
+                       ("mokv-continuous", lambda: MokvSide(session, "continuous"))):
+        t0 = time.perf_counter()
+        try:
+            sides.append(make())
+            out["sides"][name] = {"build_and_load_s": round(time.perf_counter() - t0, 2)}
+        except Exception as e:  # noqa: BLE001 - a side that cannot build is reported, not fatal
+            out["errors"][name] = f"{type(e).__name__}: {str(e)[:600]}"
+        if progress:
+            progress()
+    min_time = 0.3 if quick else 0.8
+    plan = cases(quick)
+    for b, c in plan["decode"]:
+        row = {"batch": b, "context": c, "kv_bytes": b * (c + 1) * KV_BYTES_PER_TOKEN}
+        for side in sides:
+            args = side.inputs([c] * b, [1] * b)
+            t = _time(lambda: side.model.execute(*args), min_time)
+            row[side.name] = {"ms": t * 1e3, "GBps": row["kv_bytes"] / t / 1e9}
+        out["decode"].append(row)
+        if progress:
+            progress()
+    for n in plan["prefill"]:
+        flops = 4 * H * D * n * (n + 1) / 2  # QK^T and PV over the causal half
+        row = {"tokens": n}
+        for side in sides:
+            args = side.inputs([0], [n])
+            t = _time(lambda: side.model.execute(*args), min_time, max_reps=20)
+            row[side.name] = {"ms": t * 1e3, "GFLOPs": flops / t / 1e9}
+        out["prefill"].append(row)
+        if progress:
+            progress()
+    return out
+
+
+def plan_size(quick: bool) -> int:
+    """Progress-bar steps `run` reports."""
+    p = cases(quick)
+    return 3 + len(p["decode"]) + len(p["prefill"])
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(run("--quick" in sys.argv), indent=1))

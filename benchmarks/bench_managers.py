@@ -1,0 +1,189 @@
+"""Host cost and prefix-cache benefit of the KV cache managers, replaying one trace.
+
+Three measurements, all through `scheduler.replay` (no model execution):
+
+- `compare`: the main trace at a tight page budget (preemption happens), each manager
+  in a fresh subprocess so its peak RSS growth is its own; `repeats` replays each,
+  interleaved across managers, and the least disturbed one (lowest median) reported.
+  Per manager: host µs per scheduled request-step (median
+  and p99 over steps, split into bookkeeping and runtime-input building), the prefix
+  hit rate the harness saw against the infinite-cache bound, peak pages, preemptions.
+- `batch_sweep`: steady decode of B requests (1k-token prompts, 64 new tokens): the
+  per-step cost as a function of batch size, where fixed per-step costs show.
+- `budget_sweep`: hit rate against the page budget on a smaller trace.
+
+`profile_mokv` runs cProfile over mokv's replay to name its hot spots.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import gc
+import json
+import os
+import pstats
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from trace import Request, TraceConfig, infinite_cache_bound, make_trace, summarize  # noqa: E402
+
+MANAGERS = ("mokv-paged", "mokv-continuous", "max-paged")
+MAX_SEQ_LEN = 16384
+PAGE_SIZE = 128
+
+
+def settings(quick: bool) -> dict:
+    return dict(sessions=150 if quick else 400, budget=300, max_batch=64,
+                repeats=2 if quick else 5, sweep_sessions=80 if quick else 200,
+                budgets=[160, 300, 600, 1200] if quick else [160, 220, 300, 450, 600, 900, 1200, 2400],
+                batch_sizes=[1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128])
+
+
+def child_env() -> dict:
+    """os.environ as Python saw it, without what native MAX/Mojo code set at the C level.
+
+    After MAX's Rust/Mojo extensions load, the process environment carries
+    PYTHONEXECUTABLE (the pyenv shim) and PYTHONPATH=":", which would start a child
+    outside the virtualenv; `os.environ` does not see those, so pass it explicitly.
+    """
+    drop = ("PYTHONEXECUTABLE", "PYTHONPATH", "MOJO_PYTHON_LIBRARY")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def _kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def _one(manager: str, trace: list[Request], budget: int, max_batch: int, **kw) -> dict:
+    from managers import ADAPTERS
+    from scheduler import replay
+
+    adapter = ADAPTERS[manager](budget, max_batch, MAX_SEQ_LEN, page_size=PAGE_SIZE)
+    gc.collect()
+    gc.freeze()
+    out = replay(adapter, trace, max_batch, **kw).summary()
+    out["kv_pool_bytes"] = adapter.kv_bytes
+    out["total_pages"] = adapter.total_pages
+    gc.unfreeze()
+    return out
+
+
+def worker(spec: dict) -> dict:
+    """Body of one subprocess of `compare`: one replay of one manager, peak RSS measured."""
+    trace = make_trace(TraceConfig(num_sessions=spec["sessions"]))
+    _one(spec["manager"], trace[:20], spec["budget"], spec["max_batch"])  # warm up imports
+    gc.collect()
+    rss0 = _kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (Linux)
+    run = _one(spec["manager"], trace, spec["budget"], spec["max_batch"])
+    run["peak_rss_growth_bytes"] = (_kib("VmHWM") - rss0) * 1024
+    return run
+
+
+def _best(runs: list[dict]) -> dict:
+    """The repeat with the lowest median cost (the one least disturbed by other load)."""
+    best = dict(min(runs, key=lambda r: r["us_per_request_step"]["median"]))
+    best["repeat_medians_us"] = [r["us_per_request_step"]["median"] for r in runs]
+    return best
+
+
+def compare(quick: bool, progress=None) -> dict:
+    s = settings(quick)
+    trace = make_trace(TraceConfig(num_sessions=s["sessions"]))
+    out = {"trace": summarize(trace), "budget_pages": s["budget"], "max_batch": s["max_batch"],
+           "page_size": PAGE_SIZE, "max_seq_len": MAX_SEQ_LEN,
+           "infinite_cache_bound": infinite_cache_bound(trace, PAGE_SIZE), "managers": {}}
+    runs: dict[str, list[dict]] = {m: [] for m in MANAGERS}
+    for _ in range(s["repeats"]):  # interleaved, so a burst of other load hits every manager
+        for m in MANAGERS:
+            spec = dict(manager=m, sessions=s["sessions"], budget=s["budget"],
+                        max_batch=s["max_batch"])
+            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
+                                  capture_output=True, text=True, cwd=HERE, env=child_env())
+            if proc.returncode:
+                out["managers"][m] = {"error": proc.stderr[-2000:]}
+            else:
+                runs[m].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            if progress:
+                progress()
+    for m, rs in runs.items():
+        if rs:
+            out["managers"][m] = _best(rs)
+    ms = out["managers"]
+    if "error" not in ms.get("max-paged", {"error": 1}):
+        for m in ("mokv-paged", "mokv-continuous"):
+            if "error" in ms[m]:
+                continue
+            ratio = {}
+            for key in ("us_per_request_step", "bookkeeping_us", "runtime_inputs_us"):
+                ratio[key] = round(ms[m][key]["median"] / ms["max-paged"][key]["median"], 3)
+            ratio["hit_rate"] = round(ms[m]["hit_rate"] / max(ms["max-paged"]["hit_rate"], 1e-9), 3)
+            out.setdefault("ratio_vs_max", {})[m] = ratio
+    return out
+
+
+def batch_sweep(quick: bool, progress=None) -> dict:
+    s, rng = settings(quick), np.random.default_rng(1)
+    out: dict = {m: {} for m in MANAGERS}
+    for b in s["batch_sizes"]:
+        trace = [Request(i, "decode", rng.integers(0, 50_000, 1000), 65, i + 1, 0)
+                 for i in range(b)]
+        pages = b * (MAX_SEQ_LEN // PAGE_SIZE + 2)  # room for b continuous slots too
+        runs: dict[str, list[dict]] = {m: [] for m in MANAGERS}
+        for _ in range(s["repeats"]):
+            for m in MANAGERS:
+                runs[m].append(_one(m, trace, pages, b, token_budget=1 << 30))
+        for m in MANAGERS:
+            best = _best(runs[m])
+            out[m][b] = {k: best[k]["median"]
+                         for k in ("us_per_request_step", "bookkeeping_us", "runtime_inputs_us")}
+        if progress:
+            progress()
+    return out
+
+
+def budget_sweep(quick: bool, progress=None) -> dict:
+    s = settings(quick)
+    trace = make_trace(TraceConfig(num_sessions=s["sweep_sessions"], seed=1))
+    out = {"bound": infinite_cache_bound(trace, PAGE_SIZE), "budgets": s["budgets"],
+           "managers": {m: [] for m in MANAGERS}}
+    for budget in s["budgets"]:
+        for m in MANAGERS:
+            r = _one(m, trace, budget, s["max_batch"])
+            out["managers"][m].append({k: r[k] for k in ("hit_rate", "preemptions", "peak_pages",
+                                                         "prefill_tokens_computed")})
+        if progress:
+            progress()
+    return out
+
+
+def profile_mokv(quick: bool, top: int = 15) -> list[dict]:
+    """cProfile of mokv-paged over the main trace: the `top` functions by own time."""
+    s = settings(quick)
+    trace = make_trace(TraceConfig(num_sessions=s["sessions"]))
+    prof = cProfile.Profile()
+    prof.runcall(_one, "mokv-paged", trace, s["budget"], s["max_batch"])
+    stats = pstats.Stats(prof).stats
+    rows = []
+    for (file, line, fn), (_, calls, tottime, cumtime, _) in stats.items():
+        if "mokv" in file and "benchmarks" not in file:
+            rows.append({"function": f"{Path(file).name}:{line}({fn})", "calls": calls,
+                         "tottime_s": round(tottime, 4), "cumtime_s": round(cumtime, 4)})
+    rows.sort(key=lambda r: -r["tottime_s"])
+    return rows[:top]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print(json.dumps(worker(json.loads(sys.argv[2]))))
+    else:
+        quick = "--quick" in sys.argv
+        print(json.dumps({"compare": compare(quick), "batch_sweep": batch_sweep(quick)}, indent=1))
+        os._exit(0)

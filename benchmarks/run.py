@@ -1,0 +1,200 @@
+"""Runs the whole mokv benchmark suite and writes JSON, PNG plots and a markdown summary.
+
+    python benchmarks/run.py [--quick] [--out DIR] [--parts hashing,managers,attention,compile]
+
+Parts (each module's docstring says what it measures and why):
+  hashing    bench_hashing.py   prefix-hash throughput per algorithm
+  managers   bench_managers.py  scheduler trace replay: host µs per request-step, hit
+                                rate vs the infinite-cache bound, preemptions, memory;
+                                batch-size and page-budget sweeps; mokv hot spots
+  attention  bench_attention.py CPU ragged flash attention, mokv vs MAX, vs copy bandwidth
+  compile    bench_compile.py   cold and warm build+load of a graph with mokv's kernels
+
+Results go to benchmarks/results/ (git-ignored): results.json, summary.md, *.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from rich.console import Console  # noqa: E402
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+
+import bench_attention  # noqa: E402
+import bench_compile  # noqa: E402
+import bench_hashing  # noqa: E402
+import bench_managers  # noqa: E402
+import plots  # noqa: E402
+
+PARTS = ("hashing", "managers", "attention", "compile")
+
+
+def machine() -> dict:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    info = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    get = lambda k: info.get(k, "?").strip()  # noqa: E731
+    from importlib.metadata import version
+
+    return {"cpu": get("Model name"), "cores": os.cpu_count(), "threads_per_core": get("Thread(s) per core"),
+            "l2": get("L2 cache"), "l3": get("L3 cache"), "mem_GB": round(os.sysconf("SC_PAGE_SIZE") *
+            os.sysconf("SC_PHYS_PAGES") / 1e9, 1), "python": platform.python_version(),
+            "max": version("max"), "mojo": version("mojo"), "loadavg_start": os.getloadavg()}
+
+
+def _plan(parts: list[str], quick: bool) -> int:
+    s = bench_managers.settings(quick)
+    sizes = {"hashing": 2, "attention": bench_attention.plan_size(quick),
+             "compile": bench_compile.plan_size(quick),
+             "managers": 3 * s["repeats"] + len(s["batch_sizes"]) + len(s["budgets"]) + 1}
+    return sum(sizes[p] for p in parts)
+
+
+def run(parts: list[str], quick: bool, out: Path) -> dict:
+    results: dict = {"machine": machine(), "quick": quick, "seconds": {}}
+    previous = out / "results.json"
+    if set(parts) != set(PARTS) and previous.is_file():  # a partial run updates the last one
+        results = {**json.loads(previous.read_text()), **results, "seconds": {}}
+    with Progress(TextColumn("{task.description:<34}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), transient=False) as bar:
+        task = bar.add_task("starting", total=_plan(parts, quick))
+        tick = lambda: bar.advance(task)  # noqa: E731
+
+        def part(name: str, desc: str, fn):
+            bar.update(task, description=desc)
+            t0 = time.perf_counter()
+            try:
+                value = fn()
+            except Exception as e:  # noqa: BLE001 - one broken part must not lose the others
+                value = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            results["seconds"][name] = round(time.perf_counter() - t0, 1)
+            return value
+
+        if "hashing" in parts:
+            results["hashing"] = part("hashing", "prefix hashing", lambda: bench_hashing.run(quick, tick))
+        if "managers" in parts:
+            man = results["managers"] = {}
+            man["compare"] = part("compare", "trace replay (3 managers)",
+                                  lambda: bench_managers.compare(quick, tick))
+            man["batch_sweep"] = part("batch_sweep", "decode batch-size sweep",
+                                      lambda: bench_managers.batch_sweep(quick, tick))
+            man["budget_sweep"] = part("budget_sweep", "page-budget sweep",
+                                       lambda: bench_managers.budget_sweep(quick, tick))
+            man["mokv_profile"] = part("profile", "cProfile of mokv-paged",
+                                       lambda: bench_managers.profile_mokv(quick))
+            tick()
+        if "attention" in parts:
+            results["attention"] = part("attention", "attention kernels (CPU)",
+                                        lambda: bench_attention.run(quick, tick))
+        if "compile" in parts:
+            results["compile"] = part("compile", "compile cost (subprocesses)",
+                                      lambda: bench_compile.run(quick, tick))
+        bar.update(task, description="done")
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    results["plots"] = plots.write_all(results, out)
+    (out / "summary.md").write_text(summary(results))
+    return results
+
+
+def _f(x, nd=1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def summary(r: dict) -> str:
+    """Markdown tables of the headline numbers."""
+    m = r["machine"]
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_GB']} GB, MAX {m['max']}, "
+             f"load average {m['loadavg_start'][0]:.2f} → {m['loadavg_end'][0]:.2f}", ""]
+    cmp = r.get("managers", {}).get("compare", {})
+    if cmp.get("managers"):
+        lines += [f"### Trace replay ({cmp['trace']['requests']} requests, {cmp['budget_pages']} pages "
+                  f"of {cmp['page_size']}, batch ≤ {cmp['max_batch']}; infinite-cache bound "
+                  f"{cmp['infinite_cache_bound']:.3f})", "",
+                  "| manager | µs/req-step median | p99 | bookkeeping med | runtime inputs med | hit rate | "
+                  "peak pages | preemptions | peak RSS growth MB |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, s in cmp["managers"].items():
+            if "error" in s:
+                lines.append(f"| {name} | error: {s['error'][-120:]!r} |")
+                continue
+            lines.append(f"| {name} | {_f(s['us_per_request_step']['median'], 2)} | "
+                         f"{_f(s['us_per_request_step']['p99'], 1)} | {_f(s['bookkeeping_us']['median'], 2)} | "
+                         f"{_f(s['runtime_inputs_us']['median'], 2)} | {s['hit_rate']:.3f} | {s['peak_pages']} | "
+                         f"{s['preemptions']} | {s['peak_rss_growth_bytes'] / 1e6:.1f} |")
+        for name, ratio in cmp.get("ratio_vs_max", {}).items():
+            lines.append(f"\n{name} / max-paged: all-in ×{ratio['us_per_request_step']}, bookkeeping "
+                         f"×{ratio['bookkeeping_us']}, runtime inputs ×{ratio['runtime_inputs_us']}, "
+                         f"hit rate ×{ratio['hit_rate']}")
+        lines.append("")
+    sweep = r.get("managers", {}).get("batch_sweep", {})
+    if isinstance(sweep, dict) and "error" not in sweep and sweep:
+        names = list(sweep)
+        lines += ["### Steady decode, µs per request-step (all-in / bookkeeping)", "",
+                  "| batch | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for b in sweep[names[0]]:
+            cells = [f"{_f(sweep[n][b]['us_per_request_step'], 2)} / {_f(sweep[n][b]['bookkeeping_us'], 2)}"
+                     for n in names]
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        lines.append("")
+    h = r.get("hashing", {})
+    if h.get("mokv"):
+        lines += ["### Prefix hashing (M tokens/s)", "", "| algorithm | tokens/s |", "|---|---|"]
+        lines += [f"| mokv {k} | {v / 1e6:.1f} M |" for k, v in h["mokv"].items()]
+        lines += [f"| MAX {k} (reference) | {v / 1e6:.1f} M |" for k, v in h.get("max", {}).items()]
+        lines.append("")
+    a = r.get("attention", {})
+    if a.get("decode"):
+        sides = list(a["sides"])
+        c = a["copy"]
+        lines += [f"### CPU attention (copy {c['numpy_copy_GBps']:.1f} GB/s, two-thread read "
+                  f"{c['read_2threads_GBps']:.1f} GB/s)", "",
+                  "| decode B × ctx | " + " | ".join(f"{s} ms (GB/s)" for s in sides) + " |",
+                  "|---" * (len(sides) + 1) + "|"]
+        for row in a["decode"]:
+            cells = [f"{row[s]['ms']:.2f} ({row[s]['GBps']:.1f})" if s in row else "-" for s in sides]
+            lines.append(f"| {row['batch']} × {row['context']} | " + " | ".join(cells) + " |")
+        for row in a["prefill"]:
+            cells = [f"{row[s]['ms']:.1f} ({row[s]['GFLOPs']:.0f} GFLOP/s)" if s in row else "-" for s in sides]
+            lines.append(f"| prefill {row['tokens']} | " + " | ".join(cells) + " |")
+        for name, err in a.get("errors", {}).items():
+            lines.append(f"\n{name} skipped: {err[:300]}")
+        lines.append("")
+    comp = r.get("compile", {})
+    if comp and "error" not in comp:
+        lines += ["### Compile (s)", "", "| run | kernels | graph build | build + load | first step | subprocess total |",
+                  "|---|---|---|---|---|---|"]
+        for name, c in comp.items():
+            lines.append(f"| {name} | " + " | ".join(_f(c.get(k), 2) for k in
+                         ("kernels_s", "build_s", "build_and_load_s", "first_step_s", "total_s")) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller traces and grids (~1-2 min warm)")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
+    args = ap.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    bad = set(parts) - set(PARTS)
+    if bad:
+        ap.error(f"unknown parts {sorted(bad)}")
+    results = run(parts, args.quick, args.out)
+    Console().print(summary(results))
+    print(f"wrote {args.out}/results.json, summary.md, {', '.join(results['plots'])}")
+    sys.stdout.flush()
+    os._exit(0)  # MAX's runtime threads can delay interpreter exit
+
+
+if __name__ == "__main__":
+    main()
