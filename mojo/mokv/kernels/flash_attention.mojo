@@ -9,14 +9,19 @@ fused_qkv_matmul ran first). Softmax is the online (flash) form in float32.
 
 CPU design (decode is memory-bound, prefill compute-bound):
   * A work unit is (batch entry, KV head, tile of TQ new tokens). Its rows are every
-    query head of the GQA group for those tokens: R = TQ * group <= 16 rows. One pass
+    query head of the GQA group for those tokens: R = TQ * group <= 64 rows. One pass
     over the unit's keys serves all R rows, so in decode each K/V byte is read ONCE per
-    GQA group (MAX 26.7's CPU kernel re-reads it per query head).
-  * Keys are walked in tiles of at most BK tokens that never cross a page end
-    (`contiguous_tokens`), so a tile is rows at one constant stride.
-  * S = Q K^T for a block of RB rows keeps RB accumulators in registers while one K row
-    is loaded and widened to f32 once; P V keeps RB x 2 accumulators per pair of
-    16-lane column chunks while one V row chunk is loaded once.
+    GQA group (MAX 26.7's CPU kernel re-reads it per query head), and in prefill a K/V
+    tile loaded into L1 serves 64 rows.
+  * Keys are walked in tiles of at most TK tokens (16 KiB of K) that never cross a page
+    end (`contiguous_tokens`), so a tile is rows at one constant stride. The V rows of a
+    tile and the K rows of the next are prefetched in software: rows of one head are a
+    whole token apart, so each row sits on its own 4 KiB page and the hardware stream
+    prefetchers never run ahead.
+  * S = Q K^T: a 4-row x 4-key register block is 16 independent FMA chains over D,
+    reduced by one 15-shuffle butterfly (no horizontal `reduce_add` per score).
+    P V: a 4-row x 64-column block, 16 accumulators; each V chunk is widened to f32 once
+    per block (bf16 by a bit shift). Rows are padded to a multiple of 4.
   * Causality: the key loop stops at the tile's last visible position, so tiles the
     mask hides entirely are never read; only the diagonal tile applies a mask.
   * Units run in parallel with `sync_parallelize`.
@@ -25,6 +30,9 @@ GPU: one thread per (token, query head), a plain online-softmax loop (correct, s
 
 from std.math import ceildiv, exp
 from std.memory import stack_allocation
+from std.utils.index import IndexList
+from std.sys.info import size_of
+from std.sys.intrinsics import prefetch, PrefetchOptions
 
 from max.algorithm import sync_parallelize
 from max.gpu import block_dim, block_idx, thread_idx
@@ -36,9 +44,10 @@ from .ragged import batch_of_token
 
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 comptime W = 16  # f32 lanes of one AVX-512 register
-comptime BK = 64  # keys per tile
-comptime MAX_ROWS = 16  # query rows (tokens x group heads) per work unit
-comptime RB = 4  # rows per register block
+comptime BK = 64  # most keys per tile (the row stride of the score tile)
+comptime MAX_ROWS = 64  # query rows (tokens x group heads) per unit: K/V tiles are loaded once per unit
+comptime RB = 4  # rows per register block (rows are padded to a multiple of RB)
+comptime KB = W // RB  # keys per QK register block: RB * KB = 16 accumulators
 
 
 @always_inline
@@ -53,78 +62,113 @@ def _widen[dtype: DType](p: Ptr[dtype], off: Int) -> SIMD[DType.float32, W]:
 
 
 @always_inline
-def _qk_block[Cache: KVCacheT, NR: Int](
-    qs: F32Ptr,  # [R, D] scaled queries (f32)
-    s: F32Ptr,  # [R, BK] scores of this tile
-    r0: Int,
-    kp: Ptr[Cache.dtype],  # first key row of the tile
-    n: Int,
-):
-    """S[r0 .. r0+NR, :n] = Q[r0 .. r0+NR] . K[:n]^T; each key chunk is widened once for NR rows.
-
-    (A 4-rows x 4-keys register block was tried: Mojo 1.2 spilled its `Array` of
-    accumulators and decode got 2.5x slower, so one key at a time it is.)
-    """
+def _prefetch_rows[Cache: KVCacheT](p: Ptr[Cache.dtype], n: Int):
+    """Prefetches n K or V rows. Rows of one head sit a whole token (all heads) apart,
+    4 KiB for 8 f32 heads of 128, so each row is on its own page and the hardware
+    stream prefetchers (which stop at page ends) never run ahead. (A plain strided
+    read of that pattern went from 21 to 23 GB/s on one thread with it; in the kernel
+    the gain was within the noise of a loaded 2-core box.)"""
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
+    comptime LINE_ELEMS = 64 // size_of[Scalar[Cache.dtype]]()
     for j in range(n):
-        var acc = Array[SIMD[DType.float32, W], NR](fill=0)
-        comptime for c in range(0, D, W):
-            var kv = _widen(kp, j * STRIDE + c)
-            comptime for rr in range(NR):
-                acc[rr] = qs.unsafe_load[width=W]((r0 + rr) * D + c).fma(kv, acc[rr])
-        comptime for rr in range(NR):
-            s.unsafe_store((r0 + rr) * BK + j, acc[rr].reduce_add())
+        comptime for c in range(0, D, LINE_ELEMS):
+            prefetch[PrefetchOptions().for_read().high_locality()](p.unsafe_offset(j * STRIDE + c))
+
+
+def _fold_mask[s: Int, hi: Int]() -> IndexList[W]:
+    """Lanes of concat(x, y) that one butterfly level adds: x and y each hold W // s
+    partial sums of s lanes; the result holds all 2W // s of them, s // 2 lanes each."""
+    var m = IndexList[W]()
+    comptime half = s // 2
+    for o in range(W):
+        var k = o // half
+        var src = k * s if k < W // s else W + (k - W // s) * s
+        m[o] = src + o % half + hi * half
+    return m
 
 
 @always_inline
-def _pv_block[Cache: KVCacheT, NR: Int](
-    o: F32Ptr,  # [R, D] output accumulators
-    p: F32Ptr,  # [R, BK] probabilities of this tile
+def _fold[s: Int](x: SIMD[DType.float32, W], y: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
+    comptime lo = _fold_mask[s, 0]()
+    comptime hi = _fold_mask[s, 1]()
+    return x.shuffle[lo](y) + x.shuffle[hi](y)
+
+
+@always_inline
+def _reduce_16(acc: Array[SIMD[DType.float32, W], W]) -> SIMD[DType.float32, W]:
+    """Lane i of the result = acc[i].reduce_add(). A butterfly of 15 two-source shuffles
+    pairs and adds, about 3 instructions per sum instead of 8 for a `reduce_add` each."""
+    var b = Array[SIMD[DType.float32, W], 8](fill=0)
+    comptime for i in range(8):
+        b[i] = _fold[16](acc[2 * i], acc[2 * i + 1])
+    var c = Array[SIMD[DType.float32, W], 4](fill=0)
+    comptime for i in range(4):
+        c[i] = _fold[8](b[2 * i], b[2 * i + 1])
+    return _fold[2](_fold[4](c[0], c[1]), _fold[4](c[2], c[3]))
+
+
+@always_inline
+def _qk_block[Cache: KVCacheT](
+    qs: F32Ptr,  # [rows, D] scaled queries (f32), rows a multiple of RB
+    s: F32Ptr,  # [rows, BK] scores of this tile
+    r0: Int,
+    kp: Ptr[Cache.dtype],  # first key row of the tile
+    j0: Int,
+    n: Int,
+):
+    """S[r0 .. r0+RB, j0 .. j0+KB] = Q K^T for RB rows x KB keys at once.
+
+    The RB*KB = 16 dot products are 16 independent FMA chains (one key at a time left
+    4 chains, bound by FMA latency), and one butterfly reduces all 16 at once. Keys
+    past n repeat key n-1 (never read past the page); their scores land in unused slots.
+    """
+    comptime D = Cache.kv_params.head_size
+    comptime STRIDE = Cache.token_stride()
+    var koff = Array[Int, KB](fill=0)
+    comptime for kk in range(KB):
+        koff[kk] = min(j0 + kk, n - 1) * STRIDE
+    var acc = Array[SIMD[DType.float32, W], W](fill=0)  # [rr * KB + kk]
+    comptime for c in range(0, D, W):
+        var kv = Array[SIMD[DType.float32, W], KB](fill=0)
+        comptime for kk in range(KB):
+            kv[kk] = _widen(kp, koff[kk] + c)
+        comptime for rr in range(RB):
+            var qv = qs.unsafe_load[width=W]((r0 + rr) * D + c)
+            comptime for kk in range(KB):
+                acc[rr * KB + kk] = qv.fma(kv[kk], acc[rr * KB + kk])
+    var sc = _reduce_16(acc)
+    comptime for rr in range(RB):
+        s.unsafe_store((r0 + rr) * BK + j0, sc.slice[KB, offset=rr * KB]())
+
+
+@always_inline
+def _pv_block[Cache: KVCacheT](
+    o: F32Ptr,  # [rows, D] output accumulators
+    p: F32Ptr,  # [rows, BK] probabilities of this tile
     r0: Int,
     vp: Ptr[Cache.dtype],  # first value row of the tile
     n: Int,
 ):
-    """O[r0 .. r0+NR] += P[r0 .. r0+NR, :n] . V[:n]."""
+    """O[r0 .. r0+RB] += P[r0 .. r0+RB, :n] . V[:n], NC 16-lane column chunks per pass:
+    RB*NC = 16 accumulators, and each loaded V chunk / broadcast p serves NC / RB FMAs."""
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
-    comptime CW = 2 * W if D % (2 * W) == 0 else W  # two chunks per pass: 2*NR independent FMA chains
-    comptime NC = CW // W
-    comptime for c0 in range(0, D, CW):
-        var acc = Array[SIMD[DType.float32, W], NR * NC](fill=0)
+    comptime NC = 4 if D % (4 * W) == 0 else (2 if D % (2 * W) == 0 else 1)
+    comptime for c0 in range(0, D, NC * W):
+        var acc = Array[SIMD[DType.float32, W], RB * NC](fill=0)
         for j in range(n):
-            var pj = Array[SIMD[DType.float32, W], NR](fill=0)
-            comptime for rr in range(NR):
-                pj[rr] = SIMD[DType.float32, W](p.unsafe_load((r0 + rr) * BK + j))
+            var vv = Array[SIMD[DType.float32, W], NC](fill=0)
             comptime for cc in range(NC):
-                var vv = _widen(vp, j * STRIDE + c0 + cc * W)
-                comptime for rr in range(NR):
-                    acc[rr * NC + cc] = pj[rr].fma(vv, acc[rr * NC + cc])
-        comptime for cc in range(NC):
-            comptime for rr in range(NR):
+                vv[cc] = _widen(vp, j * STRIDE + c0 + cc * W)
+            comptime for rr in range(RB):
+                var pj = SIMD[DType.float32, W](p.unsafe_load((r0 + rr) * BK + j))
+                comptime for cc in range(NC):
+                    acc[rr * NC + cc] = pj.fma(vv[cc], acc[rr * NC + cc])
+        comptime for rr in range(RB):
+            comptime for cc in range(NC):
                 var off = (r0 + rr) * D + c0 + cc * W
                 o.unsafe_store(off, o.unsafe_load[width=W](off) + acc[rr * NC + cc])
-
-
-@always_inline
-def _for_row_blocks[Cache: KVCacheT, qk: Bool](
-    a: F32Ptr, b: F32Ptr, rows: Int, ptr: Ptr[Cache.dtype], n: Int
-):
-    """Runs the QK (qk=True: a=qs, b=s) or PV (a=o, b=p) block over all rows, RB at a time."""
-    var r0 = 0
-    while r0 + RB <= rows:
-        comptime if qk:
-            _qk_block[Cache, RB](a, b, r0, ptr, n)
-        else:
-            _pv_block[Cache, RB](a, b, r0, ptr, n)
-        r0 += RB
-    var rem = rows - r0
-    comptime for t in range(1, RB):
-        if rem == t:
-            comptime if qk:
-                _qk_block[Cache, t](a, b, r0, ptr, n)
-            else:
-                _pv_block[Cache, t](a, b, r0, ptr, n)
 
 
 def _attend_unit[Cache: KVCacheT, q_dtype: DType](
@@ -145,43 +189,66 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
     comptime D = Cache.kv_params.head_size
     comptime assert D % W == 0, "head_size must be a multiple of 16 on CPU"
     var rows = ntok * group  # row r <-> (token tok0 + r // group, query head h * group + r % group)
+    var rows_p = ceildiv(rows, RB) * RB  # padding rows: zero queries, finite junk, never stored
     var qs = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var o = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var s = stack_allocation[MAX_ROWS * BK, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var m = stack_allocation[MAX_ROWS, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var l = stack_allocation[MAX_ROWS, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
-    for r in range(rows):
+    for r in range(rows_p):
         var src = q.unsafe_offset(((tok0 + r // group) * n_q + h * group + r % group) * D)
         comptime for c in range(0, D, W):
-            qs.unsafe_store(r * D + c, src.unsafe_load[width=W](c).cast[DType.float32]() * scale)
+            var qv = SIMD[DType.float32, W](0)
+            if r < rows:
+                qv = src.unsafe_load[width=W](c).cast[DType.float32]() * scale
+            qs.unsafe_store(r * D + c, qv)
             o.unsafe_store(r * D + c, SIMD[DType.float32, W](0))
         m.unsafe_store(r, Float32.MIN)
         l.unsafe_store(r, 0)
 
+    # Keys per tile: a K tile of at most 16 KiB stays in L1 (with the row block's
+    # queries) while every row block of the unit walks it; the f32 tile is half as long.
+    comptime TK = max(KB, min(BK, 16384 // (D * size_of[Scalar[Cache.dtype]]())))
     var first_pos = kc.cache_length(b) + i0  # position of the tile's first token
     var kv_end = first_pos + ntok  # keys [0, kv_end) are visible to some row
     var k_tok = 0
+    _prefetch_rows[Cache](kc.row_ptr(b, h, 0), min(TK, kc.contiguous_tokens(0), kv_end))
     while k_tok < kv_end:
-        var n = min(BK, kc.contiguous_tokens(k_tok), kv_end - k_tok)
-        _for_row_blocks[Cache, True](qs, s, rows, kc.row_ptr(b, h, k_tok), n)
+        var n = min(TK, kc.contiguous_tokens(k_tok), kv_end - k_tok)
+        var kp = kc.row_ptr(b, h, k_tok)
+        var vp = vc.row_ptr(b, h, k_tok)
+        _prefetch_rows[Cache](vp, n)  # read after QK and softmax
+        var k_next = k_tok + n
+        if k_next < kv_end:  # read after this tile's PV
+            _prefetch_rows[Cache](kc.row_ptr(b, h, k_next), min(TK, kc.contiguous_tokens(k_next), kv_end - k_next))
+        for r0 in range(0, rows_p, RB):
+            for j0 in range(0, n, KB):
+                _qk_block[Cache](qs, s, r0, kp, j0, n)
         var masked = k_tok + n - 1 > first_pos  # the diagonal tile: some keys are in the future
-        for r in range(rows):
+        for r in range(rows_p):
             var row_s = s.unsafe_offset(r * BK)
             if masked:
                 var last = first_pos + r // group - k_tok  # last visible key of this row, tile-relative
                 for j in range(max(last + 1, 0), n):
                     row_s.unsafe_store(j, Float32.MIN)
-            var mx = m.unsafe_load(r)
-            for j in range(n):
-                mx = max(mx, row_s.unsafe_load(j))
-            var alpha = exp(m.unsafe_load(r) - mx)
-            var sum: Float32 = 0
+            var mv = SIMD[DType.float32, W](m.unsafe_load(r))
             var j = 0
+            while j + W <= n:
+                mv = max(mv, row_s.unsafe_load[width=W](j))
+                j += W
+            var mx = mv.reduce_max()
+            while j < n:
+                mx = max(mx, row_s.unsafe_load(j))
+                j += 1
+            var alpha = exp(m.unsafe_load(r) - mx)
+            var sv = SIMD[DType.float32, W](0)
+            j = 0
             while j + W <= n:
                 var e = exp(row_s.unsafe_load[width=W](j) - mx)
                 row_s.unsafe_store(j, e)
-                sum += e.reduce_add()
+                sv += e
                 j += W
+            var sum = sv.reduce_add()
             while j < n:
                 var e = exp(row_s.unsafe_load(j) - mx)
                 row_s.unsafe_store(j, e)
@@ -192,7 +259,8 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
             if alpha != 1:
                 comptime for c in range(0, D, W):
                     o.unsafe_store(r * D + c, o.unsafe_load[width=W](r * D + c) * alpha)
-        _for_row_blocks[Cache, False](o, s, rows, vc.row_ptr(b, h, k_tok), n)
+        for r0 in range(0, rows_p, RB):
+            _pv_block[Cache](o, s, r0, vp, n)
         k_tok += n
 
     for r in range(rows):

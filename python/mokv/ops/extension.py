@@ -48,6 +48,21 @@ def _mojo_binary() -> str:
     return found
 
 
+def _clean_env() -> dict[str, str]:
+    """This process's environment, for the `mojo` driver (itself a Python script).
+
+    MAX's native libraries can set `PYTHONPATH=":"` in the C-level environment, which a
+    child inherits by default: its empty entries mean "the working directory", where the
+    repository's `mojo/` folder would then shadow the `mojo` Python package. Passing
+    `os.environ` (Python's own copy, without those changes) and running from a private
+    directory avoids both.
+    """
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env.pop("PYTHONEXECUTABLE", None)
+    return env
+
+
 def sources_digest(package_dir: Path = MOJO_PACKAGE_DIR) -> str:
     """SHA-256 over every `*.mojo` file's relative path and bytes, in a stable order."""
     h = hashlib.sha256()
@@ -75,6 +90,8 @@ def build(package_dir: Path = MOJO_PACKAGE_DIR, out_dir: Path | None = None) -> 
             [_mojo_binary(), "precompile", str(package_dir), "-o", str(tmp)],
             capture_output=True,
             text=True,
+            env=_clean_env(),
+            cwd=tmp_dir,
         )
         if proc.returncode != 0 or not tmp.is_file() or tmp.stat().st_size == 0:
             raise RuntimeError(
