@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(PY) examples/quickstart.py
+	$(PY) examples/generate.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -1,0 +1,106 @@
+"""DecoderConfig: the shape of the Llama-style decoder, and the cache shape it implies.
+
+One frozen config flows into the weights, the numpy reference, the MAX graph and the
+KV cache parameters, so the four cannot disagree about a size. The defaults give a
+model small enough to compile and run in seconds on two CPU cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from max.dtype import DType
+
+import mokv
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Sizes of a Llama-style decoder (grouped-query attention, SwiGLU MLP, RMSNorm, RoPE).
+
+    Attributes:
+        vocab_size: rows of the token embedding and of the LM head.
+        hidden_size: width of the residual stream.
+        num_layers: transformer blocks.
+        n_heads: query heads.
+        n_kv_heads: key/value heads; each serves `n_heads // n_kv_heads` query heads.
+        head_dim: size of one head's vector (even: RoPE rotates pairs).
+        intermediate_size: width of the SwiGLU MLP.
+        max_seq_len: longest sequence the RoPE table (and the cache) covers.
+        rope_theta: RoPE base frequency.
+        rms_norm_eps: epsilon inside every RMSNorm.
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 256
+    num_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 512
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size", "hidden_size", "num_layers", "n_heads", "n_kv_heads",
+            "head_dim", "intermediate_size", "max_seq_len",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def q_size(self) -> int:
+        """Columns of Q: `n_heads * head_dim`."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Columns of K (and of V): `n_kv_heads * head_dim`."""
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale `1 / sqrt(head_dim)`."""
+        return 1.0 / float(np.sqrt(self.head_dim))
+
+    def kv_params(
+        self, strategy: str | mokv.KVCacheStrategy = "paged", page_size: int = 16,
+        enable_prefix_caching: bool = True,
+    ) -> mokv.KVCacheParams:
+        """The `mokv.KVCacheParams` of this model's cache (float32, one device).
+
+        Prefix caching only applies to the paged strategy; the continuous cache
+        never shares memory between requests, so it is turned off there.
+        """
+        strategy = mokv.KVCacheStrategy(strategy)
+        return mokv.KVCacheParams(
+            dtype=DType.float32,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            page_size=page_size,
+            cache_strategy=strategy,
+            enable_prefix_caching=enable_prefix_caching and strategy is mokv.KVCacheStrategy.PAGED,
+        )
+
+
+def rope_table(config: DecoderConfig) -> np.ndarray:
+    """float32 `[max_seq_len, head_dim]`: `(cos θ_0..θ_{d/2-1}, sin θ_0..θ_{d/2-1})` per position.
+
+    `θ_i(pos) = pos * rope_theta ** (-2i / head_dim)`. This is the `freqs_cis` layout
+    of mokv's fused QKV op, which rotates the pairs `(x[i], x[i + d/2])`
+    ("rotate half", as Hugging Face Llama checkpoints expect).
+    """
+    half = config.head_dim // 2
+    inv_freq = config.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / config.head_dim)
+    angles = np.arange(config.max_seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
