@@ -49,7 +49,16 @@ def _check_blocks(blocks: Any, kv_params: KVCacheParams, num_layers: int | None)
 
 
 class _Fetch:
-    _kind = ""
+    """Checks the flat cache inputs and emits the cache kind's constructor op.
+
+    Subclasses name the op, the collection type and value, and the (name, dtype, rank)
+    of the three tensors that follow `blocks`, in `mokv.inputs` order.
+    """
+
+    _op = ""
+    _type: type[Any] = object
+    _value: type[Any] = object
+    _tensors: tuple[tuple[str, DType, int], ...] = ()
 
     def __init__(self, kv_params: KVCacheParams, num_layers: int | None = None) -> None:
         if not isinstance(kv_params, KVCacheParams):
@@ -60,6 +69,26 @@ class _Fetch:
         self.kv_params = kv_params
         self.num_layers = num_layers
 
+    def _check_layout(self, blocks: BufferValue) -> None:
+        """Checks of `blocks` specific to the cache kind (none by default)."""
+
+    def __call__(self, *inputs: Any) -> Any:
+        blocks, *tensors = _unpack(inputs, type(self).__name__)
+        blocks = _check_blocks(blocks, self.kv_params, self.num_layers)
+        self._check_layout(blocks)
+        for (name, dtype, rank), value in zip(self._tensors, tensors):
+            check_dtype(name, value, dtype)
+            check_rank(name, value, rank)
+        out_type = self._type(self.kv_params)
+        value = ops.inplace_custom(
+            self._op,
+            blocks.device,
+            [blocks, *(TensorValue(t) for t in tensors)],
+            out_types=[out_type],
+            parameters=dict(out_type.parameters),
+        )[0]
+        return self._value(value)
+
 
 class FetchContinuousBatchingKVCacheCollection(_Fetch):
     """Builds a `ContinuousBatchingKVCacheCollection` from `continuous_input_symbols` values.
@@ -69,25 +98,14 @@ class FetchContinuousBatchingKVCacheCollection(_Fetch):
     is_cache_empty bool [1] (host); or one `ContinuousBatchingKVCacheInputs`.
     """
 
-    def __call__(self, *inputs: Any) -> ContinuousBatchingKVCacheCollection:
-        blocks, cache_lengths, lookup_table, is_cache_empty = _unpack(inputs, type(self).__name__)
-        blocks = _check_blocks(blocks, self.kv_params, self.num_layers)
-        check_dtype("cache_lengths", cache_lengths, DType.uint32)
-        check_rank("cache_lengths", cache_lengths, 1)
-        check_dtype("lookup_table", lookup_table, DType.uint32)
-        check_rank("lookup_table", lookup_table, 1)
-        check_dtype("is_cache_empty", is_cache_empty, DType.bool)
-        check_rank("is_cache_empty", is_cache_empty, 1)
-        device = blocks.device
-        out_type = ContinuousBatchingKVCacheCollectionType(self.kv_params)
-        value = ops.inplace_custom(
-            "mokv.kv_collection_ctor.continuous",
-            device,
-            [blocks, TensorValue(cache_lengths), TensorValue(lookup_table), TensorValue(is_cache_empty)],
-            out_types=[out_type],
-            parameters=dict(out_type.parameters),
-        )[0]
-        return ContinuousBatchingKVCacheCollection(value)
+    _op = "mokv.kv_collection_ctor.continuous"
+    _type = ContinuousBatchingKVCacheCollectionType
+    _value = ContinuousBatchingKVCacheCollection
+    _tensors = (
+        ("cache_lengths", DType.uint32, 1),
+        ("lookup_table", DType.uint32, 1),
+        ("is_cache_empty", DType.bool, 1),
+    )
 
 
 class FetchPagedKVCacheCollection(_Fetch):
@@ -99,26 +117,17 @@ class FetchPagedKVCacheCollection(_Fetch):
     `RaggedKVCacheInputs`.
     """
 
-    def __call__(self, *inputs: Any) -> PagedKVCacheCollection:
-        blocks, cache_lengths, lookup_table, max_lengths = _unpack(inputs, type(self).__name__)
-        blocks = _check_blocks(blocks, self.kv_params, self.num_layers)
+    _op = "mokv.kv_collection_ctor.paged"
+    _type = PagedKVCacheCollectionType
+    _value = PagedKVCacheCollection
+    _tensors = (
+        ("cache_lengths", DType.uint32, 1),
+        ("lookup_table", DType.uint32, 2),
+        ("max_lengths", DType.uint32, 2),
+    )
+
+    def _check_layout(self, blocks: BufferValue) -> None:
         check_static_dim("blocks", blocks, 3, self.kv_params.page_size)
-        check_dtype("cache_lengths", cache_lengths, DType.uint32)
-        check_rank("cache_lengths", cache_lengths, 1)
-        check_dtype("lookup_table", lookup_table, DType.uint32)
-        check_rank("lookup_table", lookup_table, 2)
-        check_dtype("max_lengths", max_lengths, DType.uint32)
-        check_rank("max_lengths", max_lengths, 2)
-        device = blocks.device
-        out_type = PagedKVCacheCollectionType(self.kv_params)
-        value = ops.inplace_custom(
-            "mokv.kv_collection_ctor.paged",
-            device,
-            [blocks, TensorValue(cache_lengths), TensorValue(lookup_table), TensorValue(max_lengths)],
-            out_types=[out_type],
-            parameters=dict(out_type.parameters),
-        )[0]
-        return PagedKVCacheCollection(value)
 
 
 __all__ = [
