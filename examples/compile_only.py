@@ -5,7 +5,7 @@ graphs compile for it (real PTX for sm_90a) but nothing can run. `mokv.load_kv_m
 notices the mode and returns a `NullKVCacheManager`, which allocates nothing but gives
 the same graph input types as the paged manager, so the model code is unchanged.
 
-    python examples/compile_only.py [--arch sm_90] [--out decoder.mef] [--num-layers 2]
+    python examples/compile_only.py [--arch sm_90] [--out decoder.mef] [--num-layers 4]
 """
 
 import argparse
@@ -27,10 +27,7 @@ from mokv_graphs import DecoderConfig, DecoderModel
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--arch", default="sm_90", help="virtual GPU architecture")
 parser.add_argument("--out", help="where to write the compiled model (.mef)")
-# MAX 26.7's graph compiler fails on the GPU build of this decoder from 3 layers up
-# ("use of uninitialized value" while lowering to KGEN; the CPU build is fine), so the
-# example compiles 2 layers by default. The graph is the same builder's.
-parser.add_argument("--num-layers", type=int, default=2)
+parser.add_argument("--num-layers", type=int, default=DecoderConfig.num_layers)
 args = parser.parse_args()
 
 # Order matters (as in MAX's own CLI): API, then architecture, then count.

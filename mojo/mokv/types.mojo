@@ -91,8 +91,15 @@ trait KVCacheT(TrivialRegisterPassable):
         self.row_ptr(batch_idx, head_idx, tok).unsafe_store(dim, val)
 
 
-trait KVCollectionT(ImplicitlyCopyable, Movable):
-    """K and V caches of every layer, for the sequences of the current batch."""
+trait KVCollectionT(TrivialRegisterPassable):
+    """K and V caches of every layer, for the sequences of the current batch.
+
+    Trivial (no destructor, bitwise copies) because the graph compiler copies an opaque
+    value into each consumer, and because MAX 26.7's graph-to-Mojo emitter may write
+    `mogg_async_pack_value(coll^)` when a collection crosses a GPU region boundary while
+    later ops of the same region still read it; a transfer from a trivial register
+    type is a no-op, so those reads stay valid.
+    """
 
     comptime CacheType: KVCacheT
     comptime name_str: StaticString

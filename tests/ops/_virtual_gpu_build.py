@@ -53,7 +53,18 @@ def main() -> None:
             q3 = ops.reshape(q, [q.shape[0], n_q, 128])
             outs.append(flash_attention(q3, off, kv, 1, 0.08))
         g.output(*outs)
-    model = InferenceSession(devices=[CPU(), gpu]).load(g)
+    # One collection read by 16 ops: MAX 26.7 cuts a GPU graph into regions of at most
+    # 16 ops, so the collection crosses a region boundary while ops of its own region
+    # still read it. That fails to compile ("use of uninitialized value") unless the
+    # collection type is TrivialRegisterPassable (mokv/types.mojo, KVCollectionT).
+    with Graph("virtual_gpu_split", input_types=[*paged, kt, ot], custom_extensions=[kernels_path()]) as g2:
+        kv = FetchPagedKVCacheCollection(params, layers)(*g2.inputs[:4])
+        for i in range(16):
+            store_kv(kv, g2.inputs[4], g2.inputs[4], g2.inputs[5], i % layers)
+        g2.output()
+    session = InferenceSession(devices=[CPU(), gpu])
+    session.load(g2)
+    model = session.load(g)
     print("COMPILED", flush=True)
     try:
         model.execute(*[Buffer.from_numpy(np.zeros(1, np.float32))])
