@@ -9,6 +9,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+def _save(fig, ax, path: Path, **legend) -> None:
+    """Grid, legend, layout, PNG file; then frees the figure."""
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 COLORS = {"mokv-paged": "tab:blue", "mokv-continuous": "tab:green", "max-paged": "tab:red"}
 
 
@@ -24,11 +33,7 @@ def host_cost_vs_batch(sweep: dict, path: Path) -> None:
     ax.set(xscale="log", yscale="log", xlabel="batch size (decode requests)",
            ylabel="host µs per request-step (median)",
            title="KV manager host cost per scheduled request-step")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, ax, path, fontsize=7)
 
 
 def hit_rate_vs_budget(sweep: dict, path: Path) -> None:
@@ -39,11 +44,7 @@ def hit_rate_vs_budget(sweep: dict, path: Path) -> None:
     ax.set(xscale="log", xlabel="page budget (pages of 128 tokens)",
            ylabel="prefix hit rate over prompt tokens", ylim=(0, 1),
            title="Prefix-cache hit rate vs memory budget")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, ax, path, fontsize=8)
 
 
 def decode_bandwidth(attn: dict, path: Path) -> None:
@@ -62,11 +63,7 @@ def decode_bandwidth(attn: dict, path: Path) -> None:
     ax.axhline(copy["numpy_copy_GBps"], color="gray", ls="--", lw=1, label="numpy copy")
     ax.set(xscale="log", xlabel="context length (tokens)", ylabel="K/V bytes read / time (GB/s)",
            title="CPU decode attention bandwidth (32q/8kv heads, d=128, fp32)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, ax, path, fontsize=6, ncol=2)
 
 
 def write_all(results: dict, out: Path) -> list[str]:

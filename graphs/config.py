@@ -13,6 +13,7 @@ import numpy as np
 from max.dtype import DType
 
 import mokv
+from mokv.ops import rope_freqs_cis
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,4 @@ def rope_table(config: DecoderConfig) -> np.ndarray:
     of mokv's fused QKV op, which rotates the pairs `(x[i], x[i + d/2])`
     ("rotate half", as Hugging Face Llama checkpoints expect).
     """
-    half = config.head_dim // 2
-    inv_freq = config.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / config.head_dim)
-    angles = np.arange(config.max_seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+    return rope_freqs_cis(config.head_dim, config.max_seq_len, config.rope_theta)

@@ -26,11 +26,3 @@ class KVCacheMetrics:
     def cache_hit_rate(self) -> float:
         """`cache_tokens / input_tokens` (0.0 before any input)."""
         return self.cache_tokens / self.input_tokens if self.input_tokens else 0.0
-
-    def __add__(self, other: KVCacheMetrics) -> KVCacheMetrics:
-        return KVCacheMetrics(
-            self.input_tokens + other.input_tokens,
-            self.cache_tokens + other.cache_tokens,
-            self.used_pages + other.used_pages,
-            self.free_pages + other.free_pages,
-        )

@@ -15,7 +15,7 @@ Algorithms:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -55,15 +55,31 @@ def token_bytes(tokens: np.ndarray) -> bytes:
     return np.ascontiguousarray(tokens, dtype="<i8").tobytes()
 
 
+def iter_page_hashes(
+    tokens: np.ndarray,
+    page_size: int,
+    parent: int,
+    hash_fn: PageHashFn,
+    first_page: int = 0,
+    end_page: int | None = None,
+) -> Iterator[tuple[int, bytes]]:
+    """(hash, token bytes) of full pages `first_page` to `end_page` (default: the last
+    full page) of `tokens`, chained from `parent`, the hash of the page before them.
+
+    The tokens are converted to bytes once and sliced per page; a caller may stop early.
+    """
+    if end_page is None:
+        end_page = len(tokens) // page_size
+    data = token_bytes(tokens[first_page * page_size : end_page * page_size])
+    stride = page_size * 8
+    for start in range(0, len(data), stride):
+        chunk = data[start : start + stride]
+        parent = hash_fn(parent, chunk)
+        yield parent, chunk
+
+
 def hash_pages(
     tokens: np.ndarray, page_size: int, parent: int, hash_fn: PageHashFn
 ) -> list[tuple[int, bytes]]:
     """(hash, token bytes) of each full page of `tokens`, chained from `parent`."""
-    data = token_bytes(tokens[: len(tokens) - len(tokens) % page_size])
-    stride = page_size * 8
-    out = []
-    for start in range(0, len(data), stride):
-        chunk = data[start : start + stride]
-        parent = hash_fn(parent, chunk)
-        out.append((parent, chunk))
-    return out
+    return list(iter_page_hashes(tokens, page_size, parent, hash_fn))

@@ -59,7 +59,7 @@ class CacheLengthIncrementer:
         args = [cache_lengths, row_offsets.to(cache_lengths.device)]
         if self._with_max_lengths:
             args.append(max_lengths)
-        return [out for out in model.execute(*args)]  # type: ignore[misc]
+        return list(model.execute(*args))  # type: ignore[arg-type]
 
 
 def row_offsets_per_device(

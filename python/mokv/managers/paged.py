@@ -239,8 +239,7 @@ class PagedKVCacheManager(KVCacheManager):
         """
         self._check_num_steps(num_steps)
         ok = self._replica(data.request_id).reserve(data, num_steps)
-        if self.enable_runtime_checks:
-            self.check_invariants()
+        self._after_change()
         return ok
 
     def fetch(
@@ -288,8 +287,7 @@ class PagedKVCacheManager(KVCacheManager):
         """Commits the pages that the batch's last step filled to the prefix cache."""
         for ctx in batch:
             self._replica(ctx.request_id).commit(ctx)
-        if self.enable_runtime_checks:
-            self.check_invariants()
+        self._after_change()
 
     def increment_cache_lengths(
         self,

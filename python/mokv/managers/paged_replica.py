@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from max.driver import Buffer, Device
 
-from ..cache.hashing import PageHashFn, token_bytes
+from ..cache.hashing import PageHashFn, iter_page_hashes
 from ..cache.page_pool import PagePool
 from ..context import RequestID, TextGenerationContext
 from ..errors import (
@@ -92,13 +92,6 @@ class PagedReplica:
 
     # --- requests -------------------------------------------------------------------
 
-    def __contains__(self, request_id: RequestID) -> bool:
-        return request_id in self._requests
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
-
     def claim(self, request_id: RequestID) -> None:
         if request_id in self._requests:
             raise AlreadyClaimedError(request_id)
@@ -139,17 +132,20 @@ class PagedReplica:
             or ctx.start_idx != n_committed * ps
         ):
             return []
-        tokens = ctx.tokens
-        parent = req.hashes[-1] if req.hashes else self._root_hash
         hits = []
-        for page_idx in range(n_committed, (ctx.end_idx - 1) // ps):
-            data = token_bytes(tokens[page_idx * ps : (page_idx + 1) * ps])
-            parent = self._hash_fn(parent, data)
-            page_id = self.pool.lookup(parent, data)
+        pages = iter_page_hashes(
+            ctx.tokens, ps, self._last_hash(req), self._hash_fn, n_committed, (ctx.end_idx - 1) // ps
+        )
+        for page_hash, data in pages:
+            page_id = self.pool.lookup(page_hash, data)
             if page_id is None:
                 break
-            hits.append((page_id, parent))
+            hits.append((page_id, page_hash))
         return hits
+
+    def _last_hash(self, req: _Request) -> int:
+        """The parent hash of the request's next page."""
+        return req.hashes[-1] if req.hashes else self._root_hash
 
     def num_prefix_hit_pages(self, ctx: TextGenerationContext) -> int:
         """Pages of `ctx`'s tokens this replica could serve from its prefix cache."""
@@ -169,13 +165,11 @@ class PagedReplica:
         num_full = start_idx // ps
         if not self._prefix_caching or num_full <= len(req.hashes):
             return
-        tokens = ctx.tokens
-        parent = req.hashes[-1] if req.hashes else self._root_hash
-        for page_idx in range(len(req.hashes), num_full):
-            data = token_bytes(tokens[page_idx * ps : (page_idx + 1) * ps])
-            parent = self._hash_fn(parent, data)
-            self.pool.commit(req.pages[page_idx], parent, data)
-            req.hashes.append(parent)
+        first = len(req.hashes)
+        pages = iter_page_hashes(ctx.tokens, ps, self._last_hash(req), self._hash_fn, first, num_full)
+        for page_idx, (page_hash, data) in enumerate(pages, start=first):
+            self.pool.commit(req.pages[page_idx], page_hash, data)
+            req.hashes.append(page_hash)
 
     # --- reservation ----------------------------------------------------------------
 

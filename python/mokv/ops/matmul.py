@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from max.dtype import DType
 from max.graph import TensorType, TensorValue, ops
 
@@ -75,14 +77,12 @@ def fused_qkv_matmul(
     return ops.inplace_custom(name, hidden.device, values, out_types=[out_type])[0].tensor
 
 
-def rope_freqs_cis(head_dim: int, max_seq_len: int, theta: float = 10000.0) -> Any:
+def rope_freqs_cis(head_dim: int, max_seq_len: int, theta: float = 10000.0) -> np.ndarray:
     """Numpy float32 [max_seq_len, head_dim] table for `freqs_cis` (Llama's inverse frequencies).
 
     Row p = (cos(p * f_0) .. cos(p * f_{d/2-1}), sin(p * f_0) .. sin(p * f_{d/2-1})),
     f_i = theta ** (-2i / head_dim).
     """
-    import numpy as np
-
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
     inv = theta ** (-np.arange(0, head_dim // 2, dtype=np.float64) * 2 / head_dim)
