@@ -68,6 +68,10 @@ def check(cfg, cache, before, k, v, q, offsets, out):
         ([5, 47, 63], [1, 1, 1]),
         # one long prefill: several 64-key tiles and masked-out tiles skipped
         ([0], [90]),
+        # few units, long contexts: keys split across cores, partial softmax states merged
+        ([1500, 700], [1, 3]),
+        # a prefill chunk after a long cached prefix: split tiles, masked diagonal in the last split
+        ([600], [40]),
     ],
 )
 def test_paged_f32_gqa4(compiled, cache_lengths, new_tokens):

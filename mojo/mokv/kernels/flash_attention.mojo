@@ -8,21 +8,25 @@ positions [0, p]. The K/V of the new tokens must already be in the cache (store_
 fused_qkv_matmul ran first). Softmax is the online (flash) form in float32.
 
 CPU design (decode is memory-bound, prefill compute-bound):
-  * A work unit is (batch entry, KV head, tile of TQ new tokens). Its rows are every
-    query head of the GQA group for those tokens: R = TQ * group <= 64 rows. One pass
-    over the unit's keys serves all R rows, so in decode each K/V byte is read ONCE per
-    GQA group (MAX 26.7's CPU kernel re-reads it per query head), and in prefill a K/V
-    tile loaded into L1 serves 64 rows.
-  * Keys are walked in tiles of at most TK tokens (16 KiB of K) that never cross a page
-    end (`contiguous_tokens`), so a tile is rows at one constant stride. The V rows of a
-    tile and the K rows of the next are prefetched in software: rows of one head are a
-    whole token apart, so each row sits on its own 4 KiB page and the hardware stream
-    prefetchers never run ahead.
-  * S = Q K^T: a 4-row x 4-key register block is 16 independent FMA chains over D,
-    reduced by one 15-shuffle butterfly (no horizontal `reduce_add` per score).
-    P V: a 4-row x 64-column block, 16 accumulators; each V chunk is widened to f32 once
-    per block (bf16 by a bit shift). Rows are padded to a multiple of 4.
-  * Causality: the key loop stops at the tile's last visible position, so tiles the
+  * A work unit is (batch entry, tile of new tokens, block of KV heads, range of keys).
+    Its rows are every query head of the GQA group for those tokens and heads, at
+    most MAX_ROWS = 64. One pass over the unit's keys serves all its rows, so each K/V
+    byte is read ONCE per GQA group (MAX 26.7's CPU kernel re-reads it per query
+    head), and in prefill a K/V tile loaded into L1 serves 64 rows.
+  * Decode (fewer than W rows per head): a unit takes as many KV heads as fit, so it
+    reads each key tile's heads in address order. When batch x head blocks leaves
+    too few units for the cores (one long sequence), the keys are split across
+    units (flash-decoding) and `_merge_parts` combines their softmax states.
+  * Keys are walked in tiles of at most TK tokens (16 KiB of K per head) that never
+    cross a page end (`contiguous_tokens`), so a tile is rows at one constant stride.
+    The V rows of a tile and the K rows of the next are prefetched in software.
+  * Row-major scores (decode): S = Q K^T in 4-row x 4-key register blocks, 16
+    independent FMA chains over D reduced by one 15-shuffle butterfly.
+    Key-major scores (prefill): S^T = K Q^T, a broadcast key element times 16 query
+    rows per FMA: no horizontal sums, and the softmax runs lane-wise over 16 rows.
+    bf16 key tiles are widened to f32 once per tile. P V: a 4-row x 64-column block,
+    16 accumulators, each V chunk widened once per block (bf16 by a bit shift).
+  * Causality: the key loop stops at the unit's last visible position, so tiles the
     mask hides entirely are never read; only the diagonal tile applies a mask.
   * Units run in parallel with `sync_parallelize`.
 GPU: one thread per (token, query head), a plain online-softmax loop (correct, simple).
@@ -31,7 +35,7 @@ GPU: one thread per (token, query head), a plain online-softmax loop (correct, s
 from std.math import ceildiv, exp
 from std.memory import stack_allocation
 from std.utils.index import IndexList
-from std.sys.info import size_of
+from std.sys.info import num_physical_cores, size_of
 from std.sys.intrinsics import prefetch, PrefetchOptions
 
 from max.algorithm import sync_parallelize
@@ -43,11 +47,17 @@ from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .ragged import batch_of_token
 
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
+comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
 comptime W = 16  # f32 lanes of one AVX-512 register
 comptime BK = 64  # most keys per tile (the row stride of the score tile)
 comptime MAX_ROWS = 64  # query rows (tokens x group heads) per unit: K/V tiles are loaded once per unit
 comptime RB = 4  # rows per register block (rows are padded to a multiple of RB)
 comptime KB = W // RB  # keys per QK register block: RB * KB = 16 accumulators
+comptime MIN_SPLIT_KEYS = 256  # fewest keys a split of one unit's keys gets (split cost: one merge)
+comptime SPLIT_ALIGN = 64  # split boundaries fall on multiples of this (whole key tiles)
+comptime SPLIT_UNITS_PER_CORE = 4  # split keys until there are this many units per core
+comptime PART_SLOT[D: Int] = MAX_ROWS * (D + 2)
+"""Floats of one partial softmax state: o [MAX_ROWS, D], then m and l [MAX_ROWS]."""
 
 
 @always_inline
@@ -62,17 +72,16 @@ def _widen[dtype: DType](p: Ptr[dtype], off: Int) -> SIMD[DType.float32, W]:
 
 
 @always_inline
-def _prefetch_rows[Cache: KVCacheT](p: Ptr[Cache.dtype], n: Int):
+def _prefetch_rows[Cache: KVCacheT](p: Ptr[Cache.dtype], n: Int, width: Int):
     """Prefetches n K or V rows. Rows of one head sit a whole token (all heads) apart,
     4 KiB for 8 f32 heads of 128, so each row is on its own page and the hardware
     stream prefetchers (which stop at page ends) never run ahead. (A plain strided
     read of that pattern went from 21 to 23 GB/s on one thread with it; in the kernel
     the gain was within the noise of a loaded 2-core box.)"""
-    comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
     comptime LINE_ELEMS = 64 // size_of[Scalar[Cache.dtype]]()
     for j in range(n):
-        comptime for c in range(0, D, LINE_ELEMS):
+        for c in range(0, width, LINE_ELEMS):
             prefetch[PrefetchOptions().for_read().high_locality()](p.unsafe_offset(j * STRIDE + c))
 
 
@@ -143,9 +152,44 @@ def _qk_block[Cache: KVCacheT](
 
 
 @always_inline
-def _pv_block[Cache: KVCacheT](
+def _qk_key_major[D: Int, RV: Int](
+    qt: F32Ptr,  # [D, MAX_ROWS] scaled queries, transposed
+    kf: F32Ptr,  # the head's key rows (f32), `stride` apart
+    stride: Int,
+    s: F32Ptr,  # [BK, MAX_ROWS] scores of this tile, key-major
+    r0: Int,
+    n: Int,
+):
+    """S^T[:n, r0 .. r0 + RV*W] = K Q^T, KBK keys x RV row vectors at a time.
+
+    Key-major scores need no horizontal sums: each FMA multiplies a broadcast key
+    element by W query rows' elements. RV row vectors x KBK keys = 16 accumulators;
+    per element of D: RV query loads and KBK broadcasts feed 16 FMAs. Keys past n
+    repeat key n-1; their scores land in unused slots.
+    """
+    comptime KBK = W // RV
+    for j0 in range(0, n, KBK):
+        var koff = Array[Int, KBK](fill=0)
+        comptime for kk in range(KBK):
+            koff[kk] = min(j0 + kk, n - 1) * stride
+        var acc = Array[SIMD[DType.float32, W], W](fill=0)  # [kk * RV + rv]
+        for d in range(D):
+            var qv = Array[SIMD[DType.float32, W], RV](fill=0)
+            comptime for rv in range(RV):
+                qv[rv] = qt.unsafe_load[width=W](d * MAX_ROWS + r0 + rv * W)
+            comptime for kk in range(KBK):
+                var kb = SIMD[DType.float32, W](kf.unsafe_load(koff[kk] + d))
+                comptime for rv in range(RV):
+                    acc[kk * RV + rv] = kb.fma(qv[rv], acc[kk * RV + rv])
+        comptime for kk in range(KBK):
+            comptime for rv in range(RV):
+                s.unsafe_store((j0 + kk) * MAX_ROWS + r0 + rv * W, acc[kk * RV + rv])
+
+
+@always_inline
+def _pv_block[Cache: KVCacheT, P_ROW: Int, P_KEY: Int](
     o: F32Ptr,  # [rows, D] output accumulators
-    p: F32Ptr,  # [rows, BK] probabilities of this tile
+    p: F32Ptr,  # probabilities of this tile: P[r, j] at r * P_ROW + j * P_KEY
     r0: Int,
     vp: Ptr[Cache.dtype],  # first value row of the tile
     n: Int,
@@ -162,7 +206,7 @@ def _pv_block[Cache: KVCacheT](
             comptime for cc in range(NC):
                 vv[cc] = _widen(vp, j * STRIDE + c0 + cc * W)
             comptime for rr in range(RB):
-                var pj = SIMD[DType.float32, W](p.unsafe_load((r0 + rr) * BK + j))
+                var pj = SIMD[DType.float32, W](p.unsafe_load((r0 + rr) * P_ROW + j * P_KEY))
                 comptime for cc in range(NC):
                     acc[rr * NC + cc] = pj.fma(vv[cc], acc[rr * NC + cc])
         comptime for rr in range(RB):
@@ -171,103 +215,321 @@ def _pv_block[Cache: KVCacheT](
                 o.unsafe_store(off, o.unsafe_load[width=W](off) + acc[rr * NC + cc])
 
 
+@always_inline
+def _rescale_row[D: Int](o: F32Ptr, r: Int, alpha: Float32):
+    """O[r] *= alpha, the online-softmax correction when a row's running max grows."""
+    if alpha != 1:
+        comptime for c in range(0, D, W):
+            o.unsafe_store(r * D + c, o.unsafe_load[width=W](r * D + c) * alpha)
+
+
+def _softmax_row_major[D: Int](
+    s: F32Ptr, m: F32Ptr, l: F32Ptr, o: F32Ptr, last: I32Ptr, rows: Int, n: Int, k_tok: Int, masked: Bool
+):
+    """Online-softmax step for row-major scores S[r, j] (stride BK): masks keys past
+    each row's last visible position, turns scores into exp(s - new max) in place,
+    and rescales l and O by exp(old max - new max)."""
+    for r in range(rows):
+        var row_s = s.unsafe_offset(r * BK)
+        if masked:
+            for j in range(max(Int(last.unsafe_load(r)) - k_tok + 1, 0), n):
+                row_s.unsafe_store(j, Float32.MIN)
+        var mv = SIMD[DType.float32, W](m.unsafe_load(r))
+        var j = 0
+        while j + W <= n:
+            mv = max(mv, row_s.unsafe_load[width=W](j))
+            j += W
+        var mx = mv.reduce_max()
+        while j < n:
+            mx = max(mx, row_s.unsafe_load(j))
+            j += 1
+        var sv = SIMD[DType.float32, W](0)
+        j = 0
+        while j + W <= n:
+            var e = exp(row_s.unsafe_load[width=W](j) - mx)
+            row_s.unsafe_store(j, e)
+            sv += e
+            j += W
+        var sum = sv.reduce_add()
+        while j < n:
+            var e = exp(row_s.unsafe_load(j) - mx)
+            row_s.unsafe_store(j, e)
+            sum += e
+            j += 1
+        var alpha = exp(m.unsafe_load(r) - mx)
+        m.unsafe_store(r, mx)
+        l.unsafe_store(r, l.unsafe_load(r) * alpha + sum)
+        _rescale_row[D](o, r, alpha)
+
+
+def _softmax_key_major[D: Int](
+    s: F32Ptr, m: F32Ptr, l: F32Ptr, o: F32Ptr, last: I32Ptr, rows: Int, n: Int, k_tok: Int, masked: Bool
+):
+    """The same step for key-major scores S^T[j, r] (stride MAX_ROWS), W rows at a
+    time: maxima, masks and sums are lane-wise, with no horizontal reductions."""
+    for r0 in range(0, rows, W):
+        var m_old = m.unsafe_load[width=W](r0)
+        var last_v = last.unsafe_load[width=W](r0)
+        var mx = m_old
+        for j in range(n):
+            var v = s.unsafe_load[width=W](j * MAX_ROWS + r0)
+            if masked:
+                v = SIMD[DType.int32, W](k_tok + j).gt(last_v).select(SIMD[DType.float32, W](Float32.MIN), v)
+                s.unsafe_store(j * MAX_ROWS + r0, v)
+            mx = max(mx, v)
+        var sum = SIMD[DType.float32, W](0)
+        for j in range(n):
+            var e = exp(s.unsafe_load[width=W](j * MAX_ROWS + r0) - mx)
+            s.unsafe_store(j * MAX_ROWS + r0, e)
+            sum += e
+        var alpha = exp(m_old - mx)
+        m.unsafe_store(r0, mx)
+        l.unsafe_store(r0, l.unsafe_load[width=W](r0) * alpha + sum)
+        comptime for rr in range(W):
+            _rescale_row[D](o, r0 + rr, alpha[rr])
+
+
+@fieldwise_init
+struct _Unit(ImplicitlyCopyable, Movable):
+    """One task of the CPU path: `ntok` new tokens of batch entry `b` (flat tokens from
+    `tok0`, entry-relative from `i0`) x KV heads [h0, h0 + nh), against the keys
+    [k_lo, k_hi). With `part` < 0 the unit sees all its keys and writes the output;
+    otherwise it is one split of them and leaves its unnormalised softmax state in
+    partial slot `part`, for `_merge_parts`."""
+
+    var b: Int
+    var tok0: Int
+    var i0: Int
+    var ntok: Int
+    var h0: Int
+    var nh: Int
+    var k_lo: Int
+    var k_hi: Int
+    var part: Int
+
+
+@fieldwise_init
+struct _Merge(ImplicitlyCopyable, Movable):
+    """A unit whose keys were split: its splits left their states in partial slots
+    [unit.part, unit.part + parts)."""
+
+    var unit: _Unit
+    var parts: Int
+
+
+@always_inline
+def _head_rows(ntok: Int, group: Int) -> Int:
+    """Rows one KV head contributes to a unit: ntok x group, padded to a multiple of W
+    when there are at least W (key-major scores), else of RB (row-major scores).
+    Padding rows get zero queries and finite junk, and are never stored."""
+    var rows = ntok * group
+    return ceildiv(rows, W) * W if rows >= W else ceildiv(rows, RB) * RB
+
+
+@always_inline
+def _row_offset(u: _Unit, r: Int, group: Int, n_q: Int, D: Int) -> Int:
+    """Element offset in q / output of unit row r (rows are KV-head-major, then token,
+    then query head of the group). -1 for a padding row."""
+    var rows_hp = _head_rows(u.ntok, group)
+    var rr = r % rows_hp
+    if rr >= u.ntok * group:
+        return -1
+    return ((u.tok0 + rr // group) * n_q + (u.h0 + r // rows_hp) * group + rr % group) * D
+
+
 def _attend_unit[Cache: KVCacheT, q_dtype: DType](
     kc: Cache,
     vc: Cache,
     q: Ptr[q_dtype],  # [total_tokens, n_q, D]
     output: Ptr[q_dtype],  # [total_tokens, n_q, D]
-    b: Int,
-    h: Int,  # KV head
-    tok0: Int,  # first flat token of the tile
-    i0: Int,  # its index among entry b's new tokens
-    ntok: Int,
+    u: _Unit,
     group: Int,
     n_q: Int,
     scale: Float32,
+    parts: F32Ptr,  # partial slots, PART_SLOT[D] floats each
 ):
-    """Attention for `ntok` tokens x `group` query heads of KV head `h` of entry `b`."""
+    """Online-softmax attention of one unit: all its rows share one pass over its keys.
+
+    Units with at least W rows per head (prefill tiles) keep scores key-major, S^T;
+    smaller ones (decode) keep them row-major and walk several heads per key tile.
+    """
     comptime D = Cache.kv_params.head_size
+    comptime STRIDE = Cache.token_stride()
     comptime assert D % W == 0, "head_size must be a multiple of 16 on CPU"
-    var rows = ntok * group  # row r <-> (token tok0 + r // group, query head h * group + r % group)
-    var rows_p = ceildiv(rows, RB) * RB  # padding rows: zero queries, finite junk, never stored
+    var rows_hp = _head_rows(u.ntok, group)
+    var rows_p = u.nh * rows_hp
+    var key_major = rows_hp % W == 0
     var qs = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var o = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var s = stack_allocation[MAX_ROWS * BK, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
+    var kf = stack_allocation[BK * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var m = stack_allocation[MAX_ROWS, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var l = stack_allocation[MAX_ROWS, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
+    var last = stack_allocation[MAX_ROWS, Int32]().unsafe_origin_cast[MutUntrackedOrigin]()
+    var first_pos = kc.cache_length(u.b) + u.i0  # position of the unit's first token
     for r in range(rows_p):
-        var src = q.unsafe_offset(((tok0 + r // group) * n_q + h * group + r % group) * D)
+        var off = _row_offset(u, r, group, n_q, D)
         comptime for c in range(0, D, W):
             var qv = SIMD[DType.float32, W](0)
-            if r < rows:
-                qv = src.unsafe_load[width=W](c).cast[DType.float32]() * scale
-            qs.unsafe_store(r * D + c, qv)
+            if off >= 0:
+                qv = q.unsafe_load[width=W](off + c).cast[DType.float32]() * scale
+            if key_major:  # qs is Q^T [D, MAX_ROWS]
+                comptime for i in range(W):
+                    qs.unsafe_store((c + i) * MAX_ROWS + r, qv[i])
+            else:  # qs is Q [rows, D]
+                qs.unsafe_store(r * D + c, qv)
             o.unsafe_store(r * D + c, SIMD[DType.float32, W](0))
         m.unsafe_store(r, Float32.MIN)
         l.unsafe_store(r, 0)
+        last.unsafe_store(r, Int32(first_pos + (r % rows_hp) // group))
 
-    # Keys per tile: a K tile of at most 16 KiB stays in L1 (with the row block's
-    # queries) while every row block of the unit walks it; the f32 tile is half as long.
+    # Keys per tile: a K tile of at most 16 KiB per head stays in L1 (with the row
+    # block's queries) while every row block of its head walks it.
     comptime TK = max(KB, min(BK, 16384 // (D * size_of[Scalar[Cache.dtype]]())))
-    var first_pos = kc.cache_length(b) + i0  # position of the tile's first token
-    var kv_end = first_pos + ntok  # keys [0, kv_end) are visible to some row
-    var k_tok = 0
-    _prefetch_rows[Cache](kc.row_ptr(b, h, 0), min(TK, kc.contiguous_tokens(0), kv_end))
+    var width = u.nh * D  # elements of one token's rows for the unit's heads: contiguous
+    var kv_end = min(u.k_hi, first_pos + u.ntok)
+    var k_tok = u.k_lo
+    _prefetch_rows[Cache](kc.row_ptr(u.b, u.h0, k_tok), min(TK, kc.contiguous_tokens(k_tok), kv_end - k_tok), width)
     while k_tok < kv_end:
         var n = min(TK, kc.contiguous_tokens(k_tok), kv_end - k_tok)
-        var kp = kc.row_ptr(b, h, k_tok)
-        var vp = vc.row_ptr(b, h, k_tok)
-        _prefetch_rows[Cache](vp, n)  # read after QK and softmax
+        var kp = kc.row_ptr(u.b, u.h0, k_tok)
+        var vp = vc.row_ptr(u.b, u.h0, k_tok)
+        _prefetch_rows[Cache](vp, n, width)  # read after QK and softmax
         var k_next = k_tok + n
         if k_next < kv_end:  # read after this tile's PV
-            _prefetch_rows[Cache](kc.row_ptr(b, h, k_next), min(TK, kc.contiguous_tokens(k_next), kv_end - k_next))
-        for r0 in range(0, rows_p, RB):
-            for j0 in range(0, n, KB):
-                _qk_block[Cache](qs, s, r0, kp, j0, n)
+            _prefetch_rows[Cache](
+                kc.row_ptr(u.b, u.h0, k_next), min(TK, kc.contiguous_tokens(k_next), kv_end - k_next), width
+            )
         var masked = k_tok + n - 1 > first_pos  # the diagonal tile: some keys are in the future
-        for r in range(rows_p):
-            var row_s = s.unsafe_offset(r * BK)
-            if masked:
-                var last = first_pos + r // group - k_tok  # last visible key of this row, tile-relative
-                for j in range(max(last + 1, 0), n):
-                    row_s.unsafe_store(j, Float32.MIN)
-            var mv = SIMD[DType.float32, W](m.unsafe_load(r))
-            var j = 0
-            while j + W <= n:
-                mv = max(mv, row_s.unsafe_load[width=W](j))
-                j += W
-            var mx = mv.reduce_max()
-            while j < n:
-                mx = max(mx, row_s.unsafe_load(j))
-                j += 1
-            var alpha = exp(m.unsafe_load(r) - mx)
-            var sv = SIMD[DType.float32, W](0)
-            j = 0
-            while j + W <= n:
-                var e = exp(row_s.unsafe_load[width=W](j) - mx)
-                row_s.unsafe_store(j, e)
-                sv += e
-                j += W
-            var sum = sv.reduce_add()
-            while j < n:
-                var e = exp(row_s.unsafe_load(j) - mx)
-                row_s.unsafe_store(j, e)
-                sum += e
-                j += 1
-            m.unsafe_store(r, mx)
-            l.unsafe_store(r, l.unsafe_load(r) * alpha + sum)
-            if alpha != 1:
-                comptime for c in range(0, D, W):
-                    o.unsafe_store(r * D + c, o.unsafe_load[width=W](r * D + c) * alpha)
-        for r0 in range(0, rows_p, RB):
-            _pv_block[Cache](o, s, r0, vp, n)
+        if key_major:
+            for hh in range(u.nh):
+                var kh = kp.unsafe_offset(hh * D)
+                var ksrc = kh.unsafe_bitcast[Float32]()
+                var kstride = STRIDE
+                comptime if Cache.dtype != DType.float32:  # widen the tile once, not per row block
+                    for j in range(n):
+                        comptime for c in range(0, D, W):
+                            kf.unsafe_store(j * D + c, _widen(kh, j * STRIDE + c))
+                    ksrc, kstride = kf, D
+                var r = hh * rows_hp
+                var r_end = r + rows_hp
+                while r < r_end:
+                    if r_end - r >= 4 * W:
+                        _qk_key_major[D, 4](qs, ksrc, kstride, s, r, n)
+                        r += 4 * W
+                    elif r_end - r >= 2 * W:
+                        _qk_key_major[D, 2](qs, ksrc, kstride, s, r, n)
+                        r += 2 * W
+                    else:
+                        _qk_key_major[D, 1](qs, ksrc, kstride, s, r, n)
+                        r += W
+            _softmax_key_major[D](s, m, l, o, last, rows_p, n, k_tok, masked)
+            for hh in range(u.nh):
+                for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
+                    _pv_block[Cache, 1, MAX_ROWS](o, s, r0, vp.unsafe_offset(hh * D), n)
+        else:
+            # Key blocks outer, heads inner: the tile is read in address order (a
+            # token's heads are adjacent), which the hardware prefetchers follow.
+            for j0 in range(0, n, KB):
+                for hh in range(u.nh):
+                    for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
+                        _qk_block[Cache](qs, s, r0, kp.unsafe_offset(hh * D), j0, n)
+            _softmax_row_major[D](s, m, l, o, last, rows_p, n, k_tok, masked)
+            for hh in range(u.nh):
+                for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
+                    _pv_block[Cache, BK, 1](o, s, r0, vp.unsafe_offset(hh * D), n)
         k_tok += n
 
-    for r in range(rows):
-        var dst = output.unsafe_offset(((tok0 + r // group) * n_q + h * group + r % group) * D)
+    if u.part >= 0:  # one split of the keys: keep the raw state for the merge
+        var slot = parts.unsafe_offset(u.part * PART_SLOT[D])
+        for r in range(rows_p):
+            comptime for c in range(0, D, W):
+                slot.unsafe_store(r * D + c, o.unsafe_load[width=W](r * D + c))
+            slot.unsafe_store(MAX_ROWS * D + r, m.unsafe_load(r))
+            slot.unsafe_store(MAX_ROWS * (D + 1) + r, l.unsafe_load(r))
+        return
+    for r in range(rows_p):
+        var off = _row_offset(u, r, group, n_q, D)
+        if off < 0:
+            continue
         var inv = 1 / l.unsafe_load(r)
         comptime for c in range(0, D, W):
-            dst.unsafe_store(c, (o.unsafe_load[width=W](r * D + c) * inv).cast[q_dtype]())
+            output.unsafe_store(off + c, (o.unsafe_load[width=W](r * D + c) * inv).cast[q_dtype]())
+
+
+def _merge_parts[q_dtype: DType, D: Int](
+    mg: _Merge, parts: F32Ptr, output: Ptr[q_dtype], group: Int, n_q: Int
+):
+    """Combines the softmax states of a unit's key splits: with M the largest running
+    max, out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s."""
+    var u = mg.unit
+    for r in range(u.nh * _head_rows(u.ntok, group)):
+        var off = _row_offset(u, r, group, n_q, D)
+        if off < 0:
+            continue
+        var mx = Float32.MIN
+        for p in range(mg.parts):
+            mx = max(mx, parts.unsafe_load((u.part + p) * PART_SLOT[D] + MAX_ROWS * D + r))
+        var acc = Array[SIMD[DType.float32, W], D // W](fill=0)
+        var l: Float32 = 0
+        for p in range(mg.parts):
+            var slot = parts.unsafe_offset((u.part + p) * PART_SLOT[D])
+            var w = exp(slot.unsafe_load(MAX_ROWS * D + r) - mx)
+            l += w * slot.unsafe_load(MAX_ROWS * (D + 1) + r)
+            comptime for c in range(D // W):
+                acc[c] = SIMD[DType.float32, W](w).fma(slot.unsafe_load[width=W](r * D + c * W), acc[c])
+        comptime for c in range(D // W):
+            output.unsafe_store(off + c * W, (acc[c] / l).cast[q_dtype]())
+
+
+def _plan_units[Cache: KVCacheT](
+    kc: Cache, offsets: U32Ptr, batch_size: Int, group: Int, mut units: List[_Unit], mut merges: List[_Merge]
+) raises -> Int:
+    """Cuts the batch into units and returns the number of partial slots they use.
+
+    Each entry's new tokens go in tiles of at most MAX_ROWS // group tokens. A tile
+    takes as many KV heads as fit in MAX_ROWS rows: one head for a prefill tile, all
+    of them for a decode token with group <= 8, so that decode walks each key tile's
+    heads in address order. When that leaves too few units to keep every core busy
+    (a few long decodes), the keys each unit's rows all see are split, at least
+    MIN_SPLIT_KEYS apiece, and `_merge_parts` combines the splits afterwards.
+    """
+    comptime H = Cache.kv_params.num_heads
+    if group > MAX_ROWS:
+        raise Error("mokv flash_attention (CPU): n_q / n_kv_heads must be <= ", MAX_ROWS)
+    var tq = max(1, MAX_ROWS // group)
+    var whole = List[_Unit]()
+    for b in range(batch_size):
+        var start = Int(offsets[unsafe_offset=b])
+        var end = Int(offsets[unsafe_offset=b + 1])
+        var t = start
+        while t < end:
+            var ntok = min(tq, end - t)
+            var nh = H
+            while nh * _head_rows(ntok, group) > MAX_ROWS or H % nh != 0:
+                nh -= 1
+            var first_pos = kc.cache_length(b) + t - start
+            for h0 in range(0, H, nh):
+                whole.append(_Unit(b, t, t - start, ntok, h0, nh, 0, first_pos + ntok, -1))
+            t += ntok
+
+    var want = ceildiv(SPLIT_UNITS_PER_CORE * num_physical_cores(), max(len(whole), 1))
+    var n_parts = 0
+    for u in whole:
+        # Keys [0, shared) are visible to every row, so every split has a visible key.
+        var shared = u.k_hi - u.ntok + 1
+        var splits = min(want, shared // MIN_SPLIT_KEYS)
+        if splits <= 1:
+            units.append(u)
+            continue
+        var step = ceildiv(ceildiv(shared, splits), SPLIT_ALIGN) * SPLIT_ALIGN
+        splits = ceildiv(shared, step)
+        for i in range(splits):
+            var hi = u.k_hi if i == splits - 1 else (i + 1) * step
+            units.append(_Unit(u.b, u.tok0, u.i0, u.ntok, u.h0, u.nh, i * step, hi, n_parts + i))
+        merges.append(_Merge(_Unit(u.b, u.tok0, u.i0, u.ntok, u.h0, u.nh, 0, u.k_hi, n_parts), splits))
+        n_parts += splits
+    return n_parts
 
 
 def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
@@ -291,31 +553,26 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
     var group = n_q // H
 
     comptime if is_cpu[target]():
-        # Units are numbered tile-major then KV head; tile t of entry b starts at flat
-        # token tile_start[t]. Build that table on the host (one Int per tile).
-        var tq = max(1, MAX_ROWS // group)
-        if group > MAX_ROWS:
-            raise Error("mokv flash_attention (CPU): n_q / n_kv_heads must be <= ", MAX_ROWS)
-        var tiles = List[Int]()
-        for bb in range(batch_size):
-            var t = Int(offsets[unsafe_offset=bb])
-            var end = Int(offsets[unsafe_offset=bb + 1])
-            while t < end:
-                tiles.append(t)
-                t += tq
-        var tile_ptr = tiles.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var n_tiles = len(tiles)
+        var units = List[_Unit]()
+        var merges = List[_Merge]()
+        var n_parts = _plan_units(kc, offsets, batch_size, group, units, merges)
+        var scratch = List[Float32](length=max(n_parts, 1) * PART_SLOT[D], fill=0)
+        var parts = scratch.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var unit_ptr = units.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var merge_ptr = merges.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
 
-        def body(unit: Int) {imm kc, imm vc, imm q, imm output, imm offsets, imm tile_ptr, imm batch_size, imm tq, imm group, imm n_q, imm scale}:
-            var tok0 = tile_ptr.unsafe_load(unit // H)
-            var h = unit % H
-            var b = batch_of_token(offsets, batch_size, tok0)
-            var start = Int(offsets[unsafe_offset=b])
-            var ntok = min(tq, Int(offsets[unsafe_offset=b + 1]) - tok0)
-            _attend_unit(kc, vc, q, output, b, h, tok0, tok0 - start, ntok, group, n_q, scale)
+        def body(i: Int) {imm kc, imm vc, imm q, imm output, imm unit_ptr, imm group, imm n_q, imm scale, imm parts}:
+            _attend_unit(kc, vc, q, output, unit_ptr[unsafe_offset=i], group, n_q, scale, parts)
 
-        sync_parallelize(body, n_tiles * H)
-        _ = tiles^  # keep the table alive until every unit has run
+        def merge(i: Int) {imm merge_ptr, imm parts, imm output, imm group, imm n_q}:
+            _merge_parts[q_dtype, D](merge_ptr[unsafe_offset=i], parts, output, group, n_q)
+
+        sync_parallelize(body, len(units))
+        if len(merges) > 0:
+            sync_parallelize(merge, len(merges))
+        _ = units^  # keep the tables and partial states alive until every task has run
+        _ = merges^
+        _ = scratch^
     else:
 
         def kernel() {var kc, var vc, var q, var output, var offsets, var batch_size, var total_tokens, var n_q, var group, var scale}:
