@@ -1,6 +1,6 @@
 """Host cost and prefix-cache benefit of the KV cache managers, replaying one trace.
 
-Three measurements, all through `scheduler.replay` (no model execution):
+Three measurements, all through `replay.replay` (no model execution):
 
 - `compare`: the main trace at a tight page budget (preemption happens), each manager
   in a fresh subprocess so its peak RSS growth is its own; `repeats` replays each,
@@ -63,12 +63,12 @@ def _kib(field: str) -> int:
 
 def _one(manager: str, trace: list[Request], budget: int, max_batch: int, **kw) -> dict:
     from managers import ADAPTERS
-    from scheduler import replay
+    from replay import replay
 
     adapter = ADAPTERS[manager](budget, max_batch, MAX_SEQ_LEN, page_size=PAGE_SIZE)
     gc.collect()
     gc.freeze()
-    out = replay(adapter, trace, max_batch, **kw).summary()
+    out = replay(adapter, trace, **kw).summary()
     out["kv_pool_bytes"] = adapter.kv_bytes
     out["total_pages"] = adapter.total_pages
     gc.unfreeze()

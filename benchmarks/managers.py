@@ -1,11 +1,16 @@
-"""Adapters that give the scheduler loop one vocabulary over three KV cache managers.
+"""Adapters that put three KV cache managers behind the scheduler's method names.
+
+`mokv_graphs.Scheduler` calls mokv's names (`external_claim`, `maybe_reserve`, `fetch`,
+`step`, `release`) and reads contexts through `mokv.TextContext`'s. Each adapter builds
+one manager under the same page budget, hands the scheduler its `manager`, makes the
+contexts of trace requests (`new_context`) and counts the pages in use:
 
 - `MokvPaged`:      `mokv.PagedKVCacheManager` with its prefix cache on;
 - `MokvContinuous`: `mokv.ContinuousBatchingKVCacheManager`, as many `max_seq_len`
                     slots as the same memory budget holds (no prefix cache);
 - `MaxPaged`:       MAX 26.7's `max.pipelines.kv_cache.PagedKVCacheManager` with its
-                    prefix cache on, driven the way MAX's own `TextBatchConstructor`
-                    drives it (claim -> alloc -> runtime_inputs -> update -> step -> release).
+                    prefix cache on, called the way MAX's own `TextBatchConstructor`
+                    calls it (claim -> alloc -> runtime_inputs -> update -> step -> release).
 
 Every adapter gets the same page budget (`budget_pages` pages of `page_size` tokens)
 and the same tiny cache shape (the KV tensors are allocated but never touched: the
@@ -13,6 +18,8 @@ host-side cost does not depend on their size).
 """
 
 from __future__ import annotations
+
+import weakref
 
 from max.driver import CPU
 from max.dtype import DType
@@ -31,39 +38,14 @@ def session() -> InferenceSession:
     return _SESSION
 
 
-class _MokvBase:
+class _Mokv:
+    """mokv's managers already have the scheduler's method names: `manager` is the manager."""
+
     def new_context(self, req):
         return mokv.TextContext(req.prompt, request_id=f"r{req.rid}")
 
-    def claim(self, ctx) -> bool:
-        try:
-            self.m.external_claim(ctx.request_id, 0)
-        except mokv.BatchTooLargeError:
-            return False
-        return True
 
-    def reserve(self, ctx) -> bool:
-        return self.m.maybe_reserve(ctx, 1)
-
-    def fetch(self, batch):
-        return self.m.fetch(batch, 1)
-
-    def step(self, batch) -> None:
-        self.m.step(batch)
-
-    def release(self, ctx) -> None:
-        self.m.release(ctx.request_id)
-
-    # Context-side calls (outside the timers).
-    start = staticmethod(lambda ctx: ctx.start_idx)
-    end = staticmethod(lambda ctx: ctx.end_idx)
-    active = staticmethod(lambda ctx: ctx.active_length)
-    chunk = staticmethod(lambda ctx, n: ctx.chunk(n))
-    update = staticmethod(lambda ctx, tok: ctx.update(tok))
-    reset = staticmethod(lambda ctx: ctx.reset())
-
-
-class MokvPaged(_MokvBase):
+class MokvPaged(_Mokv):
     name = "mokv-paged"
 
     def __init__(self, budget_pages, max_batch, max_seq_len, page_size=128, prefix=True,
@@ -72,16 +54,17 @@ class MokvPaged(_MokvBase):
                                          page_size=page_size, enable_prefix_caching=prefix,
                                          prefix_hash=prefix_hash)
         memory = budget_pages * self.params.bytes_per_page(SHAPE["num_layers"])
-        self.m = mokv.PagedKVCacheManager(self.params, max_batch, max_seq_len, SHAPE["num_layers"],
-                                          [CPU()], session(), memory, page_size=page_size)
-        self.total_pages = self.m.total_num_pages
+        self.manager = mokv.PagedKVCacheManager(self.params, max_batch, max_seq_len,
+                                                SHAPE["num_layers"], [CPU()], session(), memory,
+                                                page_size=page_size)
+        self.total_pages = self.manager.total_num_pages
         self.kv_bytes = self.total_pages * self.params.bytes_per_page(SHAPE["num_layers"])
 
     def used_pages(self) -> int:
-        return self.total_pages - self.m.num_free_blocks
+        return self.total_pages - self.manager.num_free_blocks
 
 
-class MokvContinuous(_MokvBase):
+class MokvContinuous(_Mokv):
     name = "mokv-continuous"
 
     def __init__(self, budget_pages, max_batch, max_seq_len, page_size=128, **_):
@@ -90,16 +73,44 @@ class MokvContinuous(_MokvBase):
                                          cache_strategy=mokv.KVCacheStrategy.CONTINUOUS)
         slots = max(1, min(max_batch, budget_pages * page_size // max_seq_len))
         self.pages_per_slot = -(-max_seq_len // page_size)
-        self.m = mokv.ContinuousBatchingKVCacheManager(self.params, slots, max_seq_len,
-                                                       SHAPE["num_layers"], [CPU()], session())
+        self.manager = mokv.ContinuousBatchingKVCacheManager(
+            self.params, slots, max_seq_len, SHAPE["num_layers"], [CPU()], session())
         self.total_pages = slots * self.pages_per_slot
         self.kv_bytes = slots * max_seq_len * self.params.bytes_per_token(SHAPE["num_layers"])
 
     def used_pages(self) -> int:
-        return (self.m.max_cache_batch_size - self.m.num_free_blocks) * self.pages_per_slot
+        m = self.manager
+        return (m.max_cache_batch_size - m.num_free_blocks) * self.pages_per_slot
+
+
+class _MaxContext:
+    """A MAX `TextContext` under the names the scheduler reads (mokv.TextContext's)."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+
+    request_id = property(lambda self: self.ctx.request_id)
+    start_idx = property(lambda self: self.ctx.tokens.processed_length)
+    end_idx = property(lambda self: len(self.ctx.tokens))
+    active_length = property(lambda self: self.ctx.tokens.active_length)
+    is_chunked = property(lambda self: self.ctx.tokens.current_position < len(self.ctx.tokens))
+
+    def chunk(self, max_tokens: int) -> None:
+        if max_tokens < self.ctx.tokens.active_length:  # MAX refuses a chunk that cuts nothing
+            self.ctx.tokens.chunk(max_tokens)
+
+    def update(self, token: int) -> None:
+        self.ctx.update(token)
+
+    def reset(self) -> None:
+        self.ctx.reset()
 
 
 class MaxPaged:
+    """MAX's manager, driven through this adapter's methods: `manager` is the adapter."""
+
     name = "max-paged"
 
     def __init__(self, budget_pages, max_batch, max_seq_len, page_size=128, prefix=True, **_):
@@ -114,49 +125,44 @@ class MaxPaged:
                         n_kv_heads=SHAPE["n_kv_heads"])
         self.m = Manager(params=params, session=session(), total_num_pages=budget_pages,
                          max_batch_size=max_batch)
+        self.manager = self
+        self.max_batch_size = max_batch
         self.max_seq_len = max_seq_len
         self.total_pages = budget_pages
         self.kv_bytes = (budget_pages + 1) * page_size * 2 * SHAPE["num_layers"] * \
             SHAPE["n_kv_heads"] * SHAPE["head_dim"] * 4
+        # MAX's claim and release take the context where mokv's take its id. Weak values:
+        # a finished request's context (and its tokens) is freed when the replay drops it.
+        self._contexts = weakref.WeakValueDictionary()
 
     def new_context(self, req):
-        return self._Ctx(request_id=self._RID(f"r{req.rid}"), max_length=self.max_seq_len,
-                         tokens=self._Tokens(req.prompt.copy()))
+        ctx = self._Ctx(request_id=self._RID(f"r{req.rid}"), max_length=self.max_seq_len,
+                        tokens=self._Tokens(req.prompt.copy()))
+        self._contexts[ctx.request_id] = ctx
+        return _MaxContext(ctx)
 
-    def claim(self, ctx) -> bool:
-        self.m.claim(ctx, 0)
-        return True
+    def external_claim(self, request_id) -> None:
+        self.m.claim(self._contexts[request_id], 0)
 
-    def reserve(self, ctx) -> bool:
+    def maybe_reserve(self, ctx: _MaxContext) -> bool:
         try:
-            self.m.alloc(ctx)
+            self.m.alloc(ctx.ctx)
         except self._Err:
             return False
         return True
 
-    def fetch(self, batch):
-        return self.m.runtime_inputs([batch])
+    def fetch(self, batch: list[_MaxContext]):
+        return self.m.runtime_inputs([[c.ctx for c in batch]])
 
-    def step(self, batch) -> None:
-        for ctx in batch:
-            self.m.step(ctx)
+    def step(self, batch: list[_MaxContext]) -> None:
+        for c in batch:
+            self.m.step(c.ctx)
 
-    def release(self, ctx) -> None:
-        self.m.release(ctx)
+    def release(self, request_id) -> None:
+        self.m.release(self._contexts[request_id])
 
     def used_pages(self) -> int:
         return self.total_pages - self.m.block_count(0).free
-
-    start = staticmethod(lambda ctx: ctx.tokens.processed_length)
-    end = staticmethod(lambda ctx: len(ctx.tokens))
-    active = staticmethod(lambda ctx: ctx.tokens.active_length)
-    update = staticmethod(lambda ctx, tok: ctx.update(tok))
-    reset = staticmethod(lambda ctx: ctx.reset())
-
-    @staticmethod
-    def chunk(ctx, n):
-        if n < ctx.tokens.active_length:
-            ctx.tokens.chunk(n)
 
 
 ADAPTERS = {a.name: a for a in (MokvPaged, MokvContinuous, MaxPaged)}

@@ -23,7 +23,7 @@ from rich.progress import Progress
 
 import mokv
 from mokv_graphs import (
-    DecoderConfig, DecoderModel, Request, Scheduler, first_mismatch, init_weights,
+    DecoderConfig, DecoderModel, Request, Scheduler, first_mismatch, greedy, init_weights,
     load_safetensors,
 )
 
@@ -70,7 +70,7 @@ pending = [
 ]
 second_turn = {id(req): tokens(8, 24) for _, req in pending[::4]}
 
-scheduler = Scheduler(manager, model.step, token_budget=args.token_budget)
+scheduler = Scheduler(manager, greedy(model.step), token_budget=args.token_budget)
 done: list[Request] = []
 peak_pages = step = 0
 start = time.perf_counter()

@@ -8,14 +8,15 @@ The one model here is a small Llama-style decoder:
     logits = model.step(contexts)                  # one ragged batch through the cache
 
 `reference_logits` is the same decoder in numpy without a cache (the tests' ground
-truth), and `Scheduler` serves a stream of requests with continuous batching.
+truth), and `Scheduler` serves a stream of requests with continuous batching
+(`Scheduler(manager, greedy(model.step))`).
 """
 
 from .config import DecoderConfig, rope_table
 from .decoder import build_decoder_graph
 from .model import DecoderModel, ragged_inputs
 from .reference import first_mismatch, reference_generate, reference_logits
-from .scheduler import Request, Scheduler, SchedulerStats
+from .scheduler import Request, Scheduler, SchedulerStats, greedy
 from .weights import (
     check_weights,
     checkpoint_shapes,
@@ -35,6 +36,7 @@ __all__ = [
     "check_weights",
     "checkpoint_shapes",
     "first_mismatch",
+    "greedy",
     "graph_weights",
     "init_weights",
     "load_safetensors",

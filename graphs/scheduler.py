@@ -1,22 +1,34 @@
-"""A small continuous-batching scheduler: admission, chunked prefill, preemption.
+"""A continuous-batching scheduler: admission, chunked prefill, preemption.
 
 Each `step()` builds one ragged batch under a token budget and runs the model once:
 
     budget: |decode 1|decode 1|decode 1| prefill chunk of A | chunk of new B |  <= token_budget
              running requests, oldest first  ----------------> newly admitted
 
-1. Running requests: decoding ones take one token each, then prefilling ones take a
-   chunk of what is left of the budget. Each asks the manager for the pages of its
-   window (`maybe_reserve`); when pages run out, the most recently admitted request
-   is preempted (`release` + `ctx.reset()`, back to the front of the queue) and the
-   reservation is retried.
-2. Waiting requests are admitted, in order, while budget, batch slots and pages last
-   (`external_claim` + `maybe_reserve`, which also finds a cached prefix).
-3. One model call; `ctx.update(argmax)`; `manager.step(batch)` commits full pages to the
-   prefix cache; requests that have their tokens are released.
+1. Running requests, oldest first, hold the pages of their next window
+   (`maybe_reserve`): one decode token, or what is left of the prompt. When pages run
+   out, the most recently admitted request is preempted (`release` + `ctx.reset()`,
+   back to the front of the queue) and the reservation is retried.
+2. The batch: running requests, oldest first, each prompt chunked to what is left of
+   the budget. Oldest first is decode first: a prompt gets budget only after every
+   older request's window, so it finishes after theirs, and the running list is always
+   decoding requests followed by prefilling ones. Then waiting requests are admitted,
+   in order, while budget, batch slots and pages last (`external_claim` + `maybe_reserve`
+   of the whole prompt, which also finds a cached prefix), and chunked in turn.
+3. One model call gives each request its next token; `ctx.update(token)`;
+   `manager.step(batch)` commits full pages to the prefix cache; requests that have
+   their tokens are released.
 
-The policy follows vLLM v1 and nano-vllm (decode first, LIFO preemption, recompute on
-resume); a preempted request usually finds its own pages again in the prefix cache.
+The policy follows vLLM v1 (decode first, LIFO preemption, recompute on resume) and, in
+reserving a whole prompt at admission before chunking it, MAX's TextBatchConstructor
+(claim -> alloc -> chunk to the budget); a preempted request usually finds its own pages
+again in the prefix cache.
+
+The scheduler only calls `external_claim`, `maybe_reserve`, `step` and `release` on the
+manager and reads contexts through `mokv.TextContext`'s names, so anything with those
+members can stand in for either: the benchmark (benchmarks/replay.py) times a manager
+behind a wrapper and drives MAX's own manager through an adapter. `on_admit` and
+`on_step` are the hooks where a subclass observes a run.
 """
 
 from __future__ import annotations
@@ -30,13 +42,19 @@ import numpy as np
 
 import mokv
 
-ModelFn = Callable[[Sequence[mokv.TextContext]], np.ndarray]
-"""Runs one batch (fetching its cache inputs) and returns logits `[batch, vocab]`."""
+ModelFn = Callable[[Sequence[mokv.TextContext]], Sequence[int]]
+"""Runs one batch (fetching its cache inputs) and returns each context's next token id."""
+
+
+def greedy(logits_fn: Callable[[Sequence[mokv.TextContext]], np.ndarray]) -> ModelFn:
+    """The `ModelFn` of a model that returns logits `[batch, vocab]` (e.g. `DecoderModel.step`):
+    each context's most likely next token."""
+    return lambda batch: np.argmax(logits_fn(batch), axis=1)
 
 
 @dataclass(eq=False)
 class Request:
-    """A prompt to continue with `max_new_tokens` greedy tokens."""
+    """A prompt to continue with `max_new_tokens` tokens."""
 
     ctx: mokv.TextContext
     max_new_tokens: int
@@ -52,7 +70,7 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return self.output.size >= self.max_new_tokens
+        return self.ctx.end_idx - self.prompt_len >= self.max_new_tokens
 
 
 @dataclass
@@ -69,7 +87,7 @@ class Scheduler:
 
     Args:
         manager: a paged or continuous-batching mokv manager.
-        model: the `ModelFn` (e.g. `DecoderModel.step`).
+        model: the `ModelFn` (e.g. `greedy(DecoderModel.step)`).
         token_budget: most rows per model call (the chunked-prefill chunk limit).
         max_batch_size: most requests running at once (default: the manager's).
     """
@@ -98,49 +116,68 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, req: Request, batch: list[Request]) -> int:
-        """Releases `req`'s cache and requeues it first; returns the budget it gave back."""
-        returned = req.ctx.active_length if req in batch else 0
-        if req in batch:
-            batch.remove(req)
-        self.running.remove(req)
+    # Hooks for subclasses that observe a run (the benchmark counts through them).
+
+    def on_admit(self, req: Request) -> None:
+        """`req` was claimed and its prompt reserved. It came in with an empty cache (new,
+        or reset after preemption), so `req.ctx.start_idx` is the prefix the cache supplied."""
+
+    def on_step(self, batch: list[Request]) -> None:
+        """The model ran `batch` and the manager committed it; the finished requests in it
+        are released right after this."""
+
+    def _preempt(self, req: Request) -> None:
+        """Releases `req`'s cache and requeues it first, to be recomputed."""
         self.manager.release(req.ctx.request_id)
         req.ctx.reset()
         self.waiting.appendleft(req)
         self.stats.preemptions += 1
-        return returned
+
+    def _reserve_running(self) -> None:
+        """Holds every running request's next window, preempting the newest while short."""
+        i = 0
+        while i < len(self.running):
+            if self.manager.maybe_reserve(self.running[i].ctx):
+                i += 1
+            else:
+                self._preempt(self.running.pop())
+
+    def _admit(self, req: Request) -> bool:
+        """Claims the first waiting request and reserves its prompt; False: no room now."""
+        request_id = req.ctx.request_id
+        self.manager.external_claim(request_id)
+        if not self.manager.maybe_reserve(req.ctx):
+            self.manager.release(request_id)
+            if not self.running:
+                raise mokv.InsufficientPagesError(
+                    f"request {request_id!r} ({req.ctx.end_idx} tokens) does not "
+                    "fit in the cache even alone; give the manager more pages"
+                )
+            return False
+        self.running.append(self.waiting.popleft())
+        self.on_admit(req)
+        return True
+
+    @staticmethod
+    def _take(req: Request, budget: int, batch: list[Request]) -> int:
+        """Adds `req` to `batch`, its window chunked to `budget`; returns the tokens it takes."""
+        req.ctx.chunk(budget)
+        batch.append(req)
+        return req.ctx.active_length
 
     def _schedule(self) -> list[Request]:
+        self._reserve_running()
         batch: list[Request] = []
         budget = self.token_budget
-        for req in sorted(self.running, key=lambda r: r.ctx.active_length > 1):
-            if req not in self.running or budget == 0:
-                continue  # preempted by an earlier request, or no budget left this step
-            req.ctx.chunk(budget)
-            while not self.manager.maybe_reserve(req.ctx):
-                victim = self.running[-1]
-                budget += self._preempt(victim, batch)
-                if victim is req:
-                    break
-            else:
-                batch.append(req)
-                budget -= req.ctx.active_length
+        for req in self.running:
+            if budget == 0:
+                break
+            budget -= self._take(req, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
-            self.manager.external_claim(req.ctx.request_id)
-            req.ctx.chunk(budget)
-            if not self.manager.maybe_reserve(req.ctx):
-                self.manager.release(req.ctx.request_id)
-                if not self.running:
-                    raise mokv.InsufficientPagesError(
-                        f"request {req.ctx.request_id!r} ({req.ctx.end_idx} tokens) does not "
-                        "fit in the cache even alone; give the manager more pages"
-                    )
+            if not self._admit(req):
                 break
-            self.waiting.popleft()
-            self.running.append(req)
-            batch.append(req)
-            budget -= req.ctx.active_length
+            budget -= self._take(req, budget, batch)
         return batch
 
     def step(self) -> list[Request]:
@@ -149,14 +186,14 @@ class Scheduler:
         if not batch:
             return []
         contexts = [req.ctx for req in batch]
-        logits = self.model(contexts)
-        self.stats.steps += 1
         self.stats.computed_tokens += sum(ctx.active_length for ctx in contexts)
-        for ctx, row in zip(contexts, logits):
-            was_last_chunk = not ctx.is_chunked
-            ctx.update(int(np.argmax(row)))
-            self.stats.generated_tokens += was_last_chunk
+        next_tokens = self.model(contexts)
+        self.stats.steps += 1
+        for ctx, token in zip(contexts, next_tokens):
+            self.stats.generated_tokens += not ctx.is_chunked  # a prompt's last chunk samples too
+            ctx.update(int(token))
         self.manager.step(contexts)
+        self.on_step(batch)
         finished = [req for req in batch if req.done]
         for req in finished:
             self.running.remove(req)

@@ -110,7 +110,9 @@ def test_prefix_hits_and_shared_pages(config, weights, paged_model, make_kv_mana
 
 def serve(model, manager, requests, token_budget=32):
     """All `requests` through the Scheduler (two arrive per step); returns its stats."""
-    scheduler = mg.Scheduler(manager, lambda b: model.execute(b, manager.fetch(b)), token_budget)
+    scheduler = mg.Scheduler(
+        manager, mg.greedy(lambda b: model.execute(b, manager.fetch(b))), token_budget
+    )
     pending = list(requests)
     while pending or scheduler.has_work:
         for _ in range(min(2, len(pending))):

@@ -46,8 +46,8 @@ class TokenCacheModel:
         (inputs,) = self.manager.fetch(batch)
         blocks = inputs.blocks.to_numpy()  # aliases the manager's cache memory
         lengths, table = inputs.cache_lengths.to_numpy(), inputs.lookup_table.to_numpy()
-        logits = np.zeros((len(batch), VOCAB), dtype=np.float32)
         self.batch_sizes.append(len(batch))
+        next_tokens = []
         for b, ctx in enumerate(batch):
             start = int(lengths[b])
             assert start == ctx.start_idx
@@ -55,8 +55,8 @@ class TokenCacheModel:
                 blocks[self._cell(blocks, table, b, start + i)] = tok
             seen = [blocks[self._cell(blocks, table, b, p)] for p in range(ctx.active_idx)]
             np.testing.assert_array_equal(seen, ctx.tokens[: ctx.active_idx])
-            logits[b, next_token(seen)] = 1.0
-        return logits
+            next_tokens.append(next_token(seen))
+        return next_tokens
 
 
 def workload(rng, num_requests, system_len=40, user_len=(3, 20), max_new=(4, 12)):
@@ -101,10 +101,12 @@ def test_outputs_and_cache_contents(make_kv_manager, strategy):
 
 
 def test_preemption_under_page_pressure(make_kv_manager):
-    """12 pages cannot hold six 50-70 token requests: some are preempted and recomputed."""
+    """12 pages hold the prompts (27-35 tokens) of several requests but not the 20-30
+    tokens each then decodes: the newest are preempted and recomputed."""
     manager = make_kv_manager("paged", num_pages=12)
     scheduler = mg.Scheduler(manager, TokenCacheModel(manager), token_budget=32)
-    requests = workload(np.random.default_rng(1), 8, max_new=(10, 20))
+    requests = workload(np.random.default_rng(1), 8, system_len=24, user_len=(3, 12),
+                        max_new=(20, 30))
     run_all(scheduler, requests, arrive_per_step=8)
     assert scheduler.stats.preemptions > 0
     for req in requests:
@@ -125,3 +127,23 @@ def test_multi_turn_reuses_the_conversation(make_kv_manager):
     assert manager.metrics.cache_tokens - hits_before >= 56  # 7 of 8 full pages reused
     assert list(second.output) == expected_output(second.ctx.tokens[: second.prompt_len], 5)
 
+
+
+def test_hooks_see_admissions_and_steps(make_kv_manager):
+    """`on_admit` sees the prefix the cache supplied; `on_step` comes before any release."""
+    manager = make_kv_manager("paged")
+    admitted, claimed_at_step = [], []
+
+    class Observed(mg.Scheduler):
+        def on_admit(self, req):
+            admitted.append(req.ctx.start_idx)
+
+        def on_step(self, batch):
+            claimed_at_step.append(all(manager.contains(r.ctx.request_id) for r in batch))
+
+    scheduler = Observed(manager, TokenCacheModel(manager), token_budget=64)
+    first = mg.Request(mokv.TextContext(np.arange(50) % VOCAB), 10)
+    run_all(scheduler, [first])
+    run_all(scheduler, [mg.Request(mokv.TextContext(np.r_[first.ctx.tokens, [5, 6, 7]]), 5)])
+    assert admitted == [0, 56]  # the second turn: 7 of its 8 full pages were cached
+    assert len(claimed_at_step) == scheduler.stats.steps and all(claimed_at_step)
