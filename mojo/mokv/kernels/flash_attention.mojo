@@ -73,16 +73,18 @@ def _widen[dtype: DType](p: Ptr[dtype], off: Int) -> SIMD[DType.float32, W]:
 
 @always_inline
 def _prefetch_rows[Cache: KVCacheT](p: Ptr[Cache.dtype], n: Int, width: Int):
-    """Prefetches n K or V rows. Rows of one head sit a whole token (all heads) apart,
-    4 KiB for 8 f32 heads of 128, so each row is on its own page and the hardware
-    stream prefetchers (which stop at page ends) never run ahead. (A plain strided
-    read of that pattern went from 21 to 23 GB/s on one thread with it; in the kernel
-    the gain was within the noise of a loaded 2-core box.)"""
+    """Prefetches n K or V rows of `width` elements into L2. A token's rows are one
+    small run (4 KiB for 8 f32 heads of 128), often a page of its own, so the hardware
+    stream prefetchers, which stop at page ends, never run far ahead. Callers issue a
+    few of these per block of work rather than a tile at a time: a burst of thousands
+    finds the miss buffers full, and the memory system then idles while the tile is
+    computed on (decode read ~70% of the two-thread read bandwidth with bursts, ~80%
+    spread out; L2 rather than L1 because the lines are read a phase later)."""
     comptime STRIDE = Cache.token_stride()
     comptime LINE_ELEMS = 64 // size_of[Scalar[Cache.dtype]]()
     for j in range(n):
         for c in range(0, width, LINE_ELEMS):
-            prefetch[PrefetchOptions().for_read().high_locality()](p.unsafe_offset(j * STRIDE + c))
+            prefetch[PrefetchOptions().for_read().medium_locality()](p.unsafe_offset(j * STRIDE + c))
 
 
 def _fold_mask[s: Int, hi: Int]() -> IndexList[W]:
@@ -154,8 +156,7 @@ def _qk_block[Cache: KVCacheT](
 @always_inline
 def _qk_key_major[D: Int, RV: Int](
     qt: F32Ptr,  # [D, MAX_ROWS] scaled queries, transposed
-    kf: F32Ptr,  # the head's key rows (f32), `stride` apart
-    stride: Int,
+    kf: F32Ptr,  # [n, D] the head's key tile, staged as f32
     s: F32Ptr,  # [BK, MAX_ROWS] scores of this tile, key-major
     r0: Int,
     n: Int,
@@ -171,7 +172,7 @@ def _qk_key_major[D: Int, RV: Int](
     for j0 in range(0, n, KBK):
         var koff = Array[Int, KBK](fill=0)
         comptime for kk in range(KBK):
-            koff[kk] = min(j0 + kk, n - 1) * stride
+            koff[kk] = min(j0 + kk, n - 1) * D
         var acc = Array[SIMD[DType.float32, W], W](fill=0)  # [kk * RV + rv]
         for d in range(D):
             var qv = Array[SIMD[DType.float32, W], RV](fill=0)
@@ -187,17 +188,15 @@ def _qk_key_major[D: Int, RV: Int](
 
 
 @always_inline
-def _pv_block[Cache: KVCacheT, P_ROW: Int, P_KEY: Int](
+def _pv_block[dtype: DType, D: Int, STRIDE: Int, P_ROW: Int, P_KEY: Int](
     o: F32Ptr,  # [rows, D] output accumulators
     p: F32Ptr,  # probabilities of this tile: P[r, j] at r * P_ROW + j * P_KEY
     r0: Int,
-    vp: Ptr[Cache.dtype],  # first value row of the tile
+    vp: Ptr[dtype],  # first value row of the tile; rows STRIDE apart
     n: Int,
 ):
     """O[r0 .. r0+RB] += P[r0 .. r0+RB, :n] . V[:n], NC 16-lane column chunks per pass:
     RB*NC = 16 accumulators, and each loaded V chunk / broadcast p serves NC / RB FMAs."""
-    comptime D = Cache.kv_params.head_size
-    comptime STRIDE = Cache.token_stride()
     comptime NC = 4 if D % (4 * W) == 0 else (2 if D % (2 * W) == 0 else 1)
     comptime for c0 in range(0, D, NC * W):
         var acc = Array[SIMD[DType.float32, W], RB * NC](fill=0)
@@ -213,6 +212,19 @@ def _pv_block[Cache: KVCacheT, P_ROW: Int, P_KEY: Int](
             comptime for cc in range(NC):
                 var off = (r0 + rr) * D + c0 + cc * W
                 o.unsafe_store(off, o.unsafe_load[width=W](off) + acc[rr * NC + cc])
+
+
+@always_inline
+def _stage_tile[Cache: KVCacheT](dst: F32Ptr, src: Ptr[Cache.dtype], n: Int):
+    """Copies n rows of one head (`token_stride` apart in the cache) into contiguous
+    f32 [n, D]. Key-major units read a tile once per 16-row block: staged, it is
+    widened once and sits in L1 (one head's rows a whole token apart all map to the
+    same few L1 sets)."""
+    comptime D = Cache.kv_params.head_size
+    comptime STRIDE = Cache.token_stride()
+    for j in range(n):
+        comptime for c in range(0, D, W):
+            dst.unsafe_store(j * D + c, _widen(src, j * STRIDE + c))
 
 
 @always_inline
@@ -362,7 +374,7 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
     var qs = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var o = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var s = stack_allocation[MAX_ROWS * BK, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
-    var kf = stack_allocation[BK * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
+    var kf = stack_allocation[BK * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()  # a staged K or V tile
     var m = stack_allocation[MAX_ROWS, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var l = stack_allocation[MAX_ROWS, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var last = stack_allocation[MAX_ROWS, Int32]().unsafe_origin_cast[MutUntrackedOrigin]()
@@ -383,9 +395,11 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
         l.unsafe_store(r, 0)
         last.unsafe_store(r, Int32(first_pos + (r % rows_hp) // group))
 
-    # Keys per tile: a K tile of at most 16 KiB per head stays in L1 (with the row
-    # block's queries) while every row block of its head walks it.
-    comptime TK = max(KB, min(BK, 16384 // (D * size_of[Scalar[Cache.dtype]]())))
+    # Keys per tile: 16 KiB of one head's K, as stored (row-major) or staged as f32
+    # (key-major), stays in L1 while every row block of the head walks it.
+    comptime TK_STORED = max(KB, min(BK, 16384 // (D * size_of[Scalar[Cache.dtype]]())))
+    comptime TK_STAGED = max(KB, min(BK, 16384 // (D * 4)))
+    var TK = TK_STAGED if key_major else TK_STORED
     var width = u.nh * D  # elements of one token's rows for the unit's heads: contiguous
     var kv_end = min(u.k_hi, first_pos + u.ntok)
     var k_tok = u.k_lo
@@ -394,50 +408,48 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
         var n = min(TK, kc.contiguous_tokens(k_tok), kv_end - k_tok)
         var kp = kc.row_ptr(u.b, u.h0, k_tok)
         var vp = vc.row_ptr(u.b, u.h0, k_tok)
-        _prefetch_rows[Cache](vp, n, width)  # read after QK and softmax
         var k_next = k_tok + n
-        if k_next < kv_end:  # read after this tile's PV
-            _prefetch_rows[Cache](
-                kc.row_ptr(u.b, u.h0, k_next), min(TK, kc.contiguous_tokens(k_next), kv_end - k_next), width
-            )
+        var n_next = min(TK, kc.contiguous_tokens(k_next), kv_end - k_next) if k_next < kv_end else 0
+        var kp_next = kc.row_ptr(u.b, u.h0, k_next) if n_next > 0 else kp
+        # Prefetches are spread over the tile's work, a few per block, so that the
+        # memory system always has misses in flight: each head's V rows while its K
+        # rows are read (QK), each head's next K rows while its V rows are read (PV).
         var masked = k_tok + n - 1 > first_pos  # the diagonal tile: some keys are in the future
         if key_major:
             for hh in range(u.nh):
-                var kh = kp.unsafe_offset(hh * D)
-                var ksrc = kh.unsafe_bitcast[Float32]()
-                var kstride = STRIDE
-                comptime if Cache.dtype != DType.float32:  # widen the tile once, not per row block
-                    for j in range(n):
-                        comptime for c in range(0, D, W):
-                            kf.unsafe_store(j * D + c, _widen(kh, j * STRIDE + c))
-                    ksrc, kstride = kf, D
+                _prefetch_rows[Cache](vp.unsafe_offset(hh * D), n, D)
+                _stage_tile[Cache](kf, kp.unsafe_offset(hh * D), n)
                 var r = hh * rows_hp
                 var r_end = r + rows_hp
                 while r < r_end:
                     if r_end - r >= 4 * W:
-                        _qk_key_major[D, 4](qs, ksrc, kstride, s, r, n)
+                        _qk_key_major[D, 4](qs, kf, s, r, n)
                         r += 4 * W
                     elif r_end - r >= 2 * W:
-                        _qk_key_major[D, 2](qs, ksrc, kstride, s, r, n)
+                        _qk_key_major[D, 2](qs, kf, s, r, n)
                         r += 2 * W
                     else:
-                        _qk_key_major[D, 1](qs, ksrc, kstride, s, r, n)
+                        _qk_key_major[D, 1](qs, kf, s, r, n)
                         r += W
             _softmax_key_major[D](s, m, l, o, last, rows_p, n, k_tok, masked)
             for hh in range(u.nh):
+                _prefetch_rows[Cache](kp_next.unsafe_offset(hh * D), n_next, D)
+                _stage_tile[Cache](kf, vp.unsafe_offset(hh * D), n)
                 for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
-                    _pv_block[Cache, 1, MAX_ROWS](o, s, r0, vp.unsafe_offset(hh * D), n)
+                    _pv_block[DType.float32, D, D, 1, MAX_ROWS](o, s, r0, kf, n)
         else:
             # Key blocks outer, heads inner: the tile is read in address order (a
             # token's heads are adjacent), which the hardware prefetchers follow.
             for j0 in range(0, n, KB):
                 for hh in range(u.nh):
+                    _prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), min(KB, n - j0), D)
                     for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
                         _qk_block[Cache](qs, s, r0, kp.unsafe_offset(hh * D), j0, n)
             _softmax_row_major[D](s, m, l, o, last, rows_p, n, k_tok, masked)
             for hh in range(u.nh):
+                _prefetch_rows[Cache](kp_next.unsafe_offset(hh * D), n_next, D)
                 for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
-                    _pv_block[Cache, BK, 1](o, s, r0, vp.unsafe_offset(hh * D), n)
+                    _pv_block[Cache.dtype, D, STRIDE, BK, 1](o, s, r0, vp.unsafe_offset(hh * D), n)
         k_tok += n
 
     if u.part >= 0:  # one split of the keys: keep the raw state for the merge
