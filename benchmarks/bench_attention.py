@@ -58,8 +58,8 @@ class ReadProbe:
     """GB/s of a two-thread streaming read (numpy sums over the two halves of an array).
 
     The memory bandwidth of a shared VM drifts by tens of percent within minutes, so
-    each decode case also records the read bandwidth of its own moment: the kernel's
-    share of it is the figure of merit."""
+    each decode timing is bracketed by two probes, and the kernel's share of their mean
+    is the figure of merit."""
 
     def __init__(self, nbytes: int):
         self.src = np.ones(nbytes // 4, dtype=np.float32)
@@ -223,12 +223,14 @@ def run(quick: bool = False, progress=None) -> dict:
     min_time = 0.3 if quick else 0.8
     plan = cases(quick)
     for b, c in plan["decode"]:
-        row = {"batch": b, "context": c, "kv_bytes": b * (c + 1) * KV_BYTES_PER_TOKEN,
-               "read_2threads_GBps": probe(3)}
+        row = {"batch": b, "context": c, "kv_bytes": b * (c + 1) * KV_BYTES_PER_TOKEN}
         for side in sides:
             args = side.inputs([c] * b, [1] * b)
+            before = probe(3)
             t = _time(lambda: side.model.execute(*args), min_time)
-            row[side.name] = {"ms": t * 1e3, "GBps": row["kv_bytes"] / t / 1e9}
+            read = (before + probe(3)) / 2  # the bandwidth of the moment, around the timing
+            row[side.name] = {"ms": t * 1e3, "GBps": row["kv_bytes"] / t / 1e9, "read_2threads_GBps": read,
+                              "share_of_read": row["kv_bytes"] / t / 1e9 / read}
         out["decode"].append(row)
         if progress:
             progress()

@@ -159,17 +159,16 @@ def summary(r: dict) -> str:
         lines += [f"### CPU attention (copy {c['numpy_copy_GBps']:.1f} GB/s, two-thread read "
                   f"{c['read_2threads_GBps']:.1f} GB/s)", "",
                   "Decode cells: ms (GB/s of K/V read, share of the two-thread read measured "
-                  "just before the case).", "",
-                  "| decode B × ctx | read GB/s | " + " | ".join(f"{s} ms (GB/s, share)" for s in sides) + " |",
-                  "|---" * (len(sides) + 2) + "|"]
+                  "around that timing).", "",
+                  "| decode B × ctx | " + " | ".join(f"{s} ms (GB/s, share)" for s in sides) + " |",
+                  "|---" * (len(sides) + 1) + "|"]
         for row in a["decode"]:
-            read = row["read_2threads_GBps"]
-            cells = [f"{row[s]['ms']:.2f} ({row[s]['GBps']:.1f}, {row[s]['GBps'] / read:.0%})" if s in row else "-"
-                     for s in sides]
-            lines.append(f"| {row['batch']} × {row['context']} | {read:.1f} | " + " | ".join(cells) + " |")
+            cells = [f"{row[s]['ms']:.2f} ({row[s]['GBps']:.1f}, {row[s]['share_of_read']:.0%})" if s in row
+                     else "-" for s in sides]
+            lines.append(f"| {row['batch']} × {row['context']} | " + " | ".join(cells) + " |")
         for row in a["prefill"]:
             cells = [f"{row[s]['ms']:.1f} ({row[s]['GFLOPs']:.0f} GFLOP/s)" if s in row else "-" for s in sides]
-            lines.append(f"| prefill {row['tokens']} | | " + " | ".join(cells) + " |")
+            lines.append(f"| prefill {row['tokens']} | " + " | ".join(cells) + " |")
         for name, err in a.get("errors", {}).items():
             lines.append(f"\n{name} skipped: {err[:300]}")
         lines.append("")
