@@ -23,9 +23,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-_REPO_ROOT = Path(__file__).resolve().parents[3]
-MOJO_PACKAGE_DIR = _REPO_ROOT / "mojo" / "mokv"
-"""The Mojo sources (mojo/mokv/ in the repository)."""
+
+def _mojo_sources() -> Path:
+    """The Mojo sources: mokv/mojo_src/ in an installed wheel, else mojo/mokv/ of the
+    checkout that an editable install points into."""
+    package = Path(__file__).resolve().parents[1]  # .../mokv
+    installed = package / "mojo_src"
+    return installed if installed.is_dir() else package.parents[1] / "mojo" / "mokv"
+
+
+MOJO_PACKAGE_DIR = _mojo_sources()
+"""The Mojo package's source directory (see `_mojo_sources`)."""
 
 
 def cache_dir() -> Path:
