@@ -1,6 +1,6 @@
 """Runs the whole mokv benchmark suite and writes JSON, PNG plots and a markdown summary.
 
-    python benchmarks/run.py [--quick] [--out DIR] [--parts hashing,managers,attention,compile]
+    python benchmarks/run.py [--quick] [--out DIR] [--parts hashing,managers,attention,qkv,compile]
 
 Parts (each module's docstring says what it measures and why):
   hashing    bench_hashing.py   prefix-hash throughput per algorithm
@@ -8,6 +8,7 @@ Parts (each module's docstring says what it measures and why):
                                 rate vs the infinite-cache bound, preemptions, memory;
                                 batch-size and page-budget sweeps; mokv hot spots
   attention  bench_attention.py CPU ragged flash attention, mokv vs MAX, vs copy bandwidth
+  qkv        bench_qkv.py       CPU QKV projection: mokv's fused_qkv_matmul vs MAX's matmul
   compile    bench_compile.py   cold and warm build+load of a graph with mokv's kernels
 
 Results go to benchmarks/results/ (git-ignored): results.json, summary.md, *.png.
@@ -34,9 +35,10 @@ import bench_attention  # noqa: E402
 import bench_compile  # noqa: E402
 import bench_hashing  # noqa: E402
 import bench_managers  # noqa: E402
+import bench_qkv  # noqa: E402
 import plots  # noqa: E402
 
-PARTS = ("hashing", "managers", "attention", "compile")
+PARTS = ("hashing", "managers", "attention", "qkv", "compile")
 
 
 def machine() -> dict:
@@ -53,7 +55,7 @@ def machine() -> dict:
 
 def _plan(parts: list[str], quick: bool) -> int:
     s = bench_managers.settings(quick)
-    sizes = {"hashing": 2, "attention": bench_attention.plan_size(quick),
+    sizes = {"hashing": 2, "attention": bench_attention.plan_size(quick), "qkv": len(bench_qkv.tokens(quick)),
              "compile": bench_compile.plan_size(quick),
              "managers": 3 * s["repeats"] + len(s["batch_sizes"]) + len(s["budgets"]) + 1}
     return sum(sizes[p] for p in parts)
@@ -95,6 +97,8 @@ def run(parts: list[str], quick: bool, out: Path) -> dict:
         if "attention" in parts:
             results["attention"] = part("attention", "attention kernels (CPU)",
                                         lambda: bench_attention.run(quick, tick))
+        if "qkv" in parts:
+            results["qkv"] = part("qkv", "QKV projection (CPU)", lambda: bench_qkv.run(quick, tick))
         if "compile" in parts:
             results["compile"] = part("compile", "compile cost (subprocesses)",
                                       lambda: bench_compile.run(quick, tick))
@@ -171,6 +175,16 @@ def summary(r: dict) -> str:
             lines.append(f"| prefill {row['tokens']} | " + " | ".join(cells) + " |")
         for name, err in a.get("errors", {}).items():
             lines.append(f"\n{name} skipped: {err[:300]}")
+        lines.append("")
+    qkv = r.get("qkv", {})
+    if qkv.get("rows"):
+        sh = qkv["shape"]
+        lines += [f"### CPU QKV projection (hidden {sh['hidden']} → {sh['n_heads']} q + 2 × {sh['n_kv_heads']} kv "
+                  f"heads of {sh['head_dim']}, {sh['dtype']})", "",
+                  "| tokens | max-matmul ms (GFLOP/s) | mokv-fused_qkv ms (GFLOP/s) |", "|---|---|---|"]
+        for row in qkv["rows"]:
+            cells = [f"{row[s]['ms']:.2f} ({row[s]['GFLOPs']:.0f})" for s in ("max-matmul", "mokv-fused_qkv")]
+            lines.append(f"| {row['tokens']} | " + " | ".join(cells) + " |")
         lines.append("")
     comp = r.get("compile", {})
     if comp and "error" not in comp:

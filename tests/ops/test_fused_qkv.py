@@ -28,6 +28,8 @@ CASES = [
     Config("continuous", DType.bfloat16, n_kv_heads=1, head_dim=128, group=8, hidden=64),
     # paged, bf16, RoPE, MHA, head 128
     Config("paged", DType.bfloat16, n_kv_heads=2, head_dim=128, group=1, page_size=8, hidden=128, rope=True),
+    # hidden 600: two K chunks (512 + 88), each with a tail that is not a multiple of 16
+    Config("paged", DType.float32, n_kv_heads=1, head_dim=64, group=2, page_size=16, hidden=600),
 ]
 TOL = {DType.float32: 1e-4, DType.bfloat16: 3e-2}
 

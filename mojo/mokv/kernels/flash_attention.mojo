@@ -34,7 +34,6 @@ GPU: one thread per (token, query head), a plain online-softmax loop (correct, s
 
 from std.math import ceildiv, exp
 from std.memory import stack_allocation
-from std.utils.index import IndexList
 from std.sys.info import num_physical_cores, size_of
 from std.sys.intrinsics import prefetch, PrefetchOptions
 
@@ -45,10 +44,9 @@ from max.gpu.host.info import is_cpu
 
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .ragged import batch_of_token
+from .simd import F32Ptr, W, reduce_16, widen
 
-comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
-comptime W = 16  # f32 lanes of one AVX-512 register
 comptime BK = 64  # most keys per tile (the row stride of the score tile)
 comptime MAX_ROWS = 64  # query rows (tokens x group heads) per unit: K/V tiles are loaded once per unit
 comptime RB = 4  # rows per register block (rows are padded to a multiple of RB)
@@ -58,17 +56,6 @@ comptime SPLIT_ALIGN = 64  # split boundaries fall on multiples of this (whole k
 comptime SPLIT_UNITS_PER_CORE = 4  # split keys until there are this many units per core
 comptime PART_SLOT[D: Int] = MAX_ROWS * (D + 2)
 """Floats of one partial softmax state: o [MAX_ROWS, D], then m and l [MAX_ROWS]."""
-
-
-@always_inline
-def _widen[dtype: DType](p: Ptr[dtype], off: Int) -> SIMD[DType.float32, W]:
-    """Loads W elements as f32. bf16 widens by a 16-bit shift of the bits (exact, and
-    much cheaper than the generic conversion LLVM emits for `cast`)."""
-    comptime if dtype == DType.bfloat16:
-        var bits = p.unsafe_bitcast[UInt16]().unsafe_load[width=W](off).cast[DType.uint32]() << 16
-        return SIMD[DType.float32, W](from_bits=bits)
-    else:
-        return p.unsafe_load[width=W](off).cast[DType.float32]()
 
 
 @always_inline
@@ -85,38 +72,6 @@ def _prefetch_rows[Cache: KVCacheT](p: Ptr[Cache.dtype], n: Int, width: Int):
     for j in range(n):
         for c in range(0, width, LINE_ELEMS):
             prefetch[PrefetchOptions().for_read().medium_locality()](p.unsafe_offset(j * STRIDE + c))
-
-
-def _fold_mask[s: Int, hi: Int]() -> IndexList[W]:
-    """Lanes of concat(x, y) that one butterfly level adds: x and y each hold W // s
-    partial sums of s lanes; the result holds all 2W // s of them, s // 2 lanes each."""
-    var m = IndexList[W]()
-    comptime half = s // 2
-    for o in range(W):
-        var k = o // half
-        var src = k * s if k < W // s else W + (k - W // s) * s
-        m[o] = src + o % half + hi * half
-    return m
-
-
-@always_inline
-def _fold[s: Int](x: SIMD[DType.float32, W], y: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
-    comptime lo = _fold_mask[s, 0]()
-    comptime hi = _fold_mask[s, 1]()
-    return x.shuffle[lo](y) + x.shuffle[hi](y)
-
-
-@always_inline
-def _reduce_16(acc: Array[SIMD[DType.float32, W], W]) -> SIMD[DType.float32, W]:
-    """Lane i of the result = acc[i].reduce_add(). A butterfly of 15 two-source shuffles
-    pairs and adds, about 3 instructions per sum instead of 8 for a `reduce_add` each."""
-    var b = Array[SIMD[DType.float32, W], 8](fill=0)
-    comptime for i in range(8):
-        b[i] = _fold[16](acc[2 * i], acc[2 * i + 1])
-    var c = Array[SIMD[DType.float32, W], 4](fill=0)
-    comptime for i in range(4):
-        c[i] = _fold[8](b[2 * i], b[2 * i + 1])
-    return _fold[2](_fold[4](c[0], c[1]), _fold[4](c[2], c[3]))
 
 
 @always_inline
@@ -143,12 +98,12 @@ def _qk_block[Cache: KVCacheT](
     comptime for c in range(0, D, W):
         var kv = Array[SIMD[DType.float32, W], KB](fill=0)
         comptime for kk in range(KB):
-            kv[kk] = _widen(kp, koff[kk] + c)
+            kv[kk] = widen(kp, koff[kk] + c)
         comptime for rr in range(RB):
             var qv = qs.unsafe_load[width=W]((r0 + rr) * D + c)
             comptime for kk in range(KB):
                 acc[rr * KB + kk] = qv.fma(kv[kk], acc[rr * KB + kk])
-    var sc = _reduce_16(acc)
+    var sc = reduce_16(acc)
     comptime for rr in range(RB):
         s.unsafe_store((r0 + rr) * BK + j0, sc.slice[KB, offset=rr * KB]())
 
@@ -203,7 +158,7 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, P_ROW: Int, P_KEY: Int](
         for j in range(n):
             var vv = Array[SIMD[DType.float32, W], NC](fill=0)
             comptime for cc in range(NC):
-                vv[cc] = _widen(vp, j * STRIDE + c0 + cc * W)
+                vv[cc] = widen(vp, j * STRIDE + c0 + cc * W)
             comptime for rr in range(RB):
                 var pj = SIMD[DType.float32, W](p.unsafe_load((r0 + rr) * P_ROW + j * P_KEY))
                 comptime for cc in range(NC):
@@ -224,7 +179,7 @@ def _stage_tile[Cache: KVCacheT](dst: F32Ptr, src: Ptr[Cache.dtype], n: Int):
     comptime STRIDE = Cache.token_stride()
     for j in range(n):
         comptime for c in range(0, D, W):
-            dst.unsafe_store(j * D + c, _widen(src, j * STRIDE + c))
+            dst.unsafe_store(j * D + c, widen(src, j * STRIDE + c))
 
 
 @always_inline
