@@ -17,9 +17,10 @@ CPU design (decode is memory-bound, prefill compute-bound):
     reads each key tile's heads in address order. When batch x head blocks leaves
     too few units for the cores (one long sequence), the keys are split across
     units (flash-decoding) and `_merge_parts` combines their softmax states.
-  * Keys are walked in tiles of at most TK tokens (16 KiB of K per head) that never
-    cross a page end (`contiguous_tokens`), so a tile is rows at one constant stride.
-    The V rows of a tile and the K rows of the next are prefetched in software.
+  * Keys are walked in tiles of at most 64 tokens and 16 KiB of one head's K (as
+    stored, or staged as f32) that never cross a page end (`contiguous_tokens`), so a
+    tile is rows at one constant stride. Each head's V rows of a tile and K rows of
+    the next tile are prefetched in software, a few lines per block of work.
   * Row-major scores (decode): S = Q K^T in 4-row x 4-key register blocks, 16
     independent FMA chains over D reduced by one 15-shuffle butterfly.
     Key-major scores (prefill): S^T = K Q^T, a broadcast key element times 16 query
@@ -354,17 +355,17 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
     # (key-major), stays in L1 while every row block of the head walks it.
     comptime TK_STORED = max(KB, min(BK, 16384 // (D * size_of[Scalar[Cache.dtype]]())))
     comptime TK_STAGED = max(KB, min(BK, 16384 // (D * 4)))
-    var TK = TK_STAGED if key_major else TK_STORED
+    var tile_keys = TK_STAGED if key_major else TK_STORED
     var width = u.nh * D  # elements of one token's rows for the unit's heads: contiguous
     var kv_end = min(u.k_hi, first_pos + u.ntok)
     var k_tok = u.k_lo
-    _prefetch_rows[Cache](kc.row_ptr(u.b, u.h0, k_tok), min(TK, kc.contiguous_tokens(k_tok), kv_end - k_tok), width)
+    _prefetch_rows[Cache](kc.row_ptr(u.b, u.h0, k_tok), min(tile_keys, kc.contiguous_tokens(k_tok), kv_end - k_tok), width)
     while k_tok < kv_end:
-        var n = min(TK, kc.contiguous_tokens(k_tok), kv_end - k_tok)
+        var n = min(tile_keys, kc.contiguous_tokens(k_tok), kv_end - k_tok)
         var kp = kc.row_ptr(u.b, u.h0, k_tok)
         var vp = vc.row_ptr(u.b, u.h0, k_tok)
         var k_next = k_tok + n
-        var n_next = min(TK, kc.contiguous_tokens(k_next), kv_end - k_next) if k_next < kv_end else 0
+        var n_next = min(tile_keys, kc.contiguous_tokens(k_next), kv_end - k_next) if k_next < kv_end else 0
         var kp_next = kc.row_ptr(u.b, u.h0, k_next) if n_next > 0 else kp
         # Prefetches are spread over the tile's work, a few per block, so that the
         # memory system always has misses in flight: each head's V rows while its K
