@@ -92,15 +92,16 @@ def _dot_row[in_dtype: DType](
     """dst[t * D] = dot(hidden[tok0 + t], w_row) for the (< 4) tokens a unit has left
     over, as in decode: one weight row streamed straight through K serves them all
     (one stream at a time is what the prefetchers follow best)."""
-    var acc = Array[SIMD[DType.float32, W], 3](fill=0)
+    comptime MAX_TOK = RT - 1  # a unit's leftover tokens
+    var acc = Array[SIMD[DType.float32, W], MAX_TOK](fill=0)
     var k = 0
     while k + W <= K:
         var wv = widen(w_row, k)
-        comptime for t in range(3):
+        comptime for t in range(MAX_TOK):
             if t < ntok:
                 acc[t] = widen(hidden, (tok0 + t) * K + k).fma(wv, acc[t])
         k += W
-    comptime for t in range(3):
+    comptime for t in range(MAX_TOK):
         if t < ntok:
             var v = acc[t].reduce_add()
             for kk in range(k, K):  # tail when hidden_size is not a multiple of W
