@@ -29,7 +29,6 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, ops
 
 import mokv
-import mokv.graph  # noqa: F401 - submodules `import mokv` does not load
 import mokv.ops  # noqa: F401
 
 H, HKV, D = 32, 8, 128
@@ -109,12 +108,10 @@ class MokvSide:
                                                              [CPU()], session)
         else:
             self.mgr = self._paged_manager(1, 2 * PAGE)
-        fetch = (mokv.graph.FetchPagedKVCacheCollection if kind == "paged"
-                 else mokv.graph.FetchContinuousBatchingKVCacheCollection)(self.params, num_layers=1)
-        with Graph(f"mokv_attention_{kind}", input_types=[*_io_types(), *self.mgr.input_symbols()[0]],
-                   custom_extensions=[mokv.ops.kernels_path()]) as g:
+        with Graph(f"mokv_attention_{kind}", input_types=[*_io_types(), *self.mgr.input_symbols()[0]]) as g:
             q, offsets, *kv = g.inputs
-            out = mokv.ops.flash_attention(q.tensor, offsets.tensor, fetch(*kv), 0, 1 / math.sqrt(D))
+            coll = self.mgr.layout.fetch(self.params, 1, *kv)
+            out = mokv.ops.flash_attention(coll, q.tensor, offsets.tensor, 0, 1 / math.sqrt(D))
             g.output(out)
         self.model = session.load(g)
 

@@ -18,9 +18,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, ops
 
 import mokv
-import mokv.graph  # noqa: F401 - submodules `import mokv` does not load
 import mokv.ops  # noqa: F401
-from mokv.inputs import paged_input_symbols
 
 HIDDEN, HKV, GROUP, D, PAGE = 4096, 8, 4, 128, 128
 N_Q = HKV * GROUP
@@ -49,11 +47,10 @@ def run(quick: bool = False, progress=None) -> dict:
     params = mokv.KVCacheParams(DType.float32, HKV, D, page_size=PAGE)
     hidden_t = TensorType(DType.float32, ["tokens", HIDDEN], cpu)
     weight_t = TensorType(DType.float32, [FEATURES, HIDDEN], cpu)
-    with Graph("mokv_qkv", input_types=[*paged_input_symbols(params, 1, cpu), hidden_t, weight_t,
-                                        TensorType(DType.uint32, ["batch_plus_1"], cpu)],
-               custom_extensions=[mokv.ops.kernels_path()]) as g:
+    with Graph("mokv_qkv", input_types=[*mokv.PAGED.input_symbols(params, 1, 0, cpu), hidden_t, weight_t,
+                                        TensorType(DType.uint32, ["batch_plus_1"], cpu)]) as g:
         *kv, h, w, offsets = g.inputs
-        coll = mokv.graph.FetchPagedKVCacheCollection(params, num_layers=1)(*kv)
+        coll = mokv.FetchPagedKVCacheCollection(params, num_layers=1)(*kv)
         g.output(mokv.ops.fused_qkv_matmul(coll, h, w, offsets, 0, N_Q))
     mokv_model = session.load(g)
     with Graph("max_qkv", input_types=[hidden_t, weight_t]) as g:

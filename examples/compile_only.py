@@ -2,10 +2,11 @@
 
 MAX's virtual-device mode makes `Accelerator()` stand for a GPU that is not attached:
 graphs compile for it (real PTX for sm_90a) but nothing can run. `mokv.load_kv_manager`
-notices the mode and returns a `NullKVCacheManager`, which allocates nothing but gives
-the same graph input types as the paged manager, so the model code is unchanged.
+notices the mode and returns a `NullKVCacheManager`, which allocates nothing but has the
+layout and graph input types of the manager it stands for, so the model code is unchanged.
 
-    python examples/compile_only.py [--arch sm_90] [--out decoder.mef] [--num-layers 4]
+    python examples/compile_only.py [--strategy paged|continuous] [--arch sm_90]
+                                    [--out decoder.mef] [--num-layers 4]
 """
 
 import argparse
@@ -25,6 +26,7 @@ import mokv
 from mokv_graphs import DecoderConfig, DecoderModel
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--strategy", choices=["paged", "continuous"], default="paged")
 parser.add_argument("--arch", default="sm_90", help="virtual GPU architecture")
 parser.add_argument("--out", help="where to write the compiled model (.mef)")
 parser.add_argument("--num-layers", type=int, default=DecoderConfig.num_layers)
@@ -39,13 +41,13 @@ print(f"virtual device: {gpu} (api={gpu.api}, arch={gpu.architecture_name}), "
       f"virtual mode: {driver.is_virtual_device_mode()}")
 
 config = DecoderConfig(num_layers=args.num_layers)
-params = config.kv_params("paged", page_size=128)
+params = config.kv_params(args.strategy, page_size=128)
 session = InferenceSession(devices=[driver.CPU(), gpu])
 manager = mokv.load_kv_manager(
     params, max_batch_size=32, max_seq_len=config.max_seq_len, num_layers=config.num_layers,
     devices=[gpu], session=session, available_cache_memory=1 << 30, page_size=128,
 )
-print(f"cache manager: {type(manager).__name__} (estimated memory "
+print(f"cache manager: {type(manager).__name__}, {manager.layout.name} layout (estimated memory "
       f"{manager.estimated_memory_size(params, 32, config.max_seq_len, config.num_layers, 1 << 30, [gpu])} bytes)")
 
 # The same model code as on the CPU. On a virtual device `session.load` compiles and

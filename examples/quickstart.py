@@ -1,8 +1,8 @@
 """The two manager flows of the MAX documentation, on the CPU, with the state they leave.
 
-1. Paged cache (seed 000): two requests on two data-parallel replicas, reserve, fetch,
+1. Paged cache: two requests on two data-parallel replicas, reserve, fetch,
    update, step, release; then a third request that reuses the first one's prefix.
-2. Continuous-batching cache (seed 002): claim sequence ids, fetch, step, release.
+2. Continuous-batching cache, MAX's sequence-id flow: claim sequence ids, fetch, step, release.
 """
 
 import numpy as np

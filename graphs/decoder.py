@@ -7,16 +7,15 @@ in one flat array:
     token_ids          int64  [total_tokens]    seq 0's tokens, then seq 1's, ...
     input_row_offsets  uint32 [batch_size + 1]  seq b owns rows offsets[b]:offsets[b+1]
     *cache inputs      the manager's `input_symbols()` for one device, flattened
-                       (paged: blocks, cache_lengths, lookup_table, max_lengths;
-                        continuous: blocks, cache_lengths, lookup_table, is_cache_empty)
+                       (its layout's `Inputs`: paged or continuous)
     -> logits          float32 [batch_size, vocab_size], of each sequence's LAST row
 
 Positions are not an input: the fused QKV op places row `i` of sequence `b` at
 `cache_lengths[b] + i`, writes its K and V there and rotates Q and K for that
 position; attention then sees the cached prefix plus the new rows, causally.
 
-The graph is the same for both cache kinds; only the fetch op that turns the flat
-cache inputs into the opaque collection differs.
+The graph is the same for every cache layout; the layout of the input symbols
+decides which op turns the flat cache inputs into the opaque collection.
 """
 
 from __future__ import annotations
@@ -24,24 +23,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from max.dtype import DType
-from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue, Weight, ops
+from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 
 import mokv
-from mokv import graph as mokv_graph
 from mokv import ops as mokv_ops
 
 from .config import DecoderConfig
-
-
-def _fetch_collection(
-    kv_params: mokv.KVCacheParams, num_layers: int, cache_inputs: Sequence[object]
-) -> object:
-    """The opaque collection of the cache kind `kv_params` names."""
-    if kv_params.cache_strategy is mokv.KVCacheStrategy.CONTINUOUS:
-        fetch = mokv_graph.FetchContinuousBatchingKVCacheCollection(kv_params, num_layers)
-    else:
-        fetch = mokv_graph.FetchPagedKVCacheCollection(kv_params, num_layers)
-    return fetch(*cache_inputs)
 
 
 class _DecoderBuilder:
@@ -66,7 +53,7 @@ class _DecoderBuilder:
         wqkv = self.weight(f"layers.{i}.wqkv", [c.q_size + 2 * c.kv_size, c.hidden_size])
         q = mokv_ops.fused_qkv_matmul(kv, x, wqkv, offsets, i, c.n_heads, freqs_cis=freqs_cis)
         q = ops.reshape(q, [-1, c.n_heads, c.head_dim])
-        attn = mokv_ops.flash_attention(q, offsets, kv, i, scale=c.attention_scale)
+        attn = mokv_ops.flash_attention(kv, q, offsets, i, scale=c.attention_scale)
         attn = ops.reshape(attn, [-1, c.q_size])
         return h + attn @ self.weight(f"layers.{i}.wo", [c.q_size, c.hidden_size])
 
@@ -83,7 +70,7 @@ class _DecoderBuilder:
 def build_decoder_graph(
     config: DecoderConfig,
     kv_params: mokv.KVCacheParams,
-    cache_input_types: Sequence[object],
+    cache_input_types: tuple[object, ...],
     device: DeviceRef | None = None,
     name: str = "mokv_decoder",
 ) -> Graph:
@@ -91,8 +78,9 @@ def build_decoder_graph(
 
     Args:
         config: model sizes; `config.num_layers` layers are read from the cache.
-        kv_params: the cache's params; `cache_strategy` picks the fetch op.
-        cache_input_types: one device's entry of `manager.input_symbols()`.
+        kv_params: the cache's params.
+        cache_input_types: one device's entry of `manager.input_symbols()` (its
+            layout's `Inputs` tuple, which picks the fetch op).
         device: where tokens, weights and activations live (default: the device of
             the cache blocks).
         name: graph name (compiled-graph caches key on it, with the signature).
@@ -107,23 +95,19 @@ def build_decoder_graph(
             f"cache holds {kv_params.n_kv_heads_per_device} KV heads of {kv_params.head_dim} "
             f"per device; the model has {c.n_kv_heads} of {c.head_dim}"
         )
-    cache_input_types = list(cache_input_types)
-    blocks_type = cache_input_types[0]
-    if not isinstance(blocks_type, BufferType):
-        raise TypeError(f"the first cache input must be the blocks BufferType, got {blocks_type!r}")
-    device = device or blocks_type.device
+    layout = mokv.layout_of_inputs(cache_input_types)
+    device = device or cache_input_types.blocks.device  # type: ignore[attr-defined]
     input_types = [
         TensorType(DType.int64, ["total_tokens"], device=device),
         TensorType(DType.uint32, ["input_row_offsets_len"], device=device),
         *cache_input_types,
     ]
-    mokv_extensions = [mokv_ops.kernels_path()]
-    with Graph(name, input_types=input_types, custom_extensions=mokv_extensions) as graph:
+    with Graph(name, input_types=input_types) as graph:
         token_ids, offsets = graph.inputs[0].tensor, graph.inputs[1].tensor
         b = _DecoderBuilder(c, device)
         freqs_cis = b.weight("rope.freqs_cis", [c.max_seq_len, c.head_dim])
         h = ops.gather(b.weight("embed_tokens", [c.vocab_size, c.hidden_size]), token_ids, axis=0)
-        kv = _fetch_collection(kv_params, c.num_layers, graph.inputs[2:])
+        kv = layout.fetch(kv_params, c.num_layers, *graph.inputs[2:])
         for i in range(c.num_layers):
             h = b.attention(i, h, kv, offsets, freqs_cis)
             h = b.mlp(i, h)

@@ -38,8 +38,8 @@ class DecoderModel:
     Args:
         config: model sizes.
         manager: the `mokv` manager whose caches the model reads and writes; its
-            `input_symbols()` fixes the graph's cache inputs, and its `params` the
-            cache kind (paged or continuous).
+            `input_symbols()` fix the graph's cache inputs and layout (paged or
+            continuous).
         session: the InferenceSession that compiles and runs the graph.
         weights: a Hugging Face-named checkpoint (`weights.load_safetensors`), or None
             for `init_weights(config, seed=0)`.
@@ -64,7 +64,7 @@ class DecoderModel:
         (symbols,) = manager.input_symbols()  # one device: the model is not sharded
         self.graph = build_decoder_graph(
             config, manager.params, symbols, DeviceRef.from_device(self.device),
-            name=f"mokv_decoder_{manager.params.cache_strategy.value}",
+            name=f"mokv_decoder_{manager.layout.name}",
         )
         registry = graph_weights(config, weights if weights is not None else init_weights(config))
         registry["rope.freqs_cis"] = rope_table(config)

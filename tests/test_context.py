@@ -59,3 +59,15 @@ def test_bad_contexts_are_rejected():
     ctx.update(2)
     with pytest.raises(ValueError, match="max_length=2"):
         ctx.update(3)
+
+
+def test_active_idx_after_skip_is_the_window_rule_and_pure():
+    ctx = TextContext(np.arange(20))
+    ctx.chunk(4)  # window [0, 4)
+    assert ctx.active_idx_after_skip(8) == 12  # keeps its length
+    assert ctx.active_idx_after_skip(18) == 20  # stops at end_idx
+    assert (ctx.start_idx, ctx.active_idx) == (0, 4)  # asking changed nothing
+    ctx.skip_cached_prefix(8)
+    assert (ctx.start_idx, ctx.active_idx) == (8, 12)
+    with pytest.raises(ValueError, match="cannot skip to 20"):
+        ctx.active_idx_after_skip(20)

@@ -9,7 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from mokv.ops.extension import MOJO_PACKAGE_DIR, sources_digest
+from mokv.mojo_package import MOJO_PACKAGE_DIR, sources_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def test_wheel_ships_mojo_sources_and_extension_finds_them(tmp_path: Path) -> No
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                     str(wheel)], check=True)
-    probe = ("import mokv.ops.extension as e; print(e.MOJO_PACKAGE_DIR); print(e.sources_digest())")
+    probe = ("import mokv.mojo_package as e; print(e.MOJO_PACKAGE_DIR); print(e.sources_digest())")
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path).stdout.split()
     assert out == [str(site / "mokv" / "mojo_src"), sources_digest()]

@@ -1,8 +1,14 @@
 """mokv: KV-cache managers, graph types and Mojo kernels for Modular MAX.
 
-The host side (this package's managers) owns the cache memory and describes a batch
-to the graph with flat tensors (`mokv.inputs`); inside the graph, Mojo cache structs
-read and write that memory (`mokv.graph`, `mokv.ops`).
+The layers, top to bottom:
+
+    a scheduler / model runner
+      -> the manager contract (`KVCacheManager`: managers/base.py)
+      -> a manager (paged: one `PagedReplica` per data-parallel replica -> `PagePool`;
+         continuous: one slot per sequence; null: compile-only)
+    the graph boundary: the manager's `layout` (`mokv.layouts`) names the flat inputs
+      -> a fetcher turns them into an opaque Mojo collection value inside the graph
+      -> the kernels (`mokv.ops`, mojo/mokv/) read and write the cache through it
 """
 
 from .context import RequestID, TextContext, TextGenerationContext
@@ -17,7 +23,19 @@ from .errors import (
     SequenceTooLongError,
     UnknownRequestError,
 )
-from .inputs import ContinuousBatchingKVCacheInputs, RaggedKVCacheInputs
+from .layouts import (
+    CONTINUOUS,
+    PAGED,
+    CacheLayout,
+    ContinuousBatchingKVCacheInputs,
+    FetchContinuousBatchingKVCacheCollection,
+    FetchKVCacheCollection,
+    FetchPagedKVCacheCollection,
+    RaggedKVCacheInputs,
+    layout_for,
+    layout_of_inputs,
+)
+from .managers.base import KVCacheManager
 from .managers.continuous import ContinuousBatchingKVCacheManager
 from .managers.loader import load_kv_manager
 from .managers.null import NullKVCacheManager
@@ -26,14 +44,21 @@ from .metrics import KVCacheMetrics
 from .params import KVCacheParams, KVCacheStrategy
 
 __all__ = [
+    "CONTINUOUS",
+    "PAGED",
     "AlreadyClaimedError",
     "BatchTooLargeError",
+    "CacheLayout",
     "ContinuousBatchingKVCacheInputs",
     "ContinuousBatchingKVCacheManager",
+    "FetchContinuousBatchingKVCacheCollection",
+    "FetchKVCacheCollection",
+    "FetchPagedKVCacheCollection",
     "InsufficientMemoryError",
     "InsufficientPagesError",
     "InvalidReplicaError",
     "InvariantError",
+    "KVCacheManager",
     "KVCacheMetrics",
     "KVCacheParams",
     "KVCacheStrategy",
@@ -46,5 +71,7 @@ __all__ = [
     "TextContext",
     "TextGenerationContext",
     "UnknownRequestError",
+    "layout_for",
+    "layout_of_inputs",
     "load_kv_manager",
 ]

@@ -61,8 +61,14 @@ class TextGenerationContext(Protocol):
     @property
     def active_length(self) -> int: ...
 
+    def active_idx_after_skip(self, num_tokens: int) -> int:
+        """Where the active window would end after `skip_cached_prefix(num_tokens)`
+        (pure: the manager asks before it reserves memory for that window)."""
+        ...
+
     def skip_cached_prefix(self, num_tokens: int) -> None:
-        """Marks the first `num_tokens` tokens as found in the prefix cache."""
+        """Marks the first `num_tokens` tokens as found in the prefix cache and moves the
+        active window past them (called by a manager after a prefix hit)."""
         ...
 
     def update(self, new_token: int) -> None: ...
@@ -154,21 +160,23 @@ class TextContext:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         self._active = min(self._end, self._start + max_tokens)
 
-    def skip_cached_prefix(self, num_tokens: int) -> None:
-        """Moves `start_idx` to `num_tokens`, keeping the active window's length.
-
-        Called by a manager when the first `num_tokens` tokens were found in the
-        prefix cache. At least one token always stays active, since the model must
-        run on the last token to produce the next one.
+    def active_idx_after_skip(self, num_tokens: int) -> int:
+        """Where `skip_cached_prefix(num_tokens)` would end the active window: the window
+        keeps its length (a prompt chunk stays a chunk), holds at least one token (the
+        model must run on the last token to produce the next one), and stops at `end_idx`.
         """
         if not self._start <= num_tokens < self._end:
             raise ValueError(
                 f"cannot skip to {num_tokens}: must lie in [start_idx={self._start}, "
                 f"end_idx={self._end})"
             )
-        window = self._active - self._start
+        return min(self._end, num_tokens + max(self._active - self._start, 1))
+
+    def skip_cached_prefix(self, num_tokens: int) -> None:
+        """Moves `start_idx` to `num_tokens`, the first tokens having been found in the
+        prefix cache; the window ends at `active_idx_after_skip(num_tokens)`."""
+        self._active = self.active_idx_after_skip(num_tokens)
         self._start = num_tokens
-        self._active = min(self._end, num_tokens + max(window, 1))
 
     def update(self, new_token: int) -> None:
         """Ends a step: the active window is now in the cache.

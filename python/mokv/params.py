@@ -16,8 +16,8 @@ from max.dtype import DType
 class KVCacheStrategy(str, enum.Enum):
     """How cache memory is handed to sequences.
 
-    CONTINUOUS: one contiguous `max_seq_len` slot per sequence (seed 002).
-    PAGED: fixed-size pages from a shared pool, with an optional prefix cache (seed 000).
+    CONTINUOUS: one contiguous `max_seq_len` slot per sequence.
+    PAGED: fixed-size pages from a shared pool, with an optional prefix cache.
     """
 
     CONTINUOUS = "continuous"
@@ -37,7 +37,8 @@ class KVCacheParams:
         n_kv_heads: key/value heads of the model (all devices together).
         head_dim: size of one head's key or value vector.
         page_size: tokens per page of the paged cache.
-        cache_strategy: `KVCacheStrategy.PAGED` or `KVCacheStrategy.CONTINUOUS`.
+        cache_strategy: `KVCacheStrategy.PAGED` or `KVCacheStrategy.CONTINUOUS`: the
+            manager `load_kv_manager` builds (a manager built directly is its own layout).
         enable_prefix_caching: share full pages between requests whose token
             prefixes are identical (paged strategy only).
         enable_kvcache_swapping_to_host: keep evicted pages in host memory

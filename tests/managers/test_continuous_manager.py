@@ -1,4 +1,4 @@
-"""ContinuousBatchingKVCacheManager: seed 002's sequence-id flow and the context flow."""
+"""ContinuousBatchingKVCacheManager: MAX's sequence-id flow and the request (context) flow."""
 
 import numpy as np
 import pytest

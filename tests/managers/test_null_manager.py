@@ -1,4 +1,4 @@
-"""NullKVCacheManager (seed 001) and load_kv_manager's choice of manager."""
+"""NullKVCacheManager (MAX's documented values) and load_kv_manager's choice of manager."""
 
 import subprocess
 import sys
@@ -27,7 +27,7 @@ def test_documented_return_values(null):
     assert (null.total_num_host_pages, null.host_committed_block_pct) == (0, 0.0)
     assert null.get_or_recommend_replica(ctx) == 0 and null.get_replica(ctx) == 0
     assert null.get_req_blocks(ctx.request_id) == []
-    assert null.get_data_parallel_splits([ctx, ctx]) == [[0, 1]]
+    assert null.get_data_parallel_splits([ctx, ctx]).to_numpy().tolist() == [0, 2]
     assert mokv.NullKVCacheManager.estimated_memory_size(null.params, 4, 32, 2, 10**9, []) == 0
     assert mokv.NullKVCacheManager.infer_optimal_batch_size(null.params, 32, 2, 10**9, []) == 1
     assert null.step([ctx]) is None and null.reset_prefix_cache() is None
@@ -43,6 +43,7 @@ def test_symbolic_inputs_equal_the_paged_managers(session, null):
 
 def test_runtime_inputs_are_empty_but_typed(null):
     ctx = TextContext(np.arange(5))
+    null.claim(ctx.request_id)
     (inputs,) = null.get_runtime_inputs([ctx, ctx], num_steps=3)
     (symbols,) = null.get_symbolic_inputs()
     for sym, buf in zip(symbols, inputs):

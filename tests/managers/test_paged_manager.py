@@ -1,4 +1,4 @@
-"""PagedKVCacheManager on the CPU device: seed 000's example and every documented member."""
+"""PagedKVCacheManager on the CPU device: MAX's documented example and every member."""
 
 import numpy as np
 import pytest

@@ -4,20 +4,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_compile_only_example(tmp_path):
+@pytest.mark.parametrize("strategy", ["paged", "continuous"])
+def test_compile_only_example(tmp_path, strategy):
     """Cross-compiles the decoder for a virtual H100 and refuses to execute it."""
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / "compile_only.py"),
-         "--out", str(tmp_path / "decoder.mef")],
+         "--strategy", strategy, "--out", str(tmp_path / "decoder.mef")],
         capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "NullKVCacheManager" in proc.stdout
+    assert f"NullKVCacheManager, {strategy} layout" in proc.stdout
+    assert f"mokv.kv_collection_ctor.{strategy}" in proc.stdout
     assert "execute raised CompileOnlyExecutionError" in proc.stdout
     assert (tmp_path / "decoder.mef").stat().st_size > 0
+    assert "warning:" not in proc.stderr, proc.stderr
 
 
 def test_generate_example(tmp_path):

@@ -32,7 +32,7 @@ def expected_output(prompt, n):
 class TokenCacheModel:
     def __init__(self, manager):
         self.manager = manager
-        self.paged = manager.params.cache_strategy is mokv.KVCacheStrategy.PAGED
+        self.paged = manager.layout is mokv.PAGED
         self.batch_sizes = []
 
     def _cell(self, blocks, table, b, pos):

@@ -22,8 +22,7 @@ from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession  # noqa: E402
 from max.graph import DeviceRef, Graph, TensorType, ops  # noqa: E402
 
-from mokv.graph import FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection  # noqa: E402
-from mokv.inputs import continuous_input_symbols, paged_input_symbols  # noqa: E402
+from mokv.layouts import CONTINUOUS, PAGED, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection  # noqa: E402
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv  # noqa: E402
 from mokv.params import KVCacheParams  # noqa: E402
 
@@ -33,8 +32,8 @@ def main() -> None:
     dev = DeviceRef.GPU()
     params = KVCacheParams(dtype=DType.bfloat16, n_kv_heads=2, head_dim=128, page_size=16)
     n_q, hidden, layers = 8, 256, 2
-    paged = paged_input_symbols(params, layers, dev)
-    cont = continuous_input_symbols(params, layers, 64, dev)
+    paged = PAGED.input_symbols(params, layers, 64, dev)
+    cont = CONTINUOUS.input_symbols(params, layers, 64, dev)
     ht = TensorType(DType.bfloat16, ["total_tokens", hidden], device=dev)
     wt = TensorType(DType.bfloat16, [(n_q + 4) * 128, hidden], device=dev)
     kt = TensorType(DType.bfloat16, ["total_tokens", 2, 128], device=dev)
@@ -51,7 +50,7 @@ def main() -> None:
             q = fused_qkv_matmul(kv, h, w, off, 1, n_q)
             q = fused_qkv_matmul(kv, h, w, off, 1, n_q, freqs_cis=freqs)
             q3 = ops.reshape(q, [q.shape[0], n_q, 128])
-            outs.append(flash_attention(q3, off, kv, 1, 0.08))
+            outs.append(flash_attention(kv, q3, off, 1, 0.08))
         g.output(*outs)
     # One collection read by 16 ops: MAX 26.7 cuts a GPU graph into regions of at most
     # 16 ops, so the collection crosses a region boundary while ops of its own region

@@ -19,8 +19,7 @@ from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType
 
-from mokv.graph import FetchPagedKVCacheCollection
-from mokv.inputs import paged_input_symbols
+from mokv.layouts import PAGED, FetchPagedKVCacheCollection
 from mokv.ops import flash_attention, kernels_path
 from mokv.params import KVCacheParams
 
@@ -36,11 +35,11 @@ def main() -> None:
     cpu = DeviceRef.CPU()
     qt = TensorType(dtype, ["total_tokens", n_kv * group, d], device=cpu)
     ot = TensorType(DType.uint32, ["num_offsets"], device=cpu)
-    with Graph("decode", input_types=[*paged_input_symbols(params, 1, cpu), qt, ot],
+    with Graph("decode", input_types=[*PAGED.input_symbols(params, 1, 0, cpu), qt, ot],
                custom_extensions=[kernels_path()]) as g:
         *cache_in, q, off = g.inputs
         kv = FetchPagedKVCacheCollection(params, 1)(*cache_in)
-        g.output(flash_attention(q, off, kv, 0, 1 / np.sqrt(d)))
+        g.output(flash_attention(kv, q, off, 0, 1 / np.sqrt(d)))
     model = InferenceSession(devices=[CPU()]).load(g)
 
     pages_per_seq = -(-(ctx + 1) // page)

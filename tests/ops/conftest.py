@@ -1,6 +1,6 @@
 """Shared fixtures for the op tests: hand-built caches, numpy references, compiled graphs.
 
-Caches are built with numpy in the layouts of python/mokv/inputs.py. On the CPU,
+Caches are built with numpy in the layouts of python/mokv/layouts/. On the CPU,
 `Buffer.from_numpy` aliases the array, so after a run the test reads the in-place
 writes straight from numpy. bfloat16 travels as uint16 bit patterns viewed as bf16.
 
@@ -20,8 +20,7 @@ from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType, ops
 
-from mokv.graph import FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
-from mokv.inputs import continuous_input_symbols, paged_input_symbols
+from mokv.layouts import CONTINUOUS, PAGED, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv
 from mokv.params import KVCacheParams, KVCacheStrategy
 
@@ -227,8 +226,8 @@ class Config:
 
 def cache_symbols(cfg: Config, device: DeviceRef) -> tuple[Any, ...]:
     if cfg.strategy == "paged":
-        return tuple(paged_input_symbols(cfg.params, NUM_LAYERS, device))
-    return tuple(continuous_input_symbols(cfg.params, NUM_LAYERS, MAX_SEQ_LEN, device))
+        return tuple(PAGED.input_symbols(cfg.params, NUM_LAYERS, MAX_SEQ_LEN, device))
+    return tuple(CONTINUOUS.input_symbols(cfg.params, NUM_LAYERS, MAX_SEQ_LEN, device))
 
 
 def fetch(cfg: Config) -> Callable[..., Any]:
@@ -249,7 +248,7 @@ def build_store_attention(cfg: Config, device: DeviceRef) -> Graph:
         *cache_in, k, v, q, offsets = g.inputs
         kv = fetch(cfg)(*cache_in)
         store_kv(kv, k, v, offsets, LAYER)
-        g.output(flash_attention(q, offsets, kv, LAYER, 1.0 / np.sqrt(cfg.head_dim)))
+        g.output(flash_attention(kv, q, offsets, LAYER, 1.0 / np.sqrt(cfg.head_dim)))
     return g
 
 
@@ -268,7 +267,7 @@ def build_qkv_attention(cfg: Config, device: DeviceRef) -> Graph:
         kv = fetch(cfg)(*cache_in)
         q = fused_qkv_matmul(kv, hidden, wqkv, offsets, LAYER, cfg.n_q, freqs[0] if freqs else None)
         q3 = ops.reshape(q, [q.shape[0], cfg.n_q, d])
-        g.output(q, flash_attention(q3, offsets, kv, LAYER, 1.0 / np.sqrt(d)))
+        g.output(q, flash_attention(kv, q3, offsets, LAYER, 1.0 / np.sqrt(d)))
     return g
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mokv.ops import kernels_path
-from mokv.ops.extension import _mojo_binary
+from mokv.mojo_package import _mojo_binary
 
 MOJO_TESTS = sorted((Path(__file__).resolve().parents[1] / "mojo").glob("test_*.mojo"))
 

@@ -6,8 +6,7 @@ import pytest
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType
 
-from mokv.graph import FetchPagedKVCacheCollection, PagedKVCacheCollectionType
-from mokv.inputs import paged_input_symbols
+from mokv.layouts import PAGED, FetchPagedKVCacheCollection, PagedKVCacheCollectionType
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv
 from mokv.params import KVCacheParams
 
@@ -16,7 +15,7 @@ CPU = DeviceRef.CPU()
 
 
 def _graph(*extra: TensorType) -> Graph:
-    return Graph("checks", input_types=[*paged_input_symbols(PARAMS, 2, CPU), *extra],
+    return Graph("checks", input_types=[*PAGED.input_symbols(PARAMS, 2, 0, CPU), *extra],
                  custom_extensions=[kernels_path()])
 
 
@@ -75,6 +74,21 @@ def test_fused_qkv_and_attention_check_heads() -> None:
         with pytest.raises(ValueError, match="wqkv dim 0 must be 1024"):
             fused_qkv_matmul(kv, h, w, off, 0, 12)
         with pytest.raises(ValueError, match="q dim 1"):
-            flash_attention(q, off, kv, 0, 0.125)
+            flash_attention(kv, q, off, 0, 0.125)
         with pytest.raises(TypeError, match="collection must be a KV cache collection"):
-            flash_attention(q, off, h, 0, 0.125)
+            flash_attention(h, q, off, 0, 0.125)
+
+
+def test_collection_warning_blocks_are_dropped_and_nothing_else():
+    from mokv.compiler_output import drop_collection_warnings
+
+    block = (
+        "warning: transfer from a value of trivial register type "
+        "'PagedKVCacheCollection[Int(0), Int(2), Int(64), Int(16)]' has no effect and can be removed\n"
+        "    return var__9^\n"
+        "                 ^\n"
+        "                 \n"
+    )
+    other = "warning: something else\n    x^\n     ^\n\n"
+    text = "before\n" + block + other + block + "after\n"
+    assert drop_collection_warnings(text) == "before\n" + other + "after\n"

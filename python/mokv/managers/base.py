@@ -1,54 +1,124 @@
-"""What every KV cache manager shares: argument checks and the newer method names.
+"""The KV cache manager contract, and the constructor arguments every manager shares.
 
-MAX renamed parts of the manager interface between releases (seed 000 vs seed 001);
-mokv offers both spellings, with the newer names defined once here in terms of the
-older ones.
+A scheduler, a model runner or a benchmark uses a manager only through `KVCacheManager`:
+
+    manager.external_claim(ctx.request_id)          # once per request
+    if manager.maybe_reserve(ctx, num_steps):       # False: no room now, nothing changed
+        inputs = manager.fetch(batch, num_steps)    # one layout.Inputs of Buffers per device
+        ... run the graph built on manager.input_symbols(), ctx.update(token) ...
+        manager.step(batch)                         # record what the step wrote
+    manager.release(ctx.request_id)
+
+MAX's other spellings of the same operations (`claim`, `alloc`, `get_runtime_inputs`,
+`get_symbolic_inputs`, and the continuous cache's sequence-id flow) are in `compat.py`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from max.driver import Device
 from max.engine import InferenceSession
+from max.graph import DeviceRef
 
 from ..context import RequestID, TextGenerationContext
-from ..errors import InsufficientPagesError
+from ..layouts import CacheLayout
+from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
 
 
-def check_devices(params: KVCacheParams, devices: Sequence[Device]) -> list[Device]:
-    devices = list(devices)
-    bad = [d for d in devices if not isinstance(d, Device)]
-    if bad:
-        raise TypeError(f"devices must be max.driver.Device objects, got {bad[0]!r}")
-    if len(devices) != params.n_devices:
-        raise ValueError(f"got {len(devices)} device(s) but params.n_devices={params.n_devices}")
-    return devices
+@runtime_checkable
+class KVCacheManager(Protocol):
+    """What every mokv manager (paged, continuous, null) promises its callers.
+
+    Errors: a caller's mistake raises a typed `MokvError` naming the bad value and
+    changes nothing; "no room now" is `maybe_reserve` returning False, never an error.
+    """
+
+    params: KVCacheParams
+    """The cache's shape and features."""
+    layout: CacheLayout
+    """What `fetch` returns and `input_symbols` describes (paged or continuous)."""
+    devices: list[Device]
+    """The devices holding the cache, one `fetch` tuple each."""
+    max_batch_size: int
+    """Most requests held at once (all replicas together)."""
+    max_seq_len: int
+    """Most tokens one request may hold."""
+
+    def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
+        """Starts tracking a request (AlreadyClaimedError, BatchTooLargeError when full)."""
+        ...
+
+    def contains(self, request_id: RequestID) -> bool:
+        """Whether the request is claimed and not yet released."""
+        ...
+
+    def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
+        """Holds what `data` needs for `num_steps` steps; False changes nothing, and after
+        True the matching `fetch` cannot run out of memory."""
+        ...
+
+    def fetch(self, batch: Sequence[TextGenerationContext], num_steps: int = 1) -> list[Any]:
+        """One `layout.Inputs` of Buffers per device describing `batch` to the graph."""
+        ...
+
+    def step(self, batch: Sequence[TextGenerationContext]) -> None:
+        """Records the tokens the batch's last step wrote (call after `ctx.update`)."""
+        ...
+
+    def release(self, request_id: RequestID) -> None:
+        """Stops tracking a request and frees its memory (cached pages stay reusable)."""
+        ...
+
+    def input_symbols(
+        self, devices: Sequence[Device] | None = None, num_layers: int | None = None
+    ) -> list[Any]:
+        """One `layout.Inputs` of graph types per device, matching `fetch`."""
+        ...
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Pages (continuous: slots) that can be handed out now."""
+        ...
+
+    @property
+    def metrics(self) -> KVCacheMetrics:
+        """Token and occupancy counters."""
+        ...
 
 
-def check_page_size(params: KVCacheParams, page_size: int) -> None:
-    """The constructor's `page_size` must agree with the params unless left at 128."""
-    if page_size != 128 and page_size != params.page_size:
-        raise ValueError(
-            f"page_size={page_size} disagrees with params.page_size={params.page_size}; "
-            "set it in KVCacheParams"
+def check_request_id(request_id: object) -> None:
+    """TypeError unless `request_id` is a string (a `RequestID`)."""
+    if not isinstance(request_id, str):
+        hint = "; sequence ids (ints) come from claim(n)" if isinstance(request_id, int) else ""
+        raise TypeError(
+            f"request_id must be a str (mokv.RequestID), got {type(request_id).__name__} "
+            f"{request_id!r}{hint}"
         )
 
 
 def check_positive(**values: int) -> None:
+    """ValueError naming the first value that is not a positive int."""
     for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-class KVCacheManager:
-    """Base of the managers: fields, argument checks, newer method names."""
+def check_num_steps(num_steps: int) -> None:
+    """ValueError unless `num_steps` is a positive int (runs on every step: kept cheap)."""
+    if num_steps.__class__ is not int or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
+
+
+class ManagerFields:
+    """The constructor arguments every manager shares, checked, and its layout."""
 
     def __init__(
         self,
         params: KVCacheParams,
+        layout: CacheLayout,
         max_batch_size: int,
         max_seq_len: int,
         num_layers: int,
@@ -58,47 +128,28 @@ class KVCacheManager:
         if not isinstance(params, KVCacheParams):
             raise TypeError(f"params must be a mokv.KVCacheParams, got {type(params).__name__}")
         check_positive(max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_layers=num_layers)
+        devices = list(devices)
+        bad = [d for d in devices if not isinstance(d, Device)]
+        if bad:
+            raise TypeError(f"devices must be max.driver.Device objects, got {bad[0]!r}")
+        if len(devices) != params.n_devices:
+            raise ValueError(f"got {len(devices)} device(s) but params.n_devices={params.n_devices}")
         self.params = params
+        self.layout = layout
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.num_layers = num_layers
-        self.devices = check_devices(params, devices)
+        self.devices = devices
         self.session = session
 
-    @staticmethod
-    def _check_num_steps(num_steps: int) -> None:
-        if num_steps.__class__ is not int or num_steps < 1:  # on every step: kept cheap
-            raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
-
-    # Newer names of the same operations (seed 001).
-
-    def claim(self, request_id: RequestID, replica_idx: int | None = None) -> Any:
-        """Same as `external_claim`."""
-        return self.external_claim(request_id, replica_idx)  # type: ignore[attr-defined]
-
-    def alloc(self, data: TextGenerationContext, num_steps: int = 1) -> None:
-        """`maybe_reserve`, raising `InsufficientPagesError` instead of returning False."""
-        if not self.maybe_reserve(data, num_steps):  # type: ignore[attr-defined]
-            raise InsufficientPagesError(
-                f"not enough free pages to hold request {data.request_id!r} for {num_steps} step(s)"
-            )
-
-    def get_runtime_inputs(self, batch: Sequence[Any], num_steps: int = 1) -> Any:
-        """Same as `fetch`."""
-        return self.fetch(batch, num_steps)  # type: ignore[attr-defined]
-
-    def get_symbolic_inputs(
+    def input_symbols(
         self, devices: Sequence[Device] | None = None, num_layers: int | None = None
-    ) -> Any:
-        """Same as `input_symbols`."""
-        return self.input_symbols(devices, num_layers)  # type: ignore[attr-defined]
-
-    # The host-memory page tier is not available yet: no host pages exist.
-
-    @property
-    def total_num_host_pages(self) -> int:
-        return 0
-
-    @property
-    def host_committed_block_pct(self) -> float:
-        return 0.0
+    ) -> list[Any]:
+        """One `layout.Inputs` of graph types per device, matching `fetch`."""
+        return [
+            self.layout.input_symbols(
+                self.params, num_layers or self.num_layers, self.max_seq_len,
+                DeviceRef.from_device(d),
+            )
+            for d in (devices or self.devices)
+        ]

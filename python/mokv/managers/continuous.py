@@ -1,15 +1,18 @@
-"""ContinuousBatchingKVCacheManager: one contiguous `max_seq_len` slot per sequence (seed 002).
+"""ContinuousBatchingKVCacheManager: one contiguous `max_seq_len` slot per sequence.
 
-Two ways to drive it, over the same slots:
+It implements the manager contract (base.py) by request: `external_claim(request_id)`,
+`maybe_reserve(ctx)`, `fetch([ctx, ...])`, `step([ctx, ...])`, `release(request_id)`;
+cache lengths come from each context's `start_idx`, so a scheduler can swap it for the
+paged manager.
 
-- by sequence id (seed 002/003): `claim(n) -> seq_ids`, `fetch(seq_ids)`,
-  `step({seq_id: new_tokens})`, `release(seq_id)`; the manager counts cache lengths;
-- by request context, like the paged manager, so that a scheduler can swap one for the
-  other: `external_claim(request_id)`, `maybe_reserve(ctx)`, `fetch([ctx, ...])`,
-  `step([ctx, ...])`, `release(request_id)`; cache lengths come from `ctx.start_idx`.
+MAX's older sequence-id flow over the same slots (`claim(n) -> seq_ids`,
+`fetch(seq_ids)`, `step({seq_id: new_tokens})`, `release(seq_id)`) lives in
+`sequences.py`. A sequence id is an `int`, a request id a `str`; the methods below hand
+an int-typed argument to that flow and nothing else, and a batch mixing the two is a
+TypeError, so neither kind can reach the other's slots.
 
 Memory: `max_cache_batch_size * 2 * num_layers * max_seq_len * n_kv_heads * head_dim *
-dtype size` bytes, split over the devices by KV head (layout in `mokv.inputs`).
+dtype size` bytes, split over the devices by KV head (layout in `mokv.layouts.continuous`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from typing import Any
 import numpy as np
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
-from max.graph import BufferType, DeviceRef, TensorType
 
 from ..context import RequestID, TextGenerationContext
 from ..errors import (
@@ -30,16 +32,16 @@ from ..errors import (
     SequenceTooLongError,
     UnknownRequestError,
 )
-from ..inputs import ContinuousBatchingKVCacheInputs, continuous_input_symbols
+from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
-from .base import KVCacheManager
+from .base import ManagerFields, check_num_steps, check_request_id
+from .compat import MaxManagerAPI
 from .increment import CacheLengthIncrementer, row_offsets_per_device
+from .sequences import SequenceIdFlow, is_sequence_id, is_sequence_id_batch
 
-SeqIdsOrContexts = Sequence[int] | Sequence[TextGenerationContext]
 
-
-class ContinuousBatchingKVCacheManager(KVCacheManager):
+class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
     """A KV cache of `max_cache_batch_size` contiguous slots (tensor parallel over heads).
 
     Args:
@@ -60,21 +62,23 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
         devices: Sequence[Device],
         session: InferenceSession,
     ) -> None:
-        super().__init__(params, max_cache_batch_size, max_seq_len, num_layers, devices, session)
+        super().__init__(
+            params, CONTINUOUS, max_cache_batch_size, max_seq_len, num_layers, devices, session
+        )
         if params.data_parallel_degree != 1:
             raise ValueError(
                 "the continuous-batching cache has no data-parallel replicas: "
                 f"data_parallel_degree={params.data_parallel_degree}"
             )
         self.max_cache_batch_size = max_cache_batch_size
-        shape = self.block_shape(max_cache_batch_size)
-        self.blocks = [Buffer(params.dtype, shape, device=d) for d in self.devices]
+        self.blocks = [Buffer(params.dtype, self.block_shape(max_cache_batch_size), device=d)
+                       for d in self.devices]
         self._free_slots = list(range(max_cache_batch_size - 1, -1, -1))
-        self._cache_lengths = [0] * max_cache_batch_size
         self._slot_of: dict[RequestID, int] = {}
-        self._seq_ids: set[int] = set()  # slots claimed by sequence id
         self._input_tokens = 0
         self._increment = CacheLengthIncrementer(session, with_max_lengths=False)
+        self.sequences = SequenceIdFlow(self)
+        """MAX's sequence-id flow over the same slots (see sequences.py)."""
 
     # --- sizing ---------------------------------------------------------------------
 
@@ -109,58 +113,66 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
         """Slots that fit the budget: `max(1, floor(memory / (max_seq_len * bytes_per_token)))`."""
         return max(1, available_cache_memory // (max_seq_len * params.bytes_per_token(num_layers)))
 
-    # --- claiming -------------------------------------------------------------------
+    # --- slots (shared by requests and sequence ids) ---------------------------------
 
-    def _take_slot(self, what: str) -> int:
-        if not self._free_slots:
+    def _take_slots(self, n: int, what: str) -> list[int]:
+        """`n` free slots, lowest first; BatchTooLargeError (nothing taken) if fewer are free."""
+        if n > len(self._free_slots):
             raise BatchTooLargeError(
-                f"cannot claim {what}: all {self.max_cache_batch_size} slots are taken"
+                f"cannot claim {what}: {len(self._free_slots)} of "
+                f"{self.max_cache_batch_size} slots are free"
             )
-        slot = self._free_slots.pop()
-        self._cache_lengths[slot] = 0
-        return slot
+        return [self._free_slots.pop() for _ in range(n)]
 
-    def claim(self, request_id_or_n: RequestID | int, replica_idx: int | None = None) -> Any:  # type: ignore[override]
-        """`claim(n)` returns `n` new sequence ids; `claim(request_id)` is `external_claim`."""
-        if isinstance(request_id_or_n, int):
-            if request_id_or_n > len(self._free_slots):
-                raise BatchTooLargeError(
-                    f"cannot claim {request_id_or_n} sequences: {len(self._free_slots)} of "
-                    f"{self.max_cache_batch_size} slots are free"
-                )
-            seq_ids = [self._take_slot("a sequence") for _ in range(request_id_or_n)]
-            self._seq_ids.update(seq_ids)
-            return seq_ids
-        return self.external_claim(request_id_or_n, replica_idx)
+    def _inputs(self, slots: list[int], lengths: list[int]) -> list[ContinuousBatchingKVCacheInputs]:
+        """One device tuple per device for a batch of slots and their cache lengths."""
+        cache_lengths = np.array(lengths, dtype=np.uint32)
+        host = [Buffer.from_numpy(cache_lengths), Buffer.from_numpy(np.array(slots, dtype=np.uint32))]
+        is_empty = Buffer.from_numpy(np.array([not cache_lengths.any()], dtype=np.bool_))
+        return [
+            ContinuousBatchingKVCacheInputs(
+                blocks, *(host if d.is_host else [b.to(d) for b in host]), is_empty
+            )
+            for blocks, d in zip(self.blocks, self.devices)
+        ]
+
+    # --- requests (the manager contract) ----------------------------------------------
 
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
-        if replica_idx not in (None, 0):
+        """Gives the request a slot (BatchTooLargeError when all are taken)."""
+        check_request_id(request_id)
+        if replica_idx is not None and (replica_idx.__class__ is not int or replica_idx != 0):
             raise InvalidReplicaError(f"replica_idx={replica_idx!r}: this cache has one replica")
         if request_id in self._slot_of:
             raise AlreadyClaimedError(request_id)
-        self._slot_of[request_id] = self._take_slot(repr(request_id))
+        (self._slot_of[request_id],) = self._take_slots(1, repr(request_id))
+
+    def claim(self, request_id_or_n: RequestID | int, replica_idx: int | None = None) -> Any:  # type: ignore[override]
+        """`claim(n)` returns `n` new sequence ids; `claim(request_id)` is `external_claim`."""
+        if is_sequence_id(request_id_or_n):
+            return self.sequences.claim(request_id_or_n)  # type: ignore[arg-type]
+        return self.external_claim(request_id_or_n, replica_idx)  # type: ignore[arg-type]
 
     def contains(self, key: RequestID | int) -> bool:
-        return key in self._seq_ids if isinstance(key, int) else key in self._slot_of
+        """Whether a request id (or a sequence id) holds a slot."""
+        if is_sequence_id(key):
+            return self.sequences.contains(key)  # type: ignore[arg-type]
+        check_request_id(key)
+        return key in self._slot_of
 
     def release(self, key: RequestID | int) -> None:
-        """Frees the slot of a request id or a sequence id."""
-        slot = self._slot(key)
-        if isinstance(key, int):
-            self._seq_ids.discard(key)
-        else:
-            del self._slot_of[key]
-        self._free_slots.append(slot)
+        """Frees the slot of a request id (or of a sequence id)."""
+        if is_sequence_id(key):
+            return self.sequences.release(key)  # type: ignore[arg-type]
+        self._free_slots.append(self._slot(key))
+        del self._slot_of[key]  # type: ignore[arg-type]
 
-    def _slot(self, key: RequestID | int) -> int:
-        if isinstance(key, int):
-            if key not in self._seq_ids:
-                raise UnknownRequestError(key)
-            return key
+    def _slot(self, request_id: RequestID) -> int:
+        check_request_id(request_id)
         try:
-            return self._slot_of[key]
+            return self._slot_of[request_id]
         except KeyError:
-            raise UnknownRequestError(key) from None
+            raise UnknownRequestError(request_id) from None
 
     def get_req_blocks(self, request_id: RequestID) -> list[int]:
         """The one slot the request holds."""
@@ -173,8 +185,6 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
     def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
         return 0
 
-    # --- steps ----------------------------------------------------------------------
-
     def _check_fits(self, ctx: TextGenerationContext, num_steps: int) -> None:
         needed = ctx.active_idx + num_steps - 1
         if needed > self.max_seq_len:
@@ -185,54 +195,37 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
 
     def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
         """True: a claimed request's slot always has room up to `max_seq_len`."""
-        self._check_num_steps(num_steps)
+        check_num_steps(num_steps)
         self._slot(data.request_id)
         self._check_fits(data, num_steps)
         return True
 
     def fetch(
-        self, batch: SeqIdsOrContexts, num_steps: int = 1
+        self, batch: Sequence[TextGenerationContext] | Sequence[int], num_steps: int = 1
     ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
-        """Graph inputs for a batch of sequence ids or contexts, one tuple per device."""
-        self._check_num_steps(num_steps)
+        """Graph inputs for a batch of contexts (or of sequence ids), one tuple per device."""
+        if is_sequence_id_batch(batch):
+            return self.sequences.fetch(batch, num_steps)  # type: ignore[arg-type]
+        check_num_steps(num_steps)
         if len(batch) > self.max_cache_batch_size:
             raise BatchTooLargeError(
                 f"batch of {len(batch)} is larger than max_cache_batch_size={self.max_cache_batch_size}"
             )
-        slots = [self._slot(x if isinstance(x, int) else x.request_id) for x in batch]
-        if batch and not isinstance(batch[0], int):
-            for ctx in batch:
-                self._check_fits(ctx, num_steps)  # type: ignore[arg-type]
-            lengths = [ctx.start_idx for ctx in batch]  # type: ignore[union-attr]
-            self._input_tokens += sum(ctx.active_length for ctx in batch)  # type: ignore[union-attr]
-        else:
-            lengths = [self._cache_lengths[s] for s in slots]
-        cache_lengths = np.array(lengths, dtype=np.uint32)
-        host = [Buffer.from_numpy(cache_lengths), Buffer.from_numpy(np.array(slots, dtype=np.uint32))]
-        is_empty = Buffer.from_numpy(np.array([not cache_lengths.any()], dtype=np.bool_))
-        return [
-            ContinuousBatchingKVCacheInputs(
-                blocks, *(host if d.is_host else [b.to(d) for b in host]), is_empty
-            )
-            for blocks, d in zip(self.blocks, self.devices)
-        ]
-
-    def step(self, batch: Mapping[int, int] | Sequence[TextGenerationContext]) -> None:
-        """Records a step: `{seq_id: tokens written}` or the contexts after `update`."""
-        if isinstance(batch, Mapping):
-            slots = [self._slot(seq_id) for seq_id in batch]
-            grown = [self._cache_lengths[s] + n for s, n in zip(slots, batch.values())]
-            too_long = [(s, n) for s, n in zip(batch, grown) if n > self.max_seq_len]
-            if too_long:
-                raise SequenceTooLongError(
-                    f"sequence {too_long[0][0]} would hold {too_long[0][1]} tokens, past "
-                    f"max_seq_len={self.max_seq_len}"
-                )
-            for s, n in zip(slots, grown):
-                self._cache_lengths[s] = n
-            return
+        slots = [self._slot(ctx.request_id) for ctx in batch]  # type: ignore[union-attr]
+        if len(set(slots)) != len(slots):
+            raise ValueError("a request appears twice in the batch")
         for ctx in batch:
-            self._cache_lengths[self._slot(ctx.request_id)] = ctx.start_idx
+            self._check_fits(ctx, num_steps)  # type: ignore[arg-type]
+        self._input_tokens += sum(ctx.active_length for ctx in batch)  # type: ignore[union-attr]
+        return self._inputs(slots, [ctx.start_idx for ctx in batch])  # type: ignore[union-attr]
+
+    def step(self, batch: Sequence[TextGenerationContext] | Mapping[int, int]) -> None:
+        """Nothing to record for contexts (`fetch` reads `ctx.start_idx`); every request
+        must hold a slot. `step({seq_id: new_tokens})` is the sequence-id flow."""
+        if isinstance(batch, Mapping):
+            return self.sequences.step(batch)
+        for ctx in batch:
+            self._slot(ctx.request_id)
 
     def increment_cache_lengths(
         self,
@@ -255,17 +248,6 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
     def get_data_parallel_splits(self, context_batch: Sequence[Any]) -> Buffer:
         """int64 `[0, len(batch)]`: one replica holds the whole batch."""
         return Buffer.from_numpy(np.array([0, len(context_batch)], dtype=np.int64))
-
-    def input_symbols(
-        self, devices: Sequence[Device] | None = None, num_layers: int | None = None
-    ) -> list[ContinuousBatchingKVCacheInputs[BufferType, TensorType]]:
-        """Graph input types matching `fetch`'s output, one tuple per device."""
-        return [
-            continuous_input_symbols(
-                self.params, num_layers or self.num_layers, self.max_seq_len, DeviceRef.from_device(d)
-            )
-            for d in (devices or self.devices)
-        ]
 
     # --- occupancy and metrics (a slot plays the part of a page) --------------------
 

@@ -1,4 +1,8 @@
-"""load_kv_manager: the manager for a `KVCacheParams`, or the null one on virtual devices."""
+"""load_kv_manager: the manager for a `KVCacheParams`, or the null one on virtual devices.
+
+The one place that turns `params.cache_strategy` into a manager; everything downstream
+asks the manager (`manager.layout`), never the strategy again.
+"""
 
 from __future__ import annotations
 
@@ -29,8 +33,8 @@ def load_kv_manager(
     """Builds the manager that `params.cache_strategy` names.
 
     In MAX's virtual-device (compile-only) mode no memory can be used, so a
-    `NullKVCacheManager` is returned whatever the strategy. `available_cache_memory`
-    is required by the paged strategy.
+    `NullKVCacheManager` with the strategy's layout is returned instead.
+    `available_cache_memory` is required by the paged strategy.
     """
     if driver.is_virtual_device_mode():
         return NullKVCacheManager(

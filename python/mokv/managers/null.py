@@ -1,9 +1,12 @@
-"""NullKVCacheManager: the manager interface with no memory behind it (seed 001).
+"""NullKVCacheManager: the manager contract with no memory behind it.
 
 Compile-only builds run on virtual devices (`max.driver.set_virtual_device_*`), where
 no buffer can be used. This manager lets the same model code build its graph there:
-it returns the real paged manager's graph input types, and runtime inputs of the
-right dtypes and ranks that hold nothing (zero pages, on the host).
+it has the layout that `params.cache_strategy` names, returns that layout's graph input
+types, and runtime inputs of the right dtypes and ranks that hold nothing (host
+buffers of zero pages or slots). It tracks claims like a real manager, so a model
+that misuses the manager fails in compile-only mode the way it would for real; its
+occupancy numbers are MAX's documented placeholders (1000 free blocks, 100% free).
 """
 
 from __future__ import annotations
@@ -14,16 +17,17 @@ from typing import Any
 import numpy as np
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
-from max.graph import BufferType, DeviceRef, TensorType
 
 from ..context import RequestID, TextGenerationContext
-from ..inputs import RaggedKVCacheInputs, paged_input_symbols
+from ..errors import AlreadyClaimedError, BatchTooLargeError, InvalidReplicaError, UnknownRequestError
+from ..layouts import layout_for
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
-from .base import KVCacheManager
+from .base import ManagerFields, check_num_steps, check_request_id
+from .compat import MaxManagerAPI
 
 
-class NullKVCacheManager(KVCacheManager):
+class NullKVCacheManager(MaxManagerAPI, ManagerFields):
     """A no-op KV cache manager for compile-only mode on virtual devices."""
 
     def __init__(
@@ -37,7 +41,9 @@ class NullKVCacheManager(KVCacheManager):
         available_cache_memory: int,
         page_size: int = 128,
     ) -> None:
-        super().__init__(params, max_batch_size, max_seq_len, num_layers, devices, session)
+        super().__init__(
+            params, layout_for(params), max_batch_size, max_seq_len, num_layers, devices, session
+        )
         self.available_cache_memory = available_cache_memory
         self.page_size = params.page_size
         self._claimed: set[RequestID] = set()
@@ -53,62 +59,78 @@ class NullKVCacheManager(KVCacheManager):
         """Always 1."""
         return 1
 
+    def _check_claimed(self, request_id: RequestID) -> None:
+        check_request_id(request_id)
+        if request_id not in self._claimed:
+            raise UnknownRequestError(request_id)
+
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
-        """Records the id, so that `contains` answers as a real manager would."""
+        """Records the id, so that `contains` and later calls answer as a real manager's."""
+        check_request_id(request_id)
+        if replica_idx is not None and (replica_idx.__class__ is not int or replica_idx != 0):
+            raise InvalidReplicaError(f"replica_idx={replica_idx!r}: this manager has one replica")
+        if request_id in self._claimed:
+            raise AlreadyClaimedError(request_id)
+        if len(self._claimed) >= self.max_batch_size:
+            raise BatchTooLargeError(
+                f"cannot claim {request_id!r}: {self.max_batch_size} requests are claimed "
+                "(max_batch_size)"
+            )
         self._claimed.add(request_id)
 
     def contains(self, request_id: RequestID) -> bool:
+        check_request_id(request_id)
         return request_id in self._claimed
 
     def release(self, request_id: RequestID) -> None:
+        self._check_claimed(request_id)
         self._claimed.discard(request_id)
 
     def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
+        """True for a claimed request: nothing to hold."""
+        check_num_steps(num_steps)
+        self._check_claimed(data.request_id)
         return True
 
     def step(self, batch: Sequence[TextGenerationContext]) -> None:
-        """No-op."""
+        """Checks that every request is claimed; records nothing."""
+        for ctx in batch:
+            self._check_claimed(ctx.request_id)
 
-    def fetch(
-        self, batch: Sequence[TextGenerationContext], num_steps: int = 1
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
-        """One `RaggedKVCacheInputs` of host buffers with the right dtypes and ranks,
-        holding zero pages."""
-        p = self.params
-        shape = (0, 2, self.num_layers, p.page_size, p.n_kv_heads_per_device, p.head_dim)
-        return [
-            RaggedKVCacheInputs(
-                blocks=Buffer(p.dtype, shape),
-                cache_lengths=Buffer.from_numpy(np.zeros(len(batch), dtype=np.uint32)),
-                lookup_table=Buffer.from_numpy(np.zeros((len(batch), 1), dtype=np.uint32)),
-                max_lengths=Buffer.from_numpy(np.zeros((num_steps, 2), dtype=np.uint32)),
+    def fetch(self, batch: Sequence[TextGenerationContext], num_steps: int = 1) -> list[Any]:
+        """One `layout.Inputs` per device, of the right dtypes and ranks, holding no memory."""
+        check_num_steps(num_steps)
+        if len(batch) > self.max_batch_size:
+            raise BatchTooLargeError(
+                f"batch of {len(batch)} requests is larger than max_batch_size={self.max_batch_size}"
             )
+        for ctx in batch:
+            self._check_claimed(ctx.request_id)
+        return [
+            self.layout.empty_inputs(
+                self.params, self.num_layers, self.max_seq_len, len(batch), num_steps
+            )
+            for _ in self.devices
         ]
 
     def increment_cache_lengths(self, kv_cache_inputs: Any, prev_model_inputs: Any) -> Any:
         """Returns `kv_cache_inputs` unchanged."""
         return kv_cache_inputs
 
-    def input_symbols(
-        self, devices: Sequence[Device] | None = None, num_layers: int | None = None
-    ) -> list[RaggedKVCacheInputs[BufferType, TensorType]]:
-        """The same types as `PagedKVCacheManager.input_symbols`."""
-        return [
-            paged_input_symbols(self.params, num_layers or self.num_layers, DeviceRef.from_device(d))
-            for d in (devices or self.devices)
-        ]
-
-    def get_data_parallel_splits(self, batch: Sequence[TextGenerationContext]) -> list[list[int]]:
-        """A single split holding every batch index."""
-        return [list(range(len(batch)))]
+    def get_data_parallel_splits(self, batch: Sequence[TextGenerationContext]) -> Buffer:
+        """int64 `[0, len(batch)]`: a single split holding every batch index."""
+        return Buffer.from_numpy(np.array([0, len(batch)], dtype=np.int64))
 
     def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
         return 0
 
     def get_replica(self, context: TextGenerationContext) -> int:
+        self._check_claimed(context.request_id)
         return 0
 
     def get_req_blocks(self, request_id: RequestID) -> list[int]:
+        """Empty: no blocks are allocated."""
+        self._check_claimed(request_id)
         return []
 
     @property

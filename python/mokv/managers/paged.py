@@ -1,6 +1,6 @@
 """PagedKVCacheManager: fixed-size pages, prefix cache, data- and tensor-parallel replicas.
 
-The request lifecycle (seed 000):
+The request lifecycle (the manager contract of base.py, in MAX's spelling):
 
     external_claim(request_id, replica_idx)   # or claim(); binds the request to a replica
     maybe_reserve(ctx, num_steps) -> bool      # or alloc(), which raises instead of False
@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
-from max.graph import BufferType, DeviceRef, TensorType
 
 from ..cache.hashing import page_hash_fn, root_hash
 from ..context import RequestID, TextGenerationContext
@@ -35,15 +34,16 @@ from ..errors import (
     InvalidReplicaError,
     UnknownRequestError,
 )
-from ..inputs import RaggedKVCacheInputs, paged_input_symbols
+from ..layouts import PAGED, RaggedKVCacheInputs
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
-from .base import KVCacheManager, check_devices, check_page_size
+from .base import ManagerFields, check_num_steps, check_request_id
+from .compat import MaxManagerAPI
 from .increment import CacheLengthIncrementer, row_offsets_per_device
 from .paged_replica import PagedReplica, _ceil_div
 
 
-class PagedKVCacheManager(KVCacheManager):
+class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
     """Paged KV cache manager with data and tensor parallelism support.
 
     Args:
@@ -75,8 +75,12 @@ class PagedKVCacheManager(KVCacheManager):
         page_size: int = 128,
         enable_runtime_checks: bool = False,
     ) -> None:
-        super().__init__(params, max_batch_size, max_seq_len, num_layers, devices, session)
-        check_page_size(params, page_size)
+        super().__init__(params, PAGED, max_batch_size, max_seq_len, num_layers, devices, session)
+        if page_size != 128 and page_size != params.page_size:
+            raise ValueError(
+                f"page_size={page_size} disagrees with params.page_size={params.page_size}; "
+                "set it in KVCacheParams"
+            )
         if params.enable_kvcache_swapping_to_host:
             raise NotImplementedError("the host-memory page tier is not available yet")
         if zmq_endpoint_base is not None:
@@ -182,19 +186,22 @@ class PagedKVCacheManager(KVCacheManager):
         return self.replicas[self._replica_index(request_id)]
 
     def _replica_index(self, request_id: RequestID) -> int:
+        check_request_id(request_id)
         try:
             return self._replica_of[request_id]
         except KeyError:
             raise UnknownRequestError(request_id) from None
 
     def contains(self, request_id: RequestID) -> bool:
+        check_request_id(request_id)
         return request_id in self._replica_of
 
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
         """Binds `request_id` to a replica (by default the one with the most free pages)."""
+        check_request_id(request_id)
         if replica_idx is None:
             replica_idx = max(range(self.num_replicas), key=lambda r: self.replicas[r].pool.num_free)
-        if not isinstance(replica_idx, int) or not 0 <= replica_idx < self.num_replicas:
+        if replica_idx.__class__ is not int or not 0 <= replica_idx < self.num_replicas:
             raise InvalidReplicaError(
                 f"replica_idx={replica_idx!r} is out of range for {self.num_replicas} replica(s)"
             )
@@ -234,10 +241,10 @@ class PagedKVCacheManager(KVCacheManager):
         """Holds the pages `data` needs for `num_steps` steps, reusing its cached prefix.
 
         Returns False, changing nothing, when they do not fit; after True, `fetch` for
-        the same steps cannot run out of pages. A prefix hit moves `data.start_idx` past
-        the reused tokens.
+        the same steps cannot run out of pages. On a prefix hit the context moves its
+        window past the reused tokens (`data.skip_cached_prefix`).
         """
-        self._check_num_steps(num_steps)
+        check_num_steps(num_steps)
         ok = self._replica(data.request_id).reserve(data, num_steps)
         self._after_change()
         return ok
@@ -248,18 +255,23 @@ class PagedKVCacheManager(KVCacheManager):
         """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device.
 
         The batch must be ordered by replica (as `get_data_parallel_splits` expects);
-        devices come replica by replica. Requests not yet reserved are reserved here;
-        `InsufficientPagesError` if their pages do not fit (requests reserved before the
-        failing one keep their pages, as after `maybe_reserve`).
+        devices come replica by replica. Every request is checked before any is
+        reserved. Requests not yet reserved are reserved here; `InsufficientPagesError`
+        if their pages do not fit (requests reserved before the failing one keep their
+        pages, as after `maybe_reserve`).
         """
-        self._check_num_steps(num_steps)
+        check_num_steps(num_steps)
         if len(batch) > self.max_batch_size:
             raise BatchTooLargeError(
                 f"batch of {len(batch)} requests is larger than max_batch_size={self.max_batch_size}"
             )
         groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
         last = 0
+        seen: set[RequestID] = set()
         for ctx in batch:
+            if ctx.request_id in seen:
+                raise ValueError(f"request {ctx.request_id!r} appears twice in the batch")
+            seen.add(ctx.request_id)
             r = self._replica_index(ctx.request_id)
             if r < last:
                 raise ValueError(
@@ -268,6 +280,7 @@ class PagedKVCacheManager(KVCacheManager):
                 )
             last = r
             groups[r].append(ctx)
+            self.replicas[r].check_fits(ctx, num_steps)
         for replica, group in zip(self.replicas, groups):
             for ctx in group:
                 if not replica.reserve(ctx, num_steps):
@@ -284,9 +297,15 @@ class PagedKVCacheManager(KVCacheManager):
         return inputs
 
     def step(self, batch: Sequence[TextGenerationContext]) -> None:
-        """Commits the pages that the batch's last step filled to the prefix cache."""
-        for ctx in batch:
-            self._replica(ctx.request_id).commit(ctx)
+        """Commits the pages that the batch's last step filled to the prefix cache.
+
+        Every request is checked before any page is committed.
+        """
+        replicas = [self._replica(ctx.request_id) for ctx in batch]
+        for replica, ctx in zip(replicas, batch):
+            replica.check_step(ctx)
+        for replica, ctx in zip(replicas, batch):
+            replica.commit(ctx)
         self._after_change()
 
     def increment_cache_lengths(
@@ -318,17 +337,6 @@ class PagedKVCacheManager(KVCacheManager):
         for ctx in context_batch:
             counts[self._replica_index(ctx.request_id) + 1] += 1
         return Buffer.from_numpy(np.cumsum(counts))
-
-    # --- graph types ----------------------------------------------------------------
-
-    def input_symbols(
-        self, devices: Sequence[Device] | None = None, num_layers: int | None = None
-    ) -> list[RaggedKVCacheInputs[BufferType, TensorType]]:
-        """Graph input types matching `fetch`'s output, one tuple per device."""
-        return [
-            paged_input_symbols(self.params, num_layers or self.num_layers, DeviceRef.from_device(d))
-            for d in (devices or self.devices)
-        ]
 
     # --- occupancy and metrics ------------------------------------------------------
 

@@ -34,7 +34,7 @@ from ..errors import (
     SequenceTooLongError,
     UnknownRequestError,
 )
-from ..inputs import RaggedKVCacheInputs
+from ..layouts import RaggedKVCacheInputs
 from ..params import KVCacheParams
 
 
@@ -56,7 +56,7 @@ class PagedReplica:
         self,
         params: KVCacheParams,
         num_pages: int,
-        max_batch_size: int,
+        max_requests: int,
         max_seq_len: int,
         num_layers: int,
         devices: list[Device],
@@ -66,7 +66,7 @@ class PagedReplica:
         self.params = params
         self.page_size = params.page_size
         self.max_seq_len = max_seq_len
-        self.max_batch_size = max_batch_size
+        self.max_requests = max_requests
         self.devices = devices
         self.pool = PagePool(num_pages)
         self._hash_fn = hash_fn
@@ -84,8 +84,8 @@ class PagedReplica:
         self.blocks = [Buffer(params.dtype, shape, device=d) for d in devices]
         # Row `slot` of the page table lists the pages of the request in that slot, so
         # that `runtime_inputs` gathers a whole batch's lookup table with one numpy take.
-        self._page_table = np.zeros((max_batch_size, self.max_pages_per_seq), dtype=np.uint32)
-        self._free_slots = list(range(max_batch_size - 1, -1, -1))
+        self._page_table = np.zeros((max_requests, self.max_pages_per_seq), dtype=np.uint32)
+        self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, _Request] = {}
         self.input_tokens = 0
         self.cache_tokens = 0
@@ -97,8 +97,8 @@ class PagedReplica:
             raise AlreadyClaimedError(request_id)
         if not self._free_slots:
             raise BatchTooLargeError(
-                f"cannot claim {request_id!r}: all {self.max_batch_size} request slots of the "
-                "replica are taken (max_batch_size)"
+                f"cannot claim {request_id!r}: all {self.max_requests} request slots of the "
+                "replica are taken (max_batch_size / data_parallel_degree)"
             )
         self._requests[request_id] = _Request(self._free_slots.pop())
 
@@ -152,17 +152,21 @@ class PagedReplica:
         req = self._requests.get(ctx.request_id) or _Request(-1)
         return len(self._match_prefix(ctx, req))
 
-    def commit(self, ctx: TextGenerationContext) -> None:
-        """Hashes and indexes the request's pages that became full since the last call."""
-        req = self._request(ctx.request_id)
-        ps = self.page_size
-        start_idx = ctx.start_idx
-        if start_idx > len(req.pages) * ps:
+    def check_step(self, ctx: TextGenerationContext) -> None:
+        """ValueError if `ctx` claims more cached tokens than its pages can hold."""
+        num_slots = len(self._request(ctx.request_id).pages) * self.page_size
+        if ctx.start_idx > num_slots:
             raise ValueError(
-                f"request {ctx.request_id!r} has start_idx={start_idx} but only "
-                f"{len(req.pages) * ps} token slots were fetched for it"
+                f"request {ctx.request_id!r} has start_idx={ctx.start_idx} but only "
+                f"{num_slots} token slots were fetched for it"
             )
-        num_full = start_idx // ps
+
+    def commit(self, ctx: TextGenerationContext) -> None:
+        """Hashes and indexes the request's pages that became full since the last call
+        (after `check_step`)."""
+        req = self._requests[ctx.request_id]
+        ps = self.page_size
+        num_full = ctx.start_idx // ps
         if not self._prefix_caching or num_full <= len(req.hashes):
             return
         first = len(req.hashes)
@@ -173,13 +177,10 @@ class PagedReplica:
 
     # --- reservation ----------------------------------------------------------------
 
-    def _tokens_needed(self, ctx: TextGenerationContext, num_steps: int, start_idx: int) -> int:
-        """Cache slots `ctx` needs after `num_steps` steps, if its cache ended at `start_idx`.
-
-        The active window keeps its length when a prefix hit moves its start (see
-        `TextContext.skip_cached_prefix`); each step after the first adds one token.
-        """
-        active_idx = min(ctx.end_idx, start_idx + max(ctx.active_idx - ctx.start_idx, 1))
+    def _check_length(self, ctx: TextGenerationContext, num_steps: int, active_idx: int) -> int:
+        """Cache slots `ctx` needs for `num_steps` steps from a window ending at
+        `active_idx` (each step after the first adds one token); SequenceTooLongError
+        past `max_seq_len`."""
         needed = active_idx + num_steps - 1
         if needed > self.max_seq_len:
             raise SequenceTooLongError(
@@ -187,6 +188,10 @@ class PagedReplica:
                 f"step(s), past max_seq_len={self.max_seq_len}"
             )
         return needed
+
+    def check_fits(self, ctx: TextGenerationContext, num_steps: int) -> None:
+        """SequenceTooLongError if `ctx`'s current window cannot fit `num_steps` steps."""
+        self._check_length(ctx, num_steps, ctx.active_idx)
 
     def reserve(self, ctx: TextGenerationContext, num_steps: int) -> bool:
         """Holds the pages `ctx` needs for `num_steps` steps, reusing its cached prefix.
@@ -201,7 +206,9 @@ class PagedReplica:
             return True
         hits = self._match_prefix(ctx, req)
         start_idx = (len(req.hashes) + len(hits)) * self.page_size if hits else ctx.start_idx
-        needed_pages = _ceil_div(self._tokens_needed(ctx, num_steps, start_idx), self.page_size)
+        # Where the window ends after a hit is the context's rule, not the manager's.
+        active_idx = ctx.active_idx_after_skip(start_idx) if hits else ctx.active_idx
+        needed_pages = _ceil_div(self._check_length(ctx, num_steps, active_idx), self.page_size)
         num_new = needed_pages - len(req.pages) - len(hits)
         # Reused pages that sit unowned in the LRU stop counting as free once acquired.
         num_hits_cached = sum(self.pool.is_cached(page_id) for page_id, _ in hits)

@@ -1,12 +1,13 @@
 """Checked graph wrappers of the mokv custom ops, and the kernel package path.
 
-Every wrapper validates dtype, rank, static dims and devices at graph-build time and
-raises ValueError/TypeError naming the argument; then it emits one custom op.
-Pass `kernels_path()` as `custom_extensions=[...]` to every `max.graph.Graph` using them.
+Every wrapper takes the cache collection first, validates dtype, rank, static dims and
+devices at graph-build time (raising ValueError/TypeError naming the argument), and
+emits one custom op. The collection's fetcher (`mokv.FetchPagedKVCacheCollection`, ...)
+adds mokv's kernel package to the graph, so no `custom_extensions` are needed.
 """
 
 from .attention import flash_attention
-from .extension import kernels_path
+from ..mojo_package import kernels_path
 from .kv_cache import store_kv
 from .matmul import fused_qkv_matmul, rope_freqs_cis
 

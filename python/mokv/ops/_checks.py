@@ -1,93 +1,18 @@
-"""Graph-build-time argument checks shared by the op wrappers.
+"""Graph-build-time argument checks specific to the op wrappers (scalars, offsets).
 
-Each raises at once, naming the argument and the offending value, so that a wrong
-shape fails in Python with a readable message instead of deep in the Mojo compiler.
+The generic value checks are in `mokv.checks`; a collection argument is checked by
+`mokv.layouts.collection_info`, which also tells the wrapper the collection's layout.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 from max.dtype import DType
-from max.graph import BufferValue, DeviceRef, Dim, StaticDim, TensorValue, ops
-from max.graph.value import _OpaqueValue
+from max.graph import DeviceRef, TensorValue, ops
 
-
-def as_tensor(name: str, value: Any) -> TensorValue | BufferValue:
-    """`value` as a graph tensor; TypeError if it is not tensor-like."""
-    if isinstance(value, (TensorValue, BufferValue)):
-        return value
-    try:
-        return TensorValue(value)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the argument's name
-        raise TypeError(f"{name} must be a graph tensor, got {type(value).__name__}: {exc}") from None
-
-
-def check_dtype(name: str, value: Any, *dtypes: DType) -> None:
-    """TypeError unless `value.dtype` is one of `dtypes`."""
-    dtype = as_tensor(name, value).dtype
-    if dtype not in dtypes:
-        allowed = " or ".join(d.name for d in dtypes)
-        raise TypeError(f"{name} must have dtype {allowed}, got {dtype.name}")
-
-
-def check_rank(name: str, value: Any, rank: int) -> None:
-    """ValueError unless `value` has `rank` dimensions."""
-    shape = as_tensor(name, value).shape
-    if len(shape) != rank:
-        raise ValueError(f"{name} must have rank {rank}, got shape {list(shape)}")
-
-
-def check_static_dim(name: str, value: Any, axis: int, expected: int) -> None:
-    """ValueError unless dim `axis` of `value` is the static size `expected`."""
-    dim = as_tensor(name, value).shape[axis]
-    if not isinstance(dim, StaticDim) or int(dim) != expected:
-        raise ValueError(f"{name} dim {axis} must be {expected}, got {dim} (shape {list(as_tensor(name, value).shape)})")
-
-
-def check_same_dim(name_a: str, a: Any, axis_a: int, name_b: str, b: Any, axis_b: int) -> None:
-    """ValueError when two dims are both static and differ, or are different symbols."""
-    da: Dim = as_tensor(name_a, a).shape[axis_a]
-    db: Dim = as_tensor(name_b, b).shape[axis_b]
-    if da != db:
-        raise ValueError(f"{name_a} dim {axis_a} ({da}) must equal {name_b} dim {axis_b} ({db})")
-
-
-def check_device(name: str, value: Any, device: DeviceRef) -> None:
-    """ValueError unless `value` lives on `device`."""
-    got = as_tensor(name, value).device
-    if got != device:
-        raise ValueError(f"{name} must be on {device}, got {got}")
-
-
-_CACHE_KINDS = {"ContinuousBatchingKVCacheCollection": "continuous", "PagedKVCacheCollection": "paged"}
-
-
-class CollectionInfo(NamedTuple):
-    """What a wrapper needs to know about an opaque collection value."""
-
-    kind: str  # "continuous" or "paged": the last component of the op name
-    dtype: DType
-    num_heads: int  # KV heads on this device
-    head_size: int
-
-
-def check_collection(name: str, value: Any) -> CollectionInfo:
-    """The kind and static shape of a mokv collection; TypeError for anything else."""
-    from ..graph.types import DTYPE_CODES  # local: graph imports this module
-
-    if not isinstance(value, _OpaqueValue):
-        raise TypeError(f"{name} must be a KV cache collection value, got {type(value).__name__}")
-    t = value.type
-    kind = _CACHE_KINDS.get(t.name)
-    if kind is None:
-        raise TypeError(f"{name} must be a mokv cache collection, got opaque type {t.name!r}")
-    code_to_dtype = {code: dtype for dtype, code in DTYPE_CODES.items()}
-    params = t.parameters
-    return CollectionInfo(
-        kind, code_to_dtype[int(params["dtype_code"])], int(params["num_heads"]), int(params["head_size"])
-    )
+from ..checks import check_device, check_dtype, check_rank
 
 
 def host_scalar(name: str, value: Any, dtype: DType) -> TensorValue:

@@ -7,21 +7,15 @@ from typing import Any
 from max.dtype import DType
 from max.graph import TensorType, TensorValue, ops
 
-from ._checks import (
-    check_collection,
-    check_dtype,
-    check_rank,
-    check_row_offsets,
-    check_static_dim,
-    host_scalar,
-    layer_index,
-)
+from ..checks import check_dtype, check_rank, check_static_dim
+from ..layouts import collection_info
+from ._checks import check_row_offsets, host_scalar, layer_index
 
 
 def flash_attention(
+    collection: Any,
     q: TensorValue,
     input_row_offsets: TensorValue,
-    collection: Any,
     layer_idx: int | TensorValue,
     scale: float | TensorValue,
 ) -> TensorValue:
@@ -33,16 +27,16 @@ def flash_attention(
     Query head `qh` reads KV head `qh // (n_heads // n_kv_heads)`.
 
     Args:
+        collection: a `PagedKVCacheCollection` or `ContinuousBatchingKVCacheCollection`.
         q: [total_tokens, n_heads, head_dim], the cache's dtype.
         input_row_offsets: uint32 [batch_size + 1].
-        collection: a `PagedKVCacheCollection` or `ContinuousBatchingKVCacheCollection`.
         layer_idx: layer to read (int, or uint32 scalar tensor on the host).
         scale: softmax scale, usually 1 / sqrt(head_dim) (float, or float32 host scalar).
 
     Returns:
         [total_tokens, n_heads, head_dim] in q's dtype.
     """
-    info = check_collection("collection", collection)
+    info = collection_info("collection", collection)
     q = TensorValue(q)
     check_dtype("q", q, info.dtype)
     check_rank("q", q, 3)
@@ -56,7 +50,7 @@ def flash_attention(
     offsets = check_row_offsets(input_row_offsets, q.device)
     out_type = TensorType(q.dtype, q.shape, device=q.device)
     return ops.inplace_custom(
-        f"mokv.flash_attention.ragged.{info.kind}",
+        info.layout.op_name("flash_attention"),
         q.device,
         [q, offsets, collection, layer_index(layer_idx), host_scalar("scale", scale, DType.float32)],
         out_types=[out_type],

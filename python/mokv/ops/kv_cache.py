@@ -6,16 +6,9 @@ from typing import Any
 
 from max.graph import TensorValue, ops
 
-from ._checks import (
-    check_collection,
-    check_device,
-    check_dtype,
-    check_rank,
-    check_row_offsets,
-    check_same_dim,
-    check_static_dim,
-    layer_index,
-)
+from ..checks import check_device, check_dtype, check_rank, check_same_dim, check_static_dim
+from ..layouts import collection_info
+from ._checks import check_row_offsets, layer_index
 
 
 def store_kv(
@@ -38,7 +31,7 @@ def store_kv(
         input_row_offsets: uint32 [batch_size + 1], row offsets of each batch entry.
         layer_idx: layer to write (int, or a uint32 scalar tensor on the host).
     """
-    info = check_collection("collection", collection)
+    info = collection_info("collection", collection)
     k, v = TensorValue(k), TensorValue(v)
     for name, x in (("k", k), ("v", v)):
         check_dtype(name, x, info.dtype)
@@ -49,7 +42,7 @@ def store_kv(
     check_device("v", v, k.device)
     offsets = check_row_offsets(input_row_offsets, k.device)
     ops.inplace_custom(
-        f"mokv.store_kv.ragged.{info.kind}",
+        info.layout.op_name("store_kv"),
         k.device,
         [collection, k, v, offsets, layer_index(layer_idx)],
     )

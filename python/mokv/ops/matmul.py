@@ -5,20 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 from max.dtype import DType
 from max.graph import TensorType, TensorValue, ops
 
-from ._checks import (
-    check_collection,
-    check_device,
-    check_dtype,
-    check_rank,
-    check_row_offsets,
-    check_same_dim,
-    check_static_dim,
-    layer_index,
-)
+from ..checks import check_device, check_dtype, check_rank, check_same_dim, check_static_dim
+from ..layouts import collection_info
+from ._checks import check_row_offsets, layer_index
 
 
 def fused_qkv_matmul(
@@ -49,7 +41,7 @@ def fused_qkv_matmul(
     Returns:
         Q: [total_tokens, n_heads * head_dim], hidden's dtype (rotated if freqs_cis).
     """
-    info = check_collection("collection", collection)
+    info = collection_info("collection", collection)
     hidden, wqkv = TensorValue(hidden), TensorValue(wqkv)
     if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
@@ -64,7 +56,7 @@ def fused_qkv_matmul(
     check_device("wqkv", wqkv, hidden.device)
     offsets = check_row_offsets(input_row_offsets, hidden.device)
     values = [hidden, wqkv, offsets, collection, layer_index(layer_idx)]
-    name = f"mokv.fused_qkv_matmul.ragged.{info.kind}"
+    name = info.layout.op_name("fused_qkv_matmul")
     if freqs_cis is not None:
         freqs_cis = TensorValue(freqs_cis)
         check_dtype("freqs_cis", freqs_cis, DType.float32)

@@ -27,7 +27,7 @@ from pathlib import Path
 def _mojo_sources() -> Path:
     """The Mojo sources: mokv/mojo_src/ in an installed wheel, else mojo/mokv/ of the
     checkout that an editable install points into."""
-    package = Path(__file__).resolve().parents[1]  # .../mokv
+    package = Path(__file__).resolve().parent  # .../mokv
     installed = package / "mojo_src"
     return installed if installed.is_dir() else package.parents[1] / "mojo" / "mokv"
 

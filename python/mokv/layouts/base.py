@@ -1,0 +1,208 @@
+"""A cache layout: everything that differs between cache kinds at the graph boundary.
+
+Only flat tensors cross a graph's inputs (MAX 26.7 cannot feed an opaque value into a
+graph). A manager's `fetch` returns one tuple of `max.driver.Buffer`s per device and its
+`input_symbols` the same tuple of graph types; inside the graph a fetcher turns the
+tuple into ONE opaque Mojo collection value, and every mokv kernel takes that value.
+
+A `CacheLayout` names all of it for one cache kind:
+
+    name                 "paged" / "continuous": the `KVCacheStrategy` value and the last
+                         part of every op name (`mokv.store_kv.ragged.<name>`)
+    Inputs               the NamedTuple of flat tensors, in constructor-op argument order
+    input_symbols(...)   the graph types of one device's inputs
+    empty_inputs(...)    runtime inputs of those dtypes and ranks that hold no memory
+                         (the null manager's, for compile-only builds)
+    CollectionType       the `_OpaqueType` of the Mojo collection struct
+    Collection           its graph value class (named like the Mojo struct)
+    fetch(...)           the graph callable that emits `mokv.kv_collection_ctor.<name>`
+
+Adding a layout is one module beside this one (a `CacheLayout` subclass registered in
+`mokv.layouts.LAYOUTS`) plus its Mojo struct and ops.
+
+The `_OpaqueType` name must equal the Mojo struct's simple name, and its parameters must
+name every struct parameter. A `DType` parameter is mis-emitted by MAX 26.7
+(`dtype=f32`, an unknown name), hence the integer `dtype_code`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, NamedTuple
+
+from max.dtype import DType
+from max.graph import BufferValue, DeviceRef, Graph, TensorValue, ops
+from max.graph.type import _OpaqueType
+from max.graph.value import _OpaqueValue
+
+from .. import compiler_output
+from ..checks import check_dtype, check_rank, check_static_dim
+from ..mojo_package import kernels_path
+from ..params import KVCacheParams
+
+DTYPE_CODES: dict[DType, int] = {DType.float32: 0, DType.bfloat16: 1, DType.float16: 2}
+"""Cache dtypes the kernels support, and their codes (`dtype_of` in mojo/mokv/types.mojo)."""
+
+
+def dtype_code(dtype: DType) -> int:
+    """The Mojo dtype code of `dtype`; ValueError for a dtype the kernels do not support."""
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"dtype={dtype} is not supported by the mokv kernels; use one of {list(DTYPE_CODES)}"
+        ) from None
+
+
+class TensorSpec(NamedTuple):
+    """Name, dtype and rank of one flat input after `blocks`."""
+
+    name: str
+    dtype: DType
+    rank: int
+
+
+class CollectionInfo(NamedTuple):
+    """What an op wrapper needs to know about a collection value."""
+
+    layout: CacheLayout
+    dtype: DType
+    num_heads: int  # KV heads on this device
+    head_size: int
+
+
+class CacheLayout(ABC):
+    """One cache kind's graph boundary (see the module docstring)."""
+
+    name: ClassVar[str]
+    Inputs: ClassVar[Any]  # a NamedTuple class: (blocks, *tensors)
+    CollectionType: ClassVar[type[_OpaqueType]]
+    Collection: ClassVar[type[_OpaqueValue]]
+    tensors: ClassVar[tuple[TensorSpec, ...]]  # the flat inputs after `blocks`
+
+    def __repr__(self) -> str:
+        return f"<mokv cache layout {self.name!r}>"
+
+    @abstractmethod
+    def input_symbols(
+        self, params: KVCacheParams, num_layers: int, max_seq_len: int, device: DeviceRef
+    ) -> Any:
+        """The graph types of one device's inputs (an `Inputs` of types)."""
+
+    @abstractmethod
+    def empty_inputs(
+        self, params: KVCacheParams, num_layers: int, max_seq_len: int, batch_size: int,
+        num_steps: int,
+    ) -> Any:
+        """Host buffers of the input dtypes and ranks that hold no cache memory (compile-only mode)."""
+
+    def collection_parameters(self, params: KVCacheParams) -> dict[str, int]:
+        """The Mojo collection struct's parameters."""
+        return {
+            "dtype_code": dtype_code(params.dtype),
+            "num_heads": params.n_kv_heads_per_device,
+            "head_size": params.head_dim,
+        }
+
+    def check_blocks(self, blocks: BufferValue, params: KVCacheParams) -> None:
+        """Checks of `blocks` beyond the dims every layout shares (none by default)."""
+
+    def op_name(self, op: str) -> str:
+        """The registered name of `op` for this layout: `mokv.<op>.ragged.<name>`."""
+        return f"mokv.{op}.ragged.{self.name}"
+
+    def fetch(self, kv_params: KVCacheParams, num_layers: int | None, *inputs: Any) -> Any:
+        """The collection value of one device's flat input values (see `FetchKVCacheCollection`)."""
+        return FetchKVCacheCollection(kv_params, num_layers, layout=self)(*inputs)
+
+    def info(self, collection: _OpaqueValue) -> CollectionInfo:
+        """The static facts of a collection value of this layout."""
+        params = collection.type.parameters
+        code_to_dtype = {code: dtype for dtype, code in DTYPE_CODES.items()}
+        return CollectionInfo(
+            self, code_to_dtype[int(params["dtype_code"])], int(params["num_heads"]),
+            int(params["head_size"]),
+        )
+
+
+def _use_mokv_kernels(graph: Graph) -> None:
+    """Adds mokv's kernel package to the graph being built, unless it is there already.
+
+    So that a graph gets mokv's ops without naming `custom_extensions` itself; and
+    its compile stays quiet (see `mokv.compiler_output`).
+    """
+    path = kernels_path()
+    if path not in graph.kernel_libraries_paths:
+        graph._import_kernels([path])
+    compiler_output.install()
+
+
+class FetchKVCacheCollection:
+    """Turns one device's flat cache inputs into the layout's opaque collection value.
+
+    Not to be confused with a manager's `fetch`, which returns the runtime Buffers for a
+    batch: this one runs while a graph is built, on the graph values of those inputs.
+
+        fetch = FetchPagedKVCacheCollection(kv_params, num_layers=2)
+        kv = fetch(*graph.inputs[:4])     # or fetch(the Inputs NamedTuple of values)
+
+    Subclasses set `layout`; the base class takes it as an argument. The graph being
+    built gets mokv's kernel package.
+    """
+
+    layout: CacheLayout
+
+    def __init__(
+        self, kv_params: KVCacheParams, num_layers: int | None = None,
+        layout: CacheLayout | None = None,
+    ) -> None:
+        if layout is not None:
+            self.layout = layout
+        if not isinstance(getattr(self, "layout", None), CacheLayout):
+            raise TypeError("FetchKVCacheCollection needs a layout (mokv.PAGED or mokv.CONTINUOUS)")
+        if not isinstance(kv_params, KVCacheParams):
+            raise TypeError(f"kv_params must be a KVCacheParams, got {type(kv_params).__name__}")
+        if num_layers is not None and (
+            not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1
+        ):
+            raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
+        dtype_code(kv_params.dtype)  # fail at construction for an unsupported dtype
+        self.kv_params = kv_params
+        self.num_layers = num_layers
+
+    def __call__(self, *inputs: Any) -> Any:
+        layout, params = self.layout, self.kv_params
+        if len(inputs) == 1 and isinstance(inputs[0], tuple):
+            inputs = tuple(inputs[0])
+        expected = 1 + len(layout.tensors)
+        if len(inputs) != expected:
+            raise TypeError(
+                f"{type(self).__name__} expects the {expected} {layout.name} cache inputs "
+                f"(or their NamedTuple), got {len(inputs)}"
+            )
+        blocks, *tensors = inputs
+        if not isinstance(blocks, BufferValue):
+            raise TypeError(
+                f"blocks must be a BufferValue (a mutable graph input), got {type(blocks).__name__}"
+            )
+        check_dtype("blocks", blocks, params.dtype)
+        check_rank("blocks", blocks, 6)
+        check_static_dim("blocks", blocks, 1, 2)
+        check_static_dim("blocks", blocks, 4, params.n_kv_heads_per_device)
+        check_static_dim("blocks", blocks, 5, params.head_dim)
+        if self.num_layers is not None:
+            check_static_dim("blocks", blocks, 2, self.num_layers)
+        layout.check_blocks(blocks, params)
+        for spec, value in zip(layout.tensors, tensors):
+            check_dtype(spec.name, value, spec.dtype)
+            check_rank(spec.name, value, spec.rank)
+        _use_mokv_kernels(Graph.current)
+        out_type = layout.CollectionType(params)
+        value = ops.inplace_custom(
+            f"mokv.kv_collection_ctor.{layout.name}",
+            blocks.device,
+            [blocks, *(TensorValue(t) for t in tensors)],
+            out_types=[out_type],
+            parameters=dict(out_type.parameters),
+        )[0]
+        return layout.Collection(value)

@@ -1,0 +1,113 @@
+"""The paged layout: fixed-size pages from one shared pool, found through a lookup table.
+
+One device's inputs (`RaggedKVCacheInputs`, in constructor-op order):
+
+    blocks        dtype   [total_num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]
+                          index 1 selects K (0) or V (1); a page holds `page_size`
+                          consecutive tokens of one sequence, for every layer.
+    cache_lengths uint32  [batch_size]   tokens already in the cache before this step
+    lookup_table  uint32  [batch_size, max_num_pages]   page ids of each sequence, in
+                          order; token `t` of sequence `b` lives in page
+                          `lookup_table[b, t // page_size]` at row `t % page_size`.
+                          Entries past a sequence's pages are 0 and never read.
+    max_lengths   uint32  [num_steps, 2] on the host; row `s` holds (most tokens one
+                          sequence processes in step s, longest cache before step s).
+                          Carried for compatibility with MAX's paged-cache signature;
+                          mokv's kernels read the per-sequence `cache_lengths` instead.
+
+Mojo side: `PagedKVCacheCollection` in mojo/mokv/paged.mojo.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, NamedTuple, TypeVar
+
+import numpy as np
+from max.driver import Buffer
+from max.dtype import DType
+from max.graph import BufferType, BufferValue, DeviceRef, TensorType
+from max.graph.type import _OpaqueType
+from max.graph.value import _OpaqueValue
+
+from ..checks import check_static_dim
+from ..params import KVCacheParams
+from .base import CacheLayout, FetchKVCacheCollection, TensorSpec
+
+T = TypeVar("T")
+B = TypeVar("B")
+
+
+class RaggedKVCacheInputs(NamedTuple, Generic[B, T]):
+    """One device's paged-cache inputs: `Buffer`s at run time, types at graph build."""
+
+    blocks: B
+    cache_lengths: T
+    lookup_table: T
+    max_lengths: T
+
+
+class PagedKVCacheCollectionType(_OpaqueType):
+    """Graph type of the K/V view over every layer of a paged cache (owns no memory)."""
+
+    def __init__(self, kv_params: KVCacheParams) -> None:
+        super().__init__("PagedKVCacheCollection", PAGED.collection_parameters(kv_params))
+
+
+class PagedKVCacheCollection(_OpaqueValue):
+    """Graph value of a `PagedKVCacheCollectionType`."""
+
+
+class PagedLayout(CacheLayout):
+    name = "paged"
+    Inputs = RaggedKVCacheInputs
+    CollectionType = PagedKVCacheCollectionType
+    Collection = PagedKVCacheCollection
+    tensors = (
+        TensorSpec("cache_lengths", DType.uint32, 1),
+        TensorSpec("lookup_table", DType.uint32, 2),
+        TensorSpec("max_lengths", DType.uint32, 2),
+    )
+
+    def input_symbols(
+        self, params: KVCacheParams, num_layers: int, max_seq_len: int, device: DeviceRef
+    ) -> RaggedKVCacheInputs[BufferType, TensorType]:
+        """Graph types of one device's inputs; `max_seq_len` does not appear in them."""
+        blocks_shape = [
+            "total_num_pages", 2, num_layers, params.page_size,
+            params.n_kv_heads_per_device, params.head_dim,
+        ]
+        return RaggedKVCacheInputs(
+            blocks=BufferType(params.dtype, blocks_shape, device=device),
+            cache_lengths=TensorType(DType.uint32, ["batch_size"], device=device),
+            lookup_table=TensorType(DType.uint32, ["batch_size", "max_num_pages"], device=device),
+            max_lengths=TensorType(DType.uint32, ["steps_remaining", 2], device=DeviceRef.CPU()),
+        )
+
+    def empty_inputs(
+        self, params: KVCacheParams, num_layers: int, max_seq_len: int, batch_size: int,
+        num_steps: int,
+    ) -> RaggedKVCacheInputs[Buffer, Buffer]:
+        """Zero pages; a one-column lookup table of zeros."""
+        shape = (0, 2, num_layers, params.page_size, params.n_kv_heads_per_device, params.head_dim)
+        return RaggedKVCacheInputs(
+            blocks=Buffer(params.dtype, shape),
+            cache_lengths=Buffer(DType.uint32, (batch_size,)),
+            lookup_table=Buffer(DType.uint32, (batch_size, 1)),
+            max_lengths=Buffer.from_numpy(np.zeros((num_steps, 2), dtype=np.uint32)),
+        )
+
+    def collection_parameters(self, params: KVCacheParams) -> dict[str, int]:
+        return {**super().collection_parameters(params), "page_size": params.page_size}
+
+    def check_blocks(self, blocks: BufferValue, params: KVCacheParams) -> None:
+        check_static_dim("blocks", blocks, 3, params.page_size)
+
+
+PAGED = PagedLayout()
+
+
+class FetchPagedKVCacheCollection(FetchKVCacheCollection):
+    """Builds a `PagedKVCacheCollection` from one device's `RaggedKVCacheInputs` values:
+    blocks (a BufferValue), cache_lengths, lookup_table, max_lengths (shapes above)."""
+
+    layout = PAGED

@@ -1,0 +1,57 @@
+"""MAX's other spellings of the manager operations, defined once over the contract.
+
+MAX renamed parts of its manager interface between releases; mokv answers to both.
+Everything here is a thin alias of a `KVCacheManager` member (see base.py), so a
+manager implements the contract and gets these for free. The continuous cache's
+sequence-id flow (`claim(n) -> seq_ids`, ...) is the other compatibility piece, in
+`sequences.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from max.driver import Device
+
+from ..context import RequestID, TextGenerationContext
+from ..errors import InsufficientPagesError
+from .base import KVCacheManager
+
+
+class MaxManagerAPI:
+    """The MAX names of `external_claim`, `maybe_reserve`, `fetch` and `input_symbols`,
+    and the host-tier counters (no host tier yet)."""
+
+    def claim(self: KVCacheManager, request_id: RequestID, replica_idx: int | None = None) -> Any:
+        """Same as `external_claim`."""
+        return self.external_claim(request_id, replica_idx)
+
+    def alloc(self: KVCacheManager, data: TextGenerationContext, num_steps: int = 1) -> None:
+        """`maybe_reserve`, raising `InsufficientPagesError` instead of returning False."""
+        if not self.maybe_reserve(data, num_steps):
+            raise InsufficientPagesError(
+                f"not enough free pages to hold request {data.request_id!r} for {num_steps} step(s)"
+            )
+
+    def get_runtime_inputs(
+        self: KVCacheManager, batch: Sequence[TextGenerationContext], num_steps: int = 1
+    ) -> list[Any]:
+        """Same as `fetch`."""
+        return self.fetch(batch, num_steps)
+
+    def get_symbolic_inputs(
+        self: KVCacheManager, devices: Sequence[Device] | None = None, num_layers: int | None = None
+    ) -> list[Any]:
+        """Same as `input_symbols`."""
+        return self.input_symbols(devices, num_layers)
+
+    @property
+    def total_num_host_pages(self) -> int:
+        """Pages of the host-memory tier: 0, the tier is not available yet."""
+        return 0
+
+    @property
+    def host_committed_block_pct(self) -> float:
+        """Fraction of host pages holding committed prefixes: 0.0 (no host tier)."""
+        return 0.0
