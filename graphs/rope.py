@@ -44,7 +44,9 @@ class Llama3RopeScaling:
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"llama3 rope scaling: {name} must be a positive number, got {value!r}")
+                raise ValueError(
+                    f"llama3 rope scaling: {name} must be a positive number, got {value!r}"
+                )
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"llama3 rope scaling: high_freq_factor={self.high_freq_factor} must exceed "
