@@ -63,6 +63,11 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         theta = hf.get("rope_theta", 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
+        # A scaling without its type, or transformers 5's per-layer-type form
+        # ({"full_attention": {...}, ...}), must not pass as plain RoPE.
+        unknown = sorted(params.keys() - {"rope_type", "type", "rope_theta"})
+        if unknown:
+            raise ValueError(f"{source} has keys plain RoPE does not use: {unknown}")
         return float(theta), None
     if rope_type != "llama3":
         raise ValueError(

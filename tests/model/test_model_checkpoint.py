@@ -81,6 +81,7 @@ def test_optional_keys_take_llama_defaults(tmp_path, config):
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "'dynamic'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        ({"rope_scaling": {"factor": 8.0}}, "rope_scaling has keys .*'factor'"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "'gelu'"),
