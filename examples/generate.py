@@ -10,10 +10,12 @@ full recompute without any cache (the numpy reference decoder).
     python examples/generate.py --strategy continuous
     python examples/generate.py --pages 40           # fewer pages: watch preemptions
     python examples/generate.py --weights model.safetensors   # real weights, same shapes
+    python examples/generate.py --weights Llama-3.2-1B/       # a Hugging Face checkpoint
 """
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 from max.driver import CPU
@@ -24,7 +26,7 @@ from rich.progress import Progress
 import mokv
 from mokv_graphs import (
     DecoderConfig, DecoderModel, Request, Scheduler, first_mismatch, greedy, init_weights,
-    load_safetensors,
+    load_checkpoint, load_safetensors,
 )
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -35,14 +37,18 @@ parser.add_argument("--page-size", type=int, default=16)
 parser.add_argument("--max-batch", type=int, default=8)
 parser.add_argument("--token-budget", type=int, default=128, help="rows per model call")
 parser.add_argument("--check", type=int, default=4, help="outputs checked against a recompute")
-parser.add_argument("--weights", help="safetensors checkpoint (Llama names, DecoderConfig shapes)")
+parser.add_argument("--weights", help="Hugging Face checkpoint directory, or a safetensors file "
+                    "(Llama names, DecoderConfig() shapes)")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 console = Console()
 rng = np.random.default_rng(args.seed)
 
-config = DecoderConfig()
-weights = load_safetensors(args.weights, config) if args.weights else init_weights(config)
+if args.weights and Path(args.weights).is_dir():  # a Hugging Face checkpoint directory
+    config, weights = load_checkpoint(args.weights)
+else:
+    config = DecoderConfig()
+    weights = load_safetensors(args.weights, config) if args.weights else init_weights(config)
 params = config.kv_params(args.strategy, page_size=args.page_size)
 session = InferenceSession(devices=[CPU()])
 manager = mokv.load_kv_manager(

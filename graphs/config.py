@@ -15,6 +15,8 @@ from max.dtype import DType
 import mokv
 from mokv.ops import rope_freqs_cis
 
+from .rope import Llama3RopeScaling, inverse_frequencies
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -31,6 +33,8 @@ class DecoderConfig:
         max_seq_len: longest sequence the RoPE table (and the cache) covers.
         rope_theta: RoPE base frequency.
         rms_norm_eps: epsilon inside every RMSNorm.
+        rope_scaling: Llama 3.1's long-context rescaling of the RoPE frequencies, or
+            None for plain RoPE.
     """
 
     vocab_size: int = 512
@@ -43,6 +47,7 @@ class DecoderConfig:
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
+    rope_scaling: Llama3RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -58,6 +63,10 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise TypeError(
+                f"rope_scaling must be a Llama3RopeScaling or None, got {self.rope_scaling!r}"
+            )
 
     @property
     def q_size(self) -> int:
@@ -97,8 +106,11 @@ class DecoderConfig:
 def rope_table(config: DecoderConfig) -> np.ndarray:
     """float32 `[max_seq_len, head_dim]`: `(cos θ_0..θ_{d/2-1}, sin θ_0..θ_{d/2-1})` per position.
 
-    `θ_i(pos) = pos * rope_theta ** (-2i / head_dim)`. This is the `freqs_cis` layout
-    of mokv's fused QKV op, which rotates the pairs `(x[i], x[i + d/2])`
-    ("rotate half", as Hugging Face Llama checkpoints expect).
+    `θ_i(pos) = pos * f_i` with `f_i = rope_theta ** (-2i / head_dim)`, rescaled by
+    `config.rope_scaling` if set (`rope.py`). This is the `freqs_cis` layout of mokv's
+    fused QKV op, which rotates the pairs `(x[i], x[i + d/2])` ("rotate half", as
+    Hugging Face Llama checkpoints expect). The graph and the numpy reference both
+    read this one table.
     """
-    return rope_freqs_cis(config.head_dim, config.max_seq_len, config.rope_theta)
+    inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+    return rope_freqs_cis(config.head_dim, config.max_seq_len, inv_freq=inv_freq)

@@ -2,7 +2,8 @@
 
 Checkpoint names and layouts follow Hugging Face Llama (`model.layers.0.self_attn.q_proj.weight`,
 `[out_features, in_features]`), so the weights of any real model of this architecture
-load unchanged. `graph_weights` then rearranges them once, on the host, into what the
+load unchanged, and a checkpoint with tensors the decoder would not use is refused
+(`check_weights`). `graph_weights` then rearranges them once, on the host, into what the
 graph multiplies by: Q, K and V stacked for mokv's fused QKV op, the other projections
 transposed to `[in, out]` (so no transpose runs per step), gate and up fused into one
 matmul.
@@ -15,6 +16,7 @@ neither direction needs the `safetensors` package.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from os import PathLike
 
@@ -28,6 +30,11 @@ Weights = dict[str, np.ndarray]
 """Checkpoint tensors by Hugging Face Llama name, float32 numpy arrays."""
 
 _ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
+
+IGNORED_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+"""Checkpoint tensors the decoder may leave unused: older transformers versions saved
+each layer's RoPE inverse frequencies as a buffer, which transformers itself recomputes
+from the config when it loads them (as mokv does, `config.rope_table`)."""
 
 
 def checkpoint_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -77,14 +84,29 @@ def init_weights(config: DecoderConfig, seed: int = 0) -> Weights:
 
 
 def check_weights(config: DecoderConfig, weights: Weights) -> None:
-    """Raises ValueError naming the first missing or misshapen tensor."""
-    for name, shape in checkpoint_shapes(config).items():
+    """Raises ValueError naming the first missing or misshapen tensor, or the unused ones.
+
+    A tensor the decoder would not read (a bias, another architecture's layer, a layer
+    past `num_layers`) means the checkpoint is not the model the config describes, and
+    ignoring it would give silently wrong logits; only `IGNORED_TENSORS` may be left over.
+    """
+    shapes = checkpoint_shapes(config)
+    for name, shape in shapes.items():
         if name not in weights:
             raise ValueError(f"weight {name!r} is missing (expected shape {shape})")
         if tuple(weights[name].shape) != shape:
             raise ValueError(
                 f"weight {name!r} has shape {tuple(weights[name].shape)}, expected {shape}"
             )
+    unused = sorted(n for n in weights if n not in shapes and not IGNORED_TENSORS.fullmatch(n))
+    if unused:
+        shown = ", ".join(repr(n) for n in unused[:20])
+        more = f" and {len(unused) - 20} more" if len(unused) > 20 else ""
+        biases = any(n.endswith(".bias") for n in unused)
+        hint = " (the decoder has no biases: mokv's fused QKV kernel adds none)" if biases else ""
+        raise ValueError(
+            f"{len(unused)} checkpoint tensors are not used by the decoder: {shown}{more}{hint}"
+        )
 
 
 def save_safetensors(path: str | PathLike[str], weights: Weights) -> None:
@@ -113,12 +135,11 @@ def save_safetensors(path: str | PathLike[str], weights: Weights) -> None:
             f.write(arr.tobytes())
 
 
-def load_safetensors(path: str | PathLike[str], config: DecoderConfig | None = None) -> Weights:
-    """Reads a safetensors file with MAX's reader, as float32 arrays.
+def read_safetensors(path: str | PathLike[str]) -> Weights:
+    """Every tensor of one safetensors file as float32 arrays, read with MAX's reader.
 
     bfloat16 and float16 tensors (the usual dtypes of real checkpoints) are widened
-    to float32. A checkpoint without `lm_head.weight` has tied embeddings: the LM
-    head reuses `model.embed_tokens.weight`. With `config`, shapes are checked.
+    to float32. Nothing is checked or added: this reads one shard of a checkpoint.
     """
     st = SafetensorWeights([path])
     weights: Weights = {}
@@ -130,6 +151,17 @@ def load_safetensors(path: str | PathLike[str], config: DecoderConfig | None = N
         else:
             weights[name] = np.array(buffer.to_numpy(), dtype=np.float32)
     st.close()
+    return weights
+
+
+def load_safetensors(path: str | PathLike[str], config: DecoderConfig | None = None) -> Weights:
+    """Reads a one-file checkpoint (`read_safetensors`); a directory: `load_checkpoint`.
+
+    A checkpoint without `lm_head.weight` has tied embeddings: the LM head reuses
+    `model.embed_tokens.weight`. With `config`, `check_weights` runs (shapes, and no
+    unused tensors).
+    """
+    weights = read_safetensors(path)
     if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     if config is not None:

@@ -69,14 +69,23 @@ def fused_qkv_matmul(
     return ops.inplace_custom(name, hidden.device, values, out_types=[out_type])[0].tensor
 
 
-def rope_freqs_cis(head_dim: int, max_seq_len: int, theta: float = 10000.0) -> np.ndarray:
+def rope_freqs_cis(
+    head_dim: int, max_seq_len: int, theta: float = 10000.0, inv_freq: np.ndarray | None = None
+) -> np.ndarray:
     """Numpy float32 [max_seq_len, head_dim] table for `freqs_cis` (Llama's inverse frequencies).
 
     Row p = (cos(p * f_0) .. cos(p * f_{d/2-1}), sin(p * f_0) .. sin(p * f_{d/2-1})),
-    f_i = theta ** (-2i / head_dim).
+    f_i = theta ** (-2i / head_dim), or `inv_freq[i]` when given: a model that rescales
+    its frequencies for long contexts (e.g. Llama 3.1) computes them itself, and `theta`
+    is then unused.
     """
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
-    inv = theta ** (-np.arange(0, head_dim // 2, dtype=np.float64) * 2 / head_dim)
+    if inv_freq is None:
+        inv = theta ** (-np.arange(0, head_dim // 2, dtype=np.float64) * 2 / head_dim)
+    else:
+        inv = np.asarray(inv_freq, dtype=np.float64)
+        if inv.shape != (head_dim // 2,):
+            raise ValueError(f"inv_freq must have shape ({head_dim // 2},), got {inv.shape}")
     ang = np.arange(max_seq_len, dtype=np.float64)[:, None] * inv[None, :]
     return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)

@@ -1,0 +1,185 @@
+"""Hugging Face checkpoint directories: `config.json` -> DecoderConfig, safetensors -> Weights.
+
+    config, weights = load_checkpoint("Llama-3.2-1B/")
+    model = DecoderModel(config, manager, session, weights)
+
+A directory holds `config.json` and either `model.safetensors` or shards
+`model-0000k-of-0000n.safetensors` listed by `model.safetensors.index.json`.
+
+Accepted: `model_type` "llama" and "mistral" (without a sliding window shorter than the
+context), SiLU MLPs, plain RoPE or Llama 3.1's `"llama3"` scaling, tied or separate
+embeddings. Refused with a ValueError naming the key or tensor, because the decoder
+would run but compute something else: other RoPE scalings ("linear", "dynamic", "yarn",
+...), `attention_bias` / `mlp_bias` and bias tensors (mokv's fused QKV kernel writes K
+and V into the cache itself, so no bias can be added after it), other activations, and
+any tensor the decoder does not read. Qwen2 (`model_type` "qwen2") always has q/k/v
+biases, so it is refused too.
+
+transformers 4 writes `rope_theta` at the top level and the scaling as `rope_scaling`
+(its type under `rope_type`, or `type` in older files); transformers 5 writes both as
+`rope_parameters`. Both are read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import DecoderConfig
+from .rope import Llama3RopeScaling
+from .weights import Weights, check_weights, read_safetensors
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _required(hf: Mapping[str, Any], key: str) -> Any:
+    if key not in hf:
+        raise ValueError(f"config.json has no {key!r}")
+    return hf[key]
+
+
+def _rope(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """`(rope_theta, scaling)` from transformers 5's `rope_parameters` or 4's keys."""
+    params = hf.get("rope_parameters")
+    if params is not None:
+        source = "rope_parameters"
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    else:
+        source = "rope_scaling"
+        params = hf.get("rope_scaling") or {}
+        theta = hf.get("rope_theta", 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        # A scaling without its type, or transformers 5's per-layer-type form
+        # ({"full_attention": {...}, ...}), must not pass as plain RoPE.
+        unknown = sorted(params.keys() - {"rope_type", "type", "rope_theta"})
+        if unknown:
+            raise ValueError(f"{source} has keys plain RoPE does not use: {unknown}")
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(
+            f"{source} has rope_type {rope_type!r}; mokv supports 'default' and 'llama3'"
+        )
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in params]
+    if missing:
+        raise ValueError(f"{source} of rope_type 'llama3' lacks {', '.join(missing)}")
+    return float(theta), Llama3RopeScaling(**{k: params[k] for k in keys})
+
+
+def _refuse_unsupported(hf: Mapping[str, Any]) -> None:
+    """Raises ValueError naming the first setting the decoder cannot honour."""
+    model_type = hf.get("model_type", "llama")
+    if model_type == "qwen2":
+        raise ValueError(
+            "model_type 'qwen2' has q/k/v biases, which mokv's fused QKV kernel cannot add"
+        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key, False):
+            raise ValueError(f"config.json sets {key}=true; the decoder has no biases")
+    activation = hf.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"hidden_act {activation!r} is not supported (the MLP is SwiGLU: 'silu')")
+    window = hf.get("sliding_window")
+    if window is not None and window < hf.get("max_position_embeddings", 0):
+        raise ValueError(
+            f"sliding_window={window} is shorter than max_position_embeddings; "
+            "the decoder attends to the whole context"
+        )
+
+
+def config_from_hf(source: str | PathLike[str] | Mapping[str, Any]) -> DecoderConfig:
+    """The DecoderConfig of a Hugging Face `config.json` (its path, its directory, or its dict).
+
+    Missing optional keys take transformers' Llama defaults: `num_key_value_heads` =
+    `num_attention_heads`, `head_dim` = `hidden_size // num_attention_heads`,
+    `rms_norm_eps` 1e-6, `rope_theta` 10000. `max_seq_len` is `max_position_embeddings`
+    (the RoPE table's length; `dataclasses.replace` it to save memory on short runs).
+    Raises ValueError naming what the decoder cannot honour (see the module docstring).
+    """
+    if isinstance(source, Mapping):
+        hf: Mapping[str, Any] = source
+    else:
+        path = Path(source)
+        hf = _read_json(path / "config.json" if path.is_dir() else path)
+    _refuse_unsupported(hf)
+    rope_theta, rope_scaling = _rope(hf)
+    hidden_size = _required(hf, "hidden_size")
+    n_heads = _required(hf, "num_attention_heads")
+    return DecoderConfig(
+        vocab_size=_required(hf, "vocab_size"),
+        hidden_size=hidden_size,
+        num_layers=_required(hf, "num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hidden_size // n_heads,
+        intermediate_size=_required(hf, "intermediate_size"),
+        max_seq_len=_required(hf, "max_position_embeddings"),
+        rope_theta=rope_theta,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_scaling=rope_scaling,
+    )
+
+
+def _read_shards(directory: Path) -> Weights:
+    """Every tensor of the directory's one file, or of the shards its index lists."""
+    if not (directory / _INDEX).exists():
+        if not (directory / _SINGLE_FILE).exists():
+            raise FileNotFoundError(f"{directory} has neither {_SINGLE_FILE} nor {_INDEX}")
+        return read_safetensors(directory / _SINGLE_FILE)
+    weight_map: dict[str, str] = _read_json(directory / _INDEX)["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    missing = [s for s in shards if not (directory / s).exists()]
+    if missing:
+        raise FileNotFoundError(f"{_INDEX} lists shards missing from {directory}: {missing}")
+    weights: Weights = {}
+    for shard in shards:
+        tensors = read_safetensors(directory / shard)
+        twice = sorted(tensors.keys() & weights.keys())
+        if twice:
+            raise ValueError(f"tensors {twice} appear in more than one shard (again in {shard!r})")
+        weights |= tensors
+    absent = sorted(name for name, shard in weight_map.items() if name not in weights)
+    if absent:
+        raise ValueError(f"{_INDEX} lists tensors that no shard holds: {absent}")
+    return weights
+
+
+def load_checkpoint(directory: str | PathLike[str]) -> tuple[DecoderConfig, Weights]:
+    """`(config, weights)` of a Hugging Face checkpoint directory, checked against each other.
+
+    With `tie_word_embeddings` the LM head is the embedding (a saved `lm_head.weight`
+    must then equal it); without, the checkpoint must hold `lm_head.weight`. Raises
+    ValueError naming a missing, misshapen or unused tensor (`check_weights`), or an
+    unsupported setting (`config_from_hf`); FileNotFoundError naming missing files.
+    """
+    directory = Path(directory)
+    hf = _read_json(directory / "config.json")
+    config = config_from_hf(hf)
+    weights = _read_shards(directory)
+    if hf.get("tie_word_embeddings", False) and "model.embed_tokens.weight" in weights:
+        embedding = weights["model.embed_tokens.weight"]
+        saved_head = weights.get("lm_head.weight")
+        if saved_head is not None and not np.array_equal(saved_head, embedding):
+            raise ValueError(
+                "config.json sets tie_word_embeddings=true but lm_head.weight differs from "
+                "model.embed_tokens.weight"
+            )
+        weights["lm_head.weight"] = embedding
+    check_weights(config, weights)
+    return config, weights
