@@ -1,6 +1,6 @@
 """Continuous-batching cache: one contiguous `max_seq_len` slot per sequence.
 
-Layout of the manager's buffer (python/mokv/inputs.py, `ContinuousBatchingKVCacheInputs`):
+Layout of the manager's buffer (python/mokv/layouts/continuous.py, `ContinuousBatchingKVCacheInputs`):
 
     blocks         [max_batch_size, 2, num_layers, max_seq_len, num_heads, head_size]
     cache_lengths  uint32 [batch_size]   tokens cached before this step
@@ -73,7 +73,7 @@ struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head
     """K and V of every layer of a continuous-batching cache (a view; owns nothing).
 
     This is the opaque graph value built by `mokv.kv_collection_ctor.continuous`; its
-    name and parameter names are what python/mokv/graph/types.py puts in `_OpaqueType`.
+    name and parameter names are what python/mokv/layouts/continuous.py puts in `_OpaqueType`.
     """
 
     comptime CacheType = ContinuousBatchingKVCache[Self.dtype, Self.num_heads, Self.head_size]
@@ -86,7 +86,7 @@ struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head
     var _batch_size: Int
     var _num_layers: Int
     var max_seq_len: Int
-    var is_cache_empty: Bool
+    var is_cache_empty: Bool  # kept for MAX's signature; no mokv kernel reads it
 
     @always_inline
     def __init__[blocks_dtype: DType, //](

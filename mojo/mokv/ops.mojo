@@ -40,7 +40,7 @@ def _elems[dt: DType, origin: Origin, //](p: Pointer[Scalar[dt], origin]) -> Ptr
 
 
 # ===----------------------------------------------------------------------=== #
-# Collection constructors: flat graph inputs (python/mokv/inputs.py) -> opaque view
+# Collection constructors: flat graph inputs (python/mokv/layouts/) -> opaque view
 # ===----------------------------------------------------------------------=== #
 
 

@@ -1,6 +1,6 @@
 """Paged cache: fixed-size pages from one shared pool, found through a lookup table.
 
-Layout of the manager's buffers (python/mokv/inputs.py, `RaggedKVCacheInputs`):
+Layout of the manager's buffers (python/mokv/layouts/paged.py, `RaggedKVCacheInputs`):
 
     blocks        [total_num_pages, 2, num_layers, page_size, num_heads, head_size]
     cache_lengths uint32 [batch_size]                  tokens cached before this step
@@ -95,8 +95,9 @@ struct PagedKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int, p
     var max_num_pages: Int
     var num_pages: Int
     var _num_layers: Int
-    var max_seq_length: Int  # max new tokens of one sequence this step (max_lengths[0, 0])
-    var max_cache_length: Int  # max cache prefix before this step (max_lengths[0, 1])
+    # From `max_lengths` row 0, kept for MAX's signature; no mokv kernel reads them.
+    var max_new_tokens: Int  # most new tokens of one sequence this step (max_lengths[0, 0])
+    var max_cache_length: Int  # longest cache prefix before this step (max_lengths[0, 1])
 
     @always_inline
     def __init__[blocks_dtype: DType, //](
@@ -108,7 +109,7 @@ struct PagedKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int, p
         max_num_pages: Int,
         num_pages: Int,
         num_layers: Int,
-        max_seq_length: Int,
+        max_new_tokens: Int,
         max_cache_length: Int,
     ):
         # `dtype_of[code]()` does not fold at parse time, hence the inferred dtype + rebind.
@@ -120,7 +121,7 @@ struct PagedKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int, p
         self.max_num_pages = max_num_pages
         self.num_pages = num_pages
         self._num_layers = num_layers
-        self.max_seq_length = max_seq_length
+        self.max_new_tokens = max_new_tokens
         self.max_cache_length = max_cache_length
 
     def _cache(self, kv_idx: Int, layer_idx: Int) -> Self.CacheType:

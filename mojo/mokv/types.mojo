@@ -12,7 +12,7 @@ destructor once per copy, so a view must never own memory.
 
 Opaque graph values cannot carry a `DType` parameter in MAX 26.7 (it is emitted as
 `dtype=f32`, an unknown name), so the structs take an Int `dtype_code`; `dtype_of`
-turns it back into a DType and `python/mokv/graph/types.py` holds the same table.
+turns it back into a DType and `python/mokv/layouts/base.py` holds the same table.
 """
 
 comptime Ptr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin]
@@ -26,7 +26,7 @@ comptime DTYPE_CODE_FLOAT16 = 2
 
 
 def dtype_of[code: Int]() -> DType:
-    """Returns the DType of a dtype code (the table in python/mokv/graph/types.py)."""
+    """Returns the DType of a dtype code (the table in python/mokv/layouts/base.py)."""
     comptime assert code >= 0 and code <= 2, "unknown mokv dtype code"
     comptime if code == DTYPE_CODE_FLOAT32:
         return DType.float32

@@ -64,7 +64,7 @@ def buffer(a: np.ndarray, dtype: DType | None = None) -> Buffer:
 
 @dataclasses.dataclass
 class Cache:
-    """A hand-built cache in the inputs.py layout, with per-sequence K/V readers."""
+    """A hand-built cache in the layouts of python/mokv/layouts/, with per-sequence K/V readers."""
 
     params: KVCacheParams
     blocks: np.ndarray  # storage dtype, layout of params.cache_strategy
@@ -76,7 +76,7 @@ class Cache:
         return self.params.cache_strategy == KVCacheStrategy.PAGED
 
     def buffers(self) -> list[Buffer]:
-        """The 4 runtime inputs, in inputs.py order."""
+        """The 4 runtime inputs, in the layout's Inputs order."""
         if self.paged:
             extra = np.array([[0, int(self.cache_lengths.max(initial=0))]], np.uint32)
         else:
