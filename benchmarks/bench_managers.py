@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 
 from trace import Request, TraceConfig, infinite_cache_bound, make_trace, summarize  # noqa: E402
 
-MANAGERS = ("mokv-paged", "mokv-continuous", "max-paged")
+MANAGERS = ("mokv-paged", "mokv-paged-nolock", "mokv-continuous", "max-paged")
 MAX_SEQ_LEN = 16384
 PAGE_SIZE = 128
 

@@ -6,6 +6,7 @@ one manager under the same page budget, hands the scheduler its `manager`, makes
 contexts of trace requests (`new_context`) and counts the pages in use:
 
 - `MokvPaged`:      `mokv.PagedKVCacheManager` with its prefix cache on;
+- `MokvPagedNoLock`: the same without its per-call lock (what the lock costs);
 - `MokvContinuous`: `mokv.ContinuousBatchingKVCacheManager`, as many `max_seq_len`
                     slots as the same memory budget holds (no prefix cache);
 - `MaxPaged`:       MAX 26.7's `max.pipelines.kv_cache.PagedKVCacheManager` with its
@@ -62,6 +63,28 @@ class MokvPaged(_Mokv):
 
     def used_pages(self) -> int:
         return self.total_pages - self.manager.num_free_blocks
+
+
+def _without_lock(manager_class: type) -> type:
+    """A subclass whose public calls skip the manager's lock: the `synchronized`
+    methods replaced by the functions they wrap (to measure what the lock costs)."""
+    members = {}
+    for name, attr in vars(manager_class).items():
+        if isinstance(attr, property) and hasattr(attr.fget, "__wrapped__"):
+            members[name] = property(attr.fget.__wrapped__)
+        elif hasattr(attr, "__wrapped__"):
+            members[name] = attr.__wrapped__
+    return type(f"Unlocked{manager_class.__name__}", (manager_class,), members)
+
+
+class MokvPagedNoLock(MokvPaged):
+    """`MokvPaged` without the per-call lock: the lock's uncontended cost is the gap."""
+
+    name = "mokv-paged-nolock"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.manager.__class__ = _without_lock(mokv.PagedKVCacheManager)
 
 
 class MokvContinuous(_Mokv):
@@ -165,4 +188,4 @@ class MaxPaged:
         return self.total_pages - self.m.block_count(0).free
 
 
-ADAPTERS = {a.name: a for a in (MokvPaged, MokvContinuous, MaxPaged)}
+ADAPTERS = {a.name: a for a in (MokvPaged, MokvPagedNoLock, MokvContinuous, MaxPaged)}

@@ -18,7 +18,7 @@ def _save(fig, ax, path: Path, **legend) -> None:
     plt.close(fig)
 
 
-COLORS = {"mokv-paged": "tab:blue", "mokv-continuous": "tab:green", "max-paged": "tab:red"}
+COLORS = {"mokv-paged": "tab:blue", "mokv-paged-nolock": "tab:cyan", "mokv-continuous": "tab:green", "max-paged": "tab:red"}
 
 
 def host_cost_vs_batch(sweep: dict, path: Path) -> None:

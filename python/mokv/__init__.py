@@ -21,6 +21,7 @@ from .errors import (
     InvariantError,
     MokvError,
     SequenceTooLongError,
+    StaleContextError,
     UnknownRequestError,
 )
 from .layouts import (
@@ -68,6 +69,7 @@ __all__ = [
     "RaggedKVCacheInputs",
     "RequestID",
     "SequenceTooLongError",
+    "StaleContextError",
     "TextContext",
     "TextGenerationContext",
     "UnknownRequestError",

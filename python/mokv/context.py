@@ -74,11 +74,29 @@ class TextGenerationContext(Protocol):
     def update(self, new_token: int) -> None: ...
 
 
+def _token_array(tokens: object) -> np.ndarray:
+    """`tokens` as a non-empty 1-D int64 array of ids >= 0; TypeError / ValueError naming
+    the problem otherwise (never a silent truncation of floats or flattening)."""
+    array = np.asarray(tokens)
+    if array.dtype == object:  # Python ints past int64 land here
+        raise ValueError(f"tokens must be token ids in [0, 2**63), got {tokens!r}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"tokens must be integer token ids, got dtype {array.dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
+    if array.size == 0:
+        raise ValueError("a TextContext needs at least one prompt token")
+    if array.min() < 0 or (array.dtype == np.uint64 and array.max() >= 2**63):
+        bad = array[(array < 0) | (array >= 2**63)] if array.dtype != np.uint64 else array
+        raise ValueError(f"tokens must be token ids in [0, 2**63), got {bad[:4].tolist()}")
+    return array.astype(np.int64)
+
+
 class TextContext:
     """A concrete request context over a growing numpy buffer of token ids.
 
     Args:
-        tokens: the prompt's token ids (any integer array-like, at least one token).
+        tokens: the prompt's token ids: a 1-D integer array-like of ids >= 0, at least one.
         request_id: defaults to a fresh `RequestID()`.
         max_length: optional cap on `end_idx` (prompt + generated tokens).
     """
@@ -91,9 +109,7 @@ class TextContext:
         request_id: RequestID | str | None = None,
         max_length: int | None = None,
     ) -> None:
-        prompt = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if prompt.size == 0:
-            raise ValueError("a TextContext needs at least one prompt token")
+        prompt = _token_array(tokens)
         self._request_id = RequestID(request_id) if request_id is not None else RequestID()
         self._buf = np.empty(max(16, 2 * prompt.size), dtype=np.int64)
         self._buf[: prompt.size] = prompt
@@ -189,6 +205,10 @@ class TextContext:
             self._start = self._active
             self._active = self._end
             return
+        if not isinstance(new_token, (int, np.integer)) or isinstance(new_token, bool) or not (
+            0 <= new_token < 2**63
+        ):
+            raise ValueError(f"new_token must be a token id in [0, 2**63), got {new_token!r}")
         if self.max_length is not None and self._end >= self.max_length:
             raise ValueError(f"request {self._request_id!r} reached max_length={self.max_length}")
         if self._end == self._buf.size:

@@ -45,6 +45,12 @@ class InvalidReplicaError(MokvError, ValueError):
     """A data-parallel replica index out of range."""
 
 
+class StaleContextError(MokvError, ValueError):
+    """A context whose cache window disagrees with what the manager holds for it, e.g.
+    `ctx.reset()` without releasing the request: writing there would overwrite pages
+    that other requests may share."""
+
+
 class InsufficientPagesError(MokvError, RuntimeError):
     """`fetch` needed pages that the pool does not have (call `maybe_reserve` first)."""
 

@@ -24,6 +24,9 @@ class KVCacheStrategy(str, enum.Enum):
     PAGED = "paged"
 
 
+CACHE_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
+"""Element types of the cache that mokv's kernels read and write."""
+
 PREFIX_HASH_ALGORITHMS = ("builtin", "sha256")
 """Names accepted by `KVCacheParams.prefix_hash`; see `mokv.cache.hashing`."""
 
@@ -71,9 +74,14 @@ class KVCacheParams:
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
             raise TypeError(f"dtype must be a max.dtype.DType, got {self.dtype!r}")
+        if self.dtype not in CACHE_DTYPES:
+            raise ValueError(
+                f"dtype={self.dtype} is not a supported cache dtype; use one of "
+                f"{[d.name for d in CACHE_DTYPES]}"
+            )
         for name in ("n_kv_heads", "head_dim", "page_size", "data_parallel_degree", "n_devices"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if value.__class__ is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         # Accept the enum's string value too ("paged"), as configs often come from text.
         object.__setattr__(self, "cache_strategy", KVCacheStrategy(self.cache_strategy))

@@ -42,9 +42,10 @@ def test_symbolic_inputs_equal_the_paged_managers(session, null):
 
 
 def test_runtime_inputs_are_empty_but_typed(null):
-    ctx = TextContext(np.arange(5))
-    null.claim(ctx.request_id)
-    (inputs,) = null.get_runtime_inputs([ctx, ctx], num_steps=3)
+    batch = [TextContext(np.arange(5)), TextContext(np.arange(3))]
+    for ctx in batch:
+        null.claim(ctx.request_id)
+    (inputs,) = null.get_runtime_inputs(batch, num_steps=3)
     (symbols,) = null.get_symbolic_inputs()
     for sym, buf in zip(symbols, inputs):
         assert sym.dtype == buf.dtype and sym.rank == buf.rank

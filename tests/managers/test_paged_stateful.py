@@ -56,7 +56,10 @@ class PagedManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.running) < 4)
     @rule(prompt=prompts, resume=st.booleans())
     def claim(self, prompt, resume):
-        ctx = self.preempted.pop() if resume and self.preempted else TextContext(prompt)
+        # Request ids in claim order, so that sorted choices replay alike (hypothesis).
+        self.claims = getattr(self, "claims", 0) + 1
+        ctx = (self.preempted.pop() if resume and self.preempted
+               else TextContext(prompt, request_id=f"r{self.claims:04d}"))
         self.m.claim(ctx.request_id)
         self.running[ctx.request_id] = ctx
 
@@ -104,6 +107,61 @@ class PagedManagerMachine(RuleBasedStateMachine):
         if preempt:
             ctx.reset()
             self.preempted.append(ctx)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def duplicate_in_batch(self, data):
+        ctx = data.draw(st.sampled_from(sorted(self.running.values(), key=lambda c: c.request_id)))
+        self.assert_rejected(lambda: self.m.fetch([ctx, ctx]), ValueError)
+        self.assert_rejected(lambda: self.m.step([ctx, ctx]), ValueError)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), call=st.sampled_from(["release", "fetch", "step", "reserve", "claim"]))
+    def bad_call(self, data, call):
+        """A call with one bad argument among good ones raises and changes nothing."""
+        ctx = data.draw(st.sampled_from(sorted(self.running.values(), key=lambda c: c.request_id)))
+        stranger = TextContext([1, 2, 3], request_id="stranger")
+        bad = {
+            "release": (lambda: self.m.release(stranger.request_id), mokv.UnknownRequestError),
+            "fetch": (lambda: self.m.fetch([ctx, stranger]), mokv.UnknownRequestError),
+            "step": (lambda: self.m.step([ctx, stranger]), mokv.UnknownRequestError),
+            "reserve": (lambda: self.m.maybe_reserve(ctx, 0), ValueError),
+            "claim": (lambda: self.m.claim(ctx.request_id), mokv.AlreadyClaimedError),
+        }
+        self.assert_rejected(*bad[call])
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def reset_while_claimed(self, data):
+        """`ctx.reset()` without a release: writing from token 0 would overwrite committed
+        pages that other requests may share, so the manager refuses; the caller then
+        releases the request (as a preemption does)."""
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        ctx = self.running[rid]
+        ctx.reset()
+        before = (self.m.num_free_blocks, self.m.get_req_blocks(rid))
+        try:
+            self.m.maybe_reserve(ctx)
+        except mokv.StaleContextError:
+            assert (self.m.num_free_blocks, self.m.get_req_blocks(rid)) == before
+        else:
+            return  # nothing committed yet: the pages are its own to rewrite
+        del self.running[rid]
+        self.m.release(rid)
+        self.preempted.append(ctx)
+
+    def assert_rejected(self, call, error):
+        before = (self.m.num_free_blocks, {r: self.m.get_req_blocks(r) for r in self.running},
+                  [(c.start_idx, c.active_idx) for c in self.running.values()])
+        try:
+            call()
+        except error:
+            pass
+        else:
+            raise AssertionError(f"{call} did not raise {error.__name__}")
+        after = (self.m.num_free_blocks, {r: self.m.get_req_blocks(r) for r in self.running},
+                 [(c.start_idx, c.active_idx) for c in self.running.values()])
+        assert after == before
 
     @rule()
     def reset_prefix_cache(self):

@@ -26,14 +26,20 @@ Invariants (checked by `check_invariants`):
   4. cached pages are hashed, free pages are not; the index maps each hash to a page
      carrying exactly that hash, and every hashed page is in the index.
 
+Every change is all or nothing: a call first works out what it will do (and raises, or
+returns None, before touching anything), then applies it with plain list and dict
+operations that cannot fail half-way. So an exception from any call, or from anything
+it calls, leaves the pool as it was.
+
 Everything here is plain integers in flat lists, so that the pool can move to Mojo
 without changing its shape.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from itertools import islice
 
 from ..errors import InvariantError
 
@@ -91,20 +97,46 @@ class PagePool:
 
     def allocate(self, num_pages: int) -> list[int] | None:
         """`num_pages` pages with ref count 1, or None (and no change) if they do not fit."""
-        if num_pages > self.num_free:
-            return None
-        pages = []
-        for _ in range(num_pages):
-            page_id = self._free.pop() if self._free else self._evict_oldest()
-            self._ref_count[page_id] = 1
-            pages.append(page_id)
-        return pages
+        return self.take((), num_pages)
 
     def acquire(self, page_id: int) -> None:
         """Adds an owner to a page found through `lookup` (taking it out of the LRU)."""
-        if self._ref_count[page_id] == 0:
+        self.take((page_id,), 0)
+
+    def can_take(self, hits: Sequence[int], num_new: int) -> bool:
+        """Whether `take(hits, num_new)` would succeed (pure)."""
+        revived = {p for p in hits if self._ref_count[p] == 0}
+        if any(p not in self._cached for p in revived):
+            raise InvariantError(f"unowned pages {sorted(revived)} taken but not all are cached")
+        return num_new <= self.num_free - len(revived)
+
+    def take(self, hits: Sequence[int], num_new: int) -> list[int] | None:
+        """Adds an owner to each page of `hits` (pages found through `lookup`; one may
+        appear several times), then hands out `num_new` fresh pages with ref count 1.
+
+        The hits are taken first, so the fresh pages never evict them. Returns the fresh
+        pages, or None (and no change) if they do not fit.
+        """
+        if not self.can_take(hits, num_new):
+            return None
+        revived = {p for p in hits if self._ref_count[p] == 0}
+        from_free = min(num_new, len(self._free))
+        evicted = list(islice((p for p in self._cached if p not in revived), num_new - from_free))
+        # Everything is decided: apply it.
+        for page_id in revived:
             del self._cached[page_id]
-        self._ref_count[page_id] += 1
+        for page_id in hits:
+            self._ref_count[page_id] += 1
+        for page_id in evicted:
+            del self._cached[page_id]
+            del self._index[self._page_hash[page_id]]  # type: ignore[index]
+            self._page_hash[page_id] = None
+            self._page_tokens[page_id] = None
+        pages = self._free[len(self._free) - from_free :][::-1] + evicted
+        del self._free[len(self._free) - from_free :]
+        for page_id in pages:
+            self._ref_count[page_id] = 1
+        return pages
 
     def release(self, page_ids: Iterable[int]) -> None:
         """Drops one owner from each page; pages left without owners become reusable.
@@ -112,10 +144,12 @@ class PagePool:
         Unowned hashed pages join the LRU in the order given, so pass the page to be
         evicted first first.
         """
+        page_ids = list(page_ids)
+        for page_id, times in Counter(page_ids).items():
+            if self._ref_count[page_id] < times:
+                raise InvariantError(f"page {page_id} released more often than it was acquired")
         for page_id in page_ids:
             ref = self._ref_count[page_id] - 1
-            if ref < 0:
-                raise InvariantError(f"page {page_id} released more often than it was acquired")
             self._ref_count[page_id] = ref
             if ref == 0:
                 if self._page_hash[page_id] is None:
@@ -130,14 +164,27 @@ class PagePool:
         this hash: the index keeps one copy per prefix, and owners' page lists never
         change under them.
         """
-        if self._ref_count[page_id] < 1 or self._page_hash[page_id] is not None:
-            raise InvariantError(f"page {page_id} committed while unowned or already hashed")
-        if page_hash in self._index:
-            return False
-        self._index[page_hash] = page_id
-        self._page_hash[page_id] = page_hash
-        self._page_tokens[page_id] = token_bytes
-        return True
+        return self.commit_pages([page_id], [page_hash], [token_bytes]) == [True]
+
+    def commit_pages(
+        self, page_ids: Sequence[int], page_hashes: Sequence[int], token_bytes: Sequence[bytes]
+    ) -> list[bool]:
+        """`commit` for several pages at once, all or nothing; True where a page was indexed."""
+        if len(set(page_ids)) != len(page_ids):
+            raise InvariantError(f"pages {list(page_ids)} committed twice in one call")
+        for page_id in page_ids:
+            if self._ref_count[page_id] < 1 or self._page_hash[page_id] is not None:
+                raise InvariantError(f"page {page_id} committed while unowned or already hashed")
+        indexed, claimed = [], set()
+        for page_hash in page_hashes:
+            indexed.append(page_hash not in self._index and page_hash not in claimed)
+            claimed.add(page_hash)
+        for page_id, page_hash, data, new in zip(page_ids, page_hashes, token_bytes, indexed):
+            if new:
+                self._index[page_hash] = page_id
+                self._page_hash[page_id] = page_hash
+                self._page_tokens[page_id] = data
+        return indexed
 
     def reset_prefix_cache(self) -> None:
         """Forgets every hash: cached pages become free, owned pages stop being shareable."""
@@ -147,13 +194,6 @@ class PagePool:
         self._index.clear()
         self._free.extend(self._cached)
         self._cached.clear()
-
-    def _evict_oldest(self) -> int:
-        page_id, _ = self._cached.popitem(last=False)
-        del self._index[self._page_hash[page_id]]  # type: ignore[index]
-        self._page_hash[page_id] = None
-        self._page_tokens[page_id] = None
-        return page_id
 
     # --- checks ---------------------------------------------------------------------
 

@@ -15,8 +15,10 @@ MAX's other spellings of the same operations (`claim`, `alloc`, `get_runtime_inp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from max.driver import Device
 from max.engine import InferenceSession
@@ -112,6 +114,25 @@ def check_num_steps(num_steps: int) -> None:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
 
 
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def synchronized(method: Method) -> Method:
+    """Runs `method` under the manager's lock (`self._lock`, re-entrant).
+
+    One lock per manager around each public call: a caller may use a manager from
+    several threads (a scheduler thread, a thread publishing events or copying pages).
+    Measured uncontended cost: see the benchmark (`benchmarks/README.md`).
+    """
+
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
+
+
 class ManagerFields:
     """The constructor arguments every manager shares, checked, and its layout."""
 
@@ -128,6 +149,10 @@ class ManagerFields:
         if not isinstance(params, KVCacheParams):
             raise TypeError(f"params must be a mokv.KVCacheParams, got {type(params).__name__}")
         check_positive(max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_layers=num_layers)
+        if not isinstance(session, InferenceSession):
+            raise TypeError(
+                f"session must be a max.engine.InferenceSession, got {type(session).__name__}"
+            )
         devices = list(devices)
         bad = [d for d in devices if not isinstance(d, Device)]
         if bad:
@@ -141,6 +166,7 @@ class ManagerFields:
         self.num_layers = num_layers
         self.devices = devices
         self.session = session
+        self._lock = threading.RLock()
 
     def input_symbols(
         self, devices: Sequence[Device] | None = None, num_layers: int | None = None

@@ -35,9 +35,9 @@ from ..errors import (
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
-from .base import ManagerFields, check_num_steps, check_request_id
+from .base import ManagerFields, check_num_steps, check_request_id, synchronized
 from .compat import MaxManagerAPI
-from .increment import CacheLengthIncrementer, row_offsets_per_device
+from .increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
 from .sequences import SequenceIdFlow, is_sequence_id, is_sequence_id_batch
 
 
@@ -138,6 +138,7 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
 
     # --- requests (the manager contract) ----------------------------------------------
 
+    @synchronized
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
         """Gives the request a slot (BatchTooLargeError when all are taken)."""
         check_request_id(request_id)
@@ -147,12 +148,14 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
             raise AlreadyClaimedError(request_id)
         (self._slot_of[request_id],) = self._take_slots(1, repr(request_id))
 
+    @synchronized
     def claim(self, request_id_or_n: RequestID | int, replica_idx: int | None = None) -> Any:  # type: ignore[override]
         """`claim(n)` returns `n` new sequence ids; `claim(request_id)` is `external_claim`."""
         if is_sequence_id(request_id_or_n):
             return self.sequences.claim(request_id_or_n)  # type: ignore[arg-type]
         return self.external_claim(request_id_or_n, replica_idx)  # type: ignore[arg-type]
 
+    @synchronized
     def contains(self, key: RequestID | int) -> bool:
         """Whether a request id (or a sequence id) holds a slot."""
         if is_sequence_id(key):
@@ -160,6 +163,7 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
         check_request_id(key)
         return key in self._slot_of
 
+    @synchronized
     def release(self, key: RequestID | int) -> None:
         """Frees the slot of a request id (or of a sequence id)."""
         if is_sequence_id(key):
@@ -174,14 +178,17 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
         except KeyError:
             raise UnknownRequestError(request_id) from None
 
+    @synchronized
     def get_req_blocks(self, request_id: RequestID) -> list[int]:
         """The one slot the request holds."""
         return [self._slot(request_id)]
 
+    @synchronized
     def get_replica(self, context: TextGenerationContext) -> int:
         self._slot(context.request_id)
         return 0
 
+    @synchronized
     def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
         return 0
 
@@ -193,6 +200,7 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
                 f"step(s), past max_seq_len={self.max_seq_len}"
             )
 
+    @synchronized
     def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
         """True: a claimed request's slot always has room up to `max_seq_len`."""
         check_num_steps(num_steps)
@@ -200,6 +208,7 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
         self._check_fits(data, num_steps)
         return True
 
+    @synchronized
     def fetch(
         self, batch: Sequence[TextGenerationContext] | Sequence[int], num_steps: int = 1
     ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
@@ -219,6 +228,7 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
         self._input_tokens += sum(ctx.active_length for ctx in batch)  # type: ignore[union-attr]
         return self._inputs(slots, [ctx.start_idx for ctx in batch])  # type: ignore[union-attr]
 
+    @synchronized
     def step(self, batch: Sequence[TextGenerationContext] | Mapping[int, int]) -> None:
         """Nothing to record for contexts (`fetch` reads `ctx.start_idx`); every request
         must hold a slot. `step({seq_id: new_tokens})` is the sequence-id flow."""
@@ -227,6 +237,7 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
         for ctx in batch:
             self._slot(ctx.request_id)
 
+    @synchronized
     def increment_cache_lengths(
         self,
         kv_cache_inputs: Sequence[ContinuousBatchingKVCacheInputs[Buffer, Buffer]],
@@ -236,6 +247,10 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
         each sequence processed, and `is_cache_empty` is False (only a first step encodes
         a context)."""
         offsets = row_offsets_per_device(prev_model_inputs, 1, len(self.devices))
+        if len(kv_cache_inputs) != len(offsets):
+            raise ValueError(f"got {len(kv_cache_inputs)} cache inputs for {len(offsets)} devices")
+        for inputs, row_offsets in zip(kv_cache_inputs, offsets):
+            check_batch_size(inputs.cache_lengths, row_offsets)
         not_empty = Buffer.from_numpy(np.array([False]))
         return [
             inputs._replace(
@@ -245,6 +260,7 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
             for inputs, row_offsets in zip(kv_cache_inputs, offsets, strict=True)
         ]
 
+    @synchronized
     def get_data_parallel_splits(self, context_batch: Sequence[Any]) -> Buffer:
         """int64 `[0, len(batch)]`: one replica holds the whole batch."""
         return Buffer.from_numpy(np.array([0, len(context_batch)], dtype=np.int64))
@@ -252,18 +268,22 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
     # --- occupancy and metrics (a slot plays the part of a page) --------------------
 
     @property
+    @synchronized
     def num_free_blocks(self) -> int:
         return len(self._free_slots)
 
     @property
+    @synchronized
     def free_blocks_pct(self) -> float:
         return len(self._free_slots) / self.max_cache_batch_size
 
     @property
+    @synchronized
     def used_blocks_pct(self) -> float:
         return 1.0 - self.free_blocks_pct
 
     @property
+    @synchronized
     def metrics(self) -> KVCacheMetrics:
         return KVCacheMetrics(
             input_tokens=self._input_tokens,
@@ -271,8 +291,10 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
             free_pages=len(self._free_slots),
         )
 
+    @synchronized
     def reset_metrics(self) -> None:
         self._input_tokens = 0
 
+    @synchronized
     def reset_prefix_cache(self) -> None:
         """Nothing to forget: slots are never shared."""

@@ -74,6 +74,8 @@ def row_offsets_per_device(
     offsets = getattr(prev_model_inputs, "input_row_offsets", prev_model_inputs)
     if isinstance(offsets, (Buffer, np.ndarray)):
         offsets = [offsets]
+    for o in offsets:
+        _check_row_offsets(o)
     offsets = [
         Buffer.from_numpy(np.ascontiguousarray(o, dtype=np.uint32)) if isinstance(o, np.ndarray) else o
         for o in offsets
@@ -87,3 +89,32 @@ def row_offsets_per_device(
         f"input_row_offsets has {len(offsets)} entries; expected one per replica "
         f"({num_replicas}) or per device ({num_devices})"
     )
+
+
+def _check_row_offsets(offsets: Any) -> None:
+    """TypeError/ValueError unless `offsets` are integral, one-dimensional and
+    non-decreasing from 0 (checked for numpy arrays and host Buffers; a device Buffer is
+    not read back)."""
+    if isinstance(offsets, Buffer):
+        if not offsets.device.is_host:
+            return
+        offsets = offsets.to_numpy()
+    if not isinstance(offsets, np.ndarray):
+        raise TypeError(
+            f"input_row_offsets must be numpy arrays or Buffers, got {type(offsets).__name__}"
+        )
+    if not np.issubdtype(offsets.dtype, np.integer):
+        raise TypeError(f"input_row_offsets must be integers, got dtype {offsets.dtype}")
+    if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or np.any(np.diff(offsets.astype(np.int64)) < 0):
+        raise ValueError(
+            f"input_row_offsets must be a non-decreasing 1-D array starting at 0, got {offsets.tolist()}"
+        )
+
+
+def check_batch_size(cache_lengths: Buffer, row_offsets: Buffer) -> None:
+    """ValueError unless there is one row offset per sequence, plus one."""
+    if row_offsets.shape[0] != cache_lengths.shape[0] + 1:
+        raise ValueError(
+            f"input_row_offsets has {row_offsets.shape[0]} entries for a batch of "
+            f"{cache_lengths.shape[0]} sequences (expected {cache_lengths.shape[0] + 1})"
+        )

@@ -23,7 +23,7 @@ from ..errors import AlreadyClaimedError, BatchTooLargeError, InvalidReplicaErro
 from ..layouts import layout_for
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
-from .base import ManagerFields, check_num_steps, check_request_id
+from .base import ManagerFields, check_num_steps, check_request_id, synchronized
 from .compat import MaxManagerAPI
 
 
@@ -64,6 +64,7 @@ class NullKVCacheManager(MaxManagerAPI, ManagerFields):
         if request_id not in self._claimed:
             raise UnknownRequestError(request_id)
 
+    @synchronized
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
         """Records the id, so that `contains` and later calls answer as a real manager's."""
         check_request_id(request_id)
@@ -78,25 +79,30 @@ class NullKVCacheManager(MaxManagerAPI, ManagerFields):
             )
         self._claimed.add(request_id)
 
+    @synchronized
     def contains(self, request_id: RequestID) -> bool:
         check_request_id(request_id)
         return request_id in self._claimed
 
+    @synchronized
     def release(self, request_id: RequestID) -> None:
         self._check_claimed(request_id)
         self._claimed.discard(request_id)
 
+    @synchronized
     def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
         """True for a claimed request: nothing to hold."""
         check_num_steps(num_steps)
         self._check_claimed(data.request_id)
         return True
 
+    @synchronized
     def step(self, batch: Sequence[TextGenerationContext]) -> None:
         """Checks that every request is claimed; records nothing."""
         for ctx in batch:
             self._check_claimed(ctx.request_id)
 
+    @synchronized
     def fetch(self, batch: Sequence[TextGenerationContext], num_steps: int = 1) -> list[Any]:
         """One `layout.Inputs` per device, of the right dtypes and ranks, holding no memory."""
         check_num_steps(num_steps)
@@ -106,6 +112,8 @@ class NullKVCacheManager(MaxManagerAPI, ManagerFields):
             )
         for ctx in batch:
             self._check_claimed(ctx.request_id)
+        if len({ctx.request_id for ctx in batch}) != len(batch):
+            raise ValueError("a request appears twice in the batch")
         return [
             self.layout.empty_inputs(
                 self.params, self.num_layers, self.max_seq_len, len(batch), num_steps
@@ -113,45 +121,56 @@ class NullKVCacheManager(MaxManagerAPI, ManagerFields):
             for _ in self.devices
         ]
 
+    @synchronized
     def increment_cache_lengths(self, kv_cache_inputs: Any, prev_model_inputs: Any) -> Any:
         """Returns `kv_cache_inputs` unchanged."""
         return kv_cache_inputs
 
+    @synchronized
     def get_data_parallel_splits(self, batch: Sequence[TextGenerationContext]) -> Buffer:
         """int64 `[0, len(batch)]`: a single split holding every batch index."""
         return Buffer.from_numpy(np.array([0, len(batch)], dtype=np.int64))
 
+    @synchronized
     def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
         return 0
 
+    @synchronized
     def get_replica(self, context: TextGenerationContext) -> int:
         self._check_claimed(context.request_id)
         return 0
 
+    @synchronized
     def get_req_blocks(self, request_id: RequestID) -> list[int]:
         """Empty: no blocks are allocated."""
         self._check_claimed(request_id)
         return []
 
     @property
+    @synchronized
     def num_free_blocks(self) -> int:
         """A dummy 1000."""
         return 1000
 
     @property
+    @synchronized
     def free_blocks_pct(self) -> float:
         return 1.0
 
     @property
+    @synchronized
     def used_blocks_pct(self) -> float:
         return 0.0
 
     @property
+    @synchronized
     def metrics(self) -> KVCacheMetrics:
         return self._metrics
 
+    @synchronized
     def reset_metrics(self) -> None:
         self._metrics = KVCacheMetrics()
 
+    @synchronized
     def reset_prefix_cache(self) -> None:
         """No-op."""

@@ -28,6 +28,7 @@ from max.engine import InferenceSession
 from ..cache.hashing import page_hash_fn, root_hash
 from ..context import RequestID, TextGenerationContext
 from ..errors import (
+    AlreadyClaimedError,
     BatchTooLargeError,
     InsufficientMemoryError,
     InsufficientPagesError,
@@ -37,10 +38,10 @@ from ..errors import (
 from ..layouts import PAGED, RaggedKVCacheInputs
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
-from .base import ManagerFields, check_num_steps, check_request_id
+from .base import ManagerFields, check_num_steps, check_request_id, synchronized
 from .compat import MaxManagerAPI
-from .increment import CacheLengthIncrementer, row_offsets_per_device
-from .paged_replica import PagedReplica, _ceil_div
+from .increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
+from .paged_replica import PagedReplica, Reservation, _ceil_div
 
 
 class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
@@ -85,6 +86,11 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             raise NotImplementedError("the host-memory page tier is not available yet")
         if zmq_endpoint_base is not None:
             raise NotImplementedError("KV-cache events over ZMQ are not available yet")
+        if available_cache_memory.__class__ is not int or available_cache_memory < 0:
+            raise TypeError(
+                f"available_cache_memory must be a number of bytes (an int >= 0), "
+                f"got {available_cache_memory!r}"
+            )
         dp = params.data_parallel_degree
         num_pages = self._pages_per_replica(params, num_layers, available_cache_memory)
         pages_per_seq = _ceil_div(max_seq_len, params.page_size)
@@ -192,32 +198,42 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         except KeyError:
             raise UnknownRequestError(request_id) from None
 
+    @synchronized
     def contains(self, request_id: RequestID) -> bool:
         check_request_id(request_id)
         return request_id in self._replica_of
 
+    @synchronized
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
         """Binds `request_id` to a replica (by default the one with the most free pages)."""
         check_request_id(request_id)
         if replica_idx is None:
-            replica_idx = max(range(self.num_replicas), key=lambda r: self.replicas[r].pool.num_free)
+            replica_idx = (
+                0 if self.num_replicas == 1
+                else max(range(self.num_replicas), key=lambda r: self.replicas[r].pool.num_free)
+            )
         if replica_idx.__class__ is not int or not 0 <= replica_idx < self.num_replicas:
             raise InvalidReplicaError(
                 f"replica_idx={replica_idx!r} is out of range for {self.num_replicas} replica(s)"
             )
+        if request_id in self._replica_of:
+            raise AlreadyClaimedError(request_id)
         self.replicas[replica_idx].claim(request_id)
         self._replica_of[request_id] = replica_idx
         self._after_change()
 
+    @synchronized
     def release(self, request_id: RequestID) -> None:
         """Frees the request's pages (hashed ones stay reusable) and forgets it."""
         self._replica(request_id).release(request_id)
         del self._replica_of[request_id]
         self._after_change()
 
+    @synchronized
     def get_replica(self, context: TextGenerationContext) -> int:
         return self._replica_index(context.request_id)
 
+    @synchronized
     def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
         """The request's replica if claimed; else the one with the longest cached prefix
         of its tokens, ties going to the one with the most free pages."""
@@ -231,12 +247,14 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             ),
         )
 
+    @synchronized
     def get_req_blocks(self, request_id: RequestID) -> list[int]:
         """Page ids the request holds, in token order."""
         return self._replica(request_id).pages_of(request_id)
 
     # --- steps ----------------------------------------------------------------------
 
+    @synchronized
     def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
         """Holds the pages `data` needs for `num_steps` steps, reusing its cached prefix.
 
@@ -245,20 +263,27 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         window past the reused tokens (`data.skip_cached_prefix`).
         """
         check_num_steps(num_steps)
-        ok = self._replica(data.request_id).reserve(data, num_steps)
+        replica = self._replica(data.request_id)
+        plan = replica.plan(data, num_steps)
+        if plan is None:
+            return True
+        if not replica.fits([plan]):
+            return False
+        replica.apply([plan])
         self._after_change()
-        return ok
+        return True
 
+    @synchronized
     def fetch(
         self, batch: Sequence[TextGenerationContext], num_steps: int = 1
     ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
         """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device.
 
         The batch must be ordered by replica (as `get_data_parallel_splits` expects);
-        devices come replica by replica. Every request is checked before any is
-        reserved. Requests not yet reserved are reserved here; `InsufficientPagesError`
-        if their pages do not fit (requests reserved before the failing one keep their
-        pages, as after `maybe_reserve`).
+        devices come replica by replica. Requests not yet reserved are reserved here.
+        All or nothing: every request is checked and every reservation planned before
+        anything changes; `InsufficientPagesError` (and no change) if the pages of the
+        batch do not fit.
         """
         check_num_steps(num_steps)
         if len(batch) > self.max_batch_size:
@@ -266,12 +291,9 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
                 f"batch of {len(batch)} requests is larger than max_batch_size={self.max_batch_size}"
             )
         groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
+        plans: list[list[Reservation]] = [[] for _ in self.replicas]
         last = 0
-        seen: set[RequestID] = set()
         for ctx in batch:
-            if ctx.request_id in seen:
-                raise ValueError(f"request {ctx.request_id!r} appears twice in the batch")
-            seen.add(ctx.request_id)
             r = self._replica_index(ctx.request_id)
             if r < last:
                 raise ValueError(
@@ -280,14 +302,23 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
                 )
             last = r
             groups[r].append(ctx)
-            self.replicas[r].check_fits(ctx, num_steps)
-        for replica, group in zip(self.replicas, groups):
-            for ctx in group:
-                if not replica.reserve(ctx, num_steps):
-                    raise InsufficientPagesError(
-                        f"request {ctx.request_id!r} needs more pages than the "
-                        f"{replica.pool.num_free} free; call maybe_reserve before fetch"
-                    )
+            plan = self.replicas[r].plan(ctx, num_steps)
+            if plan is not None:
+                plans[r].append(plan)
+        if len({ctx.request_id for ctx in batch}) != len(batch):
+            raise ValueError("a request appears twice in the batch")
+        for replica, replica_plans in zip(self.replicas, plans):
+            if replica_plans and not replica.fits(replica_plans):
+                raise InsufficientPagesError(
+                    f"the batch needs more pages than the {replica.pool.num_free} free; "
+                    "call maybe_reserve before fetch"
+                )
+        for replica, replica_plans in zip(self.replicas, plans):
+            if replica_plans:
+                replica.apply(replica_plans)
+        if self.enable_runtime_checks:
+            for replica, group in zip(self.replicas, groups):
+                replica.check_tables(group, num_steps)
         inputs = [
             device_inputs
             for replica, group in zip(self.replicas, groups)
@@ -296,18 +327,25 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         self._after_change()
         return inputs
 
+    @synchronized
     def step(self, batch: Sequence[TextGenerationContext]) -> None:
         """Commits the pages that the batch's last step filled to the prefix cache.
 
         Every request is checked before any page is committed.
         """
-        replicas = [self._replica(ctx.request_id) for ctx in batch]
-        for replica, ctx in zip(replicas, batch):
-            replica.check_step(ctx)
-        for replica, ctx in zip(replicas, batch):
-            replica.commit(ctx)
+        groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
+        for ctx in batch:
+            r = self._replica_index(ctx.request_id)
+            self.replicas[r].check_step(ctx)
+            groups[r].append(ctx)
+        if len({ctx.request_id for ctx in batch}) != len(batch):
+            raise ValueError("a request appears twice in the batch")
+        for replica, group in zip(self.replicas, groups):
+            if group:
+                replica.commit(group)
         self._after_change()
 
+    @synchronized
     def increment_cache_lengths(
         self,
         kv_cache_inputs: Sequence[RaggedKVCacheInputs[Buffer, Buffer]],
@@ -322,6 +360,10 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         offsets = row_offsets_per_device(
             prev_model_inputs, self.num_replicas, self.params.tensor_parallel_degree
         )
+        if len(kv_cache_inputs) != len(offsets):
+            raise ValueError(f"got {len(kv_cache_inputs)} cache inputs for {len(offsets)} devices")
+        for inputs, row_offsets in zip(kv_cache_inputs, offsets):
+            check_batch_size(inputs.cache_lengths, row_offsets)
         out = []
         for inputs, row_offsets in zip(kv_cache_inputs, offsets, strict=True):
             cache_lengths, max_lengths = self._increment(
@@ -330,6 +372,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             out.append(inputs._replace(cache_lengths=cache_lengths, max_lengths=max_lengths))
         return out
 
+    @synchronized
     def get_data_parallel_splits(self, context_batch: Sequence[TextGenerationContext]) -> Buffer:
         """int64 `[num_replicas + 1]`: offsets of each replica's requests in the batch,
         `[0, n_0, n_0 + n_1, ...]` (the batch must be ordered by replica)."""
@@ -341,6 +384,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
     # --- occupancy and metrics ------------------------------------------------------
 
     @property
+    @synchronized
     def num_free_blocks(self) -> int:
         """Pages that can be handed out now (cached-free pages included), all replicas."""
         return sum(r.pool.num_free for r in self.replicas)
@@ -356,6 +400,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         return 1.0 - self.free_blocks_pct
 
     @property
+    @synchronized
     def metrics(self) -> KVCacheMetrics:
         return KVCacheMetrics(
             input_tokens=sum(r.input_tokens for r in self.replicas),
@@ -364,16 +409,19 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             free_pages=self.num_free_blocks,
         )
 
+    @synchronized
     def reset_metrics(self) -> None:
         for r in self.replicas:
             r.input_tokens = r.cache_tokens = 0
 
+    @synchronized
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix; pages owned by requests stay theirs."""
         for r in self.replicas:
             r.pool.reset_prefix_cache()
         self._after_change()
 
+    @synchronized
     def check_invariants(self) -> None:
         """Raises InvariantError if any replica's bookkeeping is inconsistent."""
         for r in self.replicas:

@@ -7,7 +7,10 @@ A request's pages, drawn as token regions (page_size 4 here):
              0               n_hashed*ps  start_idx              needed tokens
 
 - the first `len(hashes)` pages are full and were committed to the prefix index
-  (or found in it); their hash chain is `hashes`;
+  (or found in it); their hash chain is `hashes`. They may be shared with other
+  requests, so the request never writes them again: its context's `start_idx` must
+  lie in `[len(hashes) * page_size, len(pages) * page_size]` (else `StaleContextError`,
+  e.g. after `ctx.reset()` without a release);
 - pages after them hold tokens written but not yet filling a page, and room for
   the tokens of the coming `num_steps` steps.
 
@@ -15,6 +18,11 @@ Prefix matching runs only when every page the request holds is committed and the
 cache ends exactly at their end (a new request, or one whose cache ends on a page
 boundary after a chunk or a reset); it then extends the request with the longest run of
 indexed pages that continues its hash chain.
+
+Reserving is planned, then applied: `plan` works out one request's hits and fresh
+pages without changing anything, `fits` checks a batch of plans against the pool, and
+`apply` takes their pages in one all-or-nothing pool call before it moves the contexts'
+windows.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from ..errors import (
     BatchTooLargeError,
     InvariantError,
     SequenceTooLongError,
+    StaleContextError,
     UnknownRequestError,
 )
 from ..layouts import RaggedKVCacheInputs
@@ -43,6 +52,17 @@ class _Request:
     slot: int
     pages: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Reservation:
+    """What reserving one request will do, worked out before anything changes."""
+
+    ctx: TextGenerationContext
+    req: _Request
+    hits: list[tuple[int, int]]  # (page id, hash) of cached pages that continue its chain
+    hit_tokens: int  # where its cache ends after the hits
+    num_new: int  # fresh pages to allocate after the hits
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -104,8 +124,8 @@ class PagedReplica:
 
     def release(self, request_id: RequestID) -> None:
         req = self._request(request_id)
-        del self._requests[request_id]
         self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
+        del self._requests[request_id]
         self._free_slots.append(req.slot)
 
     def pages_of(self, request_id: RequestID) -> list[int]:
@@ -116,6 +136,22 @@ class PagedReplica:
             return self._requests[request_id]
         except KeyError:
             raise UnknownRequestError(request_id) from None
+
+    def _check_window(self, ctx: TextGenerationContext, req: _Request) -> None:
+        """StaleContextError unless the context's cache ends between the request's
+        committed pages and the end of its pages (see the module docstring)."""
+        ps = self.page_size
+        if ctx.start_idx < len(req.hashes) * ps:
+            raise StaleContextError(
+                f"request {ctx.request_id!r} has start_idx={ctx.start_idx}, inside its "
+                f"{len(req.hashes) * ps} committed tokens (pages other requests may share): "
+                "release the request before ctx.reset()"
+            )
+        if ctx.start_idx > len(req.pages) * ps:
+            raise StaleContextError(
+                f"request {ctx.request_id!r} has start_idx={ctx.start_idx} but only "
+                f"{len(req.pages) * ps} token slots were fetched for it"
+            )
 
     # --- prefix cache ---------------------------------------------------------------
 
@@ -153,27 +189,31 @@ class PagedReplica:
         return len(self._match_prefix(ctx, req))
 
     def check_step(self, ctx: TextGenerationContext) -> None:
-        """ValueError if `ctx` claims more cached tokens than its pages can hold."""
-        num_slots = len(self._request(ctx.request_id).pages) * self.page_size
-        if ctx.start_idx > num_slots:
-            raise ValueError(
-                f"request {ctx.request_id!r} has start_idx={ctx.start_idx} but only "
-                f"{num_slots} token slots were fetched for it"
-            )
+        """StaleContextError if `ctx`'s cache does not fit the request's pages."""
+        self._check_window(ctx, self._request(ctx.request_id))
 
-    def commit(self, ctx: TextGenerationContext) -> None:
-        """Hashes and indexes the request's pages that became full since the last call
-        (after `check_step`)."""
-        req = self._requests[ctx.request_id]
-        ps = self.page_size
-        num_full = ctx.start_idx // ps
-        if not self._prefix_caching or num_full <= len(req.hashes):
+    def commit(self, batch: list[TextGenerationContext]) -> None:
+        """Hashes and indexes the pages of `batch` (checked with `check_step`) that became
+        full since their last step, in one all-or-nothing pool call."""
+        if not self._prefix_caching:
             return
-        first = len(req.hashes)
-        pages = iter_page_hashes(ctx.tokens, ps, self._last_hash(req), self._hash_fn, first, num_full)
-        for page_idx, (page_hash, data) in enumerate(pages, start=first):
-            self.pool.commit(req.pages[page_idx], page_hash, data)
-            req.hashes.append(page_hash)
+        ps, plans, page_ids, hashes, datas = self.page_size, [], [], [], []
+        for ctx in batch:
+            req = self._requests[ctx.request_id]
+            first, num_full = len(req.hashes), ctx.start_idx // ps
+            if num_full <= first:
+                continue
+            chain = iter_page_hashes(ctx.tokens, ps, self._last_hash(req), self._hash_fn, first, num_full)
+            new_hashes = []
+            for page_idx, (page_hash, data) in enumerate(chain, start=first):
+                page_ids.append(req.pages[page_idx])
+                hashes.append(page_hash)
+                datas.append(data)
+                new_hashes.append(page_hash)
+            plans.append((req, new_hashes))
+        self.pool.commit_pages(page_ids, hashes, datas)
+        for req, new_hashes in plans:
+            req.hashes.extend(new_hashes)
 
     # --- reservation ----------------------------------------------------------------
 
@@ -189,43 +229,68 @@ class PagedReplica:
             )
         return needed
 
-    def check_fits(self, ctx: TextGenerationContext, num_steps: int) -> None:
-        """SequenceTooLongError if `ctx`'s current window cannot fit `num_steps` steps."""
-        self._check_length(ctx, num_steps, ctx.active_idx)
+    def plan(self, ctx: TextGenerationContext, num_steps: int) -> Reservation | None:
+        """What reserving `ctx` for `num_steps` steps takes; None when it holds them already.
 
-    def reserve(self, ctx: TextGenerationContext, num_steps: int) -> bool:
-        """Holds the pages `ctx` needs for `num_steps` steps, reusing its cached prefix.
-
-        All or nothing: returns False and changes nothing when the pages do not fit.
+        Pure. Raises for a request that is unknown, stale or too long.
         """
         req = self._request(ctx.request_id)
+        self._check_window(ctx, req)
         # The common decode step: the window is already held, and then no prefix can
         # match (see _match_prefix). `active_idx > start_idx` holds between steps.
         needed = ctx.active_idx + num_steps - 1
         if needed <= len(req.pages) * self.page_size and needed <= self.max_seq_len:
-            return True
+            return None
         hits = self._match_prefix(ctx, req)
-        start_idx = (len(req.hashes) + len(hits)) * self.page_size if hits else ctx.start_idx
+        hit_tokens = (len(req.hashes) + len(hits)) * self.page_size if hits else ctx.start_idx
         # Where the window ends after a hit is the context's rule, not the manager's.
-        active_idx = ctx.active_idx_after_skip(start_idx) if hits else ctx.active_idx
+        active_idx = ctx.active_idx_after_skip(hit_tokens) if hits else ctx.active_idx
         needed_pages = _ceil_div(self._check_length(ctx, num_steps, active_idx), self.page_size)
-        num_new = needed_pages - len(req.pages) - len(hits)
-        # Reused pages that sit unowned in the LRU stop counting as free once acquired.
-        num_hits_cached = sum(self.pool.is_cached(page_id) for page_id, _ in hits)
-        if num_new > self.pool.num_free - num_hits_cached:
-            return False
-        for page_id, page_hash in hits:
-            self.pool.acquire(page_id)
-            req.hashes.append(page_hash)
-            req.pages.append(page_id)
-        req.pages.extend(self.pool.allocate(max(num_new, 0)) or [])
-        self._page_table[req.slot, : len(req.pages)] = req.pages
-        if hits:
-            skipped = start_idx - ctx.start_idx
+        num_new = max(needed_pages - len(req.pages) - len(hits), 0)
+        return Reservation(ctx, req, hits, hit_tokens, num_new)
+
+    def fits(self, plans: list[Reservation]) -> bool:
+        """Whether the pool can take every plan's hits and fresh pages at once."""
+        hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
+        return self.pool.can_take(hit_pages, sum(plan.num_new for plan in plans))
+
+    def apply(self, plans: list[Reservation]) -> None:
+        """Takes the pages of `plans` (which `fits`), then moves each hit context's window.
+
+        If a context's own `skip_cached_prefix` raises, the plans whose contexts did not
+        move give their pages back (cached pages evicted to make room stay evicted).
+        """
+        hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
+        new_pages = self.pool.take(hit_pages, sum(plan.num_new for plan in plans))
+        if new_pages is None:
+            raise InvariantError("a reservation that fits could not take its pages")
+        sizes = []
+        for plan in plans:
+            req, taken = plan.req, [page_id for page_id, _ in plan.hits]
+            taken += new_pages[: plan.num_new]
+            del new_pages[: plan.num_new]
+            sizes.append((len(req.pages), len(req.hashes)))
+            req.pages.extend(taken)
+            req.hashes.extend(page_hash for _, page_hash in plan.hits)
+            self._page_table[req.slot, : len(req.pages)] = req.pages
+        for done, plan in enumerate(plans):
+            if not plan.hits:
+                continue
+            skipped = plan.hit_tokens - plan.ctx.start_idx
+            try:
+                plan.ctx.skip_cached_prefix(plan.hit_tokens)
+            except BaseException:
+                self._give_back(plans[done:], sizes[done:])
+                raise
             self.cache_tokens += skipped
             self.input_tokens += skipped
-            ctx.skip_cached_prefix(start_idx)
-        return True
+
+    def _give_back(self, plans: list[Reservation], sizes: list[tuple[int, int]]) -> None:
+        for plan, (num_pages, num_hashes) in zip(plans, sizes):
+            req = plan.req
+            self.pool.release(reversed(req.pages[num_pages:]))
+            del req.pages[num_pages:]
+            del req.hashes[num_hashes:]
 
     # --- graph inputs ---------------------------------------------------------------
 
@@ -242,7 +307,6 @@ class PagedReplica:
         slots = [requests[ctx.request_id].slot for ctx in batch]
         starts = [ctx.start_idx for ctx in batch]
         actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
-        self.input_tokens += sum(actives)
         max_start = max(starts, default=0)
         max_active = max(actives, default=0)
         max_end = max((s + a for s, a in zip(starts, actives)), default=0) + num_steps - 1
@@ -257,10 +321,35 @@ class PagedReplica:
         # Buffer.from_numpy aliases host memory; on an accelerator the small tables are copied.
         host = [Buffer.from_numpy(cache_lengths), Buffer.from_numpy(lookup_table)]
         max_lengths_buf = Buffer.from_numpy(max_lengths)
-        return [
+        inputs = [
             RaggedKVCacheInputs(blocks, *(host if d.is_host else [b.to(d) for b in host]), max_lengths_buf)
             for blocks, d in zip(self.blocks, self.devices)
         ]
+        self.input_tokens += sum(actives)
+        return inputs
+
+    def check_tables(self, batch: list[TextGenerationContext], num_steps: int) -> None:
+        """InvariantError unless the tables `runtime_inputs` hands out for `batch` are safe:
+        page ids in range, each lookup row covering the cache and the new tokens, and no
+        page of a write window committed or shared (`enable_runtime_checks`)."""
+        ps = self.page_size
+        for ctx in batch:
+            req = self._requests[ctx.request_id]
+            end = ctx.active_idx + num_steps - 1
+            if end > len(req.pages) * ps:
+                raise InvariantError(
+                    f"request {ctx.request_id!r} writes up to token {end} but holds "
+                    f"{len(req.pages) * ps} token slots"
+                )
+            for page_idx in range(ctx.start_idx // ps, _ceil_div(end, ps)):
+                page_id = req.pages[page_idx]
+                if not 0 <= page_id < self.pool.num_pages:
+                    raise InvariantError(f"request {ctx.request_id!r} holds page id {page_id}")
+                if self.pool.page_hash(page_id) is not None or self.pool.ref_count(page_id) != 1:
+                    raise InvariantError(
+                        f"request {ctx.request_id!r} would write page {page_id}, which is "
+                        f"committed or shared (ref count {self.pool.ref_count(page_id)})"
+                    )
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(req.pages for req in self._requests.values())

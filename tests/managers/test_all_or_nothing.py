@@ -1,0 +1,279 @@
+"""All-or-nothing calls: a rejected call changes nothing, and an exception raised from
+anywhere inside a call (injected into every inner function in turn) leaves the old
+state or the new one, with every invariant intact and no page lost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from max.driver import CPU
+
+import mokv
+from mokv import TextContext
+from mokv.cache.page_pool import PagePool
+from mokv.managers import paged_replica
+from mokv.managers.paged_replica import PagedReplica
+
+from .conftest import NUM_LAYERS, make_paged, small_params
+
+NUM_PAGES = 12
+
+
+def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
+    """Everything the paged manager and the contexts hold, but the token counters. The
+    free list and the LRU are compared as sets: a rolled-back reservation gives its
+    pages back to their young ends, which changes which page is handed out next, not
+    who owns what."""
+    replicas = []
+    for r in m.replicas:
+        pool = r.pool
+        replicas.append((
+            tuple(pool._ref_count), tuple(pool._page_hash), frozenset(pool._free),
+            frozenset(pool._cached), tuple(sorted(pool._index.items())),
+            tuple(sorted((rid, req.slot, tuple(req.pages), tuple(req.hashes))
+                         for rid, req in r._requests.items())),
+            tuple(r._free_slots),
+        ))
+    return (tuple(replicas), tuple(sorted(m._replica_of.items())),
+            tuple((c.start_idx, c.active_idx, c.end_idx) for c in contexts))
+
+
+class World:
+    """A paged manager and three requests: A and B share a 2-page prefix, C does not."""
+
+    def __init__(self, session):
+        self.m = make_paged(session, num_pages=NUM_PAGES, max_seq_len=24)
+        prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+        self.A = TextContext(prefix + [9, 9], request_id="A")
+        self.B = TextContext(prefix + [7], request_id="B")
+        self.C = TextContext([3, 3, 3, 3, 3], request_id="C")
+        self.contexts = [self.A, self.B, self.C]
+
+
+def _step(w: World, batch: list[TextContext]) -> None:
+    w.m.step(batch)
+
+
+# (what the caller does first, without faults; the one manager call under test)
+SCENARIO = [
+    (None, lambda w: w.m.external_claim(w.A.request_id)),
+    (None, lambda w: w.m.maybe_reserve(w.A)),
+    (None, lambda w: w.m.fetch([w.A])),
+    (lambda w: w.A.update(11), lambda w: _step(w, [w.A])),  # commits A's two full pages
+    (None, lambda w: w.m.external_claim(w.B.request_id)),
+    (None, lambda w: w.m.external_claim(w.C.request_id)),
+    (None, lambda w: w.m.fetch([w.B, w.C], num_steps=2)),  # B reserves A's pages as hits
+    (lambda w: (w.B.update(12), w.C.update(13)), lambda w: _step(w, [w.B, w.C])),
+    (None, lambda w: w.m.fetch([w.A, w.B, w.C], num_steps=3)),
+    (lambda w: [c.update(14) for c in w.contexts], lambda w: _step(w, w.contexts)),
+    (None, lambda w: w.m.release(w.A.request_id)),
+    (None, lambda w: w.m.reset_prefix_cache()),
+    (None, lambda w: w.m.release(w.B.request_id)),
+]
+
+
+class Injected(BaseException):
+    """Stands for a KeyboardInterrupt or MemoryError raised inside a call."""
+
+
+def _fault_targets():
+    return [
+        (PagePool, "can_take"), (PagePool, "take"), (PagePool, "release"),
+        (PagePool, "commit_pages"), (PagePool, "lookup"), (PagePool, "reset_prefix_cache"),
+        (PagedReplica, "plan"), (PagedReplica, "fits"), (PagedReplica, "apply"),
+        (PagedReplica, "commit"), (PagedReplica, "check_step"), (PagedReplica, "claim"),
+        (PagedReplica, "release"), (PagedReplica, "runtime_inputs"),
+        (PagedReplica, "check_tables"), (paged_replica, "iter_page_hashes"),
+        (TextContext, "skip_cached_prefix"), (TextContext, "active_idx_after_skip"),
+    ]
+
+
+def _run(w: World, upto: int) -> None:
+    for before, call in SCENARIO[:upto]:
+        if before:
+            before(w)
+        call(w)
+
+
+def _release_all_and_check(w: World) -> None:
+    w.m.check_invariants()
+    for ctx in w.contexts:
+        if w.m.contains(ctx.request_id):
+            w.m.release(ctx.request_id)
+    w.m.check_invariants()
+    assert w.m.num_free_blocks == NUM_PAGES  # no page lost
+
+
+def test_scenario_runs_clean(session):
+    w = World(session)
+    _run(w, len(SCENARIO))
+    _release_all_and_check(w)
+
+
+@pytest.mark.parametrize("op", range(len(SCENARIO)))
+def test_an_exception_anywhere_leaves_old_or_new_state(session, monkeypatch, op):
+    clean = World(session)
+    _run(clean, op + 1)
+    new_state = snapshot(clean.m, clean.contexts)
+    counter = {"calls": 0, "fault_at": -1}
+
+    def wrap(fn):
+        def injected(*args, **kwargs):
+            counter["calls"] += 1
+            if counter["calls"] == counter["fault_at"]:
+                raise Injected(f"fault at call {counter['calls']}")
+            return fn(*args, **kwargs)
+        return injected
+
+    for owner, name in _fault_targets():
+        monkeypatch.setattr(owner, name, wrap(getattr(owner, name)))
+    faults = 0
+    for fault_at in range(1, 200):
+        w = World(session)
+        counter["fault_at"] = -1
+        _run(w, op)
+        before, call = SCENARIO[op]
+        if before:
+            before(w)
+        old_state = snapshot(w.m, w.contexts)
+        counter["calls"], counter["fault_at"] = 0, fault_at
+        try:
+            call(w)
+        except Injected:
+            faults += 1
+            counter["fault_at"] = -1
+            state = snapshot(w.m, w.contexts)
+            assert state in (old_state, new_state), f"op {op}, fault at inner call {fault_at}"
+            _release_all_and_check(w)
+        else:
+            counter["fault_at"] = -1
+            assert snapshot(w.m, w.contexts) == new_state
+            break
+    assert faults == counter["calls"]  # every inner call of the op was interrupted once
+
+
+def test_rejected_calls_change_nothing(session):
+    m = make_paged(session, num_pages=NUM_PAGES, max_seq_len=24)
+    d, a, e = TextContext(np.arange(9), "D"), TextContext(np.arange(20), "A"), TextContext([5], "E")
+    for ctx in (d, a):
+        m.external_claim(ctx.request_id)
+    m.fetch([d])
+    d.update(1)
+    state = snapshot(m, [d, a, e])
+    with pytest.raises(mokv.UnknownRequestError):
+        m.step([d, e])  # D's full pages are not committed before E is found unknown
+    with pytest.raises(mokv.SequenceTooLongError, match="'A'.*past max_seq_len=24"):
+        m.fetch([d, a], num_steps=6)  # D reserves nothing before A is found too long
+    with pytest.raises(ValueError, match="twice"):
+        m.fetch([d, d])
+    with pytest.raises(ValueError, match="twice"):
+        m.step([d, d])
+    with pytest.raises(mokv.InvalidReplicaError, match="replica_idx=0.0"):
+        m.external_claim(e.request_id, 0.0)
+    with pytest.raises(mokv.InvalidReplicaError, match="replica_idx=True"):
+        m.external_claim(e.request_id, True)
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        m.external_claim(7)
+    with pytest.raises(mokv.AlreadyClaimedError):
+        m.external_claim(d.request_id)
+    assert snapshot(m, [d, a, e]) == state
+    m.check_invariants()
+
+
+def test_shared_pages_are_never_handed_out_for_rewriting(session):
+    m = make_paged(session, num_pages=NUM_PAGES, max_seq_len=24)
+    a, e = TextContext(np.arange(9), "A"), TextContext(np.arange(9), "E")
+    m.external_claim(a.request_id)
+    m.fetch([a])
+    a.update(3)
+    m.step([a])  # A's two full pages are committed
+    m.external_claim(e.request_id)
+    assert m.maybe_reserve(e) and e.start_idx == 8  # E shares them
+    a.reset()  # without releasing A: its window would start inside the shared pages
+    state = snapshot(m, [a, e])
+    with pytest.raises(mokv.StaleContextError, match=r"'A'\) has start_idx=0, inside its 8 committed"):
+        m.fetch([a])
+    with pytest.raises(mokv.StaleContextError):
+        m.maybe_reserve(a)
+    with pytest.raises(mokv.StaleContextError):
+        m.step([a])
+    assert snapshot(m, [a, e]) == state
+    m.release(a.request_id)  # the documented way: release, then the reset context re-claims
+    m.external_claim(a.request_id)
+    assert m.maybe_reserve(a) and a.start_idx == 8  # and finds its prefix again
+
+
+def test_runtime_checks_verify_the_tables_fetch_hands_out(session):
+    m = make_paged(session, num_pages=NUM_PAGES, max_seq_len=24, checks=True)
+    a = TextContext(np.arange(6), "A")
+    m.external_claim(a.request_id)
+    m.fetch([a])
+    page = m.get_req_blocks(a.request_id)[1]
+    m.replicas[0].pool.commit(page, 123, b"x")  # a bug commits a page of A's write window
+    with pytest.raises(mokv.InvariantError, match="would write page"):
+        m.fetch([a])
+
+
+def test_continuous_and_null_check_their_arguments(session):
+    cont = mokv.ContinuousBatchingKVCacheManager(
+        small_params(cache_strategy="continuous"), 3, 16, NUM_LAYERS, [CPU()], session
+    )
+    for n in (0, -1, 1.0, True):
+        with pytest.raises(ValueError, match="positive number of sequences"):
+            cont.sequences.claim(n)
+    (s,) = cont.claim(1)
+    with pytest.raises(ValueError, match="-5"):
+        cont.step({s: -5})
+    assert cont.fetch([s])[0].cache_lengths.to_numpy().tolist() == [0]
+    with pytest.raises(mokv.UnknownRequestError):
+        cont.step({s: 1, 2: 1})  # unknown id: the known one does not advance
+    assert cont.fetch([s])[0].cache_lengths.to_numpy().tolist() == [0]
+    null = mokv.NullKVCacheManager(small_params(), 2, 16, NUM_LAYERS, [CPU()], session, 0)
+    ctx = TextContext([1, 2])
+    with pytest.raises(mokv.UnknownRequestError):
+        null.maybe_reserve(ctx)
+    with pytest.raises(ValueError, match="num_steps"):
+        null.fetch([], num_steps=0)
+    null.external_claim(ctx.request_id)
+    with pytest.raises(ValueError, match="twice"):
+        null.fetch([ctx, ctx])
+
+
+def test_construction_checks_name_the_argument(session):
+    params = small_params()
+    with pytest.raises(TypeError, match="session must be a max.engine.InferenceSession"):
+        mokv.PagedKVCacheManager(params, 2, 16, NUM_LAYERS, [CPU()], None, 10**6)
+    with pytest.raises(TypeError, match="available_cache_memory.*1000000.0"):
+        mokv.PagedKVCacheManager(params, 2, 16, NUM_LAYERS, [CPU()], session, 1e6)
+    from max.dtype import DType
+    with pytest.raises(ValueError, match="int8 is not a supported cache dtype"):
+        small_params(dtype=DType.int8)
+
+
+def test_increment_cache_lengths_checks_row_offsets(session):
+    m = make_paged(session)
+    a, b = TextContext(np.arange(3), "A"), TextContext(np.arange(2), "B")
+    for ctx in (a, b):
+        m.external_claim(ctx.request_id)
+    inputs = m.fetch([a, b], num_steps=2)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        m.increment_cache_lengths(inputs, np.array([0, 3, 2], dtype=np.uint32))
+    with pytest.raises(TypeError, match="integers"):
+        m.increment_cache_lengths(inputs, np.array([0, 3.0, 5.0]))
+    with pytest.raises(ValueError, match="4 entries for a batch of 2"):
+        m.increment_cache_lengths(inputs, np.array([0, 3, 5, 6], dtype=np.uint32))
+
+
+def test_text_context_rejects_what_it_would_mangle():
+    for tokens, error, match in [
+        ([1.5, 2.0], TypeError, "integer token ids"),
+        (np.zeros((2, 2), dtype=np.int64), ValueError, "one-dimensional"),
+        ([3, -1], ValueError, r"\[-1\]"),
+        ([2**63], ValueError, "2\\*\\*63"),
+        ([], ValueError, "at least one"),
+    ]:
+        with pytest.raises(error, match=match):
+            TextContext(tokens)
+    ctx = TextContext([1])
+    with pytest.raises(ValueError, match="new_token"):
+        ctx.update(-3)
