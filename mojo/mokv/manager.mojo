@@ -128,6 +128,7 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
         var arrays = self.this_device.enqueue_create_buffer[DType.uint32](len(host))
         self.this_device.enqueue_copy(arrays, host.unsafe_ptr())
         self.this_device.synchronize()
+        _ = host^  # alive until the copy is done (Mojo frees a value after its last use)
         var p = arrays.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         var coll = Self.CollectionType(
             self.blocks_ptr(), p, p.unsafe_offset(n), n, self.num_layers, self.max_seq_len, is_empty
