@@ -20,6 +20,7 @@ from .errors import (
 from .inputs import ContinuousBatchingKVCacheInputs, RaggedKVCacheInputs
 from .managers.continuous import ContinuousBatchingKVCacheManager
 from .managers.loader import load_kv_manager
+from .managers.mojo_continuous import MojoContinuousBatchingKVCacheManager
 from .managers.null import NullKVCacheManager
 from .managers.paged import PagedKVCacheManager
 from .metrics import KVCacheMetrics
@@ -37,6 +38,7 @@ __all__ = [
     "KVCacheMetrics",
     "KVCacheParams",
     "KVCacheStrategy",
+    "MojoContinuousBatchingKVCacheManager",
     "MokvError",
     "NullKVCacheManager",
     "PagedKVCacheManager",
