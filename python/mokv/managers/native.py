@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -82,6 +83,8 @@ def load() -> ModuleType:
     loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
     spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
     assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
+    with warnings.catch_warnings():  # PythonModuleBuilder's types carry no __module__ (1.2)
+        warnings.filterwarnings("ignore", "builtin type .* has no __module__", DeprecationWarning)
+        module = importlib.util.module_from_spec(spec)  # runs PyInit_mokv_manager_ext
+        loader.exec_module(module)
     return module
