@@ -12,15 +12,16 @@ from max.gpu.host import DeviceContext
 from mokv.manager import ContinuousBatchingKVCacheManager
 from mokv.types import KVCacheStaticParams
 
-comptime KV = KVCacheStaticParams(num_heads=8, head_size=128)
+comptime KV = KVCacheStaticParams(num_heads=1, head_size=16)
 comptime Manager = ContinuousBatchingKVCacheManager[DType.float32, KV]
 comptime SLOTS = 64
 comptime REPS = 20000
+comptime MAX_SEQ = REPS // 10 + 8  # the batch loop adds one token per step
 
 
 def main() raises:
     var cpu = DeviceContext(api="cpu")
-    var m = Manager(SLOTS, 16, 1, cpu, cpu)
+    var m = Manager(SLOTS, MAX_SEQ, 1, cpu, cpu)
     var t_claim = 0
     var t_fetch = 0
     var t_step = 0
@@ -46,7 +47,7 @@ def main() raises:
 
     # Batch of 32 sequences: one fetch + one step per decode step.
     var ids = m.claim(32)
-    var ones = List[Int](length=32, fill=0)
+    var ones = List[Int](length=32, fill=1)
     var t0 = perf_counter_ns()
     for _ in range(REPS // 10):
         var coll = m.fetch[Manager.CollectionType](ids)

@@ -22,7 +22,7 @@ Two threads must not write K/V into the same sequence at once (that is the calle
 data, not the manager's state).
 
 Each `fetch` allocates the batch's `cache_lengths` and `lookup_table` ([batch_size]
-uint32 each, one buffer on this_device) and keeps it until `step` consumes the
+uint32 each, one host array, copied to this_device unless that is the CPU) and keeps it until `step` consumes the
 collection (or the manager dies): the collection is a view and owns nothing.
 """
 
@@ -34,15 +34,23 @@ from .slots import ContinuousBatchingSlotTable, VALUE_ERROR
 from .types import KVCacheStaticParams, KVCollectionT, Ptr, U32Ptr, dtype_code_of
 
 
-struct _InflightBatch(Copyable, Movable):
-    """The arrays behind one fetched collection: `[cache_lengths | lookup_table]`."""
+struct _InflightBatch(Movable):
+    """The arrays behind one fetched collection: `[cache_lengths | lookup_table]`.
 
-    var arrays: DeviceBuffer[DType.uint32]  # [2 * batch_size] (at least 1 element)
+    On a CPU `this_device` the collection points into `host`; otherwise into `device`,
+    a copy of `host` on the device.
+    """
+
+    var host: List[UInt32]  # [2 * batch_size] (at least 1 element)
+    var device: Optional[DeviceBuffer[DType.uint32]]
     var seq_ids: List[Int]
+    var key: Int  # address the collection's cache_lengths points at
 
-    def __init__(out self, var arrays: DeviceBuffer[DType.uint32], var seq_ids: List[Int]):
-        self.arrays = arrays^
+    def __init__(out self, var host: List[UInt32], var device: Optional[DeviceBuffer[DType.uint32]], var seq_ids: List[Int], key: Int):
+        self.host = host^
+        self.device = device^
         self.seq_ids = seq_ids^
+        self.key = key
 
 
 struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticParams](Movable):
@@ -73,6 +81,7 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
     """The host side (staging of the fetched arrays)."""
     var _inflight: List[_InflightBatch]
     var _inflight_lock: BlockingSpinLock
+    var _on_host: Bool  # this_device is the CPU: fetched arrays need no device copy
 
     def __init__(
         out self,
@@ -100,6 +109,7 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
         this_device.synchronize()
         self._inflight = List[_InflightBatch]()
         self._inflight_lock = BlockingSpinLock()
+        self._on_host = this_device.api() == "cpu"
 
     # --- the cache memory ------------------------------------------------------------
 
@@ -125,16 +135,19 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
         var host = List[UInt32](length=max(2 * n, 1), fill=0)
         var host_ptr = host.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         var is_empty = self.cache_lengths.lookup(seq_ids, host_ptr, host_ptr.unsafe_offset(n))
-        var arrays = self.this_device.enqueue_create_buffer[DType.uint32](len(host))
-        self.this_device.enqueue_copy(arrays, host.unsafe_ptr())
-        self.this_device.synchronize()
-        _ = host^  # alive until the copy is done (Mojo frees a value after its last use)
-        var p = arrays.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+        var p = host_ptr  # a List's elements stay put when the List is moved
+        var device = Optional[DeviceBuffer[DType.uint32]](None)
+        if not self._on_host:
+            var arrays = self.this_device.enqueue_create_buffer[DType.uint32](len(host))
+            self.this_device.enqueue_copy(arrays, host.unsafe_ptr())
+            self.this_device.synchronize()
+            p = arrays.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+            device = arrays^
         var coll = Self.CollectionType(
             self.blocks_ptr(), p, p.unsafe_offset(n), n, self.num_layers, self.max_seq_len, is_empty
         )
         with BlockingScopedLock(self._inflight_lock):
-            self._inflight.append(_InflightBatch(arrays^, seq_ids.copy()))
+            self._inflight.append(_InflightBatch(host^, device^, seq_ids.copy(), Int(p)))
         return rebind[collection_t](coll)
 
     def step[collection_t: KVCollectionT](mut self, valid_lengths: List[Int], var inflight_cache: collection_t) raises:
@@ -148,7 +161,7 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
         var found = -1
         with BlockingScopedLock(self._inflight_lock):
             for i in range(len(self._inflight)):
-                if Int(self._inflight[i].arrays.unsafe_ptr()) == key:
+                if self._inflight[i].key == key:
                     found = i
                     seq_ids = self._inflight[i].seq_ids.copy()
                     break
@@ -157,7 +170,7 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
         self.cache_lengths.step(seq_ids, valid_lengths)
         with BlockingScopedLock(self._inflight_lock):
             for i in range(len(self._inflight)):  # other threads may have moved it
-                if Int(self._inflight[i].arrays.unsafe_ptr()) == key:
+                if self._inflight[i].key == key:
                     _ = self._inflight.pop(i)
                     break
 

@@ -18,10 +18,10 @@ from mokv.types import KVCacheStaticParams
 
 comptime KV = KVCacheStaticParams(num_heads=1, head_size=4)
 comptime Manager = ContinuousBatchingKVCacheManager[DType.float32, KV]
-comptime SLOTS = 6
+comptime SLOTS = 3  # fewer than the workers can hold at once: claims also fail
 comptime MAX_SEQ = 64
 comptime WORKERS = 8
-comptime ROUNDS = 300
+comptime ROUNDS = 3000
 
 
 struct Shared(Movable):
@@ -35,6 +35,8 @@ struct Shared(Movable):
     var expected_errors: Atomic[Int64]
     var claims: Atomic[Int64]
     var steps: Atomic[Int64]
+    var held: Int  # slots held now, and the most ever held at once (under `lock`)
+    var max_held: Int
 
     def __init__(out self):
         self.lock = BlockingSpinLock()
@@ -45,16 +47,21 @@ struct Shared(Movable):
         self.expected_errors = Atomic[Int64](0)
         self.claims = Atomic[Int64](0)
         self.steps = Atomic[Int64](0)
+        self.held = 0
+        self.max_held = 0
 
     def take(mut self, slot: Int, worker: Int):
         with BlockingScopedLock(self.lock):
             if self.owner[slot] != -1:
                 _ = self.double_grants.fetch_add(1)
             self.owner[slot] = worker
+            self.held += 1
+            self.max_held = max(self.max_held, self.held)
 
     def give_back(mut self, slot: Int):
         with BlockingScopedLock(self.lock):
             self.owner[slot] = -1
+            self.held -= 1
 
 
 def _worker(m: Pointer[Manager, MutUntrackedOrigin], s: Pointer[Shared, MutUntrackedOrigin], worker: Int) raises:
@@ -124,9 +131,11 @@ def test_concurrent_workers_never_share_a_slot() raises:
     assert_equal(Int(s.wrong_lengths.load()), 0)
     assert_equal(Int(s.unexpected_errors.load()), 0)
     assert_equal(m.num_free_slots(), SLOTS)
+    # One worker holds at most 2 slots: 3 at once means workers really overlapped.
+    assert_equal(s.max_held, SLOTS)
     assert_equal(m.num_inflight(), 0)
     assert_equal(Int(m.cache_lengths.seq_id_counter.load()), Int(s.claims.load()))
-    print("claims", s.claims.load(), "steps", s.steps.load(), "expected errors", s.expected_errors.load())
+    print("claims", s.claims.load(), "steps", s.steps.load(), "expected errors", s.expected_errors.load(), "most slots held at once", s.max_held)
 
 
 def main() raises:
