@@ -110,6 +110,9 @@ class MojoContinuousBatchingKVCacheManager(KVCacheManager):
             buffer.view(DType.bfloat16) if params.dtype == DType.bfloat16 else buffer
         ]
         """One `Buffer` per device over the same memory: `fetch`'s `blocks`."""
+        # `is_cache_empty` is read-only in the graph: two shared host tensors do.
+        self._is_empty = {flag: Buffer.from_numpy(np.array([flag], dtype=np.bool_))
+                          for flag in (False, True)}
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -136,7 +139,7 @@ class MojoContinuousBatchingKVCacheManager(KVCacheManager):
                 self.blocks[0],
                 Buffer.from_numpy(arrays[0]),
                 Buffer.from_numpy(arrays[1]),
-                Buffer.from_numpy(np.array([is_empty], dtype=np.bool_)),
+                self._is_empty[is_empty],
             )
         ]
 
