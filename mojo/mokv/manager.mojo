@@ -123,6 +123,16 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
 
     # --- lifecycle -------------------------------------------------------------------
 
+    @staticmethod
+    def _check_collection[collection_t: KVCollectionT]():
+        """`collection_t` must be `CollectionType` (`rebind` would accept any other one)."""
+        comptime assert (
+            collection_t.name_str == Self.CollectionType.name_str
+            and collection_t.CacheType.dtype == Self.dtype
+            and collection_t.CacheType.kv_params.num_heads == Self.kv_params.num_heads
+            and collection_t.CacheType.kv_params.head_size == Self.kv_params.head_size
+        ), "fetch/step take this manager's CollectionType (continuous, same dtype and kv_params)"
+
     def claim(mut self, batch_size: Int) raises -> List[Int]:
         """Assigns `batch_size` free slots to new sequences and returns their seq_ids."""
         return self.cache_lengths.claim(batch_size)
@@ -130,7 +140,7 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
     def fetch[collection_t: KVCollectionT](mut self, seq_ids: List[Int]) raises -> collection_t:
         """The collection of the given sequences, in that order (raises for an unclaimed
         or repeated id). Its cache_lengths are the tokens committed so far."""
-        # `collection_t` must be `Self.CollectionType`: the rebind below does not compile otherwise.
+        Self._check_collection[collection_t]()
         var n = len(seq_ids)
         var host = List[UInt32](length=max(2 * n, 1), fill=0)
         var host_ptr = host.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
@@ -154,7 +164,7 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
         """Commits the tokens written through `inflight_cache` (from `fetch`): batch entry
         `b`'s length grows by `valid_lengths[b]`. All or nothing: on an error the lengths
         are unchanged and the collection stays in flight."""
-        # `collection_t` must be `Self.CollectionType`: the rebind below does not compile otherwise.
+        Self._check_collection[collection_t]()
         var coll = rebind[Self.CollectionType](inflight_cache)
         var key = Int(coll.cache_lengths)
         var seq_ids = List[Int]()
