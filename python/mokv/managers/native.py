@@ -76,6 +76,20 @@ def build() -> Path:
     return target
 
 
+_ENV_SET_BY_MOJO = ("PYTHONPATH", "PYTHONEXECUTABLE", "PYTHONHOME", "MOJO_PYTHON_LIBRARY")
+"""Loading a Mojo extension sets these in the C-level environment (PYTHONPATH=":",
+PYTHONEXECUTABLE=the system python); a child process started without an explicit `env`
+would inherit them, and a venv's python then no longer finds its site-packages."""
+
+
+def _restore_c_environment() -> None:
+    for key in _ENV_SET_BY_MOJO:
+        if key in os.environ:  # Python's copy: what the process started with
+            os.putenv(key, os.environ[key])
+        else:
+            os.unsetenv(key)
+
+
 @functools.cache
 def load() -> ModuleType:
     """The `mokv_manager_ext` module (built on the first call of a process if needed)."""
@@ -87,4 +101,5 @@ def load() -> ModuleType:
         warnings.filterwarnings("ignore", "builtin type .* has no __module__", DeprecationWarning)
         module = importlib.util.module_from_spec(spec)  # runs PyInit_mokv_manager_ext
         loader.exec_module(module)
+    _restore_c_environment()
     return module
