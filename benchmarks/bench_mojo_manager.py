@@ -132,7 +132,8 @@ if __name__ == "__main__":
     print("| call (host ns) | Mojo from Mojo | Mojo from Python | Python manager |")
     print("| --- | --- | --- | --- |")
     for k in ("claim", "fetch", "step", "release", "fetch_step_batch32"):
-        print(f"| {k} | {m[f'mojo_{k}_ns']:.0f} | {r['mojo_from_python'][k]:.0f} | {r['python'][k]:.0f} |")
+        cells = (m[f"mojo_{k}_ns"], r["mojo_from_python"][k], r["python"][k])
+        print(f"| {k} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
     print(f"\nlifecycles/s (claim, fetch, step, release), 8 Mojo threads: "
           f"{m['mojo_threads_lifecycles_per_s']:.0f}")
     for n, v in r["mojo_from_python_threads"].items():

@@ -38,8 +38,9 @@ def test_wheel_ships_mojo_sources_and_extension_finds_them(tmp_path: Path) -> No
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                     str(wheel)], check=True)
-    probe = ("import mokv.ops.extension as e, mokv.managers.native as n; print(e.MOJO_PACKAGE_DIR); "
-             "print(e.sources_digest()); print(n.EXT_SOURCE_DIR)")
+    probe = ("import mokv.ops.extension as e, mokv.managers.native as n; "
+             "print(e.MOJO_PACKAGE_DIR); print(e.sources_digest()); print(n.EXT_SOURCE_DIR)")
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path).stdout.split()
-    assert out == [str(site / "mokv" / "mojo_src"), sources_digest(), str(site / "mokv" / "mojo_ext")]
+    assert out == [str(site / "mokv" / "mojo_src"), sources_digest(),
+                   str(site / "mokv" / "mojo_ext")]

@@ -203,7 +203,7 @@ def test_threads_never_share_a_slot(pair) -> None:
             for step in range(rng.randint(1, 4)):
                 (x,) = mj.fetch(ids)
                 if x.cache_lengths.to_numpy().tolist() != [lengths[s] for s in ids]:
-                    problems.append(f"worker {w}: lengths {x.cache_lengths.to_numpy()} != {lengths}")
+                    problems.append(f"worker {w}: {x.cache_lengths.to_numpy()} != {lengths}")
                 grow = {s: (5 if step == 0 else 1) for s in ids}
                 mj.step(grow)
                 for s in ids:

@@ -102,7 +102,8 @@ class MojoContinuousBatchingKVCacheManager(KVCacheManager):
         )
         nbytes = self._native.blocks_nbytes()
         raw = (ctypes.c_uint8 * nbytes).from_address(self._native.blocks_address())
-        raw._owner = self._native  # type: ignore[attr-defined]  # the memory lives as long as the views
+        # The views keep `raw` alive, and `raw` the native object that owns the memory.
+        raw._owner = self._native  # type: ignore[attr-defined]
         self.blocks_array: np.ndarray = np.frombuffer(raw, dtype=storage).reshape(shape)
         """The cache as numpy (bfloat16 as uint16 bits), aliasing the Mojo-owned memory."""
         buffer = Buffer.from_numpy(self.blocks_array)
@@ -175,8 +176,7 @@ class MojoContinuousBatchingKVCacheManager(KVCacheManager):
     ) -> list[ContinuousBatchingKVCacheInputs[BufferType, TensorType]]:
         """Graph input types matching `fetch`'s output."""
         return [
-            continuous_input_symbols(
-                self.params, num_layers or self.num_layers, self.max_seq_len, DeviceRef.from_device(d)
-            )
+            continuous_input_symbols(self.params, num_layers or self.num_layers, self.max_seq_len,
+                                     DeviceRef.from_device(d))
             for d in (devices or self.devices)
         ]
