@@ -78,6 +78,12 @@ def test_errors_name_the_value_and_change_nothing() raises:
         m.step(ids, [9])
     with assert_raises(contains="ValueError: sequence id 0 appears twice"):
         _ = m.fetch[Manager.CollectionType]([0, 0])
+    with assert_raises(contains="ValueError: sequence id 0 appears twice"):
+        m.step([0, 0], [1, 1])
+    with assert_raises(contains="ValueError: step got 1 sequence ids but 2 valid lengths"):
+        m.step(ids, [1, 1])
+    with assert_raises(contains="BatchTooLargeError: batch of 3 is larger than max_batch_size=2"):
+        _ = m.fetch[Manager.CollectionType]([0, 0, 0])
     with assert_raises(contains="UnknownRequestError: sequence id -1"):
         _ = m.fetch[Manager.CollectionType]([-1])
     assert_equal(m.cache_length(ids[0]), 0)
