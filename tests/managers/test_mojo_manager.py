@@ -157,6 +157,15 @@ def test_same_calls_same_results(pair, seed: int) -> None:
     assert mj.blocks_array.any()  # the comparison saw writes
 
 
+def test_blocks_are_the_mojo_memory_without_a_copy(pair) -> None:
+    _, mj = pair
+    assert mj.blocks_array.ctypes.data == mj._native.blocks_address()
+    assert mj.blocks_array.shape == (MAX_BATCH, 2, NUM_LAYERS, MAX_SEQ, 2, 8)
+    (x,) = mj.fetch(mj.claim(1))
+    x.blocks.to_numpy()[0, 1, 0, 3] = 5.0  # through the fetched Buffer
+    assert (mj.blocks_array[0, 1, 0, 3] == 5.0).all()
+
+
 def test_errors_are_typed_and_name_the_value(pair) -> None:
     _, mj = pair
     (seq_id,) = mj.claim(1)

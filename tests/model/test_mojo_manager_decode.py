@@ -43,6 +43,12 @@ def test_requests_on_the_mojo_managers_cache(weights, session, continuous_model)
     admit(3)
     for _ in range(4):  # prefill both, then decode together
         step()
+    # The graph wrote every committed token's K/V into the Mojo-owned memory, and
+    # nothing past it (slot 1 was never used before).
+    blocks = manager.blocks_array
+    for seq_id, ctx in live.items():
+        assert blocks[seq_id, :, :, : ctx.start_idx].any(axis=(0, 1, 3, 4)).all()
+    assert not blocks[1, :, :, live[1].start_idx :].any()
     first = min(live)
     manager.release(first)
     del live[first]
