@@ -9,6 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from mokv.managers.native import EXT_SOURCE_DIR
 from mokv.mojo_package import MOJO_PACKAGE_DIR, sources_digest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,13 +31,16 @@ def test_wheel_ships_mojo_sources_and_extension_finds_them(tmp_path: Path) -> No
     shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".mojo")}
     expected = {f"mokv/mojo_src/{p.relative_to(MOJO_PACKAGE_DIR).as_posix()}"
                 for p in MOJO_PACKAGE_DIR.rglob("*.mojo")}
+    expected |= {f"mokv/mojo_ext/{p.name}" for p in EXT_SOURCE_DIR.glob("*.mojo")}
     assert shipped == expected
 
     # Installed (not editable), mokv compiles the shipped copy: same sources, same cache key.
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                     str(wheel)], check=True)
-    probe = ("import mokv.mojo_package as e; print(e.MOJO_PACKAGE_DIR); print(e.sources_digest())")
+    probe = ("import mokv.mojo_package as e, mokv.managers.native as n; "
+             "print(e.MOJO_PACKAGE_DIR); print(e.sources_digest()); print(n.EXT_SOURCE_DIR)")
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path).stdout.split()
-    assert out == [str(site / "mokv" / "mojo_src"), sources_digest()]
+    assert out == [str(site / "mokv" / "mojo_src"), sources_digest(),
+                   str(site / "mokv" / "mojo_ext")]

@@ -36,6 +36,19 @@ def dtype_of[code: Int]() -> DType:
         return DType.float16
 
 
+def dtype_code_of[dtype: DType]() -> Int:
+    """Returns the dtype code of a DType (the inverse of `dtype_of`)."""
+    comptime assert (
+        dtype == DType.float32 or dtype == DType.bfloat16 or dtype == DType.float16
+    ), "mokv caches hold float32, bfloat16 or float16"
+    comptime if dtype == DType.float32:
+        return DTYPE_CODE_FLOAT32
+    elif dtype == DType.bfloat16:
+        return DTYPE_CODE_BFLOAT16
+    else:
+        return DTYPE_CODE_FLOAT16
+
+
 @fieldwise_init
 struct KVCacheStaticParams(ImplicitlyCopyable, Movable):
     """Shape facts of one token's K (or V) in one layer, known at compile time."""

@@ -39,6 +39,7 @@ from .layouts import (
 from .managers.base import KVCacheManager
 from .managers.continuous import ContinuousBatchingKVCacheManager
 from .managers.loader import load_kv_manager
+from .managers.mojo_continuous import MojoContinuousBatchingKVCacheManager
 from .managers.null import NullKVCacheManager
 from .managers.paged import PagedKVCacheManager
 from .metrics import KVCacheMetrics
@@ -63,6 +64,7 @@ __all__ = [
     "KVCacheMetrics",
     "KVCacheParams",
     "KVCacheStrategy",
+    "MojoContinuousBatchingKVCacheManager",
     "MokvError",
     "NullKVCacheManager",
     "PagedKVCacheManager",

@@ -1,0 +1,182 @@
+"""MojoContinuousBatchingKVCacheManager: the Mojo continuous-batching manager, driven from Python.
+
+The slot state (which sequence holds which slot, how many tokens each has committed)
+lives in Mojo, in `mokv.slots.ContinuousBatchingSlotTable` behind a spin lock, together
+with the cache's blocks buffer; this class is a thin typed front end over the
+`mokv_manager_ext` extension module (mojo/python_ext/, built and cached by
+`mokv.managers.native`). It offers the sequence-id half of
+`ContinuousBatchingKVCacheManager`'s interface with the same semantics and errors:
+
+    claim(n) -> seq_ids     fetch(seq_ids) -> [ContinuousBatchingKVCacheInputs]
+    step({seq_id: n})       release(seq_id)      contains(seq_id)
+
+A sequence id is its slot; slots are handed out lowest first and a reclaimed slot
+starts empty. The blocks are a numpy array and a MAX `Buffer` over the Mojo-owned
+memory (no copy), so a graph built from `input_symbols()` reads and writes the cache
+that the Mojo manager owns. The Mojo calls release the GIL, so Python threads may
+claim, fetch, step and release concurrently. CPU only (one device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+from max.driver import Buffer, Device
+from max.dtype import DType
+from max.engine import InferenceSession
+from max.graph import BufferType, DeviceRef, TensorType
+
+from ..errors import BatchTooLargeError, SequenceTooLongError, UnknownRequestError
+from ..inputs import ContinuousBatchingKVCacheInputs, continuous_input_symbols
+from ..params import KVCacheParams
+from . import native
+from .base import KVCacheManager
+
+_STORAGE = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16}
+"""numpy type holding each cache dtype (bfloat16 as its uint16 bit patterns)."""
+
+R = TypeVar("R")
+
+
+def _typed_error(exc: Exception) -> Exception:
+    """The mokv error that a Mojo error's `Kind: message` text stands for."""
+    kind, sep, message = str(exc).partition(": ")
+    if not sep:
+        return exc
+    if kind == "UnknownRequestError":
+        found = re.search(r"sequence id (-?\d+)", message)
+        return UnknownRequestError(int(found.group(1)) if found else message)
+    if kind == "BatchTooLargeError":
+        return BatchTooLargeError(message)
+    if kind == "SequenceTooLongError":
+        return SequenceTooLongError(message)
+    if kind == "ValueError":
+        return ValueError(message)
+    if kind == "TypeError":
+        return TypeError(message)
+    return exc
+
+
+def _call(fn: Callable[..., R], *args: Any) -> R:
+    try:
+        return fn(*args)
+    except Exception as exc:
+        typed = _typed_error(exc)
+        if typed is exc:
+            raise
+        raise typed from None
+
+
+class MojoContinuousBatchingKVCacheManager(KVCacheManager):
+    """A continuous-batching KV cache whose state and memory the Mojo manager owns.
+
+    Args: as `ContinuousBatchingKVCacheManager` (`params.n_devices` must be 1 and the
+    device a CPU).
+    """
+
+    def __init__(
+        self,
+        params: KVCacheParams,
+        max_cache_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        devices: Sequence[Device],
+        session: InferenceSession,
+    ) -> None:
+        super().__init__(params, max_cache_batch_size, max_seq_len, num_layers, devices, session)
+        if len(self.devices) != 1 or not self.devices[0].is_host:
+            raise ValueError(f"the Mojo manager runs on one CPU device, got {self.devices!r}")
+        if params.dtype not in _STORAGE:
+            raise TypeError(f"cache dtype must be float32, bfloat16 or float16, got {params.dtype}")
+        self.max_cache_batch_size = max_cache_batch_size
+        storage = np.dtype(_STORAGE[params.dtype])
+        shape = [max_cache_batch_size, 2, num_layers, max_seq_len, params.n_kv_heads_per_device,
+                 params.head_dim]
+        self._native = native.load().ContinuousBatchingKVCacheManager(
+            max_cache_batch_size, max_seq_len, num_layers, params.n_kv_heads_per_device,
+            params.head_dim, storage.itemsize,
+        )
+        nbytes = self._native.blocks_nbytes()
+        raw = (ctypes.c_uint8 * nbytes).from_address(self._native.blocks_address())
+        # The views keep `raw` alive, and `raw` the native object that owns the memory.
+        raw._owner = self._native  # type: ignore[attr-defined]
+        self.blocks_array: np.ndarray = np.frombuffer(raw, dtype=storage).reshape(shape)
+        """The cache as numpy (bfloat16 as uint16 bits), aliasing the Mojo-owned memory."""
+        buffer = Buffer.from_numpy(self.blocks_array)
+        self.blocks: list[Buffer] = [
+            buffer.view(DType.bfloat16) if params.dtype == DType.bfloat16 else buffer
+        ]
+        """One `Buffer` per device over the same memory: `fetch`'s `blocks`."""
+        # `is_cache_empty` is read-only in the graph: two shared host tensors do.
+        self._is_empty = {flag: Buffer.from_numpy(np.array([flag], dtype=np.bool_))
+                          for flag in (False, True)}
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def claim(self, n: int) -> list[int]:  # type: ignore[override]
+        """`n` new sequence ids (positive int; `BatchTooLargeError` past the free slots)."""
+        if n.__class__ is not int or n < 1:
+            raise ValueError(f"claim(n) needs a positive int, got {n!r}")
+        return _call(self._native.claim, n)
+
+    def step(self, batch: Mapping[int, int]) -> None:
+        """Commits `{seq_id: new_tokens}`; all or nothing."""
+        _call(self._native.step, list(batch.keys()), list(batch.values()))
+
+    def fetch(
+        self, seq_ids: Sequence[int], num_steps: int = 1
+    ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
+        """Graph inputs of a batch of sequence ids (one tuple: one device)."""
+        self._check_num_steps(num_steps)
+        ids = list(seq_ids)
+        arrays = np.empty((2, len(ids)), dtype=np.uint32)  # cache_lengths, lookup_table
+        is_empty = _call(self._native.lookup, ids, arrays.ctypes.data)
+        return [
+            ContinuousBatchingKVCacheInputs(
+                self.blocks[0],
+                Buffer.from_numpy(arrays[0]),
+                Buffer.from_numpy(arrays[1]),
+                self._is_empty[is_empty],
+            )
+        ]
+
+    def release(self, seq_id: int) -> None:  # type: ignore[override]
+        """Frees the slot of `seq_id` (`UnknownRequestError` if it is not claimed)."""
+        _call(self._native.release, seq_id)
+
+    # --- queries --------------------------------------------------------------------
+
+    def contains(self, seq_id: int) -> bool:
+        return bool(self._native.contains(seq_id)) if isinstance(seq_id, int) else False
+
+    def cache_length(self, seq_id: int) -> int:
+        """Tokens committed for `seq_id`."""
+        return _call(self._native.cache_length, seq_id)
+
+    @property
+    def slot_lengths(self) -> list[int]:
+        """Every slot's committed length (a free slot keeps its last one until reclaimed)."""
+        return self._native.slot_lengths()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._native.num_free_slots()
+
+    @property
+    def seq_id_counter(self) -> int:
+        """Sequences claimed since construction."""
+        return self._native.seq_id_counter()
+
+    def input_symbols(
+        self, devices: Sequence[Device] | None = None, num_layers: int | None = None
+    ) -> list[ContinuousBatchingKVCacheInputs[BufferType, TensorType]]:
+        """Graph input types matching `fetch`'s output."""
+        return [
+            continuous_input_symbols(self.params, num_layers or self.num_layers, self.max_seq_len,
+                                     DeviceRef.from_device(d))
+            for d in (devices or self.devices)
+        ]
