@@ -6,6 +6,6 @@ Modules:
   paged       `PagedKVCache` and its collection (fixed-size pages from a shared pool).
   kernels/    store_kv, fused_qkv_matmul (+RoPE) and flash_attention, generic over the traits.
   ops         the `@register` structs that expose the kernels to the graph compiler.
-  manager     `ContinuousBatchingKVCacheManager` (seed 003): owns a continuous cache, thread-safe.
+  manager     `ContinuousBatchingKVCacheManager`: owns a continuous cache, thread-safe.
   slots       `ContinuousBatchingSlotTable`: the manager's slot state behind a spin lock.
 """
