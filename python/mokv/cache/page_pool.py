@@ -26,6 +26,11 @@ Invariants (checked by `check_invariants`):
   4. cached pages are hashed, free pages are not; the index maps each hash to a page
      carrying exactly that hash, and every hashed page is in the index.
 
+Events. An optional `events` sink (`mokv.events.EventPublisher`) hears the three
+changes routers care about, at the one place each happens: `commit` (stored),
+eviction of a cached page (removed) and `reset_prefix_cache` (cleared). With no sink
+each costs one `is None` test.
+
 Everything here is plain integers in flat lists, so that the pool can move to Mojo
 without changing its shape.
 """
@@ -34,14 +39,27 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Protocol
 
 from ..errors import InvariantError
+
+
+class PageEventSink(Protocol):
+    """Hears the pool's prefix-cache changes (see `mokv.events.EventPublisher`)."""
+
+    def stored(
+        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, cache_salt: str | None
+    ) -> None: ...
+
+    def removed(self, page_hash: int) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 class PagePool:
     """Reference-counted pages with an LRU of reusable cached pages."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, events: PageEventSink | None = None) -> None:
         if num_pages < 1:
             raise ValueError(f"a page pool needs at least one page, got num_pages={num_pages}")
         self.num_pages = num_pages
@@ -52,6 +70,7 @@ class PagePool:
         self._free = list(range(num_pages - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._index: dict[int, int] = {}
+        self._events = events
 
     # --- queries (change nothing) ---------------------------------------------------
 
@@ -82,6 +101,10 @@ class PagePool:
         if page_id is None or self._page_tokens[page_id] != token_bytes:
             return None
         return page_id
+
+    def indexed_hashes(self) -> set[int]:
+        """Every hash a lookup can find now (what an event subscriber rebuilds)."""
+        return set(self._index)
 
     def is_cached(self, page_id: int) -> bool:
         """True if the page has no owner but can still be reused through the index."""
@@ -123,12 +146,20 @@ class PagePool:
                 else:
                     self._cached[page_id] = None
 
-    def commit(self, page_id: int, page_hash: int, token_bytes: bytes) -> bool:
+    def commit(
+        self,
+        page_id: int,
+        page_hash: int,
+        token_bytes: bytes,
+        parent_hash: int | None = None,
+        cache_salt: str | None = None,
+    ) -> bool:
         """Makes an owned, full page findable under `page_hash`.
 
         Returns False (and leaves the page unhashed) if another page already holds
         this hash: the index keeps one copy per prefix, and owners' page lists never
-        change under them.
+        change under them. `parent_hash` (None for a sequence's first page) and
+        `cache_salt` are only passed on to the event sink.
         """
         if self._ref_count[page_id] < 1 or self._page_hash[page_id] is not None:
             raise InvariantError(f"page {page_id} committed while unowned or already hashed")
@@ -137,6 +168,8 @@ class PagePool:
         self._index[page_hash] = page_id
         self._page_hash[page_id] = page_hash
         self._page_tokens[page_id] = token_bytes
+        if self._events is not None:
+            self._events.stored(page_hash, parent_hash, token_bytes, cache_salt)
         return True
 
     def reset_prefix_cache(self) -> None:
@@ -147,10 +180,15 @@ class PagePool:
         self._index.clear()
         self._free.extend(self._cached)
         self._cached.clear()
+        if self._events is not None:
+            self._events.cleared()
 
     def _evict_oldest(self) -> int:
         page_id, _ = self._cached.popitem(last=False)
-        del self._index[self._page_hash[page_id]]  # type: ignore[index]
+        page_hash = self._page_hash[page_id]
+        del self._index[page_hash]  # type: ignore[index]
+        if self._events is not None:
+            self._events.removed(page_hash)  # type: ignore[arg-type]
         self._page_hash[page_id] = None
         self._page_tokens[page_id] = None
         return page_id

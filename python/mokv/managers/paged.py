@@ -27,6 +27,8 @@ from max.engine import InferenceSession
 
 from ..cache.hashing import page_hash_fn, root_hash
 from ..context import RequestID, TextGenerationContext
+from ..events.config import KVEventsConfig
+from ..events.publisher import EventPublisher, event_medium, resolve_events_config
 from ..errors import (
     BatchTooLargeError,
     InsufficientMemoryError,
@@ -56,7 +58,10 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         session: the InferenceSession that runs the model (and the small graph of
             `increment_cache_lengths`).
         available_cache_memory: bytes for KV pages over all devices.
-        zmq_endpoint_base: KV-cache events endpoint (not available yet).
+        zmq_endpoint_base: publish KV-cache events (vLLM's format) on this ZMQ
+            address, replica r on its offset (`KVEventsConfig(endpoint=...)`).
+        kv_events_config: the fuller events configuration (replay socket, topic,
+            payload form, limits); None with no `zmq_endpoint_base`: no events.
         page_size: kept for signature compatibility; must equal `params.page_size`
             unless left at its default.
         enable_runtime_checks: verify the pools' invariants after every operation.
@@ -74,6 +79,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         zmq_endpoint_base: str | None = None,
         page_size: int = 128,
         enable_runtime_checks: bool = False,
+        kv_events_config: KVEventsConfig | None = None,
     ) -> None:
         super().__init__(params, PAGED, max_batch_size, max_seq_len, num_layers, devices, session)
         if page_size != 128 and page_size != params.page_size:
@@ -83,8 +89,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             )
         if params.enable_kvcache_swapping_to_host:
             raise NotImplementedError("the host-memory page tier is not available yet")
-        if zmq_endpoint_base is not None:
-            raise NotImplementedError("KV-cache events over ZMQ are not available yet")
+        events_config = resolve_events_config(zmq_endpoint_base, kv_events_config, params)
         dp = params.data_parallel_degree
         num_pages = self._pages_per_replica(params, num_layers, available_cache_memory)
         pages_per_seq = _ceil_div(max_seq_len, params.page_size)
@@ -101,6 +106,13 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         hash_fn = page_hash_fn(params.prefix_hash)
         root = root_hash(params.prefix_hash, params.prefix_hash_seed)
         tp = params.tensor_parallel_degree
+        # One publisher per replica (its own PUB socket); the page pool tells it what changed.
+        self.kv_event_publishers = [
+            EventPublisher(
+                events_config, r, params.page_size, event_medium(self.devices[r * tp])
+            )
+            for r in range(dp if events_config is not None else 0)
+        ]
         self.replicas = [
             PagedReplica(
                 params,
@@ -111,6 +123,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
                 list(self.devices[r * tp : (r + 1) * tp]),
                 hash_fn,
                 root,
+                self.kv_event_publishers[r] if self.kv_event_publishers else None,
             )
             for r in range(dp)
         ]
@@ -306,6 +319,8 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             replica.check_step(ctx)
         for replica, ctx in zip(replicas, batch):
             replica.commit(ctx)
+        for publisher in self.kv_event_publishers:  # one event batch per step
+            publisher.end_step()
         self._after_change()
 
     def increment_cache_lengths(
@@ -372,7 +387,14 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         """Forgets every cached prefix; pages owned by requests stay theirs."""
         for r in self.replicas:
             r.pool.reset_prefix_cache()
+        for publisher in self.kv_event_publishers:
+            publisher.end_step()
         self._after_change()
+
+    def close(self) -> None:
+        """Publishes the events still queued and closes the event sockets (if any)."""
+        for publisher in self.kv_event_publishers:
+            publisher.close()
 
     def check_invariants(self) -> None:
         """Raises InvariantError if any replica's bookkeeping is inconsistent."""
