@@ -122,11 +122,16 @@ def test_connect_topology_router_binds(session, reader_factory):
 
     reader = reader_factory(inproc_name())
     port = reader.sock.bind_to_random_port("tcp://127.0.0.1")  # llm-d: the router binds
-    m = make_publishing(session, KVEventsConfig(f"tcp://127.0.0.1:{port}"))  # connects
-    time.sleep(0.3)
-    run_request(m, range(8))
-    msgs = reader.take(1)
-    assert decode_like_vllm(msgs[-1][2]).events[-1].block_hashes == hashes(range(8))
+    m = make_publishing(session, KVEventsConfig(f"tcp://127.0.0.1:{port}"), num_pages=16)
+    sent = {}
+    for i in range(50):  # until the connection and subscription are up (PUB drops before)
+        tokens = range(100 * i, 100 * i + 8)
+        m.release(run_request(m, tokens).request_id)
+        sent[i] = hashes(tokens)
+        if reader.sock.poll(100):
+            break
+    batch = decode_like_vllm(reader.take(1)[0][2])
+    assert batch.events[-1].block_hashes in sent.values()
     m.close()
 
 

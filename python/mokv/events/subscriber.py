@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from .config import binds
 from .format import END_SEQ, BatchDecoder
 from .index import PrefixRouterIndex, Source
 
@@ -69,14 +68,21 @@ class EventSubscriber:
         self.num_bad = 0
 
     def add_source(
-        self, server: str, endpoint: str, replay_endpoint: str | None = None, topic: str = ""
+        self,
+        server: str,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        bind: bool = False,
     ) -> None:
-        """Subscribes to `endpoint` (bound or connected by vLLM's rule) as `server`."""
+        """Subscribes to `endpoint` as `server`: connects to a publisher that binds (the
+        default), or with `bind=True` binds it for publishers that connect (llm-d's
+        topology, where one socket hears many engines: sources then differ by topic)."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        (sub.bind if binds(endpoint) else sub.connect)(endpoint)
+        (sub.bind if bind else sub.connect)(endpoint)
         replay = None
         if replay_endpoint is not None:
             replay = self._ctx.socket(zmq.DEALER)
