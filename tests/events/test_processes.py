@@ -57,7 +57,7 @@ def test_two_manager_processes_rebuild_exactly(tmp_path):
                 while sub.last_seq((name, r)) != own["last_seq"][r] and time.monotonic() < deadline:
                     sub.poll(20)
                     if sub.last_seq((name, r)) is None:
-                        sub.sync(replica=r)
+                        sub.sync()
                 assert sub.last_seq((name, r)) == own["last_seq"][r]
                 assert own["last_seq"][r] > 100  # a long run
                 assert idx.hashes((name, r)) == set(own["hashes"][r])

@@ -26,7 +26,8 @@ Invariants (checked by `check_invariants`):
   4. cached pages are hashed, free pages are not; the index maps each hash to a page
      carrying exactly that hash, and every hashed page is in the index.
 
-Events. An optional `events` sink (`mokv.events.EventPublisher`) hears the three
+Events. An optional `events` sink (`mokv.events.EventPublisher`, set by the manager
+before the pool is used) hears the three
 changes routers care about, at the one place each happens: `commit` (stored),
 eviction of a cached page (removed) and `reset_prefix_cache` (cleared). With no sink
 each costs one `is None` test.
@@ -59,7 +60,7 @@ class PageEventSink(Protocol):
 class PagePool:
     """Reference-counted pages with an LRU of reusable cached pages."""
 
-    def __init__(self, num_pages: int, events: PageEventSink | None = None) -> None:
+    def __init__(self, num_pages: int) -> None:
         if num_pages < 1:
             raise ValueError(f"a page pool needs at least one page, got num_pages={num_pages}")
         self.num_pages = num_pages
@@ -70,7 +71,7 @@ class PagePool:
         self._free = list(range(num_pages - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._index: dict[int, int] = {}
-        self._events = events
+        self.events: PageEventSink | None = None
 
     # --- queries (change nothing) ---------------------------------------------------
 
@@ -168,8 +169,8 @@ class PagePool:
         self._index[page_hash] = page_id
         self._page_hash[page_id] = page_hash
         self._page_tokens[page_id] = token_bytes
-        if self._events is not None:
-            self._events.stored(page_hash, parent_hash, token_bytes, cache_salt)
+        if self.events is not None:
+            self.events.stored(page_hash, parent_hash, token_bytes, cache_salt)
         return True
 
     def reset_prefix_cache(self) -> None:
@@ -180,15 +181,15 @@ class PagePool:
         self._index.clear()
         self._free.extend(self._cached)
         self._cached.clear()
-        if self._events is not None:
-            self._events.cleared()
+        if self.events is not None:
+            self.events.cleared()
 
     def _evict_oldest(self) -> int:
         page_id, _ = self._cached.popitem(last=False)
         page_hash = self._page_hash[page_id]
         del self._index[page_hash]  # type: ignore[index]
-        if self._events is not None:
-            self._events.removed(page_hash)  # type: ignore[arg-type]
+        if self.events is not None:
+            self.events.removed(page_hash)  # type: ignore[arg-type]
         self._page_hash[page_id] = None
         self._page_tokens[page_id] = None
         return page_id

@@ -243,6 +243,22 @@ class EventPublisher:
         self._replay.send_multipart((identity, b"", b"", END_SEQ, b""))
 
 
+def open_publishers(config: KVEventsConfig | None, block_size: int, devices: list) -> list:
+    """One `EventPublisher` per replica (`devices[r]`: the replica's first device), or none
+    without a config. All or nothing: if one cannot bind, those opened are closed."""
+    publishers: list[EventPublisher] = []
+    if config is None:
+        return publishers
+    try:
+        for r, device in enumerate(devices):
+            publishers.append(EventPublisher(config, r, block_size, event_medium(device)))
+    except BaseException:
+        for p in publishers:
+            p.close()
+        raise
+    return publishers
+
+
 def event_medium(device) -> str:
     """`medium` of a replica's pages: "GPU" on an accelerator, "CPU" in host memory."""
     return MEDIUM_CPU if device.is_host else MEDIUM_GPU

@@ -115,14 +115,13 @@ class EventSubscriber:
             ready = dict(self._poller.poll(0))
         return self.num_batches - before
 
-    def sync(self, replica: int = 0, topic: str = "") -> None:
-        """Asks every replay endpoint for what this subscriber has not applied yet
-        (a late subscriber catches up without waiting for the next live batch)."""
+    def sync(self) -> None:
+        """Asks every replay endpoint for what this subscriber has not applied yet (a
+        late subscriber catches up without waiting for the next live batch)."""
         for stream in self._streams:
             if stream.replay is not None:
-                key = (topic.encode(), replica)
-                last = stream.last.get(key)
-                self._replay(stream, key, 0 if last is None else last + 1)
+                lasts = stream.last.values()
+                self._replay(stream, min(lasts) + 1 if lasts else 0)
 
     def close(self) -> None:
         for stream in self._streams:
@@ -162,7 +161,7 @@ class EventSubscriber:
             return  # already applied through a replay
         expected = 0 if last is None else last + 1
         if seq > expected and stream.replay is not None:
-            self._replay(stream, key, expected)
+            self._replay(stream, expected)
             last = stream.last.get(key)
             if last is not None and seq <= last:
                 return
@@ -178,13 +177,12 @@ class EventSubscriber:
         stream.last[key] = seq
         self.num_batches += 1
 
-    def _replay(self, stream: _Stream, key: tuple[bytes, int], start: int) -> None:
-        """Requests batches from `start` and applies those that continue `last` in order."""
+    def _replay(self, stream: _Stream, start: int) -> None:
+        """Requests the stream's buffered batches from `start` and applies, per (topic,
+        replica), those that continue what was applied, in order."""
         sock = stream.replay
         assert sock is not None
         sock.send_multipart((b"", start.to_bytes(8, "big")))
-        topic, replica = key
-        source = (stream.server, replica)
         while sock.poll(int(self.replay_timeout * 1000)):
             frames = sock.recv_multipart()  # [b"", topic, seq, payload]
             if len(frames) != 4 or len(frames[2]) != 8:
@@ -193,12 +191,13 @@ class EventSubscriber:
             if frames[2] == END_SEQ:
                 return
             seq = int.from_bytes(frames[2], "big")
-            if frames[1] != topic:
-                continue
             batch = self._decode(frames[3])
-            if batch is None or (batch.data_parallel_rank or 0) != replica:
+            if batch is None:
                 continue
+            replica = batch.data_parallel_rank or 0
+            key = (frames[1], replica)
             last = stream.last.get(key)
-            if (0 if last is None else last + 1) == seq or (last is None and seq > 0):
-                self._apply(stream, key, source, seq, batch)
+            # In order; or, for a stream never heard live, the oldest batch still buffered.
+            if seq == (0 if last is None else last + 1) or (last is None and key not in stream.live):
+                self._apply(stream, key, (stream.server, replica), seq, batch)
                 self.num_replayed += 1

@@ -28,7 +28,7 @@ from max.engine import InferenceSession
 from ..cache.hashing import page_hash_fn, root_hash
 from ..context import RequestID, TextGenerationContext
 from ..events.config import KVEventsConfig
-from ..events.publisher import EventPublisher, event_medium, resolve_events_config
+from ..events.publisher import open_publishers, resolve_events_config
 from ..errors import (
     BatchTooLargeError,
     InsufficientMemoryError,
@@ -106,13 +106,6 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         hash_fn = page_hash_fn(params.prefix_hash)
         root = root_hash(params.prefix_hash, params.prefix_hash_seed)
         tp = params.tensor_parallel_degree
-        # One publisher per replica (its own PUB socket); the page pool tells it what changed.
-        self.kv_event_publishers = [
-            EventPublisher(
-                events_config, r, params.page_size, event_medium(self.devices[r * tp])
-            )
-            for r in range(dp if events_config is not None else 0)
-        ]
         self.replicas = [
             PagedReplica(
                 params,
@@ -123,10 +116,16 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
                 list(self.devices[r * tp : (r + 1) * tp]),
                 hash_fn,
                 root,
-                self.kv_event_publishers[r] if self.kv_event_publishers else None,
             )
             for r in range(dp)
         ]
+        # One publisher per replica (its own PUB socket), opened last so that nothing
+        # after it can fail; the replica's page pool tells it what changed.
+        self.kv_event_publishers = open_publishers(
+            events_config, params.page_size, [self.devices[r * tp] for r in range(dp)]
+        )
+        for replica, publisher in zip(self.replicas, self.kv_event_publishers):
+            replica.pool.events = publisher
         self.page_size = params.page_size
         self.total_num_pages = num_pages * dp
         self.enable_runtime_checks = enable_runtime_checks

@@ -25,7 +25,7 @@ import numpy as np
 from max.driver import Buffer, Device
 
 from ..cache.hashing import PageHashFn, iter_page_hashes, salted_root
-from ..cache.page_pool import PageEventSink, PagePool
+from ..cache.page_pool import PagePool
 from ..context import RequestID, TextGenerationContext
 from ..errors import (
     AlreadyClaimedError,
@@ -62,14 +62,13 @@ class PagedReplica:
         devices: list[Device],
         hash_fn: PageHashFn,
         root_hash: int,
-        events: PageEventSink | None = None,
     ) -> None:
         self.params = params
         self.page_size = params.page_size
         self.max_seq_len = max_seq_len
         self.max_requests = max_requests
         self.devices = devices
-        self.pool = PagePool(num_pages, events)
+        self.pool = PagePool(num_pages)
         self._hash_fn = hash_fn
         self._root_hash = root_hash
         self._salted_roots: dict[str, int] = {}  # cache_salt -> root of its hash chains
