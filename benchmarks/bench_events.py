@@ -25,12 +25,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_managers import MAX_SEQ_LEN, PAGE_SIZE, settings  # noqa: E402
-from managers import MokvPaged  # noqa: E402
-from replay import replay  # noqa: E402
-from trace import TraceConfig, make_trace  # noqa: E402
+from trace import TraceConfig, make_trace
 
-from mokv.events import KVEventsConfig  # noqa: E402
+from bench_managers import MAX_SEQ_LEN, PAGE_SIZE, settings
+from managers import MokvPaged
+from mokv.events import KVEventsConfig
+from replay import replay
 
 _names = itertools.count()
 
@@ -63,11 +63,17 @@ def _direct_cost(trace, s) -> dict:
     adapter = MokvPaged(s["budget"], s["max_batch"], MAX_SEQ_LEN, page_size=PAGE_SIZE,
                         kv_events_config=KVEventsConfig(name))
     pub = adapter.manager.kv_event_publishers[0]
+    def counting(method: str):
+        call = getattr(pub, method)
+
+        def counted(*args):
+            counts[method] += 1
+            return call(*args)
+
+        return counted
+
     for method in counts:
-        def counted(*args, _m=getattr(pub, method), _k=method):
-            counts[_k] += 1
-            return _m(*args)
-        setattr(pub, method, counted)
+        setattr(pub, method, counting(method))
     steps = replay(adapter, trace).summary()["request_steps"]
     adapter.manager.close()
     data, n = bytes(8 * PAGE_SIZE), 20_000

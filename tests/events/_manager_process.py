@@ -8,12 +8,11 @@ stdout: one JSON line {"last_seq": [per replica], "hashes": [[...] per replica]}
 import json
 import sys
 
+import mokv
 import numpy as np
 from max.driver import CPU
 from max.dtype import DType
 from max.engine import InferenceSession
-
-import mokv
 
 port, replay_port, seed, steps = map(int, sys.argv[1:5])
 DP, PAGE, PAGES, MAX_LEN = 2, 4, 24, 48

@@ -5,12 +5,12 @@ import os
 import socket
 import time
 
+import mokv
 import pytest
 import zmq
 from max.driver import CPU
-
-import mokv
 from mokv.events import KVEventsConfig
+
 from tests.managers.conftest import NUM_LAYERS, small_params
 
 _names = itertools.count()

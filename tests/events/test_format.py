@@ -4,7 +4,6 @@ batches decoded with structs declared the way vLLM declares them."""
 from typing import Any
 
 import msgspec
-
 from mokv.events.format import (
     AllBlocksCleared,
     BatchDecoder,

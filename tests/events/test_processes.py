@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from mokv.events import EventSubscriber, PrefixRouterIndex
 
 from .conftest import free_port

@@ -1,10 +1,9 @@
 """What a manager publishes: a scripted scenario's exact event sequence (one replica and
 two), both payload forms, the bind/connect topologies, and a full queue's counted drop."""
 
+import mokv
 import numpy as np
 import pytest
-
-import mokv
 from mokv.cache.hashing import page_hash_fn, page_hashes, root_hash, salted_root
 from mokv.events import KVEventsConfig
 from mokv.events.config import offset_endpoint
@@ -118,7 +117,6 @@ def test_two_replicas_publish_on_their_own_endpoints(session, reader_factory):
 
 
 def test_connect_topology_router_binds(session, reader_factory):
-    import time
 
     reader = reader_factory(inproc_name())
     port = reader.sock.bind_to_random_port("tcp://127.0.0.1")  # llm-d: the router binds

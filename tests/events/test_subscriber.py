@@ -3,13 +3,12 @@ lost gap, the router index's leading-page answers, and salting."""
 
 import time
 
+import mokv
 import numpy as np
 import zmq
+from mokv.events import EventSubscriber, KVEventsConfig, PrefixRouterIndex
 
-import mokv
-from mokv.events import EventPublisher, EventSubscriber, KVEventsConfig, PrefixRouterIndex
-
-from .conftest import free_port, inproc_name, make_publishing
+from .conftest import inproc_name, make_publishing
 from .test_publisher import hashes
 from .test_publisher import run_request as _run_request
 
@@ -88,7 +87,6 @@ def test_restarted_publisher_is_detected():
     """A new publisher process numbers its batches from 0 again: seq goes back. One PUB
     socket stands for both processes, so the test does not wait on a TCP reconnect."""
     import msgspec
-
     from mokv.events.format import AllBlocksCleared, BlockStored, KVEventBatch
 
     endpoint = inproc_name()

@@ -187,9 +187,10 @@ class PagePool:
     def _evict_oldest(self) -> int:
         page_id, _ = self._cached.popitem(last=False)
         page_hash = self._page_hash[page_id]
-        del self._index[page_hash]  # type: ignore[index]
+        assert page_hash is not None  # cached pages are hashed (invariant 4)
+        del self._index[page_hash]
         if self.events is not None:
-            self.events.removed(page_hash)  # type: ignore[arg-type]
+            self.events.removed(page_hash)
         self._page_hash[page_id] = None
         self._page_tokens[page_id] = None
         return page_id

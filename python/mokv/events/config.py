@@ -79,9 +79,4 @@ def offset_endpoint(endpoint: str, replica: int) -> str:
 
 def binds(endpoint: str) -> bool:
     """vLLM's rule: bind wildcard, IPv6-any, ipc and inproc addresses; connect the rest."""
-    return (
-        "*" in endpoint
-        or "::" in endpoint
-        or endpoint.startswith("ipc://")
-        or endpoint.startswith("inproc://")
-    )
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))

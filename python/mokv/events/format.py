@@ -98,8 +98,8 @@ _ARRAY_TYPES = {
 }
 
 
-def to_array_form(batch: KVEventBatch) -> ArrayKVEventBatch:  # type: ignore[valid-type]
-    """The same batch with positional (legacy) events."""
+def to_array_form(batch: Any) -> Any:
+    """The same `KVEventBatch` with positional (legacy) events."""
     events = [
         _ARRAY_TYPES[type(e)](**{f: getattr(e, f) for f in e.__struct_fields__})
         for e in batch.events
@@ -118,7 +118,8 @@ class BatchDecoder:
         self._map = msgspec.msgpack.Decoder(KVEventBatch)
         self._array = msgspec.msgpack.Decoder(ArrayKVEventBatch)
 
-    def decode(self, payload: bytes) -> KVEventBatch:  # type: ignore[valid-type]
+    def decode(self, payload: bytes) -> Any:
+        """A map-form `KVEventBatch` (msgspec.DecodeError / ValidationError if it is not one)."""
         try:
             return self._map.decode(payload)
         except msgspec.ValidationError:

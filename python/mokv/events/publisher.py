@@ -233,14 +233,16 @@ class EventPublisher:
         """Answers one replay request `[identity, b"", start_seq]`: every buffered batch
         with seq >= start_seq as `[identity, b"", topic, seq, payload]`, then the end
         marker `[identity, b"", b"", seq -1, b""]`."""
-        frames = self._replay.recv_multipart()
+        sock = self._replay
+        assert sock is not None
+        frames = sock.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             return
         identity, start = frames[0], int.from_bytes(frames[2], "big")
         for seq_bytes, payload in list(self._buffer):
             if int.from_bytes(seq_bytes, "big") >= start:
-                self._replay.send_multipart((identity, b"", self._topic, seq_bytes, payload))
-        self._replay.send_multipart((identity, b"", b"", END_SEQ, b""))
+                sock.send_multipart((identity, b"", self._topic, seq_bytes, payload))
+        sock.send_multipart((identity, b"", b"", END_SEQ, b""))
 
 
 def open_publishers(config: KVEventsConfig | None, block_size: int, devices: list) -> list:

@@ -27,8 +27,6 @@ from max.engine import InferenceSession
 
 from ..cache.hashing import page_hash_fn, root_hash
 from ..context import RequestID, TextGenerationContext
-from ..events.config import KVEventsConfig
-from ..events.publisher import open_publishers, resolve_events_config
 from ..errors import (
     BatchTooLargeError,
     InsufficientMemoryError,
@@ -36,6 +34,8 @@ from ..errors import (
     InvalidReplicaError,
     UnknownRequestError,
 )
+from ..events.config import KVEventsConfig
+from ..events.publisher import open_publishers, resolve_events_config
 from ..layouts import PAGED, RaggedKVCacheInputs
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
