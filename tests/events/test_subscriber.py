@@ -6,9 +6,9 @@ import time
 import mokv
 import numpy as np
 import zmq
-from mokv.events import EventSubscriber, KVEventsConfig, PrefixRouterIndex
+from mokv.events import EventPublisher, EventSubscriber, KVEventsConfig, PrefixRouterIndex
 
-from .conftest import inproc_name, make_publishing
+from .conftest import free_port, inproc_name, make_publishing
 from .test_publisher import hashes
 from .test_publisher import run_request as _run_request
 
@@ -156,3 +156,35 @@ def test_salts_isolate_and_equal_salts_share(session):
     run_request(m, range(9), salt="b")
     assert hit("b") == 8
     m.close()
+
+
+def test_restarted_publisher_process_is_detected_over_tcp():
+    """The same with real publishers: the first closes, a second (a restarted process,
+    seq from 0 again) binds the same port; the subscriber's socket reconnects by itself."""
+    port = free_port()
+    idx = PrefixRouterIndex(4)
+    sub = EventSubscriber(idx)
+    sub.add_source("s", f"tcp://127.0.0.1:{port}")
+    first = EventPublisher(KVEventsConfig(f"tcp://*:{port}"), 0, 4, "CPU")
+    time.sleep(0.3)
+    for h in (1, 2, 3):
+        first.stored(h, None, bytes(32), None)
+        first.end_step()
+    wait(sub, ("s", 0), 3)
+    first.close()
+    for _ in range(100):  # the old socket releases its port asynchronously
+        try:
+            second = EventPublisher(KVEventsConfig(f"tcp://*:{port}"), 0, 4, "CPU")
+            break
+        except zmq.ZMQError:
+            time.sleep(0.05)
+    for h in range(100, 150):  # until the reconnect is up (a PUB drops what nobody hears)
+        second.stored(h, None, bytes(32), None)
+        second.end_step()
+        sub.poll(100)
+        if sub.num_restarts:
+            break
+    assert sub.num_restarts == 1
+    assert idx.hashes(("s", 0)) and not idx.hashes(("s", 0)) & {1, 2, 3}
+    second.close()
+    sub.close()
