@@ -2,7 +2,8 @@
 
     format.py      vLLM's msgspec structs (map and legacy array forms), the batch decoder
     config.py      KVEventsConfig (defaults as vLLM's), endpoint offsets per replica
-    publisher.py   EventPublisher: a page pool's sink, a PUB socket and a replay ROUTER
+    publisher.py   EventRecorder (a page pool's sink), build_events, EventPublisher (a
+                   recorder with a PUB socket, a publisher thread and a replay ROUTER)
     subscriber.py  EventSubscriber: SUB + DEALER replay, gap and restart detection
     index.py       PrefixRouterIndex: per source (server x replica), the cached hashes,
                    and how many leading pages of a token sequence each source holds
@@ -17,7 +18,7 @@ from .format import (
     KVEventBatch,
 )
 from .index import PrefixRouterIndex
-from .publisher import EventPublisher
+from .publisher import EventPublisher, EventRecorder, build_events
 from .subscriber import EventSubscriber
 
 __all__ = [
@@ -26,8 +27,10 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "EventPublisher",
+    "EventRecorder",
     "EventSubscriber",
     "KVEventBatch",
     "KVEventsConfig",
     "PrefixRouterIndex",
+    "build_events",
 ]

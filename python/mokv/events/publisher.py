@@ -62,7 +62,71 @@ _STORED, _REMOVED, _CLEARED = 0, 1, 2
 _POLL_S = 0.005
 
 
-class EventPublisher:
+class EventRecorder:
+    """The page pool's sink: records its changes as small tuples, in order.
+
+    `take()` hands the records over; `build_events` turns them into vLLM event structs.
+    `EventPublisher` is a recorder that publishes what it takes once per step.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple] = []
+
+    def stored(
+        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, cache_salt: str | None
+    ) -> None:
+        """A full page was committed under `page_hash` (parent None: a first page)."""
+        self._pending.append((_STORED, page_hash, parent_hash, token_bytes, cache_salt))
+
+    def removed(self, page_hash: int) -> None:
+        """The page committed under `page_hash` was evicted."""
+        self._pending.append((_REMOVED, page_hash))
+
+    def cleared(self) -> None:
+        """Every hash was forgotten."""
+        self._pending.append((_CLEARED,))
+
+    def take(self) -> list[tuple]:
+        """The records since the last call (and forgets them)."""
+        records, self._pending = self._pending, []
+        return records
+
+
+def build_events(records: list[tuple], block_size: int, medium: str) -> list:
+    """vLLM event structs for `records` (from `EventRecorder.take`), in order; consecutive
+    pages of one chain are merged into one `BlockStored`."""
+    events: list = []
+    run: list | None = None  # [hashes, parent, token chunks, extra_keys] of a BlockStored
+    for rec in records:
+        kind = rec[0]
+        if kind == _STORED:
+            _, page_hash, parent, data, salt = rec
+            extra = (salt,) if salt is not None and parent is None else None
+            if run is not None and parent == run[0][-1]:
+                run[0].append(page_hash)
+                run[2].append(data)
+                run[3].append(extra)
+                continue
+            run = [[page_hash], parent, [data], [extra]]
+            events.append(run)
+            continue
+        run = None
+        if kind == _REMOVED:
+            events.append(BlockRemoved([rec[1]], medium, group_idx=0))
+        else:
+            events.append(AllBlocksCleared())
+    for i, e in enumerate(events):
+        if isinstance(e, list):
+            hashes, parent, chunks, extra = e
+            tokens = np.frombuffer(b"".join(chunks), dtype="<i8").tolist()
+            events[i] = BlockStored(
+                hashes, parent, tokens, block_size, None, medium, None,
+                extra_keys=extra, group_idx=0, kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
+            )
+    return events
+
+
+class EventPublisher(EventRecorder):
     """Records one replica's page-pool changes and publishes them once per step.
 
     Args:
@@ -85,7 +149,7 @@ class EventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self.block_size = block_size
         self.medium = medium
-        self._pending: list[tuple] = []
+        super().__init__()
         self._queue: collections.deque = collections.deque(maxlen=config.max_queue_size)
         self._buffer: collections.deque = collections.deque(maxlen=config.buffer_steps)
         self._next_seq = 0
@@ -96,7 +160,7 @@ class EventPublisher:
         self._closing = False
         ctx = context or zmq.Context.instance()
         # Sockets are made here so that a bad address raises in the constructor; after
-        # `start` only the publisher thread touches them (ZMQ sockets are not thread-safe).
+        # the thread starts only the publisher thread touches them (ZMQ sockets are not thread-safe).
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 500)
@@ -127,28 +191,14 @@ class EventPublisher:
         self.cleared()
         self.end_step()
 
-    # --- the page pool's sink (scheduling thread; kept to one append each) ----------
-
-    def stored(
-        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, cache_salt: str | None
-    ) -> None:
-        """A full page was committed under `page_hash` (parent None: a first page)."""
-        self._pending.append((_STORED, page_hash, parent_hash, token_bytes, cache_salt))
-
-    def removed(self, page_hash: int) -> None:
-        """The page committed under `page_hash` was evicted."""
-        self._pending.append((_REMOVED, page_hash))
-
-    def cleared(self) -> None:
-        """Every hash was forgotten."""
-        self._pending.append((_CLEARED,))
+    # --- scheduling thread --------------------------------------------------------
 
     def end_step(self) -> None:
         """Hands the events recorded since the last call to the publisher thread as one
         batch (nothing when there are none). Never blocks: a full queue drops its oldest."""
         if not self._pending:
             return
-        records, self._pending = self._pending, []
+        records = self.take()
         if len(self._queue) == self._queue.maxlen:
             self.num_dropped += 1
         self._queue.append((self._next_seq, time.time(), records))
@@ -190,44 +240,13 @@ class EventPublisher:
                 return
 
     def _send(self, seq: int, ts: float, records: list[tuple]) -> None:
-        batch = KVEventBatch(ts, self._events(records), self.data_parallel_rank)
+        events = build_events(records, self.block_size, self.medium)
+        batch = KVEventBatch(ts, events, self.data_parallel_rank)
         payload = self._encode(to_array_form(batch) if self._array_form else batch)
         seq_bytes = seq.to_bytes(8, "big")
         self._pub.send_multipart((self._topic, seq_bytes, payload))
         self._buffer.append((seq_bytes, payload))
         self.num_published += 1
-
-    def _events(self, records: list[tuple]) -> list:
-        """Structs for `records`, consecutive pages of one chain merged into one event."""
-        events: list = []
-        run: list | None = None  # [hashes, parent, token chunks, extra_keys] of a BlockStored
-        for rec in records:
-            kind = rec[0]
-            if kind == _STORED:
-                _, page_hash, parent, data, salt = rec
-                extra = (salt,) if salt is not None and parent is None else None
-                if run is not None and parent == run[0][-1]:
-                    run[0].append(page_hash)
-                    run[2].append(data)
-                    run[3].append(extra)
-                    continue
-                run = [[page_hash], parent, [data], [extra]]
-                events.append(run)
-                continue
-            run = None
-            if kind == _REMOVED:
-                events.append(BlockRemoved([rec[1]], self.medium, group_idx=0))
-            else:
-                events.append(AllBlocksCleared())
-        for i, e in enumerate(events):
-            if isinstance(e, list):
-                hashes, parent, chunks, extra = e
-                tokens = np.frombuffer(b"".join(chunks), dtype="<i8").tolist()
-                events[i] = BlockStored(
-                    hashes, parent, tokens, self.block_size, None, self.medium, None,
-                    extra_keys=extra, group_idx=0, kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
-                )
-        return events
 
     def _serve_replay(self) -> None:
         """Answers one replay request `[identity, b"", start_seq]`: every buffered batch
