@@ -15,10 +15,12 @@ big-endian counter per publisher from 0, `payload` one msgpack `KVEventBatch`:
 The structs below are declared as vLLM declares them (names, field order, tags,
 omit_defaults), so that msgspec writes the same bytes: msgspec picks a map's header from
 the struct's field count, so even the fields mokv never sets (`locality`, ...) matter.
-`BlockStored` has 15 fields as in the note's golden vector (a map16 header, `de000b`).
-The last one, `continuation_id`, is the name proposed by vLLM RFC #48501; the public
-sources read for this module show only the first 14, so its name is the one unverified
-detail (on the wire a None field is omitted, so only the header depends on it).
+`BlockStored` has 15 fields, as the note's golden vector implies (its map16 header
+`de000b`: msgspec writes map16 once a struct has 16 possible keys, tag included). The
+public sources read for this module show 14 (through `session_id`, vLLM #51381); the
+15th here is `block_offsets`, the optional BlockStored field of vLLM PR #44488, appended
+last. Its name and place are the one unverified detail; a None field is omitted on the
+wire, so only the header depends on it, and decoders ignore the header's size.
 """
 
 # No `from __future__ import annotations`: msgspec resolves string annotations in module
@@ -61,7 +63,7 @@ def _structs(array_like: bool):
         locality: str | None = None
         ownership: str | None = None
         session_id: str | None = None
-        continuation_id: str | None = None
+        block_offsets: list[int] | None = None
 
     class BlockRemoved(KVCacheEvent):
         block_hashes: list[int]
