@@ -33,6 +33,7 @@ after its parent page was committed or found in the index).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 
@@ -54,6 +55,7 @@ from .format import (
     to_array_form,
 )
 
+_log = logging.getLogger(__name__)
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
 # The publisher thread wakes on this period rather than being signalled per step: a
 # `threading.Event.set` costs the scheduler about a microsecond, and batching its wakeups
@@ -156,6 +158,8 @@ class EventPublisher(EventRecorder):
         self.num_dropped = 0
         """Batches dropped because the queue was full (seen by subscribers as a gap)."""
         self.num_published = 0
+        self.num_errors = 0
+        """Batches or replay requests the thread failed on (logged)."""
         self._wake = threading.Event()
         self._closing = False
         ctx = context or zmq.Context.instance()
@@ -230,12 +234,18 @@ class EventPublisher(EventRecorder):
         while True:
             self._wake.wait(_POLL_S)
             self._wake.clear()
-            while self._queue:
-                seq, ts, records = self._queue.popleft()
-                self._send(seq, ts, records)
-            if self._replay is not None:
-                while self._replay.poll(0):
-                    self._serve_replay()
+            try:
+                while self._queue:
+                    seq, ts, records = self._queue.popleft()
+                    self._send(seq, ts, records)
+                if self._replay is not None:
+                    while self._replay.poll(0):
+                        self._serve_replay()
+            except Exception:  # noqa: BLE001 - the thread must outlive one bad batch
+                # A batch that cannot be sent is lost like a dropped one: its seq is a
+                # gap that subscribers see. Events are an optimization; serving goes on.
+                self.num_errors += 1
+                _log.exception("KV-cache event publisher (replica %d)", self.data_parallel_rank)
             if self._closing and not self._queue:
                 return
 
