@@ -50,14 +50,16 @@ class MokvPaged(_Mokv):
     name = "mokv-paged"
 
     def __init__(self, budget_pages, max_batch, max_seq_len, page_size=128, prefix=True,
-                 prefix_hash="builtin"):
+                 prefix_hash=None, kv_events_config=None):
+        hash_kw = {} if prefix_hash is None else {"prefix_hash": prefix_hash}  # None: default
         self.params = mokv.KVCacheParams(DType.float32, SHAPE["n_kv_heads"], SHAPE["head_dim"],
                                          page_size=page_size, enable_prefix_caching=prefix,
-                                         prefix_hash=prefix_hash)
+                                         **hash_kw)
         memory = budget_pages * self.params.bytes_per_page(SHAPE["num_layers"])
         self.manager = mokv.PagedKVCacheManager(self.params, max_batch, max_seq_len,
                                                 SHAPE["num_layers"], [CPU()], session(), memory,
-                                                page_size=page_size)
+                                                page_size=page_size,
+                                                kv_events_config=kv_events_config)
         self.total_pages = self.manager.total_num_pages
         self.kv_bytes = self.total_pages * self.params.bytes_per_page(SHAPE["num_layers"])
 

@@ -1,9 +1,10 @@
 """Runs the whole mokv benchmark suite and writes JSON, PNG plots and a markdown summary.
 
-    python benchmarks/run.py [--quick] [--out DIR] [--parts hashing,managers,attention,qkv,compile]
+    python benchmarks/run.py [--quick] [--out DIR] [--parts hashing,events,managers,attention,qkv,compile]
 
 Parts (each module's docstring says what it measures and why):
-  hashing    bench_hashing.py   prefix-hash throughput per algorithm
+  hashing    bench_hashing.py   prefix-hash throughput per algorithm, beside MAX's
+  events     bench_events.py    hot-path cost of KV-cache events (trace replay on vs off)
   managers   bench_managers.py  scheduler trace replay: host µs per request-step, hit
                                 rate vs the infinite-cache bound, preemptions, memory;
                                 batch-size and page-budget sweeps; mokv hot spots
@@ -33,12 +34,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # 
 
 import bench_attention  # noqa: E402
 import bench_compile  # noqa: E402
+import bench_events  # noqa: E402
 import bench_hashing  # noqa: E402
 import bench_managers  # noqa: E402
 import bench_qkv  # noqa: E402
 import plots  # noqa: E402
 
-PARTS = ("hashing", "managers", "attention", "qkv", "compile")
+PARTS = ("hashing", "events", "managers", "attention", "qkv", "compile")
 
 
 def machine() -> dict:
@@ -55,7 +57,7 @@ def machine() -> dict:
 
 def _plan(parts: list[str], quick: bool) -> int:
     s = bench_managers.settings(quick)
-    sizes = {"hashing": 2, "attention": bench_attention.plan_size(quick), "qkv": len(bench_qkv.tokens(quick)),
+    sizes = {"hashing": 2, "events": 10 if quick else 20, "attention": bench_attention.plan_size(quick), "qkv": len(bench_qkv.tokens(quick)),
              "compile": bench_compile.plan_size(quick),
              "managers": 3 * s["repeats"] + len(s["batch_sizes"]) + len(s["budgets"]) + 1}
     return sum(sizes[p] for p in parts)
@@ -83,6 +85,9 @@ def run(parts: list[str], quick: bool, out: Path) -> dict:
 
         if "hashing" in parts:
             results["hashing"] = part("hashing", "prefix hashing", lambda: bench_hashing.run(quick, tick))
+        if "events" in parts:
+            results["events"] = part("events", "events on vs off (replay)",
+                                     lambda: bench_events.run(quick, tick))
         if "managers" in parts:
             man = results["managers"] = {}
             man["compare"] = part("compare", "trace replay (3 managers)",
@@ -156,6 +161,17 @@ def summary(r: dict) -> str:
         lines += [f"| mokv {k} | {v / 1e6:.1f} M |" for k, v in h["mokv"].items()]
         lines += [f"| MAX {k} (reference) | {v / 1e6:.1f} M |" for k, v in h.get("max", {}).items()]
         lines.append("")
+    ev = r.get("events", {})
+    if ev.get("on"):
+        d = ev["direct"]
+        lines += ["### KV-cache events: host µs per request-step, trace replay", "",
+                  "| events | median (least disturbed repeat) | mean |", "|---|---|---|",
+                  f"| off | {_f(ev['off']['median_us'], 2)} | {_f(ev['off']['mean_us'], 2)} |",
+                  f"| on | {_f(ev['on']['median_us'], 2)} | {_f(ev['on']['mean_us'], 2)} |", "",
+                  f"Difference: {ev['delta_median_us']:+.2f} (least disturbed), "
+                  f"{ev['delta_paired_median_us']:+.2f} (median of paired repeats); the "
+                  f"scheduling thread's own added work: {d['us_per_request_step']:.3f} "
+                  f"µs per request-step ({d['calls']}).", ""]
     a = r.get("attention", {})
     if a.get("decode"):
         sides = list(a["sides"])

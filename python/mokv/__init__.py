@@ -36,6 +36,7 @@ from .layouts import (
     layout_for,
     layout_of_inputs,
 )
+from .events.config import KVEventsConfig
 from .managers.base import KVCacheManager
 from .managers.continuous import ContinuousBatchingKVCacheManager
 from .managers.loader import load_kv_manager
@@ -46,6 +47,7 @@ from .metrics import KVCacheMetrics
 from .params import KVCacheParams, KVCacheStrategy
 
 __all__ = [
+    "KVEventsConfig",
     "CONTINUOUS",
     "PAGED",
     "AlreadyClaimedError",

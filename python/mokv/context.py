@@ -61,6 +61,13 @@ class TextGenerationContext(Protocol):
     @property
     def active_length(self) -> int: ...
 
+    @property
+    def cache_salt(self) -> str | None:
+        """Isolates the request's prefix-cache pages: requests share pages only when their
+        salts are equal (None: the unsalted cache). Set by the server (tenant, auth
+        layer), never taken from a caller; managers read it with a None default."""
+        ...
+
     def active_idx_after_skip(self, num_tokens: int) -> int:
         """Where the active window would end after `skip_cached_prefix(num_tokens)`
         (pure: the manager asks before it reserves memory for that window)."""
@@ -99,16 +106,24 @@ class TextContext:
         tokens: the prompt's token ids: a 1-D integer array-like of ids >= 0, at least one.
         request_id: defaults to a fresh `RequestID()`.
         max_length: optional cap on `end_idx` (prompt + generated tokens).
+        cache_salt: isolates the prefix cache per tenant (see
+            `TextGenerationContext.cache_salt`); set by the server, never by a caller.
     """
 
-    __slots__ = ("_request_id", "_buf", "_start", "_active", "_end", "_prompt_len", "max_length")
+    __slots__ = (
+        "_request_id", "_buf", "_start", "_active", "_end", "_prompt_len", "max_length",
+        "cache_salt",
+    )
 
     def __init__(
         self,
         tokens: np.ndarray | list[int],
         request_id: RequestID | str | None = None,
         max_length: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
         prompt = _token_array(tokens)
         self._request_id = RequestID(request_id) if request_id is not None else RequestID()
         self._buf = np.empty(max(16, 2 * prompt.size), dtype=np.int64)
@@ -116,6 +131,7 @@ class TextContext:
         self._start = 0
         self._end = self._active = self._prompt_len = int(prompt.size)
         self.max_length = max_length
+        self.cache_salt = cache_salt
 
     def __repr__(self) -> str:
         return (

@@ -27,7 +27,7 @@ class KVCacheStrategy(str, enum.Enum):
 CACHE_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
 """Element types of the cache that mokv's kernels read and write."""
 
-PREFIX_HASH_ALGORITHMS = ("builtin", "sha256")
+PREFIX_HASH_ALGORITHMS = ("xxh3", "sha256", "builtin")
 """Names accepted by `KVCacheParams.prefix_hash`; see `mokv.cache.hashing`."""
 
 
@@ -51,9 +51,10 @@ class KVCacheParams:
             with its own page pool on its own group of devices.
         n_devices: total devices; each replica gets `n_devices // data_parallel_degree`
             of them and splits its KV heads across them (tensor parallelism).
-        prefix_hash: hash of a page's (parent hash, token ids) chain:
-            "builtin" (fast, stable within one process) or "sha256" (stable
-            across processes and machines).
+        prefix_hash: hash of a page's (parent hash, token ids) chain: "xxh3"
+            (default: seeded XXH3-64, fastest, stable across processes and machines),
+            "sha256" (vLLM's 64-bit form, stable) or, opt-in, "builtin" (Python's
+            `hash`, stable within one process only; refused with KV-cache events).
         prefix_hash_seed: mixed into the root of every hash chain, so that two
             caches with different seeds never share a page.
     """
@@ -68,7 +69,7 @@ class KVCacheParams:
     host_kvcache_swap_space_gb: float | None = None
     data_parallel_degree: int = 1
     n_devices: int = 1
-    prefix_hash: str = "builtin"
+    prefix_hash: str = "xxh3"
     prefix_hash_seed: int = 0
 
     def __post_init__(self) -> None:

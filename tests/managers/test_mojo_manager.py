@@ -26,37 +26,19 @@ MAX_SEQ = 24
 
 
 class ContractPython:
-    """The Python manager's sequence-id flow with the checks of main's refactor.
-
-    Today's `ContinuousBatchingKVCacheManager` returns [] for `claim(0)`, accepts a
-    negative step count and a repeated id in one fetch; after the refactor on main all
-    three raise ValueError. This shim adds exactly those checks (in the order the Mojo
-    manager makes them) and delegates everything else, so it is a no-op once main's
-    manager has them.
-    """
+    """The Python manager's sequence-id flow under the Mojo wrapper's method names."""
 
     def __init__(self, manager: mokv.ContinuousBatchingKVCacheManager) -> None:
         self.m = manager
 
     def claim(self, n: int) -> list[int]:
-        if n.__class__ is not int or n < 1:
-            raise ValueError(f"claim(n) needs a positive int, got {n!r}")
         return self.m.claim(n)
 
     def step(self, batch: Mapping[int, int]) -> None:
-        for seq_id in batch:
-            if not self.m.contains(seq_id):
-                raise mokv.UnknownRequestError(seq_id)
-        if any(n < 0 for n in batch.values()):
-            raise ValueError(f"negative number of new tokens in {dict(batch)}")
         self.m.step(batch)
 
     def fetch(self, seq_ids: Sequence[int]) -> Any:
-        ids = list(seq_ids)
-        if len(ids) <= self.m.max_cache_batch_size and all(self.m.contains(s) for s in ids):
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"a sequence id appears twice in {ids}")
-        return self.m.fetch(ids)
+        return self.m.fetch(list(seq_ids))
 
     def release(self, seq_id: int) -> None:
         self.m.release(seq_id)
@@ -65,9 +47,7 @@ class ContractPython:
         return self.m.contains(seq_id)
 
     def cache_length(self, seq_id: int) -> int:
-        if not self.m.contains(seq_id):
-            raise mokv.UnknownRequestError(seq_id)
-        return self.m._cache_lengths[seq_id]
+        return self.m.sequences.cache_length(seq_id)
 
     @property
     def num_free_blocks(self) -> int:

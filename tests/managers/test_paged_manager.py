@@ -251,9 +251,9 @@ def test_bad_configuration_is_rejected(session):
         small_params(n_kv_heads=3, n_devices=2)
     with pytest.raises(NotImplementedError, match="host-memory"):
         make_paged(session, enable_kvcache_swapping_to_host=True)
-    with pytest.raises(NotImplementedError, match="ZMQ"):
-        mokv.PagedKVCacheManager(small_params(), 2, 32, NUM_LAYERS, [CPU()], session, 10**6,
-                                 zmq_endpoint_base="ipc:///tmp/x")
+    with pytest.raises(ValueError, match="prefix_hash='builtin'"):
+        mokv.PagedKVCacheManager(small_params(prefix_hash="builtin"), 2, 32, NUM_LAYERS, [CPU()],
+                                 session, 10**6, zmq_endpoint_base="inproc://mokv-refused")
 
 
 def test_data_parallel_replicas_have_their_own_pools(session):

@@ -1,15 +1,29 @@
-"""Chained page hashes for the prefix cache.
+"""Chained page hashes for the prefix cache, KV-cache events and routers.
 
 A full page is identified by `hash(parent_hash, page's token ids)`, where the parent
-is the hash of the page before it (or a seeded root for the first page). Two pages
-get the same hash only if the whole prefix up to and including them is the same, so
-one dictionary lookup per page finds the longest cached prefix.
+is the hash of the page before it (or a root for the first page). Two pages get the
+same hash only if the whole prefix up to and including them is the same, so one
+dictionary lookup per page finds the longest cached prefix. Hashes are unsigned
+64-bit ints (what vLLM's events carry as `ExternalBlockHash`).
 
-Algorithms:
-- "builtin": Python's `hash` of (parent, token bytes). Fastest; stable within one
-  process only (Python salts it per process unless PYTHONHASHSEED is set).
-- "sha256": the first 8 bytes of SHA-256 over (parent, token bytes), as a signed
-  64-bit int. Stable across processes and machines (needed to publish cache events).
+Algorithms (`KVCacheParams.prefix_hash`):
+- "xxh3" (default): XXH3-64 of the page's token bytes, seeded with the parent hash
+  (`xxhash` package). Stable across processes, restarts and machines; the fastest.
+  Seeding with the parent instead of prepending it saves a concatenation per page,
+  which is most of the cost in Python.
+- "sha256": SHA-256 of (parent as 8 little-endian bytes, token bytes), in vLLM's
+  64-bit form: the last 8 bytes of the digest read big-endian. Stable; for those
+  who want a cryptographic hash.
+- "builtin": Python's `hash`, masked to 64 bits. Stable within one process only
+  (Python salts it per process unless PYTHONHASHSEED is set): opt-in, and refused
+  when events are published, since no router could recompute it.
+
+Roots. The first page of a sequence chains from `root_hash(algorithm, seed)`: caches
+with different `prefix_hash_seed` never share a page. A request with a `cache_salt`
+chains from `salted_root(...)` instead, a hash of the salt under a separate root, so the
+salt is mixed into the first page's hash only and later pages inherit it through the
+chain. The salt is encoded with type tags and lengths (`encode_extra_keys`), so two
+different salts never produce the same bytes (SGLang #30827's bug class).
 """
 
 from __future__ import annotations
@@ -18,25 +32,41 @@ import hashlib
 from collections.abc import Callable, Iterator
 
 import numpy as np
+from xxhash import xxh3_64_intdigest
 
-PageHashFn = Callable[[int, bytes], int]
+PageHashFn = Callable[[int, "bytes | memoryview | np.ndarray"], int]
 """(parent hash, the page's token ids as little-endian int64 bytes) -> page hash."""
 
-
-def _builtin(parent: int, token_bytes: bytes) -> int:
-    return hash((parent, token_bytes))
+MASK64 = (1 << 64) - 1
 
 
-def _sha256(parent: int, token_bytes: bytes) -> int:
-    digest = hashlib.sha256(parent.to_bytes(8, "little", signed=True) + token_bytes).digest()
-    return int.from_bytes(digest[:8], "little", signed=True)
+def _xxh3(parent: int, token_bytes) -> int:
+    return xxh3_64_intdigest(token_bytes, parent)
 
 
-_ALGORITHMS: dict[str, PageHashFn] = {"builtin": _builtin, "sha256": _sha256}
+# Copying an initialized hash object skips OpenSSL 3.0's per-constructor digest lookup
+# (about a third of the cost of a 1 KiB page here).
+_SHA256_INIT = hashlib.sha256()
+
+
+def _sha256(parent: int, token_bytes) -> int:
+    h = _SHA256_INIT.copy()
+    h.update(parent.to_bytes(8, "little"))
+    h.update(token_bytes)
+    return int.from_bytes(h.digest()[24:], "big")
+
+
+def _builtin(parent: int, token_bytes) -> int:
+    return hash((parent, bytes(token_bytes))) & MASK64
+
+
+_ALGORITHMS: dict[str, PageHashFn] = {"xxh3": _xxh3, "sha256": _sha256, "builtin": _builtin}
+STABLE_ALGORITHMS = ("xxh3", "sha256")
+"""Algorithms whose hashes are the same in every process (required for events)."""
 
 
 def page_hash_fn(algorithm: str) -> PageHashFn:
-    """The page hash function called `algorithm` ("builtin" or "sha256")."""
+    """The page hash function called `algorithm` ("xxh3", "sha256" or "builtin")."""
     try:
         return _ALGORITHMS[algorithm]
     except KeyError:
@@ -45,14 +75,64 @@ def page_hash_fn(algorithm: str) -> PageHashFn:
         ) from None
 
 
+def _seed_bytes(tag: bytes, seed: int) -> bytes:
+    return tag + (seed & MASK64).to_bytes(8, "little")
+
+
 def root_hash(algorithm: str, seed: int) -> int:
-    """The parent hash of a sequence's first page: a function of the seed alone."""
-    return page_hash_fn(algorithm)(0, b"mokv-root" + seed.to_bytes(8, "little", signed=True))
+    """The parent hash of an unsalted sequence's first page: a function of the seed alone."""
+    return page_hash_fn(algorithm)(0, _seed_bytes(b"mokv-root", seed))
+
+
+def encode_extra_keys(*keys: str | bytes | int) -> bytes:
+    """Type-tagged, length-prefixed bytes of `keys`: injective, so that no two different
+    key tuples (e.g. ("ab", "c") and ("a", "bc")) ever encode to the same bytes."""
+    out = [b"mokv-extra-v1", len(keys).to_bytes(4, "little")]
+    for key in keys:
+        if isinstance(key, str):
+            tag, data = b"s", key.encode("utf-8")
+        elif isinstance(key, bytes):
+            tag, data = b"b", key
+        elif isinstance(key, int) and not isinstance(key, bool):
+            tag, data = b"i", key.to_bytes(16, "little", signed=True)
+        else:
+            raise TypeError(f"extra keys must be str, bytes or int, got {key!r}")
+        out += [tag, len(data).to_bytes(4, "little"), data]
+    return b"".join(out)
+
+
+def salted_root(algorithm: str, seed: int, cache_salt: str | None) -> int:
+    """The parent hash of the first page of a sequence with `cache_salt` (None: unsalted).
+
+    The salt is hashed under its own root (not `root_hash`), so a salted root can never
+    equal the hash of some unsalted first page."""
+    if cache_salt is None:
+        return root_hash(algorithm, seed)
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
+    fn = page_hash_fn(algorithm)
+    salt_domain = fn(0, _seed_bytes(b"mokv-salted-root", seed))
+    return fn(salt_domain, encode_extra_keys("cache_salt", cache_salt))
 
 
 def token_bytes(tokens: np.ndarray) -> bytes:
     """The canonical byte form of token ids that page hashes are computed over."""
     return np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+
+
+def page_hashes(tokens: np.ndarray, page_size: int, parent: int, hash_fn: PageHashFn) -> list[int]:
+    """Hashes of the full pages of `tokens`, chained from `parent` (no token bytes kept).
+
+    What a router computes for a query, and what the benchmark times: the pages are
+    rows of one int64 array, handed to the hash function as zero-copy views."""
+    data = np.ascontiguousarray(tokens, dtype="<i8")
+    num_pages = len(data) // page_size
+    out: list[int] = []
+    append = out.append
+    for row in data[: num_pages * page_size].reshape(num_pages, page_size):
+        parent = hash_fn(parent, row)
+        append(parent)
+    return out
 
 
 def iter_page_hashes(

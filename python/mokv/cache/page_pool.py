@@ -31,6 +31,12 @@ returns None, before touching anything), then applies it with plain list and dic
 operations that cannot fail half-way. So an exception from any call, or from anything
 it calls, leaves the pool as it was.
 
+Events. An optional `events` sink (`mokv.events.EventPublisher`, set by the manager
+before the pool is used) hears the three changes routers care about, at the one place
+each happens: `commit_pages` (stored), eviction of a cached page in `take` (removed) and
+`reset_prefix_cache` (cleared). It is told after the pool's state has changed. With no
+sink each costs one `is None` test.
+
 Everything here is plain integers in flat lists, so that the pool can move to Mojo
 without changing its shape.
 """
@@ -40,8 +46,21 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import islice
+from typing import Protocol
 
 from ..errors import InvariantError
+
+
+class PageEventSink(Protocol):
+    """Hears the pool's prefix-cache changes (see `mokv.events.EventPublisher`)."""
+
+    def stored(
+        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, cache_salt: str | None
+    ) -> None: ...
+
+    def removed(self, page_hash: int) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 class PagePool:
@@ -58,6 +77,7 @@ class PagePool:
         self._free = list(range(num_pages - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._index: dict[int, int] = {}
+        self.events: PageEventSink | None = None
 
     # --- queries (change nothing) ---------------------------------------------------
 
@@ -88,6 +108,10 @@ class PagePool:
         if page_id is None or self._page_tokens[page_id] != token_bytes:
             return None
         return page_id
+
+    def indexed_hashes(self) -> set[int]:
+        """Every hash a lookup can find now (what an event subscriber rebuilds)."""
+        return set(self._index)
 
     def is_cached(self, page_id: int) -> bool:
         """True if the page has no owner but can still be reused through the index."""
@@ -127,15 +151,19 @@ class PagePool:
             del self._cached[page_id]
         for page_id in hits:
             self._ref_count[page_id] += 1
-        for page_id in evicted:
+        evicted_hashes = [self._page_hash[page_id] for page_id in evicted]
+        for page_id, page_hash in zip(evicted, evicted_hashes):
             del self._cached[page_id]
-            del self._index[self._page_hash[page_id]]  # type: ignore[index]
+            del self._index[page_hash]  # type: ignore[arg-type]
             self._page_hash[page_id] = None
             self._page_tokens[page_id] = None
         pages = self._free[len(self._free) - from_free :][::-1] + evicted
         del self._free[len(self._free) - from_free :]
         for page_id in pages:
             self._ref_count[page_id] = 1
+        if self.events is not None:
+            for page_hash in evicted_hashes:
+                self.events.removed(page_hash)  # type: ignore[arg-type]
         return pages
 
     def release(self, page_ids: Iterable[int]) -> None:
@@ -157,19 +185,36 @@ class PagePool:
                 else:
                     self._cached[page_id] = None
 
-    def commit(self, page_id: int, page_hash: int, token_bytes: bytes) -> bool:
+    def commit(
+        self,
+        page_id: int,
+        page_hash: int,
+        token_bytes: bytes,
+        parent_hash: int | None = None,
+        cache_salt: str | None = None,
+    ) -> bool:
         """Makes an owned, full page findable under `page_hash`.
 
         Returns False (and leaves the page unhashed) if another page already holds
         this hash: the index keeps one copy per prefix, and owners' page lists never
-        change under them.
+        change under them. `parent_hash` (None for a sequence's first page) and
+        `cache_salt` are only passed on to the event sink.
         """
-        return self.commit_pages([page_id], [page_hash], [token_bytes]) == [True]
+        return self.commit_pages(
+            [page_id], [page_hash], [token_bytes], [parent_hash], [cache_salt]
+        ) == [True]
 
     def commit_pages(
-        self, page_ids: Sequence[int], page_hashes: Sequence[int], token_bytes: Sequence[bytes]
+        self,
+        page_ids: Sequence[int],
+        page_hashes: Sequence[int],
+        token_bytes: Sequence[bytes],
+        parent_hashes: Sequence[int | None] | None = None,
+        cache_salts: Sequence[str | None] | None = None,
     ) -> list[bool]:
-        """`commit` for several pages at once, all or nothing; True where a page was indexed."""
+        """`commit` for several pages at once, all or nothing; True where a page was
+        indexed. Pages of one chain come parent first, so that events announce a parent
+        before its children."""
         if len(set(page_ids)) != len(page_ids):
             raise InvariantError(f"pages {list(page_ids)} committed twice in one call")
         for page_id in page_ids:
@@ -184,6 +229,14 @@ class PagePool:
                 self._index[page_hash] = page_id
                 self._page_hash[page_id] = page_hash
                 self._page_tokens[page_id] = data
+        if self.events is not None:
+            parents = parent_hashes or [None] * len(page_ids)
+            salts = cache_salts or [None] * len(page_ids)
+            for page_hash, data, parent, salt, new in zip(
+                page_hashes, token_bytes, parents, salts, indexed
+            ):
+                if new:
+                    self.events.stored(page_hash, parent, data, salt)
         return indexed
 
     def reset_prefix_cache(self) -> None:
@@ -194,6 +247,8 @@ class PagePool:
         self._index.clear()
         self._free.extend(self._cached)
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     # --- checks ---------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from max import driver
 from max.driver import Device
 from max.engine import InferenceSession
 
+from ..events.config import KVEventsConfig
 from ..params import KVCacheParams, KVCacheStrategy
 from .base import KVCacheManager
 from .continuous import ContinuousBatchingKVCacheManager
@@ -29,12 +30,14 @@ def load_kv_manager(
     available_cache_memory: int | None = None,
     page_size: int = 128,
     enable_runtime_checks: bool = False,
+    kv_events_config: KVEventsConfig | None = None,
 ) -> KVCacheManager:
     """Builds the manager that `params.cache_strategy` names.
 
     In MAX's virtual-device (compile-only) mode no memory can be used, so a
     `NullKVCacheManager` with the strategy's layout is returned instead.
-    `available_cache_memory` is required by the paged strategy.
+    `available_cache_memory` is required by the paged strategy, and
+    `kv_events_config` (KV-cache events) applies to it only.
     """
     if driver.is_virtual_device_mode():
         return NullKVCacheManager(
@@ -50,4 +53,5 @@ def load_kv_manager(
     return PagedKVCacheManager(
         params, max_batch_size, max_seq_len, num_layers, devices, session,
         available_cache_memory, page_size=page_size, enable_runtime_checks=enable_runtime_checks,
+        kv_events_config=kv_events_config,
     )

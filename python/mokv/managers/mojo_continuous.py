@@ -28,13 +28,12 @@ import numpy as np
 from max.driver import Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession
-from max.graph import BufferType, DeviceRef, TensorType
 
 from ..errors import BatchTooLargeError, SequenceTooLongError, UnknownRequestError
-from ..inputs import ContinuousBatchingKVCacheInputs, continuous_input_symbols
+from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..params import KVCacheParams
 from . import native
-from .base import KVCacheManager
+from .base import ManagerFields, check_num_steps
 
 _STORAGE = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16}
 """numpy type holding each cache dtype (bfloat16 as its uint16 bit patterns)."""
@@ -71,11 +70,15 @@ def _call(fn: Callable[..., R], *args: Any) -> R:
         raise typed from None
 
 
-class MojoContinuousBatchingKVCacheManager(KVCacheManager):
+class MojoContinuousBatchingKVCacheManager(ManagerFields):
     """A continuous-batching KV cache whose state and memory the Mojo manager owns.
 
     Args: as `ContinuousBatchingKVCacheManager` (`params.n_devices` must be 1 and the
     device a CPU).
+
+    It has the continuous layout's fields and `input_symbols`, but offers MAX's
+    sequence-id flow rather than the request contract (`KVCacheManager`); the Mojo
+    struct is thread-safe itself, so no Python lock is taken.
     """
 
     def __init__(
@@ -87,7 +90,9 @@ class MojoContinuousBatchingKVCacheManager(KVCacheManager):
         devices: Sequence[Device],
         session: InferenceSession,
     ) -> None:
-        super().__init__(params, max_cache_batch_size, max_seq_len, num_layers, devices, session)
+        super().__init__(
+            params, CONTINUOUS, max_cache_batch_size, max_seq_len, num_layers, devices, session
+        )
         if len(self.devices) != 1 or not self.devices[0].is_host:
             raise ValueError(f"the Mojo manager runs on one CPU device, got {self.devices!r}")
         if params.dtype not in _STORAGE:
@@ -131,7 +136,7 @@ class MojoContinuousBatchingKVCacheManager(KVCacheManager):
         self, seq_ids: Sequence[int], num_steps: int = 1
     ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
         """Graph inputs of a batch of sequence ids (one tuple: one device)."""
-        self._check_num_steps(num_steps)
+        check_num_steps(num_steps)
         ids = list(seq_ids)
         arrays = np.empty((2, len(ids)), dtype=np.uint32)  # cache_lengths, lookup_table
         is_empty = _call(self._native.lookup, ids, arrays.ctypes.data)
@@ -170,13 +175,3 @@ class MojoContinuousBatchingKVCacheManager(KVCacheManager):
     def seq_id_counter(self) -> int:
         """Sequences claimed since construction."""
         return self._native.seq_id_counter()
-
-    def input_symbols(
-        self, devices: Sequence[Device] | None = None, num_layers: int | None = None
-    ) -> list[ContinuousBatchingKVCacheInputs[BufferType, TensorType]]:
-        """Graph input types matching `fetch`'s output."""
-        return [
-            continuous_input_symbols(self.params, num_layers or self.num_layers, self.max_seq_len,
-                                     DeviceRef.from_device(d))
-            for d in (devices or self.devices)
-        ]

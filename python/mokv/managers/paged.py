@@ -35,6 +35,8 @@ from ..errors import (
     InvalidReplicaError,
     UnknownRequestError,
 )
+from ..events.config import KVEventsConfig
+from ..events.publisher import open_publishers, resolve_events_config
 from ..layouts import PAGED, RaggedKVCacheInputs
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
@@ -57,7 +59,10 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         session: the InferenceSession that runs the model (and the small graph of
             `increment_cache_lengths`).
         available_cache_memory: bytes for KV pages over all devices.
-        zmq_endpoint_base: KV-cache events endpoint (not available yet).
+        zmq_endpoint_base: publish KV-cache events (vLLM's format) on this ZMQ
+            address, replica r on its offset (`KVEventsConfig(endpoint=...)`).
+        kv_events_config: the fuller events configuration (replay socket, topic,
+            payload form, limits); None with no `zmq_endpoint_base`: no events.
         page_size: kept for signature compatibility; must equal `params.page_size`
             unless left at its default.
         enable_runtime_checks: verify the pools' invariants after every operation.
@@ -75,6 +80,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         zmq_endpoint_base: str | None = None,
         page_size: int = 128,
         enable_runtime_checks: bool = False,
+        kv_events_config: KVEventsConfig | None = None,
     ) -> None:
         super().__init__(params, PAGED, max_batch_size, max_seq_len, num_layers, devices, session)
         if page_size != 128 and page_size != params.page_size:
@@ -84,13 +90,12 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             )
         if params.enable_kvcache_swapping_to_host:
             raise NotImplementedError("the host-memory page tier is not available yet")
-        if zmq_endpoint_base is not None:
-            raise NotImplementedError("KV-cache events over ZMQ are not available yet")
         if available_cache_memory.__class__ is not int or available_cache_memory < 0:
             raise TypeError(
                 f"available_cache_memory must be a number of bytes (an int >= 0), "
                 f"got {available_cache_memory!r}"
             )
+        events_config = resolve_events_config(zmq_endpoint_base, kv_events_config, params)
         dp = params.data_parallel_degree
         num_pages = self._pages_per_replica(params, num_layers, available_cache_memory)
         pages_per_seq = _ceil_div(max_seq_len, params.page_size)
@@ -120,6 +125,13 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             )
             for r in range(dp)
         ]
+        # One publisher per replica (its own PUB socket), opened last so that nothing
+        # after it can fail; the replica's page pool tells it what changed.
+        self.kv_event_publishers = open_publishers(
+            events_config, params.page_size, [self.devices[r * tp] for r in range(dp)]
+        )
+        for replica, publisher in zip(self.replicas, self.kv_event_publishers):
+            replica.pool.events = publisher
         self.page_size = params.page_size
         self.total_num_pages = num_pages * dp
         self.enable_runtime_checks = enable_runtime_checks
@@ -343,6 +355,8 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         for replica, group in zip(self.replicas, groups):
             if group:
                 replica.commit(group)
+        for publisher in self.kv_event_publishers:  # one event batch per step
+            publisher.end_step()
         self._after_change()
 
     @synchronized
@@ -419,7 +433,15 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         """Forgets every cached prefix; pages owned by requests stay theirs."""
         for r in self.replicas:
             r.pool.reset_prefix_cache()
+        for publisher in self.kv_event_publishers:
+            publisher.end_step()
         self._after_change()
+
+    @synchronized
+    def close(self) -> None:
+        """Publishes the events still queued and closes the event sockets (if any)."""
+        for publisher in self.kv_event_publishers:
+            publisher.close()
 
     @synchronized
     def check_invariants(self) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from max.driver import Buffer, Device
 
-from ..cache.hashing import PageHashFn, iter_page_hashes
+from ..cache.hashing import PageHashFn, iter_page_hashes, salted_root
 from ..cache.page_pool import PagePool
 from ..context import RequestID, TextGenerationContext
 from ..errors import (
@@ -91,6 +91,7 @@ class PagedReplica:
         self.pool = PagePool(num_pages)
         self._hash_fn = hash_fn
         self._root_hash = root_hash
+        self._salted_roots: dict[str, int] = {}  # cache_salt -> root of its hash chains
         self._prefix_caching = params.enable_prefix_caching
         self.max_pages_per_seq = _ceil_div(max_seq_len, params.page_size)
         shape = [
@@ -170,7 +171,8 @@ class PagedReplica:
             return []
         hits = []
         pages = iter_page_hashes(
-            ctx.tokens, ps, self._last_hash(req), self._hash_fn, n_committed, (ctx.end_idx - 1) // ps
+            ctx.tokens, ps, self._last_hash(req, ctx), self._hash_fn, n_committed,
+            (ctx.end_idx - 1) // ps,
         )
         for page_hash, data in pages:
             page_id = self.pool.lookup(page_hash, data)
@@ -179,9 +181,21 @@ class PagedReplica:
             hits.append((page_id, page_hash))
         return hits
 
-    def _last_hash(self, req: _Request) -> int:
-        """The parent hash of the request's next page."""
-        return req.hashes[-1] if req.hashes else self._root_hash
+    def _last_hash(self, req: _Request, ctx: TextGenerationContext) -> int:
+        """The parent hash of the request's next page: for the first page, the root of
+        the request's `cache_salt` (see `mokv.cache.hashing.salted_root`)."""
+        if req.hashes:
+            return req.hashes[-1]
+        salt = getattr(ctx, "cache_salt", None)
+        if salt is None:
+            return self._root_hash
+        root = self._salted_roots.get(salt)
+        if root is None:
+            if len(self._salted_roots) >= 65536:  # bound the memo, not the salts
+                self._salted_roots.clear()
+            p = self.params
+            root = self._salted_roots[salt] = salted_root(p.prefix_hash, p.prefix_hash_seed, salt)
+        return root
 
     def num_prefix_hit_pages(self, ctx: TextGenerationContext) -> int:
         """Pages of `ctx`'s tokens this replica could serve from its prefix cache."""
@@ -197,21 +211,29 @@ class PagedReplica:
         full since their last step, in one all-or-nothing pool call."""
         if not self._prefix_caching:
             return
-        ps, plans, page_ids, hashes, datas = self.page_size, [], [], [], []
+        ps, plans = self.page_size, []
+        page_ids, hashes, datas, parents, salts = [], [], [], [], []
         for ctx in batch:
             req = self._requests[ctx.request_id]
             first, num_full = len(req.hashes), ctx.start_idx // ps
             if num_full <= first:
                 continue
-            chain = iter_page_hashes(ctx.tokens, ps, self._last_hash(req), self._hash_fn, first, num_full)
+            parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
+            salt = getattr(ctx, "cache_salt", None) if parent is None else None
+            chain = iter_page_hashes(
+                ctx.tokens, ps, self._last_hash(req, ctx), self._hash_fn, first, num_full
+            )
             new_hashes = []
             for page_idx, (page_hash, data) in enumerate(chain, start=first):
                 page_ids.append(req.pages[page_idx])
                 hashes.append(page_hash)
                 datas.append(data)
+                parents.append(parent)
+                salts.append(salt)
                 new_hashes.append(page_hash)
+                parent, salt = page_hash, None
             plans.append((req, new_hashes))
-        self.pool.commit_pages(page_ids, hashes, datas)
+        self.pool.commit_pages(page_ids, hashes, datas, parents, salts)
         for req, new_hashes in plans:
             req.hashes.extend(new_hashes)
 

@@ -63,6 +63,10 @@ class SequenceIdFlow:
             raise UnknownRequestError(seq_id)
         return seq_id  # type: ignore[return-value]
 
+    def cache_length(self, seq_id: int) -> int:
+        """Tokens in the sequence's cache."""
+        return self._lengths[self._check(seq_id)]
+
     def release(self, seq_id: int) -> None:
         """Frees the sequence's slot."""
         self._check(seq_id)
@@ -84,14 +88,17 @@ class SequenceIdFlow:
         return manager._inputs(slots, [self._lengths[s] for s in slots])
 
     def step(self, new_tokens: Mapping[int, int]) -> None:
-        """Adds each sequence's newly written token count to its cache length."""
-        grown = {}
-        for seq_id, n in new_tokens.items():
+        """Adds each sequence's newly written token count to its cache length (checks
+        every id, then every count, then every length, as the Mojo manager does)."""
+        for seq_id in new_tokens:
             self._check(seq_id)
+        for seq_id, n in new_tokens.items():
             if not is_sequence_id(n) or n < 0:
                 raise ValueError(
                     f"sequence {seq_id} wrote {n!r} tokens; a token count is an int >= 0"
                 )
+        grown = {}
+        for seq_id, n in new_tokens.items():
             grown[seq_id] = self._lengths[seq_id] + n
             if grown[seq_id] > self._manager.max_seq_len:
                 raise SequenceTooLongError(

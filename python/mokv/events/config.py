@@ -1,0 +1,82 @@
+"""KVEventsConfig: where and how a paged manager publishes its KV-cache events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .format import PAYLOAD_FORMATS
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Event publishing settings; the defaults are vLLM's `KVEventsConfig`.
+
+    Attributes:
+        endpoint: ZMQ address of the PUB socket. Bound when it contains `*` or `::` or
+            starts with `ipc://` / `inproc://` (the engine is the stable end, Dynamo's
+            topology); connected otherwise (the router binds, llm-d's topology).
+        replay_endpoint: ZMQ address of the ROUTER socket that resends buffered batches
+            to subscribers that missed some; None: no replay.
+        buffer_steps: batches kept for replay (the last ones).
+        hwm: ZMQ high-water mark of the PUB socket (messages queued per subscriber).
+        max_queue_size: batches waiting for the publisher thread; when full the oldest
+            is dropped (and counted), the scheduler never blocks.
+        topic: first frame of every message (llm-d accepts only `kv@<pod>@<model>`).
+        payload_format: "map" (events as tagged maps: current vLLM and SGLang) or
+            "array" (the legacy positional events).
+
+    Data-parallel replica `r` publishes on `endpoint_for(r)`: the tcp port plus `r`
+    (port 0, "any free port", stays 0), or the address with `_dp{r}` appended for
+    `inproc://` and `ipc://`; the replay endpoint is offset the same way.
+    """
+
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    payload_format: str = "map"
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str, got {getattr(self, name)!r}")
+        if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
+            raise TypeError(f"replay_endpoint must be a str or None, got {self.replay_endpoint!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.payload_format not in PAYLOAD_FORMATS:
+            raise ValueError(
+                f"payload_format={self.payload_format!r} is not one of {PAYLOAD_FORMATS}"
+            )
+        for endpoint in (self.endpoint, self.replay_endpoint):
+            if endpoint is not None and "://" not in endpoint:
+                raise ValueError(f"{endpoint!r} is not a ZMQ address (tcp://, ipc://, inproc://)")
+
+    def endpoint_for(self, replica: int) -> str:
+        """The PUB address of data-parallel replica `replica`."""
+        return offset_endpoint(self.endpoint, replica)
+
+    def replay_endpoint_for(self, replica: int) -> str | None:
+        """The replay (ROUTER) address of data-parallel replica `replica`, if any."""
+        return None if self.replay_endpoint is None else offset_endpoint(self.replay_endpoint, replica)
+
+
+def offset_endpoint(endpoint: str, replica: int) -> str:
+    """`endpoint` moved to replica `replica`: tcp port + replica, else a `_dp{r}` suffix."""
+    if replica == 0:
+        return endpoint
+    if endpoint.startswith(("inproc://", "ipc://")):
+        return f"{endpoint}_dp{replica}"
+    base, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"cannot offset {endpoint!r} for replica {replica}: no tcp port")
+    return endpoint if int(port) == 0 else f"{base}:{int(port) + replica}"
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: bind wildcard, IPv6-any, ipc and inproc addresses; connect the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))

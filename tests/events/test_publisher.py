@@ -1,0 +1,169 @@
+"""What a manager publishes: a scripted scenario's exact event sequence (one replica and
+two), both payload forms, the bind/connect topologies, and a full queue's counted drop."""
+
+import mokv
+import numpy as np
+import pytest
+from mokv.cache.hashing import page_hash_fn, page_hashes, root_hash, salted_root
+from mokv.events import KVEventsConfig
+from mokv.events.config import offset_endpoint
+from mokv.events.format import BatchDecoder
+
+from .conftest import free_port, inproc_name, make_publishing
+from .test_format import VAllBlocksCleared, VBlockRemoved, VBlockStored, decode_like_vllm
+
+FN, ROOT = page_hash_fn("xxh3"), root_hash("xxh3", 0)
+
+
+def hashes(tokens, salt=None):
+    root = ROOT if salt is None else salted_root("xxh3", 0, salt)
+    return page_hashes(np.asarray(tokens), 4, root, FN)
+
+
+def run_request(m, tokens, replica=None, salt=None):
+    """Claims, fetches, decodes one step (token 100) and steps one request; returns it."""
+    ctx = mokv.TextContext(tokens, cache_salt=salt)
+    m.external_claim(ctx.request_id, replica)
+    m.fetch([ctx])
+    ctx.update(100)
+    m.step([ctx])
+    return ctx
+
+
+def stored(hs, parent, tokens, extra=None):
+    return VBlockStored(hs, parent, list(tokens), 4, None, "CPU", None,
+                        extra_keys=extra or [None] * len(hs), group_idx=0,
+                        kv_cache_spec_kind="full_attention")
+
+
+def removed(h):
+    return VBlockRemoved([h], "CPU", group_idx=0)
+
+
+def scripted(m, replica=None):
+    """Startup, two pages stored, evicted by a four-page request, a reset. The events
+    each batch must hold, decoded with vLLM's structs."""
+    a = run_request(m, range(10), replica)  # 3 pages, the first 2 full when stepped
+    h0, h1 = hashes(range(8))
+    m.release(a.request_id)  # tail first: h1 joins the LRU before h0
+    run_request(m, range(20, 36), replica)  # needs all 4 pages: evicts h1, then h0
+    b = hashes(range(20, 36))
+    m.reset_prefix_cache()
+    return [
+        [VAllBlocksCleared()],
+        [stored([h0, h1], None, range(8))],
+        [removed(h1), removed(h0), stored(b, None, range(20, 36))],
+        [VAllBlocksCleared()],
+    ]
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_one_replica_publishes_the_scripted_sequence(session, reader_factory, form):
+    endpoint = inproc_name()
+    m = make_publishing(session, KVEventsConfig(endpoint, payload_format=form, topic="kv@p@m"))
+    reader = reader_factory(endpoint)
+    # The startup batch (seq 0) went out before the reader connected; it is checked
+    # through the replay socket below.
+    expected = scripted(m)
+    msgs = reader.take(3)
+    assert [int.from_bytes(seq, "big") for _, seq, _ in msgs] == [1, 2, 3]
+    assert all(topic == b"kv@p@m" for topic, _, _ in msgs)
+    decode = decode_like_vllm if form == "map" else BatchDecoder().decode
+    for (_, _, payload), events in zip(msgs, expected[1:]):
+        batch = decode(payload)
+        assert batch.data_parallel_rank == 0
+        got = [(type(e).__name__.lstrip("V"), *[getattr(e, f) for f in e.__struct_fields__
+                                                 if f in VBlockStored.__struct_fields__])
+               for e in batch.events]
+        want = [(type(e).__name__.lstrip("V"), *[getattr(e, f) for f in e.__struct_fields__])
+                for e in events]
+        assert got == want
+    m.close()
+
+
+def test_startup_clear_is_seq_zero_and_replayable(session):
+    import zmq
+
+    endpoint, replay = inproc_name(), inproc_name()
+    m = make_publishing(session, KVEventsConfig(endpoint, replay_endpoint=replay))
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(replay)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    assert dealer.poll(3000)
+    empty, topic, seq, payload = dealer.recv_multipart()
+    assert (empty, topic, seq) == (b"", b"", (0).to_bytes(8, "big"))
+    assert decode_like_vllm(payload).events == [VAllBlocksCleared()]
+    assert dealer.recv_multipart() == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+    dealer.close()
+    m.close()
+
+
+def test_two_replicas_publish_on_their_own_endpoints(session, reader_factory):
+    port = free_port()
+    config = KVEventsConfig(f"tcp://*:{port}")
+    m = make_publishing(session, config, dp=2)
+    assert [p.endpoint for p in m.kv_event_publishers] == [
+        f"tcp://0.0.0.0:{port}", f"tcp://0.0.0.0:{port + 1}"]
+    readers = [reader_factory(f"tcp://127.0.0.1:{port + r}") for r in range(2)]
+    expected = {r: scripted(m, replica=r) for r in range(2)}
+    for r, reader in enumerate(readers):
+        msgs = reader.take(4)  # both resets reach both replicas
+        batches = [decode_like_vllm(p) for _, _, p in msgs]
+        assert {b.data_parallel_rank for b in batches} == {r}
+        events = [e for b in batches for e in b.events]
+        own = [e for batch in expected[r][1:3] for e in batch]
+        assert [e for e in events if not isinstance(e, VAllBlocksCleared)] == own
+    m.close()
+
+
+def test_connect_topology_router_binds(session, reader_factory):
+
+    reader = reader_factory(inproc_name())
+    port = reader.sock.bind_to_random_port("tcp://127.0.0.1")  # llm-d: the router binds
+    m = make_publishing(session, KVEventsConfig(f"tcp://127.0.0.1:{port}"), num_pages=16)
+    sent = {}
+    for i in range(50):  # until the connection and subscription are up (PUB drops before)
+        tokens = range(100 * i, 100 * i + 8)
+        m.release(run_request(m, tokens).request_id)
+        sent[i] = hashes(tokens)
+        if reader.sock.poll(100):
+            break
+    batch = decode_like_vllm(reader.take(1)[0][2])
+    assert batch.events[-1].block_hashes in sent.values()
+    m.close()
+
+
+def test_salted_first_page_carries_its_salt(session, reader_factory):
+    endpoint = inproc_name()
+    m = make_publishing(session, KVEventsConfig(endpoint))
+    reader = reader_factory(endpoint)
+    run_request(m, range(9), salt="tenant-a")
+    (event,) = decode_like_vllm(reader.take(1)[0][2]).events
+    assert event.extra_keys == [("tenant-a",), None]
+    assert event.block_hashes == hashes(range(8), "tenant-a") != hashes(range(8))
+    m.close()
+
+
+def test_endpoint_offsets():
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_endpoint("tcp://*:0", 3) == "tcp://*:0"
+    assert offset_endpoint("inproc://x", 2) == "inproc://x_dp2"
+    assert offset_endpoint("ipc:///tmp/x", 1) == "ipc:///tmp/x_dp1"
+    c = KVEventsConfig()
+    assert (c.endpoint, c.replay_endpoint, c.buffer_steps, c.hwm, c.max_queue_size, c.topic,
+            c.payload_format) == ("tcp://*:5557", None, 10_000, 100_000, 100_000, "", "map")
+    with pytest.raises(ValueError, match="payload_format"):
+        KVEventsConfig(payload_format="json")
+
+
+def test_full_queue_drops_oldest_and_counts(session):
+    from mokv.events import EventPublisher
+
+    p = EventPublisher(KVEventsConfig(inproc_name(), max_queue_size=1), 0, 4, "CPU")
+    p._wake.wait = lambda timeout: None  # hold the thread back: batches pile up
+    for i in range(50):
+        p.removed(i)
+        p.end_step()
+    assert p.num_dropped > 0 and p.last_seq == 50
+    p.close()
