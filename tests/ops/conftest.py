@@ -234,7 +234,9 @@ def cache_symbols(cfg: Config, device: DeviceRef) -> tuple[Any, ...]:
 def fetch(cfg: Config) -> Callable[..., Any]:
     if cfg.strategy == "paged":
         return FetchPagedKVCacheCollection(cfg.params, num_layers=NUM_LAYERS, checked=cfg.checked)
-    return FetchContinuousBatchingKVCacheCollection(cfg.params, num_layers=NUM_LAYERS, checked=cfg.checked)
+    return FetchContinuousBatchingKVCacheCollection(
+        cfg.params, num_layers=NUM_LAYERS, checked=cfg.checked
+    )
 
 
 def build_store_attention(cfg: Config, device: DeviceRef) -> Graph:

@@ -43,7 +43,8 @@ def checked(cfg: Config) -> Config:
 
 
 def _graph(params: KVCacheParams, *extra: TensorType, device: DeviceRef = CPU) -> Graph:
-    return Graph("checks", input_types=[*PAGED.input_symbols(params, NUM_LAYERS, 0, device), *extra])
+    symbols = PAGED.input_symbols(params, NUM_LAYERS, 0, device)
+    return Graph("checks", input_types=[*symbols, *extra])
 
 
 def test_layer_idx_past_num_layers_fails_at_graph_build() -> None:
@@ -60,7 +61,7 @@ def test_layer_idx_past_num_layers_fails_at_graph_build() -> None:
                       FetchPagedKVCacheCollection(params)):
             kv = fetch(*g.inputs[:4])
             assert kv.num_layers == NUM_LAYERS
-            match = f"layer_idx={NUM_LAYERS} is out of range: the collection has num_layers={NUM_LAYERS}"
+            match = f"layer_idx={NUM_LAYERS} is out of range: the collection has num_layers=2"
             with pytest.raises(ValueError, match=match):
                 store_kv(kv, k, k, off, NUM_LAYERS)
             with pytest.raises(ValueError, match=match):
@@ -82,9 +83,10 @@ def test_head_dim_the_cpu_kernels_cannot_run_fails_at_graph_build() -> None:
         kv = FetchPagedKVCacheCollection(params)(*g.inputs[:4])
         k, h, w, q, off = g.inputs[4:]
         store_kv(kv, k, k, off, 0)  # store_kv supports any head_dim
-        with pytest.raises(ValueError, match="fused_qkv_matmul on the CPU needs head_dim to be a multiple of 16"):
+        needs = "on the CPU needs head_dim to be a multiple of 16"
+        with pytest.raises(ValueError, match=f"fused_qkv_matmul {needs}"):
             fused_qkv_matmul(kv, h, w, off, 0, 2)
-        with pytest.raises(ValueError, match=r"flash_attention on the CPU needs head_dim .* got head_dim=8"):
+        with pytest.raises(ValueError, match=rf"flash_attention {needs} .* got head_dim=8"):
             flash_attention(kv, q, off, 0, 0.35)
 
 
@@ -94,16 +96,22 @@ def test_gqa_group_past_64_fails_at_graph_build() -> None:
     ot = TensorType(DType.uint32, ["n"], device=CPU)
     with _graph(params, qt, ot) as g:
         kv = FetchPagedKVCacheCollection(params)(*g.inputs[:4])
-        with pytest.raises(ValueError, match="at most 64 query heads per KV head, got 128 query heads over 1"):
+        match = "at most 64 query heads per KV head, got 128 query heads over 1"
+        with pytest.raises(ValueError, match=match):
             flash_attention(kv, g.inputs[4], g.inputs[5], 0, 0.25)
 
 
 def test_checked_mode_is_refused_for_a_gpu_cache() -> None:
     params = KVCacheParams(dtype=DType.bfloat16, n_kv_heads=2, head_dim=128, page_size=16)
-    with _graph(params, device=DeviceRef.GPU()) as g:
-        FetchPagedKVCacheCollection(params)(*g.inputs[:4])  # unchecked: fine
+    gpu = DeviceRef.GPU()
+    kt = TensorType(DType.bfloat16, ["t", 2, 128], device=gpu)
+    ot = TensorType(DType.uint32, ["n"], device=gpu)
+    with _graph(params, kt, ot, device=gpu) as g:
+        kv = FetchPagedKVCacheCollection(params)(*g.inputs[:4])  # unchecked: fine
         with pytest.raises(ValueError, match="checked=True needs a cache on the CPU"):
             FetchPagedKVCacheCollection(params, checked=True)(*g.inputs[:4])
+        with pytest.raises(ValueError, match="checked mode needs a cache on the CPU, got blocks"):
+            store_kv(kv, g.inputs[4], g.inputs[4], g.inputs[5], 0, checked=True)
 
 
 def test_check_op_is_emitted_only_when_checking() -> None:
@@ -215,7 +223,7 @@ def test_rope_positions_past_the_freqs_table_raise(compiled) -> None:
     # Position 96 has no row in the 96-row table (the lookup row has room: 7 pages).
     cache, model, inputs = run(checked(cfg), [0, MAX_SEQ_LEN])
     before = cache.blocks.copy()
-    match = rf"cache_lengths\[1\] = {MAX_SEQ_LEN} \+ 1 new tokens = 97 positions > 96 rows of freqs_cis"
+    match = r"cache_lengths\[1\] = 96 \+ 1 new tokens = 97 positions > 96 rows of freqs_cis"
     with pytest.raises(ValueError, match=match):
         model.execute(*inputs, *args)
     np.testing.assert_array_equal(cache.blocks, before)
@@ -223,6 +231,8 @@ def test_rope_positions_past_the_freqs_table_raise(compiled) -> None:
 
 def test_continuous_symbols_have_a_static_layer_dim() -> None:
     """The fetcher reads num_layers from blocks dim 2 of either layout's input symbols."""
-    params = KVCacheParams(dtype=DType.float32, n_kv_heads=2, head_dim=64, cache_strategy="continuous")
+    params = KVCacheParams(
+        dtype=DType.float32, n_kv_heads=2, head_dim=64, cache_strategy="continuous"
+    )
     with Graph("layers", input_types=list(CONTINUOUS.input_symbols(params, 3, 32, CPU))) as g:
         assert CONTINUOUS.fetch(params, None, *g.inputs).num_layers == 3

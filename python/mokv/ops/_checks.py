@@ -62,7 +62,7 @@ CPU_MAX_GROUP = 64
 
 
 def check_head_dim(op: str, head_dim: int, device: DeviceRef, rope: bool = False) -> None:
-    """ValueError naming the supported values unless `op`'s kernel supports `head_dim` on `device`."""
+    """ValueError naming the supported values unless `op`'s kernel runs `head_dim` on `device`."""
     if device.is_cpu():
         if head_dim % CPU_HEAD_DIM_MULTIPLE:
             raise ValueError(
@@ -71,7 +71,9 @@ def check_head_dim(op: str, head_dim: int, device: DeviceRef, rope: bool = False
             )
     else:
         if head_dim > GPU_MAX_HEAD_DIM:
-            raise ValueError(f"{op} on a GPU supports head_dim <= {GPU_MAX_HEAD_DIM}, got {head_dim}")
+            raise ValueError(
+                f"{op} on a GPU supports head_dim <= {GPU_MAX_HEAD_DIM}, got {head_dim}"
+            )
         if rope and head_dim % 2:
             raise ValueError(f"{op} with RoPE needs an even head_dim, got {head_dim}")
 
