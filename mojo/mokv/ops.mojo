@@ -299,3 +299,88 @@ struct FlashAttentionPaged:
         ctx: DeviceContext,
     ) raises:
         _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, ctx)
+
+
+# ===----------------------------------------------------------------------=== #
+# check_tables: checked mode (kernels/checks.mojo); the op wrappers emit it before a
+# kernel when checking is on (python/mokv/ops/_checks.py, `emit_table_check`)
+# ===----------------------------------------------------------------------=== #
+#
+# The op returns its collection unchanged and the guarded kernel takes THAT value: a
+# data dependency, so the kernel runs only after the check succeeded (when the check
+# raises, its output is an error value and the kernel is skipped). MAX 26.7 does not
+# keep the device chain's program order between an op that takes the blocks buffer
+# and ops that take only the collection, so the chain alone would not order them.
+
+from max.gpu.host.info import is_cpu
+
+from .kernels.checks import check_continuous_tables, check_paged_tables
+
+
+@register("mokv.check_tables.ragged.paged")
+struct CheckTablesPaged:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, target: StaticString](
+        collection: PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size],
+        blocks: MutableInputTensor[rank=6, ...],  # [total_num_pages, 2, num_layers, page_size, H, D]; not written
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size]
+        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],  # [batch_size, max_num_pages]
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size + 1]
+        rows: InputTensor[rank=2, ...],  # [total_tokens, *]: the guarded op's token rows
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],  # [1], host
+        max_positions: InputTensor[dtype=DType.uint32, rank=1, ...],  # [1], host; 0 = no limit
+        ctx: DeviceContext,
+    ) raises -> PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]:
+        comptime if not is_cpu[target]():
+            raise Error("mokv.check_tables runs on the CPU only (it reads the tables on the host)")
+        else:
+            check_paged_tables(
+                _u32(cache_lengths.unsafe_ptr()),
+                cache_lengths.dim_size(0),
+                _u32(lookup_table.unsafe_ptr()),
+                lookup_table.dim_size(0),
+                lookup_table.dim_size(1),
+                blocks.dim_size(0),
+                blocks.dim_size(2),
+                blocks.dim_size(3),
+                _u32(input_row_offsets.unsafe_ptr()),
+                input_row_offsets.dim_size(0),
+                rows.dim_size(0),
+                Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
+                Int(max_positions.unsafe_ptr()[unsafe_offset=0]),
+            )
+            return collection
+
+
+@register("mokv.check_tables.ragged.continuous")
+struct CheckTablesContinuous:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, target: StaticString](
+        collection: ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size],
+        blocks: MutableInputTensor[rank=6, ...],  # [max_batch_size, 2, num_layers, max_seq_len, H, D]; not written
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size]
+        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size]
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size + 1]
+        rows: InputTensor[rank=2, ...],  # [total_tokens, *]: the guarded op's token rows
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],  # [1], host
+        max_positions: InputTensor[dtype=DType.uint32, rank=1, ...],  # [1], host; 0 = no limit
+        ctx: DeviceContext,
+    ) raises -> ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]:
+        comptime if not is_cpu[target]():
+            raise Error("mokv.check_tables runs on the CPU only (it reads the tables on the host)")
+        else:
+            check_continuous_tables(
+                _u32(cache_lengths.unsafe_ptr()),
+                cache_lengths.dim_size(0),
+                _u32(lookup_table.unsafe_ptr()),
+                lookup_table.dim_size(0),
+                blocks.dim_size(0),
+                blocks.dim_size(2),
+                blocks.dim_size(3),
+                _u32(input_row_offsets.unsafe_ptr()),
+                input_row_offsets.dim_size(0),
+                rows.dim_size(0),
+                Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
+                Int(max_positions.unsafe_ptr()[unsafe_offset=0]),
+            )
+            return collection

@@ -208,6 +208,7 @@ class Config:
     page_size: int = 16
     hidden: int = 64
     rope: bool = False
+    checked: bool = False  # the fetcher's checked mode (mokv.check_tables before each kernel)
 
     @property
     def params(self) -> KVCacheParams:
@@ -232,8 +233,10 @@ def cache_symbols(cfg: Config, device: DeviceRef) -> tuple[Any, ...]:
 
 def fetch(cfg: Config) -> Callable[..., Any]:
     if cfg.strategy == "paged":
-        return FetchPagedKVCacheCollection(cfg.params, num_layers=NUM_LAYERS)
-    return FetchContinuousBatchingKVCacheCollection(cfg.params, num_layers=NUM_LAYERS)
+        return FetchPagedKVCacheCollection(cfg.params, num_layers=NUM_LAYERS, checked=cfg.checked)
+    return FetchContinuousBatchingKVCacheCollection(
+        cfg.params, num_layers=NUM_LAYERS, checked=cfg.checked
+    )
 
 
 def build_store_attention(cfg: Config, device: DeviceRef) -> Graph:

@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar, NamedTuple
 
 from max.dtype import DType
-from max.graph import BufferValue, DeviceRef, Graph, TensorValue, ops
+from max.graph import BufferValue, DeviceRef, Graph, StaticDim, TensorValue, ops
 from max.graph.type import _OpaqueType
 from max.graph.value import _OpaqueValue
 
@@ -69,6 +69,24 @@ class CollectionInfo(NamedTuple):
     dtype: DType
     num_heads: int  # KV heads on this device
     head_size: int
+    num_layers: int | None = None  # layers of the cache buffer, when known at graph build
+    checked: bool = False  # the fetcher's `checked`: wrappers check the runtime tables
+    inputs: tuple[Any, ...] = ()  # the flat input values the collection was built from
+
+
+class KVCollectionValue(_OpaqueValue):
+    """Graph value of a mokv collection, plus what its fetcher knew.
+
+    The Mojo value is a view over the flat inputs; the Python object also carries
+    `num_layers` (so that an int `layer_idx` is checked when the graph is built), the
+    fetcher's `checked` flag and the flat input values themselves (which the checked
+    mode's `mokv.check_tables` op reads). A value re-wrapped from a bare `_OpaqueValue`
+    has `num_layers=None`, `checked=False` and no inputs.
+    """
+
+    num_layers: int | None = None
+    checked: bool = False
+    inputs: tuple[Any, ...] = ()
 
 
 class CacheLayout(ABC):
@@ -111,9 +129,11 @@ class CacheLayout(ABC):
         """The registered name of `op` for this layout: `mokv.<op>.ragged.<name>`."""
         return f"mokv.{op}.ragged.{self.name}"
 
-    def fetch(self, kv_params: KVCacheParams, num_layers: int | None, *inputs: Any) -> Any:
+    def fetch(
+        self, kv_params: KVCacheParams, num_layers: int | None, *inputs: Any, checked: bool = False
+    ) -> Any:
         """The collection value of one device's flat input values (see `FetchKVCacheCollection`)."""
-        return FetchKVCacheCollection(kv_params, num_layers, layout=self)(*inputs)
+        return FetchKVCacheCollection(kv_params, num_layers, layout=self, checked=checked)(*inputs)
 
     def info(self, collection: _OpaqueValue) -> CollectionInfo:
         """The static facts of a collection value of this layout."""
@@ -122,6 +142,9 @@ class CacheLayout(ABC):
         return CollectionInfo(
             self, code_to_dtype[int(params["dtype_code"])], int(params["num_heads"]),
             int(params["head_size"]),
+            num_layers=getattr(collection, "num_layers", None),
+            checked=bool(getattr(collection, "checked", False)),
+            inputs=tuple(getattr(collection, "inputs", ())),
         )
 
 
@@ -148,13 +171,24 @@ class FetchKVCacheCollection:
 
     Subclasses set `layout`; the base class takes it as an argument. The graph being
     built gets mokv's kernel package.
+
+    `num_layers` (else the static dim 2 of `blocks`) travels with the collection, so
+    the op wrappers reject an int `layer_idx >= num_layers` while the graph is built.
+
+    `checked=True` turns on the kernels' checked mode for every op on this collection
+    (an op wrapper's own `checked=` overrides it): before each kernel, the op
+    `mokv.check_tables.ragged.<layout>` verifies the runtime tables on the host
+    (mojo/mokv/kernels/checks.mojo) and raises, naming the bad entry, instead of
+    letting the kernel read or write outside the cache. For tables built by hand;
+    a manager's `fetch` output is valid by construction. CPU caches only: on another
+    device it is refused here, at graph build.
     """
 
     layout: CacheLayout
 
     def __init__(
         self, kv_params: KVCacheParams, num_layers: int | None = None,
-        layout: CacheLayout | None = None,
+        layout: CacheLayout | None = None, *, checked: bool = False,
     ) -> None:
         if layout is not None:
             self.layout = layout
@@ -166,9 +200,12 @@ class FetchKVCacheCollection:
             not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1
         ):
             raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
+        if not isinstance(checked, bool):
+            raise TypeError(f"checked must be a bool, got {checked!r}")
         dtype_code(kv_params.dtype)  # fail at construction for an unsupported dtype
         self.kv_params = kv_params
         self.num_layers = num_layers
+        self.checked = checked
 
     def __call__(self, *inputs: Any) -> Any:
         layout, params = self.layout, self.kv_params
@@ -196,13 +233,27 @@ class FetchKVCacheCollection:
         for spec, value in zip(layout.tensors, tensors):
             check_dtype(spec.name, value, spec.dtype)
             check_rank(spec.name, value, spec.rank)
+        if self.checked and blocks.device != DeviceRef.CPU():
+            raise ValueError(
+                f"checked=True needs a cache on the CPU (the table check reads the tables on "
+                f"the host), got blocks on {blocks.device}"
+            )
         _use_mokv_kernels(Graph.current)
         out_type = layout.CollectionType(params)
+        tensors = [TensorValue(t) for t in tensors]
         value = ops.inplace_custom(
             f"mokv.kv_collection_ctor.{layout.name}",
             blocks.device,
-            [blocks, *(TensorValue(t) for t in tensors)],
+            [blocks, *tensors],
             out_types=[out_type],
             parameters=dict(out_type.parameters),
         )[0]
-        return layout.Collection(value)
+        collection = layout.Collection(value)
+        layers_dim = blocks.shape[2]
+        collection.num_layers = (
+            self.num_layers if self.num_layers is not None
+            else int(layers_dim) if isinstance(layers_dim, StaticDim) else None
+        )
+        collection.checked = self.checked
+        collection.inputs = (blocks, *tensors)
+        return collection

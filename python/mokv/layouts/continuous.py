@@ -26,7 +26,7 @@ from max.graph.type import _OpaqueType
 from max.graph.value import _OpaqueValue
 
 from ..params import KVCacheParams
-from .base import CacheLayout, FetchKVCacheCollection, TensorSpec
+from .base import CacheLayout, FetchKVCacheCollection, KVCollectionValue, TensorSpec
 
 T = TypeVar("T")
 B = TypeVar("B")
@@ -53,7 +53,7 @@ class ContinuousBatchingKVCacheCollectionType(_OpaqueType):
         )
 
 
-class ContinuousBatchingKVCacheCollection(_OpaqueValue):
+class ContinuousBatchingKVCacheCollection(KVCollectionValue):
     """Graph value of a `ContinuousBatchingKVCacheCollectionType`."""
 
 

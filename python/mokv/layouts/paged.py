@@ -31,7 +31,7 @@ from max.graph.value import _OpaqueValue
 
 from ..checks import check_static_dim
 from ..params import KVCacheParams
-from .base import CacheLayout, FetchKVCacheCollection, TensorSpec
+from .base import CacheLayout, FetchKVCacheCollection, KVCollectionValue, TensorSpec
 
 T = TypeVar("T")
 B = TypeVar("B")
@@ -53,7 +53,7 @@ class PagedKVCacheCollectionType(_OpaqueType):
         super().__init__("PagedKVCacheCollection", PAGED.collection_parameters(kv_params))
 
 
-class PagedKVCacheCollection(_OpaqueValue):
+class PagedKVCacheCollection(KVCollectionValue):
     """Graph value of a `PagedKVCacheCollectionType`."""
 
 

@@ -1,4 +1,5 @@
-"""Graph-build-time argument checks specific to the op wrappers (scalars, offsets).
+"""Graph-build-time argument checks specific to the op wrappers (scalars, offsets,
+supported head sizes), and the checked mode's run-time table check.
 
 The generic value checks are in `mokv.checks`; a collection argument is checked by
 `mokv.layouts.collection_info`, which also tells the wrapper the collection's layout.
@@ -34,13 +35,110 @@ def host_scalar(name: str, value: Any, dtype: DType) -> TensorValue:
     return ops.reshape(t, [1])
 
 
-def layer_index(layer_idx: Any) -> TensorValue:
-    """`layer_idx` (int or uint32 host scalar tensor) as the [1] uint32 host tensor kernels read."""
+def layer_index(layer_idx: Any, num_layers: int | None = None) -> TensorValue:
+    """`layer_idx` (int or uint32 host scalar tensor) as the [1] uint32 host tensor kernels read.
+
+    An int is checked against `num_layers` (the collection's, when its fetcher knew it);
+    a tensor's value is only known at run time (checked mode checks it there).
+    """
     if isinstance(layer_idx, (bool, float, np.floating)):
         raise TypeError(f"layer_idx must be an int or a uint32 scalar tensor, got {layer_idx!r}")
-    if isinstance(layer_idx, (int, np.integer)) and layer_idx < 0:
-        raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
+    if isinstance(layer_idx, (int, np.integer)):
+        if layer_idx < 0:
+            raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
+        if num_layers is not None and layer_idx >= num_layers:
+            raise ValueError(
+                f"layer_idx={layer_idx} is out of range: the collection has num_layers={num_layers}"
+            )
     return host_scalar("layer_idx", layer_idx, DType.uint32)
+
+
+CPU_HEAD_DIM_MULTIPLE = 16
+"""The CPU fused_qkv_matmul and flash_attention kernels work on whole 16-lane vectors."""
+GPU_MAX_HEAD_DIM = 1024
+"""The GPU fused_qkv_matmul kernel runs one thread per feature of a head (a block of head_dim)."""
+CPU_MAX_GROUP = 64
+"""The CPU flash_attention kernel keeps every query head of a GQA group in one work unit."""
+
+
+def check_head_dim(op: str, head_dim: int, device: DeviceRef, rope: bool = False) -> None:
+    """ValueError naming the supported values unless `op`'s kernel runs `head_dim` on `device`."""
+    if device.is_cpu():
+        if head_dim % CPU_HEAD_DIM_MULTIPLE:
+            raise ValueError(
+                f"{op} on the CPU needs head_dim to be a multiple of {CPU_HEAD_DIM_MULTIPLE} "
+                f"(16, 32, 48, 64, 80, 96, 128, ...), got head_dim={head_dim}"
+            )
+    else:
+        if head_dim > GPU_MAX_HEAD_DIM:
+            raise ValueError(
+                f"{op} on a GPU supports head_dim <= {GPU_MAX_HEAD_DIM}, got {head_dim}"
+            )
+        if rope and head_dim % 2:
+            raise ValueError(f"{op} with RoPE needs an even head_dim, got {head_dim}")
+
+
+def check_group(op: str, n_heads: int, n_kv_heads: int, device: DeviceRef) -> None:
+    """ValueError unless the query heads per KV head are supported on `device`."""
+    if device.is_cpu() and n_heads // n_kv_heads > CPU_MAX_GROUP:
+        raise ValueError(
+            f"{op} on the CPU supports at most {CPU_MAX_GROUP} query heads per KV head, got "
+            f"{n_heads} query heads over {n_kv_heads} KV heads"
+        )
+
+
+def wants_check(info: Any, checked: bool | None) -> bool:
+    """Whether an op checks its tables: the wrapper's `checked`, else the collection's."""
+    if checked is None:
+        return bool(info.checked)
+    if not isinstance(checked, bool):
+        raise TypeError(f"checked must be a bool or None, got {checked!r}")
+    return checked
+
+
+def emit_table_check(
+    collection: Any,
+    info: Any,
+    offsets: TensorValue,
+    rows: TensorValue,
+    layer_idx: TensorValue,
+    max_positions: TensorValue | None = None,
+) -> Any:
+    """Emits `mokv.check_tables.ragged.<layout>` (checked mode); returns the collection
+    value that the guarded kernel must take instead of `collection`.
+
+    The op reads the collection's flat inputs, `offsets`, dim 0 of `rows` (the kernel's
+    token rows: total_tokens), `layer_idx` and `max_positions` ([1] uint32 host: a cap
+    on cache length + new tokens, the RoPE table's rows) on the host, raises at run
+    time naming the first bad entry (mojo/mokv/kernels/checks.mojo), and returns the
+    collection unchanged. The kernel's dependency on that returned value is what orders
+    it after the check and skips it when the check raised: MAX 26.7 does not keep the
+    device chain's order between an op on the blocks buffer and ops on the collection.
+    """
+    if not info.inputs:
+        raise ValueError(
+            "checked mode needs a collection built by a mokv fetcher (FetchPagedKVCacheCollection, "
+            "...): this one does not carry its flat inputs"
+        )
+    blocks, cache_lengths, lookup_table = info.inputs[:3]
+    if blocks.device != DeviceRef.CPU():
+        raise ValueError(f"checked mode needs a cache on the CPU, got blocks on {blocks.device}")
+    rows = TensorValue(rows)
+    if len(rows.shape) != 2:
+        rows = ops.reshape(rows, [rows.shape[0], -1])
+    if max_positions is None:
+        max_positions = host_scalar("max_positions", 0, DType.uint32)
+    out_type = collection.type
+    checked = ops.inplace_custom(
+        info.layout.op_name("check_tables"),
+        blocks.device,
+        [collection, blocks, cache_lengths, lookup_table, offsets, rows, layer_idx, max_positions],
+        out_types=[out_type],
+        parameters=dict(out_type.parameters),
+    )[0]
+    value = info.layout.Collection(checked)
+    value.num_layers, value.checked, value.inputs = info.num_layers, info.checked, info.inputs
+    return value
 
 
 def check_row_offsets(input_row_offsets: Any, device: DeviceRef) -> TensorValue:

@@ -9,7 +9,15 @@ from max.graph import TensorType, TensorValue, ops
 
 from ..checks import check_dtype, check_rank, check_static_dim
 from ..layouts import collection_info
-from ._checks import check_row_offsets, host_scalar, layer_index
+from ._checks import (
+    check_group,
+    check_head_dim,
+    check_row_offsets,
+    emit_table_check,
+    host_scalar,
+    layer_index,
+    wants_check,
+)
 
 
 def flash_attention(
@@ -18,6 +26,7 @@ def flash_attention(
     input_row_offsets: TensorValue,
     layer_idx: int | TensorValue,
     scale: float | TensorValue,
+    checked: bool | None = None,
 ) -> TensorValue:
     """Causal grouped-query attention of this step's queries over the cached K and V.
 
@@ -30,8 +39,14 @@ def flash_attention(
         collection: a `PagedKVCacheCollection` or `ContinuousBatchingKVCacheCollection`.
         q: [total_tokens, n_heads, head_dim], the cache's dtype.
         input_row_offsets: uint32 [batch_size + 1].
-        layer_idx: layer to read (int, or uint32 scalar tensor on the host).
+        layer_idx: layer to read (int, or uint32 scalar tensor on the host); an int
+            must be below the collection's num_layers.
         scale: softmax scale, usually 1 / sqrt(head_dim) (float, or float32 host scalar).
+        checked: check the runtime tables first (`mokv.check_tables`); None: the
+            collection's `checked` (see `FetchKVCacheCollection`).
+
+    The CPU kernel needs head_dim to be a multiple of 16 and at most 64 query heads per
+    KV head; other values are refused here.
 
     Returns:
         [total_tokens, n_heads, head_dim] in q's dtype.
@@ -47,11 +62,16 @@ def flash_attention(
             f"q dim 1 (query heads, {n_heads}) must be a static multiple of the cache's "
             f"{info.num_heads} KV heads"
         )
+    check_head_dim("flash_attention", info.head_size, q.device)
+    check_group("flash_attention", int(n_heads), info.num_heads, q.device)
     offsets = check_row_offsets(input_row_offsets, q.device)
+    layer = layer_index(layer_idx, info.num_layers)
+    if wants_check(info, checked):
+        collection = emit_table_check(collection, info, offsets, q, layer)
     out_type = TensorType(q.dtype, q.shape, device=q.device)
     return ops.inplace_custom(
         info.layout.op_name("flash_attention"),
         q.device,
-        [q, offsets, collection, layer_index(layer_idx), host_scalar("scale", scale, DType.float32)],
+        [q, offsets, collection, layer, host_scalar("scale", scale, DType.float32)],
         out_types=[out_type],
     )[0].tensor

@@ -8,7 +8,7 @@ from max.graph import TensorValue, ops
 
 from ..checks import check_device, check_dtype, check_rank, check_same_dim, check_static_dim
 from ..layouts import collection_info
-from ._checks import check_row_offsets, layer_index
+from ._checks import check_row_offsets, emit_table_check, layer_index, wants_check
 
 
 def store_kv(
@@ -17,6 +17,7 @@ def store_kv(
     v: TensorValue,
     input_row_offsets: TensorValue,
     layer_idx: int | TensorValue,
+    checked: bool | None = None,
 ) -> None:
     """Stores new K and V rows of one layer at each sequence's cache position.
 
@@ -29,7 +30,10 @@ def store_kv(
         k: [total_tokens, n_kv_heads, head_dim], the cache's dtype.
         v: [total_tokens, n_kv_heads, head_dim], the cache's dtype.
         input_row_offsets: uint32 [batch_size + 1], row offsets of each batch entry.
-        layer_idx: layer to write (int, or a uint32 scalar tensor on the host).
+        layer_idx: layer to write (int, or a uint32 scalar tensor on the host); an int
+            must be below the collection's num_layers.
+        checked: check the runtime tables first (`mokv.check_tables`); None: the
+            collection's `checked` (see `FetchKVCacheCollection`).
     """
     info = collection_info("collection", collection)
     k, v = TensorValue(k), TensorValue(v)
@@ -41,8 +45,11 @@ def store_kv(
     check_same_dim("k", k, 0, "v", v, 0)
     check_device("v", v, k.device)
     offsets = check_row_offsets(input_row_offsets, k.device)
+    layer = layer_index(layer_idx, info.num_layers)
+    if wants_check(info, checked):
+        collection = emit_table_check(collection, info, offsets, k, layer)
     ops.inplace_custom(
         info.layout.op_name("store_kv"),
         k.device,
-        [collection, k, v, offsets, layer_index(layer_idx)],
+        [collection, k, v, offsets, layer],
     )

@@ -6,11 +6,18 @@ from typing import Any
 
 import numpy as np
 from max.dtype import DType
-from max.graph import TensorType, TensorValue, ops
+from max.graph import StaticDim, TensorType, TensorValue, ops
 
 from ..checks import check_device, check_dtype, check_rank, check_same_dim, check_static_dim
 from ..layouts import collection_info
-from ._checks import check_row_offsets, layer_index
+from ._checks import (
+    check_head_dim,
+    check_row_offsets,
+    emit_table_check,
+    host_scalar,
+    layer_index,
+    wants_check,
+)
 
 
 def fused_qkv_matmul(
@@ -21,6 +28,7 @@ def fused_qkv_matmul(
     layer_idx: int | TensorValue,
     n_heads: int,
     freqs_cis: TensorValue | None = None,
+    checked: bool | None = None,
 ) -> TensorValue:
     """Projects hidden states to Q, K, V; returns Q and writes K and V into the cache.
 
@@ -33,10 +41,17 @@ def fused_qkv_matmul(
         wqkv: [(n_heads + 2 * n_kv_heads) * head_dim, hidden_size], same dtype; rows are
             the Q heads, then the K heads, then the V heads (a Linear weight).
         input_row_offsets: uint32 [batch_size + 1].
-        layer_idx: layer whose K/V to write (int, or uint32 scalar tensor on the host).
+        layer_idx: layer whose K/V to write (int, or uint32 scalar tensor on the host);
+            an int must be below the collection's num_layers.
         n_heads: query heads on this device (a multiple of the cache's KV heads).
         freqs_cis: optional float32 [max_seq_len, head_dim]; row p holds
             (cos t_0 .. cos t_{d/2-1}, sin t_0 .. sin t_{d/2-1}) for position p.
+        checked: check the runtime tables first (`mokv.check_tables`; with
+            `freqs_cis`, also that every position has a row); None: the collection's
+            `checked` (see `FetchKVCacheCollection`).
+
+    The CPU kernel needs head_dim to be a multiple of 16; the GPU kernel head_dim <= 1024
+    (and even with RoPE). Other values are refused here.
 
     Returns:
         Q: [total_tokens, n_heads * head_dim], hidden's dtype (rotated if freqs_cis).
@@ -54,19 +69,33 @@ def fused_qkv_matmul(
     check_static_dim("wqkv", wqkv, 0, (n_heads + 2 * info.num_heads) * info.head_size)
     check_same_dim("wqkv", wqkv, 1, "hidden", hidden, 1)
     check_device("wqkv", wqkv, hidden.device)
+    check_head_dim("fused_qkv_matmul", info.head_size, hidden.device, rope=freqs_cis is not None)
     offsets = check_row_offsets(input_row_offsets, hidden.device)
-    values = [hidden, wqkv, offsets, collection, layer_index(layer_idx)]
+    layer = layer_index(layer_idx, info.num_layers)
     name = info.layout.op_name("fused_qkv_matmul")
+    extra: list[TensorValue] = []
     if freqs_cis is not None:
         freqs_cis = TensorValue(freqs_cis)
         check_dtype("freqs_cis", freqs_cis, DType.float32)
         check_rank("freqs_cis", freqs_cis, 2)
         check_static_dim("freqs_cis", freqs_cis, 1, info.head_size)
         check_device("freqs_cis", freqs_cis, hidden.device)
-        values.append(freqs_cis)
+        extra.append(freqs_cis)
         name += ".rope"
+    if wants_check(info, checked):
+        positions = rope_rows(freqs_cis) if freqs_cis is not None else None
+        collection = emit_table_check(collection, info, offsets, hidden, layer, positions)
+    values = [hidden, wqkv, offsets, collection, layer, *extra]
     out_type = TensorType(info.dtype, [hidden.shape[0], n_heads * info.head_size], device=hidden.device)
     return ops.inplace_custom(name, hidden.device, values, out_types=[out_type])[0].tensor
+
+
+def rope_rows(freqs_cis: TensorValue) -> TensorValue:
+    """[1] uint32 host tensor: the rows of `freqs_cis` (positions RoPE can rotate)."""
+    dim = freqs_cis.shape[0]
+    if isinstance(dim, StaticDim):
+        return host_scalar("max_positions", int(dim), DType.uint32)
+    return ops.cast(ops.shape_to_tensor([dim]), DType.uint32)
 
 
 def rope_freqs_cis(
