@@ -44,9 +44,11 @@ class KVCacheParams:
             manager `load_kv_manager` builds (a manager built directly is its own layout).
         enable_prefix_caching: share full pages between requests whose token
             prefixes are identical (paged strategy only).
-        enable_kvcache_swapping_to_host: keep evicted pages in host memory
-            (not available yet: managers raise NotImplementedError).
-        host_kvcache_swap_space_gb: size of that host tier.
+        enable_kvcache_swapping_to_host: keep copies of committed pages in a host-memory
+            tier, so that prefixes evicted from the device are loaded back instead of
+            recomputed (paged strategy with `enable_prefix_caching`; see README "Host tier").
+        host_kvcache_swap_space_gb: size of that host tier in GiB, all replicas together
+            (required, > 0, with the tier on).
         data_parallel_degree: number of independent replicas of the cache, each
             with its own page pool on its own group of devices.
         n_devices: total devices; each replica gets `n_devices // data_parallel_degree`
@@ -96,6 +98,18 @@ class KVCacheParams:
                 f"n_kv_heads={self.n_kv_heads} cannot be split evenly across the "
                 f"{self.tensor_parallel_degree} devices of a replica"
             )
+        if self.enable_kvcache_swapping_to_host:
+            gb = self.host_kvcache_swap_space_gb
+            if gb.__class__ not in (int, float) or not gb > 0:
+                raise ValueError(
+                    "enable_kvcache_swapping_to_host needs host_kvcache_swap_space_gb > 0, "
+                    f"got {gb!r}"
+                )
+            if not self.enable_prefix_caching:
+                raise ValueError(
+                    "enable_kvcache_swapping_to_host needs enable_prefix_caching: the host "
+                    "tier holds committed prefix pages"
+                )
         if self.prefix_hash not in PREFIX_HASH_ALGORITHMS:
             raise ValueError(
                 f"prefix_hash={self.prefix_hash!r} is not one of {PREFIX_HASH_ALGORITHMS}"
