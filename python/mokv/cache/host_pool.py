@@ -19,8 +19,8 @@ made it free.
 
 Eviction is LRU over leaves: a victim is the oldest cached page that no other cached
 page names as its parent, so a suffix goes before its prefix (SGLang's radix-cache
-rule). Evicting a leaf can make its parent a leaf; that parent is older than anything
-not yet scanned, so it goes next.
+rule). Evicting a leaf can make its parent a leaf; if the scan already passed that
+parent, it is now the oldest leaf, so it goes next.
 
 Invariants (checked by `check_invariants`):
   1. free and cached partition the pages; no duplicates.
@@ -137,18 +137,21 @@ class HostPagePool:
             if parent is not None:
                 removed_children[parent] = removed_children.get(parent, 0) + 1
 
+        passed: set[int] = set()  # pages the scan went over: older than the scan point
         for page_id in self._lru:
             if len(victims) == num_pages:
                 break
+            passed.add(page_id)
             if page_id in taken or page_id in protected or not is_leaf(page_id):
                 continue
             take(page_id)
-            # The parent may have just become a leaf: it is older, so it goes next.
+            # The parent may have just become a leaf; if the scan passed it, it is the
+            # oldest leaf now, so it goes next (else the scan reaches it in turn).
             parent = self._parent[page_id]
             while len(victims) < num_pages and parent is not None:
                 parent_page = self._index.get(parent)
-                if (parent_page is None or parent_page in taken or parent_page in protected
-                        or not is_leaf(parent_page)):
+                if (parent_page is None or parent_page not in passed or parent_page in taken
+                        or parent_page in protected or not is_leaf(parent_page)):
                     break
                 take(parent_page)
                 parent = self._parent[parent_page]

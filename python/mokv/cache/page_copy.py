@@ -60,15 +60,25 @@ def copy_pages(
         return
     for s, t in zip(src, dst, strict=True):
         if s.device.is_host and t.device.is_host:
-            sv, tv = _view(s, views), _view(t, views)
-            src_idx = np.asarray(src_ids, dtype=np.intp)
-            for start, first, n in _runs(dst_ids):
-                np.take(sv, src_idx[start : start + n], axis=0, out=tv[first : first + n],
-                        mode="clip")
+            _copy_host(_view(s, views), src_ids, _view(t, views), dst_ids)
         else:
-            batch_inplace_copy(
-                [t[i : i + 1] for i in dst_ids], [s[i : i + 1] for i in src_ids]
-            )
+            _copy_driver(s, src_ids, t, dst_ids)
+
+
+def _copy_host(src: np.ndarray, src_ids: Sequence[int], dst: np.ndarray,
+               dst_ids: Sequence[int]) -> None:
+    """One `np.take` per run of consecutive destination pages (one pass over the bytes)."""
+    src_idx = np.asarray(src_ids, dtype=np.intp)
+    for start, first, n in _runs(dst_ids):
+        np.take(src, src_idx[start : start + n], axis=0, out=dst[first : first + n], mode="clip")
+
+
+def _copy_driver(src: Buffer, src_ids: Sequence[int], dst: Buffer,
+                 dst_ids: Sequence[int]) -> None:
+    """One `batch_inplace_copy` of page slices (the accelerator path)."""
+    rest = (slice(None),) * (src.rank - 1)  # Buffer slicing wants every dimension
+    batch_inplace_copy([dst[(slice(i, i + 1), *rest)] for i in dst_ids],
+                       [src[(slice(i, i + 1), *rest)] for i in src_ids])
 
 
 def _view(buffer: Buffer, views: dict[int, np.ndarray] | None) -> np.ndarray:
