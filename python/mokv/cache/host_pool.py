@@ -8,7 +8,7 @@ device page costs nothing, and the allocation path cannot hand out a half-copied
 
 Every host page is in exactly one of two states:
 
-    free     no hash       in `_free`
+    free     no hash       in `_free` (a stack)
     cached   hashed        in `_lru` (oldest first); findable through the index
 
 A page that a pending load reads is *pinned*. Pins are not stored here: the replica
@@ -66,7 +66,8 @@ class HostPagePool:
         self._page_hash: list[int | None] = [None] * num_pages
         self._page_tokens: list[bytes | None] = [None] * num_pages
         self._parent: list[int | None] = [None] * num_pages
-        self._free: dict[int, None] = dict.fromkeys(range(num_pages))
+        # A stack, popped from the end (page 0 first on a fresh pool).
+        self._free = list(range(num_pages - 1, -1, -1))
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._index: dict[int, int] = {}
         self._children: dict[int, int] = {}
@@ -112,7 +113,7 @@ class HostPagePool:
             elif page_hash not in seen:
                 entries.append(i)
                 seen.add(page_hash)
-        free = (p for p in self._free if p not in protected)
+        free = (p for p in reversed(self._free) if p not in protected)
         targets = list(islice(free, len(entries)))
         victims = self._leaf_victims(len(entries) - len(targets), protected)
         targets += victims
@@ -168,7 +169,7 @@ class HostPagePool:
         for page_id, page_hash in zip(victims, hashes):
             self._forget(page_id, page_hash)  # type: ignore[arg-type]
             del self._lru[page_id]
-            self._free[page_id] = None
+            self._free.append(page_id)
         if self.events is not None:
             for page_hash in hashes:
                 self.events.removed(page_hash)  # type: ignore[arg-type]
@@ -195,17 +196,17 @@ class HostPagePool:
         """Indexes free pages whose bytes were just written (the targets of a plan,
         after `evict` of its victims), at the young end of the LRU."""
         for page_id, page_hash in zip(page_ids, page_hashes, strict=True):
-            if page_id not in self._free or page_hash in self._index:
+            if self._page_hash[page_id] is not None or page_hash in self._index:
                 raise InvariantError(
                     f"host page {page_id} stored under {page_hash} while not free or the "
                     "hash is stored already"
                 )
         if len(set(page_hashes)) != len(page_hashes):
             raise InvariantError(f"hashes {list(page_hashes)} stored twice in one call")
+        self._take_free(page_ids)
         for page_id, page_hash, data, parent in zip(
             page_ids, page_hashes, token_bytes, parent_hashes
         ):
-            del self._free[page_id]
             self._lru[page_id] = None
             self._index[page_hash] = page_id
             self._page_hash[page_id] = page_hash
@@ -217,6 +218,18 @@ class HostPagePool:
             salts = cache_salts or [None] * len(page_ids)
             for page_hash, data, parent, salt in zip(page_hashes, token_bytes, parent_hashes, salts):
                 self.events.stored(page_hash, parent, data, salt)
+
+    def _take_free(self, page_ids: Sequence[int]) -> None:
+        """Removes `page_ids` (free pages that `plan_store` picked from the end of the
+        stack, or victims appended there) from `_free`, looking only at its tail."""
+        wanted, found, free = set(page_ids), 0, self._free
+        i = len(free)
+        while found < len(wanted):
+            i -= 1
+            if i < 0:
+                raise InvariantError(f"host pages {sorted(wanted)} are not all free")
+            found += free[i] in wanted
+        free[i:] = [p for p in free[i:] if p not in wanted]
 
     def touch(self, page_ids: Iterable[int]) -> None:
         """Moves cached pages to the young end of the LRU, in the order given."""
@@ -234,7 +247,7 @@ class HostPagePool:
         `plan_store` still refuses them until their loads are done)."""
         for page_id in self._lru:
             self._page_hash[page_id] = self._page_tokens[page_id] = self._parent[page_id] = None
-            self._free[page_id] = None
+            self._free.append(page_id)
         self._lru.clear()
         self._index.clear()
         self._children.clear()
@@ -244,7 +257,8 @@ class HostPagePool:
     def check_invariants(self) -> None:
         """Raises InvariantError unless invariants 1-3 hold."""
         free, cached = set(self._free), set(self._lru)
-        if free & cached or len(free) + len(cached) != self.num_pages:
+        if (free & cached or len(free) + len(cached) != self.num_pages
+                or len(free) != len(self._free)):
             raise InvariantError(
                 f"host pages: {len(free)} free and {len(cached)} cached of {self.num_pages}, "
                 f"{len(free & cached)} both"
