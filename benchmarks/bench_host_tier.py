@@ -73,7 +73,7 @@ def hit_rates(sessions: int, device_pages: int, host_sizes: list[int], repeats: 
 
 def bandwidth(num_pages: int = 32, repeats: int = 5) -> dict:
     """GB/s of offload and load of `num_pages` scattered pages, vs one memcpy."""
-    page_shape = [2, 8, 128, 2, 128]  # 8 layers, 2 KV heads of 128: 4 MiB per float32 page
+    page_shape = [2, 8, 128, 2, 128]  # 8 layers, 2 KV heads of 128: 2 MiB per float32 page
     device = Buffer(DType.float32, [2 * num_pages, *page_shape], device=CPU())
     numpy_view(device)[:] = 1  # touch every page once
     host = HostPages(DType.float32, 2 * num_pages, page_shape, [CPU()])
@@ -98,11 +98,12 @@ def bandwidth(num_pages: int = 32, repeats: int = 5) -> dict:
     load = best(lambda: host.load(host_ids, [device], dev_ids))
     return {"MiB_per_batch": nbytes // 2**20, "memcpy_GBps": round(memcpy, 2),
             "offload_GBps": round(offload, 2), "load_GBps": round(load, 2),
-            "offload_vs_memcpy": round(offload / memcpy, 2), "load_vs_memcpy": round(load / memcpy, 2)}
+            "offload_vs_memcpy": round(offload / memcpy, 2),
+            "load_vs_memcpy": round(load / memcpy, 2)}
 
 
 def startup(gib: float = 4.0) -> dict:
-    page_shape = [2, 32, 128, 8, 128]  # a 32-layer, 8-KV-head model: 16 MiB per float32 page
+    page_shape = [2, 32, 128, 8, 128]  # a 32-layer, 8-KV-head model: 32 MiB per float32 page
     num_pages = int(gib * 2**30) // (int(np.prod(page_shape)) * 4)
     t0 = time.perf_counter()
     HostPages(DType.float32, num_pages, page_shape, [CPU()])

@@ -47,8 +47,8 @@ class PagedManagerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.m = make_paged(SESSION, num_pages=self.num_pages, max_batch_size=4, max_seq_len=MAX_SEQ_LEN,
-                            **self.options())
+        self.m = make_paged(SESSION, num_pages=self.num_pages, max_batch_size=4,
+                            max_seq_len=MAX_SEQ_LEN, **self.options())
         self.blocks = self.m.replicas[0].blocks[0].to_numpy()  # aliases the device buffer
         self.running: dict[mokv.RequestID, TextContext] = {}
         self.preempted: list[TextContext] = []

@@ -216,7 +216,9 @@ class HostPagePool:
                 self._children[parent] = self._children.get(parent, 0) + 1
         if self.events is not None:
             salts = cache_salts or [None] * len(page_ids)
-            for page_hash, data, parent, salt in zip(page_hashes, token_bytes, parent_hashes, salts):
+            for page_hash, data, parent, salt in zip(
+                page_hashes, token_bytes, parent_hashes, salts
+            ):
                 self.events.stored(page_hash, parent, data, salt)
 
     def _take_free(self, page_ids: Sequence[int]) -> None:

@@ -28,7 +28,9 @@ The host tier (`enable_kvcache_swapping_to_host`): `commit` writes the pages it 
 through to host pages (one batched copy per step). The prefix match continues past the
 last device hit into the host tier; each host hit gets a fresh device page and a pending
 load `(device page, host page, hash, tokens, parent)` on the request, which pins the
-host page (`_pinned`) from `apply` on, before any device page is taken. `fetch` runs the
+host page (`_pinned`) from `apply` on. Taking device pages never evicts a host page (only
+`commit`'s write-through does, and never a pinned one), so no host hit of a batch can be
+lost between its match and its load (TensorRT-LLM #12878). `fetch` runs the
 pending loads of its batch as one batched copy before the graph runs (`load_pending`),
 then indexes the loaded device pages. Releasing a request drops its pending loads.
 """
@@ -526,7 +528,8 @@ class PagedReplica:
                         f"request {request_id!r} would load host page {load.host_page}, "
                         f"which now holds other tokens (hash {h}, expected {load.page_hash})"
                     )
-                if load.device_page not in req.pages or self.pool.page_hash(load.device_page) is not None:
+                device_page = load.device_page
+                if device_page not in req.pages or self.pool.page_hash(device_page) is not None:
                     raise InvariantError(
                         f"request {request_id!r} loads into device page {load.device_page}, "
                         "which it does not own or which is hashed"
