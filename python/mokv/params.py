@@ -49,6 +49,8 @@ class KVCacheParams:
             recomputed (paged strategy with `enable_prefix_caching`; see README "Host tier").
         host_kvcache_swap_space_gb: size of that host tier in GiB, all replicas together
             (required, > 0, with the tier on).
+        host_kvcache_min_hits: write a page through to the host tier only once it was hit
+            this many times on the device (0, the default: every committed page at once).
         data_parallel_degree: number of independent replicas of the cache, each
             with its own page pool on its own group of devices.
         n_devices: total devices; each replica gets `n_devices // data_parallel_degree`
@@ -69,6 +71,7 @@ class KVCacheParams:
     enable_prefix_caching: bool = False
     enable_kvcache_swapping_to_host: bool = False
     host_kvcache_swap_space_gb: float | None = None
+    host_kvcache_min_hits: int = 0
     data_parallel_degree: int = 1
     n_devices: int = 1
     prefix_hash: str = "xxh3"
@@ -104,6 +107,10 @@ class KVCacheParams:
                 raise ValueError(
                     "enable_kvcache_swapping_to_host needs host_kvcache_swap_space_gb > 0, "
                     f"got {gb!r}"
+                )
+            if self.host_kvcache_min_hits.__class__ is not int or self.host_kvcache_min_hits < 0:
+                raise ValueError(
+                    f"host_kvcache_min_hits must be an int >= 0, got {self.host_kvcache_min_hits!r}"
                 )
             if not self.enable_prefix_caching:
                 raise ValueError(

@@ -232,3 +232,31 @@ def test_host_events_carry_medium_cpu():
     assert kinds == [("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "CPU"),
                      ("BlockStored", "CPU")]
     assert events[3].block_hashes == [2, 3]
+
+
+def test_min_hits_writes_a_page_through_only_once_it_was_hit(session):
+    m = make_host(session, host_kvcache_min_hits=2)
+    host = m.replicas[0].host
+
+    def turn(rid, tokens):
+        ctx = TextContext(np.array(tokens), rid)
+        m.external_claim(rid)
+        m.fetch([ctx])
+        ctx.update(1)
+        m.step([ctx])
+        m.release(rid)
+        return ctx
+
+    turn("A", np.arange(9))  # commits 2 pages: not stored yet
+    assert host.num_cached == 0
+    turn("B", np.r_[np.arange(8), [7]])  # first hit of both
+    assert host.num_cached == 0
+    turn("C", np.r_[np.arange(8), [8]])  # second hit: both written through at C's step
+    assert host.num_cached == 2
+    assert m.metrics.bytes_to_host == 2 * m.replicas[0].host_pages.bytes_per_page
+    evict_from_device(m)
+    d = TextContext(np.r_[np.arange(8), [9]], "D")
+    m.external_claim("D")
+    assert m.maybe_reserve(d) and m.metrics.host_cache_tokens == 8
+    with pytest.raises(ValueError, match="host_kvcache_min_hits"):
+        small_params(**host_options(4, host_kvcache_min_hits=-1))

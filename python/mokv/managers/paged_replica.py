@@ -140,6 +140,11 @@ class PagedReplica:
             self.host_pages = HostPages(params.dtype, num_host_pages, shape[1:], devices)
         self._pinned: Counter[int] = Counter()
         self.host_cache_tokens = 0
+        # host_kvcache_min_hits > 0: device hits per page since it was handed out, and
+        # the (page, hash, parent, salt) that reached the threshold, written at `commit`.
+        self._min_hits = params.host_kvcache_min_hits
+        self._page_hits = [0] * num_pages if self._min_hits else []
+        self._promoted: list[tuple[int, int, int | None, str | None]] = []
         # Row `slot` of the page table lists the pages of the request in that slot, so
         # that `runtime_inputs` gathers a whole batch's lookup table with one numpy take.
         self._page_table = np.zeros((max_requests, self.max_pages_per_seq), dtype=np.uint32)
@@ -294,10 +299,26 @@ class PagedReplica:
         indexed = self.pool.commit_pages(page_ids, hashes, datas, parents, salts)
         for req, new_hashes in plans:
             req.hashes.extend(new_hashes)
-        if self.host is not None:
-            new = [i for i, ok in enumerate(indexed) if ok]
-            self._write_through(*([seq[i] for i in new] for seq in (page_ids, hashes, datas,
-                                                                   parents, salts)))
+        if self.host is None:
+            return
+        if self._min_hits:
+            self._write_promoted()
+            return
+        new = [i for i, ok in enumerate(indexed) if ok]
+        self._write_through(*([seq[i] for i in new] for seq in (page_ids, hashes, datas,
+                                                               parents, salts)))
+
+    def _write_promoted(self) -> None:
+        """Writes through the pages that reached `host_kvcache_min_hits` device hits and
+        still carry the hash they were hit under (a released page may have been evicted
+        and reused since)."""
+        promoted, self._promoted = self._promoted, []
+        pool, rows = self.pool, []
+        for page_id, page_hash, parent, salt in promoted:
+            if pool.page_hash(page_id) == page_hash:
+                rows.append((page_id, page_hash, pool.page_tokens(page_id), parent, salt))
+        if rows:
+            self._write_through(*(list(col) for col in zip(*rows)))  # type: ignore[arg-type]
 
     def _write_through(self, page_ids: list[int], hashes: list[int], datas: list[bytes],
                        parents: list[int | None], salts: list[str | None]) -> None:
@@ -375,6 +396,8 @@ class PagedReplica:
         new_pages = self.pool.take(hit_pages, sum(p.num_new + len(p.host_hits) for p in plans))
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
+        if self._min_hits:
+            self._count_hits(plans, new_pages)
         sizes = []
         for plan in plans:
             req, taken = plan.req, [page_id for page_id, _ in plan.hits]
@@ -404,6 +427,22 @@ class PagedReplica:
             self.host_cache_tokens += len(plan.host_hits) * self.page_size
         if self.host is not None:  # device hits keep their host copies young too
             self.host.touch_hashes(h for plan in plans for _, h in reversed(plan.hits))
+
+    def _count_hits(self, plans: list[Reservation], new_pages: list[int]) -> None:
+        """`host_kvcache_min_hits`: fresh pages start at 0 hits; a device hit that reaches
+        the threshold queues its page for the next `commit`'s write-through."""
+        hits = self._page_hits
+        for page_id in new_pages:
+            hits[page_id] = 0
+        for plan in plans:
+            req = plan.req
+            parent = req.hashes[-1] if req.hashes else None
+            for page_id, page_hash in plan.hits:
+                hits[page_id] += 1
+                if hits[page_id] == self._min_hits:
+                    salt = getattr(plan.ctx, "cache_salt", None) if parent is None else None
+                    self._promoted.append((page_id, page_hash, parent, salt))
+                parent = page_hash
 
     def _give_back(self, plans: list[Reservation], sizes: list[tuple[int, int, int]]) -> None:
         for plan, (num_pages, num_hashes, num_loads) in zip(plans, sizes):
