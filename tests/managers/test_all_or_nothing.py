@@ -143,7 +143,7 @@ def _fault_targets():
         (PagePool, "can_take"), (PagePool, "take"), (PagePool, "release"),
         (PagePool, "commit_pages"), (PagePool, "lookup"), (PagePool, "reset_prefix_cache"),
         (PagedReplica, "plan"), (PagedReplica, "fits"), (PagedReplica, "apply"),
-        (PagedReplica, "commit"), (PagedReplica, "check_step"), (PagedReplica, "claim"),
+        (PagedReplica, "commit"), (PagedReplica, "plan_commit"), (PagedReplica, "claim"),
         (PagedReplica, "release"), (PagedReplica, "runtime_inputs"),
         (PagedReplica, "check_tables"), (paged_replica, "iter_page_hashes"),
         (TextContext, "skip_cached_prefix"), (TextContext, "active_idx_after_skip"),

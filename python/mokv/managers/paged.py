@@ -225,10 +225,10 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         return self.replicas[self._replica_index(request_id)]
 
     def _replica_index(self, request_id: RequestID) -> int:
-        check_request_id(request_id)
         try:
-            return self._replica_of[request_id]
-        except KeyError:
+            return self._replica_of[request_id]  # only str ids are ever stored
+        except (KeyError, TypeError):
+            check_request_id(request_id)
             raise UnknownRequestError(request_id) from None
 
     @synchronized
@@ -287,7 +287,6 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
 
     # --- steps ----------------------------------------------------------------------
 
-    @synchronized
     def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
         """Holds the pages `data` needs for `num_steps` steps, reusing its cached prefix.
 
@@ -295,16 +294,22 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         the same steps cannot run out of pages. On a prefix hit the context moves its
         window past the reused tokens (`data.skip_cached_prefix`).
         """
-        check_num_steps(num_steps)
-        replica = self._replica(data.request_id)
-        plan = replica.plan(data, num_steps)
-        if plan is None:
+        # The lock is taken here rather than by @synchronized: this is the one call made
+        # per request per step, and the wrapper's extra frame measured ~0.15 µs of it.
+        self._lock.acquire()
+        try:
+            check_num_steps(num_steps)
+            replica = self._replica(data.request_id)
+            plan = replica.plan(data, num_steps)
+            if plan is None:
+                return True
+            if not replica.fits([plan]):
+                return False
+            replica.apply([plan])
+            self._after_change()
             return True
-        if not replica.fits([plan]):
-            return False
-        replica.apply([plan])
-        self._after_change()
-        return True
+        finally:
+            self._lock.release()
 
     @synchronized
     def fetch(
@@ -373,14 +378,12 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         """
         groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
         for ctx in batch:
-            r = self._replica_index(ctx.request_id)
-            self.replicas[r].check_step(ctx)
-            groups[r].append(ctx)
+            groups[self._replica_index(ctx.request_id)].append(ctx)
         if len({ctx.request_id for ctx in batch}) != len(batch):
             raise ValueError("a request appears twice in the batch")
-        for replica, group in zip(self.replicas, groups):
-            if group:
-                replica.commit(group)
+        plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]
+        for replica, plan in zip(self.replicas, plans):
+            replica.commit(plan)
         for publisher in self.kv_event_publishers:  # one event batch per step
             publisher.end_step()
         self._after_change()

@@ -92,6 +92,18 @@ class Reservation:
     host_hits: list[_Load] = field(default_factory=list)  # device_page -1 until `apply`
 
 
+@dataclass(slots=True)
+class CommitPlan:
+    """The pages one `step` commits in a replica, worked out before anything changes."""
+
+    requests: list[tuple[_Request, list[int]]]  # each request and its new chain hashes
+    page_ids: list[int]
+    hashes: list[int]
+    datas: list[bytes]
+    parents: list[int | None]
+    salts: list[str | None]
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -265,21 +277,18 @@ class PagedReplica:
         hits, host_hits = self._match_prefix(ctx, req)
         return len(hits) + len(host_hits)
 
-    def check_step(self, ctx: TextGenerationContext) -> None:
-        """StaleContextError if `ctx`'s cache does not fit the request's pages."""
-        self._check_window(ctx, self._request(ctx.request_id))
-
-    def commit(self, batch: list[TextGenerationContext]) -> None:
-        """Hashes and indexes the pages of `batch` (checked with `check_step`) that became
-        full since their last step, in one all-or-nothing pool call."""
-        if not self._prefix_caching:
-            return
+    def plan_commit(self, batch: list[TextGenerationContext]) -> CommitPlan:
+        """The pages of `batch` that became full since their last step, with their hashes
+        (pure; StaleContextError for a context whose cache does not fit its pages)."""
         ps, plans = self.page_size, []
         page_ids, hashes, datas, parents, salts = [], [], [], [], []
         for ctx in batch:
-            req = self._requests[ctx.request_id]
-            first, num_full = len(req.hashes), ctx.start_idx // ps
-            if num_full <= first:
+            req = self._request(ctx.request_id)
+            start = ctx.start_idx
+            first, num_full = len(req.hashes), start // ps
+            if start < first * ps or start > len(req.pages) * ps:
+                self._check_window(ctx, req)
+            if num_full <= first or not self._prefix_caching:
                 continue
             parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
             salt = getattr(ctx, "cache_salt", None) if parent is None else None
@@ -296,8 +305,17 @@ class PagedReplica:
                 new_hashes.append(page_hash)
                 parent, salt = page_hash, None
             plans.append((req, new_hashes))
-        indexed = self.pool.commit_pages(page_ids, hashes, datas, parents, salts)
-        for req, new_hashes in plans:
+        return CommitPlan(plans, page_ids, hashes, datas, parents, salts)
+
+    def commit(self, plan: CommitPlan) -> None:
+        """Indexes the planned pages in one all-or-nothing pool call, then writes the
+        newly indexed ones through to the host tier (see `_write_through`)."""
+        indexed: list[bool] = []
+        if plan.page_ids:
+            indexed = self.pool.commit_pages(
+                plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.salts
+            )
+        for req, new_hashes in plan.requests:
             req.hashes.extend(new_hashes)
         if self.host is None:
             return
@@ -305,8 +323,9 @@ class PagedReplica:
             self._write_promoted()
             return
         new = [i for i, ok in enumerate(indexed) if ok]
-        self._write_through(*([seq[i] for i in new] for seq in (page_ids, hashes, datas,
-                                                               parents, salts)))
+        if new:
+            self._write_through(*([seq[i] for i in new] for seq in (
+                plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.salts)))
 
     def _write_promoted(self) -> None:
         """Writes through the pages that reached `host_kvcache_min_hits` device hits and
@@ -360,11 +379,13 @@ class PagedReplica:
         Pure. Raises for a request that is unknown, stale or too long.
         """
         req = self._request(ctx.request_id)
-        self._check_window(ctx, req)
+        ps, start, held = self.page_size, ctx.start_idx, len(req.pages) * self.page_size
+        if start < len(req.hashes) * ps or start > held:  # inlined: runs on every step
+            self._check_window(ctx, req)
         # The common decode step: the window is already held, and then no prefix can
         # match (see _match_prefix). `active_idx > start_idx` holds between steps.
         needed = ctx.active_idx + num_steps - 1
-        if needed <= len(req.pages) * self.page_size and needed <= self.max_seq_len:
+        if needed <= held and needed <= self.max_seq_len:
             return None
         hits, host_hits = self._match_prefix(ctx, req)
         num_hits = len(hits) + len(host_hits)
