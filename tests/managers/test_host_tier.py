@@ -288,3 +288,12 @@ def test_manager_round_trip_on_two_tp_shards(session, dtype):
     assert m.metrics.host_cache_tokens == 8
     for view, before in zip(shards, original):
         np.testing.assert_array_equal(view[loaded], before)
+
+
+def test_a_store_never_evicts_the_pages_it_refreshes():
+    pool = HostPagePool(2)
+    stored(pool, [1])
+    stored(pool, [5])  # 1 is the oldest leaf
+    plan = pool.plan_store([1, 2], ())  # refreshes 1, stores 2: evicts 5, not 1
+    assert plan.present == [pool.lookup(1, (1).to_bytes(8, "little"))]
+    assert [pool.page_hash(p) for p in plan.victims] == [5]

@@ -115,7 +115,10 @@ class HostPagePool:
                 seen.add(page_hash)
         free = (p for p in reversed(self._free) if p not in protected)
         targets = list(islice(free, len(entries)))
-        victims = self._leaf_victims(len(entries) - len(targets), protected)
+        victims: list[int] = []
+        if len(targets) < len(entries):  # never evict a page this store refreshes
+            keep = set(present).union(protected) if present else protected
+            victims = self._leaf_victims(len(entries) - len(targets), keep)
         targets += victims
         return StorePlan(entries[: len(targets)], targets, victims, present)
 
