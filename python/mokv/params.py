@@ -44,9 +44,13 @@ class KVCacheParams:
             manager `load_kv_manager` builds (a manager built directly is its own layout).
         enable_prefix_caching: share full pages between requests whose token
             prefixes are identical (paged strategy only).
-        enable_kvcache_swapping_to_host: keep evicted pages in host memory
-            (not available yet: managers raise NotImplementedError).
-        host_kvcache_swap_space_gb: size of that host tier.
+        enable_kvcache_swapping_to_host: keep copies of committed pages in a host-memory
+            tier, so that prefixes evicted from the device are loaded back instead of
+            recomputed (paged strategy with `enable_prefix_caching`; see README "Host tier").
+        host_kvcache_swap_space_gb: size of that host tier in GiB, all replicas together
+            (required, > 0, with the tier on).
+        host_kvcache_min_hits: write a page through to the host tier only once it was hit
+            this many times on the device (0, the default: every committed page at once).
         data_parallel_degree: number of independent replicas of the cache, each
             with its own page pool on its own group of devices.
         n_devices: total devices; each replica gets `n_devices // data_parallel_degree`
@@ -67,6 +71,7 @@ class KVCacheParams:
     enable_prefix_caching: bool = False
     enable_kvcache_swapping_to_host: bool = False
     host_kvcache_swap_space_gb: float | None = None
+    host_kvcache_min_hits: int = 0
     data_parallel_degree: int = 1
     n_devices: int = 1
     prefix_hash: str = "xxh3"
@@ -96,6 +101,22 @@ class KVCacheParams:
                 f"n_kv_heads={self.n_kv_heads} cannot be split evenly across the "
                 f"{self.tensor_parallel_degree} devices of a replica"
             )
+        if self.enable_kvcache_swapping_to_host:
+            gb = self.host_kvcache_swap_space_gb
+            if gb.__class__ not in (int, float) or not gb > 0:
+                raise ValueError(
+                    "enable_kvcache_swapping_to_host needs host_kvcache_swap_space_gb > 0, "
+                    f"got {gb!r}"
+                )
+            if self.host_kvcache_min_hits.__class__ is not int or self.host_kvcache_min_hits < 0:
+                raise ValueError(
+                    f"host_kvcache_min_hits must be an int >= 0, got {self.host_kvcache_min_hits!r}"
+                )
+            if not self.enable_prefix_caching:
+                raise ValueError(
+                    "enable_kvcache_swapping_to_host needs enable_prefix_caching: the host "
+                    "tier holds committed prefix pages"
+                )
         if self.prefix_hash not in PREFIX_HASH_ALGORITHMS:
             raise ValueError(
                 f"prefix_hash={self.prefix_hash!r} is not one of {PREFIX_HASH_ALGORITHMS}"

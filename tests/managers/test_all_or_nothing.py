@@ -10,6 +10,9 @@ from max.driver import CPU
 
 import mokv
 from mokv import TextContext
+from mokv.cache import page_copy
+from mokv.cache.host_pool import HostPagePool
+from mokv.cache.page_copy import HostPages
 from mokv.cache.page_pool import PagePool
 from mokv.managers import paged_replica
 from mokv.managers.paged_replica import PagedReplica
@@ -30,24 +33,56 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
         replicas.append((
             tuple(pool._ref_count), tuple(pool._page_hash), frozenset(pool._free),
             frozenset(pool._cached), tuple(sorted(pool._index.items())),
-            tuple(sorted((rid, req.slot, tuple(req.pages), tuple(req.hashes))
+            tuple(sorted((rid, req.slot, tuple(req.pages), tuple(req.hashes), tuple(req.loads))
                          for rid, req in r._requests.items())),
             tuple(r._free_slots),
+            tuple(sorted(r._pinned.items())),
         ))
+        replicas.append(host_snapshot(r.host))
     return (tuple(replicas), tuple(sorted(m._replica_of.items())),
             tuple((c.start_idx, c.active_idx, c.end_idx) for c in contexts))
+
+
+def host_snapshot(host: HostPagePool | None) -> tuple:
+    """The host tier's state; the LRU and the free pages as sets (see `snapshot`)."""
+    if host is None:
+        return ()
+    return (frozenset(host._free), frozenset(host._lru), tuple(sorted(host._index.items())),
+            tuple(host._page_hash), tuple(sorted(host._children.items())))
 
 
 class World:
     """A paged manager and three requests: A and B share a 2-page prefix, C does not."""
 
+    num_pages = NUM_PAGES
+
     def __init__(self, session):
-        self.m = make_paged(session, num_pages=NUM_PAGES, max_seq_len=24)
+        self.m = make_paged(session, num_pages=self.num_pages, max_seq_len=24, **self.options())
         prefix = [1, 2, 3, 4, 5, 6, 7, 8]
         self.A = TextContext(prefix + [9, 9], request_id="A")
         self.B = TextContext(prefix + [7], request_id="B")
         self.C = TextContext([3, 3, 3, 3, 3], request_id="C")
         self.contexts = [self.A, self.B, self.C]
+
+    def options(self) -> dict:
+        return {}
+
+
+class HostWorld(World):
+    """The same requests on 6 device pages and a 10-page host tier; C is long enough to
+    evict every cached device page."""
+
+    num_pages = 6
+
+    def __init__(self, session):
+        super().__init__(session)
+        self.C = TextContext(np.arange(100, 121), request_id="C")
+        self.contexts = [self.A, self.B, self.C]
+
+    def options(self) -> dict:
+        bytes_per_page = small_params().bytes_per_page(NUM_LAYERS)
+        return dict(enable_kvcache_swapping_to_host=True,
+                    host_kvcache_swap_space_gb=10 * bytes_per_page / 2**30)
 
 
 def _step(w: World, batch: list[TextContext]) -> None:
@@ -72,6 +107,33 @@ SCENARIO = [
 ]
 
 
+# The host tier's path: A's pages are written through, evicted from the device by C,
+# and loaded back for B (reserved first, so that `fetch` only runs the loads).
+HOST_SCENARIO = [
+    (None, lambda w: w.m.external_claim(w.A.request_id)),
+    (None, lambda w: w.m.fetch([w.A])),
+    (lambda w: w.A.update(11), lambda w: _step(w, [w.A])),  # writes A's two pages through
+    (None, lambda w: w.m.release(w.A.request_id)),
+    (None, lambda w: w.m.external_claim(w.C.request_id)),
+    (None, lambda w: w.m.fetch([w.C])),  # evicts A's pages from the device
+    (lambda w: w.C.update(12), lambda w: _step(w, [w.C])),
+    (None, lambda w: w.m.release(w.C.request_id)),
+    (None, lambda w: w.m.external_claim(w.B.request_id)),
+    (None, lambda w: w.m.maybe_reserve(w.B)),  # two host hits, pinned
+    (None, lambda w: w.m.fetch([w.B])),  # loads them
+    (lambda w: w.B.update(13), lambda w: _step(w, [w.B])),
+    (None, lambda w: w.m.reset_prefix_cache()),
+    (None, lambda w: w.m.release(w.B.request_id)),
+]
+
+SCENARIOS = {"device": (World, SCENARIO), "host": (HostWorld, HOST_SCENARIO)}
+
+# Calls that change the device tier and then write the host tier through: after a fault
+# in the host half, the device half stands and the host tier may have lost entries
+# (victims evicted, targets still free) but never holds a hash over other bytes.
+HOST_AFTER_DEVICE = {"step", "reset"}
+
+
 class Injected(BaseException):
     """Stands for a KeyboardInterrupt or MemoryError raised inside a call."""
 
@@ -85,11 +147,17 @@ def _fault_targets():
         (PagedReplica, "release"), (PagedReplica, "runtime_inputs"),
         (PagedReplica, "check_tables"), (paged_replica, "iter_page_hashes"),
         (TextContext, "skip_cached_prefix"), (TextContext, "active_idx_after_skip"),
+        (HostPagePool, "lookup"), (HostPagePool, "plan_store"), (HostPagePool, "evict"),
+        (HostPagePool, "insert"), (HostPagePool, "touch"), (HostPagePool, "touch_hashes"),
+        (HostPagePool, "reset_prefix_cache"), (HostPages, "offload"), (HostPages, "load"),
+        (page_copy, "copy_pages"), (PagedReplica, "load_pending"),
+        (PagedReplica, "_write_through"), (PagedReplica, "check_loads"),
+        (PagedReplica, "reset_prefix_cache"),
     ]
 
 
-def _run(w: World, upto: int) -> None:
-    for before, call in SCENARIO[:upto]:
+def _run(w: World, upto: int, scenario: list = SCENARIO) -> None:
+    for before, call in scenario[:upto]:
         if before:
             before(w)
         call(w)
@@ -101,7 +169,9 @@ def _release_all_and_check(w: World) -> None:
         if w.m.contains(ctx.request_id):
             w.m.release(ctx.request_id)
     w.m.check_invariants()
-    assert w.m.num_free_blocks == NUM_PAGES  # no page lost
+    assert w.m.num_free_blocks == w.num_pages  # no page lost
+    for r in w.m.replicas:
+        assert not r._pinned
 
 
 def test_scenario_runs_clean(session):
@@ -110,10 +180,41 @@ def test_scenario_runs_clean(session):
     _release_all_and_check(w)
 
 
-@pytest.mark.parametrize("op", range(len(SCENARIO)))
-def test_an_exception_anywhere_leaves_old_or_new_state(session, monkeypatch, op):
-    clean = World(session)
-    _run(clean, op + 1)
+def test_host_scenario_runs_clean_and_hits_the_host(session):
+    w = HostWorld(session)
+    _run(w, len(HOST_SCENARIO), HOST_SCENARIO)
+    assert w.m.metrics.cache_tokens == w.m.metrics.host_cache_tokens == 8
+    assert w.m.metrics.bytes_from_host == 2 * small_params().bytes_per_page(NUM_LAYERS)
+    _release_all_and_check(w)
+
+
+def _host_part_lost_entries_only(state, old, new) -> bool:
+    """Device part equal to `new`'s, host index a subset of old's and new's together."""
+    (dev, host), (_, old_host), (new_dev, new_host) = state[0], old[0], new[0]
+    if dev != new_dev or state[1:] != new[1:]:
+        return False
+    return set(host[2]) <= set(old_host[2]) | set(new_host[2])
+
+
+def _old_less_evicted_pages(state, old) -> bool:
+    """`old`, but for cached device pages that were evicted (`PagedReplica.apply`: when a
+    context's `skip_cached_prefix` raises, pages evicted to make room stay evicted)."""
+    if state[1:] != old[1:] or state[0][1] != old[0][1]:
+        return False
+    (ref, hashes, free, cached, index, reqs, slots, pins) = state[0][0]
+    (o_ref, o_hashes, o_free, o_cached, o_index, o_reqs, o_slots, o_pins) = old[0][0]
+    return ((ref, reqs, slots, pins, free | cached) == (o_ref, o_reqs, o_slots, o_pins,
+                                                        o_free | o_cached)
+            and all(h in (None, o) for h, o in zip(hashes, o_hashes))
+            and set(index) <= set(o_index))
+
+
+@pytest.mark.parametrize("world,op", [(name, op) for name, (_, sc) in SCENARIOS.items()
+                                      for op in range(len(sc))])
+def test_an_exception_anywhere_leaves_old_or_new_state(session, monkeypatch, world, op):
+    make_world, scenario = SCENARIOS[world]
+    clean = make_world(session)
+    _run(clean, op + 1, scenario)
     new_state = snapshot(clean.m, clean.contexts)
     counter = {"calls": 0, "fault_at": -1}
 
@@ -129,10 +230,10 @@ def test_an_exception_anywhere_leaves_old_or_new_state(session, monkeypatch, op)
         monkeypatch.setattr(owner, name, wrap(getattr(owner, name)))
     faults = 0
     for fault_at in range(1, 200):
-        w = World(session)
+        w = make_world(session)
         counter["fault_at"] = -1
-        _run(w, op)
-        before, call = SCENARIO[op]
+        _run(w, op, scenario)
+        before, call = scenario[op]
         if before:
             before(w)
         old_state = snapshot(w.m, w.contexts)
@@ -143,7 +244,13 @@ def test_an_exception_anywhere_leaves_old_or_new_state(session, monkeypatch, op)
             faults += 1
             counter["fault_at"] = -1
             state = snapshot(w.m, w.contexts)
-            assert state in (old_state, new_state), f"op {op}, fault at inner call {fault_at}"
+            names = call.__code__.co_names
+            kind = "step" if "_step" in names else "reset" if "reset_prefix_cache" in names else ""
+            assert state in (old_state, new_state) or world == "host" and (
+                kind in HOST_AFTER_DEVICE
+                and _host_part_lost_entries_only(state, old_state, new_state)
+                or "maybe_reserve" in names and _old_less_evicted_pages(state, old_state)
+            ), f"op {op}, fault at inner call {fault_at}"
             _release_all_and_check(w)
         else:
             counter["fault_at"] = -1

@@ -249,8 +249,11 @@ def test_bad_configuration_is_rejected(session):
         small_params(dtype="float32")
     with pytest.raises(ValueError, match="n_kv_heads=3"):
         small_params(n_kv_heads=3, n_devices=2)
-    with pytest.raises(NotImplementedError, match="host-memory"):
+    with pytest.raises(ValueError, match="host_kvcache_swap_space_gb > 0, got None"):
         make_paged(session, enable_kvcache_swapping_to_host=True)
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        small_params(enable_kvcache_swapping_to_host=True, host_kvcache_swap_space_gb=1,
+                     enable_prefix_caching=False)
     with pytest.raises(ValueError, match="prefix_hash='builtin'"):
         mokv.PagedKVCacheManager(small_params(prefix_hash="builtin"), 2, 32, NUM_LAYERS, [CPU()],
                                  session, 10**6, zmq_endpoint_base="inproc://mokv-refused")

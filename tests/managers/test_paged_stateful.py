@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import mokv
 from mokv import TextContext
 
-from .conftest import make_paged
+from .conftest import NUM_LAYERS, make_paged, small_params
 
 MAX_SEQ_LEN = 24
 SHARED_PREFIXES = [[1, 2, 1, 2, 1, 2, 1, 2, 0], [2, 2, 2, 2, 2]]
@@ -40,9 +40,15 @@ prompts = st.builds(
 
 
 class PagedManagerMachine(RuleBasedStateMachine):
+    num_pages = 12
+
+    def options(self) -> dict:
+        return {}
+
     def __init__(self):
         super().__init__()
-        self.m = make_paged(SESSION, num_pages=12, max_batch_size=4, max_seq_len=MAX_SEQ_LEN)
+        self.m = make_paged(SESSION, num_pages=self.num_pages, max_batch_size=4,
+                            max_seq_len=MAX_SEQ_LEN, **self.options())
         self.blocks = self.m.replicas[0].blocks[0].to_numpy()  # aliases the device buffer
         self.running: dict[mokv.RequestID, TextContext] = {}
         self.preempted: list[TextContext] = []
@@ -166,17 +172,81 @@ class PagedManagerMachine(RuleBasedStateMachine):
     @rule()
     def reset_prefix_cache(self):
         self.m.reset_prefix_cache()
+        for r in self.m.replicas:  # both tiers forget every prefix
+            assert not r.pool.indexed_hashes()
+            assert r.host is None or not r.host.indexed_hashes()
 
     @invariant()
     def pages_add_up(self):
         held = {p for rid in self.running for p in self.m.get_req_blocks(rid)}
-        assert self.m.num_free_blocks + len(held) == 12
+        assert self.m.num_free_blocks + len(held) == self.num_pages
 
     def teardown(self):
         for rid in list(self.running):
             self.m.release(rid)
-        assert self.m.num_free_blocks == 12
+        assert self.m.num_free_blocks == self.num_pages
+        assert not any(r._pinned for r in self.m.replicas)  # no host page left pinned
         self.m.check_invariants()
+
+
+class HostTierMachine(PagedManagerMachine):
+    """The same rules on 7 device pages with a 16-page host tier: prefixes cycle device ->
+    host -> device,
+    the host tier evicts all the time, and every cached token read back (from pages
+    loaded from the host tier too) must hold exactly its prefix's value."""
+
+    num_pages = 7
+    host_tokens_loaded = 0  # over every example: the host tier was really exercised
+
+    def options(self) -> dict:
+        bytes_per_page = small_params().bytes_per_page(NUM_LAYERS)
+        return dict(enable_kvcache_swapping_to_host=True,
+                    host_kvcache_swap_space_gb=16 * bytes_per_page / 2**30)
+
+    def teardown(self):
+        HostTierMachine.host_tokens_loaded += self.m.metrics.host_cache_tokens
+        super().teardown()
+
+    @precondition(lambda self: len(self.running) < 4)
+    @rule(prefix=st.sampled_from(SHARED_PREFIXES), token=st.integers(0, 2))
+    def short_request(self, prefix, token):
+        """A whole request on a shared prefix (a new turn of a known conversation): its
+        cached tokens, from either tier, must read back their values."""
+        self.shorts = getattr(self, "shorts", 0) + 1
+        ctx = TextContext(np.array(prefix + [token]), request_id=f"short{self.shorts}")
+        self.m.claim(ctx.request_id)
+        try:
+            self.m.fetch([ctx])
+        except mokv.InsufficientPagesError:
+            self.m.release(ctx.request_id)
+            return
+        self.write_and_step(ctx, 0)
+        self.m.release(ctx.request_id)
+
+    def write_and_step(self, ctx, token):
+        expected = prefix_values(ctx.tokens)
+        np.testing.assert_array_equal(self.cached_values(ctx), expected[: ctx.start_idx])
+        pages = np.array(self.m.get_req_blocks(ctx.request_id))
+        pos = np.arange(ctx.start_idx, ctx.active_idx)
+        page_size = self.m.page_size
+        self.blocks[pages[pos // page_size], 0, 0, pos % page_size, 0, 0] = expected[pos]
+        ctx.update(token)
+        self.m.step([ctx])
+
+    @precondition(lambda self: len(self.running) < 4)
+    @rule()
+    def eviction_storm(self):
+        """A request of fresh tokens takes every page it can: cached device pages go."""
+        self.storms = getattr(self, "storms", 0) + 1
+        ctx = TextContext(np.full(MAX_SEQ_LEN, 2 + self.storms), request_id=f"storm{self.storms}")
+        self.m.claim(ctx.request_id)
+        try:
+            self.m.fetch([ctx])
+        except mokv.InsufficientPagesError:
+            self.m.release(ctx.request_id)
+            return
+        self.write_and_step(ctx, 0)
+        self.m.release(ctx.request_id)
 
 
 SESSION = None
@@ -188,3 +258,12 @@ def test_random_operations_keep_the_cache_consistent(session):
     run = PagedManagerMachine.TestCase
     run.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
     run().runTest()
+
+
+def test_random_operations_with_the_host_tier(session):
+    global SESSION
+    SESSION = session
+    run = HostTierMachine.TestCase
+    run.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+    run().runTest()
+    assert HostTierMachine.host_tokens_loaded > 0

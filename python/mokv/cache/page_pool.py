@@ -102,6 +102,10 @@ class PagePool:
     def page_hash(self, page_id: int) -> int | None:
         return self._page_hash[page_id]
 
+    def page_tokens(self, page_id: int) -> bytes | None:
+        """The token bytes a hashed page was committed with (None if unhashed)."""
+        return self._page_tokens[page_id]
+
     def lookup(self, page_hash: int, token_bytes: bytes) -> int | None:
         """The page committed under `page_hash` holding exactly `token_bytes`, if any."""
         page_id = self._index.get(page_hash)

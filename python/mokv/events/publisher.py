@@ -93,36 +93,66 @@ class EventRecorder:
         records, self._pending = self._pending, []
         return records
 
+    def medium_sink(self, medium: str) -> MediumSink:
+        """A sink for another tier of the same replica (the host tier: "CPU") whose
+        records carry their own `medium`, in this recorder's order."""
+        return MediumSink(self, medium)
+
+
+class MediumSink:
+    """Records stores and removals of one tier into its recorder, tagged with `medium`.
+    `cleared` records nothing: the tiers are reset together and the recorder's own
+    `cleared` covers them all."""
+
+    def __init__(self, recorder: EventRecorder, medium: str) -> None:
+        self._recorder = recorder
+        self.medium = medium
+
+    def stored(
+        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, cache_salt: str | None
+    ) -> None:
+        self._recorder._pending.append(
+            (_STORED, page_hash, parent_hash, token_bytes, cache_salt, self.medium)
+        )
+
+    def removed(self, page_hash: int) -> None:
+        self._recorder._pending.append((_REMOVED, page_hash, self.medium))
+
+    def cleared(self) -> None:
+        pass
+
 
 def build_events(records: list[tuple], block_size: int, medium: str) -> list:
     """vLLM event structs for `records` (from `EventRecorder.take`), in order; consecutive
-    pages of one chain are merged into one `BlockStored`."""
+    pages of one chain in one medium are merged into one `BlockStored`. A record's own
+    medium (from a `MediumSink`) overrides `medium`."""
     events: list = []
-    run: list | None = None  # [hashes, parent, token chunks, extra_keys] of a BlockStored
+    run: list | None = None  # [hashes, parent, token chunks, extra_keys, medium] of a BlockStored
     for rec in records:
         kind = rec[0]
         if kind == _STORED:
-            _, page_hash, parent, data, salt = rec
+            page_hash, parent, data, salt = rec[1:5]
+            rec_medium = rec[5] if len(rec) > 5 else medium
             extra = (salt,) if salt is not None and parent is None else None
-            if run is not None and parent == run[0][-1]:
+            if run is not None and parent == run[0][-1] and rec_medium == run[4]:
                 run[0].append(page_hash)
                 run[2].append(data)
                 run[3].append(extra)
                 continue
-            run = [[page_hash], parent, [data], [extra]]
+            run = [[page_hash], parent, [data], [extra], rec_medium]
             events.append(run)
             continue
         run = None
         if kind == _REMOVED:
-            events.append(BlockRemoved([rec[1]], medium, group_idx=0))
+            events.append(BlockRemoved([rec[1]], rec[2] if len(rec) > 2 else medium, group_idx=0))
         else:
             events.append(AllBlocksCleared())
     for i, e in enumerate(events):
         if isinstance(e, list):
-            hashes, parent, chunks, extra = e
+            hashes, parent, chunks, extra, run_medium = e
             tokens = np.frombuffer(b"".join(chunks), dtype="<i8").tolist()
             events[i] = BlockStored(
-                hashes, parent, tokens, block_size, None, medium, None,
+                hashes, parent, tokens, block_size, None, run_medium, None,
                 extra_keys=extra, group_idx=0, kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
             )
     return events

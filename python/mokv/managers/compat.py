@@ -21,7 +21,7 @@ from .base import KVCacheManager
 
 class MaxManagerAPI:
     """The MAX names of `external_claim`, `maybe_reserve`, `fetch` and `input_symbols`,
-    and the host-tier counters (no host tier yet)."""
+    and the host-tier counters (0 for a manager without a host tier)."""
 
     def claim(self: KVCacheManager, request_id: RequestID, replica_idx: int | None = None) -> Any:
         """Same as `external_claim`."""
@@ -48,7 +48,7 @@ class MaxManagerAPI:
 
     @property
     def total_num_host_pages(self) -> int:
-        """Pages of the host-memory tier: 0, the tier is not available yet."""
+        """Pages of the host-memory tier: 0 (the paged manager overrides this)."""
         return 0
 
     @property

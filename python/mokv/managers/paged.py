@@ -14,6 +14,10 @@ replicas; each replica holds `floor(memory_per_replica / bytes_per_page)` pages,
 `bytes_per_page = page_size * 2 * num_layers * n_kv_heads * head_dim * dtype size`.
 A replica's pages live in one `max.driver.Buffer` per device, each device holding
 `n_kv_heads_per_device` of the heads (layout in `mokv.inputs`).
+
+Host tier (`params.enable_kvcache_swapping_to_host`): each replica also holds
+`floor(host_kvcache_swap_space_gb * 2**30 / data_parallel_degree / bytes_per_page)` host
+pages (one host buffer per device shard); see `paged_replica.py` and README "Host tier".
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ..errors import (
     UnknownRequestError,
 )
 from ..events.config import KVEventsConfig
+from ..events.format import MEDIUM_CPU
 from ..events.publisher import open_publishers, resolve_events_config
 from ..layouts import PAGED, RaggedKVCacheInputs
 from ..metrics import KVCacheMetrics
@@ -88,8 +93,6 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
                 f"page_size={page_size} disagrees with params.page_size={params.page_size}; "
                 "set it in KVCacheParams"
             )
-        if params.enable_kvcache_swapping_to_host:
-            raise NotImplementedError("the host-memory page tier is not available yet")
         if available_cache_memory.__class__ is not int or available_cache_memory < 0:
             raise TypeError(
                 f"available_cache_memory must be a number of bytes (an int >= 0), "
@@ -109,6 +112,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             raise ValueError(
                 f"max_batch_size={max_batch_size} is smaller than data_parallel_degree={dp}"
             )
+        num_host_pages = self._host_pages_per_replica(params, num_layers)
         hash_fn = page_hash_fn(params.prefix_hash)
         root = root_hash(params.prefix_hash, params.prefix_hash_seed)
         tp = params.tensor_parallel_degree
@@ -122,6 +126,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
                 list(self.devices[r * tp : (r + 1) * tp]),
                 hash_fn,
                 root,
+                num_host_pages,
             )
             for r in range(dp)
         ]
@@ -132,6 +137,8 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         )
         for replica, publisher in zip(self.replicas, self.kv_event_publishers):
             replica.pool.events = publisher
+            if replica.host is not None:
+                replica.host.events = publisher.medium_sink(MEDIUM_CPU)
         self.page_size = params.page_size
         self.total_num_pages = num_pages * dp
         self.enable_runtime_checks = enable_runtime_checks
@@ -145,6 +152,20 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         """`floor(memory / data_parallel_degree / bytes_per_page(num_layers))`."""
         per_replica = memory // params.data_parallel_degree
         return per_replica // params.bytes_per_page(num_layers)
+
+    @staticmethod
+    def _host_pages_per_replica(params: KVCacheParams, num_layers: int) -> int:
+        """Host-tier pages of one replica: 0 with the tier off."""
+        if not params.enable_kvcache_swapping_to_host:
+            return 0
+        host_bytes = int(params.host_kvcache_swap_space_gb * 2**30)  # type: ignore[operator]
+        num = host_bytes // params.data_parallel_degree // params.bytes_per_page(num_layers)
+        if num < 1:
+            raise InsufficientMemoryError(
+                f"host_kvcache_swap_space_gb={params.host_kvcache_swap_space_gb} holds no "
+                f"page of {params.bytes_per_page(num_layers)} bytes per replica"
+            )
+        return num
 
     @classmethod
     def estimated_memory_size(
@@ -333,6 +354,11 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         for replica, replica_plans in zip(self.replicas, plans):
             if replica_plans:
                 replica.apply(replica_plans)
+        for replica, group in zip(self.replicas, groups):
+            if replica.host is not None:
+                if self.enable_runtime_checks:
+                    replica.check_loads()
+                replica.load_pending(group)  # host hits reach the device before the graph
         if self.enable_runtime_checks:
             for replica, group in zip(self.replicas, groups):
                 replica.check_tables(group, num_steps)
@@ -419,23 +445,44 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
     @property
     @synchronized
     def metrics(self) -> KVCacheMetrics:
+        hosts = [r.host_pages for r in self.replicas if r.host_pages is not None]
         return KVCacheMetrics(
             input_tokens=sum(r.input_tokens for r in self.replicas),
             cache_tokens=sum(r.cache_tokens for r in self.replicas),
             used_pages=sum(r.pool.num_used for r in self.replicas),
             free_pages=self.num_free_blocks,
+            host_cache_tokens=sum(r.host_cache_tokens for r in self.replicas),
+            host_used_pages=sum(r.host.num_cached for r in self.replicas if r.host),
+            host_total_pages=self.total_num_host_pages,
+            bytes_to_host=sum(h.bytes_to_host for h in hosts),
+            bytes_from_host=sum(h.bytes_from_host for h in hosts),
         )
+
+    @property
+    def total_num_host_pages(self) -> int:
+        """Pages of the host-memory tier, all replicas (0 with the tier off)."""
+        return sum(r.host.num_pages for r in self.replicas if r.host is not None)
+
+    @property
+    @synchronized
+    def host_committed_block_pct(self) -> float:
+        """Fraction (0.0-1.0) of host pages holding a committed prefix."""
+        total = self.total_num_host_pages
+        used = sum(r.host.num_cached for r in self.replicas if r.host is not None)
+        return used / total if total else 0.0
 
     @synchronized
     def reset_metrics(self) -> None:
         for r in self.replicas:
-            r.input_tokens = r.cache_tokens = 0
+            r.input_tokens = r.cache_tokens = r.host_cache_tokens = 0
+            if r.host_pages is not None:
+                r.host_pages.bytes_to_host = r.host_pages.bytes_from_host = 0
 
     @synchronized
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix; pages owned by requests stay theirs."""
         for r in self.replicas:
-            r.pool.reset_prefix_cache()
+            r.reset_prefix_cache()
         for publisher in self.kv_event_publishers:
             publisher.end_step()
         self._after_change()

@@ -23,16 +23,29 @@ Reserving is planned, then applied: `plan` works out one request's hits and fres
 pages without changing anything, `fits` checks a batch of plans against the pool, and
 `apply` takes their pages in one all-or-nothing pool call before it moves the contexts'
 windows.
+
+The host tier (`enable_kvcache_swapping_to_host`): `commit` writes the pages it indexes
+through to host pages (one batched copy per step). The prefix match continues past the
+last device hit into the host tier; each host hit gets a fresh device page and a pending
+load `(device page, host page, hash, tokens, parent)` on the request, which pins the
+host page (`_pinned`) from `apply` on. Taking device pages never evicts a host page (only
+`commit`'s write-through does, and never a pinned one), so no host hit of a batch can be
+lost between its match and its load (TensorRT-LLM #12878). `fetch` runs the
+pending loads of its batch as one batched copy before the graph runs (`load_pending`),
+then indexes the loaded device pages. Releasing a request drops its pending loads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from max.driver import Buffer, Device
 
 from ..cache.hashing import PageHashFn, iter_page_hashes, salted_root
+from ..cache.host_pool import HostPagePool
+from ..cache.page_copy import HostPages
 from ..cache.page_pool import PagePool
 from ..context import RequestID, TextGenerationContext
 from ..errors import (
@@ -52,6 +65,19 @@ class _Request:
     slot: int
     pages: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
+    loads: list[_Load] = field(default_factory=list)  # host hits not yet copied in
+
+
+@dataclass(slots=True)
+class _Load:
+    """A host hit waiting for `load_pending`: host page -> the request's device page."""
+
+    device_page: int
+    host_page: int
+    page_hash: int
+    token_bytes: bytes
+    parent_hash: int | None
+    cache_salt: str | None
 
 
 @dataclass(slots=True)
@@ -61,8 +87,9 @@ class Reservation:
     ctx: TextGenerationContext
     req: _Request
     hits: list[tuple[int, int]]  # (page id, hash) of cached pages that continue its chain
-    hit_tokens: int  # where its cache ends after the hits
+    hit_tokens: int  # where its cache ends after the hits (device and host)
     num_new: int  # fresh pages to allocate after the hits
+    host_hits: list[_Load] = field(default_factory=list)  # device_page -1 until `apply`
 
 
 @dataclass(slots=True)
@@ -94,6 +121,7 @@ class PagedReplica:
         devices: list[Device],
         hash_fn: PageHashFn,
         root_hash: int,
+        num_host_pages: int = 0,
     ) -> None:
         self.params = params
         self.page_size = params.page_size
@@ -115,6 +143,20 @@ class PagedReplica:
             params.head_dim,
         ]
         self.blocks = [Buffer(params.dtype, shape, device=d) for d in devices]
+        # The host tier: None when off. `_pinned[host page]` counts the pending loads
+        # that read it (a Counter without zeros).
+        self.host: HostPagePool | None = None
+        self.host_pages: HostPages | None = None
+        if num_host_pages:
+            self.host = HostPagePool(num_host_pages)
+            self.host_pages = HostPages(params.dtype, num_host_pages, shape[1:], devices)
+        self._pinned: Counter[int] = Counter()
+        self.host_cache_tokens = 0
+        # host_kvcache_min_hits > 0: device hits per page since it was handed out, and
+        # the (page, hash, parent, salt) that reached the threshold, written at `commit`.
+        self._min_hits = params.host_kvcache_min_hits
+        self._page_hits = [0] * num_pages if self._min_hits else []
+        self._promoted: list[tuple[int, int, int | None, str | None]] = []
         # Row `slot` of the page table lists the pages of the request in that slot, so
         # that `runtime_inputs` gathers a whole batch's lookup table with one numpy take.
         self._page_table = np.zeros((max_requests, self.max_pages_per_seq), dtype=np.uint32)
@@ -138,6 +180,8 @@ class PagedReplica:
     def release(self, request_id: RequestID) -> None:
         req = self._request(request_id)
         self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
+        self._pinned.subtract(load.host_page for load in req.loads)
+        self._pinned += Counter()  # drops the zeros
         del self._requests[request_id]
         self._free_slots.append(req.slot)
 
@@ -168,20 +212,24 @@ class PagedReplica:
 
     # --- prefix cache ---------------------------------------------------------------
 
-    def _match_prefix(self, ctx: TextGenerationContext, req: _Request) -> list[tuple[int, int]]:
-        """(page id, hash) of indexed pages that continue the request's committed pages.
+    def _match_prefix(
+        self, ctx: TextGenerationContext, req: _Request
+    ) -> tuple[list[tuple[int, int]], list[_Load]]:
+        """(page id, hash) of indexed device pages that continue the request's committed
+        pages, then the host pages that continue those (device page -1: not taken yet).
 
         Pure: changes nothing. Stops one token short of `end_idx`, which must be computed.
         """
         ps = self.page_size
         n_committed = len(req.hashes)
+        hits: list[tuple[int, int]] = []
+        host_hits: list[_Load] = []
         if (
             not self._prefix_caching
             or len(req.pages) != n_committed
             or ctx.start_idx != n_committed * ps
         ):
-            return []
-        hits = []
+            return hits, host_hits
         pages = iter_page_hashes(
             ctx.tokens, ps, self._last_hash(req, ctx), self._hash_fn, n_committed,
             (ctx.end_idx - 1) // ps,
@@ -191,7 +239,21 @@ class PagedReplica:
             if page_id is None:
                 break
             hits.append((page_id, page_hash))
-        return hits
+        else:
+            return hits, host_hits
+        if self.host is None:
+            return hits, host_hits
+        # The chain continues in the host tier from the page the device missed.
+        parent = hits[-1][1] if hits else req.hashes[-1] if req.hashes else None
+        salt = getattr(ctx, "cache_salt", None) if parent is None else None
+        while (host_page := self.host.lookup(page_hash, data)) is not None:
+            host_hits.append(_Load(-1, host_page, page_hash, data, parent, salt))
+            parent, salt = page_hash, None
+            nxt = next(pages, None)
+            if nxt is None:
+                break
+            page_hash, data = nxt
+        return hits, host_hits
 
     def _last_hash(self, req: _Request, ctx: TextGenerationContext) -> int:
         """The parent hash of the request's next page: for the first page, the root of
@@ -212,7 +274,8 @@ class PagedReplica:
     def num_prefix_hit_pages(self, ctx: TextGenerationContext) -> int:
         """Pages of `ctx`'s tokens this replica could serve from its prefix cache."""
         req = self._requests.get(ctx.request_id) or _Request(-1)
-        return len(self._match_prefix(ctx, req))
+        hits, host_hits = self._match_prefix(ctx, req)
+        return len(hits) + len(host_hits)
 
     def plan_commit(self, batch: list[TextGenerationContext]) -> CommitPlan:
         """The pages of `batch` that became full since their last step, with their hashes
@@ -245,13 +308,56 @@ class PagedReplica:
         return CommitPlan(plans, page_ids, hashes, datas, parents, salts)
 
     def commit(self, plan: CommitPlan) -> None:
-        """Indexes the planned pages in one all-or-nothing pool call."""
+        """Indexes the planned pages in one all-or-nothing pool call, then writes the
+        newly indexed ones through to the host tier (see `_write_through`)."""
+        indexed: list[bool] = []
         if plan.page_ids:
-            self.pool.commit_pages(
+            indexed = self.pool.commit_pages(
                 plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.salts
             )
         for req, new_hashes in plan.requests:
             req.hashes.extend(new_hashes)
+        if self.host is None:
+            return
+        if self._min_hits:
+            self._write_promoted()
+            return
+        new = [i for i, ok in enumerate(indexed) if ok]
+        if new:
+            self._write_through(*([seq[i] for i in new] for seq in (
+                plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.salts)))
+
+    def _write_promoted(self) -> None:
+        """Writes through the pages that reached `host_kvcache_min_hits` device hits and
+        still carry the hash they were hit under (a released page may have been evicted
+        and reused since)."""
+        promoted, self._promoted = self._promoted, []
+        pool, rows = self.pool, []
+        for page_id, page_hash, parent, salt in promoted:
+            if pool.page_hash(page_id) == page_hash:
+                rows.append((page_id, page_hash, pool.page_tokens(page_id), parent, salt))
+        if rows:
+            self._write_through(*(list(col) for col in zip(*rows)))  # type: ignore[arg-type]
+
+    def _write_through(self, page_ids: list[int], hashes: list[int], datas: list[bytes],
+                       parents: list[int | None], salts: list[str | None]) -> None:
+        """Copies newly indexed device pages (parents first) to host pages: one batched
+        copy. Best effort: pages that find no room (every host page pinned) are not stored.
+
+        After the device commit, so a failure here can only leave the host tier with
+        fewer pages (victims evicted, targets still free), never a hash over other bytes:
+        the targets are indexed only after their bytes were copied.
+        """
+        assert self.host is not None and self.host_pages is not None
+        plan = self.host.plan_store(hashes, self._pinned)
+        self.host.touch(plan.present)
+        if not plan.entries:
+            return
+        self.host.evict(plan.victims)
+        e = plan.entries
+        self.host_pages.offload(self.blocks, [page_ids[i] for i in e], plan.targets)
+        self.host.insert(plan.targets, [hashes[i] for i in e], [datas[i] for i in e],
+                         [parents[i] for i in e], [salts[i] for i in e])
 
     # --- reservation ----------------------------------------------------------------
 
@@ -281,40 +387,55 @@ class PagedReplica:
         needed = ctx.active_idx + num_steps - 1
         if needed <= held and needed <= self.max_seq_len:
             return None
-        hits = self._match_prefix(ctx, req)
-        hit_tokens = (len(req.hashes) + len(hits)) * self.page_size if hits else ctx.start_idx
+        hits, host_hits = self._match_prefix(ctx, req)
+        num_hits = len(hits) + len(host_hits)
+        hit_tokens = (len(req.hashes) + num_hits) * self.page_size if num_hits else ctx.start_idx
         # Where the window ends after a hit is the context's rule, not the manager's.
-        active_idx = ctx.active_idx_after_skip(hit_tokens) if hits else ctx.active_idx
+        active_idx = ctx.active_idx_after_skip(hit_tokens) if num_hits else ctx.active_idx
         needed_pages = _ceil_div(self._check_length(ctx, num_steps, active_idx), self.page_size)
-        num_new = max(needed_pages - len(req.pages) - len(hits), 0)
-        return Reservation(ctx, req, hits, hit_tokens, num_new)
+        num_new = max(needed_pages - len(req.pages) - num_hits, 0)
+        return Reservation(ctx, req, hits, hit_tokens, num_new, host_hits)
 
     def fits(self, plans: list[Reservation]) -> bool:
-        """Whether the pool can take every plan's hits and fresh pages at once."""
+        """Whether the pool can take every plan's hits and fresh pages (host hits
+        included: each needs a device page) at once."""
         hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
-        return self.pool.can_take(hit_pages, sum(plan.num_new for plan in plans))
+        return self.pool.can_take(hit_pages, sum(p.num_new + len(p.host_hits) for p in plans))
 
     def apply(self, plans: list[Reservation]) -> None:
         """Takes the pages of `plans` (which `fits`), then moves each hit context's window.
 
         If a context's own `skip_cached_prefix` raises, the plans whose contexts did not
         move give their pages back (cached pages evicted to make room stay evicted).
+
+        Host hits: each takes a fresh device page and becomes a pending load that pins its
+        host page. Taking device pages never evicts a host page (host pages are evicted
+        only by `commit`'s write-through, which skips pinned ones), so the host hits of
+        every plan are safe from the moment they were matched (TensorRT-LLM #12878).
         """
         hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
-        new_pages = self.pool.take(hit_pages, sum(plan.num_new for plan in plans))
+        new_pages = self.pool.take(hit_pages, sum(p.num_new + len(p.host_hits) for p in plans))
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
+        if self._min_hits:
+            self._count_hits(plans, new_pages)
         sizes = []
         for plan in plans:
             req, taken = plan.req, [page_id for page_id, _ in plan.hits]
-            taken += new_pages[: plan.num_new]
-            del new_pages[: plan.num_new]
-            sizes.append((len(req.pages), len(req.hashes)))
+            num_loads = len(plan.host_hits)
+            load_pages = new_pages[:num_loads]
+            taken += new_pages[: num_loads + plan.num_new]
+            del new_pages[: num_loads + plan.num_new]
+            sizes.append((len(req.pages), len(req.hashes), len(req.loads)))
             req.pages.extend(taken)
             req.hashes.extend(page_hash for _, page_hash in plan.hits)
+            req.hashes.extend(load.page_hash for load in plan.host_hits)
+            for load, page_id in zip(plan.host_hits, load_pages):
+                req.loads.append(replace(load, device_page=page_id))
+                self._pinned[load.host_page] += 1
             self._page_table[req.slot, : len(req.pages)] = req.pages
         for done, plan in enumerate(plans):
-            if not plan.hits:
+            if not plan.hits and not plan.host_hits:
                 continue
             skipped = plan.hit_tokens - plan.ctx.start_idx
             try:
@@ -324,13 +445,57 @@ class PagedReplica:
                 raise
             self.cache_tokens += skipped
             self.input_tokens += skipped
+            self.host_cache_tokens += len(plan.host_hits) * self.page_size
+        if self.host is not None:  # device hits keep their host copies young too
+            self.host.touch_hashes(h for plan in plans for _, h in reversed(plan.hits))
 
-    def _give_back(self, plans: list[Reservation], sizes: list[tuple[int, int]]) -> None:
-        for plan, (num_pages, num_hashes) in zip(plans, sizes):
+    def _count_hits(self, plans: list[Reservation], new_pages: list[int]) -> None:
+        """`host_kvcache_min_hits`: fresh pages start at 0 hits; a device hit that reaches
+        the threshold queues its page for the next `commit`'s write-through."""
+        hits = self._page_hits
+        for page_id in new_pages:
+            hits[page_id] = 0
+        for plan in plans:
+            req = plan.req
+            parent = req.hashes[-1] if req.hashes else None
+            for page_id, page_hash in plan.hits:
+                hits[page_id] += 1
+                if hits[page_id] == self._min_hits:
+                    salt = getattr(plan.ctx, "cache_salt", None) if parent is None else None
+                    self._promoted.append((page_id, page_hash, parent, salt))
+                parent = page_hash
+
+    def _give_back(self, plans: list[Reservation], sizes: list[tuple[int, int, int]]) -> None:
+        for plan, (num_pages, num_hashes, num_loads) in zip(plans, sizes):
             req = plan.req
             self.pool.release(reversed(req.pages[num_pages:]))
             del req.pages[num_pages:]
             del req.hashes[num_hashes:]
+            self._pinned.subtract(load.host_page for load in req.loads[num_loads:])
+            self._pinned += Counter()
+            del req.loads[num_loads:]
+
+    def load_pending(self, batch: list[TextGenerationContext]) -> None:
+        """Copies the host hits of `batch`'s requests into their device pages (one batched
+        copy per device), then indexes those pages on the device and unpins the host
+        pages. All or nothing: the copy only writes pages the requests own, so a failure
+        before the index changes leaves the loads pending, to run again."""
+        reqs = [self._requests[ctx.request_id] for ctx in batch]
+        loads = [load for req in reqs for load in req.loads]
+        if not loads:
+            return
+        assert self.host_pages is not None
+        self.host_pages.load([ld.host_page for ld in loads], self.blocks,
+                             [ld.device_page for ld in loads])
+        self.pool.commit_pages(
+            [ld.device_page for ld in loads], [ld.page_hash for ld in loads],
+            [ld.token_bytes for ld in loads], [ld.parent_hash for ld in loads],
+            [ld.cache_salt for ld in loads],
+        )
+        for req in reqs:
+            req.loads.clear()
+        self._pinned.subtract(ld.host_page for ld in loads)
+        self._pinned += Counter()
 
     # --- graph inputs ---------------------------------------------------------------
 
@@ -391,8 +556,43 @@ class PagedReplica:
                         f"committed or shared (ref count {self.pool.ref_count(page_id)})"
                     )
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix in both tiers (pending loads still complete)."""
+        self.pool.reset_prefix_cache()
+        if self.host is not None:
+            self.host.reset_prefix_cache()
+
     def check_invariants(self) -> None:
         self.pool.check_invariants(req.pages for req in self._requests.values())
         for request_id, req in self._requests.items():
             if len(req.hashes) > len(req.pages):
                 raise InvariantError(f"request {request_id!r} has more hashes than pages")
+        if self.host is not None:
+            self.host.check_invariants()
+        self.check_loads()
+
+    def check_loads(self) -> None:
+        """InvariantError unless every pending load reads a host page still holding its
+        tokens (or unhashed by a reset, and then pinned), writes a page its request owns
+        without a hash, and `_pinned` counts exactly the pending loads."""
+        pins: Counter[int] = Counter()
+        for request_id, req in self._requests.items():
+            for load in req.loads:
+                pins[load.host_page] += 1
+                host = self.host
+                assert host is not None
+                h = host.page_hash(load.host_page)
+                if h is not None and (h != load.page_hash
+                                      or host.page_tokens(load.host_page) != load.token_bytes):
+                    raise InvariantError(
+                        f"request {request_id!r} would load host page {load.host_page}, "
+                        f"which now holds other tokens (hash {h}, expected {load.page_hash})"
+                    )
+                device_page = load.device_page
+                if device_page not in req.pages or self.pool.page_hash(device_page) is not None:
+                    raise InvariantError(
+                        f"request {request_id!r} loads into device page {load.device_page}, "
+                        "which it does not own or which is hashed"
+                    )
+        if pins != self._pinned:
+            raise InvariantError(f"host pins {dict(self._pinned)} but pending loads {dict(pins)}")

@@ -1,0 +1,118 @@
+"""HostPages: the bytes of a replica's host tier, and the batched copies between tiers.
+
+A host page has the device page layout `[2, num_layers, page_size, n_kv_heads_per_device,
+head_dim]`, one buffer per device of the replica (tensor parallelism splits the heads,
+so shard `d` of a page lives in `buffers[d][page_id]`), and one page is one contiguous
+copy. Copies go one batch per device and direction per call:
+
+- a device in host memory (the CPU device) is copied with numpy on aliasing views, as
+  one `np.take(src, src_ids, axis=0, out=dst[run])` per run of consecutive destination
+  pages (usually one run: fresh pages come out of the pools in order). That is one
+  pass over the bytes; a fancy-index assignment `dst[ids] = src[ids]` would make two.
+- an accelerator is copied with `max.driver.batch_inplace_copy` (one driver submission
+  per device stream for the whole batch) between page slices of the buffers.
+
+Copies are bit-exact: the views are unsigned integers of the element's size, so
+bfloat16 (which numpy lacks) is moved as uint16.
+
+MAX 26.7 on an accelerator: `Buffer(..., usage=Usage.STAGING)` asks for pinned host
+memory, and `batch_inplace_copy` enqueues on each destination device's own stream,
+which the device's later graph launches follow. The CPU device has neither; its copies
+are synchronous memcpys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from max.driver import CPU, Buffer, Device, batch_inplace_copy
+from max.dtype import DType
+
+_BITS = {2: DType.uint16, 4: DType.uint32, 1: DType.uint8, 8: DType.uint64}
+
+
+def numpy_view(buffer: Buffer) -> np.ndarray:
+    """An unsigned-integer numpy array aliasing a host `buffer`'s bytes."""
+    return buffer.view(_BITS[buffer.dtype.size_in_bytes]).to_numpy()
+
+
+def _runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(start index in ids, first id, length) of each run of consecutive ascending ids."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, ids[start], i - start))
+            start = i
+    return runs
+
+
+def copy_pages(
+    src: Sequence[Buffer],
+    src_ids: Sequence[int],
+    dst: Sequence[Buffer],
+    dst_ids: Sequence[int],
+    views: dict[int, np.ndarray] | None = None,
+) -> None:
+    """Copies page `src_ids[i]` of `src[d]` into page `dst_ids[i]` of `dst[d]` for every
+    device shard `d`: one batch per shard. `views` memoizes numpy views by buffer id."""
+    if not src_ids:
+        return
+    for s, t in zip(src, dst, strict=True):
+        if s.device.is_host and t.device.is_host:
+            _copy_host(_view(s, views), src_ids, _view(t, views), dst_ids)
+        else:
+            _copy_driver(s, src_ids, t, dst_ids)
+
+
+def _copy_host(src: np.ndarray, src_ids: Sequence[int], dst: np.ndarray,
+               dst_ids: Sequence[int]) -> None:
+    """One `np.take` per run of consecutive destination pages (one pass over the bytes)."""
+    src_idx = np.asarray(src_ids, dtype=np.intp)
+    for start, first, n in _runs(dst_ids):
+        np.take(src, src_idx[start : start + n], axis=0, out=dst[first : first + n], mode="clip")
+
+
+def _copy_driver(src: Buffer, src_ids: Sequence[int], dst: Buffer,
+                 dst_ids: Sequence[int]) -> None:
+    """One `batch_inplace_copy` of page slices (the accelerator path)."""
+    rest = (slice(None),) * (src.rank - 1)  # Buffer slicing wants every dimension
+    batch_inplace_copy([dst[(slice(i, i + 1), *rest)] for i in dst_ids],
+                       [src[(slice(i, i + 1), *rest)] for i in src_ids])
+
+
+def _view(buffer: Buffer, views: dict[int, np.ndarray] | None) -> np.ndarray:
+    if views is None:
+        return numpy_view(buffer)
+    view = views.get(id(buffer))
+    if view is None:
+        view = views[id(buffer)] = numpy_view(buffer)
+    return view
+
+
+class HostPages:
+    """The host tier's page bytes for one replica: one buffer per device shard."""
+
+    def __init__(self, dtype: DType, num_pages: int, page_shape: Sequence[int],
+                 devices: Sequence[Device]) -> None:
+        self.num_pages = num_pages
+        # Host memory is reserved, not touched: the OS maps it on first write, so a
+        # large tier costs almost nothing at startup (see README, "Host tier").
+        host = CPU()
+        self.buffers = [Buffer(dtype, [num_pages, *page_shape], device=host) for _ in devices]
+        self.bytes_per_page = len(devices) * int(np.prod(page_shape)) * dtype.size_in_bytes
+        self._views: dict[int, np.ndarray] = {}
+        self.bytes_to_host = 0
+        self.bytes_from_host = 0
+
+    def offload(self, blocks: Sequence[Buffer], device_pages: Sequence[int],
+                host_pages: Sequence[int]) -> None:
+        """Device pages -> host pages (one batch per device)."""
+        copy_pages(blocks, device_pages, self.buffers, host_pages, self._views)
+        self.bytes_to_host += len(host_pages) * self.bytes_per_page
+
+    def load(self, host_pages: Sequence[int], blocks: Sequence[Buffer],
+             device_pages: Sequence[int]) -> None:
+        """Host pages -> device pages (one batch per device)."""
+        copy_pages(self.buffers, host_pages, blocks, device_pages, self._views)
+        self.bytes_from_host += len(device_pages) * self.bytes_per_page
