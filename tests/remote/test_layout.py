@@ -36,7 +36,7 @@ def test_layout_from_params_is_one_device_shard():
 def test_encode_decode_round_trip_is_bit_exact():
     (page_hash, tokens), = chain(1)
     page = pages(1)[0]
-    value = SMALL.encode(page_hash, tokens, SMALL.check_page(page_hash, tokens, page))
+    value = SMALL.encode(page_hash, tokens, page)
     assert len(value) == SMALL.value_nbytes == HEADER_SIZE + 8 * 4 + page.nbytes
     out = SMALL.decode(value, page_hash, tokens)
     assert bytes(out) == page.tobytes()
@@ -65,22 +65,23 @@ def test_other_layout_or_other_page_is_rejected():
     assert SMALL.decode(value, h0, t1) is Rejection.TOKENS
 
 
-def test_check_page_refuses_what_does_not_fit():
+def test_new_value_refuses_what_does_not_fit_and_copies_the_page():
     (page_hash, tokens), = chain(1)
     page = pages(1)[0]
     with pytest.raises(ValueError, match="shape"):
-        SMALL.check_page(page_hash, tokens, page[:, :1])
+        SMALL.new_value(page_hash, tokens, page[:, :1])
     with pytest.raises(ValueError, match="bytes"):
-        SMALL.check_page(page_hash, tokens, page.tobytes()[:-4])
+        SMALL.new_value(page_hash, tokens, page.tobytes()[:-4])
     with pytest.raises(ValueError, match="contiguous"):
-        SMALL.check_page(page_hash, tokens, np.zeros((2, 2, 4, 2, 16), np.float32)[..., ::2])
+        SMALL.new_value(page_hash, tokens, np.zeros((2, 2, 4, 2, 16), np.float32)[..., ::2])
     with pytest.raises(ValueError, match="token_bytes"):
-        SMALL.check_page(page_hash, tokens[:-8], page)
+        SMALL.new_value(page_hash, tokens[:-8], page)
     with pytest.raises(ValueError, match="page_hash"):
-        SMALL.check_page(-1, tokens, page)
-    copy = SMALL.check_page(page_hash, tokens, page)
+        SMALL.new_value(-1, tokens, page)
+    value, before = SMALL.new_value(page_hash, tokens, page), page.tobytes()
     page[...] = 0  # the store keeps its own copy
-    assert copy != page.tobytes()
+    assert value[HEADER_SIZE:] == tokens + before
+    assert value[:HEADER_SIZE] == bytes(HEADER_SIZE)  # sealed later, on the writer thread
 
 
 class Clock:

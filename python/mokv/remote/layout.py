@@ -142,16 +142,49 @@ class RemoteLayout:
 
     # --- values ---------------------------------------------------------------------
 
-    def encode(self, page_hash: int, token_bytes: bytes, page: bytes) -> bytes:
-        """The stored value of a page (lengths checked by the caller: `check_page`)."""
-        head = _HEADER.pack(
-            MAGIC, VERSION, _DTYPE_CODES[self.dtype], *self.page_shape, self._digest,
-            page_hash, self.page_size, len(page), 0,
-        )[:56]
-        checksum = xxh3_64(head)
-        checksum.update(token_bytes)
-        checksum.update(page)
-        return b"".join((head, checksum.intdigest().to_bytes(8, "little"), token_bytes, page))
+    def new_value(self, page_hash: int, token_bytes: bytes, page) -> bytearray:
+        """A value with `token_bytes` and a copy of `page` (any buffer of
+        `page_nbytes` contiguous bytes, or an array of `page_shape`) in place and the
+        header still blank (`seal` fills it): the one copy a caller pays. ValueError
+        naming what does not fit."""
+        if page_hash.__class__ is not int or not 0 <= page_hash < 1 << 64:
+            raise ValueError(f"page_hash must be an unsigned 64-bit int, got {page_hash!r}")
+        if not isinstance(token_bytes, bytes) or len(token_bytes) != 8 * self.page_size:
+            raise ValueError(
+                f"token_bytes must be {8 * self.page_size} bytes (page_size int64 ids), got "
+                f"{type(token_bytes).__name__} of {len(token_bytes)}"
+            )
+        shape = getattr(page, "shape", None)
+        if shape is not None and tuple(shape) != self.page_shape:
+            raise ValueError(f"page has shape {tuple(shape)}, expected {self.page_shape}")
+        data = memoryview(page)
+        if not data.c_contiguous or data.nbytes != self.page_nbytes:
+            raise ValueError(
+                f"page must be {self.page_nbytes} contiguous bytes, got {data.nbytes} "
+                f"(contiguous={data.c_contiguous})"
+            )
+        value = bytearray(self.value_nbytes)
+        tokens_end = HEADER_SIZE + len(token_bytes)
+        value[HEADER_SIZE:tokens_end] = token_bytes
+        value[tokens_end:] = data.cast("B")
+        return value
+
+    def seal(self, value: bytearray, page_hash: int) -> None:
+        """Writes the header and the checksum of a `new_value` in place."""
+        _HEADER.pack_into(
+            value, 0, MAGIC, VERSION, _DTYPE_CODES[self.dtype], *self.page_shape, self._digest,
+            page_hash, self.page_size, self.page_nbytes, 0,
+        )
+        view = memoryview(value)
+        checksum = xxh3_64(view[:56])
+        checksum.update(view[HEADER_SIZE:])
+        value[56:HEADER_SIZE] = checksum.intdigest().to_bytes(8, "little")
+
+    def encode(self, page_hash: int, token_bytes: bytes, page) -> bytes:
+        """The stored value of a page (`new_value`, then `seal`)."""
+        value = self.new_value(page_hash, token_bytes, page)
+        self.seal(value, page_hash)
+        return bytes(value)
 
     def decode(
         self, value: bytes, page_hash: int, token_bytes: bytes
@@ -180,23 +213,3 @@ class RemoteLayout:
         if stored_hash != page_hash or view[HEADER_SIZE:tokens_end] != token_bytes:
             return Rejection.TOKENS
         return view[tokens_end:]
-
-    def check_page(self, page_hash: int, token_bytes: bytes, page) -> bytes:
-        """A private copy of `page`'s bytes; ValueError naming what does not fit."""
-        if page_hash.__class__ is not int or not 0 <= page_hash < 1 << 64:
-            raise ValueError(f"page_hash must be an unsigned 64-bit int, got {page_hash!r}")
-        if not isinstance(token_bytes, bytes) or len(token_bytes) != 8 * self.page_size:
-            raise ValueError(
-                f"token_bytes must be {8 * self.page_size} bytes (page_size int64 ids), got "
-                f"{type(token_bytes).__name__} of {len(token_bytes)}"
-            )
-        shape = getattr(page, "shape", None)
-        if shape is not None and tuple(shape) != self.page_shape:
-            raise ValueError(f"page has shape {tuple(shape)}, expected {self.page_shape}")
-        data = memoryview(page)
-        if not data.c_contiguous or data.nbytes != self.page_nbytes:
-            raise ValueError(
-                f"page must be {self.page_nbytes} contiguous bytes, got {data.nbytes} "
-                f"(contiguous={data.c_contiguous})"
-            )
-        return data.cast("B").tobytes()

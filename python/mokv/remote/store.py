@@ -139,7 +139,7 @@ class RemotePageStore:
         )
         self._metrics_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._queue: deque[tuple[str, bytes, bytes, int]] = deque()
+        self._queue: deque[tuple[str, bytearray, int]] = deque()  # key, value, hash
         self._max_queued = max_queued_pages
         self._max_batch = max_batch_pages
         self._in_flight = 0
@@ -158,13 +158,14 @@ class RemotePageStore:
         """Queues a copy of `page` (any buffer of `layout.page_shape`'s bytes) for the
         writer; returns False, counted in `metrics.drops`, if the queue is full.
 
-        Encoding and sending happen on the writer thread, so the caller pays one copy."""
-        data = self.layout.check_page(page_hash, token_bytes, page)
+        The caller pays one copy (into the value); the header, the checksum and the send
+        happen on the writer thread."""
+        value = self.layout.new_value(page_hash, token_bytes, page)
         with self._cond:
             if self._closed or len(self._queue) >= self._max_queued:
                 self._count(drops=1)
                 return False
-            self._queue.append((self.key(page_hash), token_bytes, data, page_hash))
+            self._queue.append((self.key(page_hash), value, page_hash))
             self._cond.notify()
         return True
 
@@ -208,21 +209,20 @@ class RemotePageStore:
                     self._in_flight = 0
                     self._cond.notify_all()
 
-    def _send(self, batch: list[tuple[str, bytes, bytes, int]]) -> None:
+    def _send(self, batch: list[tuple[str, bytearray, int]]) -> None:
         if not self.breaker.allow():
             self._count(skipped=len(batch))
             return
-        values = [self.layout.encode(page_hash, tokens, page)
-                  for _, tokens, page, page_hash in batch]
         pipe = self._client.pipeline(transaction=False)
-        for (key, *_), value in zip(batch, values):
-            pipe.set(key, value, nx=True)
+        for key, value, page_hash in batch:
+            self.layout.seal(value, page_hash)
+            pipe.set(key, memoryview(value), nx=True)
         replies = self._round_trip(pipe.execute)
         if replies is None:
             return
         written = sum(1 for r in replies if r)
         self._count(pages_written=written, pages_present=len(replies) - written,
-                    bytes_written=sum(len(v) for r, v in zip(replies, values) if r))
+                    bytes_written=sum(len(v) for r, (_, v, _) in zip(replies, batch) if r))
 
     # --- reads ----------------------------------------------------------------------
 
