@@ -107,13 +107,19 @@ def test_eviction_makes_misses_never_errors(small_redis_server, make_store):
     store = make_store(small_redis_server, layout, max_queued_pages=128)
     links = chain(96, page_size=16)
     rng = np.random.default_rng(0)
+    datas = [rng.bytes(layout.page_nbytes) for _ in links]
     for start in range(0, 96, 32):  # 6 MB in all
-        put_all(store, links[start:start + 32],
-                [rng.bytes(layout.page_nbytes) for _ in range(32)])
-    info = small_redis_server.client().info("stats")
-    assert info["evicted_keys"] > 0
+        put_all(store, links[start:start + 32], datas[start:start + 32])
+    assert small_redis_server.client().info("stats")["evicted_keys"] > 0
     assert store.probe(links) < 96 and len(store.lookup(links)) < 96
-    assert store.probe(links[-8:]) == 8  # the most recent pages are still there
-    assert len(store.lookup(links[-8:])) == 8
+    # Page by page (LRU is sampled, so which pages survive varies): each is either
+    # absent or exactly the page stored; some are still there.
+    found = 0
+    for link, data in zip(links, datas):
+        got = store.lookup([link])
+        assert got == [] or bytes(got[0]) == data
+        found += len(got)
+    assert 0 < found < 96
     m = store.metrics
     assert (m.errors, m.timeouts, m.drops, m.skipped) == (0, 0, 0, 0)
+    assert m.rejected_corrupt == m.rejected_layout == m.rejected_tokens == 0
