@@ -47,14 +47,13 @@ class RedisServer:
         self.start()
 
     def start(self) -> None:
-        log = open(os.path.join(self.workdir, f"redis-{self.port}.log"), "ab")
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--maxmemory", self.maxmemory,
-             "--maxmemory-policy", "allkeys-lru", "--dir", str(self.workdir)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-        log.close()
+        with open(os.path.join(self.workdir, f"redis-{self.port}.log"), "ab") as log:
+            self.proc = subprocess.Popen(
+                [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--maxmemory", self.maxmemory,
+                 "--maxmemory-policy", "allkeys-lru", "--dir", str(self.workdir)],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
         client = self.client()
         deadline = time.monotonic() + 10
         while True:

@@ -95,7 +95,7 @@ def test_another_layouts_value_is_a_miss(redis_server, make_store):
 
 def test_other_tokens_under_the_same_hash_are_a_miss(redis_server, make_store):
     store = make_store(redis_server)
-    (page_hash, tokens), = links = chain(1)
+    (page_hash, _), = links = chain(1)
     (_, other_tokens), = chain(1, seed=7)
     client = redis_server.client()
     client.set(store.key(page_hash), SMALL.encode(page_hash, other_tokens, pages(1)[0].tobytes()))

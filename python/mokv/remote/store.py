@@ -49,7 +49,6 @@ from .breaker import CircuitBreaker
 from .layout import Rejection, RemoteLayout
 
 
-
 @dataclass
 class RemoteMetrics:
     """Counters of one store (read them any time; they only grow).
@@ -184,7 +183,7 @@ class RemotePageStore:
         self._writer.join(timeout_s)
         self._client.close()
 
-    def __enter__(self) -> RemotePageStore:
+    def __enter__(self) -> RemotePageStore:  # noqa: PYI034 (typing.Self is 3.11+)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -288,6 +287,9 @@ class RemotePageStore:
             with self._metrics_lock:
                 self.metrics.breaker_trips = self.breaker.trips
             return None
+        except BaseException:  # not the server's fault, but never leave a trial open
+            self.breaker.failure()
+            raise
         self.breaker.success()
         return result
 
