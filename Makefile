@@ -1,12 +1,24 @@
 # Two entry points for a fresh machine (no pixi needed):
 #   make demo   installs mokv into .venv and runs the demo on the CPU
-#   make test   installs mokv and its test tools into .venv and runs every test
+#   make test   installs mokv and its test tools into .venv (and, as root on Debian, the
+#               redis-server package that tests/remote/ starts) and runs every test
+#   make test-remote  only the shared-tier tests (each starts its own redis-server)
 #   make bench  runs the benchmark suite (make bench-quick: a shorter run)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench bench-quick install
+.PHONY: demo test test-remote bench bench-quick install redis-server
+
+# The shared-tier tests start their own redis-server (only the binary is used; a service
+# the package may start is never contacted). Under CI=true they fail without it.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else \
+	    echo "redis-server is missing: install the redis-server package (tests/remote/ skip without it)"; \
+	  fi; }
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +31,11 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) examples/generate.py
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed redis-server
 	$(PY) -m pytest -q
+
+test-remote: $(VENV)/.installed redis-server
+	$(PY) -m pytest -q tests/remote
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"

@@ -1,0 +1,16 @@
+"""A shared KV tier across servers: a content-addressed page store on Redis (issue 13).
+
+    layout.py   RemoteLayout: the layout fingerprint, the key format, the value's header
+                and checksum (`encode` / `decode`, which trusts nothing it reads)
+    breaker.py  CircuitBreaker: stop asking a failing server for a while
+    store.py    RemotePageStore: put (queued, SET NX, pipelined, off the caller's path),
+                probe / lookup (pipelined chain probes), RemoteMetrics
+
+Not yet wired into the managers: see the README's "Shared tier" section.
+"""
+
+from .breaker import CircuitBreaker
+from .layout import Rejection, RemoteLayout
+from .store import RemoteMetrics, RemotePageStore
+
+__all__ = ["CircuitBreaker", "Rejection", "RemoteLayout", "RemoteMetrics", "RemotePageStore"]

@@ -1,0 +1,300 @@
+"""RemotePageStore: a content-addressed page store on Redis, shared by many servers.
+
+What the manager's lookup chain calls (device -> host -> remote):
+
+    put(page_hash, token_bytes, page)   copy the page and queue it; never blocks, never
+                                        raises for a server problem; False if dropped
+    probe(chain)                        how many leading pages of the chain the server
+                                        holds (one pipelined round trip; not validated)
+    lookup(chain, max_pages)            the validated bytes of the leading pages the
+                                        server holds: one round trip to probe, one more
+                                        (MGET) to fetch the hits, then every value checked
+    flush(timeout_s) / close()          wait for the queued writes / stop the writer
+
+`chain` is an iterable of (page hash, the page's token ids as int64 little-endian bytes)
+in chain order: exactly what `mokv.cache.hashing.iter_page_hashes` yields from where the
+device and host tiers stop (only the first `max_pages` are read).
+
+Failure is a miss, never an error or a wrong page:
+1. every round trip has a socket timeout (`timeout_s`) and is tried at most twice
+   (a second time only for a dropped connection, e.g. a restarted server);
+2. a `CircuitBreaker` stops all traffic after `failure_threshold` failed round trips in
+   a row, for `cooldown_s`, then lets one trial through;
+3. a value is returned only if `RemoteLayout.decode` accepts it (checksum, layout, page
+   hash and token ids all exactly right); the first rejected or absent page ends the hits;
+4. writes are SET NX: a stored page is never overwritten, so two servers writing the same
+   page race harmlessly;
+5. the writer thread owns the only other connection; callers never wait for it: a full
+   queue drops the page and counts it.
+
+Server-side eviction (`maxmemory-policy allkeys-lru`) just makes pages absent: misses.
+Redis or socket errors are counted (`metrics`) and turned into misses; caller misuse
+(a wrong page size, a non-int hash) raises ValueError before any I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from itertools import islice
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .breaker import CircuitBreaker
+from .layout import Rejection, RemoteLayout
+
+
+@dataclass
+class RemoteMetrics:
+    """Counters of one store (read them any time; they only grow).
+
+    Attributes:
+        lookups: `lookup` calls (`probe` counts only in the round-trip counters).
+        hits: pages `lookup` returned (validated).
+        misses: lookups that ended before the pages asked for: an absent page, a
+            rejected value, a failed round trip or an open breaker.
+        rejected_corrupt / rejected_layout / rejected_tokens: values read but refused
+            (see `layout.Rejection`); each is also a miss.
+        bytes_read / bytes_written: value bytes moved each way.
+        pages_written: pages stored (SET NX took); pages_present: pages the server
+            already had (SET NX refused, harmless).
+        errors / timeouts: failed round trips (a timeout is counted only as a timeout).
+        drops: pages `put` could not queue (queue full, or the store closed).
+        skipped: round trips not attempted because the breaker was open (reads), and
+            pages discarded for the same reason (writes).
+        breaker_trips: times the breaker opened.
+    """
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    rejected_corrupt: int = 0
+    rejected_layout: int = 0
+    rejected_tokens: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    pages_written: int = 0
+    pages_present: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    drops: int = 0
+    skipped: int = 0
+    breaker_trips: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_REJECTION_COUNTER = {
+    Rejection.CORRUPT: "rejected_corrupt",
+    Rejection.LAYOUT: "rejected_layout",
+    Rejection.TOKENS: "rejected_tokens",
+}
+_NETWORK_ERRORS = (redis.RedisError, OSError)
+logger = logging.getLogger(__name__)
+
+
+class RemotePageStore:
+    """Pages of one layout (one device shard) under one namespace on one Redis server."""
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        layout: RemoteLayout,
+        *,
+        timeout_s: float = 0.25,
+        max_queued_pages: int = 256,
+        max_batch_pages: int = 32,
+        failure_threshold: int = 3,
+        cooldown_s: float = 5.0,
+    ) -> None:
+        """`url`: `redis://host:port/db` (or `rediss://`, `unix://`); nothing is sent
+        until the first call. `timeout_s` bounds each connect and each reply."""
+        if not isinstance(layout, RemoteLayout):
+            raise TypeError(f"layout must be a RemoteLayout, got {layout!r}")
+        for name, value in (("max_queued_pages", max_queued_pages),
+                            ("max_batch_pages", max_batch_pages)):
+            if value.__class__ is not int or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.layout = layout
+        self.namespace = namespace
+        self._prefix = layout.key_prefix(namespace)
+        self.metrics = RemoteMetrics()
+        self.breaker = CircuitBreaker(failure_threshold, cooldown_s)
+        # One retry, without backoff, for a connection the server dropped (a restart);
+        # timeouts are never retried, so a slow server costs at most timeout_s per try.
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            health_check_interval=0,
+        )
+        self._metrics_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[str, bytearray, int]] = deque()  # key, value, hash
+        self._max_queued = max_queued_pages
+        self._max_batch = max_batch_pages
+        self._in_flight = 0
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="mokv-remote-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    def key(self, page_hash: int) -> str:
+        """The Redis key of a page of this store's namespace and layout."""
+        return f"{self._prefix}{page_hash:016x}"
+
+    # --- writes ---------------------------------------------------------------------
+
+    def put(self, page_hash: int, token_bytes: bytes, page) -> bool:
+        """Queues a copy of `page` (any buffer of `layout.page_shape`'s bytes) for the
+        writer; returns False, counted in `metrics.drops`, if the queue is full.
+
+        The caller pays one copy (into the value); the header, the checksum and the send
+        happen on the writer thread."""
+        value = self.layout.new_value(page_hash, token_bytes, page)
+        with self._cond:
+            if self._closed or len(self._queue) >= self._max_queued:
+                self._count(drops=1)
+                return False
+            self._queue.append((self.key(page_hash), value, page_hash))
+            self._cond.notify()
+        return True
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Waits until every queued page was sent (or dropped); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._in_flight,
+                                       timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Sends what is queued (for at most `timeout_s`), stops the writer, disconnects."""
+        self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._writer.join(timeout_s)
+        self._client.close()
+
+    def __enter__(self) -> RemotePageStore:  # noqa: PYI034 (typing.Self is 3.11+)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if self._closed and not self._queue:
+                    return
+                batch = [self._queue.popleft()
+                         for _ in range(min(self._max_batch, len(self._queue)))]
+                self._in_flight = len(batch)
+            try:
+                self._send(batch)
+            except Exception:  # a bug, not the server: keep the thread, say so
+                logger.exception("mokv remote writer: a batch of %d pages failed", len(batch))
+                self._count(errors=1)
+            finally:
+                with self._cond:
+                    self._in_flight = 0
+                    self._cond.notify_all()
+
+    def _send(self, batch: list[tuple[str, bytearray, int]]) -> None:
+        if not self.breaker.allow():
+            self._count(skipped=len(batch))
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for key, value, page_hash in batch:
+            self.layout.seal(value, page_hash)
+            pipe.set(key, memoryview(value), nx=True)
+        replies = self._round_trip(pipe.execute)
+        if replies is None:
+            return
+        written = sum(1 for r in replies if r)
+        self._count(pages_written=written, pages_present=len(replies) - written,
+                    bytes_written=sum(len(v) for r, (_, v, _) in zip(replies, batch) if r))
+
+    # --- reads ----------------------------------------------------------------------
+
+    def probe(self, chain: Iterable[tuple[int, bytes]], max_pages: int | None = None) -> int:
+        """How many leading pages of `chain` (at most `max_pages`) the server holds: one
+        pipelined EXISTS per page, one round trip. Not validated (`lookup` may return
+        fewer) and not counted as hits: a query for planning or routing."""
+        return self._probe(list(islice(chain, max_pages)))
+
+    def lookup(
+        self, chain: Iterable[tuple[int, bytes]], max_pages: int | None = None
+    ) -> list[memoryview]:
+        """The page bytes of the leading pages of `chain` (at most `max_pages`) that the
+        server holds and that pass every check, in chain order; [] on any failure.
+
+        Each page is a read-only view of `layout.page_nbytes` bytes in
+        `layout.page_shape` order, ready to copy into a device page."""
+        chain = list(islice(chain, max_pages))
+        self._count(lookups=1)
+        pages: list[memoryview] = []
+        found = self._probe(chain)
+        if found:
+            values = self._round_trip(self._client.mget, [self.key(h) for h, _ in chain[:found]])
+            for value, (page_hash, tokens) in zip(values or (), chain):
+                if value is None:  # evicted between the two round trips
+                    break
+                self._count(bytes_read=len(value))
+                page = self.layout.decode(value, page_hash, tokens)
+                if isinstance(page, Rejection):
+                    self._count(**{_REJECTION_COUNTER[page]: 1})
+                    break
+                pages.append(page)
+        self._count(hits=len(pages), misses=int(len(pages) < len(chain)))
+        return pages
+
+    def _probe(self, chain: list[tuple[int, bytes]]) -> int:
+        if not chain:
+            return 0
+        pipe = self._client.pipeline(transaction=False)
+        for page_hash, _ in chain:
+            pipe.exists(self.key(page_hash))
+        replies = self._round_trip(pipe.execute) or ()
+        found = 0
+        for reply in replies:
+            if not reply:
+                break
+            found += 1
+        return found
+
+    # --- plumbing -------------------------------------------------------------------
+
+    def _round_trip(self, call, *args):
+        """`call(*args)` under the breaker; None (counted) if refused or failed."""
+        if not self.breaker.allow():
+            self._count(skipped=1)
+            return None
+        try:
+            result = call(*args)
+        except _NETWORK_ERRORS as e:
+            self.breaker.failure()
+            timeout = isinstance(e, (redis.TimeoutError, TimeoutError))
+            self._count(timeouts=int(timeout), errors=int(not timeout))
+            with self._metrics_lock:
+                self.metrics.breaker_trips = self.breaker.trips
+            return None
+        except BaseException:  # not the server's fault, but never leave a trial open
+            self.breaker.failure()
+            raise
+        self.breaker.success()
+        return result
+
+    def _count(self, **deltas: int) -> None:
+        with self._metrics_lock:
+            m = self.metrics
+            for name, delta in deltas.items():
+                setattr(m, name, getattr(m, name) + delta)
