@@ -131,10 +131,10 @@ def _dot_row[in_dtype: DType](
 def _mk_packed[nr: Int](
     wp: F32Ptr,  # MR weight rows of this K chunk, f32, `ws` apart
     ws: Int,
-    ht: F32Ptr,  # H^T chunk: element (k, t) at ht[k * ts + t], t from the block's first token
-    ts: Int,
+    ht: F32Ptr,  # the token panel's H^T chunk: element (k, t) at ht[k * nr * W + t]
     kn: Int,
-    c: F32Ptr,  # C^T [features, ts]: row f at c[f * ts], columns from the block's first token
+    c: F32Ptr,  # C^T [features, ts]: row f at c[f * ts], columns from the panel's first token
+    ts: Int,
 ):
     """C^T[f, t .. t + nr*W] += sum_k W[f, k] * H^T[k, t .. t + nr*W] for MR features.
 
@@ -145,7 +145,7 @@ def _mk_packed[nr: Int](
     for k in range(kn):
         var hv = Array[SIMD[DType.float32, W], nr](fill=0)
         comptime for j in range(nr):
-            hv[j] = ht.unsafe_load[width=W](k * ts + j * W)
+            hv[j] = ht.unsafe_load[width=W](k * (nr * W) + j * W)
         comptime for i in range(MR):
             var wb = SIMD[DType.float32, W](wp.unsafe_load(i * ws + k))
             comptime for j in range(nr):
@@ -170,23 +170,26 @@ def _prefetch_strip[dtype: DType](w: Ptr[dtype], K: Int, kn: Int):
 def _pack_ht[in_dtype: DType](
     hidden: Ptr[in_dtype], ht: F32Ptr, tok0: Int, ntok: Int, ts: Int, k0: Int, kn: Int, K: Int
 ):
-    """ht[k * ts + t] = hidden[tok0 + t, k] (f32) for k in [k0, k0 + kn), t < ts; the
-    padding columns t >= ntok are zeros. W elements of a hidden row are loaded (and
-    bf16 widened) at once and scattered down a column."""
-    var k = k0
-    while k + W <= k0 + kn:
-        for t in range(ntok):
-            var v = widen(hidden, (tok0 + t) * K + k)
+    """Packs hidden[tok0 : tok0 + ntok, k0 : k0 + kn]^T as f32 token panels: panel p
+    holds tokens [PW p, PW p + pw), pw = min(PW, ts - PW p), PW = NR * W, at
+    ht[PW p * K + k * pw + t - PW p], so the micro-kernel reads each panel's K chunk
+    as one contiguous run (a [K, ts] layout put rows 2 KiB apart at 512 tokens: a few
+    L1 sets, many pages). Padding tokens ntok <= t < ts are zeros. W elements of a
+    hidden row are loaded (and bf16 widened) at once and scattered down a column."""
+    comptime PW = NR * W
+    for t in range(ts):
+        var p0 = (t // PW) * PW
+        var pw = min(PW, ts - p0)
+        var dst = ht.unsafe_offset(p0 * K + t - p0)
+        var k = k0
+        while k + W <= k0 + kn:
+            var v = widen(hidden, (tok0 + t) * K + k) if t < ntok else SIMD[DType.float32, W](0)
             comptime for i in range(W):
-                ht.unsafe_store((k + i) * ts + t, v[i])
-        for t in range(ntok, ts):
-            comptime for i in range(W):
-                ht.unsafe_store((k + i) * ts + t, 0)
-        k += W
-    while k < k0 + kn:
-        for t in range(ts):
-            ht.unsafe_store(k * ts + t, hidden.unsafe_load((tok0 + t) * K + k).cast[DType.float32]() if t < ntok else 0)
-        k += 1
+                dst.unsafe_store((k + i) * pw, v[i])
+            k += W
+        while k < k0 + kn:
+            dst.unsafe_store(k * pw, hidden.unsafe_load((tok0 + t) * K + k).cast[DType.float32]() if t < ntok else 0)
+            k += 1
 
 
 @always_inline
@@ -238,8 +241,8 @@ def _fused_qkv_packed[Coll: KVCollectionT, in_dtype: DType, rope: Bool](
 ):
     """The CPU path for prefill chunks: broadcast-FMA over a packed H^T.
 
-    Phase 1 packs hidden^T once per call, f32, per block of PTB tokens: [K, ts] with
-    ts = the block's tokens rounded up to W (zero columns). That is T x K elements,
+    Phase 1 packs hidden^T once per call, f32, per block of PTB tokens, as panels of
+    48 tokens x K (`_pack_ht`; ts = the block's tokens rounded up to W, zero columns). That is T x K elements,
     1/12 of the weights' size at Llama-3-8B shapes, and it is what the micro-kernel
     reads contiguously. The weights are read in place (no W^T pack, nothing cached
     across calls: the weight is a graph input whose buffer may change or move
@@ -287,7 +290,6 @@ def _fused_qkv_packed[Coll: KVCollectionT, in_dtype: DType, rope: Bool](
         var kstep = K if direct else PKC
         for k0 in range(0, K, kstep):
             var kn = min(kstep, K - k0)
-            var htk = ht.unsafe_offset(k0 * ts)
             for f0 in range(0, D, MR):
                 var w0 = wqkv.unsafe_offset((j * D + f0) * K + k0)
                 var wp = strip
@@ -310,12 +312,13 @@ def _fused_qkv_packed[Coll: KVCollectionT, in_dtype: DType, rope: Bool](
                 var cf = c.unsafe_offset(f0 * ts)
                 var t0 = 0
                 while t0 + NR * W <= ts:
-                    _mk_packed[NR](wp, ws, htk.unsafe_offset(t0), ts, kn, cf.unsafe_offset(t0))
+                    var hp = ht.unsafe_offset(t0 * K + k0 * (NR * W))
+                    _mk_packed[NR](wp, ws, hp, kn, cf.unsafe_offset(t0), ts)
                     t0 += NR * W
                 if ts - t0 == 2 * W:
-                    _mk_packed[2](wp, ws, htk.unsafe_offset(t0), ts, kn, cf.unsafe_offset(t0))
+                    _mk_packed[2](wp, ws, ht.unsafe_offset(t0 * K + k0 * (2 * W)), kn, cf.unsafe_offset(t0), ts)
                 elif ts - t0 == W:
-                    _mk_packed[1](wp, ws, htk.unsafe_offset(t0), ts, kn, cf.unsafe_offset(t0))
+                    _mk_packed[1](wp, ws, ht.unsafe_offset(t0 * K + k0 * W), kn, cf.unsafe_offset(t0), ts)
         var band = 0 if j < n_q else (1 if j < n_q + H else 2)
         var head = j - (0 if band == 0 else (n_q if band == 1 else n_q + H))
         var vals = stack_allocation[D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
