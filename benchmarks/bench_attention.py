@@ -9,6 +9,10 @@ float32), compiled once per implementation and run on identical request shapes:
   bandwidth measured in the same run (a numpy copy, and a two-thread read);
 - **prefill**: one request of L new tokens, causal (compute bound): time and GFLOP/s.
 
+A second table, **shapes**, times long-context decode for every GQA group (1, 4, 8:
+32 query heads over 32, 8 or 4 KV heads) in float32 and bfloat16, each case again
+bracketed by read probes.
+
 Implementations: mokv's `mokv.ops.flash_attention` over the paged and the continuous
 cache (inputs from mokv's own managers), and MAX 26.7's `flash_attention_ragged` over
 its paged cache (inputs from MAX's `PagedKVCacheManager`). Cache memory is filled with
@@ -37,10 +41,17 @@ KV_BYTES_PER_TOKEN = 2 * HKV * D * 4
 MAX_CTX = 16384
 
 
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
 def _fill(buf: Buffer) -> None:
     """Writes a repeating random pattern over the whole buffer (cheap, and real memory)."""
-    a = buf.to_numpy().reshape(-1, D)
-    a[...] = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32) * 0.1
+    row = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32) * 0.1
+    if buf.dtype == DType.bfloat16:
+        buf.view(DType.uint16).to_numpy().reshape(-1, D)[...] = _bf16_bits(row)
+    else:
+        buf.to_numpy().reshape(-1, D)[...] = row
 
 
 def _time(fn: Callable[[], object], min_time: float, max_reps: int = 200) -> float:
@@ -85,30 +96,33 @@ def copy_bandwidth(probe: ReadProbe, repeats: int = 5) -> dict:
             "read_1thread_GBps": src.nbytes / one / 1e9, "bytes": src.nbytes}
 
 
-def _io_types():
-    return [TensorType(DTYPE, ["total_tokens", H, D], DeviceRef.CPU()),
+def _io_types(dtype: DType = DTYPE):
+    return [TensorType(dtype, ["total_tokens", H, D], DeviceRef.CPU()),
             TensorType(DType.uint32, ["batch_plus_1"], DeviceRef.CPU())]
 
 
-def _q_and_offsets(new: list[int]) -> list[Buffer]:
+def _q_and_offsets(new: list[int], dtype: DType = DTYPE) -> list[Buffer]:
     q = np.random.default_rng(1).standard_normal((sum(new), H, D)).astype(np.float32)
     offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+    if dtype == DType.bfloat16:
+        return [Buffer.from_numpy(_bf16_bits(q)).view(DType.bfloat16), Buffer.from_numpy(offsets)]
     return [Buffer.from_numpy(q), Buffer.from_numpy(offsets)]
 
 
 class MokvSide:
     """mokv's flash attention over one of its caches ("paged" or "continuous")."""
 
-    def __init__(self, session, kind: str):
-        self.session, self.kind, self.name = session, kind, f"mokv-{kind}"
+    def __init__(self, session, kind: str, hkv: int = HKV, dtype: DType = DTYPE,
+                 slots: int = 64, max_ctx: int = MAX_CTX):
+        self.session, self.kind, self.name, self.dtype = session, kind, f"mokv-{kind}", dtype
         strategy = mokv.KVCacheStrategy.PAGED if kind == "paged" else mokv.KVCacheStrategy.CONTINUOUS
-        self.params = mokv.KVCacheParams(DTYPE, HKV, D, page_size=PAGE, cache_strategy=strategy)
+        self.params = mokv.KVCacheParams(dtype, hkv, D, page_size=PAGE, cache_strategy=strategy)
         if kind == "continuous":  # one cache for every case (its max_seq_len is a static dim)
-            self.mgr = mokv.ContinuousBatchingKVCacheManager(self.params, 64, MAX_CTX + 1, 1,
+            self.mgr = mokv.ContinuousBatchingKVCacheManager(self.params, slots, max_ctx + 1, 1,
                                                              [CPU()], session)
         else:
             self.mgr = self._paged_manager(1, 2 * PAGE)
-        with Graph(f"mokv_attention_{kind}", input_types=[*_io_types(), *self.mgr.input_symbols()[0]]) as g:
+        with Graph(f"mokv_attention_{kind}", input_types=[*_io_types(dtype), *self.mgr.input_symbols()[0]]) as g:
             q, offsets, *kv = g.inputs
             coll = self.mgr.layout.fetch(self.params, 1, *kv)
             out = mokv.ops.flash_attention(coll, q.tensor, offsets.tensor, 0, 1 / math.sqrt(D))
@@ -137,10 +151,11 @@ class MokvSide:
         if self.kind == "paged":
             _fill(kv.blocks)
         else:
-            blocks = kv.blocks.to_numpy()
+            bf16 = kv.blocks.dtype == DType.bfloat16
+            blocks = (kv.blocks.view(DType.uint16) if bf16 else kv.blocks).to_numpy()
             for slot, c in enumerate(cached):
-                blocks[slot, :, :, : c + new[slot]] = 0.05
-        return [*_q_and_offsets(new), *kv]
+                blocks[slot, :, :, : c + new[slot]] = 0x3D4D if bf16 else 0.05  # 0x3D4D: 0.05 in bf16
+        return [*_q_and_offsets(new, self.dtype), *kv]
 
 
 class MaxSide:
@@ -148,7 +163,7 @@ class MaxSide:
 
     name = "max-paged"
 
-    def __init__(self, session):
+    def __init__(self, session, hkv: int = HKV, dtype: DType = DTYPE):
         from max.nn.kernels import flash_attention_ragged
         from max.nn.kv_cache import MHAKVCacheParams
         from max.nn.attention.mask_config import MHAMaskVariant
@@ -156,10 +171,10 @@ class MaxSide:
         from maxcompat import load_max_pipelines
 
         self.Manager, _, self.Ctx, self.Tokens, self.RID, _ = load_max_pipelines()
-        self.session = session
-        self.params = MHAKVCacheParams(dtype=DTYPE, head_dim=D, num_layers=1,
-                                       devices=[DeviceRef.CPU()], page_size=PAGE, n_kv_heads=HKV)
-        with Graph("max_attention", input_types=[*_io_types(), *self.params.flattened_kv_inputs()]) as g:
+        self.session, self.dtype = session, dtype
+        self.params = MHAKVCacheParams(dtype=dtype, head_dim=D, num_layers=1,
+                                       devices=[DeviceRef.CPU()], page_size=PAGE, n_kv_heads=hkv)
+        with Graph("max_attention", input_types=[*_io_types(dtype), *self.params.flattened_kv_inputs()]) as g:
             q, offsets, *kv = g.inputs
             coll = self.params.unflatten_kv_inputs(iter(kv))[0]
             out = flash_attention_ragged(self.params, q.tensor, offsets.tensor, coll,
@@ -186,14 +201,60 @@ class MaxSide:
         kv = mgr.runtime_inputs([ctxs])
         _fill(kv[0].kv_blocks)
         self._keep = mgr  # the inputs alias the manager's buffers
-        return [*_q_and_offsets(new), *tree.leaves(kv)]
+        return [*_q_and_offsets(new, self.dtype), *tree.leaves(kv)]
 
 
 def cases(quick: bool) -> dict:
-    """Decode (batch, context) pairs, capped at ~1.1 GB of K/V each, and prefill lengths."""
+    """Decode (batch, context) pairs, capped at ~1.1 GB of K/V each, and prefill lengths;
+    `shapes`: (KV heads, dtype) pairs (GQA 1, 4, 8 of 32 query heads) and their
+    long-context decode (batch, context) pairs."""
     batches, ctxs = ([1, 16], [512, 4096, 16384]) if quick else ([1, 4, 16, 64], [512, 2048, 8192, 16384])
     decode = [(b, c) for b in batches for c in ctxs if b * c * KV_BYTES_PER_TOKEN <= 1.1e9]
-    return {"decode": decode, "prefill": [512, 2048] if quick else [512, 1024, 2048]}
+    shapes = [(hkv, dt) for hkv in (32, 8, 4) for dt in (DType.float32, DType.bfloat16)]
+    shape_decode = [(1, 8192)] if quick else [(1, 4096), (1, 16384), (4, 8192)]
+    return {"decode": decode, "prefill": [512, 2048] if quick else [512, 1024, 2048],
+            "shapes": shapes, "shape_decode": shape_decode}
+
+
+def _decode_cell(side, probe: ReadProbe, b: int, c: int, kv_bytes: int, min_time: float) -> dict:
+    args = side.inputs([c] * b, [1] * b)
+    before = probe(3)
+    t = _time(lambda: side.model.execute(*args), min_time)
+    read = (before + probe(3)) / 2  # the bandwidth of the moment, around the timing
+    return {"ms": t * 1e3, "GBps": kv_bytes / t / 1e9, "read_2threads_GBps": read,
+            "share_of_read": kv_bytes / t / 1e9 / read}
+
+
+def run_shapes(session, probe: ReadProbe, quick: bool, progress=None) -> list[dict]:
+    """Long-context decode for each (GQA group, dtype): mokv paged and continuous, MAX."""
+    plan = cases(quick)
+    min_time = 0.3 if quick else 0.6
+    rows = []
+    for hkv, dt in plan["shapes"]:
+        kv_bytes_tok = 2 * hkv * D * dt.size_in_bytes
+        pairs = [(b, c) for b, c in plan["shape_decode"] if b * c * kv_bytes_tok <= 1.1e9]
+        sides, errors = [], {}
+        max_b = max(b for b, _ in pairs)
+        max_c = max(c for _, c in pairs)
+        for name, make in (("max-paged", lambda: MaxSide(session, hkv, dt)),
+                           ("mokv-paged", lambda: MokvSide(session, "paged", hkv, dt)),
+                           ("mokv-continuous", lambda: MokvSide(session, "continuous", hkv, dt,
+                                                                slots=max_b, max_ctx=max_c))):
+            try:
+                sides.append(make())
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+        for b, c in pairs:
+            row = {"group": H // hkv, "n_kv_heads": hkv, "dtype": str(dt).split(".")[-1], "batch": b,
+                   "context": c, "kv_bytes": b * (c + 1) * kv_bytes_tok, "errors": errors}
+            for side in sides:
+                row[side.name] = _decode_cell(side, probe, b, c, row["kv_bytes"], min_time)
+            rows.append(row)
+        for side in sides:  # free the caches before the next shape
+            side.mgr = side.model = side._keep = None
+        if progress:
+            progress()
+    return rows
 
 
 def run(quick: bool = False, progress=None) -> dict:
@@ -222,12 +283,7 @@ def run(quick: bool = False, progress=None) -> dict:
     for b, c in plan["decode"]:
         row = {"batch": b, "context": c, "kv_bytes": b * (c + 1) * KV_BYTES_PER_TOKEN}
         for side in sides:
-            args = side.inputs([c] * b, [1] * b)
-            before = probe(3)
-            t = _time(lambda: side.model.execute(*args), min_time)
-            read = (before + probe(3)) / 2  # the bandwidth of the moment, around the timing
-            row[side.name] = {"ms": t * 1e3, "GBps": row["kv_bytes"] / t / 1e9, "read_2threads_GBps": read,
-                              "share_of_read": row["kv_bytes"] / t / 1e9 / read}
+            row[side.name] = _decode_cell(side, probe, b, c, row["kv_bytes"], min_time)
         out["decode"].append(row)
         if progress:
             progress()
@@ -241,17 +297,27 @@ def run(quick: bool = False, progress=None) -> dict:
         out["prefill"].append(row)
         if progress:
             progress()
+    for side in sides:
+        side.mgr = side.model = None
+    sides.clear()
+    out["shapes"] = run_shapes(session, probe, quick, progress)
     return out
 
 
 def plan_size(quick: bool) -> int:
     """Progress-bar steps `run` reports."""
     p = cases(quick)
-    return 3 + len(p["decode"]) + len(p["prefill"])
+    return 3 + len(p["decode"]) + len(p["prefill"]) + len(p["shapes"])
 
 
 if __name__ == "__main__":
     import json
     import sys
 
-    print(json.dumps(run("--quick" in sys.argv), indent=1))
+    if "--shapes" in sys.argv:  # only the GQA x dtype table
+        from max.engine import InferenceSession
+
+        rows = run_shapes(InferenceSession(devices=[CPU()]), ReadProbe(1 << 28), "--quick" in sys.argv)
+        print(json.dumps(rows, indent=1))
+    else:
+        print(json.dumps(run("--quick" in sys.argv), indent=1))

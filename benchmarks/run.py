@@ -192,15 +192,34 @@ def summary(r: dict) -> str:
         for name, err in a.get("errors", {}).items():
             lines.append(f"\n{name} skipped: {err[:300]}")
         lines.append("")
+    if a.get("shapes"):
+        sides = ("max-paged", "mokv-paged", "mokv-continuous")
+        lines += ["### CPU decode attention by GQA group and dtype (32 query heads, head_dim 128)", "",
+                  "Cells: ms (GB/s of K/V read, share of the two-thread read measured around that timing).", "",
+                  "| group (kv heads) | dtype | B × ctx | " + " | ".join(sides) + " | MAX / mokv-paged time |",
+                  "|---" * (len(sides) + 4) + "|"]
+        for row in a["shapes"]:
+            cells = [f"{row[s]['ms']:.2f} ({row[s]['GBps']:.1f}, {row[s]['share_of_read']:.0%})" if s in row
+                     else "-" for s in sides]
+            ratio = (f"×{row['max-paged']['ms'] / row['mokv-paged']['ms']:.1f}"
+                     if "max-paged" in row and "mokv-paged" in row else "-")
+            lines.append(f"| {row['group']} ({row['n_kv_heads']}) | {row['dtype']} | {row['batch']} × {row['context']} | "
+                         + " | ".join(cells) + f" | {ratio} |")
+        errs = {k: v for row in a["shapes"] for k, v in row.get("errors", {}).items()}
+        for name, err in errs.items():
+            lines.append(f"\n{name} skipped for some shapes: {err[:300]}")
+        lines.append("")
     qkv = r.get("qkv", {})
     if qkv.get("rows"):
         sh = qkv["shape"]
         lines += [f"### CPU QKV projection (hidden {sh['hidden']} → {sh['n_heads']} q + 2 × {sh['n_kv_heads']} kv "
                   f"heads of {sh['head_dim']}, {sh['dtype']})", "",
-                  "| tokens | max-matmul ms (GFLOP/s) | mokv-fused_qkv ms (GFLOP/s) |", "|---|---|---|"]
+                  "| tokens | max-matmul ms (GFLOP/s) | mokv-fused_qkv ms (GFLOP/s) | MAX / mokv time |",
+                  "|---|---|---|---|"]
         for row in qkv["rows"]:
             cells = [f"{row[s]['ms']:.2f} ({row[s]['GFLOPs']:.0f})" for s in ("max-matmul", "mokv-fused_qkv")]
-            lines.append(f"| {row['tokens']} | " + " | ".join(cells) + " |")
+            ratio = row["max-matmul"]["ms"] / row["mokv-fused_qkv"]["ms"]
+            lines.append(f"| {row['tokens']} | " + " | ".join(cells) + f" | ×{ratio:.2f} |")
         lines.append("")
     comp = r.get("compile", {})
     if comp and "error" not in comp:

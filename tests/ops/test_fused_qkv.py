@@ -34,10 +34,39 @@ CASES = [
 TOL = {DType.float32: 1e-4, DType.bfloat16: 3e-2}
 
 
-@pytest.mark.parametrize("cfg", CASES, ids=lambda c: f"{c.strategy}-{c.dtype}-g{c.group}-d{c.head_dim}-rope{int(c.rope)}")
+# Token layouts (cache_lengths, new_tokens) for the CPU paths' tails. Fewer than 16
+# tokens in all run the streaming path (4-token register blocks, then 1-3 leftover
+# tokens); 16 or more run the packed path, whose blocks are 48 tokens (3 vectors),
+# then a 32- or 16-token tail, in units of at most 512 tokens.
+LAYOUTS = {
+    "stream-8": ([0, 13, 40], [5, 1, 2]),  # 4-token block + 1 leftover, decode, 2 leftovers
+    "packed-22": ([0, 13, 40], [19, 1, 2]),  # one 32-token tail block (10 zero columns)
+    "packed-54": ([0, 13, 40], [50, 1, 3]),  # a 48-token block, then a 16-token tail
+    "packed-537": ([0, 3], [530, 7]),  # two units: 512 tokens (48-blocks + 32), then 25
+}
+TAIL_CASES = [
+    (CASES[3], "stream-8"), (CASES[3], "packed-54"), (CASES[3], "packed-537"),  # hidden 600
+    (CASES[2], "stream-8"), (CASES[2], "packed-54"),  # bf16, RoPE
+    (CASES[0], "stream-8"),  # f32, RoPE, head 64
+]
+
+
+def _ids(c: Config) -> str:
+    return f"{c.strategy}-{c.dtype}-g{c.group}-d{c.head_dim}-h{c.hidden}-rope{int(c.rope)}"
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=_ids)
 def test_fused_qkv_then_attention(compiled, cfg):
+    _check(compiled, cfg, *LAYOUTS["packed-22"])  # prefill | decode | prefill on a prefix
+
+
+@pytest.mark.parametrize("cfg,layout", TAIL_CASES, ids=lambda x: x if isinstance(x, str) else _ids(x))
+def test_fused_qkv_token_tails(compiled, cfg, layout):
+    _check(compiled, cfg, *LAYOUTS[layout])
+
+
+def _check(compiled, cfg: Config, cache_lengths: list[int], new_tokens: list[int]) -> None:
     rng = np.random.default_rng(7)
-    cache_lengths, new_tokens = [0, 13, 40], [19, 1, 2]  # prefill | decode | prefill on a prefix
     cache = make_cache(cfg.params, cache_lengths, new_tokens, rng)
     total, d = sum(new_tokens), cfg.head_dim
     hidden = storage(rng.standard_normal((total, cfg.hidden)).astype(np.float32) * 0.5, cfg.dtype)

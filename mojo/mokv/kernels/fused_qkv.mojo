@@ -12,18 +12,29 @@ with the "rotate-half" pairing (x[i], x[i + D/2]) used by Llama / HF, at that po
     out[i]       = x[i] * cos t_i - x[i + D/2] * sin t_i
     out[i + D/2] = x[i + D/2] * cos t_i + x[i] * sin t_i
 
-CPU work unit: (block of up to TB = 64 tokens, one output head of D features). Weights
-dominate the memory traffic (a 4096 x 6144 f32 Wqkv is 100 MB), so each weight row is
-read from memory once per 64 tokens; K is walked in chunks of KC so that a 4-feature
-slice of the weights sits in L1 and the tokens' slice in L2 while 4-token x 4-feature
-register blocks (16 dot products, one butterfly reduction per chunk) consume them.
-The last ntok % 4 tokens (all of a decode step's) stream each weight row once, whole.
-Dot products accumulate in f32. At 512 tokens x 4096 x 6144 this runs at ~150 GFLOP/s
-on 2 cores (MAX's own matmul: ~320); a decode token reads the weights at ~30 GB/s.
+CPU, two paths (dot products accumulate in f32 in both):
+  * Packed (>= PACK_MIN_TOKENS = 16 tokens in the call, `_fused_qkv_packed`): hidden^T
+    is packed once per call as f32 [K, tokens] (T x K elements: 1/12 of the weights at
+    Llama-3-8B shapes, so packing costs ~1 % at 512 tokens), and a broadcast-FMA
+    micro-kernel computes C^T = W H^T in 8-feature x 48-token register blocks (24
+    accumulators; per k: 3 token vectors + 8 broadcast weights, no horizontal sums).
+    A unit is (block of up to 512 tokens, one output head), so each weight byte is read
+    from memory once per 512 tokens. The weights are used in place: nothing is packed
+    or cached across calls (the weight is a graph input; a pack keyed by its pointer
+    would go stale when a buffer is freed and reused, and W^T packing would cost a
+    pass over 100 MB per call). Replaced 64-token units with 4 x 4 dot-product blocks
+    and a butterfly per chunk, which re-read the weights 8 times at 512 tokens and ran
+    at ~60 % of MAX's matmul.
+  * Streaming (fewer tokens, e.g. decode): units of up to TB = 64 tokens x one head;
+    4-token x 4-feature register blocks over K chunks of KC, and the last ntok % 4
+    tokens stream each weight row once, whole (a decode token reads the weights at
+    ~30 GB/s, 1.7-1.9x MAX's matmul).
 """
 
 from std.math import ceildiv
 from std.memory import stack_allocation
+from std.sys.info import size_of
+from std.sys.intrinsics import prefetch, PrefetchOptions
 
 from max.algorithm import sync_parallelize
 from max.gpu import block_dim, block_idx, thread_idx
@@ -38,6 +49,13 @@ comptime TB = 64  # tokens per work unit: each weight row is read once per TB to
 comptime KC = 512  # K chunk: 4 weight rows of it (8 KiB f32) stay in L1
 comptime RT = 4  # tokens per register block
 comptime RF = 4  # features per register block: RT * RF = 16 accumulators
+
+# Packed (broadcast-FMA) path for prefill chunks of at least PACK_MIN_TOKENS tokens.
+comptime PACK_MIN_TOKENS = 16
+comptime PTB = 512  # tokens per packed work unit: a head's weights are read once per PTB tokens
+comptime PKC = 256  # K chunk of the packed path: H^T chunk [PKC, PTB] f32 (512 KiB) stays in L2
+comptime MR = 8  # weight rows (broadcast) per register block
+comptime NR = 3  # token vectors per register block: MR * NR = 24 accumulators
 
 
 @always_inline
@@ -110,6 +128,71 @@ def _dot_row[in_dtype: DType](
 
 
 @always_inline
+def _mk_packed[nr: Int](
+    wp: F32Ptr,  # MR weight rows of this K chunk, f32, `ws` apart
+    ws: Int,
+    ht: F32Ptr,  # the token panel's H^T chunk: element (k, t) at ht[k * nr * W + t]
+    kn: Int,
+    c: F32Ptr,  # C^T [features, ts]: row f at c[f * ts], columns from the panel's first token
+    ts: Int,
+):
+    """C^T[f, t .. t + nr*W] += sum_k W[f, k] * H^T[k, t .. t + nr*W] for MR features.
+
+    Broadcast-FMA: per k, nr token vectors (contiguous in the packed H^T) and MR
+    broadcast weights feed MR * nr FMAs; no horizontal sums. With nr = 3 that is 24
+    accumulators + 3 vectors + 1 broadcast of the 32 zmm registers."""
+    var acc = Array[SIMD[DType.float32, W], MR * nr](fill=0)  # [i * nr + j]
+    for k in range(kn):
+        var hv = Array[SIMD[DType.float32, W], nr](fill=0)
+        comptime for j in range(nr):
+            hv[j] = ht.unsafe_load[width=W](k * (nr * W) + j * W)
+        comptime for i in range(MR):
+            var wb = SIMD[DType.float32, W](wp.unsafe_load(i * ws + k))
+            comptime for j in range(nr):
+                acc[i * nr + j] = wb.fma(hv[j], acc[i * nr + j])
+    comptime for i in range(MR):
+        comptime for j in range(nr):
+            var off = i * ts + j * W
+            c.unsafe_store(off, c.unsafe_load[width=W](off) + acc[i * nr + j])
+
+
+@always_inline
+def _prefetch_strip[dtype: DType](w: Ptr[dtype], K: Int, kn: Int):
+    """Prefetches MR weight rows' [0, kn) slices (K apart) into L2: short runs 16 KiB
+    apart, which the hardware prefetchers pick up too late to hide DRAM latency."""
+    comptime LINE_ELEMS = 64 // size_of[Scalar[dtype]]()
+    comptime for i in range(MR):
+        for kk in range(0, kn, LINE_ELEMS):
+            prefetch[PrefetchOptions().for_read().medium_locality()](w.unsafe_offset(i * K + kk))
+
+
+@always_inline
+def _pack_ht[in_dtype: DType](
+    hidden: Ptr[in_dtype], ht: F32Ptr, tok0: Int, ntok: Int, ts: Int, k0: Int, kn: Int, K: Int
+):
+    """Packs hidden[tok0 : tok0 + ntok, k0 : k0 + kn]^T as f32 token panels: panel p
+    holds tokens [PW p, PW p + pw), pw = min(PW, ts - PW p), PW = NR * W, at
+    ht[PW p * K + k * pw + t - PW p], so the micro-kernel reads each panel's K chunk
+    as one contiguous run (a [K, ts] layout put rows 2 KiB apart at 512 tokens: a few
+    L1 sets, many pages). Padding tokens ntok <= t < ts are zeros. W elements of a
+    hidden row are loaded (and bf16 widened) at once and scattered down a column."""
+    comptime PW = NR * W
+    for t in range(ts):
+        var p0 = (t // PW) * PW
+        var pw = min(PW, ts - p0)
+        var dst = ht.unsafe_offset(p0 * K + t - p0)
+        var k = k0
+        while k + W <= k0 + kn:
+            var v = widen(hidden, (tok0 + t) * K + k) if t < ntok else SIMD[DType.float32, W](0)
+            comptime for i in range(W):
+                dst.unsafe_store((k + i) * pw, v[i])
+            k += W
+        while k < k0 + kn:
+            dst.unsafe_store(k * pw, hidden.unsafe_load((tok0 + t) * K + k).cast[DType.float32]() if t < ntok else 0)
+            k += 1
+
+
+@always_inline
 def _emit[Cache: KVCacheT, in_dtype: DType, rope: Bool](
     vals: F32Ptr,  # [D] f32 projections of one (token, head)
     band: Int,  # 0 = Q, 1 = K, 2 = V
@@ -143,6 +226,115 @@ def _emit[Cache: KVCacheT, in_dtype: DType, rope: Bool](
             dst.unsafe_store(d, vals.unsafe_load(d).cast[Cache.dtype]())
 
 
+def _fused_qkv_packed[Coll: KVCollectionT, in_dtype: DType, rope: Bool](
+    kc: Coll.CacheType,
+    vc: Coll.CacheType,
+    q_out: Ptr[in_dtype],
+    hidden: Ptr[in_dtype],
+    wqkv: Ptr[in_dtype],
+    offsets: U32Ptr,
+    freqs: F32Ptr,
+    total_tokens: Int,
+    K: Int,
+    n_q: Int,
+    batch_size: Int,
+):
+    """The CPU path for prefill chunks: broadcast-FMA over a packed H^T.
+
+    Phase 1 packs hidden^T once per call, f32, per block of PTB tokens, as panels of
+    48 tokens x K (`_pack_ht`; ts = the block's tokens rounded up to W, zero columns). That is T x K elements,
+    1/12 of the weights' size at Llama-3-8B shapes, and it is what the micro-kernel
+    reads contiguously. The weights are read in place (no W^T pack, nothing cached
+    across calls: the weight is a graph input whose buffer may change or move
+    between calls); per K chunk, a register block's MR weight rows are copied to a
+    contiguous [MR, PKC] strip (8 KiB, L1) because rows 16 KiB apart share L1 sets.
+    Phase 2: a unit is (token block, one head of D output features); each head's
+    weights are read once per PTB tokens. The unit accumulates C^T [D, ts] and then
+    emits token by token (RoPE, Q out, K/V into the cache) as the streaming path does.
+    """
+    comptime Cache = Coll.CacheType
+    comptime H = Cache.kv_params.num_heads
+    comptime D = Cache.kv_params.head_size
+    comptime assert D % MR == 0, "head_size must be a multiple of MR"
+    var n_heads_all = n_q + 2 * H
+    var n_blocks = ceildiv(total_tokens, PTB)
+    var ts_full = ceildiv(min(total_tokens, PTB), W) * W
+    var block_elems = K * ts_full
+    var ht_buf = List[Float32](capacity=n_blocks * block_elems)
+    var ht_all = ht_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var k_slabs = ceildiv(K, PKC)
+
+    def pack(task: Int) {imm hidden, imm ht_all, imm total_tokens, imm K, imm ts_full, imm block_elems, imm k_slabs}:
+        var blk = task // k_slabs
+        var k0 = (task % k_slabs) * PKC
+        var tok0 = blk * PTB
+        var ntok = min(PTB, total_tokens - tok0)
+        var ts = ceildiv(ntok, W) * W
+        _pack_ht[in_dtype](hidden, ht_all.unsafe_offset(blk * block_elems), tok0, ntok, ts, k0, min(PKC, K - k0), K)
+
+    sync_parallelize(pack, n_blocks * k_slabs)
+
+    def body(unit: Int) {imm kc, imm vc, imm q_out, imm wqkv, imm offsets, imm freqs, imm ht_all, imm batch_size, imm n_q, imm n_heads_all, imm K, imm total_tokens, imm block_elems}:
+        var blk = unit // n_heads_all
+        var j = unit % n_heads_all  # head across the three bands
+        var tok0 = blk * PTB
+        var ntok = min(PTB, total_tokens - tok0)
+        var ts = ceildiv(ntok, W) * W
+        var ht = ht_all.unsafe_offset(blk * block_elems)
+        var c_buf = List[Float32](length=D * ts, fill=0)
+        var c = c_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var strip = stack_allocation[MR * PKC, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
+        # One register block of tokens (<= 48, f32): each weight element is used once,
+        # so the rows are broadcast in place, whole (8 sequential streams), not copied.
+        var direct = in_dtype == DType.float32 and ts <= NR * W
+        var kstep = K if direct else PKC
+        for k0 in range(0, K, kstep):
+            var kn = min(kstep, K - k0)
+            for f0 in range(0, D, MR):
+                var w0 = wqkv.unsafe_offset((j * D + f0) * K + k0)
+                var wp = strip
+                var ws = PKC
+                comptime if in_dtype == DType.float32:
+                    if direct:
+                        wp = rebind[F32Ptr](w0)
+                        ws = K
+                if not direct:
+                    comptime for i in range(MR):
+                        var kk = 0
+                        while kk + W <= kn:
+                            strip.unsafe_store(i * PKC + kk, widen(w0, i * K + kk))
+                            kk += W
+                        while kk < kn:
+                            strip.unsafe_store(i * PKC + kk, w0.unsafe_load(i * K + kk).cast[DType.float32]())
+                            kk += 1
+                    if f0 + MR < D:  # the next strip's rows, while this one is computed on
+                        _prefetch_strip(w0.unsafe_offset(MR * K), K, kn)
+                var cf = c.unsafe_offset(f0 * ts)
+                var t0 = 0
+                while t0 + NR * W <= ts:
+                    var hp = ht.unsafe_offset(t0 * K + k0 * (NR * W))
+                    _mk_packed[NR](wp, ws, hp, kn, cf.unsafe_offset(t0), ts)
+                    t0 += NR * W
+                if ts - t0 == 2 * W:
+                    _mk_packed[2](wp, ws, ht.unsafe_offset(t0 * K + k0 * (2 * W)), kn, cf.unsafe_offset(t0), ts)
+                elif ts - t0 == W:
+                    _mk_packed[1](wp, ws, ht.unsafe_offset(t0 * K + k0 * W), kn, cf.unsafe_offset(t0), ts)
+        var band = 0 if j < n_q else (1 if j < n_q + H else 2)
+        var head = j - (0 if band == 0 else (n_q if band == 1 else n_q + H))
+        var vals = stack_allocation[D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
+        for t in range(ntok):
+            for d in range(D):
+                vals.unsafe_store(d, c.unsafe_load(d * ts + t))
+            var tok = tok0 + t
+            var b = batch_of_token(offsets, batch_size, tok)
+            var pos = kc.cache_length(b) + tok - Int(offsets[unsafe_offset=b])
+            _emit[Cache, in_dtype, rope](vals, band, head, tok, pos, b, n_q, q_out, kc, vc, freqs)
+        _ = c_buf^
+
+    sync_parallelize(body, n_blocks * n_heads_all)
+    _ = ht_buf^
+
+
 def fused_qkv_matmul[Coll: KVCollectionT, in_dtype: DType, rope: Bool, target: StaticString](
     coll: Coll,
     q_out: Ptr[in_dtype],  # [total_tokens, n_q * D]
@@ -169,6 +361,9 @@ def fused_qkv_matmul[Coll: KVCollectionT, in_dtype: DType, rope: Bool, target: S
     var K = hidden_size
 
     comptime if is_cpu[target]():
+        if total_tokens >= PACK_MIN_TOKENS:
+            _fused_qkv_packed[Coll, in_dtype, rope](kc, vc, q_out, hidden, wqkv, offsets, freqs, total_tokens, K, n_q, batch_size)
+            return
         var n_blocks = ceildiv(total_tokens, TB)
 
         def body(unit: Int) {imm kc, imm vc, imm q_out, imm hidden, imm wqkv, imm offsets, imm freqs, imm batch_size, imm n_q, imm n_heads_all, imm K, imm total_tokens}:
