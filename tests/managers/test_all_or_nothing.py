@@ -384,3 +384,32 @@ def test_text_context_rejects_what_it_would_mangle():
     ctx = TextContext([1])
     with pytest.raises(ValueError, match="new_token"):
         ctx.update(-3)
+
+
+def test_continuous_manager_calls_survive_an_exception_inside(session, monkeypatch):
+    cont = mokv.ContinuousBatchingKVCacheManager(
+        small_params(cache_strategy="continuous"), 3, 16, NUM_LAYERS, [CPU()], session
+    )
+    ctx = TextContext([1, 2, 3], "A")
+    cont.external_claim(ctx.request_id)
+    (seq_id,) = cont.claim(1)
+
+    def state():
+        return (cont.num_free_blocks, cont.metrics, cont.get_req_blocks(ctx.request_id),
+                cont.sequences.cache_length(seq_id))
+
+    before = state()
+
+    def boom(*args, **kwargs):
+        raise Injected("inside _inputs")
+
+    monkeypatch.setattr(type(cont), "_inputs", boom)
+    for call in (lambda: cont.fetch([ctx]), lambda: cont.fetch([seq_id])):
+        with pytest.raises(Injected):
+            call()
+        assert state() == before
+    monkeypatch.setattr(type(cont), "_take_slots", boom)
+    for call in (lambda: cont.claim(1), lambda: cont.external_claim("B")):
+        with pytest.raises(Injected):
+            call()
+        assert state() == before and not cont.contains("B")

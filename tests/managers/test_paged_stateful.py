@@ -145,29 +145,31 @@ class PagedManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.running)))
         ctx = self.running[rid]
         ctx.reset()
-        before = (self.m.num_free_blocks, self.m.get_req_blocks(rid))
+        before = self.held()
         try:
             self.m.maybe_reserve(ctx)
         except mokv.StaleContextError:
-            assert (self.m.num_free_blocks, self.m.get_req_blocks(rid)) == before
+            assert self.held() == before
         else:
             return  # nothing committed yet: the pages are its own to rewrite
         del self.running[rid]
         self.m.release(rid)
         self.preempted.append(ctx)
 
+    def held(self):
+        """Free pages, each running request's pages and window."""
+        return (self.m.num_free_blocks, {r: self.m.get_req_blocks(r) for r in self.running},
+                [(c.start_idx, c.active_idx) for c in self.running.values()])
+
     def assert_rejected(self, call, error):
-        before = (self.m.num_free_blocks, {r: self.m.get_req_blocks(r) for r in self.running},
-                  [(c.start_idx, c.active_idx) for c in self.running.values()])
+        before = self.held()
         try:
             call()
         except error:
             pass
         else:
             raise AssertionError(f"{call} did not raise {error.__name__}")
-        after = (self.m.num_free_blocks, {r: self.m.get_req_blocks(r) for r in self.running},
-                 [(c.start_idx, c.active_idx) for c in self.running.values()])
-        assert after == before
+        assert self.held() == before
 
     @rule()
     def reset_prefix_cache(self):

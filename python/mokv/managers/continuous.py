@@ -225,8 +225,9 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
             raise ValueError("a request appears twice in the batch")
         for ctx in batch:
             self._check_fits(ctx, num_steps)  # type: ignore[arg-type]
+        inputs = self._inputs(slots, [ctx.start_idx for ctx in batch])  # type: ignore[union-attr]
         self._input_tokens += sum(ctx.active_length for ctx in batch)  # type: ignore[union-attr]
-        return self._inputs(slots, [ctx.start_idx for ctx in batch])  # type: ignore[union-attr]
+        return inputs
 
     @synchronized
     def step(self, batch: Sequence[TextGenerationContext] | Mapping[int, int]) -> None:
