@@ -21,6 +21,9 @@ class KVCacheMetrics:
         host_total_pages: host-tier pages (0 with the tier off).
         bytes_to_host: bytes written through to the host tier.
         bytes_from_host: bytes loaded back from the host tier.
+        remote_cache_tokens: of `cache_tokens`, tokens loaded from the shared (Redis)
+            tier; the store's own counters are `PagedKVCacheManager.remote_metrics`.
+        bytes_from_remote: page bytes loaded from the shared tier into device pages.
     """
 
     input_tokens: int = 0
@@ -32,6 +35,8 @@ class KVCacheMetrics:
     host_total_pages: int = 0
     bytes_to_host: int = 0
     bytes_from_host: int = 0
+    remote_cache_tokens: int = 0
+    bytes_from_remote: int = 0
 
     @property
     def cache_hit_rate(self) -> float:
@@ -41,4 +46,4 @@ class KVCacheMetrics:
     @property
     def device_cache_tokens(self) -> int:
         """Of `cache_tokens`, tokens found in device pages."""
-        return self.cache_tokens - self.host_cache_tokens
+        return self.cache_tokens - self.host_cache_tokens - self.remote_cache_tokens

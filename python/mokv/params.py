@@ -8,6 +8,7 @@ that they cannot drift from the fields they come from.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 from max.dtype import DType
@@ -29,6 +30,12 @@ CACHE_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
 
 PREFIX_HASH_ALGORITHMS = ("xxh3", "sha256", "builtin")
 """Names accepted by `KVCacheParams.prefix_hash`; see `mokv.cache.hashing`."""
+
+REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
+"""URL schemes of `KVCacheParams.remote_kvcache_url` (those of redis-py's `from_url`)."""
+
+REMOTE_NAMESPACE = re.compile(r"[A-Za-z0-9._/@+-]{1,200}")
+"""A `remote_kvcache_namespace`: no ':' or spaces, so that no two keys are ambiguous."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,14 @@ class KVCacheParams:
             `hash`, stable within one process only; refused with KV-cache events).
         prefix_hash_seed: mixed into the root of every hash chain, so that two
             caches with different seeds never share a page.
+        remote_kvcache_url: a `redis://host:port/db` (or `rediss://`, `unix://`) URL of a
+            Redis server that several managers share as a page store behind the device
+            and host tiers (None, the default: no shared tier; see README "Shared tier").
+            Needs `enable_prefix_caching` and a stable `prefix_hash`.
+        remote_kvcache_namespace: the model's name in that store (required with a URL):
+            only managers with the same namespace, layout and hash seed share pages.
+        remote_kvcache_timeout_s: bound on each connect and each reply of the store (a
+            slower server is a miss).
     """
 
     dtype: DType
@@ -76,6 +91,9 @@ class KVCacheParams:
     n_devices: int = 1
     prefix_hash: str = "xxh3"
     prefix_hash_seed: int = 0
+    remote_kvcache_url: str | None = None
+    remote_kvcache_namespace: str | None = None
+    remote_kvcache_timeout_s: float = 0.25
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -120,6 +138,33 @@ class KVCacheParams:
         if self.prefix_hash not in PREFIX_HASH_ALGORITHMS:
             raise ValueError(
                 f"prefix_hash={self.prefix_hash!r} is not one of {PREFIX_HASH_ALGORITHMS}"
+            )
+        if self.remote_kvcache_url is not None:
+            self._check_remote()
+
+    def _check_remote(self) -> None:
+        url, namespace = self.remote_kvcache_url, self.remote_kvcache_namespace
+        if not isinstance(url, str) or url.partition("://")[0] not in REMOTE_URL_SCHEMES:
+            raise ValueError(
+                f"remote_kvcache_url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL, got {url!r}"
+            )
+        if not isinstance(namespace, str) or not REMOTE_NAMESPACE.fullmatch(namespace):
+            raise ValueError(
+                "remote_kvcache_namespace must be 1-200 characters of [A-Za-z0-9._/@+-] "
+                f"(the model's name in the shared store), got {namespace!r}"
+            )
+        timeout = self.remote_kvcache_timeout_s
+        if timeout.__class__ not in (int, float) or not timeout > 0:
+            raise ValueError(f"remote_kvcache_timeout_s must be > 0, got {timeout!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                "remote_kvcache_url needs enable_prefix_caching: the shared tier holds "
+                "committed prefix pages"
+            )
+        if self.prefix_hash == "builtin":
+            raise ValueError(
+                "remote_kvcache_url needs a stable prefix_hash ('xxh3' or 'sha256'): "
+                "'builtin' differs between processes, so nothing could be shared"
             )
 
     @property

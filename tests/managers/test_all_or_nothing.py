@@ -33,7 +33,8 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
         replicas.append((
             tuple(pool._ref_count), tuple(pool._page_hash), frozenset(pool._free),
             frozenset(pool._cached), tuple(sorted(pool._index.items())),
-            tuple(sorted((rid, req.slot, tuple(req.pages), tuple(req.hashes), tuple(req.loads))
+            tuple(sorted((rid, req.slot, tuple(req.pages), tuple(req.hashes), tuple(req.loads),
+                          tuple(req.remote_loads))
                          for rid, req in r._requests.items())),
             tuple(r._free_slots),
             tuple(sorted(r._pinned.items())),

@@ -1,5 +1,8 @@
 """HostPages: the bytes of a replica's host tier, and the batched copies between tiers.
 
+`read_pages` / `write_pages` move one device shard's pages to and from plain bytes (the
+shared tier's values, see `mokv.remote`).
+
 A host page has the device page layout `[2, num_layers, page_size, n_kv_heads_per_device,
 head_dim]`, one buffer per device of the replica (tensor parallelism splits the heads,
 so shard `d` of a page lives in `buffers[d][page_id]`), and one page is one contiguous
@@ -88,6 +91,35 @@ def _view(buffer: Buffer, views: dict[int, np.ndarray] | None) -> np.ndarray:
     if view is None:
         view = views[id(buffer)] = numpy_view(buffer)
     return view
+
+
+def read_pages(buffer: Buffer, page_ids: Sequence[int],
+               views: dict[int, np.ndarray] | None = None) -> list[np.ndarray]:
+    """Pages `page_ids` of one device shard as host arrays of the page's shape, for a
+    reader that copies them at once (`RemotePageStore.put`): aliasing views on a host
+    device, else rows of one host staging buffer filled by one batched copy."""
+    if buffer.device.is_host:
+        view = _view(buffer, views)
+        return [view[i] for i in page_ids]
+    staging = Buffer(buffer.dtype, [len(page_ids), *buffer.shape[1:]], device=CPU())
+    _copy_driver(buffer, page_ids, staging, range(len(page_ids)))
+    return list(numpy_view(staging))
+
+
+def write_pages(pages: Sequence[memoryview], buffer: Buffer, page_ids: Sequence[int],
+                views: dict[int, np.ndarray] | None = None) -> None:
+    """Writes `pages[i]` (the bytes of one page of the shard's layout) into page
+    `page_ids[i]` of one device shard: straight into a host device's pages, else into
+    one host staging buffer and then one batched copy to the accelerator."""
+    if buffer.device.is_host:
+        target, rows = _view(buffer, views), page_ids
+    else:
+        staging = Buffer(buffer.dtype, [len(pages), *buffer.shape[1:]], device=CPU())
+        target, rows = numpy_view(staging), range(len(pages))
+    for row, page in zip(rows, pages, strict=True):
+        target[row].reshape(-1).view(np.uint8)[:] = np.frombuffer(page, np.uint8)
+    if not buffer.device.is_host:
+        _copy_driver(staging, range(len(pages)), buffer, page_ids)
 
 
 class HostPages:

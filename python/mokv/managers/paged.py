@@ -18,6 +18,10 @@ A replica's pages live in one `max.driver.Buffer` per device, each device holdin
 Host tier (`params.enable_kvcache_swapping_to_host`): each replica also holds
 `floor(host_kvcache_swap_space_gb * 2**30 / data_parallel_degree / bytes_per_page)` host
 pages (one host buffer per device shard); see `paged_replica.py` and README "Host tier".
+
+Shared tier (`params.remote_kvcache_url`): each replica opens one `RemotePageStore` per
+device shard on the Redis server; `close` flushes and closes them, and
+`remote_metrics` sums their counters (README "Shared tier").
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from ..events.publisher import open_publishers, resolve_events_config
 from ..layouts import PAGED, RaggedKVCacheInputs
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
+from ..remote import RemoteMetrics
 from .base import ManagerFields, check_num_steps, check_request_id, synchronized
 from .compat import MaxManagerAPI
 from .increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
@@ -355,10 +360,10 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             if replica_plans:
                 replica.apply(replica_plans)
         for replica, group in zip(self.replicas, groups):
-            if replica.host is not None:
+            if replica.host is not None or replica.remote:
                 if self.enable_runtime_checks:
                     replica.check_loads()
-                replica.load_pending(group)  # host hits reach the device before the graph
+                replica.load_pending(group)  # host/remote hits reach the device before the graph
         if self.enable_runtime_checks:
             for replica, group in zip(self.replicas, groups):
                 replica.check_tables(group, num_steps)
@@ -456,7 +461,21 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             host_total_pages=self.total_num_host_pages,
             bytes_to_host=sum(h.bytes_to_host for h in hosts),
             bytes_from_host=sum(h.bytes_from_host for h in hosts),
+            remote_cache_tokens=sum(r.remote_cache_tokens for r in self.replicas),
+            bytes_from_remote=sum(r.bytes_from_remote for r in self.replicas),
         )
+
+    @property
+    def remote_metrics(self) -> RemoteMetrics:
+        """The shared tier's own counters, summed over every store (one per device shard
+        per replica, so with tensor parallelism each page counts once per shard): hits,
+        misses, rejected values, bytes each way, errors, timeouts, drops. All zero with
+        the tier off. The stores count from their own threads, so this is not locked."""
+        total = RemoteMetrics()
+        for store in (s for r in self.replicas for s in r.remote):
+            for name, value in store.metrics.as_dict().items():
+                setattr(total, name, getattr(total, name) + value)
+        return total
 
     @property
     def total_num_host_pages(self) -> int:
@@ -475,6 +494,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
     def reset_metrics(self) -> None:
         for r in self.replicas:
             r.input_tokens = r.cache_tokens = r.host_cache_tokens = 0
+            r.remote_cache_tokens = r.bytes_from_remote = 0
             if r.host_pages is not None:
                 r.host_pages.bytes_to_host = r.host_pages.bytes_from_host = 0
 
@@ -489,9 +509,12 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
 
     @synchronized
     def close(self) -> None:
-        """Publishes the events still queued and closes the event sockets (if any)."""
+        """Publishes the events still queued and closes the event sockets (if any); sends
+        the pages queued for the shared tier (a bounded wait) and disconnects from it."""
         for publisher in self.kv_event_publishers:
             publisher.close()
+        for replica in self.replicas:
+            replica.close_remote()
 
     @synchronized
     def check_invariants(self) -> None:

@@ -33,6 +33,15 @@ host page (`_pinned`) from `apply` on. Taking device pages never evicts a host p
 lost between its match and its load (TensorRT-LLM #12878). `fetch` runs the
 pending loads of its batch as one batched copy before the graph runs (`load_pending`),
 then indexes the loaded device pages. Releasing a request drops its pending loads.
+
+The shared tier (`remote_kvcache_url`, `mokv.remote`): one `RemotePageStore` per device
+shard. `commit` queues every newly indexed page to the stores (a copy, sent by their
+writer threads; the scheduler never waits for the server). `plan` continues the chain
+past the host hits with one `lookup` per shard (a page counts only if every shard
+returned it); the validated bytes ride in the reservation as loads with `shards`, get
+fresh device pages in `apply`, and `load_pending` copies them in and indexes them with
+the host loads. Nothing to pin: the bytes are already in the process. Pages loaded from
+the store are not written back to it.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from max.driver import Buffer, Device
 
 from ..cache.hashing import PageHashFn, iter_page_hashes, salted_root
 from ..cache.host_pool import HostPagePool
-from ..cache.page_copy import HostPages
+from ..cache.page_copy import HostPages, read_pages, write_pages
 from ..cache.page_pool import PagePool
 from ..context import RequestID, TextGenerationContext
 from ..errors import (
@@ -58,6 +67,7 @@ from ..errors import (
 )
 from ..layouts import RaggedKVCacheInputs
 from ..params import KVCacheParams
+from ..remote import RemoteLayout, RemotePageStore
 
 
 @dataclass(slots=True)
@@ -66,11 +76,13 @@ class _Request:
     pages: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     loads: list[_Load] = field(default_factory=list)  # host hits not yet copied in
+    remote_loads: list[_Load] = field(default_factory=list)  # remote hits not yet copied in
 
 
 @dataclass(slots=True)
 class _Load:
-    """A host hit waiting for `load_pending`: host page -> the request's device page."""
+    """A hit waiting for `load_pending`: host page -> the request's device page, or
+    for a remote hit (`host_page` -1) its validated bytes, one view per device shard."""
 
     device_page: int
     host_page: int
@@ -78,6 +90,7 @@ class _Load:
     token_bytes: bytes
     parent_hash: int | None
     cache_salt: str | None
+    shards: tuple[memoryview, ...] = ()
 
 
 @dataclass(slots=True)
@@ -87,9 +100,15 @@ class Reservation:
     ctx: TextGenerationContext
     req: _Request
     hits: list[tuple[int, int]]  # (page id, hash) of cached pages that continue its chain
-    hit_tokens: int  # where its cache ends after the hits (device and host)
+    hit_tokens: int  # where its cache ends after the hits (device, host and remote)
     num_new: int  # fresh pages to allocate after the hits
     host_hits: list[_Load] = field(default_factory=list)  # device_page -1 until `apply`
+    remote_hits: list[_Load] = field(default_factory=list)  # likewise, after the host hits
+
+    @property
+    def num_loads(self) -> int:
+        """Hits that need a fresh device page (host and remote)."""
+        return len(self.host_hits) + len(self.remote_hits)
 
 
 @dataclass(slots=True)
@@ -152,6 +171,18 @@ class PagedReplica:
             self.host_pages = HostPages(params.dtype, num_host_pages, shape[1:], devices)
         self._pinned: Counter[int] = Counter()
         self.host_cache_tokens = 0
+        # The shared tier: one store per device shard (its layout names the shard).
+        self.remote: list[RemotePageStore] = []
+        if params.remote_kvcache_url is not None:
+            self.remote = [
+                RemotePageStore(params.remote_kvcache_url, params.remote_kvcache_namespace,
+                                RemoteLayout.from_params(params, num_layers, shard),
+                                timeout_s=params.remote_kvcache_timeout_s)
+                for shard in range(len(devices))
+            ]
+        self._block_views: dict[int, np.ndarray] = {}
+        self.remote_cache_tokens = 0
+        self.bytes_from_remote = 0
         # host_kvcache_min_hits > 0: device hits per page since it was handed out, and
         # the (page, hash, parent, salt) that reached the threshold, written at `commit`.
         self._min_hits = params.host_kvcache_min_hits
@@ -224,11 +255,7 @@ class PagedReplica:
         n_committed = len(req.hashes)
         hits: list[tuple[int, int]] = []
         host_hits: list[_Load] = []
-        if (
-            not self._prefix_caching
-            or len(req.pages) != n_committed
-            or ctx.start_idx != n_committed * ps
-        ):
+        if not self._can_match(ctx, req):
             return hits, host_hits
         pages = iter_page_hashes(
             ctx.tokens, ps, self._last_hash(req, ctx), self._hash_fn, n_committed,
@@ -254,6 +281,43 @@ class PagedReplica:
                 break
             page_hash, data = nxt
         return hits, host_hits
+
+    def _can_match(self, ctx: TextGenerationContext, req: _Request) -> bool:
+        """Whether a prefix may extend the request now (see the module docstring)."""
+        n_committed = len(req.hashes)
+        return (self._prefix_caching and len(req.pages) == n_committed
+                and ctx.start_idx == n_committed * self.page_size)
+
+    def _match_remote(self, ctx: TextGenerationContext, req: _Request,
+                      hits: list[tuple[int, int]], host_hits: list[_Load]) -> list[_Load]:
+        """The remote pages that continue the chain past the device and host hits, as
+        loads carrying their validated bytes (device page -1: not taken yet).
+
+        One `lookup` per device shard, each asking for no more pages than the shards
+        before it returned: a page counts only if every shard holds it. Changes no
+        state but the stores' counters; a failing server is a miss.
+        """
+        ps = self.page_size
+        first = len(req.hashes) + len(hits) + len(host_hits)
+        end = (ctx.end_idx - 1) // ps  # the last token must be computed, as in _match_prefix
+        if first >= end or not self._can_match(ctx, req):
+            return []
+        parent = (host_hits[-1].page_hash if host_hits else hits[-1][1] if hits
+                  else req.hashes[-1] if req.hashes else None)
+        chain = list(iter_page_hashes(ctx.tokens, ps, self._last_hash(req, ctx)
+                                      if parent is None else parent, self._hash_fn, first, end))
+        shards: list[list[memoryview]] = []
+        found = len(chain)
+        for store in self.remote:
+            shards.append(store.lookup(chain, found) if found else [])
+            found = len(shards[-1])
+        salt = getattr(ctx, "cache_salt", None) if parent is None else None
+        loads = []
+        for i, (page_hash, data) in enumerate(chain[:found]):
+            loads.append(_Load(-1, -1, page_hash, data, parent, salt,
+                               tuple(pages[i] for pages in shards)))
+            parent, salt = page_hash, None
+        return loads
 
     def _last_hash(self, req: _Request, ctx: TextGenerationContext) -> int:
         """The parent hash of the request's next page: for the first page, the root of
@@ -317,12 +381,15 @@ class PagedReplica:
             )
         for req, new_hashes in plan.requests:
             req.hashes.extend(new_hashes)
+        new = [i for i, ok in enumerate(indexed) if ok]
+        if self.remote and new:
+            self._write_remote([plan.page_ids[i] for i in new], [plan.hashes[i] for i in new],
+                               [plan.datas[i] for i in new])
         if self.host is None:
             return
         if self._min_hits:
             self._write_promoted()
             return
-        new = [i for i, ok in enumerate(indexed) if ok]
         if new:
             self._write_through(*([seq[i] for i in new] for seq in (
                 plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.salts)))
@@ -359,6 +426,20 @@ class PagedReplica:
         self.host.insert(plan.targets, [hashes[i] for i in e], [datas[i] for i in e],
                          [parents[i] for i in e], [salts[i] for i in e])
 
+    def _write_remote(self, page_ids: list[int], hashes: list[int], datas: list[bytes]) -> None:
+        """Queues newly indexed device pages (parents first) to the shared tier, each shard
+        to its own store. `put` copies the bytes and never blocks or raises for the
+        server: a full queue drops the page (counted in the store's metrics)."""
+        for store, block in zip(self.remote, self.blocks):
+            for page_hash, data, page in zip(hashes, datas,
+                                             read_pages(block, page_ids, self._block_views)):
+                store.put(page_hash, data, page)
+
+    def close_remote(self) -> None:
+        """Sends the queued pages (bounded wait) and disconnects from the shared tier."""
+        for store in self.remote:
+            store.close()
+
     # --- reservation ----------------------------------------------------------------
 
     def _check_length(self, ctx: TextGenerationContext, num_steps: int, active_idx: int) -> int:
@@ -388,19 +469,20 @@ class PagedReplica:
         if needed <= held and needed <= self.max_seq_len:
             return None
         hits, host_hits = self._match_prefix(ctx, req)
-        num_hits = len(hits) + len(host_hits)
+        remote_hits = self._match_remote(ctx, req, hits, host_hits) if self.remote else []
+        num_hits = len(hits) + len(host_hits) + len(remote_hits)
         hit_tokens = (len(req.hashes) + num_hits) * self.page_size if num_hits else ctx.start_idx
         # Where the window ends after a hit is the context's rule, not the manager's.
         active_idx = ctx.active_idx_after_skip(hit_tokens) if num_hits else ctx.active_idx
         needed_pages = _ceil_div(self._check_length(ctx, num_steps, active_idx), self.page_size)
         num_new = max(needed_pages - len(req.pages) - num_hits, 0)
-        return Reservation(ctx, req, hits, hit_tokens, num_new, host_hits)
+        return Reservation(ctx, req, hits, hit_tokens, num_new, host_hits, remote_hits)
 
     def fits(self, plans: list[Reservation]) -> bool:
-        """Whether the pool can take every plan's hits and fresh pages (host hits
-        included: each needs a device page) at once."""
+        """Whether the pool can take every plan's hits and fresh pages (host and remote
+        hits included: each needs a device page) at once."""
         hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
-        return self.pool.can_take(hit_pages, sum(p.num_new + len(p.host_hits) for p in plans))
+        return self.pool.can_take(hit_pages, sum(p.num_new + p.num_loads for p in plans))
 
     def apply(self, plans: list[Reservation]) -> None:
         """Takes the pages of `plans` (which `fits`), then moves each hit context's window.
@@ -414,7 +496,7 @@ class PagedReplica:
         every plan are safe from the moment they were matched (TensorRT-LLM #12878).
         """
         hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
-        new_pages = self.pool.take(hit_pages, sum(p.num_new + len(p.host_hits) for p in plans))
+        new_pages = self.pool.take(hit_pages, sum(p.num_new + p.num_loads for p in plans))
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
         if self._min_hits:
@@ -422,20 +504,23 @@ class PagedReplica:
         sizes = []
         for plan in plans:
             req, taken = plan.req, [page_id for page_id, _ in plan.hits]
-            num_loads = len(plan.host_hits)
+            num_loads = plan.num_loads
             load_pages = new_pages[:num_loads]
             taken += new_pages[: num_loads + plan.num_new]
             del new_pages[: num_loads + plan.num_new]
-            sizes.append((len(req.pages), len(req.hashes), len(req.loads)))
+            sizes.append((len(req.pages), len(req.hashes), len(req.loads), len(req.remote_loads)))
             req.pages.extend(taken)
             req.hashes.extend(page_hash for _, page_hash in plan.hits)
             req.hashes.extend(load.page_hash for load in plan.host_hits)
+            req.hashes.extend(load.page_hash for load in plan.remote_hits)
             for load, page_id in zip(plan.host_hits, load_pages):
                 req.loads.append(replace(load, device_page=page_id))
                 self._pinned[load.host_page] += 1
+            req.remote_loads.extend(replace(load, device_page=page_id) for load, page_id in
+                                    zip(plan.remote_hits, load_pages[len(plan.host_hits):]))
             self._page_table[req.slot, : len(req.pages)] = req.pages
         for done, plan in enumerate(plans):
-            if not plan.hits and not plan.host_hits:
+            if not plan.hits and not plan.num_loads:
                 continue
             skipped = plan.hit_tokens - plan.ctx.start_idx
             try:
@@ -446,6 +531,7 @@ class PagedReplica:
             self.cache_tokens += skipped
             self.input_tokens += skipped
             self.host_cache_tokens += len(plan.host_hits) * self.page_size
+            self.remote_cache_tokens += len(plan.remote_hits) * self.page_size
         if self.host is not None:  # device hits keep their host copies young too
             self.host.touch_hashes(h for plan in plans for _, h in reversed(plan.hits))
 
@@ -465,8 +551,9 @@ class PagedReplica:
                     self._promoted.append((page_id, page_hash, parent, salt))
                 parent = page_hash
 
-    def _give_back(self, plans: list[Reservation], sizes: list[tuple[int, int, int]]) -> None:
-        for plan, (num_pages, num_hashes, num_loads) in zip(plans, sizes):
+    def _give_back(self, plans: list[Reservation],
+                   sizes: list[tuple[int, int, int, int]]) -> None:
+        for plan, (num_pages, num_hashes, num_loads, num_remote) in zip(plans, sizes):
             req = plan.req
             self.pool.release(reversed(req.pages[num_pages:]))
             del req.pages[num_pages:]
@@ -474,19 +561,26 @@ class PagedReplica:
             self._pinned.subtract(load.host_page for load in req.loads[num_loads:])
             self._pinned += Counter()
             del req.loads[num_loads:]
+            del req.remote_loads[num_remote:]
 
     def load_pending(self, batch: list[TextGenerationContext]) -> None:
-        """Copies the host hits of `batch`'s requests into their device pages (one batched
-        copy per device), then indexes those pages on the device and unpins the host
-        pages. All or nothing: the copy only writes pages the requests own, so a failure
-        before the index changes leaves the loads pending, to run again."""
+        """Copies the host and remote hits of `batch`'s requests into their device pages
+        (one batched copy per device and tier), then indexes those pages on the device
+        and unpins the host pages. All or nothing: the copies only write pages the
+        requests own, so a failure before the index changes leaves the loads pending, to
+        run again."""
         reqs = [self._requests[ctx.request_id] for ctx in batch]
-        loads = [load for req in reqs for load in req.loads]
+        host_loads = [load for req in reqs for load in req.loads]
+        remote_loads = [load for req in reqs for load in req.remote_loads]
+        loads = host_loads + remote_loads
         if not loads:
             return
-        assert self.host_pages is not None
-        self.host_pages.load([ld.host_page for ld in loads], self.blocks,
-                             [ld.device_page for ld in loads])
+        if host_loads:
+            assert self.host_pages is not None
+            self.host_pages.load([ld.host_page for ld in host_loads], self.blocks,
+                                 [ld.device_page for ld in host_loads])
+        if remote_loads:
+            self._load_remote(remote_loads)
         self.pool.commit_pages(
             [ld.device_page for ld in loads], [ld.page_hash for ld in loads],
             [ld.token_bytes for ld in loads], [ld.parent_hash for ld in loads],
@@ -494,8 +588,17 @@ class PagedReplica:
         )
         for req in reqs:
             req.loads.clear()
-        self._pinned.subtract(ld.host_page for ld in loads)
+            req.remote_loads.clear()
+        self._pinned.subtract(ld.host_page for ld in host_loads)
         self._pinned += Counter()
+
+    def _load_remote(self, loads: list[_Load]) -> None:
+        """The validated bytes of remote hits -> their device pages, shard by shard."""
+        device_pages = [ld.device_page for ld in loads]
+        for shard, block in enumerate(self.blocks):
+            write_pages([ld.shards[shard] for ld in loads], block, device_pages,
+                        self._block_views)
+        self.bytes_from_remote += sum(page.nbytes for ld in loads for page in ld.shards)
 
     # --- graph inputs ---------------------------------------------------------------
 

@@ -6,7 +6,8 @@
     store.py    RemotePageStore: put (queued, SET NX, pipelined, off the caller's path),
                 probe / lookup (pipelined chain probes), RemoteMetrics
 
-Not yet wired into the managers: see the README's "Shared tier" section.
+Wired into the paged manager by `KVCacheParams.remote_kvcache_url` (see
+`mokv.managers.paged_replica` and the README's "Shared tier" section).
 """
 
 from .breaker import CircuitBreaker

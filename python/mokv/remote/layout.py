@@ -35,7 +35,6 @@ which the store counts and treats as a miss.
 from __future__ import annotations
 
 import enum
-import re
 import struct
 from dataclasses import dataclass
 from functools import cached_property
@@ -43,7 +42,7 @@ from functools import cached_property
 from max.dtype import DType
 from xxhash import xxh3_64, xxh3_64_intdigest
 
-from ..params import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, KVCacheParams
+from ..params import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, REMOTE_NAMESPACE, KVCacheParams
 
 MAGIC = b"MKVP"
 VERSION = 1
@@ -52,7 +51,6 @@ _HEADER = struct.Struct("<4sHH5IQQIQQ")
 HEADER_SIZE = _HEADER.size  # 64
 _DTYPE_CODES = {DType.float32: 1, DType.bfloat16: 2, DType.float16: 3}
 assert set(_DTYPE_CODES) == set(CACHE_DTYPES) and HEADER_SIZE == 64
-_NAMESPACE = re.compile(r"[A-Za-z0-9._/@+-]{1,200}")
 
 
 class Rejection(enum.Enum):
@@ -134,7 +132,7 @@ class RemoteLayout:
     def key_prefix(self, namespace: str) -> str:
         """`mokv:v1:{namespace}:{fingerprint}:`; ValueError for a namespace that could
         make two keys ambiguous (empty, too long, or with ':' or spaces)."""
-        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+        if not isinstance(namespace, str) or not REMOTE_NAMESPACE.fullmatch(namespace):
             raise ValueError(
                 f"namespace must be 1-200 characters of [A-Za-z0-9._/@+-], got {namespace!r}"
             )

@@ -1,0 +1,330 @@
+"""The shared tier in the paged manager, on a real redis-server: manager B loads the
+pages manager A committed, bit for bit; salts, TP shards and corrupt values never give
+a wrong page; a False from maybe_reserve changes nothing; an exception anywhere leaves
+the old state or the new one; a dead server is a miss."""
+
+import itertools
+import os
+import time
+
+import numpy as np
+import pytest
+
+import mokv
+from mokv import TextContext
+from mokv.cache import page_copy
+from mokv.cache.page_pool import PagePool
+from mokv.events.publisher import EventRecorder, build_events
+from mokv.managers.paged_replica import PagedReplica
+from mokv.remote import RemotePageStore
+
+from ..managers.conftest import make_paged
+from ..managers.test_all_or_nothing import Injected, snapshot
+
+_namespaces = itertools.count()
+PREFIX = np.arange(8)  # two full pages of 4 tokens
+
+
+def remote_manager(session, server, namespace, num_pages=6, **overrides):
+    return make_paged(session, num_pages=num_pages, max_seq_len=24,
+                      remote_kvcache_url=server.url, remote_kvcache_namespace=namespace,
+                      **overrides)
+
+
+def fresh_namespace() -> str:
+    return f"manager-{os.getpid()}-{next(_namespaces)}"
+
+
+def serve(m, ctx, fill_seed=None):
+    """Claims, fetches and steps `ctx` once (committing its full pages); with `fill_seed`
+    the request's fresh pages get random bytes first, standing in for the model's keys
+    and values. Returns the request's pages' bytes per device shard."""
+    m.external_claim(ctx.request_id)
+    m.fetch([ctx])
+    r = m.replicas[m.get_replica(ctx)]
+    pages = m.get_req_blocks(ctx.request_id)
+    if fill_seed is not None:
+        rng = np.random.default_rng(fill_seed)
+        for block in r.blocks:
+            view = page_copy.numpy_view(block)
+            for page in pages[ctx.start_idx // m.page_size:]:
+                view[page] = rng.integers(0, 2**32, view[page].shape, dtype=view.dtype)
+    ctx.update(1)
+    m.step([ctx])
+    return [page_copy.numpy_view(block)[pages].copy() for block in r.blocks]
+
+
+def flush(m) -> None:
+    for r in m.replicas:
+        for store in r.remote:
+            assert store.flush(10)
+
+
+def committed_by_a(session, server, namespace, salt=None, **overrides):
+    """Manager A serves PREFIX + [9] (two full pages, committed and queued to Redis)."""
+    a = remote_manager(session, server, namespace, **overrides)
+    data = serve(a, TextContext(np.r_[PREFIX, [9]], "A", cache_salt=salt), fill_seed=1)
+    flush(a)
+    return a, data
+
+
+def test_b_loads_the_pages_a_committed_bit_exact_and_indexes_them(session, redis_server):
+    ns = fresh_namespace()
+    a, a_pages = committed_by_a(session, redis_server, ns)
+    assert a.remote_metrics.pages_written == 2
+    b = remote_manager(session, redis_server, ns)
+    recorder = EventRecorder()
+    b.replicas[0].pool.events = recorder
+    ctx = TextContext(np.r_[PREFIX, [5, 6]], "B")
+    b.external_claim("B")
+    assert b.maybe_reserve(ctx) and ctx.start_idx == 8
+    assert b.replicas[0]._requests["B"].remote_loads  # pending until fetch
+    b.fetch([ctx])
+    pages = b.get_req_blocks("B")
+    loaded = page_copy.numpy_view(b.replicas[0].blocks[0])[pages[:2]]
+    np.testing.assert_array_equal(loaded, a_pages[0][:2])
+    metrics = b.metrics
+    assert metrics.cache_tokens == metrics.remote_cache_tokens == 8
+    assert metrics.device_cache_tokens == metrics.host_cache_tokens == 0
+    page_bytes = a_pages[0][0].nbytes
+    assert metrics.bytes_from_remote == 2 * page_bytes
+    remote = b.remote_metrics
+    assert (remote.hits, remote.misses, remote.errors) == (2, 0, 0)
+    # The loaded pages are device pages now: published, and hits for the next request.
+    events = build_events(recorder.take(), 4, "GPU")
+    assert [type(e).__name__ for e in events] == ["BlockStored"]
+    stored_hashes = b.replicas[0]._requests["B"].hashes
+    assert events[0].block_hashes == stored_hashes and events[0].parent_block_hash is None
+    c = TextContext(np.r_[PREFIX, [7]], "C")
+    b.external_claim("C")
+    assert b.maybe_reserve(c) and c.start_idx == 8
+    assert b.metrics.device_cache_tokens == 8 and b.remote_metrics.lookups == 1
+    b.check_invariants()
+    a.close()
+    b.close()
+
+
+def test_the_remote_chain_continues_after_device_hits(session, redis_server):
+    """B holds page 0 on its device; the store supplies page 1."""
+    ns = fresh_namespace()
+    a, a_pages = committed_by_a(session, redis_server, ns)
+    b = remote_manager(session, redis_server, ns)
+    b_pages = serve(b, TextContext(np.r_[PREFIX[:4], [1]], "X"), fill_seed=2)  # page 0
+    assert b.metrics.remote_cache_tokens == 4  # X's page 0 came from the store already
+    np.testing.assert_array_equal(b_pages[0][0], a_pages[0][0])
+    b.release("X")
+    ctx = TextContext(np.r_[PREFIX, [5]], "B")
+    b.external_claim("B")
+    assert b.maybe_reserve(ctx) and ctx.start_idx == 8
+    b.fetch([ctx])
+    assert b.metrics.remote_cache_tokens == 8 and b.metrics.device_cache_tokens == 4
+    loaded = page_copy.numpy_view(b.replicas[0].blocks[0])[b.get_req_blocks("B")[1]]
+    np.testing.assert_array_equal(loaded, a_pages[0][1])
+    a.close()
+    b.close()
+
+
+def test_different_cache_salts_never_share(session, redis_server):
+    ns = fresh_namespace()
+    a, _ = committed_by_a(session, redis_server, ns, salt="tenant-a")
+    b = remote_manager(session, redis_server, ns)
+    for rid, salt in (("none", None), ("other", "tenant-b")):
+        ctx = TextContext(np.r_[PREFIX, [5]], rid, cache_salt=salt)
+        b.external_claim(rid)
+        assert b.maybe_reserve(ctx) and ctx.start_idx == 0
+        b.release(rid)
+    same = TextContext(np.r_[PREFIX, [5]], "same", cache_salt="tenant-a")
+    b.external_claim("same")
+    assert b.maybe_reserve(same) and same.start_idx == 8
+    a.close()
+    b.close()
+
+
+def test_tensor_parallel_counts_a_page_only_if_every_shard_holds_it(session, redis_server):
+    ns = fresh_namespace()
+    tp2 = dict(n_devices=2)  # one KV head per device
+    a, a_pages = committed_by_a(session, redis_server, ns, **tp2)
+    stores = a.replicas[0].remote
+    assert [s.layout.tp_rank for s in stores] == [0, 1]
+    assert stores[0].key(1) != stores[1].key(1)
+    # Shard 1 loses page 1 (as LRU eviction would): only page 0 is a hit.
+    page_1 = a.replicas[0]._requests["A"].hashes[1]
+    redis_server.client().delete(stores[1].key(page_1))
+    b = remote_manager(session, redis_server, ns, **tp2)
+    ctx = TextContext(np.r_[PREFIX, [5]], "B")
+    b.external_claim("B")
+    assert b.maybe_reserve(ctx) and ctx.start_idx == 4
+    b.fetch([ctx])
+    page = b.get_req_blocks("B")[0]
+    for shard, block in enumerate(b.replicas[0].blocks):
+        np.testing.assert_array_equal(page_copy.numpy_view(block)[page], a_pages[shard][0])
+    assert b.metrics.remote_cache_tokens == 4
+    # A TP=1 manager never reads the TP=2 shards (another layout, another key).
+    c = remote_manager(session, redis_server, ns)
+    ctx = TextContext(np.r_[PREFIX, [5]], "C")
+    c.external_claim("C")
+    assert c.maybe_reserve(ctx) and ctx.start_idx == 0
+    for m in (a, b, c):
+        m.close()
+
+
+def test_a_corrupted_value_is_a_counted_miss(session, redis_server):
+    ns = fresh_namespace()
+    a, _ = committed_by_a(session, redis_server, ns)
+    store = a.replicas[0].remote[0]
+    key = store.key(a.replicas[0]._requests["A"].hashes[1])
+    client = redis_server.client()
+    value = bytearray(client.get(key))
+    value[-1] ^= 0x01  # one bit of the page's last byte
+    client.set(key, bytes(value))
+    b = remote_manager(session, redis_server, ns)
+    ctx = TextContext(np.r_[PREFIX, [5]], "B")
+    b.external_claim("B")
+    assert b.maybe_reserve(ctx) and ctx.start_idx == 4  # page 0 only
+    remote = b.remote_metrics
+    assert (remote.hits, remote.misses, remote.rejected_corrupt) == (1, 1, 1)
+    a.close()
+    b.close()
+
+
+def test_false_from_maybe_reserve_changes_nothing_with_remote_hits_planned(session,
+                                                                           redis_server):
+    ns = fresh_namespace()
+    a, _ = committed_by_a(session, redis_server, ns)
+    b = remote_manager(session, redis_server, ns)
+    hog = TextContext(np.arange(300, 317), "H")  # holds 5 of the 6 device pages
+    b.external_claim("H")
+    assert b.maybe_reserve(hog)
+    ctx = TextContext(np.r_[PREFIX, np.arange(50, 60)], "B")  # 2 remote hits + 3 pages
+    b.external_claim("B")
+    before = snapshot(b, [hog, ctx]), b.metrics
+    assert not b.maybe_reserve(ctx)
+    assert (snapshot(b, [hog, ctx]), b.metrics) == before
+    assert b.remote_metrics.hits == 2  # it did look
+    b.release("H")
+    assert b.maybe_reserve(ctx) and ctx.start_idx == 8
+    b.fetch([ctx])
+    assert b.metrics.remote_cache_tokens == 8
+    a.close()
+    b.close()
+
+
+FAULT_TARGETS = [
+    (RemotePageStore, "lookup"), (PagedReplica, "_match_remote"), (PagedReplica, "plan"),
+    (PagedReplica, "apply"), (PagedReplica, "fits"), (PagedReplica, "load_pending"),
+    (PagedReplica, "_load_remote"), (page_copy, "write_pages"), (PagePool, "take"),
+    (PagePool, "commit_pages"), (PagePool, "lookup"), (TextContext, "skip_cached_prefix"),
+    (TextContext, "active_idx_after_skip"), (PagedReplica, "runtime_inputs"),
+]
+
+
+@pytest.mark.parametrize("op", ["maybe_reserve", "fetch"])
+def test_an_exception_anywhere_leaves_old_or_new_state(session, redis_server, monkeypatch, op):
+    """B reserves two remote hits (maybe_reserve) and loads them (fetch); a fault in
+    every inner call in turn leaves the state before the call or after it."""
+    ns = fresh_namespace()
+    a, _ = committed_by_a(session, redis_server, ns)
+    a.close()
+
+    def world():
+        b = remote_manager(session, redis_server, ns)
+        ctx = TextContext(np.r_[PREFIX, [5]], "B")
+        b.external_claim("B")
+        if op == "fetch":
+            assert b.maybe_reserve(ctx)
+        return b, ctx
+
+    def call(b, ctx):
+        return b.maybe_reserve(ctx) if op == "maybe_reserve" else b.fetch([ctx])
+
+    clean, ctx = world()
+    call(clean, ctx)
+    new_state = snapshot(clean, [ctx])
+    clean.close()
+    counter = {"calls": 0, "fault_at": -1}
+
+    def wrap(fn):
+        def injected(*args, **kwargs):
+            counter["calls"] += 1
+            if counter["calls"] == counter["fault_at"]:
+                raise Injected(f"fault at call {counter['calls']}")
+            return fn(*args, **kwargs)
+        return injected
+
+    for owner, name in FAULT_TARGETS:
+        monkeypatch.setattr(owner, name, wrap(getattr(owner, name)))
+    faults = 0
+    for fault_at in range(1, 100):
+        counter["fault_at"] = -1
+        b, ctx = world()
+        old_state = snapshot(b, [ctx])
+        counter["calls"], counter["fault_at"] = 0, fault_at
+        try:
+            call(b, ctx)
+        except Injected:
+            faults += 1
+            counter["fault_at"] = -1
+            assert snapshot(b, [ctx]) in (old_state, new_state), f"fault at {fault_at}"
+            b.check_invariants()
+            b.release("B")
+            assert b.num_free_blocks == 6
+        else:
+            counter["fault_at"] = -1
+            assert snapshot(b, [ctx]) == new_state
+            b.close()
+            break
+        b.close()
+    assert faults == counter["calls"] > 3
+
+
+def test_a_dead_server_is_a_miss_and_a_restarted_one_serves_again(session, own_redis_server):
+    ns = fresh_namespace()
+    a, _ = committed_by_a(session, own_redis_server, ns)
+    own_redis_server.kill()
+    b = remote_manager(session, own_redis_server, ns)
+    for store in b.replicas[0].remote:
+        store.breaker.cooldown_s = 0.2  # the test waits for the trial, not 5 s
+    ctx = TextContext(np.r_[PREFIX, [5]], "B")
+    serve(b, ctx)  # commits (queued puts fail: counted)
+    assert ctx.start_idx == 9 and b.metrics.cache_tokens == 0
+    flush(b)
+    assert b.remote_metrics.errors >= 1
+    b.release("B")
+    # Back, empty: A's pages are gone, but B's writes and reads work again.
+    own_redis_server.start()
+    b.reset_prefix_cache()
+    deadline = time.monotonic() + 10
+    while b.replicas[0].remote[0].breaker.state == "open" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ctx = TextContext(np.r_[PREFIX, [6]], "B2")
+    serve(b, ctx)
+    flush(b)
+    c = remote_manager(session, own_redis_server, ns)
+    ctx = TextContext(np.r_[PREFIX, [7]], "C")
+    c.external_claim("C")
+    assert c.maybe_reserve(ctx) and ctx.start_idx == 8
+    for m in (a, b, c):
+        m.close()
+
+
+def test_remote_params_are_validated():
+    with pytest.raises(ValueError, match="remote_kvcache_url must be a redis"):
+        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8, enable_prefix_caching=True,
+                           remote_kvcache_url="http://x", remote_kvcache_namespace="m")
+    with pytest.raises(ValueError, match="remote_kvcache_namespace"):
+        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8, enable_prefix_caching=True,
+                           remote_kvcache_url="redis://127.0.0.1:1/0")
+    with pytest.raises(ValueError, match="remote_kvcache_namespace.*'a:b'"):
+        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8, enable_prefix_caching=True,
+                           remote_kvcache_url="redis://h/0", remote_kvcache_namespace="a:b")
+    with pytest.raises(ValueError, match="remote_kvcache_timeout_s"):
+        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8, enable_prefix_caching=True,
+                           remote_kvcache_url="redis://h/0", remote_kvcache_namespace="m",
+                           remote_kvcache_timeout_s=0)
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8,
+                           remote_kvcache_url="redis://h/0", remote_kvcache_namespace="m")
+    with pytest.raises(ValueError, match="stable prefix_hash"):
+        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8, enable_prefix_caching=True,
+                           prefix_hash="builtin", remote_kvcache_url="redis://h/0",
+                           remote_kvcache_namespace="m")
