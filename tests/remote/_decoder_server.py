@@ -1,0 +1,60 @@
+"""One mokv server of test_decoder_servers.py, in its own process: a paged manager with
+the shared tier on, the small decoder of tests/model, and the scheduler.
+
+Run as `python -m tests.remote._decoder_server URL NAMESPACE` from the repository root.
+stdin: one JSON line per batch of work, {"prompts": [[token ids], ...], "max_new": n}.
+stdout: "ready", then one JSON line per batch, after its pages were sent to Redis:
+{"tokens": [[prompt + generated], ...], "metrics": the manager's counters, "remote": the
+stores' counters}.
+"""
+
+import dataclasses
+import json
+import sys
+
+import mokv_graphs as mg
+import numpy as np
+from max.driver import CPU
+from max.engine import InferenceSession
+
+import mokv
+from tests.model.conftest import CONFIG, MAX_BATCH_SIZE, MAX_SEQ_LEN, PAGE_SIZE
+
+DEVICE_PAGES = 40
+BREAKER_COOLDOWN_S = 0.5  # the test waits for the breaker's trial after a restart
+
+url, namespace = sys.argv[1:3]
+params = dataclasses.replace(
+    CONFIG.kv_params("paged", page_size=PAGE_SIZE, enable_prefix_caching=True),
+    remote_kvcache_url=url, remote_kvcache_namespace=namespace,
+)
+session = InferenceSession(devices=[CPU()])
+manager = mokv.load_kv_manager(
+    params, max_batch_size=MAX_BATCH_SIZE, max_seq_len=MAX_SEQ_LEN,
+    num_layers=CONFIG.num_layers, devices=[CPU()], session=session,
+    available_cache_memory=DEVICE_PAGES * params.bytes_per_page(CONFIG.num_layers),
+    page_size=PAGE_SIZE, enable_runtime_checks=True,
+)
+stores = [store for replica in manager.replicas for store in replica.remote]
+for store in stores:
+    store.breaker.cooldown_s = BREAKER_COOLDOWN_S
+model = mg.DecoderModel(CONFIG, manager, session, mg.init_weights(CONFIG, seed=1))
+print("ready", flush=True)
+for line in sys.stdin:
+    work = json.loads(line)
+    requests = [mg.Request(mokv.TextContext(np.array(p)), work["max_new"])
+                for p in work["prompts"]]
+    scheduler = mg.Scheduler(manager, mg.greedy(model.step), token_budget=64)
+    for request in requests:
+        scheduler.add(request)
+    while scheduler.has_work:
+        scheduler.step()
+    for store in stores:
+        store.flush(10)
+    manager.check_invariants()
+    print(json.dumps({
+        "tokens": [r.ctx.tokens[: r.ctx.end_idx].tolist() for r in requests],
+        "metrics": dataclasses.asdict(manager.metrics),
+        "remote": manager.remote_metrics.as_dict(),
+    }), flush=True)
+manager.close()
