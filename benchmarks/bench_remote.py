@@ -1,4 +1,5 @@
-"""Shared tier on loopback: page put / lookup throughput and the latency of a chain probe.
+"""Shared tier on loopback: page put / lookup throughput, the latency of a chain probe,
+and the prefix-hit rate of two managers sharing one Redis on the trace replay.
 
 Starts its own redis-server (as the tests do: free port, no persistence, allkeys-lru).
 put: `store.put` of every page, then `flush` (encode + checksum + pipelined SET NX on the
@@ -6,12 +7,27 @@ writer thread). lookup: `store.lookup` of the whole chain (one EXISTS round trip
 MGET, every value checked). probe: `store.probe` of a 32-page chain (one round trip),
 median. Pages of two layouts: the demo decoder's (f32, page 16, 4 layers, 2 KV heads,
 head_dim 64: 64 KiB) and Llama-3.2-1B's (bf16, page 128, 16 layers, 8 KV heads, head_dim
-64: 4 MiB). Usage: python benchmarks/bench_remote.py [--pages-mb 256]
+64: 4 MiB).
+
+Trace replay (trace.py, page_size 128, replay.py's scheduler): the trace's sessions split
+between two managers by session (a conversation stays on its server; system prompts
+and documents are seen by both), replayed side by side, each manager with
+`--device-pages` pages. Rows: one manager serving the whole trace with the same
+budget (and with twice it), the two managers without a shared tier, the two sharing
+one Redis, and the infinite-cache bound. Hit rate: prompt tokens the caches supplied
+at admission over prompt tokens admitted (both managers together); host µs per
+request-step: the manager calls only (replay.py's timer), the shared tier's round
+trips included.
+
+Usage: python benchmarks/bench_remote.py [--pages-mb 256] [--sessions 150]
+[--device-pages 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import socket
 import statistics
@@ -24,6 +40,10 @@ import redis
 from max.dtype import DType
 from mokv.cache.hashing import iter_page_hashes, page_hash_fn, root_hash
 from mokv.remote import RemoteLayout, RemotePageStore
+
+from managers import MokvPaged
+from replay import replay, replay_side_by_side
+from trace import TraceConfig, infinite_cache_bound, make_trace
 
 LAYOUTS = {
     "decoder f32 p16 (64 KiB)": RemoteLayout(DType.float32, 16, 4, 2, 64),
@@ -79,16 +99,64 @@ def bench(url: str, name: str, layout: RemoteLayout, total_mb: int) -> None:
           f"{statistics.median(probes) * 1e6:.0f} us")
 
 
+def _row(name: str, runs: list, adapters: list) -> dict:
+    """Hit rate and host µs per request-step of runs replayed together (summed)."""
+    admitted = sum(r.prompt_tokens_admitted for r in runs)
+    request_steps = sum(sum(r.batch_sizes) for r in runs) or 1
+    ns = sum(sum(r.bookkeeping_ns) + sum(r.runtime_ns) for r in runs)
+    metrics = [a.manager.metrics for a in adapters]
+    return {"setup": name, "hit_rate": round(sum(r.tokens_skipped for r in runs) / admitted, 4),
+            "remote_hit_tokens": sum(m.remote_cache_tokens for m in metrics),
+            "us_per_request_step": round(ns / request_steps / 1e3, 2),
+            "preemptions": sum(r.preemptions for r in runs)}
+
+
+def trace_split(url: str, sessions: int, device_pages: int) -> dict:
+    """The trace replay rows (see the module docstring)."""
+    trace = make_trace(TraceConfig(num_sessions=sessions))
+    halves = [[r for r in trace if r.seed % 2 == side] for side in (0, 1)]
+    size = dict(max_batch=32, max_seq_len=16_384)
+    rows = []
+    for pages in (device_pages, 2 * device_pages):
+        adapter = MokvPaged(pages, **size)
+        rows.append(_row(f"one manager, {pages} pages, whole trace", [replay(adapter, trace)],
+                         [adapter]))
+    pair = [MokvPaged(device_pages, **size) for _ in halves]
+    rows.append(_row(f"two managers, {device_pages} pages each, no shared tier",
+                     replay_side_by_side(list(zip(pair, halves))), pair))
+    namespace = f"bench-trace-{time.time_ns()}"
+    shared = [MokvPaged(device_pages, **size, remote_kvcache_url=url,
+                        remote_kvcache_namespace=namespace, remote_kvcache_timeout_s=5.0)
+              for _ in halves]
+    rows.append(_row(f"two managers, {device_pages} pages each, sharing one Redis",
+                     replay_side_by_side(list(zip(shared, halves))), shared))
+    remote = [a.manager.remote_metrics for a in shared]
+    for adapter in shared:
+        adapter.manager.close()
+    return {"sessions": sessions, "requests": len(trace),
+            "bound": round(infinite_cache_bound(trace, 128), 4), "rows": rows,
+            "remote_metrics": {k: sum(m.as_dict()[k] for m in remote)
+                               for k in ("lookups", "hits", "misses", "pages_written",
+                                         "pages_present", "drops", "errors", "timeouts")}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages-mb", type=int, default=256, help="MB of pages per layout")
+    parser.add_argument("--sessions", type=int, default=150, help="trace sessions")
+    parser.add_argument("--device-pages", type=int, default=128, help="pages per manager")
+    parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
     if shutil.which("redis-server") is None:
         sys.exit("redis-server not found: apt-get install redis-server")
     proc, url = start_server()
     try:
-        for name, layout in LAYOUTS.items():
-            bench(url, name, layout, args.pages_mb)
+        print(f"load average before: {os.getloadavg()}")
+        if not args.skip_throughput:
+            for name, layout in LAYOUTS.items():
+                bench(url, name, layout, args.pages_mb)
+        print(json.dumps(trace_split(url, args.sessions, args.device_pages), indent=1))
+        print(f"load average after: {os.getloadavg()}")
     finally:
         proc.kill()
         proc.wait()

@@ -50,11 +50,13 @@ class MokvPaged(_Mokv):
     name = "mokv-paged"
 
     def __init__(self, budget_pages, max_batch, max_seq_len, page_size=128, prefix=True,
-                 prefix_hash=None, kv_events_config=None):
-        hash_kw = {} if prefix_hash is None else {"prefix_hash": prefix_hash}  # None: default
+                 prefix_hash=None, kv_events_config=None, **params_kw):
+        """`params_kw`: further `KVCacheParams` fields (e.g. the shared tier's)."""
+        if prefix_hash is not None:  # None: the default
+            params_kw["prefix_hash"] = prefix_hash
         self.params = mokv.KVCacheParams(DType.float32, SHAPE["n_kv_heads"], SHAPE["head_dim"],
                                          page_size=page_size, enable_prefix_caching=prefix,
-                                         **hash_kw)
+                                         **params_kw)
         memory = budget_pages * self.params.bytes_per_page(SHAPE["num_layers"])
         self.manager = mokv.PagedKVCacheManager(self.params, max_batch, max_seq_len,
                                                 SHAPE["num_layers"], [CPU()], session(), memory,

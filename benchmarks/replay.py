@@ -146,18 +146,45 @@ class _Replay(Scheduler):
 
 def replay(adapter, trace: list[TraceRequest], token_budget: int = 4096) -> ReplayStats:
     """Runs `trace` through `adapter` (see `managers.py`) and returns what it measured."""
-    scheduler = _Replay(adapter, token_budget)
-    stats = scheduler.measured
-    follow_ups: dict[int, list[TraceRequest]] = collections.defaultdict(list)
-    arrivals: list[tuple[int, int, TraceRequest]] = []  # (step, rid, request): a heap
-    for r in trace:
-        if r.parent is None:
-            arrivals.append((r.arrival, r.rid, r))
-        else:
-            follow_ups[r.parent].append(r)
-    heapq.heapify(arrivals)
+    return replay_side_by_side([(adapter, trace)], token_budget)[0]
+
+
+def replay_side_by_side(runs: list[tuple], token_budget: int = 4096) -> list[ReplayStats]:
+    """Runs each `(adapter, trace)` with its own scheduler, step by step side by side
+    (step s of every run before step s + 1 of any), as servers that serve at the same
+    time: what one run's manager writes to a shared tier, another can find in the
+    following steps."""
+    states = [_TraceRun(adapter, trace, token_budget) for adapter, trace in runs]
     step = 0
-    while arrivals or scheduler.has_work:
+    while any(state.has_work for state in states):
+        for state in states:
+            if state.has_work:
+                state.advance(step)
+        step += 1
+    return [state.finish() for state in states]
+
+
+class _TraceRun:
+    """One trace's arrivals and scheduler: `advance` runs one scheduler step."""
+
+    def __init__(self, adapter, trace: list[TraceRequest], token_budget: int) -> None:
+        self.scheduler = _Replay(adapter, token_budget)
+        self.follow_ups: dict[int, list[TraceRequest]] = collections.defaultdict(list)
+        self.arrivals: list[tuple[int, int, TraceRequest]] = []  # (step, rid, request): a heap
+        for r in trace:
+            if r.parent is None:
+                self.arrivals.append((r.arrival, r.rid, r))
+            else:
+                self.follow_ups[r.parent].append(r)
+        heapq.heapify(self.arrivals)
+        self.steps = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.arrivals) or self.scheduler.has_work
+
+    def advance(self, step: int) -> None:
+        scheduler, arrivals, stats = self.scheduler, self.arrivals, self.scheduler.measured
         while arrivals and arrivals[0][0] <= step:
             scheduler.submit(heapq.heappop(arrivals)[2])
         model_calls = scheduler.stats.steps
@@ -168,10 +195,13 @@ def replay(adapter, trace: list[TraceRequest], token_budget: int = 4096) -> Repl
             stats.runtime_ns.append(runtime)
         for req in finished:
             parent = scheduler.requests.pop(req.ctx.request_id)
-            for child in follow_ups.get(parent.rid, ()):
+            for child in self.follow_ups.get(parent.rid, ()):
                 heapq.heappush(arrivals, (step + 1 + child.arrival, child.rid, child))
-        step += 1
-    stats.steps = step
-    stats.preemptions = scheduler.stats.preemptions
-    stats.finished = scheduler.stats.finished
-    return stats
+        self.steps = step + 1
+
+    def finish(self) -> ReplayStats:
+        stats, scheduler = self.scheduler.measured, self.scheduler
+        stats.steps = self.steps
+        stats.preemptions = scheduler.stats.preemptions
+        stats.finished = scheduler.stats.finished
+        return stats

@@ -187,8 +187,8 @@ def test_a_corrupted_value_is_a_counted_miss(session, redis_server):
     b.close()
 
 
-def test_false_from_maybe_reserve_changes_nothing_with_remote_hits_planned(session,
-                                                                           redis_server):
+def test_false_from_maybe_reserve_changes_nothing_and_does_not_ask_redis(session,
+                                                                         redis_server):
     ns = fresh_namespace()
     a, _ = committed_by_a(session, redis_server, ns)
     b = remote_manager(session, redis_server, ns)
@@ -197,14 +197,37 @@ def test_false_from_maybe_reserve_changes_nothing_with_remote_hits_planned(sessi
     assert b.maybe_reserve(hog)
     ctx = TextContext(np.r_[PREFIX, np.arange(50, 60)], "B")  # 2 remote hits + 3 pages
     b.external_claim("B")
-    before = snapshot(b, [hog, ctx]), b.metrics
+    before = snapshot(b, [hog, ctx]), b.metrics, b.remote_metrics.lookups  # H's: a miss
     assert not b.maybe_reserve(ctx)
-    assert (snapshot(b, [hog, ctx]), b.metrics) == before
-    assert b.remote_metrics.hits == 2  # it did look
+    # It could not fit: nothing changed, and no bytes were fetched in vain.
+    assert (snapshot(b, [hog, ctx]), b.metrics, b.remote_metrics.lookups) == before
     b.release("H")
     assert b.maybe_reserve(ctx) and ctx.start_idx == 8
     b.fetch([ctx])
     assert b.metrics.remote_cache_tokens == 8
+    a.close()
+    b.close()
+
+
+def test_a_batch_that_does_not_fit_changes_nothing_with_remote_hits_planned(session,
+                                                                            redis_server):
+    ns = fresh_namespace()
+    a, _ = committed_by_a(session, redis_server, ns)
+    b = remote_manager(session, redis_server, ns)
+    hog = TextContext(np.arange(300, 310), "H")  # holds 3 of the 6 device pages
+    b.external_claim("H")
+    assert b.maybe_reserve(hog)
+    # Each fits alone (2 remote hits + 1 fresh page), not both.
+    batch = [TextContext(np.r_[PREFIX, [5, 6, 7]], "B"), TextContext(np.r_[PREFIX, [8]], "C")]
+    for ctx in batch:
+        b.external_claim(ctx.request_id)
+    before = snapshot(b, [hog, *batch]), b.metrics
+    with pytest.raises(mokv.InsufficientPagesError):
+        b.fetch([hog, *batch])
+    assert (snapshot(b, [hog, *batch]), b.metrics) == before
+    assert b.remote_metrics.hits == 4  # both planned their two remote hits
+    b.fetch([hog, batch[0]])
+    assert batch[0].start_idx == 8 and b.metrics.remote_cache_tokens == 8
     a.close()
     b.close()
 

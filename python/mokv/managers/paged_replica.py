@@ -469,7 +469,19 @@ class PagedReplica:
         if needed <= held and needed <= self.max_seq_len:
             return None
         hits, host_hits = self._match_prefix(ctx, req)
-        remote_hits = self._match_remote(ctx, req, hits, host_hits) if self.remote else []
+        plan = self._reservation(ctx, req, num_steps, hits, host_hits, [])
+        # The shared tier is asked only when the request fits without it: its hits turn
+        # fresh pages into loaded ones (as many device pages), so a request that waits
+        # for pages would only fetch the same bytes again at every retry.
+        if self.remote and self.fits([plan]):
+            remote_hits = self._match_remote(ctx, req, hits, host_hits)
+            if remote_hits:
+                plan = self._reservation(ctx, req, num_steps, hits, host_hits, remote_hits)
+        return plan
+
+    def _reservation(self, ctx: TextGenerationContext, req: _Request, num_steps: int,
+                     hits: list[tuple[int, int]], host_hits: list[_Load],
+                     remote_hits: list[_Load]) -> Reservation:
         num_hits = len(hits) + len(host_hits) + len(remote_hits)
         hit_tokens = (len(req.hashes) + num_hits) * self.page_size if num_hits else ctx.start_idx
         # Where the window ends after a hit is the context's rule, not the manager's.
