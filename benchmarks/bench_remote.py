@@ -15,7 +15,9 @@ and documents are seen by both), replayed side by side, each manager with
 `--device-pages` pages. Rows: one manager serving the whole trace with the same
 budget (and with twice it), the two managers without a shared tier, the two sharing
 one Redis, and the infinite-cache bound. Hit rate: prompt tokens the caches supplied
-at admission over prompt tokens admitted (both managers together); host µs per
+at admission over prompt tokens admitted (both managers together; re-admissions after a
+preemption included); first-admission hit rate: the same over each prompt's first
+admission only (what the bound counts); host µs per
 request-step: the manager calls only (replay.py's timer), the shared tier's round
 trips included.
 
@@ -105,7 +107,10 @@ def _row(name: str, runs: list, adapters: list) -> dict:
     request_steps = sum(sum(r.batch_sizes) for r in runs) or 1
     ns = sum(sum(r.bookkeeping_ns) + sum(r.runtime_ns) for r in runs)
     metrics = [a.manager.metrics for a in adapters]
+    first = sum(r.first_prompt_tokens for r in runs)
     return {"setup": name, "hit_rate": round(sum(r.tokens_skipped for r in runs) / admitted, 4),
+            "first_admission_hit_rate": round(
+                sum(r.first_tokens_skipped for r in runs) / first, 4),
             "remote_hit_tokens": sum(m.remote_cache_tokens for m in metrics),
             "us_per_request_step": round(ns / request_steps / 1e3, 2),
             "preemptions": sum(r.preemptions for r in runs)}
@@ -135,6 +140,8 @@ def trace_split(url: str, sessions: int, device_pages: int) -> dict:
         adapter.manager.close()
     return {"sessions": sessions, "requests": len(trace),
             "bound": round(infinite_cache_bound(trace, 128), 4), "rows": rows,
+            "MB_written_to_redis": round(sum(m.bytes_written for m in remote) / 2**20, 1),
+            "MB_read_from_redis": round(sum(m.bytes_read for m in remote) / 2**20, 1),
             "remote_metrics": {k: sum(m.as_dict()[k] for m in remote)
                                for k in ("lookups", "hits", "misses", "pages_written",
                                          "pages_present", "drops", "errors", "timeouts")}}
