@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 import pytest
+from max.driver import CPU, Buffer
+from max.dtype import DType
 
 import mokv
 from mokv import TextContext
@@ -52,6 +54,26 @@ def serve(m, ctx, fill_seed=None):
     ctx.update(1)
     m.step([ctx])
     return [page_copy.numpy_view(block)[pages].copy() for block in r.blocks]
+
+
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16])
+@pytest.mark.parametrize("path", ["host", "staged"])
+def test_page_bytes_round_trip_bit_exact(dtype, path, monkeypatch):
+    """read_pages -> bytes -> write_pages, on aliasing views or through a staging buffer
+    and `batch_inplace_copy` (the accelerator path, run on CPU buffers)."""
+    if path == "staged":
+        monkeypatch.setattr(page_copy, "_in_host_memory", lambda buffer: False)
+    shape = [6, 2, 2, 4, 1, 8]
+    src, dst = (Buffer(dtype, shape, device=CPU()) for _ in range(2))
+    bits = page_copy.numpy_view(src)
+    bits[:] = np.random.default_rng(0).integers(0, np.iinfo(bits.dtype).max, bits.shape,
+                                                dtype=bits.dtype)
+    page_copy.numpy_view(dst)[:] = 0
+    pages = [bytes(p) for p in page_copy.read_pages(src, [4, 1, 2])]  # as the store keeps them
+    page_copy.write_pages([memoryview(p) for p in pages], dst, [0, 5, 3])
+    back = page_copy.numpy_view(dst)
+    np.testing.assert_array_equal(back[[0, 5, 3]], bits[[4, 1, 2]])
+    assert not back[[1, 2, 4]].any()
 
 
 def flush(m) -> None:

@@ -98,7 +98,7 @@ def read_pages(buffer: Buffer, page_ids: Sequence[int],
     """Pages `page_ids` of one device shard as host arrays of the page's shape, for a
     reader that copies them at once (`RemotePageStore.put`): aliasing views on a host
     device, else rows of one host staging buffer filled by one batched copy."""
-    if buffer.device.is_host:
+    if _in_host_memory(buffer):
         view = _view(buffer, views)
         return [view[i] for i in page_ids]
     staging = Buffer(buffer.dtype, [len(page_ids), *buffer.shape[1:]], device=CPU())
@@ -111,15 +111,21 @@ def write_pages(pages: Sequence[memoryview], buffer: Buffer, page_ids: Sequence[
     """Writes `pages[i]` (the bytes of one page of the shard's layout) into page
     `page_ids[i]` of one device shard: straight into a host device's pages, else into
     one host staging buffer and then one batched copy to the accelerator."""
-    if buffer.device.is_host:
+    direct = _in_host_memory(buffer)
+    if direct:
         target, rows = _view(buffer, views), page_ids
     else:
         staging = Buffer(buffer.dtype, [len(pages), *buffer.shape[1:]], device=CPU())
         target, rows = numpy_view(staging), range(len(pages))
     for row, page in zip(rows, pages, strict=True):
         target[row].reshape(-1).view(np.uint8)[:] = np.frombuffer(page, np.uint8)
-    if not buffer.device.is_host:
+    if not direct:
         _copy_driver(staging, range(len(pages)), buffer, page_ids)
+
+
+def _in_host_memory(buffer: Buffer) -> bool:
+    """Whether numpy can alias `buffer` (else it is copied through a staging buffer)."""
+    return buffer.device.is_host
 
 
 class HostPages:

@@ -363,7 +363,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             if replica.host is not None or replica.remote:
                 if self.enable_runtime_checks:
                     replica.check_loads()
-                replica.load_pending(group)  # host/remote hits reach the device before the graph
+                replica.load_pending(group)  # lower tiers reach the device before the graph
         if self.enable_runtime_checks:
             for replica, group in zip(self.replicas, groups):
                 replica.check_tables(group, num_steps)
