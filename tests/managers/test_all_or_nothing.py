@@ -139,6 +139,30 @@ class Injected(BaseException):
     """Stands for a KeyboardInterrupt or MemoryError raised inside a call."""
 
 
+class Faults:
+    """Wraps each `(owner, name)` of `targets` so that, once armed, the `fault_at`-th
+    call among them all raises `Injected`; `calls` counts the calls since arming."""
+
+    def __init__(self, monkeypatch, targets) -> None:
+        self.calls, self.fault_at = 0, -1
+        for owner, name in targets:
+            monkeypatch.setattr(owner, name, self._wrap(getattr(owner, name)))
+
+    def _wrap(self, fn):
+        def injected(*args, **kwargs):
+            self.calls += 1
+            if self.calls == self.fault_at:
+                raise Injected(f"fault at call {self.calls}")
+            return fn(*args, **kwargs)
+        return injected
+
+    def arm(self, fault_at: int) -> None:
+        self.calls, self.fault_at = 0, fault_at
+
+    def disarm(self) -> None:
+        self.fault_at = -1
+
+
 def _fault_targets():
     return [
         (PagePool, "can_take"), (PagePool, "take"), (PagePool, "release"),
@@ -217,33 +241,22 @@ def test_an_exception_anywhere_leaves_old_or_new_state(session, monkeypatch, wor
     clean = make_world(session)
     _run(clean, op + 1, scenario)
     new_state = snapshot(clean.m, clean.contexts)
-    counter = {"calls": 0, "fault_at": -1}
-
-    def wrap(fn):
-        def injected(*args, **kwargs):
-            counter["calls"] += 1
-            if counter["calls"] == counter["fault_at"]:
-                raise Injected(f"fault at call {counter['calls']}")
-            return fn(*args, **kwargs)
-        return injected
-
-    for owner, name in _fault_targets():
-        monkeypatch.setattr(owner, name, wrap(getattr(owner, name)))
-    faults = 0
+    faults = Faults(monkeypatch, _fault_targets())
+    num_faults = 0
     for fault_at in range(1, 200):
         w = make_world(session)
-        counter["fault_at"] = -1
+        faults.disarm()
         _run(w, op, scenario)
         before, call = scenario[op]
         if before:
             before(w)
         old_state = snapshot(w.m, w.contexts)
-        counter["calls"], counter["fault_at"] = 0, fault_at
+        faults.arm(fault_at)
         try:
             call(w)
         except Injected:
-            faults += 1
-            counter["fault_at"] = -1
+            num_faults += 1
+            faults.disarm()
             state = snapshot(w.m, w.contexts)
             names = call.__code__.co_names
             kind = "step" if "_step" in names else "reset" if "reset_prefix_cache" in names else ""
@@ -254,10 +267,10 @@ def test_an_exception_anywhere_leaves_old_or_new_state(session, monkeypatch, wor
             ), f"op {op}, fault at inner call {fault_at}"
             _release_all_and_check(w)
         else:
-            counter["fault_at"] = -1
+            faults.disarm()
             assert snapshot(w.m, w.contexts) == new_state
             break
-    assert faults == counter["calls"]  # every inner call of the op was interrupted once
+    assert num_faults == faults.calls  # every inner call of the op was interrupted once
 
 
 def test_rejected_calls_change_nothing(session):

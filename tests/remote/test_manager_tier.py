@@ -21,7 +21,7 @@ from mokv.managers.paged_replica import PagedReplica
 from mokv.remote import RemotePageStore
 
 from ..managers.conftest import make_paged
-from ..managers.test_all_or_nothing import Injected, snapshot
+from ..managers.test_all_or_nothing import Faults, Injected, snapshot
 
 _namespaces = itertools.count()
 PREFIX = np.arange(8)  # two full pages of 4 tokens
@@ -76,6 +76,14 @@ def test_page_bytes_round_trip_bit_exact(dtype, path, monkeypatch):
     assert not back[[1, 2, 4]].any()
 
 
+def reserved(m, tokens, request_id, cache_salt=None) -> TextContext:
+    """A new request of `tokens` in `m`, claimed and reserved (maybe_reserve True)."""
+    ctx = TextContext(tokens, request_id, cache_salt=cache_salt)
+    m.external_claim(request_id)
+    assert m.maybe_reserve(ctx)
+    return ctx
+
+
 def flush(m) -> None:
     for r in m.replicas:
         for store in r.remote:
@@ -97,9 +105,8 @@ def test_b_loads_the_pages_a_committed_bit_exact_and_indexes_them(session, redis
     b = remote_manager(session, redis_server, ns)
     recorder = EventRecorder()
     b.replicas[0].pool.events = recorder
-    ctx = TextContext(np.r_[PREFIX, [5, 6]], "B")
-    b.external_claim("B")
-    assert b.maybe_reserve(ctx) and ctx.start_idx == 8
+    ctx = reserved(b, np.r_[PREFIX, [5, 6]], "B")
+    assert ctx.start_idx == 8
     assert b.replicas[0]._requests["B"].remote_loads  # pending until fetch
     b.fetch([ctx])
     pages = b.get_req_blocks("B")
@@ -117,9 +124,8 @@ def test_b_loads_the_pages_a_committed_bit_exact_and_indexes_them(session, redis
     assert [type(e).__name__ for e in events] == ["BlockStored"]
     stored_hashes = b.replicas[0]._requests["B"].hashes
     assert events[0].block_hashes == stored_hashes and events[0].parent_block_hash is None
-    c = TextContext(np.r_[PREFIX, [7]], "C")
-    b.external_claim("C")
-    assert b.maybe_reserve(c) and c.start_idx == 8
+    c = reserved(b, np.r_[PREFIX, [7]], "C")
+    assert c.start_idx == 8
     assert b.metrics.device_cache_tokens == 8 and b.remote_metrics.lookups == 1
     b.check_invariants()
     a.close()
@@ -135,9 +141,8 @@ def test_the_remote_chain_continues_after_device_hits(session, redis_server):
     assert b.metrics.remote_cache_tokens == 4  # X's page 0 came from the store already
     np.testing.assert_array_equal(b_pages[0][0], a_pages[0][0])
     b.release("X")
-    ctx = TextContext(np.r_[PREFIX, [5]], "B")
-    b.external_claim("B")
-    assert b.maybe_reserve(ctx) and ctx.start_idx == 8
+    ctx = reserved(b, np.r_[PREFIX, [5]], "B")
+    assert ctx.start_idx == 8
     b.fetch([ctx])
     assert b.metrics.remote_cache_tokens == 8 and b.metrics.device_cache_tokens == 4
     loaded = page_copy.numpy_view(b.replicas[0].blocks[0])[b.get_req_blocks("B")[1]]
@@ -151,13 +156,10 @@ def test_different_cache_salts_never_share(session, redis_server):
     a, _ = committed_by_a(session, redis_server, ns, salt="tenant-a")
     b = remote_manager(session, redis_server, ns)
     for rid, salt in (("none", None), ("other", "tenant-b")):
-        ctx = TextContext(np.r_[PREFIX, [5]], rid, cache_salt=salt)
-        b.external_claim(rid)
-        assert b.maybe_reserve(ctx) and ctx.start_idx == 0
+        ctx = reserved(b, np.r_[PREFIX, [5]], rid, cache_salt=salt)
+        assert ctx.start_idx == 0
         b.release(rid)
-    same = TextContext(np.r_[PREFIX, [5]], "same", cache_salt="tenant-a")
-    b.external_claim("same")
-    assert b.maybe_reserve(same) and same.start_idx == 8
+    assert reserved(b, np.r_[PREFIX, [5]], "same", cache_salt="tenant-a").start_idx == 8
     a.close()
     b.close()
 
@@ -173,9 +175,8 @@ def test_tensor_parallel_counts_a_page_only_if_every_shard_holds_it(session, red
     page_1 = a.replicas[0]._requests["A"].hashes[1]
     redis_server.client().delete(stores[1].key(page_1))
     b = remote_manager(session, redis_server, ns, **tp2)
-    ctx = TextContext(np.r_[PREFIX, [5]], "B")
-    b.external_claim("B")
-    assert b.maybe_reserve(ctx) and ctx.start_idx == 4
+    ctx = reserved(b, np.r_[PREFIX, [5]], "B")
+    assert ctx.start_idx == 4
     b.fetch([ctx])
     page = b.get_req_blocks("B")[0]
     for shard, block in enumerate(b.replicas[0].blocks):
@@ -183,9 +184,8 @@ def test_tensor_parallel_counts_a_page_only_if_every_shard_holds_it(session, red
     assert b.metrics.remote_cache_tokens == 4
     # A TP=1 manager never reads the TP=2 shards (another layout, another key).
     c = remote_manager(session, redis_server, ns)
-    ctx = TextContext(np.r_[PREFIX, [5]], "C")
-    c.external_claim("C")
-    assert c.maybe_reserve(ctx) and ctx.start_idx == 0
+    ctx = reserved(c, np.r_[PREFIX, [5]], "C")
+    assert ctx.start_idx == 0
     for m in (a, b, c):
         m.close()
 
@@ -200,23 +200,25 @@ def test_a_corrupted_value_is_a_counted_miss(session, redis_server):
     value[-1] ^= 0x01  # one bit of the page's last byte
     client.set(key, bytes(value))
     b = remote_manager(session, redis_server, ns)
-    ctx = TextContext(np.r_[PREFIX, [5]], "B")
-    b.external_claim("B")
-    assert b.maybe_reserve(ctx) and ctx.start_idx == 4  # page 0 only
+    ctx = reserved(b, np.r_[PREFIX, [5]], "B")
+    assert ctx.start_idx == 4  # page 0 only
     remote = b.remote_metrics
     assert (remote.hits, remote.misses, remote.rejected_corrupt) == (1, 1, 1)
     a.close()
     b.close()
 
 
+def b_with_a_hog(session, server, hog_tokens: int):
+    """A committed the prefix; B holds a request H of `hog_tokens` tokens."""
+    ns = fresh_namespace()
+    a, _ = committed_by_a(session, server, ns)
+    b = remote_manager(session, server, ns)
+    return a, b, reserved(b, np.arange(300, 300 + hog_tokens), "H")
+
+
 def test_false_from_maybe_reserve_changes_nothing_and_does_not_ask_redis(session,
                                                                          redis_server):
-    ns = fresh_namespace()
-    a, _ = committed_by_a(session, redis_server, ns)
-    b = remote_manager(session, redis_server, ns)
-    hog = TextContext(np.arange(300, 317), "H")  # holds 5 of the 6 device pages
-    b.external_claim("H")
-    assert b.maybe_reserve(hog)
+    a, b, hog = b_with_a_hog(session, redis_server, 17)  # 5 of the 6 device pages
     ctx = TextContext(np.r_[PREFIX, np.arange(50, 60)], "B")  # 2 remote hits + 3 pages
     b.external_claim("B")
     before = snapshot(b, [hog, ctx]), b.metrics, b.remote_metrics.lookups  # H's: a miss
@@ -233,12 +235,7 @@ def test_false_from_maybe_reserve_changes_nothing_and_does_not_ask_redis(session
 
 def test_a_batch_that_does_not_fit_changes_nothing_with_remote_hits_planned(session,
                                                                             redis_server):
-    ns = fresh_namespace()
-    a, _ = committed_by_a(session, redis_server, ns)
-    b = remote_manager(session, redis_server, ns)
-    hog = TextContext(np.arange(300, 310), "H")  # holds 3 of the 6 device pages
-    b.external_claim("H")
-    assert b.maybe_reserve(hog)
+    a, b, hog = b_with_a_hog(session, redis_server, 10)  # 3 of the 6 device pages
     # Each fits alone (2 remote hits + 1 fresh page), not both.
     batch = [TextContext(np.r_[PREFIX, [5, 6, 7]], "B"), TextContext(np.r_[PREFIX, [8]], "C")]
     for ctx in batch:
@@ -286,40 +283,29 @@ def test_an_exception_anywhere_leaves_old_or_new_state(session, redis_server, mo
     call(clean, ctx)
     new_state = snapshot(clean, [ctx])
     clean.close()
-    counter = {"calls": 0, "fault_at": -1}
-
-    def wrap(fn):
-        def injected(*args, **kwargs):
-            counter["calls"] += 1
-            if counter["calls"] == counter["fault_at"]:
-                raise Injected(f"fault at call {counter['calls']}")
-            return fn(*args, **kwargs)
-        return injected
-
-    for owner, name in FAULT_TARGETS:
-        monkeypatch.setattr(owner, name, wrap(getattr(owner, name)))
-    faults = 0
+    faults = Faults(monkeypatch, FAULT_TARGETS)
+    num_faults = 0
     for fault_at in range(1, 100):
-        counter["fault_at"] = -1
+        faults.disarm()
         b, ctx = world()
         old_state = snapshot(b, [ctx])
-        counter["calls"], counter["fault_at"] = 0, fault_at
+        faults.arm(fault_at)
         try:
             call(b, ctx)
         except Injected:
-            faults += 1
-            counter["fault_at"] = -1
+            num_faults += 1
+            faults.disarm()
             assert snapshot(b, [ctx]) in (old_state, new_state), f"fault at {fault_at}"
             b.check_invariants()
             b.release("B")
             assert b.num_free_blocks == 6
         else:
-            counter["fault_at"] = -1
+            faults.disarm()
             assert snapshot(b, [ctx]) == new_state
             b.close()
             break
         b.close()
-    assert faults == counter["calls"] > 3
+    assert num_faults == faults.calls > 3
 
 
 def test_a_dead_server_is_a_miss_and_a_restarted_one_serves_again(session, own_redis_server):
@@ -345,9 +331,8 @@ def test_a_dead_server_is_a_miss_and_a_restarted_one_serves_again(session, own_r
     serve(b, ctx)
     flush(b)
     c = remote_manager(session, own_redis_server, ns)
-    ctx = TextContext(np.r_[PREFIX, [7]], "C")
-    c.external_claim("C")
-    assert c.maybe_reserve(ctx) and ctx.start_idx == 8
+    ctx = reserved(c, np.r_[PREFIX, [7]], "C")
+    assert ctx.start_idx == 8
     for m in (a, b, c):
         m.close()
 
