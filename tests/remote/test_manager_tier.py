@@ -245,8 +245,10 @@ def test_a_batch_that_does_not_fit_changes_nothing_with_remote_hits_planned(sess
         b.fetch([hog, *batch])
     assert (snapshot(b, [hog, *batch]), b.metrics) == before
     assert b.remote_metrics.hits == 4  # both planned their two remote hits
-    b.fetch([hog, batch[0]])
-    assert batch[0].start_idx == 8 and b.metrics.remote_cache_tokens == 8
+    b.release("H")
+    b.fetch(batch)  # both load the same two pages: one copy each is indexed
+    assert [c.start_idx for c in batch] == [8, 8] and b.metrics.remote_cache_tokens == 16
+    b.check_invariants()
     a.close()
     b.close()
 
