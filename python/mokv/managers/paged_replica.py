@@ -38,7 +38,7 @@ The shared tier (`remote_kvcache_url`, `mokv.remote`): one `RemotePageStore` per
 shard. `commit` queues every newly indexed page to the stores (a copy, sent by their
 writer threads; the scheduler never waits for the server). `plan` continues the chain
 past the host hits with one `lookup` per shard (a page counts only if every shard
-returned it); the validated bytes ride in the reservation as loads with `shards`, get
+returned it), if the request fits without them; the validated bytes ride in the reservation as loads with `shards`, get
 fresh device pages in `apply`, and `load_pending` copies them in and indexes them with
 the host loads. Nothing to pin: the bytes are already in the process. Pages loaded from
 the store are not written back to it.
@@ -127,6 +127,16 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+REMOTE_QUEUE_BYTES = 256 * 2**20
+"""Most value bytes one shard's store holds queued for its writer before it drops pages:
+a page count alone would let large pages (4 MiB at Llama-3.2-1B's bf16 page of 128)
+queue a GiB per shard behind a slow server."""
+
+
+def _remote_queue_pages(layout: RemoteLayout) -> int:
+    return max(8, REMOTE_QUEUE_BYTES // layout.value_nbytes)
+
+
 class PagedReplica:
     """The pages, buffers and requests of one replica (its devices split the KV heads)."""
 
@@ -174,11 +184,13 @@ class PagedReplica:
         # The shared tier: one store per device shard (its layout names the shard).
         self.remote: list[RemotePageStore] = []
         if params.remote_kvcache_url is not None:
+            layouts = [RemoteLayout.from_params(params, num_layers, shard)
+                       for shard in range(len(devices))]
             self.remote = [
                 RemotePageStore(params.remote_kvcache_url, params.remote_kvcache_namespace,
-                                RemoteLayout.from_params(params, num_layers, shard),
-                                timeout_s=params.remote_kvcache_timeout_s)
-                for shard in range(len(devices))
+                                layout, timeout_s=params.remote_kvcache_timeout_s,
+                                max_queued_pages=_remote_queue_pages(layout))
+                for layout in layouts
             ]
         self._block_views: dict[int, np.ndarray] = {}
         self.remote_cache_tokens = 0
