@@ -15,10 +15,11 @@ copy. Copies go one batch per device and direction per call:
 Copies are bit-exact: the views are unsigned integers of the element's size, so
 bfloat16 (which numpy lacks) is moved as uint16.
 
-MAX 26.7 on an accelerator: `Buffer(..., usage=Usage.STAGING)` asks for pinned host
-memory, and `batch_inplace_copy` enqueues on each destination device's own stream,
-which the device's later graph launches follow. The CPU device has neither; its copies
-are synchronous memcpys.
+On an accelerator the shard's host pages are allocated with `Usage.STAGING` (MAX 26.7's
+pinned host memory for that device; `Buffer.pinned` tells whether it landed there), so
+the driver copies them by DMA without a bounce buffer, and `batch_inplace_copy` enqueues
+on each destination device's own stream, which the device's later graph launches follow.
+The CPU device has neither; its copies are synchronous memcpys.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from max.driver import CPU, Buffer, Device, batch_inplace_copy
+from max.driver import CPU, Buffer, Device, Usage, batch_inplace_copy
 from max.dtype import DType
 
 _BITS = {2: DType.uint16, 4: DType.uint32, 1: DType.uint8, 8: DType.uint64}
@@ -90,16 +91,25 @@ def _view(buffer: Buffer, views: dict[int, np.ndarray] | None) -> np.ndarray:
     return view
 
 
+def _host_buffer(dtype: DType, shape: list[int], device: Device) -> Buffer:
+    """Host memory for pages copied to and from `device`: pinned for an accelerator.
+
+    On the CPU device the memory is reserved, not touched: the OS maps it on first
+    write, so a large tier costs almost nothing at startup (see README, "Host tier").
+    Pinning touches every page; a large pinned tier takes seconds (vLLM #42632).
+    """
+    if device.is_host:
+        return Buffer(dtype, shape, device=CPU())
+    return Buffer(dtype, shape, device=device, usage=Usage.STAGING)
+
+
 class HostPages:
     """The host tier's page bytes for one replica: one buffer per device shard."""
 
     def __init__(self, dtype: DType, num_pages: int, page_shape: Sequence[int],
                  devices: Sequence[Device]) -> None:
         self.num_pages = num_pages
-        # Host memory is reserved, not touched: the OS maps it on first write, so a
-        # large tier costs almost nothing at startup (see README, "Host tier").
-        host = CPU()
-        self.buffers = [Buffer(dtype, [num_pages, *page_shape], device=host) for _ in devices]
+        self.buffers = [_host_buffer(dtype, [num_pages, *page_shape], d) for d in devices]
         self.bytes_per_page = len(devices) * int(np.prod(page_shape)) * dtype.size_in_bytes
         self._views: dict[int, np.ndarray] = {}
         self.bytes_to_host = 0
