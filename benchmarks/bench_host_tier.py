@@ -8,7 +8,7 @@
 2. Copy bandwidth of the batched offload and load (`HostPages`) on pages of a real
    model's size, against one `np.copyto` memcpy of the same bytes in the same run.
 3. Startup: the time to build a large host tier.
-Prints one JSON object; `--plot` adds a text plot of hit rate vs host size.
+Prints one JSON object; `--plot FILE.png` also draws hit rate vs host size.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 from max.driver import CPU, Buffer
@@ -110,24 +111,19 @@ def startup(gib: float = 4.0) -> dict:
     return {"GiB": gib, "pages": num_pages, "seconds": round(time.perf_counter() - t0, 4)}
 
 
-def text_plot(rows: list[dict], bound: float) -> str:
-    lines = [f"hit rate vs host pages (bound {bound:.3f})"]
-    for r in rows:
-        bar = "#" * int(round(r["hit_rate"] * 50))
-        lines.append(f"{r['host_pages']:>7} | {bar:<50} {r['hit_rate']:.3f}")
-    return "\n".join(lines)
-
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--sessions", type=int, default=150)
     ap.add_argument("--device-pages", type=int, default=160)
-    ap.add_argument("--host-sizes", default="0,256,1024,4096,16384")
-    ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--host-sizes", default="0,64,128,256,512,768,1024,2048,4096,16384")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--plot", type=Path, help="write the hit-rate plot to this PNG")
     a = ap.parse_args()
     result = {"replay": hit_rates(a.sessions, a.device_pages,
-                                  [int(x) for x in a.host_sizes.split(",")]),
+                                  [int(x) for x in a.host_sizes.split(",")], a.repeats),
               "copy": bandwidth(), "startup": startup()}
     print(json.dumps(result, indent=1))
     if a.plot:
-        print(text_plot(result["replay"]["rows"], result["replay"]["bound"]))
+        from plots import hit_rate_vs_host_pages  # matplotlib: the bench extra
+
+        hit_rate_vs_host_pages(result["replay"], a.plot)

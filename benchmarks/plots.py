@@ -47,6 +47,22 @@ def hit_rate_vs_budget(sweep: dict, path: Path) -> None:
     _save(fig, ax, path, fontsize=8)
 
 
+def hit_rate_vs_host_pages(replay: dict, path: Path) -> None:
+    """bench_host_tier.py's replay: hit rate at one device budget as the host tier grows."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    rows = replay["rows"]
+    sizes = [max(r["host_pages"], 1) for r in rows]  # 0 (device only) at the left edge
+    ax.plot(sizes, [r["hit_rate"] for r in rows], "o-", color=COLORS["mokv-paged"],
+            label=f"mokv-paged, {replay['device_pages']} device pages + host tier")
+    ax.axhline(rows[0]["hit_rate"], color=COLORS["mokv-paged"], ls="--", lw=1,
+               label="device pages only")
+    ax.axhline(replay["bound"], color="gray", ls=":", label="infinite-cache bound")
+    ax.set(xscale="log", xlabel="host-tier pages (pages of 128 tokens; 1 = none)",
+           ylabel="prefix hit rate over prompt tokens", ylim=(0, 1),
+           title="Prefix-cache hit rate vs host-tier size")
+    _save(fig, ax, path, fontsize=8)
+
+
 def decode_bandwidth(attn: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     sides = [s for s in COLORS if s in attn.get("sides", {})]

@@ -18,10 +18,11 @@ copy. Copies go one batch per device and direction per call:
 Copies are bit-exact: the views are unsigned integers of the element's size, so
 bfloat16 (which numpy lacks) is moved as uint16.
 
-MAX 26.7 on an accelerator: `Buffer(..., usage=Usage.STAGING)` asks for pinned host
-memory, and `batch_inplace_copy` enqueues on each destination device's own stream,
-which the device's later graph launches follow. The CPU device has neither; its copies
-are synchronous memcpys.
+On an accelerator the shard's host pages are allocated with `Usage.STAGING` (MAX 26.7's
+pinned host memory for that device; `Buffer.pinned` tells whether it landed there), so
+the driver copies them by DMA without a bounce buffer, and `batch_inplace_copy` enqueues
+on each destination device's own stream, which the device's later graph launches follow.
+The CPU device has neither; its copies are synchronous memcpys.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from max.driver import CPU, Buffer, Device, batch_inplace_copy
+from max.driver import CPU, Buffer, Device, Usage, batch_inplace_copy
 from max.dtype import DType
 
 _BITS = {2: DType.uint16, 4: DType.uint32, 1: DType.uint8, 8: DType.uint64}
@@ -93,6 +94,18 @@ def _view(buffer: Buffer, views: dict[int, np.ndarray] | None) -> np.ndarray:
     return view
 
 
+def _host_buffer(dtype: DType, shape: list[int], device: Device) -> Buffer:
+    """Host memory for pages copied to and from `device`: pinned for an accelerator.
+
+    On the CPU device the memory is reserved, not touched: the OS maps it on first
+    write, so a large tier costs almost nothing at startup (see README, "Host tier").
+    Pinning touches every page; a large pinned tier takes seconds (vLLM #42632).
+    """
+    if device.is_host:
+        return Buffer(dtype, shape, device=CPU())
+    return Buffer(dtype, shape, device=device, usage=Usage.STAGING)
+
+
 def read_pages(buffer: Buffer, page_ids: Sequence[int],
                views: dict[int, np.ndarray] | None = None) -> list[np.ndarray]:
     """Pages `page_ids` of one device shard as host arrays of the page's shape, for a
@@ -101,8 +114,9 @@ def read_pages(buffer: Buffer, page_ids: Sequence[int],
     if _in_host_memory(buffer):
         view = _view(buffer, views)
         return [view[i] for i in page_ids]
-    staging = Buffer(buffer.dtype, [len(page_ids), *buffer.shape[1:]], device=CPU())
+    staging = _host_buffer(buffer.dtype, [len(page_ids), *buffer.shape[1:]], buffer.device)
     _copy_driver(buffer, page_ids, staging, range(len(page_ids)))
+    buffer.device.synchronize()  # the copy is enqueued; the reader reads the bytes now
     return list(numpy_view(staging))
 
 
@@ -115,12 +129,13 @@ def write_pages(pages: Sequence[memoryview], buffer: Buffer, page_ids: Sequence[
     if direct:
         target, rows = _view(buffer, views), page_ids
     else:
-        staging = Buffer(buffer.dtype, [len(pages), *buffer.shape[1:]], device=CPU())
+        staging = _host_buffer(buffer.dtype, [len(pages), *buffer.shape[1:]], buffer.device)
         target, rows = numpy_view(staging), range(len(pages))
     for row, page in zip(rows, pages, strict=True):
         target[row].reshape(-1).view(np.uint8)[:] = np.frombuffer(page, np.uint8)
     if not direct:
         _copy_driver(staging, range(len(pages)), buffer, page_ids)
+        buffer.device.synchronize()  # the staging buffer must outlive the enqueued copy
 
 
 def _in_host_memory(buffer: Buffer) -> bool:
@@ -134,10 +149,7 @@ class HostPages:
     def __init__(self, dtype: DType, num_pages: int, page_shape: Sequence[int],
                  devices: Sequence[Device]) -> None:
         self.num_pages = num_pages
-        # Host memory is reserved, not touched: the OS maps it on first write, so a
-        # large tier costs almost nothing at startup (see README, "Host tier").
-        host = CPU()
-        self.buffers = [Buffer(dtype, [num_pages, *page_shape], device=host) for _ in devices]
+        self.buffers = [_host_buffer(dtype, [num_pages, *page_shape], d) for d in devices]
         self.bytes_per_page = len(devices) * int(np.prod(page_shape)) * dtype.size_in_bytes
         self._views: dict[int, np.ndarray] = {}
         self.bytes_to_host = 0

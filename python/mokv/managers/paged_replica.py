@@ -256,10 +256,17 @@ class PagedReplica:
     # --- prefix cache ---------------------------------------------------------------
 
     def _match_prefix(
-        self, ctx: TextGenerationContext, req: _Request
+        self, ctx: TextGenerationContext, req: _Request, num_steps: int | None = None
     ) -> tuple[list[tuple[int, int]], list[_Load]]:
         """(page id, hash) of indexed device pages that continue the request's committed
         pages, then the host pages that continue those (device page -1: not taken yet).
+
+        With `num_steps` (a reservation's), the host walk is skipped when the device hits
+        alone leave a plan that cannot fit: a host hit needs a fresh device page as a
+        missed page does, and more hits only move the window further, so no host hit can
+        make it fit. That walk was most of the tier's cost: a request at the head of the
+        queue is retried every step until pages free up, and on the trace replay 97% of
+        the host pages matched belonged to such failed tries.
 
         Pure: changes nothing. Stops one token short of `end_idx`, which must be computed.
         """
@@ -281,6 +288,8 @@ class PagedReplica:
         else:
             return hits, host_hits
         if self.host is None:
+            return hits, host_hits
+        if num_steps is not None and not self.fits([self._reservation(ctx, req, num_steps, hits)]):
             return hits, host_hits
         # The chain continues in the host tier from the page the device missed.
         parent = hits[-1][1] if hits else req.hashes[-1] if req.hashes else None
@@ -480,20 +489,30 @@ class PagedReplica:
         needed = ctx.active_idx + num_steps - 1
         if needed <= held and needed <= self.max_seq_len:
             return None
-        hits, host_hits = self._match_prefix(ctx, req)
-        plan = self._reservation(ctx, req, num_steps, hits, host_hits, [])
-        # The shared tier is asked only when the request fits without it: its hits turn
-        # fresh pages into loaded ones (as many device pages), so a request that waits
-        # for pages would only fetch the same bytes again at every retry.
+        hits, host_hits = self._match_prefix(ctx, req, num_steps)
+        plan = self._reservation(ctx, req, num_steps, hits, host_hits)
+        # The shared tier is asked only when the request fits without it, for the reason
+        # the host walk is (see _match_prefix): its hits turn fresh pages into loaded
+        # ones (as many device pages), so a request that waits for pages would only fetch
+        # the same bytes again at every retry.
         if self.remote and self.fits([plan]):
             remote_hits = self._match_remote(ctx, req, hits, host_hits)
             if remote_hits:
                 plan = self._reservation(ctx, req, num_steps, hits, host_hits, remote_hits)
         return plan
 
-    def _reservation(self, ctx: TextGenerationContext, req: _Request, num_steps: int,
-                     hits: list[tuple[int, int]], host_hits: list[_Load],
-                     remote_hits: list[_Load]) -> Reservation:
+    def _reservation(
+        self,
+        ctx: TextGenerationContext,
+        req: _Request,
+        num_steps: int,
+        hits: list[tuple[int, int]],
+        host_hits: list[_Load] | None = None,
+        remote_hits: list[_Load] | None = None,
+    ) -> Reservation:
+        """The reservation of `ctx` with these hits: where its cache ends and how many
+        fresh pages it takes. Raises SequenceTooLongError past `max_seq_len`."""
+        host_hits, remote_hits = host_hits or [], remote_hits or []
         num_hits = len(hits) + len(host_hits) + len(remote_hits)
         hit_tokens = (len(req.hashes) + num_hits) * self.page_size if num_hits else ctx.start_idx
         # Where the window ends after a hit is the context's rule, not the manager's.

@@ -1,0 +1,79 @@
+"""The kernels on a real GPU, against the same numpy references and checks as on the CPU.
+
+Skipped unless MAX sees an accelerator (`max.driver.accelerator_count() > 0`); users run
+them with pixi on NVIDIA hardware. They have not run yet (no GPU on the development
+machine); that every op compiles for sm_90 and gfx942 is checked everywhere by
+test_virtual_gpu.py.
+
+The CPU tests read the kernels' writes straight from the numpy arrays their input
+buffers alias. `OnGpu` keeps that contract: it copies the inputs to the GPU, runs, and
+copies the cache (the first input) and the outputs back, so the CPU tests' runners and
+checks are reused unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+from max.driver import CPU, Accelerator, accelerator_count
+from max.engine import InferenceSession
+from max.graph import DeviceRef
+
+from .conftest import build_qkv_attention, build_store_attention
+from .test_fused_qkv import CASES, LAYOUTS, _check, _ids
+from .test_store_attention import (
+    CONT_F32_MHA,
+    PAGED_BF16_GQA8,
+    PAGED_F32_GQA4,
+    check,
+    run_store_attention,
+)
+
+pytestmark = pytest.mark.skipif(
+    accelerator_count() == 0, reason="needs a GPU (runs where MAX sees an accelerator)"
+)
+
+
+class OnGpu:
+    """A model loaded for the GPU, executed on CPU buffers as the CPU tests do."""
+
+    def __init__(self, model, gpu) -> None:
+        self.model, self.gpu = model, gpu
+
+    def execute(self, *inputs):
+        on_gpu = [b.copy(self.gpu) for b in inputs]
+        # Copies are enqueued, not done: measured on the CPU device, a model that ran right
+        # after `copy` read a not-yet-copied input in about 1 run of 6.
+        self.gpu.synchronize()
+        outputs = self.model.execute(*on_gpu)
+        inputs[0].inplace_copy_from(on_gpu[0])  # the cache's blocks, written by the kernels
+        outputs = [out.to(CPU()) for out in outputs]
+        self.gpu.synchronize()
+        return outputs
+
+
+@pytest.fixture(scope="module")
+def gpu_compiled():
+    """`gpu_compiled(kind, cfg)`: like conftest's `compiled`, built for the GPU."""
+    gpu = Accelerator()
+    session = InferenceSession(devices=[CPU(), gpu])
+    builders = {"store_attention": build_store_attention, "qkv_attention": build_qkv_attention}
+    models: dict = {}
+
+    def get(kind, cfg):
+        if (kind, cfg) not in models:
+            graph = builders[kind](cfg, DeviceRef.GPU())
+            models[kind, cfg] = OnGpu(session.load(graph), gpu)
+        return models[kind, cfg]
+
+    return get
+
+
+@pytest.mark.parametrize("cfg", [PAGED_F32_GQA4, PAGED_BF16_GQA8, CONT_F32_MHA], ids=str)
+def test_store_then_attention_on_gpu(gpu_compiled, cfg):
+    # prefill from empty | decode at 37 | a 9-token chunk after 70 (several pages)
+    check(cfg, *run_store_attention(gpu_compiled, cfg, [0, 37, 70], [20, 1, 9]))
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=_ids)
+def test_fused_qkv_then_attention_on_gpu(gpu_compiled, cfg):
+    _check(gpu_compiled, cfg, *LAYOUTS["packed-22"])
