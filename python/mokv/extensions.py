@@ -1,11 +1,13 @@
-"""Build and load `mokv_manager_ext`, the Python extension module written in Mojo.
+"""Build and load mokv's Python extension modules written in Mojo (mojo/python_ext/).
 
-Like the kernel package (`mokv.mojo_package`), the module is built on first use and
-cached by content: `<cache>/<key>/mokv_manager_ext.so`, where the key is a SHA-256 over
-the extension's sources, the precompiled mokv package it imports (whose directory name
-is the digest of mojo/mokv/) and this interpreter's prefix (a `mojo build` shared
-library carries an absolute RUNPATH into the environment that built it). Racing
-builders each write a private file and rename it into place.
+Each module is one source file, `<name>.mojo`, built on first use and cached by
+content: `<cache>/ext/<key>/<name>.so`, where the key is a SHA-256 over the module's
+source, this interpreter's prefix (a `mojo build` shared library carries an absolute
+RUNPATH into the environment that built it) and, for a module that imports the mokv
+kernel package, that precompiled package (whose directory name is the digest of
+mojo/mokv/). A module that does not import it (`mokv_hash_ext`) skips that package's
+build and compiles in seconds. Racing builders each write a private file and rename it
+into place.
 
 `mojo.importer` is not used: it caches next to the sources (inside site-packages for
 an installed wheel) and cannot pass `-I` for the mokv package.
@@ -26,14 +28,12 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
-from ..mojo_package import _clean_env, _mojo_binary, cache_dir, kernels_path
-
-MODULE_NAME = "mokv_manager_ext"
+from .mojo_package import _clean_env, _mojo_binary, cache_dir, kernels_path
 
 
 def _ext_sources() -> Path:
     """mokv/mojo_ext/ in an installed wheel, else mojo/python_ext/ of the checkout."""
-    package = Path(__file__).resolve().parents[1]  # .../mokv
+    package = Path(__file__).resolve().parent  # .../mokv
     installed = package / "mojo_ext"
     return installed if installed.is_dir() else package.parents[1] / "mojo" / "python_ext"
 
@@ -41,33 +41,36 @@ def _ext_sources() -> Path:
 EXT_SOURCE_DIR = _ext_sources()
 
 
-def _key(package: Path) -> str:
-    h = hashlib.sha256()
-    for path in sorted(EXT_SOURCE_DIR.rglob("*.mojo")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update(str(package).encode() + b"\0" + sys.prefix.encode())
+def _key(source: Path, package: Path | None) -> str:
+    h = hashlib.sha256(source.read_bytes() + b"\0" + sys.prefix.encode())
+    if package is not None:
+        h.update(b"\0" + str(package).encode())
     return h.hexdigest()
 
 
-def build() -> Path:
-    """Builds the extension unless the cache holds one for the current sources."""
-    package = kernels_path()  # the precompiled mokv package the module imports
-    out_dir = cache_dir() / "ext" / _key(package)
-    target = out_dir / f"{MODULE_NAME}.so"
+def build(name: str, imports_kernels: bool = False) -> Path:
+    """Builds module `name` unless the cache holds one for its current source.
+
+    `imports_kernels`: the module imports the mokv kernel package (built first if needed)."""
+    source = EXT_SOURCE_DIR / f"{name}.mojo"
+    package = kernels_path() if imports_kernels else None
+    out_dir = cache_dir() / "ext" / _key(source, package)
+    target = out_dir / f"{name}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
     tmp = tmp_dir / target.name
+    include = ["-I", str(package.parent)] if package is not None else []
     try:
         proc = subprocess.run(
-            [_mojo_binary(), "build", str(EXT_SOURCE_DIR / f"{MODULE_NAME}.mojo"),
-             "--emit", "shared-lib", "-I", str(package.parent), "-o", str(tmp)],
+            [_mojo_binary(), "build", str(source), "--emit", "shared-lib", *include,
+             "-o", str(tmp)],
             capture_output=True, text=True, env=_clean_env(), cwd=tmp_dir,
         )
         if proc.returncode != 0 or not tmp.is_file():
             raise RuntimeError(
-                f"`mojo build {MODULE_NAME}.mojo` failed (rc={proc.returncode}):\n"
+                f"`mojo build {source.name}` failed (rc={proc.returncode}):\n"
                 f"{proc.stdout}\n{proc.stderr}"
             )
         os.replace(tmp, target)
@@ -91,15 +94,15 @@ def _restore_c_environment() -> None:
 
 
 @functools.cache
-def load() -> ModuleType:
-    """The `mokv_manager_ext` module (built on the first call of a process if needed)."""
-    path = build()
-    loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
+def load(name: str, imports_kernels: bool = False) -> ModuleType:
+    """Module `name` (built on the first call of a process if needed; see `build`)."""
+    path = build(name, imports_kernels)
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     assert spec is not None
     with warnings.catch_warnings():  # PythonModuleBuilder's types carry no __module__ (1.2)
         warnings.filterwarnings("ignore", "builtin type .* has no __module__", DeprecationWarning)
-        module = importlib.util.module_from_spec(spec)  # runs PyInit_mokv_manager_ext
+        module = importlib.util.module_from_spec(spec)  # runs PyInit_<name>
         loader.exec_module(module)
     _restore_c_environment()
     return module
