@@ -2,10 +2,10 @@
 
 Each module is one source file, `<name>.mojo`, built on first use and cached by
 content: `<cache>/ext/<key>/<name>.so`, where the key is a SHA-256 over the module's
-source, this interpreter's prefix (a `mojo build` shared library carries an absolute
-RUNPATH into the environment that built it) and, for a module that imports the mokv
-kernel package, that precompiled package (whose directory name is the digest of
-mojo/mokv/). A module that does not import it (`mokv_hash_ext`) skips that package's
+source, the CPU's feature flags (see `_host_cpu`), this interpreter's prefix (a `mojo
+build` shared library carries an absolute RUNPATH into the environment that built it)
+and, for a module that imports the mokv kernel package, that precompiled package (whose
+directory name is the digest of mojo/mokv/). A module that does not import it (`mokv_hash_ext`) skips that package's
 build and compiles in seconds. Racing builders each write a private file and rename it
 into place.
 
@@ -41,8 +41,20 @@ def _ext_sources() -> Path:
 EXT_SOURCE_DIR = _ext_sources()
 
 
+@functools.cache
+def _host_cpu() -> bytes:
+    """The CPU's feature flags: `mojo build` compiles for the building CPU (`mokv_hash_ext`
+    uses the SHA instructions only if it has them), so a cache shared between machines
+    must not hand one CPU's build to another."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
 def _key(source: Path, package: Path | None) -> str:
-    h = hashlib.sha256(source.read_bytes() + b"\0" + sys.prefix.encode())
+    h = hashlib.sha256(source.read_bytes() + b"\0" + sys.prefix.encode() + b"\0" + _host_cpu())
     if package is not None:
         h.update(b"\0" + str(package).encode())
     return h.hexdigest()
