@@ -99,6 +99,23 @@ def test_sha256_page_hashes_and_ranges_use_the_same_chain():
     assert [d for _, d in pages] == [token_bytes(tokens[16 * i : 16 * (i + 1)]) for i in range(3, 9)]
 
 
+def test_sha256_chains_of_four_pages_or_more_take_one_native_call(monkeypatch):
+    calls = []
+
+    def spy(tokens, page_size, parent):
+        calls.append(len(tokens) // page_size)
+        return sha256_chain(tokens, page_size, parent)
+
+    monkeypatch.setattr(hashing, "sha256_chain", spy)
+    fn = page_hash_fn("sha256")
+    tokens = np.arange(16 * 9)
+    for num_pages in range(1, 10):
+        expected = _hashlib_chain(tokens[: 16 * num_pages], 16, 1)
+        assert page_hashes(tokens[: 16 * num_pages], 16, 1, fn) == expected
+        assert [h for h, _ in iter_page_hashes(tokens, 16, 1, fn, 0, num_pages)] == expected
+    assert calls == [n for n in range(4, 10) for _ in range(2)]
+
+
 def test_sha256_uses_the_cpus_sha_instructions_where_it_has_them():
     has_sha_ni = "sha_ni" in Path("/proc/cpuinfo").read_text()
     assert sha256_backend() == ("mojo+sha-ni" if has_sha_ni else "mojo-scalar")

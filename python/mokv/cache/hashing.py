@@ -111,9 +111,16 @@ def sha256_backend() -> str:
     return "mojo+sha-ni" if module.uses_sha_extensions() else "mojo-scalar"
 
 
-def _chain_fn(hash_fn: PageHashFn) -> ChainHashFn | None:
-    """The batched form of `hash_fn` when it has one that can run here, else None."""
-    if hash_fn is _sha256 and _native_hash_module() is not None:
+_MIN_CHAIN_PAGES = 4
+"""Fewer pages go through the per-page function: a native call costs ~3 us (numpy's
+buffer addresses, ~1 us each), which hashlib's ~0.7-1.2 us a page repays from 4 pages
+on (measured at pages of 16 and 128 tokens). A decode step usually fills one page."""
+
+
+def _chain_fn(hash_fn: PageHashFn, num_pages: int) -> ChainHashFn | None:
+    """The batched form of `hash_fn` for `num_pages` pages when it has one that runs
+    here and pays off, else None."""
+    if hash_fn is _sha256 and num_pages >= _MIN_CHAIN_PAGES and _native_hash_module() is not None:
         return sha256_chain
     return None
 
@@ -188,10 +195,10 @@ def page_hashes(tokens: np.ndarray, page_size: int, parent: int, hash_fn: PageHa
     What a router computes for a query, and what the benchmark times: the pages are
     rows of one int64 array, handed to the hash function as zero-copy views."""
     data = np.ascontiguousarray(tokens, dtype="<i8")
-    chain = _chain_fn(hash_fn)
+    num_pages = len(data) // page_size
+    chain = _chain_fn(hash_fn, num_pages)
     if chain is not None:
         return chain(data, page_size, parent)
-    num_pages = len(data) // page_size
     out: list[int] = []
     append = out.append
     for row in data[: num_pages * page_size].reshape(num_pages, page_size):
@@ -213,17 +220,17 @@ def iter_page_hashes(
 
     The tokens are converted to bytes once and sliced per page; a caller may stop early.
     A hash with a batched form (`_chain_fn`) hashes the whole range in one call first,
-    even if the caller stops early: for "sha256" a call costs ~3 us (the numpy address
-    look-ups, ~1 us each) plus ~0.7 us per 128-token page, against ~1.2 us per page
-    through hashlib, so a lookup that misses at once pays a few microseconds more and
-    one that hits pays less; the commit that follows hashes those pages anyway.
+    even if the caller stops early: for "sha256" a call costs ~3 us plus ~0.7 us per
+    128-token page, against ~1.2 us per page through hashlib, so a lookup that misses
+    at once pays a few microseconds more and one that hits pays less; the commit that
+    follows hashes those pages anyway.
     """
     if end_page is None:
         end_page = len(tokens) // page_size
     pages = np.ascontiguousarray(tokens[first_page * page_size : end_page * page_size], dtype="<i8")
     data = pages.tobytes()
     stride = page_size * 8
-    chain = _chain_fn(hash_fn)
+    chain = _chain_fn(hash_fn, end_page - first_page)
     if chain is not None:
         for start, page_hash in zip(range(0, len(data), stride), chain(pages, page_size, parent)):
             yield page_hash, data[start : start + stride]
