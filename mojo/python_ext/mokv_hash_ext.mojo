@@ -107,8 +107,10 @@ def _compress_scalar(mut h: SIMD[DType.uint32, 8], block: U8Ptr):
     for i in range(16):
         w[i] = byte_swap(words.unsafe_load(i))
     for i in range(16, 64):
-        var s0 = rotate_bits_right[7](w[i - 15]) ^ rotate_bits_right[18](w[i - 15]) ^ (w[i - 15] >> 3)
-        var s1 = rotate_bits_right[17](w[i - 2]) ^ rotate_bits_right[19](w[i - 2]) ^ (w[i - 2] >> 10)
+        var x = w[i - 15]
+        var y = w[i - 2]
+        var s0 = rotate_bits_right[7](x) ^ rotate_bits_right[18](x) ^ (x >> 3)
+        var s1 = rotate_bits_right[17](y) ^ rotate_bits_right[19](y) ^ (y >> 10)
         w[i] = w[i - 16] + s0 + w[i - 7] + s1
     var a = h[0]
     var b = h[1]
@@ -204,7 +206,10 @@ def PyInit_mokv_hash_ext() abi("C") -> PythonObject:
         var b = PythonModuleBuilder("mokv_hash_ext")
         b.def_function[chain_sha256](
             "chain_sha256",
-            docstring="chain_sha256(tokens_address, num_pages, page_bytes, parent_bits, out_address, portable)",
+            docstring=(
+                "chain_sha256(tokens_address, num_pages, page_bytes, parent_bits, out_address,"
+                " portable)"
+            ),
         )
         b.def_function[uses_sha_extensions]("uses_sha_extensions")
         return b.finalize()

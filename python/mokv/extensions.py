@@ -5,9 +5,9 @@ content: `<cache>/ext/<key>/<name>.so`, where the key is a SHA-256 over the modu
 source, the CPU's feature flags (see `_host_cpu`), this interpreter's prefix (a `mojo
 build` shared library carries an absolute RUNPATH into the environment that built it)
 and, for a module that imports the mokv kernel package, that precompiled package (whose
-directory name is the digest of mojo/mokv/). A module that does not import it (`mokv_hash_ext`) skips that package's
-build and compiles in seconds. Racing builders each write a private file and rename it
-into place.
+directory name is the digest of mojo/mokv/). A module that does not import it
+(`mokv_hash_ext`) skips that package's build and compiles in seconds. Racing builders
+each write a private file and rename it into place.
 
 `mojo.importer` is not used: it caches next to the sources (inside site-packages for
 an installed wheel) and cannot pass `-I` for the mokv package.

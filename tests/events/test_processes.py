@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from mokv.events import PrefixRouterIndex
 
-from .conftest import free_port
+from .conftest import free_port_runs
 
 HERE = Path(__file__).resolve().parent
 
@@ -51,7 +51,8 @@ def _read_lines(procs: dict, timeout: float) -> dict:
 
 
 def test_two_manager_processes_rebuild_exactly():
-    ports = {name: (free_port(), free_port()) for name in ("m0", "m1")}
+    # Per manager 4 ports: its 2 replicas' PUB sockets, then their 2 replay sockets.
+    ports = {name: (base, base + 2) for name, base in zip(("m0", "m1"), free_port_runs(2, 4))}
     router = _start("_subscriber_process.py")
     managers = {name: _start("_manager_process.py", str(port), str(replay), str(seed), "3000")
                 for seed, (name, (port, replay)) in enumerate(ports.items(), start=1)}

@@ -1,4 +1,4 @@
-"""Page hash chains: chaining, the stable options' definitions, seeds and salts that isolate caches."""
+"""Page hashes: chains, the stable definitions (native sha256 vs hashlib), seeds, salts."""
 
 import hashlib
 import warnings
@@ -96,7 +96,7 @@ def test_sha256_page_hashes_and_ranges_use_the_same_chain():
     assert page_hashes(tokens, 16, 11, fn) == expected
     pages = list(iter_page_hashes(tokens, 16, expected[2], fn, 3, 9))
     assert [h for h, _ in pages] == expected[3:9]
-    assert [d for _, d in pages] == [token_bytes(tokens[16 * i : 16 * (i + 1)]) for i in range(3, 9)]
+    assert [d for _, d in pages] == [token_bytes(tokens[16 * i : 16 * i + 16]) for i in range(3, 9)]
 
 
 def test_sha256_chains_of_four_pages_or_more_take_one_native_call(monkeypatch):

@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
+from .. import extensions
+
 PageHashFn = Callable[[int, "bytes | memoryview | np.ndarray"], int]
 """(parent hash, the page's token ids as little-endian int64 bytes) -> page hash."""
 
@@ -69,8 +71,6 @@ def _sha256(parent: int, token_bytes) -> int:
 @functools.cache
 def _native_hash_module():
     """`mokv_hash_ext`, or None (after one warning) when it cannot be built or loaded."""
-    from .. import extensions
-
     try:
         return extensions.load("mokv_hash_ext")
     except Exception as e:  # noqa: BLE001 - any build or load failure means: use hashlib
@@ -83,7 +83,9 @@ def _native_hash_module():
         return None
 
 
-def sha256_chain(tokens: np.ndarray, page_size: int, parent: int, portable: bool = False) -> list[int]:
+def sha256_chain(
+    tokens: np.ndarray, page_size: int, parent: int, portable: bool = False
+) -> list[int]:
     """The "sha256" hashes of the whole pages of `tokens` (int64) in one native call.
 
     `portable` selects the extension's scalar rounds even on a CPU with SHA extensions
