@@ -9,7 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from mokv.managers.native import EXT_SOURCE_DIR
+from mokv.extensions import EXT_SOURCE_DIR
 from mokv.mojo_package import MOJO_PACKAGE_DIR, sources_digest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def test_wheel_ships_mojo_sources_and_extension_finds_them(tmp_path: Path) -> No
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                     str(wheel)], check=True)
-    probe = ("import mokv.mojo_package as e, mokv.managers.native as n; "
+    probe = ("import mokv.mojo_package as e, mokv.extensions as n; "
              "print(e.MOJO_PACKAGE_DIR); print(e.sources_digest()); print(n.EXT_SOURCE_DIR)")
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path).stdout.split()

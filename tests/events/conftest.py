@@ -22,6 +22,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_runs(count: int, length: int) -> list[int]:
+    """The first ports of `count` disjoint runs of `length` free consecutive ports: a
+    publisher binds port + replica, and ports picked one by one are often consecutive
+    (so a replay port could be another replica's port)."""
+    held: list[socket.socket] = []
+    bases: list[int] = []
+    try:
+        while len(bases) < count:
+            first = socket.socket()
+            first.bind(("127.0.0.1", 0))
+            base, run = first.getsockname()[1], [first]
+            try:
+                for k in range(1, length):
+                    run.append(socket.socket())
+                    run[-1].bind(("127.0.0.1", base + k))
+            except OSError:
+                for s in run:
+                    s.close()
+                continue
+            held += run
+            bases.append(base)
+        return bases
+    finally:
+        for s in held:
+            s.close()
+
+
 def inproc_name() -> str:
     return f"inproc://mokv-events-{os.getpid()}-{next(_names)}"
 

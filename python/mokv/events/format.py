@@ -5,7 +5,7 @@ big-endian counter per publisher from 0, `payload` one msgpack `KVEventBatch`:
 
     batch  = [ts: float, events: list, data_parallel_rank: int]   (a positional array;
              the rank is omitted when None)
-    event  = "map" form (default; vLLM #42892, SGLang #37482):
+    event  = "map" form (default; vLLM #42892):
                {"type": "BlockStored", "block_hashes": [...], ...}
              "array" form (legacy, still decoded by many consumers):
                ["BlockStored", block_hashes, parent_block_hash, ...]
@@ -14,13 +14,31 @@ big-endian counter per publisher from 0, `payload` one msgpack `KVEventBatch`:
 
 The structs below are declared as vLLM declares them (names, field order, tags,
 omit_defaults), so that msgspec writes the same bytes: msgspec picks a map's header from
-the struct's field count, so even the fields mokv never sets (`locality`, ...) matter.
-`BlockStored` has 15 fields, as the note's golden vector implies (its map16 header
-`de000b`: msgspec writes map16 once a struct has 16 possible keys, tag included). The
-public sources read for this module show 14 (through `session_id`, vLLM #51381); the
-15th here is `block_offsets`, the optional BlockStored field of vLLM PR #44488, appended
-last. Its name and place are the one unverified detail; a None field is omitted on the
-wire, so only the header depends on it, and decoders ignore the header's size.
+the struct's field count (a fixmap up to 15 keys, tag included; map16 from 16), so even
+the fields mokv never sets (`locality`, ...) matter.
+
+Sources read for `BlockStored` (through the `search` tools, Nov 2026):
+- vllm/distributed/kv_events.py in karen-sy/vllm @ f7d935a063c5c69e40825bd667fc36d09d63fa1e
+  (a fork carrying upstream main with vLLM #51381, merged, which added `session_id`):
+  14 fields, block_hashes ... lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+  kv_cache_spec_sliding_window, locality, ownership, session_id. Third-party decoders
+  that copy vLLM main (e.g. a fixture "copied from kv_events.py at main (f4eccdadef)")
+  show the same 14. `BlockRemoved`: block_hashes, medium, group_idx, locality, ownership.
+- vllm-project/vllm @ 0181ea3173e53eea8cf04a86891488e3dc89bb34 (the stored upstream
+  copy, older): the first 11 of those, in the same order.
+- vLLM #55487 / #55488 (typed `extra_keys`) add `event_version` to `BlockStored`. A vLLM
+  test of that change (found by content; the index names no repository for it) has
+  locality, session_id and event_version and asserts "the current schema (15 declared
+  fields + tag) encodes with a map16 header". The issue index shows #55488 closed; one
+  kv_events.py copy from before session_id puts `event_version: int = 1` after
+  lora_name. Its place in today's vLLM is unverified: it is appended last here.
+- SGLang (sgl-project/sglang #37482, #39991) still sends positional arrays with a
+  7-element base, which the "array" form below decodes.
+
+The shared note's golden vector (map16 header `de000b`) needs exactly 15 fields, which
+is what #55488's schema has; vLLM main's 14 would give a fixmap (`8b`). Decoders ignore
+the header's size, and a None field is omitted on the wire, so only the header byte
+depends on the 15th field; mokv never sets it.
 """
 
 # No `from __future__ import annotations`: msgspec resolves string annotations in module
@@ -63,7 +81,7 @@ def _structs(array_like: bool):
         locality: str | None = None
         ownership: str | None = None
         session_id: str | None = None
-        block_offsets: list[int] | None = None
+        event_version: int | None = None
 
     class BlockRemoved(KVCacheEvent):
         block_hashes: list[int]

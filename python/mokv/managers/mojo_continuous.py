@@ -4,7 +4,7 @@ The slot state (which sequence holds which slot, how many tokens each has commit
 lives in Mojo, in `mokv.slots.ContinuousBatchingSlotTable` behind a spin lock, together
 with the cache's blocks buffer; this class is a thin typed front end over the
 `mokv_manager_ext` extension module (mojo/python_ext/, built and cached by
-`mokv.managers.native`). It offers the sequence-id half of
+`mokv.extensions`). It offers the sequence-id half of
 `ContinuousBatchingKVCacheManager`'s interface with the same semantics and errors:
 
     claim(n) -> seq_ids     fetch(seq_ids) -> [ContinuousBatchingKVCacheInputs]
@@ -29,10 +29,10 @@ from max.driver import Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession
 
+from .. import extensions
 from ..errors import BatchTooLargeError, SequenceTooLongError, UnknownRequestError
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..params import KVCacheParams
-from . import native
 from .base import ManagerFields, check_num_steps
 
 _STORAGE = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16}
@@ -101,7 +101,8 @@ class MojoContinuousBatchingKVCacheManager(ManagerFields):
         storage = np.dtype(_STORAGE[params.dtype])
         shape = [max_cache_batch_size, 2, num_layers, max_seq_len, params.n_kv_heads_per_device,
                  params.head_dim]
-        self._native = native.load().ContinuousBatchingKVCacheManager(
+        ext = extensions.load("mokv_manager_ext", imports_kernels=True)
+        self._native = ext.ContinuousBatchingKVCacheManager(
             max_cache_batch_size, max_seq_len, num_layers, params.n_kv_heads_per_device,
             params.head_dim, storage.itemsize,
         )
