@@ -47,7 +47,7 @@ def test_hash_chain_depends_on_the_whole_prefix(algorithm):
 def test_stable_hashes_are_their_definitions():
     data = token_bytes(np.array([1, 2]))
     assert data == (1).to_bytes(8, "little") + (2).to_bytes(8, "little")
-    digest = hashlib.sha256((5).to_bytes(8, "little") + data).digest()
+    digest = hashlib.sha256(data + (5).to_bytes(8, "little")).digest()
     # vLLM's 64-bit form: the last 8 bytes of the digest, big-endian
     assert page_hash_fn("sha256")(5, data) == int.from_bytes(digest[-8:], "big")
     assert page_hash_fn("xxh3")(2**64 - 1, data) == xxhash.xxh3_64_intdigest(data, 2**64 - 1)
@@ -58,15 +58,16 @@ def _hashlib_chain(tokens: np.ndarray, page_size: int, parent: int) -> list[int]
     data = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
     out = []
     for start in range(0, len(data) // (8 * page_size) * 8 * page_size, 8 * page_size):
-        digest = hashlib.sha256(parent.to_bytes(8, "little") + data[start : start + 8 * page_size])
+        digest = hashlib.sha256(data[start : start + 8 * page_size] + parent.to_bytes(8, "little"))
         parent = int.from_bytes(digest.digest()[24:], "big")
         out.append(parent)
     return out
 
 
-# Message bytes = 8 + 8 * page_size: 5 -> 48 (padding fits), 6 -> 56 and 14 -> 120 (the
-# length spills into an extra block), 7 -> 64 and 15 -> 128 (whole blocks), then the
-# page sizes in use.
+# Message bytes = 8 * page_size + 8: 5 -> 48 (padding fits), 6 -> 56 and 14 -> 120 (the
+# length spills into an extra block), 7 -> 64 and 15 -> 128 (whole blocks), 8 and 16
+# (the tokens fill whole blocks, the parent starts the last), then the page sizes in use;
+# odd and even page counts (pages go in pairs).
 PAGE_SIZES = [1, 2, 5, 6, 7, 8, 14, 15, 16, 128, 256]
 
 
@@ -74,8 +75,9 @@ PAGE_SIZES = [1, 2, 5, 6, 7, 8, 14, 15, 16, 128, 256]
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_native_sha256_chain_is_hashlibs(page_size, portable):
     rng = np.random.default_rng(page_size)
-    for parent in (0, 2**64 - 1, 2**63, int(rng.integers(0, 2**63))):
-        num_pages = int(rng.integers(1, 40))  # and a partial page that is not hashed
+    parents = (0, 2**64 - 1, 2**63, int(rng.integers(0, 2**63)))
+    for parent, num_pages in zip(parents, (1, 2, 7, int(rng.integers(8, 40)))):
+        # num_pages, then a partial page that is not hashed
         tokens = rng.integers(-(2**63), 2**63 - 1, num_pages * page_size + page_size // 2,
                               dtype=np.int64)
         expected = _hashlib_chain(tokens, page_size, parent)

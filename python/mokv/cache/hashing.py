@@ -11,12 +11,14 @@ Algorithms (`KVCacheParams.prefix_hash`):
   (`xxhash` package). Stable across processes, restarts and machines; the fastest.
   Seeding with the parent instead of prepending it saves a concatenation per page,
   which is most of the cost in Python.
-- "sha256": SHA-256 of (parent as 8 little-endian bytes, token bytes), in vLLM's
+- "sha256": SHA-256 of (token bytes, parent as 8 little-endian bytes), in vLLM's
   64-bit form: the last 8 bytes of the digest read big-endian. Stable; for those
   who want a cryptographic hash. A chain of pages is hashed in one call of the Mojo
   extension `mokv_hash_ext` (x86 SHA extensions where the CPU has them): hashlib pays
   ~0.9 us of OpenSSL per call on top of the compression, most of the time at 16 tokens
-  a page. hashlib stays the definition, and the fallback (with one warning) when the
+  a page. The parent comes last so that the extension can compress two pages' token
+  blocks side by side (only the final block depends on the chain; see the module).
+  hashlib stays the definition, and the fallback (with one warning) when the
   extension cannot be built or loaded.
 - "builtin": Python's `hash`, masked to 64 bits. Stable within one process only
   (Python salts it per process unless PYTHONHASHSEED is set): opt-in, and refused
@@ -63,8 +65,8 @@ _SHA256_INIT = hashlib.sha256()
 
 def _sha256(parent: int, token_bytes) -> int:
     h = _SHA256_INIT.copy()
-    h.update(parent.to_bytes(8, "little"))
     h.update(token_bytes)
+    h.update(parent.to_bytes(8, "little"))
     return int.from_bytes(h.digest()[24:], "big")
 
 
