@@ -1,4 +1,5 @@
-"""Page hashes: chains, the stable definitions (native sha256 vs hashlib), seeds, salts."""
+"""Page hashes: chains, the stable definitions (native sha256 / xxh3 vs hashlib / xxhash),
+seeds, salts."""
 
 import hashlib
 import warnings
@@ -22,6 +23,7 @@ from mokv.cache.hashing import (
     sha256_backend,
     sha256_chain,
     token_bytes,
+    xxh3_chain,
 )
 
 from .conftest import make_paged
@@ -53,13 +55,24 @@ def test_stable_hashes_are_their_definitions():
     assert page_hash_fn("xxh3")(2**64 - 1, data) == xxhash.xxh3_64_intdigest(data, 2**64 - 1)
 
 
-def _hashlib_chain(tokens: np.ndarray, page_size: int, parent: int) -> list[int]:
-    """The "sha256" definition, straight from hashlib."""
+def _sha256_definition(parent: int, data: bytes) -> int:
+    digest = hashlib.sha256(data + parent.to_bytes(8, "little")).digest()
+    return int.from_bytes(digest[24:], "big")
+
+
+DEFINITIONS = {
+    "sha256": _sha256_definition,
+    "xxh3": lambda parent, data: xxhash.xxh3_64_intdigest(data, parent),
+}
+"""The stable algorithms, straight from hashlib and the xxhash package."""
+
+
+def _reference_chain(algorithm: str, tokens: np.ndarray, page_size: int, parent: int) -> list[int]:
+    """The hashes of the whole pages of `tokens`, one definition call per page."""
     data = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
     out = []
     for start in range(0, len(data) // (8 * page_size) * 8 * page_size, 8 * page_size):
-        digest = hashlib.sha256(data[start : start + 8 * page_size] + parent.to_bytes(8, "little"))
-        parent = int.from_bytes(digest.digest()[24:], "big")
+        parent = DEFINITIONS[algorithm](parent, data[start : start + 8 * page_size])
         out.append(parent)
     return out
 
@@ -80,42 +93,78 @@ def test_native_sha256_chain_is_hashlibs(page_size, portable):
         # num_pages, then a partial page that is not hashed
         tokens = rng.integers(-(2**63), 2**63 - 1, num_pages * page_size + page_size // 2,
                               dtype=np.int64)
-        expected = _hashlib_chain(tokens, page_size, parent)
+        expected = _reference_chain("sha256", tokens, page_size, parent)
         assert len(expected) == num_pages
         assert sha256_chain(tokens, page_size, parent, portable) == expected
 
 
 def test_sha256_chain_of_many_pages_and_of_none():
     tokens = np.random.default_rng(1).integers(0, 150_000, 16 * 3000 + 5)
-    assert sha256_chain(tokens, 16, 7) == _hashlib_chain(tokens, 16, 7)
+    assert sha256_chain(tokens, 16, 7) == _reference_chain("sha256", tokens, 16, 7)
     assert sha256_chain(tokens[:15], 16, 7) == []
 
 
-def test_sha256_page_hashes_and_ranges_use_the_same_chain():
-    fn = page_hash_fn("sha256")
-    tokens = np.random.default_rng(2).integers(0, 50_000, 16 * 20, dtype=np.int32)
-    expected = _hashlib_chain(tokens, 16, 11)
+# XXH3's length classes by page bytes (8 * page_size): 8 (4-8 bytes), 16 (9-16), 24-128 in
+# 16-byte rounds from both ends (one more round past 32, 64 and 96 bytes: 32, 40, 96, 104),
+# 136-240 (rounds past 128 against the secret from byte 3: 136, 232, 240), and over 240:
+# 64-byte stripes, blocks of 1024 bytes (248 and 256: a few stripes; 1024: 15 stripes and the
+# last; 1032: one block, no stripe, the last overlapping it; 2048, 2400: scrambles between
+# blocks); odd and even page counts.
+XXH3_PAGE_SIZES = [1, 2, 3, 4, 5, 8, 12, 13, 15, 16, 17, 29, 30, 31, 32, 33, 64, 128, 129, 256, 300]
+
+
+@pytest.mark.parametrize("page_size", XXH3_PAGE_SIZES)
+def test_native_xxh3_chain_is_xxhashs(page_size):
+    rng = np.random.default_rng(page_size)
+    parents = (0, 1, 2**63, 2**64 - 1, int(rng.integers(0, 2**63)))
+    for parent, num_pages in zip(parents, (1, 2, 7, 8, int(rng.integers(9, 40)))):
+        # num_pages, then a partial page that is not hashed
+        tokens = rng.integers(-(2**63), 2**63 - 1, num_pages * page_size + page_size // 2,
+                              dtype=np.int64)
+        expected = _reference_chain("xxh3", tokens, page_size, parent)
+        assert len(expected) == num_pages
+        assert xxh3_chain(tokens, page_size, parent) == expected
+
+
+def test_xxh3_chain_of_many_pages_and_of_none():
+    tokens = np.random.default_rng(1).integers(0, 150_000, 16 * 3000 + 5)
+    assert xxh3_chain(tokens, 16, 7) == _reference_chain("xxh3", tokens, 16, 7)
+    assert xxh3_chain(tokens, 128, 2**64 - 1) == _reference_chain("xxh3", tokens, 128, 2**64 - 1)
+    assert xxh3_chain(tokens[:15], 16, 7) == []
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "xxh3"])
+def test_page_hashes_and_ranges_use_the_same_chain(algorithm):
+    fn = page_hash_fn(algorithm)
+    tokens = np.random.default_rng(2).integers(0, 50_000, 16 * 40, dtype=np.int32)
+    expected = _reference_chain(algorithm, tokens, 16, 11)
     assert page_hashes(tokens, 16, 11, fn) == expected
-    pages = list(iter_page_hashes(tokens, 16, expected[2], fn, 3, 9))
-    assert [h for h, _ in pages] == expected[3:9]
-    assert [d for _, d in pages] == [token_bytes(tokens[16 * i : 16 * i + 16]) for i in range(3, 9)]
+    pages = list(iter_page_hashes(tokens, 16, expected[2], fn, 3, 39))
+    assert [h for h, _ in pages] == expected[3:39]
+    assert [d for _, d in pages] == [token_bytes(tokens[16 * i : 16 * i + 16]) for i in range(3, 39)]
 
 
-def test_sha256_chains_of_four_pages_or_more_take_one_native_call(monkeypatch):
+@pytest.mark.parametrize(
+    "algorithm, chain, min_pages",
+    [("sha256", "sha256_chain", "_MIN_SHA256_CHAIN_PAGES"), ("xxh3", "xxh3_chain", "_MIN_XXH3_CHAIN_PAGES")],
+)
+def test_chains_from_the_threshold_on_take_one_native_call(monkeypatch, algorithm, chain, min_pages):
     calls = []
+    native = getattr(hashing, chain)
+    threshold = getattr(hashing, min_pages)
 
     def spy(tokens, page_size, parent):
         calls.append(len(tokens) // page_size)
-        return sha256_chain(tokens, page_size, parent)
+        return native(tokens, page_size, parent)
 
-    monkeypatch.setattr(hashing, "sha256_chain", spy)
-    fn = page_hash_fn("sha256")
-    tokens = np.arange(16 * 9)
-    for num_pages in range(1, 10):
-        expected = _hashlib_chain(tokens[: 16 * num_pages], 16, 1)
+    monkeypatch.setattr(hashing, chain, spy)
+    fn = page_hash_fn(algorithm)
+    tokens = np.arange(16 * (threshold + 5))
+    for num_pages in range(1, threshold + 6):
+        expected = _reference_chain(algorithm, tokens[: 16 * num_pages], 16, 1)
         assert page_hashes(tokens[: 16 * num_pages], 16, 1, fn) == expected
         assert [h for h, _ in iter_page_hashes(tokens, 16, 1, fn, 0, num_pages)] == expected
-    assert calls == [n for n in range(4, 10) for _ in range(2)]
+    assert calls == [n for n in range(threshold, threshold + 6) for _ in range(2)]
 
 
 def test_sha256_uses_the_cpus_sha_instructions_where_it_has_them():
@@ -123,23 +172,25 @@ def test_sha256_uses_the_cpus_sha_instructions_where_it_has_them():
     assert sha256_backend() == ("mojo+sha-ni" if has_sha_ni else "mojo-scalar")
 
 
-def test_sha256_falls_back_to_hashlib_with_one_warning(monkeypatch):
+@pytest.mark.parametrize("algorithm, chain", [("sha256", sha256_chain), ("xxh3", xxh3_chain)])
+def test_falls_back_to_per_page_calls_with_one_warning(monkeypatch, algorithm, chain):
     def unavailable(*args, **kwargs):
         raise RuntimeError("no mojo here")
 
-    fn = page_hash_fn("sha256")
-    tokens = np.arange(16 * 5)
+    fn = page_hash_fn(algorithm)
+    tokens = np.arange(16 * 25)  # pages enough for either native chain
     native = page_hashes(tokens, 16, 3, fn)
+    assert native == _reference_chain(algorithm, tokens, 16, 3)
     monkeypatch.setattr(extensions, "load", unavailable)
     hashing._native_hash_module.cache_clear()
     try:
-        with pytest.warns(RuntimeWarning, match="fall back to hashlib.*no mojo here"):
+        with pytest.warns(RuntimeWarning, match="fall back to hashlib and xxhash.*no mojo here"):
             assert page_hashes(tokens, 16, 3, fn) == native
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # said once only
             assert [h for h, _ in iter_page_hashes(tokens, 16, 3, fn)] == native
         with pytest.raises(RuntimeError, match="unavailable"):
-            sha256_chain(tokens, 16, 3)
+            chain(tokens, 16, 3)
         assert sha256_backend() == "hashlib"
     finally:
         hashing._native_hash_module.cache_clear()

@@ -9,8 +9,11 @@ dictionary lookup per page finds the longest cached prefix. Hashes are unsigned
 Algorithms (`KVCacheParams.prefix_hash`):
 - "xxh3" (default): XXH3-64 of the page's token bytes, seeded with the parent hash
   (`xxhash` package). Stable across processes, restarts and machines; the fastest.
-  Seeding with the parent instead of prepending it saves a concatenation per page,
-  which is most of the cost in Python.
+  Seeding with the parent instead of prepending it saves a concatenation per page.
+  A chain of pages is hashed in one call of the Mojo extension `mokv_hash_ext` (its
+  own XXH3, bit-identical to the package's): the package's per-call cost from Python
+  (~0.1-0.3 us) is most of the time at 16 tokens a page. The `xxhash` package stays
+  the definition, and the fallback when the extension is unavailable.
 - "sha256": SHA-256 of (token bytes, parent as 8 little-endian bytes), in vLLM's
   64-bit form: the last 8 bytes of the digest read big-endian. Stable; for those
   who want a cryptographic hash. A chain of pages is hashed in one call of the Mojo
@@ -75,14 +78,31 @@ def _native_hash_module():
     """`mokv_hash_ext`, or None (after one warning) when it cannot be built or loaded."""
     try:
         return extensions.load("mokv_hash_ext")
-    except Exception as e:  # noqa: BLE001 - any build or load failure means: use hashlib
+    except Exception as e:  # noqa: BLE001 - any build or load failure means: per-page calls
         warnings.warn(
-            f"mokv_hash_ext unavailable, sha256 page hashes fall back to hashlib "
-            f"(same hashes, slower): {e}",
+            f"mokv_hash_ext unavailable, sha256 and xxh3 page hashes fall back to hashlib "
+            f"and xxhash (same hashes, slower): {e}",
             RuntimeWarning,
             stacklevel=2,
         )
         return None
+
+
+def _native_chain(function: str, tokens: np.ndarray, page_size: int, parent: int, *options):
+    """The hashes of the whole pages of `tokens` (int64) from `mokv_hash_ext.<function>`
+    in one call. Raises RuntimeError when the extension is unavailable."""
+    module = _native_hash_module()
+    if module is None:
+        raise RuntimeError("mokv_hash_ext is unavailable (see the warning above)")
+    data = np.ascontiguousarray(tokens, dtype="<i8")
+    num_pages = len(data) // page_size
+    out = np.empty(num_pages, dtype=np.uint64)
+    parent_bits = parent - (1 << 64) if parent >> 63 else parent  # the int64 with its bits
+    getattr(module, function)(
+        data.__array_interface__["data"][0], num_pages, page_size * 8, parent_bits,
+        out.__array_interface__["data"][0], *options,
+    )
+    return out.tolist()
 
 
 def sha256_chain(
@@ -92,18 +112,13 @@ def sha256_chain(
 
     `portable` selects the extension's scalar rounds even on a CPU with SHA extensions
     (for tests). Raises RuntimeError when the extension is unavailable."""
-    module = _native_hash_module()
-    if module is None:
-        raise RuntimeError("mokv_hash_ext is unavailable (see the warning above)")
-    data = np.ascontiguousarray(tokens, dtype="<i8")
-    num_pages = len(data) // page_size
-    out = np.empty(num_pages, dtype=np.uint64)
-    parent_bits = parent - (1 << 64) if parent >> 63 else parent  # the int64 with its bits
-    module.chain_sha256(
-        data.__array_interface__["data"][0], num_pages, page_size * 8, parent_bits,
-        out.__array_interface__["data"][0], portable,
-    )
-    return out.tolist()
+    return _native_chain("chain_sha256", tokens, page_size, parent, portable)
+
+
+def xxh3_chain(tokens: np.ndarray, page_size: int, parent: int) -> list[int]:
+    """The "xxh3" hashes of the whole pages of `tokens` (int64) in one native call.
+    Raises RuntimeError when the extension is unavailable."""
+    return _native_chain("chain_xxh3", tokens, page_size, parent)
 
 
 def sha256_backend() -> str:
@@ -115,17 +130,25 @@ def sha256_backend() -> str:
     return "mojo+sha-ni" if module.uses_sha_extensions() else "mojo-scalar"
 
 
-_MIN_CHAIN_PAGES = 4
-"""Fewer pages go through the per-page function: a native call costs ~3 us (numpy's
-buffer addresses, ~1 us each), which hashlib's ~0.7-1.2 us a page repays from 4 pages
-on (measured at pages of 16 and 128 tokens). A decode step usually fills one page."""
+_MIN_SHA256_CHAIN_PAGES = 4
+"""Fewer "sha256" pages go through the per-page function: a native call costs ~3 us
+(numpy's buffer addresses, ~1 us each), which hashlib's ~0.7-1.2 us a page repays from 4
+pages on (measured at pages of 16 and 128 tokens). A decode step usually fills one page."""
+
+_MIN_XXH3_CHAIN_PAGES = 20
+"""Fewer "xxh3" pages go through the per-page function: the native call's ~3.4 us (the
+same two buffer addresses) against the `xxhash` package's ~0.15-0.2 us a page, at pages of
+16 and 128 tokens alike, breaks even at 17-19 pages (measured: 16 pages 3.6-4.4 us native
+vs 3.3-4.1 us per page; 20 pages 3.8-4.6 vs 3.9-4.8 us)."""
 
 
 def _chain_fn(hash_fn: PageHashFn, num_pages: int) -> ChainHashFn | None:
     """The batched form of `hash_fn` for `num_pages` pages when it has one that runs
     here and pays off, else None."""
-    if hash_fn is _sha256 and num_pages >= _MIN_CHAIN_PAGES and _native_hash_module() is not None:
+    if hash_fn is _sha256 and num_pages >= _MIN_SHA256_CHAIN_PAGES and _native_hash_module() is not None:
         return sha256_chain
+    if hash_fn is _xxh3 and num_pages >= _MIN_XXH3_CHAIN_PAGES and _native_hash_module() is not None:
+        return xxh3_chain
     return None
 
 
@@ -225,9 +248,10 @@ def iter_page_hashes(
     The tokens are converted to bytes once and sliced per page; a caller may stop early.
     A hash with a batched form (`_chain_fn`) hashes the whole range in one call first,
     even if the caller stops early: for "sha256" a call costs ~3 us plus ~0.7 us per
-    128-token page, against ~1.2 us per page through hashlib, so a lookup that misses
-    at once pays a few microseconds more and one that hits pays less; the commit that
-    follows hashes those pages anyway.
+    128-token page, against ~1.2 us per page through hashlib (for "xxh3", from 20 pages
+    on: ~3.4 us plus ~0.06 us, against ~0.2 us), so a lookup that misses at once pays a
+    few microseconds more and one that hits pays less; the commit that follows hashes
+    those pages anyway.
     """
     if end_page is None:
         end_page = len(tokens) // page_size
