@@ -410,7 +410,8 @@ def _xxh3_long(input: U8Ptr, length: Int, secret: U8Ptr) -> UInt64:
     block followed by a scramble; the stripes left over; the input's last 64 bytes; then
     the accumulators merged into one word."""
     var acc = Lanes(
-        _PRIME32_3, _PRIME64_1, _PRIME64_2, _PRIME64_3, _PRIME64_4, _PRIME32_2, _PRIME64_5, _PRIME32_1
+        _PRIME32_3, _PRIME64_1, _PRIME64_2, _PRIME64_3,
+        _PRIME64_4, _PRIME32_2, _PRIME64_5, _PRIME32_1,
     )
     var blocks = (length - 1) // _BLOCK
     var scramble_key = _read_lanes(secret, _SECRET_BYTES - _STRIPE)
@@ -422,8 +423,9 @@ def _xxh3_long(input: U8Ptr, length: Int, secret: U8Ptr) -> UInt64:
         _accumulate_stripe(acc, input, blocks * _BLOCK + s * _STRIPE, secret, 8 * s)
     _accumulate_stripe(acc, input, length - _STRIPE, secret, _SECRET_BYTES - _STRIPE - 7)
     var h = UInt64(length) * _PRIME64_1
-    comptime for i in range(4):
-        h += _mul_fold(acc[2 * i] ^ _read64(secret, 11 + 16 * i), acc[2 * i + 1] ^ _read64(secret, 19 + 16 * i))
+    comptime for i in range(4):  # accumulator pairs against the secret from byte 11 on
+        var key = 11 + 16 * i
+        h += _mul_fold(acc[2 * i] ^ _read64(secret, key), acc[2 * i + 1] ^ _read64(secret, key + 8))
     return _avalanche(h)
 
 
@@ -439,8 +441,8 @@ def _xxh3_64(input: U8Ptr, length: Int, seed: UInt64, secret: U8Ptr) -> UInt64:
         return _xxh3_17to128(input, length, seed)
     if length <= 240:
         return _xxh3_129to240(input, length, seed)
-    var seeded = _SECRET + _ODD_WORDS.select(SIMD[DType.uint64, 32](0 - seed), SIMD[DType.uint64, 32](seed))
-    secret.unsafe_bitcast[UInt64]().unsafe_store(0, seeded)
+    var seeds = _ODD_WORDS.select(SIMD[DType.uint64, 32](0 - seed), SIMD[DType.uint64, 32](seed))
+    secret.unsafe_bitcast[UInt64]().unsafe_store(0, _SECRET + seeds)
     return _xxh3_long(input, length, secret)
 
 
@@ -461,7 +463,7 @@ def chain_xxh3(
     var size = Int(py=page_bytes)
     var parent = Scalar[DType.int64](Int(py=parent_bits)).cast[DType.uint64]()
     if n < 0 or size < 8 or size % 8 != 0:
-        raise Error(t"ValueError: num_pages={n} must be >= 0 and page_bytes={size} a positive multiple of 8")
+        raise Error(t"ValueError: num_pages={n} must be >= 0, page_bytes={size} 8, 16, 24, ...")
     var scratch = List[UInt64](length=32, fill=0)
     var secret = U8Ptr(unsafe_from_address=Int(scratch.unsafe_ptr()))
     for i in range(n):

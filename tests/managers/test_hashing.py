@@ -141,14 +141,19 @@ def test_page_hashes_and_ranges_use_the_same_chain(algorithm):
     assert page_hashes(tokens, 16, 11, fn) == expected
     pages = list(iter_page_hashes(tokens, 16, expected[2], fn, 3, 39))
     assert [h for h, _ in pages] == expected[3:39]
-    assert [d for _, d in pages] == [token_bytes(tokens[16 * i : 16 * i + 16]) for i in range(3, 39)]
+    assert [d for _, d in pages] == [token_bytes(page) for page in tokens.reshape(40, 16)[3:39]]
 
 
 @pytest.mark.parametrize(
     "algorithm, chain, min_pages",
-    [("sha256", "sha256_chain", "_MIN_SHA256_CHAIN_PAGES"), ("xxh3", "xxh3_chain", "_MIN_XXH3_CHAIN_PAGES")],
+    [
+        ("sha256", "sha256_chain", "_MIN_SHA256_CHAIN_PAGES"),
+        ("xxh3", "xxh3_chain", "_MIN_XXH3_CHAIN_PAGES"),
+    ],
 )
-def test_chains_from_the_threshold_on_take_one_native_call(monkeypatch, algorithm, chain, min_pages):
+def test_chains_from_the_threshold_on_take_one_native_call(
+    monkeypatch, algorithm, chain, min_pages
+):
     calls = []
     native = getattr(hashing, chain)
     threshold = getattr(hashing, min_pages)
