@@ -129,6 +129,9 @@ def test_native_xxh3_chain_is_xxhashs(page_size):
 def test_xxh3_chain_of_many_pages_and_of_none():
     tokens = np.random.default_rng(1).integers(0, 150_000, 16 * 3000 + 5)
     assert xxh3_chain(tokens, 16, 7) == _reference_chain("xxh3", tokens, 16, 7)
+    read_only = tokens.copy()
+    read_only.flags.writeable = False  # no ctypes view of it: its address from numpy
+    assert xxh3_chain(read_only, 16, 7) == _reference_chain("xxh3", tokens, 16, 7)
     assert xxh3_chain(tokens, 128, 2**64 - 1) == _reference_chain("xxh3", tokens, 128, 2**64 - 1)
     assert xxh3_chain(tokens[:15], 16, 7) == []
 

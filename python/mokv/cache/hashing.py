@@ -37,6 +37,7 @@ different salts never produce the same bytes (SGLang #30827's bug class).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import warnings
@@ -88,6 +89,15 @@ def _native_hash_module():
         return None
 
 
+def _address(array: np.ndarray) -> int:
+    """The address of `array`'s first byte (`array` not empty). A ctypes view of it costs
+    ~0.35 us, numpy's `__array_interface__` ~1.3 us (it builds a dict), but the view needs
+    a writable buffer."""
+    if array.flags.writeable:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    return array.__array_interface__["data"][0]
+
+
 def _native_chain(function: str, tokens: np.ndarray, page_size: int, parent: int, *options):
     """The hashes of the whole pages of `tokens` (int64) from `mokv_hash_ext.<function>`
     in one call. Raises RuntimeError when the extension is unavailable."""
@@ -96,11 +106,12 @@ def _native_chain(function: str, tokens: np.ndarray, page_size: int, parent: int
         raise RuntimeError("mokv_hash_ext is unavailable (see the warning above)")
     data = np.ascontiguousarray(tokens, dtype="<i8")
     num_pages = len(data) // page_size
+    if num_pages == 0:
+        return []
     out = np.empty(num_pages, dtype=np.uint64)
     parent_bits = parent - (1 << 64) if parent >> 63 else parent  # the int64 with its bits
     getattr(module, function)(
-        data.__array_interface__["data"][0], num_pages, page_size * 8, parent_bits,
-        out.__array_interface__["data"][0], *options,
+        _address(data), num_pages, page_size * 8, parent_bits, _address(out), *options
     )
     return out.tolist()
 
@@ -130,16 +141,17 @@ def sha256_backend() -> str:
     return "mojo+sha-ni" if module.uses_sha_extensions() else "mojo-scalar"
 
 
-_MIN_SHA256_CHAIN_PAGES = 4
-"""Fewer "sha256" pages go through the per-page function: a native call costs ~3 us
-(numpy's buffer addresses, ~1 us each), which hashlib's ~0.7-1.2 us a page repays from 4
-pages on (measured at pages of 16 and 128 tokens). A decode step usually fills one page."""
+_MIN_SHA256_CHAIN_PAGES = 2
+"""Fewer "sha256" pages go through the per-page function: a native call costs ~2-2.4 us
+(numpy's arrays, their addresses, the list of ints), which hashlib's ~0.7-1.2 us a page
+repays from 2 pages on (measured at pages of 16 and 128 tokens: 1 page level, 2 pages
+2.5 / 3.3 us native vs 3.3 / 4.4 us). A decode step usually fills one page."""
 
-_MIN_XXH3_CHAIN_PAGES = 20
-"""Fewer "xxh3" pages go through the per-page function: the native call's ~3.4 us (the
-same two buffer addresses) against the `xxhash` package's ~0.15-0.2 us a page, at pages of
-16 and 128 tokens alike, breaks even at 17-19 pages (measured: 16 pages 3.6-4.4 us native
-vs 3.3-4.1 us per page; 20 pages 3.8-4.6 vs 3.9-4.8 us)."""
+_MIN_XXH3_CHAIN_PAGES = 8
+"""Fewer "xxh3" pages go through the per-page function: the same ~2-2.4 us call against
+the `xxhash` package's ~0.15-0.2 us a page breaks even at 6-7 pages, at pages of 16 and
+128 tokens alike (measured: 6 pages 2.0 / 2.6 us native vs 2.0 / 2.6 us per page; 8 pages
+2.0 / 2.7 vs 2.4 / 2.9 us)."""
 
 
 def _chain_fn(hash_fn: PageHashFn, num_pages: int) -> ChainHashFn | None:
@@ -249,11 +261,10 @@ def iter_page_hashes(
 
     The tokens are converted to bytes once and sliced per page; a caller may stop early.
     A hash with a batched form (`_chain_fn`) hashes the whole range in one call first,
-    even if the caller stops early: for "sha256" a call costs ~3 us plus ~0.7 us per
-    128-token page, against ~1.2 us per page through hashlib (for "xxh3", from 20 pages
-    on: ~3.4 us plus ~0.06 us, against ~0.2 us), so a lookup that misses at once pays a
-    few microseconds more and one that hits pays less; the commit that follows hashes
-    those pages anyway.
+    even if the caller stops early: a call costs ~2-2.4 us plus, per 128-token page,
+    ~0.4 us for "sha256" (against ~1.2 us a page through hashlib) or ~0.06 us for "xxh3"
+    (against ~0.2 us), so a lookup that misses at once pays a microsecond or two more and
+    one that hits pays less; the commit that follows hashes those pages anyway.
     """
     if end_page is None:
         end_page = len(tokens) // page_size
