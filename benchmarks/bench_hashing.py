@@ -5,10 +5,11 @@ new request is matched against the prefix cache (and a router hashes every query
 hashing bounds how fast a long prompt can be admitted. We time
 `mokv.cache.hashing.page_hashes` (hashes only, as MAX's function returns) over a long
 int64 token array for each algorithm mokv offers ("xxh3", "sha256", "builtin"), at two
-page sizes ("sha256" through whichever `sha256_backend` reports: the Mojo extension's
-one call per chain, or hashlib's call per page), and MAX 26.7's own Rust hasher (`hash_request_tokens`, "ahash64" and
-"sha256") on the same tokens in the same run, interleaved per page size. Best of
-`repeats` runs (least disturbed by other load).
+page sizes ("xxh3" and "sha256" through the Mojo extension's one call per chain when
+`sha256_backend` reports it, else through the xxhash / hashlib call per page), and MAX
+26.7's own Rust hasher (`hash_request_tokens`, "ahash64" and "sha256") on the same tokens
+in the same run, interleaved per page size. Best of `repeats` runs (least disturbed by
+other load).
 """
 
 from __future__ import annotations
