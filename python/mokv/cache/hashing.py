@@ -176,13 +176,21 @@ STABLE_ALGORITHMS = ("xxh3", "sha256")
 
 
 def page_hash_fn(algorithm: str) -> PageHashFn:
-    """The page hash function called `algorithm` ("xxh3", "sha256" or "builtin")."""
+    """The page hash function called `algorithm` ("xxh3", "sha256" or "builtin").
+
+    For an algorithm with a native chain this also loads `mokv_hash_ext` (building it on
+    first use, ~15 s cold, then cached): managers and router indexes ask for their hash
+    function when they are built, so a server pays the build at startup rather than
+    inside its first long prompt."""
     try:
-        return _ALGORITHMS[algorithm]
+        fn = _ALGORITHMS[algorithm]
     except KeyError:
         raise ValueError(
             f"unknown prefix hash {algorithm!r}; choose one of {sorted(_ALGORITHMS)}"
         ) from None
+    if algorithm in STABLE_ALGORITHMS:
+        _native_hash_module()
+    return fn
 
 
 def _seed_bytes(tag: bytes, seed: int) -> bytes:
