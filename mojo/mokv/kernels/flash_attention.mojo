@@ -20,10 +20,10 @@ CPU design (decode is memory-bound, prefill compute-bound):
   * Keys are walked in tiles of at most 64 tokens that never cross a page end
     (`contiguous_tokens`), so a tile is rows at one constant stride: 16 KiB of one
     head's K staged as f32 (key-major), 8 KiB of it as stored (row-major, decode).
-    Halving the decode tile from 16 KiB sped up decode at 16k context by 4-15 %
-    (bf16 GQA 4 the most; 4 KiB tiles were slower again), measured with both sizes
-    alternating in one run. Each head's V rows of a tile and K rows of
-    the next tile are prefetched in software, a few lines per block of work.
+    Halving the decode tile from 16 KiB sped up decode at 16k context by 2-15 %
+    (bf16 GQA 4 the most, f32 GQA 4 the least; 4 and 12 KiB tiles were slower),
+    measured with the sizes alternating in one run. Each head's V rows of a tile and
+    K rows of the next tile are prefetched in software, a few lines per block of work.
   * Row-major scores (decode): S = Q K^T in 4-row x 4-key register blocks, 16
     independent FMA chains over D reduced by one 15-shuffle butterfly; heads with 8
     rows (GQA 8) use 8-row x 2-key blocks and an 8-row P V block, so each K and V
