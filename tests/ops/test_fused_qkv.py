@@ -30,6 +30,9 @@ CASES = [
     Config("paged", DType.bfloat16, n_kv_heads=2, head_dim=128, group=1, page_size=8, hidden=128, rope=True),
     # hidden 600: two K chunks (512 + 88), each with a tail that is not a multiple of 16
     Config("paged", DType.float32, n_kv_heads=1, head_dim=64, group=2, page_size=16, hidden=600),
+    # hidden 600 in bf16: the packed path widens the weights into an f32 strip per K
+    # chunk of 256 (600 = 256 + 256 + 88); float32 (above) reads its rows in place
+    Config("paged", DType.bfloat16, n_kv_heads=1, head_dim=64, group=2, page_size=16, hidden=600),
 ]
 TOL = {DType.float32: 1e-4, DType.bfloat16: 3e-2}
 
@@ -48,6 +51,7 @@ TAIL_CASES = [
     (CASES[3], "stream-8"), (CASES[3], "packed-54"), (CASES[3], "packed-537"),  # hidden 600
     (CASES[2], "stream-8"), (CASES[2], "packed-54"),  # bf16, RoPE
     (CASES[0], "stream-8"),  # f32, RoPE, head 64
+    (CASES[4], "stream-8"), (CASES[4], "packed-537"),  # bf16, hidden 600
 ]
 
 
