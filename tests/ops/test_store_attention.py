@@ -20,12 +20,15 @@ from .conftest import (
 PAGED_F32_GQA4 = Config("paged", DType.float32, n_kv_heads=2, head_dim=64, group=4, page_size=16)
 PAGED_BF16_GQA8 = Config("paged", DType.bfloat16, n_kv_heads=1, head_dim=128, group=8, page_size=8)
 CONT_F32_MHA = Config("continuous", DType.float32, n_kv_heads=4, head_dim=128, group=1)
+PAGED_BF16_GQA1 = Config("paged", DType.bfloat16, n_kv_heads=4, head_dim=128, group=1)
+PAGED_BF16_GQA4 = Config("paged", DType.bfloat16, n_kv_heads=2, head_dim=128, group=4)
 
 TOL = {DType.float32: 2e-5, DType.bfloat16: 2e-2}
 
 
-def run_store_attention(compiled, cfg, cache_lengths, new_tokens, seed=0, share=0):
-    """Runs the graph on a random batch; returns (cache before, cache after, k, v, q, out)."""
+def run_store_attention(compiled, cfg, cache_lengths, new_tokens, seed=0, share=0, q_std=1.0):
+    """Runs the graph on a random batch; returns (cache before, cache after, k, v, q, out).
+    Scores have standard deviation `q_std` (K and Q entries are standard normal)."""
     rng = np.random.default_rng(seed)
     cache = make_cache(cfg.params, cache_lengths, new_tokens, rng, share_prefix_pages=share)
     before = cache.blocks.copy()
@@ -33,7 +36,7 @@ def run_store_attention(compiled, cfg, cache_lengths, new_tokens, seed=0, share=
     h, d = cfg.n_kv_heads, cfg.head_dim
     k = storage(rng.standard_normal((total, h, d)).astype(np.float32), cfg.dtype)
     v = storage(rng.standard_normal((total, h, d)).astype(np.float32), cfg.dtype)
-    q = storage(rng.standard_normal((total, cfg.n_q, d)).astype(np.float32), cfg.dtype)
+    q = storage(q_std * rng.standard_normal((total, cfg.n_q, d)).astype(np.float32), cfg.dtype)
     offsets = row_offsets(new_tokens)
     model = compiled("store_attention", cfg)
     (out,) = model.execute(
@@ -95,6 +98,17 @@ def test_paged_bf16_gqa8_head128(compiled):
         compiled, PAGED_BF16_GQA8, [9, 0, 24], [1, 20, 3], seed=1
     )
     check(PAGED_BF16_GQA8, cache, before, k, v, q, offsets, out)
+
+
+@pytest.mark.parametrize("cfg", [PAGED_BF16_GQA1, PAGED_BF16_GQA4, PAGED_BF16_GQA8], ids=["gqa1", "gqa4", "gqa8"])
+def test_paged_bf16_long_decode(compiled, cfg):
+    """bf16 decode over 1000+ keys (many pages and key tiles, keys split across cores),
+    the path that takes bf16 dot-product scores on CPUs with AVX-512 BF16. Scores with
+    a standard deviation of 4 make the softmax peaky, so a wrong score shows."""
+    cache, before, k, v, q, offsets, out = run_store_attention(
+        compiled, cfg, [1300, 1100, 2], [1, 1, 1], seed=4, q_std=4.0
+    )
+    check(cfg, cache, before, k, v, q, offsets, out)
 
 
 def test_continuous_f32_mha_head128(compiled):

@@ -51,7 +51,7 @@ from max.gpu.host.info import is_cpu
 
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .ragged import batch_of_token
-from .simd import F32Ptr, W, reduce_16, widen
+from .simd import F32Ptr, HAS_AVX512_BF16, W, dot_bf16, reduce_16, widen
 
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
 comptime BK = 64  # most keys per tile (the row stride of the score tile)
@@ -63,6 +63,9 @@ comptime SPLIT_ALIGN = 64  # split boundaries fall on multiples of this (whole k
 comptime SPLIT_UNITS_PER_CORE = 4  # split keys until there are this many units per core
 comptime PART_SLOT[D: Int] = MAX_ROWS * (D + 2)
 """Floats of one partial softmax state: o [MAX_ROWS, D], then m and l [MAX_ROWS]."""
+comptime QK_BF16[dtype: DType, D: Int] = HAS_AVX512_BF16 and dtype == DType.bfloat16 and D % (2 * W) == 0
+"""Whether row-major (decode) scores over a `dtype` cache use `dot_bf16`; Q is then
+rounded to bf16 once per query (see the module docstring)."""
 
 
 @always_inline
@@ -83,7 +86,7 @@ def _prefetch_rows[Cache: KVCacheT](p: Ptr[Cache.dtype], n: Int, width: Int):
 
 @always_inline
 def _qk_block[Cache: KVCacheT, rb: Int = RB](
-    qs: F32Ptr,  # [rows, D] scaled queries (f32), rows a multiple of rb
+    qs: F32Ptr,  # [rows, D] scaled queries, f32 or (QK_BF16) bf16, rows a multiple of rb
     s: F32Ptr,  # [rows, BK] scores of this tile
     r0: Int,
     kp: Ptr[Cache.dtype],  # first key row of the tile
@@ -98,22 +101,40 @@ def _qk_block[Cache: KVCacheT, rb: Int = RB](
     rb = 8 serves a GQA-8 head's rows in one block, so each K chunk is loaded (and bf16
     widened) once per head; with rb = 4 LLVM kept the 32 K vectors of two row blocks
     live across them and spilled.
+    With QK_BF16 a step is 32 elements of D as stored: `dot_bf16` multiplies adjacent
+    pairs of D, which is how a key row lies in the cache, so K is used unconverted.
     """
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
+    comptime DOT = QK_BF16[Cache.dtype, D]
+    comptime qdt = DType.bfloat16 if DOT else DType.float32
+    comptime CH = 2 * W if DOT else W  # elements of D per step
     comptime kb = W // rb
     var koff = Array[Int, kb](fill=0)
     comptime for kk in range(kb):
         koff[kk] = min(j0 + kk, n - 1) * STRIDE
+    var qp = qs.unsafe_bitcast[Scalar[qdt]]()
     var acc = Array[SIMD[DType.float32, W], W](fill=0)  # [rr * kb + kk]
-    comptime for c in range(0, D, W):
-        var kv = Array[SIMD[DType.float32, W], kb](fill=0)
+    comptime for c in range(0, D, CH):
+        var kv = Array[SIMD[qdt, CH], kb](fill=0)
         comptime for kk in range(kb):
-            kv[kk] = widen(kp, koff[kk] + c)
+            comptime if DOT:
+                kv[kk] = rebind[SIMD[qdt, CH]](kp.unsafe_load[width=CH](koff[kk] + c))
+            else:
+                kv[kk] = rebind[SIMD[qdt, CH]](widen(kp, koff[kk] + c))
         comptime for rr in range(rb):
-            var qv = qs.unsafe_load[width=W]((r0 + rr) * D + c)
+            var qv = qp.unsafe_load[width=CH]((r0 + rr) * D + c)
             comptime for kk in range(kb):
-                acc[rr * kb + kk] = qv.fma(kv[kk], acc[rr * kb + kk])
+                comptime if DOT:
+                    acc[rr * kb + kk] = dot_bf16(
+                        acc[rr * kb + kk],
+                        rebind[SIMD[DType.bfloat16, 2 * W]](qv),
+                        rebind[SIMD[DType.bfloat16, 2 * W]](kv[kk]),
+                    )
+                else:
+                    acc[rr * kb + kk] = rebind[SIMD[DType.float32, W]](qv).fma(
+                        rebind[SIMD[DType.float32, W]](kv[kk]), acc[rr * kb + kk]
+                    )
     var sc = reduce_16(acc)
     comptime for rr in range(rb):
         s.unsafe_store((r0 + rr) * BK + j0, sc.slice[kb, offset=rr * kb]())
@@ -356,8 +377,11 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
             if key_major:  # qs is Q^T [D, MAX_ROWS]
                 comptime for i in range(W):
                     qs.unsafe_store((c + i) * MAX_ROWS + r, qv[i])
-            else:  # qs is Q [rows, D]
-                qs.unsafe_store(r * D + c, qv)
+            else:  # qs is Q [rows, D], in bf16 for `dot_bf16` scores
+                comptime if QK_BF16[Cache.dtype, D]:
+                    qs.unsafe_bitcast[BFloat16]().unsafe_store(r * D + c, qv.cast[DType.bfloat16]())
+                else:
+                    qs.unsafe_store(r * D + c, qv)
             o.unsafe_store(r * D + c, SIMD[DType.float32, W](0))
         m.unsafe_store(r, Float32.MIN)
         l.unsafe_store(r, 0)

@@ -1,5 +1,7 @@
 """SIMD helpers shared by the CPU kernels: float32 vectors of 16 lanes (AVX-512)."""
 
+from std.sys import llvm_intrinsic
+from std.sys.info import CompilationTarget
 from std.utils.index import IndexList
 
 from ..types import Ptr
@@ -7,6 +9,8 @@ from ..types import Ptr
 comptime W = 16
 """Float32 lanes of one AVX-512 register."""
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
+comptime HAS_AVX512_BF16 = CompilationTarget._has_feature["avx512bf16"]()
+"""Whether the build target (the building machine's CPU) has `vdpbf16ps`."""
 
 
 @always_inline
@@ -18,6 +22,16 @@ def widen[dtype: DType](p: Ptr[dtype], off: Int) -> SIMD[DType.float32, W]:
         return SIMD[DType.float32, W](from_bits=bits)
     else:
         return p.unsafe_load[width=W](off).cast[DType.float32]()
+
+
+@always_inline
+def dot_bf16(
+    acc: SIMD[DType.float32, W], a: SIMD[DType.bfloat16, 2 * W], b: SIMD[DType.bfloat16, 2 * W]
+) -> SIMD[DType.float32, W]:
+    """acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1] (`vdpbf16ps`): 32 bf16 products into 16 f32
+    lanes per instruction, twice the elements of an f32 FMA, with no widening of a or b.
+    Only where HAS_AVX512_BF16."""
+    return llvm_intrinsic["llvm.x86.avx512bf16.dpbf16ps.512", SIMD[DType.float32, W]](acc, a, b)
 
 
 def _fold_mask[s: Int, hi: Int]() -> IndexList[W]:
