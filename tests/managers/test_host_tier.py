@@ -127,15 +127,21 @@ def evict_from_device(m, tokens=range(100, 121), rid="X"):
     m.release(rid)
 
 
-def test_host_hits_are_pinned_and_loaded_by_fetch(session):
-    m = make_host(session, num_host_pages=7)  # A's 2 pages + X's 5: full
+def cached_on_host_only(m):
+    """Request A (tokens 0-8) commits pages 0-1, written through to the host tier; then
+    every cached device page is evicted, so a request on A's prefix gets two host hits."""
     a = TextContext(np.arange(9), "A")
     m.external_claim("A")
     m.fetch([a])
     a.update(1)
-    m.step([a])  # pages 0-1 committed and written through
+    m.step([a])
     m.release("A")
     evict_from_device(m)
+
+
+def test_host_hits_are_pinned_and_loaded_by_fetch(session):
+    m = make_host(session, num_host_pages=7)  # A's 2 pages + X's 5: full
+    cached_on_host_only(m)  # pages 0-1 committed and written through, then evicted
     b = TextContext(np.r_[np.arange(8), [5]], "B")
     m.external_claim("B")
     assert m.maybe_reserve(b) and b.start_idx == 8
@@ -159,13 +165,7 @@ def test_host_hits_are_pinned_and_loaded_by_fetch(session):
 
 def test_false_from_maybe_reserve_changes_neither_tier(session):
     m = make_host(session)
-    a = TextContext(np.arange(9), "A")
-    m.external_claim("A")
-    m.fetch([a])
-    a.update(1)
-    m.step([a])
-    m.release("A")
-    evict_from_device(m)
+    cached_on_host_only(m)
     hog = TextContext(np.arange(300, 317), "H")  # holds 5 of the 6 device pages
     m.external_claim("H")
     assert m.maybe_reserve(hog)
@@ -181,13 +181,7 @@ def test_false_from_maybe_reserve_changes_neither_tier(session):
 
 def test_release_before_fetch_unpins(session):
     m = make_host(session)
-    a = TextContext(np.arange(9), "A")
-    m.external_claim("A")
-    m.fetch([a])
-    a.update(1)
-    m.step([a])
-    m.release("A")
-    evict_from_device(m)
+    cached_on_host_only(m)
     b = TextContext(np.r_[np.arange(8), [5]], "B")
     m.external_claim("B")
     assert m.maybe_reserve(b) and m.replicas[0]._pinned
@@ -198,13 +192,7 @@ def test_release_before_fetch_unpins(session):
 
 def test_runtime_checks_catch_a_host_page_with_other_tokens(session):
     m = make_host(session)
-    a = TextContext(np.arange(9), "A")
-    m.external_claim("A")
-    m.fetch([a])
-    a.update(1)
-    m.step([a])
-    m.release("A")
-    evict_from_device(m)
+    cached_on_host_only(m)
     b = TextContext(np.r_[np.arange(8), [5]], "B")
     m.external_claim("B")
     assert m.maybe_reserve(b)

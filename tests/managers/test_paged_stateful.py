@@ -216,6 +216,10 @@ class HostTierMachine(PagedManagerMachine):
         cached tokens, from either tier, must read back their values."""
         self.shorts = getattr(self, "shorts", 0) + 1
         ctx = TextContext(np.array(prefix + [token]), request_id=f"short{self.shorts}")
+        self.serve_whole(ctx)
+
+    def serve_whole(self, ctx):
+        """Claims, fetches (if its pages fit), writes, steps and releases one request."""
         self.m.claim(ctx.request_id)
         try:
             self.m.fetch([ctx])
@@ -241,14 +245,7 @@ class HostTierMachine(PagedManagerMachine):
         """A request of fresh tokens takes every page it can: cached device pages go."""
         self.storms = getattr(self, "storms", 0) + 1
         ctx = TextContext(np.full(MAX_SEQ_LEN, 2 + self.storms), request_id=f"storm{self.storms}")
-        self.m.claim(ctx.request_id)
-        try:
-            self.m.fetch([ctx])
-        except mokv.InsufficientPagesError:
-            self.m.release(ctx.request_id)
-            return
-        self.write_and_step(ctx, 0)
-        self.m.release(ctx.request_id)
+        self.serve_whole(ctx)
 
 
 SESSION = None
