@@ -61,6 +61,9 @@ struct ContinuousBatchingKVCache[dtype_: DType, num_heads: Int, head_size: Int](
         var off = slot * self.slot_stride + self.layer_offset + (tok * Self.num_heads + head_idx) * Self.head_size
         return self.blocks.unsafe_offset(off)
 
+    def max_positions(self) -> Int:
+        return self.max_seq_len
+
     def contiguous_tokens(self, tok: Int) -> Int:
         return self.max_seq_len - tok
 

@@ -70,6 +70,9 @@ struct PagedKVCache[dtype_: DType, num_heads: Int, head_size: Int, page_size: In
         var off = page_id * self.page_stride + self.layer_offset + (row * Self.num_heads + head_idx) * Self.head_size
         return self.blocks.unsafe_offset(off)
 
+    def max_positions(self) -> Int:
+        return self.max_num_pages * Self.page_size
+
     def contiguous_tokens(self, tok: Int) -> Int:
         return Self.page_size - tok % Self.page_size
 

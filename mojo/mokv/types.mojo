@@ -75,6 +75,11 @@ trait KVCacheT(TrivialRegisterPassable):
         """Sequences in the batch."""
         ...
 
+    def max_positions(self) -> Int:
+        """Positions any sequence of this step can reach (the lookup table's or slot's
+        capacity): known on the host, so GPU kernels size their grids by it."""
+        ...
+
     def cache_length(self, batch_idx: Int) -> Int:
         """Tokens already cached for `batch_idx` before this step."""
         ...

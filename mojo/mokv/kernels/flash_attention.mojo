@@ -47,7 +47,7 @@ CPU design (decode is memory-bound, prefill compute-bound):
   * Causality: the key loop stops at the unit's last visible position, so tiles the
     mask hides entirely are never read; only the diagonal tile applies a mask.
   * Units run in parallel with `sync_parallelize`.
-GPU: one thread per (token, query head), a plain online-softmax loop (correct, simple).
+GPU: flash-decoding units of one warp (kernels/gpu_attention.mojo).
 """
 
 from std.math import ceildiv, exp
@@ -56,12 +56,11 @@ from std.sys.info import num_physical_cores, size_of
 from std.sys.intrinsics import prefetch, PrefetchOptions
 
 from max.algorithm import sync_parallelize
-from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
-from .ragged import batch_of_token
+from .gpu_attention import gpu_attention, heads_per_unit
 from .simd import F32Ptr, HAS_AVX512_BF16, W, dot_bf16, reduce_16, widen
 
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
@@ -636,38 +635,13 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
         _ = merges^
         _ = scratch^
     else:
-
-        def kernel() {var kc, var vc, var q, var output, var offsets, var batch_size, var total_tokens, var n_q, var group, var scale}:
-            var gid = Int(block_idx.x) * Int(block_dim.x) + Int(thread_idx.x)
-            if gid >= total_tokens * n_q:
-                return
-            var tok = gid // n_q
-            var qh = gid % n_q
-            var h = qh // group
-            var b = batch_of_token(offsets, batch_size, tok)
-            var pos = kc.cache_length(b) + tok - Int(offsets[unsafe_offset=b])
-            var qrow = q.unsafe_offset(gid * D)
-            var acc = Array[Float32, D](fill=0)
-            var m = Float32.MIN
-            var l: Float32 = 0
-            for key in range(pos + 1):
-                var kr = kc.row_ptr(b, h, key)
-                var sc: Float32 = 0
-                for d in range(D):
-                    sc += qrow.unsafe_load(d).cast[DType.float32]() * kr.unsafe_load(d).cast[DType.float32]()
-                sc *= scale
-                var mn = max(m, sc)
-                var alpha = exp(m - mn)
-                var pr = exp(sc - mn)
-                l = l * alpha + pr
-                var vr = vc.row_ptr(b, h, key)
-                for d in range(D):
-                    acc[d] = acc[d] * alpha + pr * vr.unsafe_load(d).cast[DType.float32]()
-                m = mn
-            var orow = output.unsafe_offset(gid * D)
-            for d in range(D):
-                orow.unsafe_store(d, (acc[d] / l).cast[q_dtype]())
-
-        var n = total_tokens * n_q
-        if n > 0:
-            ctx.enqueue_function(kernel, grid_dim=ceildiv(n, 64), block_dim=64)
+        # Heads per unit: a comptime parameter (their states live in registers).
+        var gb = heads_per_unit(group)
+        if gb == 8:
+            gpu_attention[Cache, q_dtype, 8](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
+        elif gb == 4:
+            gpu_attention[Cache, q_dtype, 4](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
+        elif gb == 2:
+            gpu_attention[Cache, q_dtype, 2](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
+        else:
+            gpu_attention[Cache, q_dtype, 1](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
