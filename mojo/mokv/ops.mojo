@@ -19,7 +19,7 @@ from .continuous import ContinuousBatchingKVCacheCollection
 from .paged import PagedKVCacheCollection
 from .types import Ptr, U32Ptr
 from .kernels.flash_attention import flash_attention
-from .kernels.fused_qkv import fused_qkv_matmul
+from .kernels.fused_qkv import fused_qkv_matmul, qkv_epilogue
 from .kernels.store_kv import store_kv
 from .types import KVCollectionT
 
@@ -242,6 +242,92 @@ struct FusedQKVMatmulRopePaged:
         _fused_qkv[rope=True, target=target](
             collection, output, hidden, wqkv, input_row_offsets, layer_idx, _f32(freqs_cis.unsafe_ptr()), ctx
         )
+
+
+# ===----------------------------------------------------------------------=== #
+# qkv_epilogue (+ .rope): the GPU half of fused_qkv_matmul, after MAX's matmul
+# ===----------------------------------------------------------------------=== #
+
+
+def _qkv_epilogue[Coll: KVCollectionT, rope: Bool, target: StaticString](
+    collection: Coll,
+    output: OutputTensor[rank=2, ...],  # [total_tokens, n_q * D]
+    qkv: InputTensor[dtype=output.dtype, rank=2, ...],  # [total_tokens, (n_q + 2 * n_kv) * D]
+    input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size + 1]
+    layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],  # [1], host
+    freqs: Pointer[Float32, MutUntrackedOrigin],  # [max_seq_len, D] or unused
+    ctx: DeviceContext,
+) raises:
+    comptime D = Coll.CacheType.kv_params.head_size
+    qkv_epilogue[Coll, output.dtype, rope, target](
+        collection,
+        _elems(output.unsafe_ptr()),
+        _elems(qkv.unsafe_ptr()),
+        _u32(input_row_offsets.unsafe_ptr()),
+        freqs,
+        qkv.dim_size(0),
+        output.dim_size(1) // D,
+        Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
+        ctx,
+    )
+
+
+@register("mokv.qkv_epilogue.ragged.continuous")
+struct QKVEpilogueContinuous:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString](
+        output: OutputTensor[rank=2, ...],
+        qkv: InputTensor[dtype=output.dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        collection: ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        _qkv_epilogue[rope=False, target=target](collection, output, qkv, input_row_offsets, layer_idx, _no_freqs(layer_idx.unsafe_ptr()), ctx)
+
+
+@register("mokv.qkv_epilogue.ragged.paged")
+struct QKVEpiloguePaged:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString](
+        output: OutputTensor[rank=2, ...],
+        qkv: InputTensor[dtype=output.dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        collection: PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        _qkv_epilogue[rope=False, target=target](collection, output, qkv, input_row_offsets, layer_idx, _no_freqs(layer_idx.unsafe_ptr()), ctx)
+
+
+@register("mokv.qkv_epilogue.ragged.continuous.rope")
+struct QKVEpilogueRopeContinuous:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString](
+        output: OutputTensor[rank=2, ...],
+        qkv: InputTensor[dtype=output.dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        collection: ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        freqs_cis: InputTensor[dtype=DType.float32, rank=2, ...],  # [max_seq_len, D]
+        ctx: DeviceContext,
+    ) raises:
+        _qkv_epilogue[rope=True, target=target](collection, output, qkv, input_row_offsets, layer_idx, _f32(freqs_cis.unsafe_ptr()), ctx)
+
+
+@register("mokv.qkv_epilogue.ragged.paged.rope")
+struct QKVEpilogueRopePaged:
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString](
+        output: OutputTensor[rank=2, ...],
+        qkv: InputTensor[dtype=output.dtype, rank=2, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        collection: PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size],
+        layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
+        freqs_cis: InputTensor[dtype=DType.float32, rank=2, ...],  # [max_seq_len, D]
+        ctx: DeviceContext,
+    ) raises:
+        _qkv_epilogue[rope=True, target=target](collection, output, qkv, input_row_offsets, layer_idx, _f32(freqs_cis.unsafe_ptr()), ctx)
 
 
 # ===----------------------------------------------------------------------=== #

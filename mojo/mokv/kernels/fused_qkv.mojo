@@ -1,5 +1,9 @@
 """Fused QKV projection: Q out, K and V straight into the cache, optional RoPE.
 
+On an NVIDIA GPU a bf16/f16 projection is MAX's matmul (tensor cores) and `qkv_epilogue`
+does the rest; otherwise one block per (token, head) computes plain dot products (`_qkv_gpu`).
+Everything below about blocking is the CPU kernel.
+
     hidden [total_tokens, hidden_size] x wqkv^T, wqkv [(n_q + 2 * n_kv) * D, hidden_size]
     (row-major, output features first, like a Linear weight). Output feature rows come in
     three bands: Q heads, then K heads, then V heads, each head `D` rows.
@@ -37,7 +41,7 @@ from std.sys.info import size_of
 from std.sys.intrinsics import prefetch, PrefetchOptions
 
 from max.algorithm import sync_parallelize
-from max.gpu import block_dim, block_idx, thread_idx
+from max.gpu import block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
@@ -401,41 +405,88 @@ def fused_qkv_matmul[Coll: KVCollectionT, in_dtype: DType, rope: Bool, target: S
 
         sync_parallelize(body, n_blocks * n_heads_all)
     else:
-        # One block per (token, head); thread d computes output feature d (and, with
-        # RoPE, its partner d +- D/2 too, which avoids shared memory and a barrier).
-        def kernel() {var kc, var vc, var q_out, var hidden, var wqkv, var offsets, var freqs, var batch_size, var n_q, var K}:
-            var tok = Int(block_idx.x)
-            var j = Int(block_idx.y)
-            var d = Int(thread_idx.x)
-            if d >= D:
-                return
-            var b = batch_of_token(offsets, batch_size, tok)
-            var pos = kc.cache_length(b) + tok - Int(offsets[unsafe_offset=b])
+        # float32 and AMD GPUs (python/mokv/ops/matmul.py says why): plain dot products.
+        _qkv_gpu[Coll, in_dtype, rope, project=True](coll, q_out, hidden, wqkv, offsets, freqs, total_tokens, K, n_q, layer_idx, ctx)
 
-            @always_inline
-            def dot(row: Int) {var hidden, var wqkv, var K, var tok} -> Float32:
+
+def qkv_epilogue[Coll: KVCollectionT, in_dtype: DType, rope: Bool, target: StaticString](
+    coll: Coll,
+    q_out: Ptr[in_dtype],  # [total_tokens, n_q * D]
+    qkv: Ptr[in_dtype],  # [total_tokens, (n_q + 2 * n_kv) * D]: hidden x wqkv^T
+    offsets: U32Ptr,  # [batch_size + 1]
+    freqs: F32Ptr,  # [max_seq_len, D] when rope, else unused
+    total_tokens: Int,
+    n_q: Int,
+    layer_idx: Int,
+    ctx: DeviceContext,
+) raises:
+    """Generic body of `mokv.qkv_epilogue.ragged.*` (and `.rope`): the rest of the fused
+    QKV projection on an NVIDIA GPU, after MAX's matmul (tensor cores) in the graph."""
+    comptime if is_cpu[target]():
+        raise Error("mokv.qkv_epilogue runs on a GPU (the CPU fuses it into mokv.fused_qkv_matmul)")
+    else:
+        _qkv_gpu[Coll, in_dtype, rope, project=False](coll, q_out, qkv, q_out, offsets, freqs, total_tokens, 0, n_q, layer_idx, ctx)
+
+
+def _qkv_gpu[Coll: KVCollectionT, in_dtype: DType, rope: Bool, project: Bool](
+    coll: Coll,
+    q_out: Ptr[in_dtype],  # [total_tokens, n_q * D]
+    src: Ptr[in_dtype],  # project: hidden [total_tokens, K]; else the projections [total_tokens, n_all * D]
+    wqkv: Ptr[in_dtype],  # project: [n_all * D, K]; else unused
+    offsets: U32Ptr,
+    freqs: F32Ptr,
+    total_tokens: Int,
+    K: Int,  # hidden size (project only)
+    n_q: Int,
+    layer_idx: Int,
+    ctx: DeviceContext,
+) raises:
+    """RoPE, Q out, K and V into the cache, on a GPU; with `project`, each feature's dot
+    product first. One block per (token, head); thread d handles feature d (and, with
+    RoPE, its partner d +- D/2 too, which avoids shared memory and a barrier)."""
+    comptime Cache = Coll.CacheType
+    comptime H = Cache.kv_params.num_heads
+    comptime D = Cache.kv_params.head_size
+    comptime assert not rope or D % 2 == 0, "RoPE needs an even head_size"
+    var kc = coll.get_key_cache(layer_idx)
+    var vc = coll.get_value_cache(layer_idx)
+    var batch_size = coll.batch_size()
+    var n_heads_all = n_q + 2 * H
+
+    def kernel() {var kc, var vc, var q_out, var src, var wqkv, var offsets, var freqs, var batch_size, var n_q, var n_heads_all, var K}:
+        var tok = Int(block_idx.x)
+        var j = Int(block_idx.y)
+        var d = Int(thread_idx.x)
+        var b = batch_of_token(offsets, batch_size, tok)
+        var pos = kc.cache_length(b) + tok - Int(offsets[unsafe_offset=b])
+
+        @always_inline
+        def feature(f: Int) {var src, var wqkv, var K, var tok, var j, var n_heads_all} -> Float32:
+            comptime if project:
                 var s: Float32 = 0
                 for k in range(K):
-                    s += hidden.unsafe_load(tok * K + k).cast[DType.float32]() * wqkv.unsafe_load(row * K + k).cast[DType.float32]()
+                    s += src.unsafe_load(tok * K + k).cast[DType.float32]() * wqkv.unsafe_load((j * D + f) * K + k).cast[DType.float32]()
                 return s
-
-            var x = dot(j * D + d)
-            var band = 0 if j < n_q else (1 if j < n_q + H else 2)
-            var head = j - (0 if band == 0 else (n_q if band == 1 else n_q + H))
-            comptime if rope:
-                if band < 2:
-                    comptime HALF = D // 2
-                    var i = d % HALF
-                    var partner = dot(j * D + (d + HALF) % D)
-                    var cos = freqs.unsafe_load(pos * D + i)
-                    var sin = freqs.unsafe_load(pos * D + HALF + i)
-                    x = x * cos - partner * sin if d < HALF else x * cos + partner * sin
-            if band == 0:
-                q_out.unsafe_store((tok * n_q + head) * D + d, x.cast[in_dtype]())
-            elif band == 1:
-                kc.row_ptr(b, head, pos).unsafe_store(d, x.cast[Cache.dtype]())
             else:
-                vc.row_ptr(b, head, pos).unsafe_store(d, x.cast[Cache.dtype]())
+                return src.unsafe_load((tok * n_heads_all + j) * D + f).cast[DType.float32]()
 
-        if total_tokens > 0:
-            ctx.enqueue_function(kernel, grid_dim=(total_tokens, n_heads_all), block_dim=D)
+        var x = feature(d)
+        var band = 0 if j < n_q else (1 if j < n_q + H else 2)
+        var head = j - (0 if band == 0 else (n_q if band == 1 else n_q + H))
+        comptime if rope:
+            if band < 2:
+                comptime HALF = D // 2
+                var i = d % HALF
+                var partner = feature((d + HALF) % D)
+                var cos = freqs.unsafe_load(pos * D + i)
+                var sin = freqs.unsafe_load(pos * D + HALF + i)
+                x = x * cos - partner * sin if d < HALF else x * cos + partner * sin
+        if band == 0:
+            q_out.unsafe_store((tok * n_q + head) * D + d, x.cast[in_dtype]())
+        elif band == 1:
+            kc.row_ptr(b, head, pos).unsafe_store(d, x.cast[Cache.dtype]())
+        else:
+            vc.row_ptr(b, head, pos).unsafe_store(d, x.cast[Cache.dtype]())
+
+    if total_tokens > 0:
+        ctx.enqueue_function(kernel, grid_dim=(total_tokens, n_heads_all), block_dim=D)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from max.driver import accelerator_api
 from max.dtype import DType
 from max.graph import StaticDim, TensorType, TensorValue, ops
 
@@ -50,6 +51,9 @@ def fused_qkv_matmul(
             `freqs_cis`, also that every position has a row); None: the collection's
             `checked` (see `FetchKVCacheCollection`).
 
+    On an NVIDIA GPU a bf16/f16 projection is MAX's matmul (tensor cores), followed by
+    mokv's epilogue op (RoPE, Q out, K and V into the cache); on the CPU, for float32 and
+    on AMD GPUs one mokv kernel does it all (on a GPU: plain dot products, slow).
     The CPU kernel needs head_dim to be a multiple of 16; the GPU kernel head_dim <= 1024
     (and even with RoPE). Other values are refused here.
 
@@ -72,7 +76,15 @@ def fused_qkv_matmul(
     check_head_dim("fused_qkv_matmul", info.head_size, hidden.device, rope=freqs_cis is not None)
     offsets = check_row_offsets(input_row_offsets, hidden.device)
     layer = layer_index(layer_idx, info.num_layers)
-    name = info.layout.op_name("fused_qkv_matmul")
+    # On NVIDIA GPUs a bf16/f16 projection is MAX's matmul (tensor cores). Not float32:
+    # MAX 26.7's appears to run on TF32 tensor cores (errors ~4e-4 on O(1) values measured
+    # on an H200), and a float32 cache asks for float32 arithmetic. Not on AMD: MAX 26.7's bf16
+    # matmul does not compile for gfx942 through virtual devices ("Cannot select: intrinsic
+    # llvm.amdgcn.fdot2.f32.bf16", the compiler aborts). There mokv's own op projects.
+    on_tensor_cores = (
+        hidden.device.is_gpu() and accelerator_api() == "cuda" and info.dtype != DType.float32
+    )
+    name = info.layout.op_name("qkv_epilogue" if on_tensor_cores else "fused_qkv_matmul")
     extra: list[TensorValue] = []
     if freqs_cis is not None:
         freqs_cis = TensorValue(freqs_cis)
@@ -85,8 +97,13 @@ def fused_qkv_matmul(
     if wants_check(info, checked):
         positions = rope_rows(freqs_cis) if freqs_cis is not None else None
         collection = emit_table_check(collection, info, offsets, hidden, layer, positions)
-    values = [hidden, wqkv, offsets, collection, layer, *extra]
     out_type = TensorType(info.dtype, [hidden.shape[0], n_heads * info.head_size], device=hidden.device)
+    if on_tensor_cores:
+        # MAX's matmul (tensor cores), then mokv's epilogue: RoPE, Q out, K/V into the cache.
+        qkv = ops.matmul(hidden, ops.transpose(wqkv, 0, 1))
+        values = [qkv, offsets, collection, layer, *extra]
+    else:
+        values = [hidden, wqkv, offsets, collection, layer, *extra]
     return ops.inplace_custom(name, hidden.device, values, out_types=[out_type])[0].tensor
 
 
