@@ -28,7 +28,7 @@ import time
 from typing import Callable
 
 import numpy as np
-from max.driver import CPU, Buffer
+from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, ops
 
@@ -46,12 +46,20 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 def _fill(buf: Buffer) -> None:
-    """Writes a repeating random pattern over the whole buffer (cheap, and real memory)."""
+    """Writes a repeating random pattern over the whole buffer (cheap, and real memory).
+
+    A buffer on an accelerator is filled from a host copy of the pattern."""
     row = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32) * 0.1
-    if buf.dtype == DType.bfloat16:
-        buf.view(DType.uint16).to_numpy().reshape(-1, D)[...] = _bf16_bits(row)
+    bf16 = buf.dtype == DType.bfloat16
+    if buf.device.is_host:
+        host = buf
     else:
-        buf.to_numpy().reshape(-1, D)[...] = row
+        host = Buffer(DType.uint16 if bf16 else buf.dtype, list(buf.shape), device=CPU())
+    host = host.view(DType.uint16) if bf16 and host is buf else host
+    host.to_numpy().reshape(-1, D)[...] = _bf16_bits(row) if bf16 else row
+    if not buf.device.is_host:
+        (buf.view(DType.uint16) if bf16 else buf).inplace_copy_from(host)
+        buf.device.synchronize()
 
 
 def _time(fn: Callable[[], object], min_time: float, max_reps: int = 200) -> float:
@@ -96,33 +104,42 @@ def copy_bandwidth(probe: ReadProbe, repeats: int = 5) -> dict:
             "read_1thread_GBps": src.nbytes / one / 1e9, "bytes": src.nbytes}
 
 
-def _io_types(dtype: DType = DTYPE):
-    return [TensorType(dtype, ["total_tokens", H, D], DeviceRef.CPU()),
-            TensorType(DType.uint32, ["batch_plus_1"], DeviceRef.CPU())]
+def _io_types(dtype: DType = DTYPE, device: Device = CPU()):
+    ref = DeviceRef.from_device(device)
+    return [TensorType(dtype, ["total_tokens", H, D], ref),
+            TensorType(DType.uint32, ["batch_plus_1"], ref)]
 
 
-def _q_and_offsets(new: list[int], dtype: DType = DTYPE) -> list[Buffer]:
+def _q_and_offsets(new: list[int], dtype: DType = DTYPE, device: Device = CPU()) -> list[Buffer]:
     q = np.random.default_rng(1).standard_normal((sum(new), H, D)).astype(np.float32)
     offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
     if dtype == DType.bfloat16:
-        return [Buffer.from_numpy(_bf16_bits(q)).view(DType.bfloat16), Buffer.from_numpy(offsets)]
-    return [Buffer.from_numpy(q), Buffer.from_numpy(offsets)]
+        bufs = [Buffer.from_numpy(_bf16_bits(q)).view(DType.bfloat16), Buffer.from_numpy(offsets)]
+    else:
+        bufs = [Buffer.from_numpy(q), Buffer.from_numpy(offsets)]
+    if device.is_host:
+        return bufs
+    bufs = [b.to(device) for b in bufs]
+    device.synchronize()  # copies are enqueued, not done
+    return bufs
 
 
 class MokvSide:
     """mokv's flash attention over one of its caches ("paged" or "continuous")."""
 
     def __init__(self, session, kind: str, hkv: int = HKV, dtype: DType = DTYPE,
-                 slots: int = 64, max_ctx: int = MAX_CTX):
+                 slots: int = 64, max_ctx: int = MAX_CTX, device: Device = CPU()):
         self.session, self.kind, self.name, self.dtype = session, kind, f"mokv-{kind}", dtype
+        self.device = device
         strategy = mokv.KVCacheStrategy.PAGED if kind == "paged" else mokv.KVCacheStrategy.CONTINUOUS
         self.params = mokv.KVCacheParams(dtype, hkv, D, page_size=PAGE, cache_strategy=strategy)
         if kind == "continuous":  # one cache for every case (its max_seq_len is a static dim)
             self.mgr = mokv.ContinuousBatchingKVCacheManager(self.params, slots, max_ctx + 1, 1,
-                                                             [CPU()], session)
+                                                             [device], session)
         else:
             self.mgr = self._paged_manager(1, 2 * PAGE)
-        with Graph(f"mokv_attention_{kind}", input_types=[*_io_types(dtype), *self.mgr.input_symbols()[0]]) as g:
+        with Graph(f"mokv_attention_{kind}",
+                   input_types=[*_io_types(dtype, device), *self.mgr.input_symbols()[0]]) as g:
             q, offsets, *kv = g.inputs
             coll = self.mgr.layout.fetch(self.params, 1, *kv)
             out = mokv.ops.flash_attention(coll, q.tensor, offsets.tensor, 0, 1 / math.sqrt(D))
@@ -131,7 +148,7 @@ class MokvSide:
 
     def _paged_manager(self, batch: int, seq: int):
         pages = batch * -(-seq // PAGE) + 1
-        return mokv.PagedKVCacheManager(self.params, batch, seq, 1, [CPU()], self.session,
+        return mokv.PagedKVCacheManager(self.params, batch, seq, 1, [self.device], self.session,
                                         pages * self.params.bytes_per_page(1))
 
     def inputs(self, cached: list[int], new: list[int]) -> list[Buffer]:
@@ -148,14 +165,14 @@ class MokvSide:
                 ctx.skip_cached_prefix(c)
         self._claimed = [ctx.request_id for ctx in ctxs]
         kv = self.mgr.fetch(ctxs, 1)[0]
-        if self.kind == "paged":
+        if self.kind == "paged" or not self.device.is_host:  # (a GPU's continuous cache: all of it)
             _fill(kv.blocks)
         else:
             bf16 = kv.blocks.dtype == DType.bfloat16
             blocks = (kv.blocks.view(DType.uint16) if bf16 else kv.blocks).to_numpy()
             for slot, c in enumerate(cached):
                 blocks[slot, :, :, : c + new[slot]] = 0x3D4D if bf16 else 0.05  # 0x3D4D: 0.05 in bf16
-        return [*_q_and_offsets(new, self.dtype), *kv]
+        return [*_q_and_offsets(new, self.dtype, self.device), *kv]
 
 
 class MaxSide:
@@ -163,7 +180,7 @@ class MaxSide:
 
     name = "max-paged"
 
-    def __init__(self, session, hkv: int = HKV, dtype: DType = DTYPE):
+    def __init__(self, session, hkv: int = HKV, dtype: DType = DTYPE, device: Device = CPU()):
         from max.nn.kernels import flash_attention_ragged
         from max.nn.kv_cache import MHAKVCacheParams
         from max.nn.attention.mask_config import MHAMaskVariant
@@ -171,10 +188,12 @@ class MaxSide:
         from maxcompat import load_max_pipelines
 
         self.Manager, _, self.Ctx, self.Tokens, self.RID, _ = load_max_pipelines()
-        self.session, self.dtype = session, dtype
+        self.session, self.dtype, self.device = session, dtype, device
         self.params = MHAKVCacheParams(dtype=dtype, head_dim=D, num_layers=1,
-                                       devices=[DeviceRef.CPU()], page_size=PAGE, n_kv_heads=hkv)
-        with Graph("max_attention", input_types=[*_io_types(dtype), *self.params.flattened_kv_inputs()]) as g:
+                                       devices=[DeviceRef.from_device(device)], page_size=PAGE,
+                                       n_kv_heads=hkv)
+        with Graph("max_attention",
+                   input_types=[*_io_types(dtype, device), *self.params.flattened_kv_inputs()]) as g:
             q, offsets, *kv = g.inputs
             coll = self.params.unflatten_kv_inputs(iter(kv))[0]
             out = flash_attention_ragged(self.params, q.tensor, offsets.tensor, coll,
@@ -201,7 +220,7 @@ class MaxSide:
         kv = mgr.runtime_inputs([ctxs])
         _fill(kv[0].kv_blocks)
         self._keep = mgr  # the inputs alias the manager's buffers
-        return [*_q_and_offsets(new, self.dtype), *tree.leaves(kv)]
+        return [*_q_and_offsets(new, self.dtype, self.device), *tree.leaves(kv)]
 
 
 def cases(quick: bool) -> dict:

@@ -20,8 +20,11 @@ from max.graph import DeviceRef
 
 from .conftest import build_qkv_attention, build_store_attention
 from .test_fused_qkv import CASES, LAYOUTS, _check, _ids
+from . import test_store_attention as cpu_tests  # a module: its tests are not collected twice
 from .test_store_attention import (
     CONT_F32_MHA,
+    PAGED_BF16_GQA1,
+    PAGED_BF16_GQA4,
     PAGED_BF16_GQA8,
     PAGED_F32_GQA4,
     check,
@@ -40,7 +43,8 @@ class OnGpu:
         self.model, self.gpu = model, gpu
 
     def execute(self, *inputs):
-        on_gpu = [b.copy(self.gpu) for b in inputs]
+        devices = self.model.input_devices  # host-side tables (max_lengths) stay on the host
+        on_gpu = [b if d.is_host else b.copy(self.gpu) for b, d in zip(inputs, devices)]
         # Copies are enqueued, not done: measured on the CPU device, a model that ran right
         # after `copy` read a not-yet-copied input in about 1 run of 6.
         self.gpu.synchronize()
@@ -72,6 +76,17 @@ def gpu_compiled():
 def test_store_then_attention_on_gpu(gpu_compiled, cfg):
     # prefill from empty | decode at 37 | a 9-token chunk after 70 (several pages)
     check(cfg, *run_store_attention(gpu_compiled, cfg, [0, 37, 70], [20, 1, 9]))
+
+
+@pytest.mark.parametrize("cache_lengths,new_tokens", [([1500, 700], [1, 3]), ([600], [40])])
+def test_split_keys_on_gpu(gpu_compiled, cache_lengths, new_tokens):
+    # Long contexts: keys split across units, partial states merged (`_merge_splits`).
+    cpu_tests.test_paged_f32_gqa4(gpu_compiled, cache_lengths, new_tokens)
+
+
+@pytest.mark.parametrize("cfg", [PAGED_BF16_GQA1, PAGED_BF16_GQA4, PAGED_BF16_GQA8], ids=["gqa1", "gqa4", "gqa8"])
+def test_bf16_long_decode_on_gpu(gpu_compiled, cfg):
+    cpu_tests.test_paged_bf16_long_decode(gpu_compiled, cfg)
 
 
 @pytest.mark.parametrize("cfg", CASES, ids=_ids)
