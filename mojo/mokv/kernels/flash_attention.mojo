@@ -28,7 +28,11 @@ CPU design (decode is memory-bound, prefill compute-bound):
     independent FMA chains over D reduced by one 15-shuffle butterfly; heads with 8
     rows (GQA 8) use 8-row x 2-key blocks and an 8-row P V block, so each K and V
     chunk is loaded and widened once per head, not once per 4 rows (bf16 GQA 8 with
-    the cache in L3: ~0.6 -> ~0.33 ms at 2k context; f32 unchanged).
+    the cache in L3: ~0.6 -> ~0.33 ms at 2k context; f32 unchanged). A GQA 1 decode
+    head has one row: 1-row x 16-key blocks and a 1-row x 128-column P V block, where
+    it was padded to 4 rows (4x the products); measured alternating with the padded
+    kernel (32 KV heads, 1 x 16k, 4 x 8k, 16 x 2k, three pairs): f32 from 53-79% to
+    84-105% of the two-thread read (1 x 16k: 24-34 -> 20 ms), bf16 58-80% -> 74-84%.
     Key-major scores (prefill): S^T = K Q^T, a broadcast key element times 16 query
     rows per FMA: no horizontal sums, and the softmax runs lane-wise over 16 rows.
     bf16 key tiles are widened to f32 once per tile. P V: a 4-row x 64-column block,
@@ -200,8 +204,7 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, P_ROW: Int, P_KEY: Int, rb: Int
     are the adjacent pairs `dot_bf16` multiplies (row n-1 repeats for an odd n, times 0)."""
     comptime DOT = BF16_DOT[dtype, D]
     comptime KSTEP = 2 if DOT else 1
-    comptime NCMAX = W // rb
-    comptime NC = NCMAX if D % (NCMAX * W) == 0 else (2 if D % (2 * W) == 0 else 1)
+    comptime NC = _pv_chunks(W // rb, D)
     comptime for c0 in range(0, D, NC * W):
         var acc = Array[SIMD[DType.float32, W], rb * NC](fill=0)
         for j in range(0, n, KSTEP):
@@ -229,6 +232,15 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, P_ROW: Int, P_KEY: Int, rb: Int
             comptime for cc in range(NC):
                 var off = (r0 + rr) * D + c0 + cc * W
                 o.unsafe_store(off, o.unsafe_load[width=W](off) + acc[rr * NC + cc])
+
+
+def _pv_chunks(most: Int, D: Int) -> Int:
+    """Column chunks per P V pass: the largest power of two up to `most` dividing D // W
+    (`most` = 16 // rb, so rb * NC <= 16 accumulators)."""
+    var nc = most
+    while nc > 1 and D % (nc * W) != 0:
+        nc //= 2
+    return nc
 
 
 def _pair_probabilities(s: F32Ptr, pb: F32Ptr, rows: Int, n: Int):
@@ -360,9 +372,12 @@ struct _Merge(ImplicitlyCopyable, Movable):
 @always_inline
 def _head_rows(ntok: Int, group: Int) -> Int:
     """Rows one KV head contributes to a unit: ntok x group, padded to a multiple of W
-    when there are at least W (key-major scores), else of RB (row-major scores).
-    Padding rows get zero queries and finite junk, and are never stored."""
+    when there are at least W (key-major scores), else of RB (row-major scores); a
+    single row (GQA 1 decode) is not padded. Padding rows get zero queries and finite
+    junk, and are never stored."""
     var rows = ntok * group
+    if rows == 1:  # one decode token of plain multi-head attention: 1-row blocks
+        return 1
     return ceildiv(rows, W) * W if rows >= W else ceildiv(rows, RB) * RB
 
 
@@ -479,6 +494,11 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
                         for jj in range(j0, min(j0 + 2 * KB, n), W // 8):
                             for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, 8):
                                 _qk_block[Cache, 8](qs, s, r0, kp.unsafe_offset(hh * D), jj, n)
+            elif rows_hp == 1:  # GQA 1 decode: one row per head, 16 keys per block
+                for j0 in range(0, n, W):
+                    for hh in range(u.nh):
+                        _prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), min(W, n - j0), D)
+                        _qk_block[Cache, 1](qs, s, hh, kp.unsafe_offset(hh * D), j0, n)
             else:
                 for j0 in range(0, n, KB):
                     for hh in range(u.nh):
@@ -496,6 +516,8 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
                 if rows_hp % 8 == 0:
                     for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, 8):
                         _pv_block[Cache.dtype, D, STRIDE, P_ROW, 1, 8](o, p, r0, vp.unsafe_offset(hh * D), n)
+                elif rows_hp == 1:
+                    _pv_block[Cache.dtype, D, STRIDE, P_ROW, 1, 1](o, p, hh, vp.unsafe_offset(hh * D), n)
                 else:
                     for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
                         _pv_block[Cache.dtype, D, STRIDE, P_ROW, 1](o, p, r0, vp.unsafe_offset(hh * D), n)
