@@ -32,7 +32,7 @@ CPU design (decode is memory-bound, prefill compute-bound):
     head has one row: 1-row x 16-key blocks and a 1-row x 128-column P V block, where
     it was padded to 4 rows (4x the products); measured alternating with the padded
     kernel (32 KV heads, 1 x 16k, 4 x 8k, 16 x 2k, three pairs): f32 from 53-79% to
-    84-105% of the two-thread read (1 x 16k: 24-34 -> 20 ms), bf16 58-80% -> 74-84%.
+    84-110% of the two-thread read (1 x 16k: 24-34 -> 20 ms), bf16 58-80% -> 74-84%.
     Key-major scores (prefill): S^T = K Q^T, a broadcast key element times 16 query
     rows per FMA: no horizontal sums, and the softmax runs lane-wise over 16 rows.
     bf16 key tiles are widened to f32 once per tile. P V: a 4-row x 64-column block,
