@@ -1,10 +1,9 @@
 """The kernels on a real GPU, against the same numpy references and checks as on the CPU.
 
 Skipped unless MAX sees an accelerator (`max.driver.accelerator_count() > 0`); users run
-them with pixi on NVIDIA hardware. They passed on an NVIDIA H200 (the float32 QKV cases with
-an earlier form of their kernel; README, "Running on
-an NVIDIA GPU"; `benchmarks/gpu_machine.sh tests` runs them on a machine without
-network). That every op compiles for sm_90 and gfx942 is checked everywhere by
+them with pixi on NVIDIA hardware. They passed on an NVIDIA H200 (the float32 QKV cases
+with an earlier form of their kernel; README, "Running on an NVIDIA GPU";
+`benchmarks/gpu_machine.sh tests` runs them on a machine without network). That every op compiles for sm_90 and gfx942 is checked everywhere by
 test_virtual_gpu.py.
 
 The CPU tests read the kernels' writes straight from the numpy arrays their input
