@@ -51,14 +51,10 @@ def _fill(buf: Buffer) -> None:
     A buffer on an accelerator is filled from a host copy of the pattern."""
     row = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32) * 0.1
     bf16 = buf.dtype == DType.bfloat16
-    if buf.device.is_host:
-        host = buf
-    else:
-        host = Buffer(DType.uint16 if bf16 else buf.dtype, list(buf.shape), device=CPU())
-    host = host.view(DType.uint16) if bf16 and host is buf else host
-    host.to_numpy().reshape(-1, D)[...] = _bf16_bits(row) if bf16 else row
-    if not buf.device.is_host:
-        (buf.view(DType.uint16) if bf16 else buf).inplace_copy_from(host)
+    host = buf if buf.device.is_host else Buffer(buf.dtype, list(buf.shape), device=CPU())
+    (host.view(DType.uint16) if bf16 else host).to_numpy().reshape(-1, D)[...] = _bf16_bits(row) if bf16 else row
+    if host is not buf:
+        buf.inplace_copy_from(host)
         buf.device.synchronize()
 
 
