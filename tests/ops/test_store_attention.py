@@ -22,6 +22,7 @@ PAGED_BF16_GQA8 = Config("paged", DType.bfloat16, n_kv_heads=1, head_dim=128, gr
 CONT_F32_MHA = Config("continuous", DType.float32, n_kv_heads=4, head_dim=128, group=1)
 PAGED_BF16_GQA1 = Config("paged", DType.bfloat16, n_kv_heads=4, head_dim=128, group=1)
 PAGED_BF16_GQA4 = Config("paged", DType.bfloat16, n_kv_heads=2, head_dim=128, group=4)
+PAGED_F32_GQA8 = Config("paged", DType.float32, n_kv_heads=5, head_dim=128, group=8)
 
 TOL = {DType.float32: 2e-5, DType.bfloat16: 2e-2}
 
@@ -75,6 +76,8 @@ def check(cfg, cache, before, k, v, q, offsets, out):
         ([1500, 700], [1, 3]),
         # a prefill chunk after a long cached prefix: split tiles, masked diagonal in the last split
         ([600], [40]),
+        # two-token chunks: 8 rows per head (8-lane key-major scores), the diagonal masked per row
+        ([600, 33], [2, 2]),
     ],
 )
 def test_paged_f32_gqa4(compiled, cache_lengths, new_tokens):
@@ -110,6 +113,17 @@ def test_paged_bf16_long_decode(compiled, cfg):
         compiled, cfg, [1300, 1100, 2], [1, 1, 1], seed=4, q_std=2.0
     )
     check(cfg, cache, before, k, v, q, offsets, out)
+
+
+def test_paged_f32_gqa8_odd_heads(compiled):
+    """f32 GQA 8 decode: 8-lane key-major scores with K broadcast from the cache. Five KV
+    heads make key rows 2.5 KiB apart (8-key blocks) and a unit of 40 rows, so the
+    16-row softmax has padding lanes; the long contexts are split across cores and
+    merged; the 2-token entry takes the 16-row path."""
+    cache, before, k, v, q, offsets, out = run_store_attention(
+        compiled, PAGED_F32_GQA8, [1300, 40, 5], [1, 1, 2], seed=5, q_std=2.0
+    )
+    check(PAGED_F32_GQA8, cache, before, k, v, q, offsets, out)
 
 
 def test_continuous_f32_mha_head128(compiled):

@@ -25,10 +25,9 @@ CPU design (decode is memory-bound, prefill compute-bound):
     measured with the sizes alternating in one run. Each head's V rows of a tile and
     K rows of the next tile are prefetched in software, a few lines per block of work.
   * Row-major scores (decode): S = Q K^T in 4-row x 4-key register blocks, 16
-    independent FMA chains over D reduced by one 15-shuffle butterfly; heads with 8
-    rows (GQA 8) use 8-row x 2-key blocks and an 8-row P V block, so each K and V
-    chunk is loaded and widened once per head, not once per 4 rows (bf16 GQA 8 with
-    the cache in L3: ~0.6 -> ~0.33 ms at 2k context; f32 unchanged). A GQA 1 decode
+    independent FMA chains over D reduced by one 15-shuffle butterfly. A head with 8
+    rows (GQA 8 decode) keeps its scores key-major instead, in 8-lane vectors with K
+    broadcast from the cache (`_qk_narrow`, which gives the measurements). A GQA 1 decode
     head has one row: 1-row x 16-key blocks and a 1-row x 128-column P V block, where
     it was padded to 4 rows (4x the products); measured alternating with the padded
     kernel (32 KV heads, 1 x 16k, 4 x 8k, 16 x 2k, three pairs): f32 from 53-79% to
@@ -50,7 +49,7 @@ CPU design (decode is memory-bound, prefill compute-bound):
     grows with the scores' size). GQA 8 bf16 at 16k context: ~2.9 -> ~2.0 ms.
   * Causality: the key loop stops at the unit's last visible position, so tiles the
     mask hides entirely are never read; only the diagonal tile applies a mask.
-  * Units run in parallel with `sync_parallelize`.
+  * Units run in parallel on the op's device context (`parallel_units`).
 GPU: flash-decoding units of one warp (kernels/gpu_attention.mojo).
 """
 
@@ -59,12 +58,12 @@ from std.memory import bitcast, stack_allocation
 from std.sys.info import num_physical_cores, size_of
 from std.sys.intrinsics import prefetch, PrefetchOptions
 
-from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .gpu_attention import gpu_attention, heads_per_unit
+from .parallel import parallel_units
 from .simd import F32Ptr, HAS_AVX512_BF16, W, dot_bf16, reduce_16, widen
 
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
@@ -72,6 +71,12 @@ comptime BK = 64  # most keys per tile (the row stride of the score tile)
 comptime MAX_ROWS = 64  # query rows (tokens x group heads) per unit: K/V tiles are loaded once per unit
 comptime RB = 4  # rows per register block (rows are padded to a multiple of RB)
 comptime KB = W // RB  # keys per QK register block: RB * KB = 16 accumulators
+comptime NARROW_KEYS[stride_bytes: Int] = 16 if stride_bytes <= 2048 else 8
+"""Keys per `_qk_narrow` block (one ymm accumulator each) for K rows `stride_bytes`
+apart. The block reads its keys' rows side by side, a cache line of each at a time;
+rows a multiple of 4 KiB apart share one L1 set, and 16 such lines overflow its 12 ways.
+The block's loop over L1-resident f32 rows: 16 keys ran at 96 GFLOP/s with 2 KiB
+strides and 27 with 4, 8 or 16 KiB; 8 keys at 85-96 for all four."""
 comptime MIN_SPLIT_KEYS = 256  # fewest keys a split of one unit's keys gets (split cost: one merge)
 comptime SPLIT_ALIGN = 64  # split boundaries fall on multiples of this (whole key tiles)
 comptime SPLIT_UNITS_PER_CORE = 4  # split keys until there are this many units per core
@@ -112,9 +117,7 @@ def _qk_block[Cache: KVCacheT, rb: Int = RB](
     The 16 dot products are 16 independent FMA chains (one key at a time left 4
     chains, bound by FMA latency), and one butterfly reduces all 16 at once. Keys
     past n repeat key n-1 (never read past the page); their scores land in unused slots.
-    rb = 8 serves a GQA-8 head's rows in one block, so each K chunk is loaded (and bf16
-    widened) once per head; with rb = 4 LLVM kept the 32 K vectors of two row blocks
-    live across them and spilled.
+    rb = 1 serves a GQA 1 decode head's single row, 16 keys per block.
     With BF16_DOT a step is 32 elements of D as stored: `dot_bf16` multiplies adjacent
     pairs of D, which is how a key row lies in the cache, so K is used unconverted.
     """
@@ -189,6 +192,60 @@ def _qk_key_major[D: Int, RV: Int](
 
 
 @always_inline
+def _qk_narrow[Cache: KVCacheT, full: Bool](
+    qt: F32Ptr,  # the head's scaled queries, transposed: [D, 8] f32 or (BF16_DOT) [D / 2, 8, 2] bf16
+    s: F32Ptr,  # [BK, MAX_ROWS] scores of this tile, key-major
+    r0: Int,  # the head's first row
+    kp: Ptr[Cache.dtype],  # the head's first key row of the tile
+    j0: Int,
+    n: Int,  # keys in the tile; `full`: j0 + NK <= n
+):
+    """S^T[j0 .. j0 + NK, r0 .. r0 + 8] = K Q^T for a head of 8 rows (GQA 8 decode).
+
+    Key-major with 8-lane vectors: per element of D (per pair with BF16_DOT), one load
+    of the head's 8 query values and NK key elements broadcast straight from the cache
+    (an FMA's memory operand) feed NK independent FMAs (`dot_bf16` on 8 lanes): no
+    horizontal sums. A full block addresses its keys as constant displacements from one
+    register; with a register per key LLVM spilled three of them in the inner loop.
+    8 lanes cost no peak here: this Zen 5 VM runs one zmm FMA per cycle and two ymm
+    (117 GFLOP/s per core either way, register-only loops; `vdpbf16ps` 234 either way).
+    Against the row-major blocks it replaced (8 rows x 2 keys, a 15-shuffle butterfly per
+    16 scores), one thread over a 2k context in L3 (4 KV heads): f32 0.51-0.57 -> 0.45 ms
+    (61 -> 75 GFLOP/s), bf16 0.28-0.29 -> 0.27 ms. Keys past n repeat key n-1; their
+    scores land in unused slots."""
+    comptime D = Cache.kv_params.head_size
+    comptime STRIDE = Cache.token_stride()
+    comptime DOT = BF16_DOT[Cache.dtype, D]
+    comptime NK = NARROW_KEYS[STRIDE * size_of[Scalar[Cache.dtype]]()]
+    # A full block's key offsets are constants (one base register, displacements);
+    # the tile's last, partial block repeats key n-1.
+    var kb0 = kp.unsafe_offset(j0 * STRIDE)
+    var koff = Array[Int, NK](fill=0)
+    comptime for kk in range(NK):
+        comptime if full:
+            koff[kk] = kk * STRIDE
+        else:
+            koff[kk] = min(kk, n - 1 - j0) * STRIDE
+    var acc = Array[SIMD[DType.float32, 8], NK](fill=0)
+    comptime if DOT:
+        var qp = qt.unsafe_bitcast[BFloat16]()
+        var kpairs = kb0.unsafe_bitcast[UInt32]()
+        for d2 in range(D // 2):
+            var qv = qp.unsafe_load[width=16](d2 * 16)
+            comptime for kk in range(NK):
+                var kb = bitcast[DType.bfloat16, 16](SIMD[DType.uint32, 8](kpairs.unsafe_load(koff[kk] // 2 + d2)))
+                acc[kk] = dot_bf16[8](acc[kk], qv, kb)
+    else:
+        for d in range(D):
+            var qv = qt.unsafe_load[width=8](d * 8)
+            comptime for kk in range(NK):
+                var kb = SIMD[DType.float32, 8](widen[width=1](kb0, koff[kk] + d))
+                acc[kk] = kb.fma(qv, acc[kk])
+    comptime for kk in range(NK):
+        s.unsafe_store((j0 + kk) * MAX_ROWS + r0, acc[kk])
+
+
+@always_inline
 def _pv_block[dtype: DType, D: Int, STRIDE: Int, P_ROW: Int, P_KEY: Int, rb: Int = RB](
     o: F32Ptr,  # [rows, D] output accumulators
     p: F32Ptr,  # probabilities of this tile: P[r, j] at r * P_ROW + j * P_KEY
@@ -243,15 +300,27 @@ def _pv_chunks(most: Int, D: Int) -> Int:
     return nc
 
 
-def _pair_probabilities(s: F32Ptr, pb: F32Ptr, rows: Int, n: Int):
-    """Rounds row-major P [rows, :n] (stride BK) to bf16 into pb (stride BK bf16, i.e.
-    BK // 2 32-bit pairs), with P[r, n] = 0 for an odd n: `_pv_block`'s BF16_DOT input."""
+def _pair_probabilities[key_major: Bool](s: F32Ptr, pb: F32Ptr, rows: Int, n: Int):
+    """Rounds P [rows, :n] to bf16 pairs (P[r, j], P[r, j+1]) in 32-bit slots, with
+    P[r, n] = 0 for an odd n: `_pv_block`'s BF16_DOT input. Row-major P (stride BK)
+    gives slot r * BK // 2 + j // 2; key-major P^T (stride MAX_ROWS) gives slot
+    (j // 2) * MAX_ROWS + r, built W rows at a time by interleaving two keys' columns
+    (rows are read up to a multiple of W: the padding columns are junk, never used)."""
     var pbh = pb.unsafe_bitcast[BFloat16]()
-    for r in range(rows):
-        for j in range(0, n, W):
-            pbh.unsafe_store(r * BK + j, s.unsafe_load[width=W](r * BK + j).cast[DType.bfloat16]())
-        if n % 2 == 1:
-            pbh.unsafe_store(r * BK + n, BFloat16(0))
+    comptime if key_major:
+        for j in range(0, n, 2):
+            for r0 in range(0, rows, W):
+                var a = s.unsafe_load[width=W](j * MAX_ROWS + r0).cast[DType.bfloat16]()
+                var b = SIMD[DType.bfloat16, W](0)
+                if j + 1 < n:
+                    b = s.unsafe_load[width=W]((j + 1) * MAX_ROWS + r0).cast[DType.bfloat16]()
+                pbh.unsafe_store(((j // 2) * MAX_ROWS + r0) * 2, a.interleave(b))
+    else:
+        for r in range(rows):
+            for j in range(0, n, W):
+                pbh.unsafe_store(r * BK + j, s.unsafe_load[width=W](r * BK + j).cast[DType.bfloat16]())
+            if n % 2 == 1:
+                pbh.unsafe_store(r * BK + n, BFloat16(0))
 
 
 @always_inline
@@ -411,9 +480,11 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
     comptime assert D % W == 0, "head_size must be a multiple of 16 on CPU"
+    comptime DOT = BF16_DOT[Cache.dtype, D]
     var rows_hp = _head_rows(u.ntok, group)
     var rows_p = u.nh * rows_hp
     var key_major = rows_hp % W == 0
+    var narrow = rows_hp == 8  # key-major scores in 8-lane vectors, K read as stored (`_qk_narrow`)
     var qs = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var o = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var s = stack_allocation[MAX_ROWS * BK, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
@@ -432,8 +503,17 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
             if key_major:  # qs is Q^T [D, MAX_ROWS]
                 comptime for i in range(W):
                     qs.unsafe_store((c + i) * MAX_ROWS + r, qv[i])
+            elif narrow:  # per head, Q^T [D, 8], or bf16 pairs [D / 2, 8, 2] for `dot_bf16`
+                var head_q = qs.unsafe_offset((r // 8) * 8 * D)
+                comptime for i in range(W):
+                    comptime if DOT:
+                        head_q.unsafe_bitcast[BFloat16]().unsafe_store(
+                            ((c + i) // 2) * 16 + (r % 8) * 2 + i % 2, qv[i].cast[DType.bfloat16]()
+                        )
+                    else:
+                        head_q.unsafe_store((c + i) * 8 + r % 8, qv[i])
             else:  # qs is Q [rows, D], in bf16 for `dot_bf16` scores
-                comptime if BF16_DOT[Cache.dtype, D]:
+                comptime if DOT:
                     qs.unsafe_bitcast[BFloat16]().unsafe_store(r * D + c, qv.cast[DType.bfloat16]())
                 else:
                     qs.unsafe_store(r * D + c, qv)
@@ -441,6 +521,15 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
         m.unsafe_store(r, Float32.MIN)
         l.unsafe_store(r, 0)
         last.unsafe_store(r, Int32(first_pos + (r % rows_hp) // group))
+    if narrow:  # the key-major softmax takes W rows at a time: give padding rows a finite state
+        for r in range(rows_p, ceildiv(rows_p, W) * W):
+            comptime for c in range(0, D, W):
+                o.unsafe_store(r * D + c, SIMD[DType.float32, W](0))
+            m.unsafe_store(r, Float32.MIN)
+            l.unsafe_store(r, 0)
+            last.unsafe_store(r, Int32(first_pos))
+            for j in range(BK):
+                s.unsafe_store(j * MAX_ROWS + r, 0)
 
     # Keys per tile: one head's K tile stays in L1 while every row block of the head
     # walks it (the two sizes are measured choices: see the module docstring).
@@ -484,17 +573,28 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
                 _stage_tile[Cache](kf, vp.unsafe_offset(hh * D), n)
                 for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
                     _pv_block[DType.float32, D, D, 1, MAX_ROWS](o, s, r0, kf, n)
-        else:
+        elif narrow:
             # Key blocks outer, heads inner: the tile is read in address order (a
             # token's heads are adjacent), which the hardware prefetchers follow.
-            if rows_hp % 8 == 0:  # GQA 8: a head's 8 rows per register block
-                for j0 in range(0, n, 2 * KB):
-                    for hh in range(u.nh):
-                        _prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), min(2 * KB, n - j0), D)
-                        for jj in range(j0, min(j0 + 2 * KB, n), W // 8):
-                            for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, 8):
-                                _qk_block[Cache, 8](qs, s, r0, kp.unsafe_offset(hh * D), jj, n)
-            elif rows_hp == 1:  # GQA 1 decode: one row per head, 16 keys per block
+            comptime NK = NARROW_KEYS[STRIDE * size_of[Scalar[Cache.dtype]]()]
+            for j0 in range(0, n, NK):
+                for hh in range(u.nh):
+                    _prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), min(NK, n - j0), D)
+                    var qh = qs.unsafe_offset(hh * 8 * D)
+                    if j0 + NK <= n:
+                        _qk_narrow[Cache, True](qh, s, hh * 8, kp.unsafe_offset(hh * D), j0, n)
+                    else:
+                        _qk_narrow[Cache, False](qh, s, hh * 8, kp.unsafe_offset(hh * D), j0, n)
+            _softmax_key_major[D](s, m, l, o, last, rows_p, n, k_tok, masked)
+            var p = pb if DOT else s
+            comptime if DOT:
+                _pair_probabilities[True](s, pb, rows_p, n)
+            for hh in range(u.nh):
+                _prefetch_rows[Cache](kp_next.unsafe_offset(hh * D), n_next, D)
+                _pv_block[Cache.dtype, D, STRIDE, 1, MAX_ROWS, 8](o, p, hh * 8, vp.unsafe_offset(hh * D), n)
+        else:
+            # Key blocks outer, heads inner, as above.
+            if rows_hp == 1:  # GQA 1 decode: one row per head, 16 keys per block
                 for j0 in range(0, n, W):
                     for hh in range(u.nh):
                         _prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), min(W, n - j0), D)
@@ -506,17 +606,13 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
                         for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
                             _qk_block[Cache](qs, s, r0, kp.unsafe_offset(hh * D), j0, n)
             _softmax_row_major[D](s, m, l, o, last, rows_p, n, k_tok, masked)
-            comptime DOT = BF16_DOT[Cache.dtype, D]
             comptime P_ROW = BK // 2 if DOT else BK  # 32-bit slots per row of P
             var p = pb if DOT else s
             comptime if DOT:
-                _pair_probabilities(s, pb, rows_p, n)
+                _pair_probabilities[False](s, pb, rows_p, n)
             for hh in range(u.nh):
                 _prefetch_rows[Cache](kp_next.unsafe_offset(hh * D), n_next, D)
-                if rows_hp % 8 == 0:
-                    for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, 8):
-                        _pv_block[Cache.dtype, D, STRIDE, P_ROW, 1, 8](o, p, r0, vp.unsafe_offset(hh * D), n)
-                elif rows_hp == 1:
+                if rows_hp == 1:
                     _pv_block[Cache.dtype, D, STRIDE, P_ROW, 1, 1](o, p, hh, vp.unsafe_offset(hh * D), n)
                 else:
                     for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
@@ -650,9 +746,9 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
         def merge(i: Int) {imm merge_ptr, imm parts, imm output, imm group, imm n_q}:
             _merge_parts[q_dtype, D](merge_ptr[unsafe_offset=i], parts, output, group, n_q)
 
-        sync_parallelize(body, len(units))
+        parallel_units(body, len(units), ctx)
         if len(merges) > 0:
-            sync_parallelize(merge, len(merges))
+            parallel_units(merge, len(merges), ctx)
         _ = units^  # keep the tables and partial states alive until every task has run
         _ = merges^
         _ = scratch^

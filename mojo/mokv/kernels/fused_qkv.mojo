@@ -40,12 +40,12 @@ from std.memory import stack_allocation
 from std.sys.info import size_of
 from std.sys.intrinsics import prefetch, PrefetchOptions
 
-from max.algorithm import sync_parallelize
 from max.gpu import block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
+from .parallel import parallel_units
 from .ragged import batch_of_token
 from .simd import F32Ptr, W, reduce_16, widen
 
@@ -242,7 +242,8 @@ def _fused_qkv_packed[Coll: KVCollectionT, in_dtype: DType, rope: Bool](
     K: Int,
     n_q: Int,
     batch_size: Int,
-):
+    ctx: DeviceContext,
+) raises:
     """The CPU path for prefill chunks: broadcast-FMA over a packed H^T.
 
     Phase 1 packs hidden^T once per call, f32, per block of PTB tokens, as panels of
@@ -281,7 +282,7 @@ def _fused_qkv_packed[Coll: KVCollectionT, in_dtype: DType, rope: Bool](
         var ts = ceildiv(ntok, W) * W
         _pack_ht[in_dtype](hidden, ht_all.unsafe_offset(blk * block_elems), tok0, ntok, ts, k0, min(PKC, K - k0), K)
 
-    sync_parallelize(pack, n_blocks * k_slabs)
+    parallel_units(pack, n_blocks * k_slabs, ctx)
 
     def body(unit: Int) {imm kc, imm vc, imm q_out, imm wqkv, imm offsets, imm freqs, imm ht_all, imm batch_size, imm n_q, imm n_heads_all, imm K, imm total_tokens, imm block_elems}:
         var blk = unit // n_heads_all
@@ -341,7 +342,7 @@ def _fused_qkv_packed[Coll: KVCollectionT, in_dtype: DType, rope: Bool](
             _emit[Cache, in_dtype, rope](vals, band, head, tok, pos, b, n_q, q_out, kc, vc, freqs)
         _ = c_buf^
 
-    sync_parallelize(body, n_blocks * n_heads_all)
+    parallel_units(body, n_blocks * n_heads_all, ctx)
     _ = ht_buf^
 
 
@@ -372,7 +373,7 @@ def fused_qkv_matmul[Coll: KVCollectionT, in_dtype: DType, rope: Bool, target: S
 
     comptime if is_cpu[target]():
         if total_tokens >= PACK_MIN_TOKENS:
-            _fused_qkv_packed[Coll, in_dtype, rope](kc, vc, q_out, hidden, wqkv, offsets, freqs, total_tokens, K, n_q, batch_size)
+            _fused_qkv_packed[Coll, in_dtype, rope](kc, vc, q_out, hidden, wqkv, offsets, freqs, total_tokens, K, n_q, batch_size, ctx)
             return
         var n_blocks = ceildiv(total_tokens, TB)
 
@@ -403,7 +404,7 @@ def fused_qkv_matmul[Coll: KVCollectionT, in_dtype: DType, rope: Bool, target: S
                 var pos = kc.cache_length(b) + tok - Int(offsets[unsafe_offset=b])
                 _emit[Cache, in_dtype, rope](vals.unsafe_offset(t * D), band, head, tok, pos, b, n_q, q_out, kc, vc, freqs)
 
-        sync_parallelize(body, n_blocks * n_heads_all)
+        parallel_units(body, n_blocks * n_heads_all, ctx)
     else:
         # float32 and AMD GPUs (python/mokv/ops/matmul.py says why): plain dot products.
         _qkv_gpu[Coll, in_dtype, rope, project=True](coll, q_out, hidden, wqkv, offsets, freqs, total_tokens, K, n_q, layer_idx, ctx)

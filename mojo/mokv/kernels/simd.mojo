@@ -14,24 +14,26 @@ comptime HAS_AVX512_BF16 = CompilationTarget._has_feature["avx512bf16"]()
 
 
 @always_inline
-def widen[dtype: DType](p: Ptr[dtype], off: Int) -> SIMD[DType.float32, W]:
-    """Loads W elements as f32. bf16 widens by a 16-bit shift of the bits (exact, and
-    much cheaper than the generic conversion LLVM emits for `cast`)."""
+def widen[dtype: DType, width: Int = W](p: Ptr[dtype], off: Int) -> SIMD[DType.float32, width]:
+    """Loads `width` elements as f32. bf16 widens by a 16-bit shift of the bits (exact,
+    and much cheaper than the generic conversion LLVM emits for `cast`)."""
     comptime if dtype == DType.bfloat16:
-        var bits = p.unsafe_bitcast[UInt16]().unsafe_load[width=W](off).cast[DType.uint32]() << 16
-        return SIMD[DType.float32, W](from_bits=bits)
+        var bits = p.unsafe_bitcast[UInt16]().unsafe_load[width=width](off).cast[DType.uint32]() << 16
+        return SIMD[DType.float32, width](from_bits=bits)
     else:
-        return p.unsafe_load[width=W](off).cast[DType.float32]()
+        return p.unsafe_load[width=width](off).cast[DType.float32]()
 
 
 @always_inline
-def dot_bf16(
-    acc: SIMD[DType.float32, W], a: SIMD[DType.bfloat16, 2 * W], b: SIMD[DType.bfloat16, 2 * W]
-) -> SIMD[DType.float32, W]:
-    """acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1] (`vdpbf16ps`): 32 bf16 products into 16 f32
-    lanes per instruction, twice the elements of an f32 FMA, with no widening of a or b.
-    Only where HAS_AVX512_BF16."""
-    return llvm_intrinsic["llvm.x86.avx512bf16.dpbf16ps.512", SIMD[DType.float32, W]](acc, a, b)
+def dot_bf16[width: Int = W](
+    acc: SIMD[DType.float32, width], a: SIMD[DType.bfloat16, 2 * width], b: SIMD[DType.bfloat16, 2 * width]
+) -> SIMD[DType.float32, width]:
+    """acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1] (`vdpbf16ps`): 2 x `width` bf16 products into
+    `width` f32 lanes per instruction (16 or 8), twice the elements of an f32 FMA, with
+    no widening of a or b. Only where HAS_AVX512_BF16."""
+    comptime assert width == W or width == W // 2, "vdpbf16ps has 512- and 256-bit forms"
+    comptime name = "llvm.x86.avx512bf16.dpbf16ps.512" if width == W else "llvm.x86.avx512bf16.dpbf16ps.256"
+    return llvm_intrinsic[name, SIMD[DType.float32, width]](acc, a, b)
 
 
 def _fold_mask[s: Int, hi: Int]() -> IndexList[W]:

@@ -6,12 +6,12 @@ position `cache_lengths[b] + i`: the cache prefix is never overwritten.
 
 from std.math import ceildiv
 
-from max.algorithm import sync_parallelize
 from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
+from .parallel import parallel_units
 from .ragged import batch_of_token
 
 
@@ -42,7 +42,7 @@ def store_kv_cache[Cache: KVCacheT, in_dtype: DType, target: StaticString](
                     for d in range(0, D, W):
                         dst.unsafe_store(d, row.unsafe_load[width=W](d).cast[Cache.dtype]())
 
-        sync_parallelize(body, ceildiv(total_tokens, CHUNK))
+        parallel_units(body, ceildiv(total_tokens, CHUNK), ctx)
     else:
         # One block per token, threads over the token's H * D elements.
         def kernel() {var cache, var src, var offsets, var batch_size}:
