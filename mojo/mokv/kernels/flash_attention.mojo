@@ -478,8 +478,10 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
 ):
     """Online-softmax attention of one unit: all its rows share one pass over its keys.
 
-    Units with at least W rows per head (prefill tiles) keep scores key-major, S^T;
-    smaller ones (decode) keep them row-major and walk several heads per key tile.
+    Units with at least W rows per head (prefill tiles) keep scores key-major, S^T, from
+    f32-staged tiles; units of 8 rows per head (GQA 8 decode) keep them key-major in
+    8-lane vectors, reading K as stored; smaller ones (decode) keep them row-major. Both
+    decode forms walk several heads per key tile.
     """
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
