@@ -7,8 +7,8 @@ Two builds of the kernels cannot share a process (their ops have the same names)
 this VM's memory bandwidth drifts by tens of percent within minutes, so the trees take
 turns in fresh processes, round after round, and the medians over rounds are compared.
 A tree is any checkout (`git worktree add /tmp/a <rev>`); its kernels are built from its
-own `mojo/` (cached by content). A shape is `n_kv_heads:dtype:batch:context` (dtype f32 or bf16) with 32
-query heads of 128. Each cell is timed as in `bench_attention.py` (`_decode_cell`).
+own `mojo/` (cached by content). A shape is `n_kv_heads:dtype:batch:context` (dtype f32
+or bf16) with 32 query heads of 128. Each cell is timed as in `bench_attention.py`.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("trees", nargs="*", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default="paged")
-    ap.add_argument("--shapes", default="4:bf16:1:16384,4:f32:1:16384,8:bf16:1:16384,32:bf16:1:16384")
+    ap.add_argument("--shapes",
+                    default="4:bf16:1:16384,4:f32:1:16384,8:bf16:1:16384,32:bf16:1:16384")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shapes, kinds = args.shapes.split(","), args.kinds.split(",")
