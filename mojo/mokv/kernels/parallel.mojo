@@ -37,5 +37,6 @@ def parallel_units[FuncType: def(Int) raises -> None](body: FuncType, count: Int
                 return
             body(i)
 
-    sync_parallelize(worker, min(count, parallelism_level(cpu_ctx)), cpu_ctx)
+    # At least one worker, so that no count of units is ever silently skipped.
+    sync_parallelize(worker, min(count, max(1, parallelism_level(cpu_ctx))), cpu_ctx)
     _ = next_unit^  # the counter outlives every worker
