@@ -57,7 +57,7 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
     """Manages a batch-split KV cache across several sequences; thread-safe.
 
     Parameters:
-        dtype: element type of the cache (float32, bfloat16 or float16).
+        dtype: Element type of the cache (float32, bfloat16 or float16).
         kv_params: KV heads and head size of one token's K (or V) in one layer.
     """
 

@@ -28,9 +28,9 @@ def widen[dtype: DType, width: Int = W](p: Ptr[dtype], off: Int) -> SIMD[DType.f
 def dot_bf16[width: Int = W](
     acc: SIMD[DType.float32, width], a: SIMD[DType.bfloat16, 2 * width], b: SIMD[DType.bfloat16, 2 * width]
 ) -> SIMD[DType.float32, width]:
-    """acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1] (`vdpbf16ps`): 2 x `width` bf16 products into
-    `width` f32 lanes per instruction (16 or 8), twice the elements of an f32 FMA, with
-    no widening of a or b. Only where HAS_AVX512_BF16."""
+    """Returns acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1] (`vdpbf16ps`): 2 x `width` bf16
+    products into `width` f32 lanes per instruction (16 or 8), twice the elements of an
+    f32 FMA, with no widening of a or b. Only where HAS_AVX512_BF16."""
     comptime assert width == W or width == W // 2, "vdpbf16ps has 512- and 256-bit forms"
     comptime name = "llvm.x86.avx512bf16.dpbf16ps.512" if width == W else "llvm.x86.avx512bf16.dpbf16ps.256"
     return llvm_intrinsic[name, SIMD[DType.float32, width]](acc, a, b)
