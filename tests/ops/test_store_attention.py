@@ -23,6 +23,7 @@ CONT_F32_MHA = Config("continuous", DType.float32, n_kv_heads=4, head_dim=128, g
 PAGED_BF16_GQA1 = Config("paged", DType.bfloat16, n_kv_heads=4, head_dim=128, group=1)
 PAGED_BF16_GQA4 = Config("paged", DType.bfloat16, n_kv_heads=2, head_dim=128, group=4)
 PAGED_F32_GQA8 = Config("paged", DType.float32, n_kv_heads=5, head_dim=128, group=8)
+PAGED_F32_MHA20 = Config("paged", DType.float32, n_kv_heads=20, head_dim=64, group=1)
 
 TOL = {DType.float32: 2e-5, DType.bfloat16: 2e-2}
 
@@ -124,6 +125,17 @@ def test_paged_f32_gqa8_odd_heads(compiled):
         compiled, PAGED_F32_GQA8, [1300, 40, 5], [1, 1, 2], seed=5, q_std=2.0
     )
     check(PAGED_F32_GQA8, cache, before, k, v, q, offsets, out)
+
+
+def test_paged_f32_mha_20_heads(compiled):
+    """GQA 1 decode scores one key x 16 heads per butterfly: 20 KV heads make two head
+    blocks, the second with 12 lanes repeating head 19 (padding rows of the softmax);
+    the long context is split across cores and merged; the 3-token entry takes 4-row
+    blocks (3 rows and a padding row per head) with key-major scores."""
+    cache, before, k, v, q, offsets, out = run_store_attention(
+        compiled, PAGED_F32_MHA20, [700, 9, 50], [1, 1, 3], seed=6, q_std=2.0
+    )
+    check(PAGED_F32_MHA20, cache, before, k, v, q, offsets, out)
 
 
 def test_continuous_f32_mha_head128(compiled):

@@ -19,23 +19,25 @@ CPU design (decode is memory-bound, prefill compute-bound):
     units (flash-decoding) and `_merge_parts` combines their softmax states.
   * Keys are walked in tiles of at most 64 tokens that never cross a page end
     (`contiguous_tokens`), so a tile is rows at one constant stride: 16 KiB of one
-    head's K staged as f32 (key-major), 8 KiB of it as stored (row-major, decode).
+    head's K staged as f32 (prefill), 8 KiB of it as stored (decode).
     Halving the decode tile from 16 KiB sped up decode at 16k context by 2-15 %
     (bf16 GQA 4 the most, f32 GQA 4 the least; 4 and 12 KiB tiles were slower),
-    measured with the sizes alternating in one run. Each head's V rows of a tile and
-    K rows of the next tile are prefetched in software, a few lines per block of work.
-  * Row-major scores (decode): S = Q K^T in 4-row x 4-key register blocks, 16
-    independent FMA chains over D reduced by one 15-shuffle butterfly. A head with 8
-    rows (GQA 8 decode) keeps its scores key-major instead, in 8-lane vectors with K
-    broadcast from the cache (`_qk_narrow`, which gives the measurements). A GQA 1 decode
-    head has one row: 1-row x 16-key blocks and a 1-row x 128-column P V block, where
-    it was padded to 4 rows (4x the products); measured alternating with the padded
-    kernel (32 KV heads, 1 x 16k, 4 x 8k, 16 x 2k, three pairs): f32 from 53-79% to
-    84-110% of the two-thread read (1 x 16k: 24-34 -> 20 ms), bf16 58-80% -> 74-84%.
-    Key-major scores (prefill): S^T = K Q^T, a broadcast key element times 16 query
-    rows per FMA: no horizontal sums, and the softmax runs lane-wise over 16 rows.
-    bf16 key tiles are widened to f32 once per tile. P V: a 4-row x 64-column block,
-    16 accumulators, each V chunk widened once per block (bf16 by a bit shift).
+    measured with the sizes alternating in one run. Each head's V rows of a tile (GQA 1:
+    as the same lines of K are loaded) and K rows of the next tile are prefetched in
+    software, a few lines per block of work.
+  * Scores are kept key-major, S^T [keys, rows], in every form, so one softmax serves
+    all units and runs lane-wise over 16 rows, with no horizontal sums. Decode reads
+    K as stored, in the form that fits its rows per head: 4 (GQA 4) in 4-row x 4-key
+    register blocks, 16 FMA chains over D reduced by one butterfly whose lanes come
+    out key by key (`_qk_block`); 8 (GQA 8) in 8-lane vectors with K broadcast from
+    the cache (`_qk_narrow`); 1 (GQA 1) one key x 16 heads per butterfly, reading a
+    key's rows in address order (`_qk_heads`). Each gives its measurements. A GQA 1
+    head's single row is not padded to 4 rows (4x the products: f32 53-79% -> 84-110%
+    of the two-thread read when that padding went, 32 KV heads, three alternating pairs).
+    Prefill: S^T = K Q^T from a tile staged as f32, a broadcast key element times 16
+    query rows per FMA. P V: a 4-row x 64-column block, 16 accumulators, each V chunk
+    widened once per block (bf16 by a bit shift); 1 and 8 rows per head have their own
+    block shapes.
   * bf16 caches on CPUs with AVX-512 BF16 (BF16_DOT, chosen when the kernels are
     built): decode scores and P V use `vdpbf16ps`, 32 bf16 products per instruction
     into 16 f32 lanes, twice the f32 FMA's elements and no widening. It multiplies
@@ -87,7 +89,7 @@ seven 1 x 16k / 4 x 8k shapes and level on the seventh (GQA 1 bf16), six alterna
 comptime PART_SLOT[D: Int] = MAX_ROWS * (D + 2)
 """Floats of one partial softmax state: o [MAX_ROWS, D], then m and l [MAX_ROWS]."""
 comptime BF16_DOT[dtype: DType, D: Int] = HAS_AVX512_BF16 and dtype == DType.bfloat16 and D % (2 * W) == 0
-"""Whether row-major (decode) scores and P V over a `dtype` cache use `dot_bf16`: Q is
+"""Whether decode scores and P V over a `dtype` cache use `dot_bf16`: Q is
 then rounded to bf16 once per query and P once per tile (see the module docstring)."""
 
 
@@ -99,7 +101,10 @@ def _prefetch_rows[Cache: KVCacheT](p: Ptr[Cache.dtype], n: Int, width: Int):
     few of these per block of work rather than a tile at a time: a burst of thousands
     finds the miss buffers full, and the memory system then idles while the tile is
     computed on (decode read ~70% of the two-thread read bandwidth with bursts, ~80%
-    spread out; L2 rather than L1 because the lines are read a phase later)."""
+    spread out; L2 rather than L1 because the lines are read a phase later). The loop
+    over a row's lines stays a runtime loop: unrolled, the prefetches issue back to
+    back, and GQA 8 bf16 decode at 16k context fell from 18-22 to 11-17 GB/s (two
+    threads, runs alternating with the loop)."""
     comptime STRIDE = Cache.token_stride()
     comptime LINE_ELEMS = 64 // size_of[Scalar[Cache.dtype]]()
     for j in range(n):
@@ -108,57 +113,110 @@ def _prefetch_rows[Cache: KVCacheT](p: Ptr[Cache.dtype], n: Int, width: Int):
 
 
 @always_inline
-def _qk_block[Cache: KVCacheT, rb: Int = RB](
-    qs: F32Ptr,  # [rows, D] scaled queries, f32 or (BF16_DOT) bf16, rows a multiple of rb
-    s: F32Ptr,  # [rows, BK] scores of this tile
+def _qk_block[Cache: KVCacheT](
+    qs: F32Ptr,  # [rows, D] scaled queries, f32 or (BF16_DOT) bf16, rows a multiple of RB
+    s: F32Ptr,  # [BK, MAX_ROWS] scores of this tile, key-major
     r0: Int,
-    kp: Ptr[Cache.dtype],  # first key row of the tile
+    kp: Ptr[Cache.dtype],  # the head's first key row of the tile
     j0: Int,
     n: Int,
 ):
-    """S[r0 .. r0+rb, j0 .. j0+kb] = Q K^T for rb rows x kb = 16 / rb keys at once.
+    """S^T[j0 .. j0+KB, r0 .. r0+RB] = K Q^T for RB = 4 rows x KB = 4 keys at once.
 
     The 16 dot products are 16 independent FMA chains (one key at a time left 4
-    chains, bound by FMA latency), and one butterfly reduces all 16 at once. Keys
-    past n repeat key n-1 (never read past the page); their scores land in unused slots.
-    rb = 1 serves a GQA 1 decode head's single row, 16 keys per block.
-    With BF16_DOT a step is 32 elements of D as stored: `dot_bf16` multiplies adjacent
-    pairs of D, which is how a key row lies in the cache, so K is used unconverted.
+    chains, bound by FMA latency), and one butterfly reduces all 16 at once. Its lanes
+    come out key by key (accumulator kk * RB + rr), so storing the scores key-major
+    costs nothing, and every unit shares one lane-wise softmax (`_softmax_key_major`):
+    GQA 4 decode on one thread with the cache in L2 ran level with the row-major scores
+    and per-row softmax this replaced (best of 400 runs at 128 keys: f32 32.7 vs 33.7
+    us, bf16 20.0 vs 19.9). Prefetching V from inside this loop, as `_qk_heads` does,
+    made it slower (37 us): the prefetches compete with the loop's loads. Keys past n
+    repeat key n-1 (never read past the page); their scores land in unused slots. With
+    BF16_DOT a step is 32 elements of D as stored: `dot_bf16` multiplies adjacent pairs
+    of D, which is how a key row lies in the cache, so K is used unconverted.
     """
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
     comptime DOT = BF16_DOT[Cache.dtype, D]
     comptime qdt = DType.bfloat16 if DOT else DType.float32
     comptime CH = 2 * W if DOT else W  # elements of D per step
-    comptime kb = W // rb
-    var koff = Array[Int, kb](fill=0)
-    comptime for kk in range(kb):
+    var koff = Array[Int, KB](fill=0)
+    comptime for kk in range(KB):
         koff[kk] = min(j0 + kk, n - 1) * STRIDE
     var qp = qs.unsafe_bitcast[Scalar[qdt]]()
-    var acc = Array[SIMD[DType.float32, W], W](fill=0)  # [rr * kb + kk]
+    var acc = Array[SIMD[DType.float32, W], W](fill=0)  # [kk * RB + rr]
     comptime for c in range(0, D, CH):
-        var kv = Array[SIMD[qdt, CH], kb](fill=0)
-        comptime for kk in range(kb):
+        var kv = Array[SIMD[qdt, CH], KB](fill=0)
+        comptime for kk in range(KB):
             comptime if DOT:
                 kv[kk] = rebind[SIMD[qdt, CH]](kp.unsafe_load[width=CH](koff[kk] + c))
             else:
                 kv[kk] = rebind[SIMD[qdt, CH]](widen(kp, koff[kk] + c))
-        comptime for rr in range(rb):
+        comptime for rr in range(RB):
             var qv = qp.unsafe_load[width=CH]((r0 + rr) * D + c)
-            comptime for kk in range(kb):
+            comptime for kk in range(KB):
                 comptime if DOT:
-                    acc[rr * kb + kk] = dot_bf16(
-                        acc[rr * kb + kk],
+                    acc[kk * RB + rr] = dot_bf16(
+                        acc[kk * RB + rr],
                         rebind[SIMD[DType.bfloat16, 2 * W]](qv),
                         rebind[SIMD[DType.bfloat16, 2 * W]](kv[kk]),
                     )
                 else:
-                    acc[rr * kb + kk] = rebind[SIMD[DType.float32, W]](qv).fma(
-                        rebind[SIMD[DType.float32, W]](kv[kk]), acc[rr * kb + kk]
+                    acc[kk * RB + rr] = rebind[SIMD[DType.float32, W]](qv).fma(
+                        rebind[SIMD[DType.float32, W]](kv[kk]), acc[kk * RB + rr]
                     )
     var sc = reduce_16(acc)
-    comptime for rr in range(rb):
-        s.unsafe_store((r0 + rr) * BK + j0, sc.slice[kb, offset=rr * kb]())
+    comptime for kk in range(KB):
+        s.unsafe_store((j0 + kk) * MAX_ROWS + r0, sc.slice[RB, offset=kk * RB]())
+
+
+@always_inline
+def _qk_heads[Cache: KVCacheT](
+    qs: F32Ptr,  # [rows, D] scaled queries, one row per head, f32 or (BF16_DOT) bf16
+    s: F32Ptr,  # [BK, MAX_ROWS] scores of this tile, key-major
+    h0: Int,  # first of the block's 16 heads (rows)
+    nh: Int,  # the unit's heads
+    kp: Ptr[Cache.dtype],  # the unit's first key row of the tile
+    vp: Ptr[Cache.dtype],  # the unit's first value row of the tile (prefetched)
+    j: Int,
+):
+    """S^T[j, h0 .. h0 + 16] = one key's scores for 16 heads of one query row each
+    (GQA 1 decode): 16 independent dot products over D, reduced by one butterfly whose
+    lanes are the 16 heads, so the scores come out key-major. A key's rows for the
+    unit's heads are adjacent in the cache, so the tile is read in address order, and
+    each K line loaded prefetches the same line of V. Heads past nh repeat head nh - 1;
+    their scores land in padding rows. Against 1 row x 16 keys per butterfly with the
+    row-major softmax it replaced (32 KV heads): one thread with the cache in L3, f32
+    40-45 -> 46-49 GB/s, bf16 44-45 -> 51-52; two threads at 1 x 16k, bf16 27-28 ->
+    29-36 GB/s, f32 level within the noise (30-41 vs 29-38), four alternating runs."""
+    comptime D = Cache.kv_params.head_size
+    comptime STRIDE = Cache.token_stride()
+    comptime DOT = BF16_DOT[Cache.dtype, D]
+    comptime qdt = DType.bfloat16 if DOT else DType.float32
+    comptime CH = 2 * W if DOT else W  # elements of D per step
+    comptime LINE_ELEMS = 64 // size_of[Scalar[Cache.dtype]]()
+    var hoff = Array[Int, W](fill=0)
+    comptime for hh in range(W):
+        hoff[hh] = min(h0 + hh, nh - 1) * D
+    var kj = kp.unsafe_offset(j * STRIDE)
+    var vj = vp.unsafe_offset(j * STRIDE)
+    var qp = qs.unsafe_bitcast[Scalar[qdt]]()
+    var acc = Array[SIMD[DType.float32, W], W](fill=0)
+    comptime for c in range(0, D, CH):
+        comptime if c % LINE_ELEMS == 0:
+            comptime for hh in range(W):
+                prefetch[PrefetchOptions().for_read().medium_locality()](vj.unsafe_offset(hoff[hh] + c))
+        comptime for hh in range(W):
+            var qv = qp.unsafe_load[width=CH](hoff[hh] + c)
+            comptime if DOT:
+                acc[hh] = dot_bf16(
+                    acc[hh],
+                    rebind[SIMD[DType.bfloat16, 2 * W]](qv),
+                    rebind[SIMD[DType.bfloat16, 2 * W]](kj.unsafe_load[width=CH](hoff[hh] + c)),
+                )
+            else:
+                acc[hh] = rebind[SIMD[DType.float32, W]](qv).fma(widen(kj, hoff[hh] + c), acc[hh])
+    s.unsafe_store(j * MAX_ROWS + h0, reduce_16(acc))
 
 
 @always_inline
@@ -250,9 +308,9 @@ def _qk_narrow[Cache: KVCacheT, full: Bool](
 
 
 @always_inline
-def _pv_block[dtype: DType, D: Int, STRIDE: Int, P_ROW: Int, P_KEY: Int, rb: Int = RB](
+def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB](
     o: F32Ptr,  # [rows, D] output accumulators
-    p: F32Ptr,  # probabilities of this tile: P[r, j] at r * P_ROW + j * P_KEY
+    p: F32Ptr,  # probabilities of this tile, key-major: P[r, j] at j * MAX_ROWS + r
     r0: Int,
     vp: Ptr[dtype],  # first value row of the tile; rows STRIDE apart
     n: Int,
@@ -260,8 +318,8 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, P_ROW: Int, P_KEY: Int, rb: Int
     """O[r0 .. r0+rb] += P[r0 .. r0+rb, :n] . V[:n], NC 16-lane column chunks per pass:
     rb*NC = 16 accumulators, and each loaded V chunk / broadcast p serves NC / rb FMAs.
     rb = 8 (a GQA-8 head's rows) widens each bf16 V chunk once instead of twice.
-    With BF16_DOT, p holds bf16 pairs (P[r, j], P[r, j+1]) in 32-bit slots (index j // 2,
-    from `_pair_probabilities`) and a step takes two keys: V rows j and j+1 interleaved
+    With BF16_DOT, p holds bf16 pairs (P[r, j], P[r, j+1]) in 32-bit slots
+    ((j // 2) * MAX_ROWS + r, from `_pair_probabilities`) and a step takes two keys: V rows j and j+1 interleaved
     are the adjacent pairs `dot_bf16` multiplies (row n-1 repeats for an odd n, times 0)."""
     comptime DOT = BF16_DOT[dtype, D]
     comptime KSTEP = 2 if DOT else 1
@@ -277,7 +335,7 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, P_ROW: Int, P_KEY: Int, rb: Int
                     var v1 = vp.unsafe_load[width=W](j1 * STRIDE + c0 + cc * W)
                     vv[cc] = rebind[SIMD[DType.bfloat16, 2 * W]](v0.interleave(v1))
                 comptime for rr in range(rb):
-                    var pair = p.unsafe_bitcast[UInt32]().unsafe_load((r0 + rr) * P_ROW + (j // 2) * P_KEY)
+                    var pair = p.unsafe_bitcast[UInt32]().unsafe_load((j // 2) * MAX_ROWS + r0 + rr)
                     var pj = bitcast[DType.bfloat16, 2 * W](SIMD[DType.uint32, W](pair))
                     comptime for cc in range(NC):
                         acc[rr * NC + cc] = dot_bf16(acc[rr * NC + cc], pj, vv[cc])
@@ -286,7 +344,7 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, P_ROW: Int, P_KEY: Int, rb: Int
                 comptime for cc in range(NC):
                     vv[cc] = widen(vp, j * STRIDE + c0 + cc * W)
                 comptime for rr in range(rb):
-                    var pj = SIMD[DType.float32, W](p.unsafe_load((r0 + rr) * P_ROW + j * P_KEY))
+                    var pj = SIMD[DType.float32, W](p.unsafe_load(j * MAX_ROWS + r0 + rr))
                     comptime for cc in range(NC):
                         acc[rr * NC + cc] = pj.fma(vv[cc], acc[rr * NC + cc])
         comptime for rr in range(rb):
@@ -304,27 +362,19 @@ def _pv_chunks(most: Int, D: Int) -> Int:
     return nc
 
 
-def _pair_probabilities[key_major: Bool](s: F32Ptr, pb: F32Ptr, rows: Int, n: Int):
-    """Rounds P [rows, :n] to bf16 pairs (P[r, j], P[r, j+1]) in 32-bit slots, with
-    P[r, n] = 0 for an odd n: `_pv_block`'s BF16_DOT input. Row-major P (stride BK)
-    gives slot r * BK // 2 + j // 2; key-major P^T (stride MAX_ROWS) gives slot
-    (j // 2) * MAX_ROWS + r, built W rows at a time by interleaving two keys' columns
-    (rows are read up to a multiple of W: the padding columns are junk, never used)."""
+def _pair_probabilities(s: F32Ptr, pb: F32Ptr, rows: Int, n: Int):
+    """Rounds key-major P^T [:n, rows] to bf16 pairs (P[r, j], P[r, j+1]) in 32-bit
+    slots (j // 2) * MAX_ROWS + r, with P[r, n] = 0 for an odd n: `_pv_block`'s
+    BF16_DOT input. Built W rows at a time by interleaving two keys' columns (rows are
+    read up to a multiple of W: the padding columns are junk, never used)."""
     var pbh = pb.unsafe_bitcast[BFloat16]()
-    comptime if key_major:
-        for j in range(0, n, 2):
-            for r0 in range(0, rows, W):
-                var a = s.unsafe_load[width=W](j * MAX_ROWS + r0).cast[DType.bfloat16]()
-                var b = SIMD[DType.bfloat16, W](0)
-                if j + 1 < n:
-                    b = s.unsafe_load[width=W]((j + 1) * MAX_ROWS + r0).cast[DType.bfloat16]()
-                pbh.unsafe_store(((j // 2) * MAX_ROWS + r0) * 2, a.interleave(b))
-    else:
-        for r in range(rows):
-            for j in range(0, n, W):
-                pbh.unsafe_store(r * BK + j, s.unsafe_load[width=W](r * BK + j).cast[DType.bfloat16]())
-            if n % 2 == 1:
-                pbh.unsafe_store(r * BK + n, BFloat16(0))
+    for j in range(0, n, 2):
+        for r0 in range(0, rows, W):
+            var a = s.unsafe_load[width=W](j * MAX_ROWS + r0).cast[DType.bfloat16]()
+            var b = SIMD[DType.bfloat16, W](0)
+            if j + 1 < n:
+                b = s.unsafe_load[width=W]((j + 1) * MAX_ROWS + r0).cast[DType.bfloat16]()
+            pbh.unsafe_store(((j // 2) * MAX_ROWS + r0) * 2, a.interleave(b))
 
 
 @always_inline
@@ -346,45 +396,6 @@ def _rescale_row[D: Int](o: F32Ptr, r: Int, alpha: Float32):
     if alpha != 1:
         comptime for c in range(0, D, W):
             o.unsafe_store(r * D + c, o.unsafe_load[width=W](r * D + c) * alpha)
-
-
-def _softmax_row_major[D: Int](
-    s: F32Ptr, m: F32Ptr, l: F32Ptr, o: F32Ptr, last: I32Ptr, rows: Int, n: Int, k_tok: Int, masked: Bool
-):
-    """Online-softmax step for row-major scores S[r, j] (stride BK): masks keys past
-    each row's last visible position, turns scores into exp(s - new max) in place,
-    and rescales l and O by exp(old max - new max)."""
-    for r in range(rows):
-        var row_s = s.unsafe_offset(r * BK)
-        if masked:
-            for j in range(max(Int(last.unsafe_load(r)) - k_tok + 1, 0), n):
-                row_s.unsafe_store(j, Float32.MIN)
-        var mv = SIMD[DType.float32, W](m.unsafe_load(r))
-        var j = 0
-        while j + W <= n:
-            mv = max(mv, row_s.unsafe_load[width=W](j))
-            j += W
-        var mx = mv.reduce_max()
-        while j < n:
-            mx = max(mx, row_s.unsafe_load(j))
-            j += 1
-        var sv = SIMD[DType.float32, W](0)
-        j = 0
-        while j + W <= n:
-            var e = exp(row_s.unsafe_load[width=W](j) - mx)
-            row_s.unsafe_store(j, e)
-            sv += e
-            j += W
-        var sum = sv.reduce_add()
-        while j < n:
-            var e = exp(row_s.unsafe_load(j) - mx)
-            row_s.unsafe_store(j, e)
-            sum += e
-            j += 1
-        var alpha = exp(m.unsafe_load(r) - mx)
-        m.unsafe_store(r, mx)
-        l.unsafe_store(r, l.unsafe_load(r) * alpha + sum)
-        _rescale_row[D](o, r, alpha)
 
 
 def _softmax_key_major[D: Int](
@@ -445,8 +456,8 @@ struct _Merge(ImplicitlyCopyable, Movable):
 @always_inline
 def _head_rows(ntok: Int, group: Int) -> Int:
     """Rows one KV head contributes to a unit: ntok x group, padded to a multiple of W
-    when there are at least W (key-major scores), else of RB (row-major scores); a
-    single row (GQA 1 decode) is not padded. Padding rows get zero queries and finite
+    when there are at least W (prefill's staged scores), else of RB (decode's 4-row
+    blocks); a single row (GQA 1 decode) is not padded. Padding rows get zero queries and finite
     junk, and are never stored."""
     var rows = ntok * group
     if rows == 1:  # one decode token of plain multi-head attention: 1-row blocks
@@ -478,10 +489,10 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
 ):
     """Online-softmax attention of one unit: all its rows share one pass over its keys.
 
-    Units with at least W rows per head (prefill tiles) keep scores key-major, S^T, from
-    f32-staged tiles; units of 8 rows per head (GQA 8 decode) keep them key-major in
-    8-lane vectors, reading K as stored; smaller ones (decode) keep them row-major. Both
-    decode forms walk several heads per key tile.
+    Each key tile takes three steps: the scores S^T [keys, rows] (prefill units, with
+    at least W rows per head, from f32-staged tiles; decode units from K as stored, in
+    the form that fits their rows per head), one lane-wise online-softmax step, and
+    O += P V head by head. Decode units walk several heads per key tile.
     """
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
@@ -527,15 +538,15 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
         m.unsafe_store(r, Float32.MIN)
         l.unsafe_store(r, 0)
         last.unsafe_store(r, Int32(first_pos + (r % rows_hp) // group))
-    if narrow:  # the key-major softmax takes W rows at a time: give padding rows a finite state
-        for r in range(rows_p, ceildiv(rows_p, W) * W):
-            comptime for c in range(0, D, W):
-                o.unsafe_store(r * D + c, SIMD[DType.float32, W](0))
-            m.unsafe_store(r, Float32.MIN)
-            l.unsafe_store(r, 0)
-            last.unsafe_store(r, Int32(first_pos))
-            for j in range(BK):
-                s.unsafe_store(j * MAX_ROWS + r, 0)
+    # The key-major softmax takes W rows at a time: give padding rows a finite state.
+    for r in range(rows_p, ceildiv(rows_p, W) * W):
+        comptime for c in range(0, D, W):
+            o.unsafe_store(r * D + c, SIMD[DType.float32, W](0))
+        m.unsafe_store(r, Float32.MIN)
+        l.unsafe_store(r, 0)
+        last.unsafe_store(r, Int32(first_pos))
+        for j in range(BK):
+            s.unsafe_store(j * MAX_ROWS + r, 0)
 
     # Keys per tile: one head's K tile stays in L1 while every row block of the head
     # walks it (the two sizes are measured choices: see the module docstring).
@@ -553,9 +564,9 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
         var k_next = k_tok + n
         var n_next = min(tile_keys, kc.contiguous_tokens(k_next), kv_end - k_next) if k_next < kv_end else 0
         var kp_next = kc.row_ptr(u.b, u.h0, k_next) if n_next > 0 else kp
-        # Prefetches are spread over the tile's work, a few per block, so that the
-        # memory system always has misses in flight: each head's V rows while its K
-        # rows are read (QK), each head's next K rows while its V rows are read (PV).
+        # Prefetches are spread over the tile's work, so that the memory system always
+        # has misses in flight: V rows while K rows are read (scores), each head's next
+        # K rows while its V rows are read (P V).
         var masked = k_tok + n - 1 > first_pos  # the diagonal tile: some keys are in the future
         if key_major:
             for hh in range(u.nh):
@@ -573,12 +584,6 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
                     else:
                         _qk_key_major[D, 1](qs, kf, s, r, n)
                         r += W
-            _softmax_key_major[D](s, m, l, o, last, rows_p, n, k_tok, masked)
-            for hh in range(u.nh):
-                _prefetch_rows[Cache](kp_next.unsafe_offset(hh * D), n_next, D)
-                _stage_tile[Cache](kf, vp.unsafe_offset(hh * D), n)
-                for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
-                    _pv_block[DType.float32, D, D, 1, MAX_ROWS](o, s, r0, kf, n)
         elif narrow:
             # Key blocks outer, heads inner: the tile is read in address order (a
             # token's heads are adjacent), which the hardware prefetchers follow.
@@ -591,38 +596,38 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
                         _qk_narrow[Cache, True](qh, s, hh * 8, kp.unsafe_offset(hh * D), j0, n)
                     else:
                         _qk_narrow[Cache, False](qh, s, hh * 8, kp.unsafe_offset(hh * D), j0, n)
-            _softmax_key_major[D](s, m, l, o, last, rows_p, n, k_tok, masked)
-            var p = pb if DOT else s
-            comptime if DOT:
-                _pair_probabilities[True](s, pb, rows_p, n)
+        elif rows_hp == 1:  # GQA 1 decode: key by key, 16 heads at a time, in address order
+            for j in range(n):
+                for h0 in range(0, u.nh, W):
+                    _qk_heads[Cache](qs, s, h0, u.nh, kp, vp, j)
+        else:  # key blocks outer, heads inner, as above
+            for j0 in range(0, n, KB):
+                for hh in range(u.nh):
+                    _prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), min(KB, n - j0), D)
+                    for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
+                        _qk_block[Cache](qs, s, r0, kp.unsafe_offset(hh * D), j0, n)
+        _softmax_key_major[D](s, m, l, o, last, rows_p, n, k_tok, masked)
+
+        if key_major:
             for hh in range(u.nh):
                 _prefetch_rows[Cache](kp_next.unsafe_offset(hh * D), n_next, D)
-                _pv_block[Cache.dtype, D, STRIDE, 1, MAX_ROWS, 8](o, p, hh * 8, vp.unsafe_offset(hh * D), n)
+                _stage_tile[Cache](kf, vp.unsafe_offset(hh * D), n)
+                for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
+                    _pv_block[DType.float32, D, D](o, s, r0, kf, n)
         else:
-            # Key blocks outer, heads inner, as above.
-            if rows_hp == 1:  # GQA 1 decode: one row per head, 16 keys per block
-                for j0 in range(0, n, W):
-                    for hh in range(u.nh):
-                        _prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), min(W, n - j0), D)
-                        _qk_block[Cache, 1](qs, s, hh, kp.unsafe_offset(hh * D), j0, n)
-            else:
-                for j0 in range(0, n, KB):
-                    for hh in range(u.nh):
-                        _prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), min(KB, n - j0), D)
-                        for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
-                            _qk_block[Cache](qs, s, r0, kp.unsafe_offset(hh * D), j0, n)
-            _softmax_row_major[D](s, m, l, o, last, rows_p, n, k_tok, masked)
-            comptime P_ROW = BK // 2 if DOT else BK  # 32-bit slots per row of P
             var p = pb if DOT else s
             comptime if DOT:
-                _pair_probabilities[False](s, pb, rows_p, n)
+                _pair_probabilities(s, pb, rows_p, n)
             for hh in range(u.nh):
                 _prefetch_rows[Cache](kp_next.unsafe_offset(hh * D), n_next, D)
+                var vh = vp.unsafe_offset(hh * D)
                 if rows_hp == 1:
-                    _pv_block[Cache.dtype, D, STRIDE, P_ROW, 1, 1](o, p, hh, vp.unsafe_offset(hh * D), n)
+                    _pv_block[Cache.dtype, D, STRIDE, 1](o, p, hh, vh, n)
+                elif narrow:
+                    _pv_block[Cache.dtype, D, STRIDE, 8](o, p, hh * 8, vh, n)
                 else:
                     for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
-                        _pv_block[Cache.dtype, D, STRIDE, P_ROW, 1](o, p, r0, vp.unsafe_offset(hh * D), n)
+                        _pv_block[Cache.dtype, D, STRIDE](o, p, r0, vh, n)
         k_tok += n
 
     if u.part >= 0:  # one split of the keys: keep the raw state for the merge
