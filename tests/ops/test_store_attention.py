@@ -19,6 +19,7 @@ from .conftest import (
 
 PAGED_F32_GQA4 = Config("paged", DType.float32, n_kv_heads=2, head_dim=64, group=4, page_size=16)
 PAGED_BF16_GQA8 = Config("paged", DType.bfloat16, n_kv_heads=1, head_dim=128, group=8, page_size=8)
+PAGED_BF16_GQA8_P32 = Config("paged", DType.bfloat16, n_kv_heads=2, head_dim=128, group=8, page_size=32)
 CONT_F32_MHA = Config("continuous", DType.float32, n_kv_heads=4, head_dim=128, group=1)
 PAGED_BF16_GQA1 = Config("paged", DType.bfloat16, n_kv_heads=4, head_dim=128, group=1)
 PAGED_BF16_GQA4 = Config("paged", DType.bfloat16, n_kv_heads=2, head_dim=128, group=4)
@@ -104,12 +105,17 @@ def test_paged_bf16_gqa8_head128(compiled):
     check(PAGED_BF16_GQA8, cache, before, k, v, q, offsets, out)
 
 
-@pytest.mark.parametrize("cfg", [PAGED_BF16_GQA1, PAGED_BF16_GQA4, PAGED_BF16_GQA8], ids=["gqa1", "gqa4", "gqa8"])
+@pytest.mark.parametrize(
+    "cfg",
+    [PAGED_BF16_GQA1, PAGED_BF16_GQA4, PAGED_BF16_GQA8, PAGED_BF16_GQA8_P32],
+    ids=["gqa1", "gqa4", "gqa8", "gqa8-page32"],
+)
 def test_paged_bf16_long_decode(compiled, cfg):
     """bf16 decode over 1000+ keys (many pages and key tiles, keys split across cores),
     the path that takes bf16 dot products on CPUs with AVX-512 BF16 (Q and P rounded to
     bf16). Scores with a standard deviation of 2 make the softmax peaky, so a wrong
-    score shows."""
+    score shows. GQA 8 over 8-token pages takes partial 8-row key blocks only; over
+    32-token pages, full 16-key blocks (V prefetched inside the score loop)."""
     cache, before, k, v, q, offsets, out = run_store_attention(
         compiled, cfg, [1300, 1100, 2], [1, 1, 1], seed=4, q_std=2.0
     )

@@ -22,9 +22,9 @@ CPU design (decode is memory-bound, prefill compute-bound):
     head's K staged as f32 (prefill), 8 KiB of it as stored (decode).
     Halving the decode tile from 16 KiB sped up decode at 16k context by 2-15 %
     (bf16 GQA 4 the most, f32 GQA 4 the least; 4 and 12 KiB tiles were slower),
-    measured with the sizes alternating in one run. Each head's V rows of a tile (GQA 1:
-    as the same lines of K are loaded) and K rows of the next tile are prefetched in
-    software, a few lines per block of work.
+    measured with the sizes alternating in one run. Each head's V rows of a tile and
+    K rows of the next tile are prefetched in software while the tile before them is
+    computed on, spread over the inner loops (`_prefetch_spread` gives the numbers).
   * Scores are kept key-major, S^T [keys, rows], in every form, so one softmax serves
     all units and runs lane-wise over 16 rows, with no horizontal sums. Decode reads
     K as stored, in the form that fits its rows per head: 4 (GQA 4) in 4-row x 4-key
@@ -110,6 +110,33 @@ def _prefetch_rows[Cache: KVCacheT](p: Ptr[Cache.dtype], n: Int, width: Int):
     for j in range(n):
         for c in range(0, width, LINE_ELEMS):
             prefetch[PrefetchOptions().for_read().medium_locality()](p.unsafe_offset(j * STRIDE + c))
+
+
+@always_inline
+def _prefetch_spread[dtype: DType, rows: Int, cols: Int, STRIDE: Int, steps: Int](p: Ptr[dtype], step: Int):
+    """Step `step` of `steps` of prefetching `rows` rows x `cols` elements (rows STRIDE
+    apart) into L2: the lines are dealt evenly over the steps of a compute loop, so
+    that no step issues a burst (`steps` = 1: all of them now). Decode's inner loops
+    carry the prefetches of the rows read next: a GQA 8 head's V rows ride on its score
+    loop, one line per element of D, and every decode P V block prefetches the same
+    columns of the next tile's K rows as it reads V. Against a few `_prefetch_rows`
+    calls per block (two threads, 1 x 16k, medians of five alternating runs): GQA 8
+    bf16 1.67 -> 1.24 ms, f32 3.69 -> 2.90 ms; GQA 1 and 4 2-7% faster; one thread with
+    the cache in L2 (best of 400), GQA 8 f32 65 -> 51 us, bf16 34.1 -> 31.5 us. In the
+    4-row score blocks it did not help (f32 GQA 4 at 16k 5.2 -> 5.4 ms)."""
+    comptime LINE_ELEMS = 64 // size_of[Scalar[dtype]]()
+    comptime LPR = ceildiv(cols, LINE_ELEMS)  # lines per row
+    comptime TOTAL = rows * LPR
+    comptime PER = max(1, TOTAL // steps)  # lines per step
+    comptime EVERY = max(1, steps // TOTAL)  # steps per line
+    comptime if EVERY > 1:
+        if step % EVERY != 0:
+            return
+    comptime for i in range(PER):
+        var line = (step // EVERY) * PER + i
+        prefetch[PrefetchOptions().for_read().medium_locality()](
+            p.unsafe_offset((line // LPR) * STRIDE + (line % LPR) * LINE_ELEMS)
+        )
 
 
 @always_inline
@@ -259,6 +286,7 @@ def _qk_narrow[Cache: KVCacheT, full: Bool](
     s: F32Ptr,  # [BK, MAX_ROWS] scores of this tile, key-major
     r0: Int,  # the head's first row
     kp: Ptr[Cache.dtype],  # the head's first key row of the tile
+    vp: Ptr[Cache.dtype],  # the head's first value row of the tile (a full block prefetches its rows as it goes)
     j0: Int,
     n: Int,  # keys in the tile; `full`: j0 + NK <= n
 ):
@@ -293,12 +321,16 @@ def _qk_narrow[Cache: KVCacheT, full: Bool](
         var qp = qt.unsafe_bitcast[BFloat16]()
         var kpairs = kb0.unsafe_bitcast[UInt32]()
         for d2 in range(D // 2):
+            comptime if full:
+                _prefetch_spread[Cache.dtype, NK, D, STRIDE, D // 2](vp.unsafe_offset(j0 * STRIDE), d2)
             var qv = qp.unsafe_load[width=16](d2 * 16)
             comptime for kk in range(NK):
                 var kb = bitcast[DType.bfloat16, 16](SIMD[DType.uint32, 8](kpairs.unsafe_load(koff[kk] // 2 + d2)))
                 acc[kk] = dot_bf16[8](acc[kk], qv, kb)
     else:
         for d in range(D):
+            comptime if full:
+                _prefetch_spread[Cache.dtype, NK, D, STRIDE, D](vp.unsafe_offset(j0 * STRIDE), d)
             var qv = qt.unsafe_load[width=8](d * 8)
             comptime for kk in range(NK):
                 var kb = SIMD[DType.float32, 8](widen[width=1](kb0, koff[kk] + d))
@@ -314,6 +346,8 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB](
     r0: Int,
     vp: Ptr[dtype],  # first value row of the tile; rows STRIDE apart
     n: Int,
+    pf: Ptr[dtype],  # rows to prefetch into L2, the columns of V being read (the next tile's K)
+    pf_n: Int,  # rows of pf (0: no prefetch)
 ):
     """O[r0 .. r0+rb] += P[r0 .. r0+rb, :n] . V[:n], NC 16-lane column chunks per pass:
     rb*NC = 16 accumulators, and each loaded V chunk / broadcast p serves NC / rb FMAs.
@@ -327,6 +361,8 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB](
     comptime for c0 in range(0, D, NC * W):
         var acc = Array[SIMD[DType.float32, W], rb * NC](fill=0)
         for j in range(0, n, KSTEP):
+            if j < pf_n:
+                _prefetch_spread[dtype, min(KSTEP, 2), NC * W, STRIDE, 1](pf.unsafe_offset(j * STRIDE + c0), 0)
             comptime if DOT:
                 var j1 = min(j + 1, n - 1)
                 var vv = Array[SIMD[DType.bfloat16, 2 * W], NC](fill=0)
@@ -590,12 +626,12 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
             comptime NK = NARROW_KEYS[STRIDE * size_of[Scalar[Cache.dtype]]()]
             for j0 in range(0, n, NK):
                 for hh in range(u.nh):
-                    _prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), min(NK, n - j0), D)
                     var qh = qs.unsafe_offset(hh * 8 * D)
                     if j0 + NK <= n:
-                        _qk_narrow[Cache, True](qh, s, hh * 8, kp.unsafe_offset(hh * D), j0, n)
+                        _qk_narrow[Cache, True](qh, s, hh * 8, kp.unsafe_offset(hh * D), vp.unsafe_offset(hh * D), j0, n)
                     else:
-                        _qk_narrow[Cache, False](qh, s, hh * 8, kp.unsafe_offset(hh * D), j0, n)
+                        _prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), n - j0, D)
+                        _qk_narrow[Cache, False](qh, s, hh * 8, kp.unsafe_offset(hh * D), vp.unsafe_offset(hh * D), j0, n)
         elif rows_hp == 1:  # GQA 1 decode: key by key, 16 heads at a time, in address order
             for j in range(n):
                 for h0 in range(0, u.nh, W):
@@ -613,21 +649,21 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
                 _prefetch_rows[Cache](kp_next.unsafe_offset(hh * D), n_next, D)
                 _stage_tile[Cache](kf, vp.unsafe_offset(hh * D), n)
                 for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
-                    _pv_block[DType.float32, D, D](o, s, r0, kf, n)
+                    _pv_block[DType.float32, D, D](o, s, r0, kf, n, kf, 0)
         else:
             var p = pb if DOT else s
             comptime if DOT:
                 _pair_probabilities(s, pb, rows_p, n)
             for hh in range(u.nh):
-                _prefetch_rows[Cache](kp_next.unsafe_offset(hh * D), n_next, D)
                 var vh = vp.unsafe_offset(hh * D)
-                if rows_hp == 1:
-                    _pv_block[Cache.dtype, D, STRIDE, 1](o, p, hh, vh, n)
-                elif narrow:
-                    _pv_block[Cache.dtype, D, STRIDE, 8](o, p, hh * 8, vh, n)
+                var kh = kp_next.unsafe_offset(hh * D)
+                if narrow:
+                    _pv_block[Cache.dtype, D, STRIDE, 8](o, p, hh * 8, vh, n, kh, n_next)
+                elif rows_hp == 1:
+                    _pv_block[Cache.dtype, D, STRIDE, 1](o, p, hh, vh, n, kh, n_next)
                 else:
                     for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
-                        _pv_block[Cache.dtype, D, STRIDE](o, p, r0, vh, n)
+                        _pv_block[Cache.dtype, D, STRIDE](o, p, r0, vh, n, kh, n_next if r0 == hh * rows_hp else 0)
         k_tok += n
 
     if u.part >= 0:  # one split of the keys: keep the raw state for the merge
