@@ -27,13 +27,14 @@ CPU design (decode is memory-bound, prefill compute-bound):
     computed on, spread over the inner loops (`_prefetch_spread` gives the numbers).
   * Scores are kept key-major, S^T [keys, rows], in every form, so one softmax serves
     all units and runs lane-wise over 16 rows, with no horizontal sums. Decode reads
-    K as stored, in the form that fits its rows per head: 4 (GQA 4) in 4-row x 4-key
-    register blocks, 16 FMA chains over D reduced by one butterfly whose lanes come
-    out key by key (`_qk_block`); 8 (GQA 8) in 8-lane vectors with K broadcast from
-    the cache (`_qk_narrow`); 1 (GQA 1) one key x 16 heads per butterfly, reading a
-    key's rows in address order (`_qk_heads`). Each gives its measurements. A GQA 1
-    head's single row is not padded to 4 rows (4x the products: f32 53-79% -> 84-110%
-    of the two-thread read when that padding went, 32 KV heads, three alternating pairs).
+    K as stored, in the form that fits its rows per head: 8 and 4 (GQA 8 and 4) in
+    8-lane vectors with groups of key elements broadcast from the cache (`_qk_narrow`);
+    1 (GQA 1) one key x 16 heads per butterfly, reading a key's rows in address order
+    (`_qk_heads`); 12 (a few new tokens) in 4-row x 4-key register blocks, 16 FMA
+    chains over D reduced by one butterfly (`_qk_block`). Each gives its measurements.
+    A GQA 1 head's single row is not padded to 4 rows (4x the products: f32 53-79% ->
+    84-110% of the two-thread read when that padding went, 32 KV heads, three
+    alternating pairs).
     Prefill: S^T = K Q^T from a tile staged as f32, a broadcast key element times 16
     query rows per FMA. P V: a 4-row x 64-column block, 16 accumulators, each V chunk
     widened once per block (bf16 by a bit shift); 1 and 8 rows per head have their own
@@ -117,13 +118,14 @@ def _prefetch_spread[dtype: DType, rows: Int, cols: Int, STRIDE: Int, steps: Int
     """Step `step` of `steps` of prefetching `rows` rows x `cols` elements (rows STRIDE
     apart) into L2: the lines are dealt evenly over the steps of a compute loop, so
     that no step issues a burst (`steps` = 1: all of them now). Decode's inner loops
-    carry the prefetches of the rows read next: a GQA 8 head's V rows ride on its score
-    loop, one line per element of D, and every decode P V block prefetches the same
-    columns of the next tile's K rows as it reads V. Against a few `_prefetch_rows`
+    carry the prefetches of the rows read next: a GQA 8 or 4 head's V rows ride on its
+    score loop, one or two lines per step, and every decode P V block prefetches the
+    same columns of the next tile's K rows as it reads V. Against a few `_prefetch_rows`
     calls per block (two threads, 1 x 16k, medians of five alternating runs): GQA 8
     bf16 1.67 -> 1.24 ms, f32 3.69 -> 2.90 ms; GQA 1 and 4 2-7% faster; one thread with
     the cache in L2 (best of 400), GQA 8 f32 65 -> 51 us, bf16 34.1 -> 31.5 us. In the
-    4-row score blocks it did not help (f32 GQA 4 at 16k 5.2 -> 5.4 ms)."""
+    4-row butterfly blocks (`_qk_block`) it did not help (f32 GQA 4 at 16k 5.2 -> 5.4
+    ms)."""
     comptime LINE_ELEMS = 64 // size_of[Scalar[dtype]]()
     comptime LPR = ceildiv(cols, LINE_ELEMS)  # lines per row
     comptime TOTAL = rows * LPR
@@ -148,7 +150,9 @@ def _qk_block[Cache: KVCacheT](
     j0: Int,
     n: Int,
 ):
-    """S^T[j0 .. j0+KB, r0 .. r0+RB] = K Q^T for RB = 4 rows x KB = 4 keys at once.
+    """S^T[j0 .. j0+KB, r0 .. r0+RB] = K Q^T for RB = 4 rows x KB = 4 keys at once: the
+    form for heads of 12 rows (3 new tokens of GQA 4, 6 of GQA 2), which `_qk_narrow`'s
+    8 lanes do not divide.
 
     The 16 dot products are 16 independent FMA chains (one key at a time left 4
     chains, bound by FMA latency), and one butterfly reduces all 16 at once. Its lanes
@@ -156,8 +160,7 @@ def _qk_block[Cache: KVCacheT](
     costs nothing, and every unit shares one lane-wise softmax (`_softmax_key_major`):
     GQA 4 decode on one thread with the cache in L2 ran level with the row-major scores
     and per-row softmax this replaced (best of 400 runs at 128 keys: f32 32.7 vs 33.7
-    us, bf16 20.0 vs 19.9). Prefetching V from inside this loop, as `_qk_heads` does,
-    made it slower (37 us): the prefetches compete with the loop's loads. Keys past n
+    us, bf16 20.0 vs 19.9), before `_qk_narrow` took GQA 4 decode. Keys past n
     repeat key n-1 (never read past the page); their scores land in unused slots. With
     BF16_DOT a step is 32 elements of D as stored: `dot_bf16` multiplies adjacent pairs
     of D, which is how a key row lies in the cache, so K is used unconverted.
@@ -281,8 +284,18 @@ def _qk_key_major[D: Int, RV: Int](
 
 
 @always_inline
-def _qk_narrow[Cache: KVCacheT, full: Bool](
-    qt: F32Ptr,  # the head's scaled queries, transposed: [D, 8] f32 or (BF16_DOT) [D / 2, 8, 2] bf16
+def _narrow_q_index[R: Int, DOT: Bool](r: Int, d: Int) -> Int:
+    """Where `_qk_narrow` keeps query element d of row r of a head of R rows: in steps
+    of 8 lanes, lane (r, e) holding PAIR consecutive elements of D (2 with BF16_DOT,
+    else 1), e < 8 / R, so that one step covers G = (8 / R) x PAIR elements of D."""
+    comptime PAIR = 2 if DOT else 1
+    comptime G = (8 // R) * PAIR
+    return (d // G) * 8 * PAIR + (r % R) * G + d % G
+
+
+@always_inline
+def _qk_narrow[Cache: KVCacheT, R: Int, full: Bool](
+    qt: F32Ptr,  # the head's scaled queries in lane order (`_narrow_q_index`), f32 or (BF16_DOT) bf16
     s: F32Ptr,  # [BK, MAX_ROWS] scores of this tile, key-major
     r0: Int,  # the head's first row
     kp: Ptr[Cache.dtype],  # the head's first key row of the tile
@@ -290,23 +303,35 @@ def _qk_narrow[Cache: KVCacheT, full: Bool](
     j0: Int,
     n: Int,  # keys in the tile; `full`: j0 + NK <= n
 ):
-    """S^T[j0 .. j0 + NK, r0 .. r0 + 8] = K Q^T for a head of 8 rows (GQA 8 decode).
+    """S^T[j0 .. j0 + NK, r0 .. r0 + R] = K Q^T for a head of R = 8 or 4 rows (GQA 8 or
+    4 decode).
 
-    Key-major with 8-lane vectors: per element of D (per pair with BF16_DOT), one load
-    of the head's 8 query values and NK key elements broadcast straight from the cache
-    (an FMA's memory operand) feed NK independent FMAs (`dot_bf16` on 8 lanes): no
-    horizontal sums. A full block addresses its keys as constant displacements from one
-    register; with a register per key LLVM spilled three of them in the inner loop.
+    Key-major with 8-lane vectors: per step, one load of the head's queries and NK
+    groups of key elements broadcast straight from the cache (8 // R consecutive
+    elements of D, 4 bytes for R = 8, 8 for R = 4; pairs of them with BF16_DOT) feed NK
+    independent FMAs (`dot_bf16` on 8 lanes). Lane (r, e) sums every (8 // R)-th element
+    of row r's dot product, so R = 8 needs no horizontal sums and R = 4 one add of
+    adjacent lanes per key, against 15 shuffles and adds per 16 scores of the 4-row
+    butterfly blocks (`_qk_block`). A full block addresses its keys as constant
+    displacements from one register (a register per key made LLVM spill three of them)
+    and carries the prefetches of its keys' V rows, one or two lines per step.
     8 lanes cost no peak here: this Zen 5 VM runs one zmm FMA per cycle and two ymm
     (117 GFLOP/s per core either way, register-only loops; `vdpbf16ps` 234 either way).
-    Against the row-major blocks it replaced (8 rows x 2 keys, a 15-shuffle butterfly per
-    16 scores), one thread over a 2k context in L3 (4 KV heads): f32 0.51-0.57 -> 0.45 ms
-    (61 -> 75 GFLOP/s), bf16 0.28-0.29 -> 0.27 ms. Keys past n repeat key n-1; their
-    scores land in unused slots."""
+    R = 8, against 8 rows x 2 keys per butterfly, one thread over a 2k context in L3 (4
+    KV heads): f32 0.51-0.57 -> 0.45 ms, bf16 0.28-0.29 -> 0.27 ms. R = 4, against the
+    4-row butterfly blocks, two threads at 1 x 16k (8 KV heads, medians of five
+    alternating runs): f32 4.94 -> 4.51 ms, bf16 2.09 -> 1.97 ms. Keys past n repeat
+    key n-1; their scores land in unused slots."""
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
     comptime DOT = BF16_DOT[Cache.dtype, D]
     comptime NK = NARROW_KEYS[STRIDE * size_of[Scalar[Cache.dtype]]()]
+    comptime E = 8 // R  # lanes per row
+    comptime PAIR = 2 if DOT else 1
+    comptime G = E * PAIR  # elements of D per step
+    comptime STEPS = D // G
+    comptime qdt = DType.bfloat16 if DOT else DType.float32
+    comptime udt = DType.uint32 if E == 1 else DType.uint64  # one broadcast group of keys
     # A full block's key offsets are constants (one base register, displacements);
     # the tile's last, partial block repeats key n-1.
     var kb0 = kp.unsafe_offset(j0 * STRIDE)
@@ -316,27 +341,35 @@ def _qk_narrow[Cache: KVCacheT, full: Bool](
             koff[kk] = kk * STRIDE
         else:
             koff[kk] = min(kk, n - 1 - j0) * STRIDE
+    var qp = qt.unsafe_bitcast[Scalar[qdt]]()
     var acc = Array[SIMD[DType.float32, 8], NK](fill=0)
-    comptime if DOT:
-        var qp = qt.unsafe_bitcast[BFloat16]()
-        var kpairs = kb0.unsafe_bitcast[UInt32]()
-        for d2 in range(D // 2):
-            comptime if full:
-                _prefetch_spread[Cache.dtype, NK, D, STRIDE, D // 2](vp.unsafe_offset(j0 * STRIDE), d2)
-            var qv = qp.unsafe_load[width=16](d2 * 16)
-            comptime for kk in range(NK):
-                var kb = bitcast[DType.bfloat16, 16](SIMD[DType.uint32, 8](kpairs.unsafe_load(koff[kk] // 2 + d2)))
-                acc[kk] = dot_bf16[8](acc[kk], qv, kb)
-    else:
-        for d in range(D):
-            comptime if full:
-                _prefetch_spread[Cache.dtype, NK, D, STRIDE, D](vp.unsafe_offset(j0 * STRIDE), d)
-            var qv = qt.unsafe_load[width=8](d * 8)
-            comptime for kk in range(NK):
-                var kb = SIMD[DType.float32, 8](widen[width=1](kb0, koff[kk] + d))
-                acc[kk] = kb.fma(qv, acc[kk])
-    comptime for kk in range(NK):
-        s.unsafe_store((j0 + kk) * MAX_ROWS + r0, acc[kk])
+    for st in range(STEPS):
+        comptime if full:
+            _prefetch_spread[Cache.dtype, NK, D, STRIDE, STEPS](vp.unsafe_offset(j0 * STRIDE), st)
+        var qv = qp.unsafe_load[width=8 * PAIR](st * 8 * PAIR)
+        comptime for kk in range(NK):
+            var group: SIMD[qdt, G]
+            comptime if DOT:
+                group = rebind[SIMD[qdt, G]](kb0.unsafe_load[width=G](koff[kk] + st * G))
+            else:
+                group = rebind[SIMD[qdt, G]](widen[width=G](kb0, koff[kk] + st * G))
+            var kb = bitcast[qdt, 8 * PAIR](SIMD[udt, 8 // E](bitcast[udt, 1](group)))
+            comptime if DOT:
+                acc[kk] = dot_bf16[8](
+                    acc[kk], rebind[SIMD[DType.bfloat16, 16]](qv), rebind[SIMD[DType.bfloat16, 16]](kb)
+                )
+            else:
+                acc[kk] = rebind[SIMD[DType.float32, 8]](kb).fma(rebind[SIMD[DType.float32, 8]](qv), acc[kk])
+    comptime if E == 1:
+        comptime for kk in range(NK):
+            s.unsafe_store((j0 + kk) * MAX_ROWS + r0, acc[kk])
+    else:  # lanes (r, 0) and (r, 1) hold halves of row r's score: add them, two keys at a time
+        comptime for kk in range(0, NK, 2):
+            var both = acc[kk].shuffle[0, 2, 4, 6, 8, 10, 12, 14](acc[kk + 1]) + acc[kk].shuffle[
+                1, 3, 5, 7, 9, 11, 13, 15
+            ](acc[kk + 1])
+            s.unsafe_store((j0 + kk) * MAX_ROWS + r0, both.slice[4, offset=0]())
+            s.unsafe_store((j0 + kk + 1) * MAX_ROWS + r0, both.slice[4, offset=4]())
 
 
 @always_inline
@@ -537,7 +570,7 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
     var rows_hp = _head_rows(u.ntok, group)
     var rows_p = u.nh * rows_hp
     var key_major = rows_hp % W == 0
-    var narrow = rows_hp == 8  # key-major scores in 8-lane vectors, K read as stored (`_qk_narrow`)
+    var narrow = rows_hp == 8 or rows_hp == 4  # scores in 8-lane vectors, K broadcast from the cache (`_qk_narrow`)
     var qs = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var o = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var s = stack_allocation[MAX_ROWS * BK, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
@@ -556,15 +589,14 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
             if key_major:  # qs is Q^T [D, MAX_ROWS]
                 comptime for i in range(W):
                     qs.unsafe_store((c + i) * MAX_ROWS + r, qv[i])
-            elif narrow:  # per head, Q^T [D, 8], or bf16 pairs [D / 2, 8, 2] for `dot_bf16`
-                var head_q = qs.unsafe_offset((r // 8) * 8 * D)
+            elif narrow:  # per head, in `_qk_narrow`'s lane order
+                var head_q = qs.unsafe_offset((r // rows_hp) * rows_hp * D)
                 comptime for i in range(W):
+                    var at = _narrow_q_index[8, DOT](r, c + i) if rows_hp == 8 else _narrow_q_index[4, DOT](r, c + i)
                     comptime if DOT:
-                        head_q.unsafe_bitcast[BFloat16]().unsafe_store(
-                            ((c + i) // 2) * 16 + (r % 8) * 2 + i % 2, qv[i].cast[DType.bfloat16]()
-                        )
+                        head_q.unsafe_bitcast[BFloat16]().unsafe_store(at, qv[i].cast[DType.bfloat16]())
                     else:
-                        head_q.unsafe_store((c + i) * 8 + r % 8, qv[i])
+                        head_q.unsafe_store(at, qv[i])
             else:  # qs is Q [rows, D], in bf16 for `dot_bf16` scores
                 comptime if DOT:
                     qs.unsafe_bitcast[BFloat16]().unsafe_store(r * D + c, qv.cast[DType.bfloat16]())
@@ -626,12 +658,20 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
             comptime NK = NARROW_KEYS[STRIDE * size_of[Scalar[Cache.dtype]]()]
             for j0 in range(0, n, NK):
                 for hh in range(u.nh):
-                    var qh = qs.unsafe_offset(hh * 8 * D)
-                    if j0 + NK <= n:
-                        _qk_narrow[Cache, True](qh, s, hh * 8, kp.unsafe_offset(hh * D), vp.unsafe_offset(hh * D), j0, n)
+                    var qh = qs.unsafe_offset(hh * rows_hp * D)
+                    var r0 = hh * rows_hp
+                    var kh = kp.unsafe_offset(hh * D)
+                    var vh = vp.unsafe_offset(hh * D)
+                    if j0 + NK > n:
+                        _prefetch_rows[Cache](vh.unsafe_offset(j0 * STRIDE), n - j0, D)
+                        if rows_hp == 8:
+                            _qk_narrow[Cache, 8, False](qh, s, r0, kh, vh, j0, n)
+                        else:
+                            _qk_narrow[Cache, 4, False](qh, s, r0, kh, vh, j0, n)
+                    elif rows_hp == 8:
+                        _qk_narrow[Cache, 8, True](qh, s, r0, kh, vh, j0, n)
                     else:
-                        _prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), n - j0, D)
-                        _qk_narrow[Cache, False](qh, s, hh * 8, kp.unsafe_offset(hh * D), vp.unsafe_offset(hh * D), j0, n)
+                        _qk_narrow[Cache, 4, True](qh, s, r0, kh, vh, j0, n)
         elif rows_hp == 1:  # GQA 1 decode: key by key, 16 heads at a time, in address order
             for j in range(n):
                 for h0 in range(0, u.nh, W):
@@ -657,7 +697,7 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
             for hh in range(u.nh):
                 var vh = vp.unsafe_offset(hh * D)
                 var kh = kp_next.unsafe_offset(hh * D)
-                if narrow:
+                if rows_hp == 8:
                     _pv_block[Cache.dtype, D, STRIDE, 8](o, p, hh * 8, vh, n, kh, n_next)
                 elif rows_hp == 1:
                     _pv_block[Cache.dtype, D, STRIDE, 1](o, p, hh, vh, n, kh, n_next)
