@@ -386,8 +386,9 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB](
     rb*NC = 16 accumulators, and each loaded V chunk / broadcast p serves NC / rb FMAs.
     rb = 8 (a GQA-8 head's rows) widens each bf16 V chunk once instead of twice.
     With BF16_DOT, p holds bf16 pairs (P[r, j], P[r, j+1]) in 32-bit slots
-    ((j // 2) * MAX_ROWS + r, from `_pair_probabilities`) and a step takes two keys: V rows j and j+1 interleaved
-    are the adjacent pairs `dot_bf16` multiplies (row n-1 repeats for an odd n, times 0)."""
+    ((j // 2) * MAX_ROWS + r, from `_pair_probabilities`) and a step takes two keys: V
+    rows j and j+1 interleaved are the adjacent pairs `dot_bf16` multiplies (row n-1
+    repeats for an odd n, times 0). Each step prefetches the same columns of pf's rows."""
     comptime DOT = BF16_DOT[dtype, D]
     comptime KSTEP = 2 if DOT else 1
     comptime NC = _pv_chunks(W // rb, D)
@@ -395,7 +396,7 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB](
         var acc = Array[SIMD[DType.float32, W], rb * NC](fill=0)
         for j in range(0, n, KSTEP):
             if j < pf_n:
-                _prefetch_spread[dtype, min(KSTEP, 2), NC * W, STRIDE, 1](pf.unsafe_offset(j * STRIDE + c0), 0)
+                _prefetch_spread[dtype, KSTEP, NC * W, STRIDE, 1](pf.unsafe_offset(j * STRIDE + c0), 0)
             comptime if DOT:
                 var j1 = min(j + 1, n - 1)
                 var vv = Array[SIMD[DType.bfloat16, 2 * W], NC](fill=0)
@@ -525,9 +526,9 @@ struct _Merge(ImplicitlyCopyable, Movable):
 @always_inline
 def _head_rows(ntok: Int, group: Int) -> Int:
     """Rows one KV head contributes to a unit: ntok x group, padded to a multiple of W
-    when there are at least W (prefill's staged scores), else of RB (decode's 4-row
-    blocks); a single row (GQA 1 decode) is not padded. Padding rows get zero queries and finite
-    junk, and are never stored."""
+    when there are at least W (prefill's staged scores), else of RB (decode's 4-, 8-
+    and 12-row forms); a single row (GQA 1 decode) is not padded. Padding rows get zero
+    queries and finite junk, and are never stored."""
     var rows = ntok * group
     if rows == 1:  # one decode token of plain multi-head attention: 1-row blocks
         return 1
