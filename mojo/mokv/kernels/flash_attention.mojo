@@ -326,7 +326,7 @@ def _qk_narrow[Cache: KVCacheT, R: Int, full: Bool](
     butterfly blocks (`_qk_block`). A full block addresses its keys as constant
     displacements from one register (a register per key made LLVM spill three of them)
     and carries the prefetches of its keys' V rows, one or two lines per step.
-    8 lanes cost no peak here: this Zen 5 VM runs one zmm FMA per cycle and two ymm
+    8 lanes cost no peak here: the benchmark VM runs one zmm FMA per cycle and two ymm
     (117 GFLOP/s per core either way, register-only loops; `vdpbf16ps` 234 either way).
     R = 8, against 8 rows x 2 keys per butterfly, one thread over a 2k context in L3 (4
     KV heads): f32 0.51-0.57 -> 0.45 ms, bf16 0.28-0.29 -> 0.27 ms. R = 4, against the
