@@ -10,8 +10,8 @@ float32), compiled once per implementation and run on identical request shapes:
 - **prefill**: one request of L new tokens, causal (compute bound): time and GFLOP/s.
 
 A second table, **shapes**, times long-context decode for every GQA group (1, 4, 8:
-32 query heads over 32, 8 or 4 KV heads) in float32 and bfloat16, each case again
-bracketed by read probes.
+32 query heads over 32, 8 or 4 KV heads) in float32 and bfloat16. Every decode timing
+is interleaved with two-thread read probes and reported as a share of them.
 
 Implementations: mokv's `mokv.ops.flash_attention` over the paged and the continuous
 cache (inputs from mokv's own managers), and MAX 26.7's `flash_attention_ragged` over
@@ -71,9 +71,8 @@ def _time(fn: Callable[[], object], min_time: float, max_reps: int = 200) -> flo
 class ReadProbe:
     """GB/s of a two-thread streaming read (numpy sums over the two halves of an array).
 
-    The memory bandwidth of a shared VM drifts by tens of percent within minutes, so
-    each decode timing is bracketed by two probes, and the kernel's share of their mean
-    is the figure of merit."""
+    The memory bandwidth of a shared VM drifts by tens of percent within seconds, so a
+    decode timing is interleaved with probes (`_decode_cell`) and set against them."""
 
     def __init__(self, nbytes: int):
         self.src = np.ones(nbytes // 4, dtype=np.float32)
@@ -231,13 +230,27 @@ def cases(quick: bool) -> dict:
             "shapes": shapes, "shape_decode": shape_decode}
 
 
-def _decode_cell(side, probe: ReadProbe, b: int, c: int, kv_bytes: int, min_time: float) -> dict:
+def _decode_cell(side, probe: ReadProbe, b: int, c: int, kv_bytes: int, min_time: float,
+                 rounds: int = 7) -> dict:
+    """Decode timing interleaved with read probes: `rounds` times, the median of three
+    probe reads, then the median of the kernel's calls for `min_time / rounds` seconds.
+
+    The share of the read is the median over rounds of (kernel GB/s / probe GB/s of that
+    round): each kernel figure is set against the bandwidth of its own moment, and both
+    sides use the same statistic. (Setting a whole timing against the best of probes
+    bracketing it made the share swing by ±10 points whenever the probe caught a burst.)"""
     args = side.inputs([c] * b, [1] * b)
-    before = probe(3)
-    t = _time(lambda: side.model.execute(*args), min_time)
-    read = (before + probe(3)) / 2  # the bandwidth of the moment, around the timing
-    return {"ms": t * 1e3, "GBps": kv_bytes / t / 1e9, "read_2threads_GBps": read,
-            "share_of_read": kv_bytes / t / 1e9 / read}
+    side.model.execute(*args)
+    reads, times, shares = [], [], []
+    for _ in range(rounds):
+        read = probe(1)
+        t = _time(lambda: side.model.execute(*args), min_time / rounds)
+        reads.append(read)
+        times.append(t)
+        shares.append(kv_bytes / t / 1e9 / read)
+    t = float(np.median(times))
+    return {"ms": t * 1e3, "GBps": kv_bytes / t / 1e9, "read_2threads_GBps": float(np.median(reads)),
+            "read_range_GBps": [min(reads), max(reads)], "share_of_read": float(np.median(shares))}
 
 
 def run_shapes(session, probe: ReadProbe, quick: bool, progress=None) -> list[dict]:

@@ -41,6 +41,8 @@ import bench_qkv  # noqa: E402
 import plots  # noqa: E402
 
 PARTS = ("hashing", "events", "managers", "attention", "qkv", "compile")
+SHARE = ("share of the two-thread read: median over seven rounds, each a probe read then "
+         "the kernel's calls, of kernel GB/s / probe GB/s")
 
 
 def machine() -> dict:
@@ -178,8 +180,7 @@ def summary(r: dict) -> str:
         c = a["copy"]
         lines += [f"### CPU attention (copy {c['numpy_copy_GBps']:.1f} GB/s, two-thread read "
                   f"{c['read_2threads_GBps']:.1f} GB/s)", "",
-                  "Decode cells: ms (GB/s of K/V read, share of the two-thread read measured "
-                  "around that timing).", "",
+                  f"Decode cells: ms (GB/s of K/V read, {SHARE}).", "",
                   "| decode B × ctx | " + " | ".join(f"{s} ms (GB/s, share)" for s in sides) + " |",
                   "|---" * (len(sides) + 1) + "|"]
         for row in a["decode"]:
@@ -195,7 +196,7 @@ def summary(r: dict) -> str:
     if a.get("shapes"):
         sides = ("max-paged", "mokv-paged", "mokv-continuous")
         lines += ["### CPU decode attention by GQA group and dtype (32 query heads, head_dim 128)", "",
-                  "Cells: ms (GB/s of K/V read, share of the two-thread read measured around that timing).", "",
+                  f"Cells: ms (GB/s of K/V read, {SHARE}).", "",
                   "| group (kv heads) | dtype | B × ctx | " + " | ".join(sides) + " | MAX / mokv-paged time |",
                   "|---" * (len(sides) + 4) + "|"]
         for row in a["shapes"]:
