@@ -240,8 +240,7 @@ def _decode_cell(side, probe: ReadProbe, b: int, c: int, kv_bytes: int, min_time
     sides use the same statistic. (Setting a whole timing against the best of probes
     bracketing it made the share swing by ±10 points whenever the probe caught a burst.)"""
     args = side.inputs([c] * b, [1] * b)
-    side.model.execute(*args)
-    reads, times, shares = [], [], []
+    reads, times, shares = [], [], []  # (`_time` warms the kernel up after each probe)
     for _ in range(rounds):
         read = probe(1)
         t = _time(lambda: side.model.execute(*args), min_time / rounds)
