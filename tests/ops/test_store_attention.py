@@ -29,17 +29,23 @@ PAGED_F32_MHA20 = Config("paged", DType.float32, n_kv_heads=20, head_dim=64, gro
 TOL = {DType.float32: 2e-5, DType.bfloat16: 2e-2}
 
 
-def run_store_attention(compiled, cfg, cache_lengths, new_tokens, seed=0, share=0, q_std=1.0):
+def run_store_attention(compiled, cfg, cache_lengths, new_tokens, seed=0, share=0, q_std=1.0, rise=0.0):
     """Runs the graph on a random batch; returns (cache before, cache after, k, v, q, out).
-    Scores have standard deviation `q_std` (K and Q entries are standard normal)."""
+    Scores have standard deviation `q_std` (K and Q entries are standard normal). With
+    `rise`, cached key j of c gets rise * j / c added to every element and the queries
+    0.5, so scores climb along the context by about rise * 0.5 * sqrt(head_dim)."""
     rng = np.random.default_rng(seed)
     cache = make_cache(cfg.params, cache_lengths, new_tokens, rng, share_prefix_pages=share)
+    if rise:
+        for b, c in enumerate(cache_lengths):
+            ramp = rise * np.arange(c, dtype=np.float32)[:, None, None] / c
+            cache.write(b, LAYER, 0, 0, cache.rows(b, LAYER, 0, 0, c) + ramp)
     before = cache.blocks.copy()
     total = sum(new_tokens)
     h, d = cfg.n_kv_heads, cfg.head_dim
     k = storage(rng.standard_normal((total, h, d)).astype(np.float32), cfg.dtype)
     v = storage(rng.standard_normal((total, h, d)).astype(np.float32), cfg.dtype)
-    q = storage(q_std * rng.standard_normal((total, cfg.n_q, d)).astype(np.float32), cfg.dtype)
+    q = storage((q_std * rng.standard_normal((total, cfg.n_q, d)) + (0.5 if rise else 0)).astype(np.float32), cfg.dtype)
     offsets = row_offsets(new_tokens)
     model = compiled("store_attention", cfg)
     (out,) = model.execute(
@@ -118,6 +124,22 @@ def test_paged_bf16_long_decode(compiled, cfg):
     32-token pages, full 16-key blocks (V prefetched inside the score loop)."""
     cache, before, k, v, q, offsets, out = run_store_attention(
         compiled, cfg, [1300, 1100, 2], [1, 1, 1], seed=4, q_std=2.0
+    )
+    check(cfg, cache, before, k, v, q, offsets, out)
+
+
+@pytest.mark.parametrize(
+    "cfg,cache_lengths,new_tokens",
+    [(PAGED_BF16_GQA8_P32, [1300, 900], [1, 1]), (PAGED_F32_GQA4, [600, 300], [40, 1])],
+    ids=["bf16-gqa8-decode", "f32-gqa4-prefill"],
+)
+def test_rising_scores(compiled, cfg, cache_lengths, new_tokens):
+    """Scores that climb ~100 (natural units) along the context: the softmax reference
+    is raised lazily (only past 8 in log2 units) again and again within each split, so
+    a rescale of O or l that is skipped, doubled or taken against the wrong reference
+    shows; P stays bounded (no overflow to inf in f32 or bf16)."""
+    cache, before, k, v, q, offsets, out = run_store_attention(
+        compiled, cfg, cache_lengths, new_tokens, seed=7, rise=8.0
     )
     check(cfg, cache, before, k, v, q, offsets, out)
 
