@@ -29,7 +29,9 @@ PAGED_F32_MHA20 = Config("paged", DType.float32, n_kv_heads=20, head_dim=64, gro
 TOL = {DType.float32: 2e-5, DType.bfloat16: 2e-2}
 
 
-def run_store_attention(compiled, cfg, cache_lengths, new_tokens, seed=0, share=0, q_std=1.0, rise=0.0):
+def run_store_attention(
+    compiled, cfg, cache_lengths, new_tokens, seed=0, share=0, q_std=1.0, rise=0.0
+):
     """Runs the graph on a random batch; returns (cache before, cache after, k, v, q, out).
     Scores have standard deviation `q_std` (K and Q entries are standard normal). With
     `rise`, cached key j of c gets rise * j / c added to every element and the queries
@@ -45,7 +47,8 @@ def run_store_attention(compiled, cfg, cache_lengths, new_tokens, seed=0, share=
     h, d = cfg.n_kv_heads, cfg.head_dim
     k = storage(rng.standard_normal((total, h, d)).astype(np.float32), cfg.dtype)
     v = storage(rng.standard_normal((total, h, d)).astype(np.float32), cfg.dtype)
-    q = storage((q_std * rng.standard_normal((total, cfg.n_q, d)) + (0.5 if rise else 0)).astype(np.float32), cfg.dtype)
+    q = q_std * rng.standard_normal((total, cfg.n_q, d)) + (0.5 if rise else 0.0)
+    q = storage(q.astype(np.float32), cfg.dtype)
     offsets = row_offsets(new_tokens)
     model = compiled("store_attention", cfg)
     (out,) = model.execute(
@@ -134,7 +137,7 @@ def test_paged_bf16_long_decode(compiled, cfg):
     ids=["bf16-gqa8-decode", "f32-gqa4-prefill"],
 )
 def test_rising_scores(compiled, cfg, cache_lengths, new_tokens):
-    """Scores that climb ~100 (natural units) along the context: the softmax reference
+    """Scores that climb ~30-45 (natural units) along the context: the softmax reference
     is raised lazily (only past 8 in log2 units) again and again within each split, so
     a rescale of O or l that is skipped, doubled or taken against the wrong reference
     shows; P stays bounded (no overflow to inf in f32 or bf16)."""
