@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 
 def measure(shapes: list[str], kinds: list[str]) -> None:
     """Child process: prints one JSON line per (kind, shape) with the decode time."""
-    from bench_attention import DTYPE, MokvSide, ReadProbe, _decode_cell
+    from bench_attention import DTYPE, MokvSide, ReadProbe, _decode_cells
     from max.driver import CPU
     from max.dtype import DType
     from max.engine import InferenceSession
@@ -40,7 +40,7 @@ def measure(shapes: list[str], kinds: list[str]) -> None:
         kv_bytes = b * (c + 1) * 2 * hkv * 128 * dtype.size_in_bytes
         for kind in kinds:
             side = MokvSide(session, kind, hkv, dtype, slots=b, max_ctx=c)
-            cell = _decode_cell(side, probe, b, c, kv_bytes, 0.6)
+            cell = _decode_cells([side], probe, b, c, kv_bytes, 0.6)[side.name]
             print(json.dumps({"shape": spec, "kind": kind, **cell}), flush=True)
             side.mgr = side.model = None
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -72,7 +73,7 @@ class ReadProbe:
     """GB/s of a two-thread streaming read (numpy sums over the two halves of an array).
 
     The memory bandwidth of a shared VM drifts by tens of percent within seconds, so a
-    decode timing is interleaved with probes (`_decode_cell`) and set against them."""
+    decode timing is interleaved with probes (`_decode_cells`) and set against them."""
 
     def __init__(self, nbytes: int):
         self.src = np.ones(nbytes // 4, dtype=np.float32)
@@ -230,26 +231,38 @@ def cases(quick: bool) -> dict:
             "shapes": shapes, "shape_decode": shape_decode}
 
 
-def _decode_cell(side, probe: ReadProbe, b: int, c: int, kv_bytes: int, min_time: float,
-                 rounds: int = 7) -> dict:
-    """Decode timing interleaved with read probes: `rounds` times, the median of three
-    probe reads, then the median of the kernel's calls for `min_time / rounds` seconds.
+def _decode_cells(sides: list, probe: ReadProbe, b: int, c: int, kv_bytes: int, min_time: float,
+                  rounds: int = 7) -> dict[str, dict]:
+    """Decode timings of `sides` on one (batch, context), interleaved with read probes.
 
-    The share of the read is the median over rounds of (kernel GB/s / probe GB/s of that
-    round): each kernel figure is set against the bandwidth of its own moment, and both
-    sides use the same statistic. (Setting a whole timing against the best of probes
-    bracketing it made the share swing by ±10 points whenever the probe caught a burst.)"""
-    args = side.inputs([c] * b, [1] * b)
-    reads, times, shares = [], [], []  # (`_time` warms the kernel up after each probe)
-    for _ in range(rounds):
-        read = probe(1)
-        t = _time(lambda: side.model.execute(*args), min_time / rounds)
-        reads.append(read)
-        times.append(t)
-        shares.append(kv_bytes / t / 1e9 / read)
-    t = float(np.median(times))
-    return {"ms": t * 1e3, "GBps": kv_bytes / t / 1e9, "read_2threads_GBps": float(np.median(reads)),
-            "read_range_GBps": [min(reads), max(reads)], "share_of_read": float(np.median(shares))}
+    Each of `rounds` rounds gives every side, in an order that rotates from round to round,
+    the median of three probe reads followed by its kernel's calls for `min_time / rounds`
+    seconds. A side's share of the read is the median over rounds of (kernel GB/s / probe
+    GB/s of that round): each kernel figure is set against the bandwidth of its own moment,
+    and all sides take the same statistic. (Setting a whole timing against the best of
+    probes bracketing it made the share swing by ±10 points whenever a probe caught a burst.)
+
+    The sides take turns so that one cell's rounds spread over all the sides' time (about
+    three seconds, not one): the VM's read bursts of 37-44 GB/s can last a second, and a
+    kernel bound by arithmetic (GQA 8) cannot follow them, so a cell timed inside one read
+    68-83% of the probe where the same cell read 90-105% in other runs."""
+    args = {side.name: side.inputs([c] * b, [1] * b) for side in sides}
+    reads, times, shares = ({side.name: [] for side in sides} for _ in range(3))
+    for r in range(rounds):
+        for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+            read = probe(1)  # (`_time` warms the kernel up after it)
+            t = _time(partial(side.model.execute, *args[side.name]), min_time / rounds)
+            reads[side.name].append(read)
+            times[side.name].append(t)
+            shares[side.name].append(kv_bytes / t / 1e9 / read)
+    cells = {}
+    for name in args:
+        t, rd = float(np.median(times[name])), reads[name]
+        cells[name] = {"ms": t * 1e3, "GBps": kv_bytes / t / 1e9,
+                       "read_2threads_GBps": float(np.median(rd)),
+                       "read_range_GBps": [min(rd), max(rd)],
+                       "share_of_read": float(np.median(shares[name]))}
+    return cells
 
 
 def run_shapes(session, probe: ReadProbe, quick: bool, progress=None) -> list[dict]:
@@ -274,8 +287,7 @@ def run_shapes(session, probe: ReadProbe, quick: bool, progress=None) -> list[di
         for b, c in pairs:
             row = {"group": H // hkv, "n_kv_heads": hkv, "dtype": str(dt).split(".")[-1], "batch": b,
                    "context": c, "kv_bytes": b * (c + 1) * kv_bytes_tok, "errors": errors}
-            for side in sides:
-                row[side.name] = _decode_cell(side, probe, b, c, row["kv_bytes"], min_time)
+            row.update(_decode_cells(sides, probe, b, c, row["kv_bytes"], min_time))
             rows.append(row)
         for side in sides:  # free the caches before the next shape
             side.mgr = side.model = side._keep = None
@@ -309,8 +321,7 @@ def run(quick: bool = False, progress=None) -> dict:
     plan = cases(quick)
     for b, c in plan["decode"]:
         row = {"batch": b, "context": c, "kv_bytes": b * (c + 1) * KV_BYTES_PER_TOKEN}
-        for side in sides:
-            row[side.name] = _decode_cell(side, probe, b, c, row["kv_bytes"], min_time)
+        row.update(_decode_cells(sides, probe, b, c, row["kv_bytes"], min_time))
         out["decode"].append(row)
         if progress:
             progress()

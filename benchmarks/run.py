@@ -42,7 +42,7 @@ import plots  # noqa: E402
 
 PARTS = ("hashing", "events", "managers", "attention", "qkv", "compile")
 SHARE = ("share of the two-thread read: median over seven rounds, each a probe read then "
-         "the kernel's calls, of kernel GB/s / probe GB/s")
+         "the kernel's calls with the three sides taking turns, of kernel GB/s / probe GB/s")
 
 
 def machine() -> dict:
