@@ -27,13 +27,17 @@ in flight. TARGET_UNITS 8192 instead of 2048 took GQA 1 from 50-53% to 74-77%; G
 their 4 or 8 heads (the shuffles and FMAs above; not checked with counters). U = 4 and L = 32 (4
 elements per lane) were slower everywhere (GQA 1: 48% and 26-41%); capping GB at 4 for
 GQA 8 changed nothing, and GB = 2 for GQA 4 halved it. MAX 26.7's decode kernel read
-at 85-99% in the same run.
+at 85-99% in the same run. Those numbers predate `_slice_align`: until then every
+slice load claimed only the element's alignment, and the SASS (nvdisasm of the
+cubins in MAX's cache after a virtual sm_90 build) showed eight `LDG.E.U16` per 16-byte
+bf16 slice, 64 loads per GQA 4 step where there are now 8 `LDG.E.128`; not yet timed.
 
 Prefill tokens use the same units (each new token's row walks its own keys, ~12
 TFLOP/s at 2k tokens against MAX's tensor-core 350); a tiled prefill is future work.
 """
 
 from std.math import ceildiv, exp2
+from std.sys import size_of
 
 from max.gpu import block_idx, thread_idx
 from max.gpu.host import DeviceContext
@@ -68,10 +72,19 @@ def heads_per_unit(group: Int) -> Int:
     return gb
 
 
+def _slice_align[dtype: DType, E: Int]() -> Int:
+    """Byte alignment of an E-element slice (E a power of two), capped at one 16-byte
+    access. Every slice starts a multiple of its own size into a row of D elements,
+    and rows start on multiples of D elements, so the claim holds. Without it a load
+    takes the element's alignment and a 16-byte bf16 slice becomes eight 2-byte loads
+    (seen in the SASS)."""
+    return min(16, E * size_of[dtype]())
+
+
 @always_inline
 def _load_slice[dtype: DType, E: Int](p: Ptr[dtype]) -> SIMD[DType.float32, E]:
     comptime if E & (E - 1) == 0:
-        return p.unsafe_load[width=E](0).cast[DType.float32]()
+        return p.unsafe_load[width=E, alignment=_slice_align[dtype, E]()](0).cast[DType.float32]()
     else:
         var out = SIMD[DType.float32, E]()
         comptime for e in range(E):
@@ -81,8 +94,11 @@ def _load_slice[dtype: DType, E: Int](p: Ptr[dtype]) -> SIMD[DType.float32, E]:
 
 @always_inline
 def _store_slice[dtype: DType, E: Int](p: Ptr[dtype], x: SIMD[DType.float32, E]):
-    comptime for e in range(E):
-        p.unsafe_store(e, x[e].cast[dtype]())
+    comptime if E & (E - 1) == 0:
+        p.unsafe_store[alignment=_slice_align[dtype, E]()](0, x.cast[dtype]())
+    else:
+        comptime for e in range(E):
+            p.unsafe_store(e, x[e].cast[dtype]())
 
 
 def _log2(n: Int) -> Int:
