@@ -30,7 +30,8 @@ CPU design (decode is memory-bound, prefill compute-bound):
   * Scores are kept key-major, S^T [keys, rows], in every form, so one softmax serves
     all units and runs lane-wise over 16 rows, with no horizontal sums. Decode reads
     K as stored, in the form that fits its rows per head: 8 and 4 (GQA 8 and 4) in
-    8-lane vectors with groups of key elements broadcast from the cache (`_qk_narrow`);
+    vectors of 8 or 16 lanes (`NARROW_LANES`, by CPU) with groups of key elements
+    broadcast from the cache (`_qk_narrow`);
     1 (GQA 1) one key x 16 heads per butterfly, reading a key's rows in address order
     (`_qk_heads`); 12 (a few new tokens) in 4-row x 4-key register blocks, 16 FMA
     chains over D reduced by one butterfly (`_qk_block`). Each gives its measurements.
@@ -42,7 +43,8 @@ CPU design (decode is memory-bound, prefill compute-bound):
     widened once per block (bf16 by a bit shift); 1 and 8 rows per head have their own
     block shapes.
   * bf16 caches on CPUs with AVX-512 BF16 (BF16_DOT, chosen when the kernels are
-    built): decode scores and P V use `vdpbf16ps`, 32 bf16 products per instruction
+    built): decode scores and P V (P V not where `vdpbf16ps` runs at half the f32
+    FMA's rate: `BF16_PV_DOT`) use `vdpbf16ps`, 32 bf16 products per instruction
     into 16 f32 lanes, twice the f32 FMA's elements and no widening. It multiplies
     adjacent pairs along the reduction: for Q K^T these are adjacent head_dim
     elements, so K is read as stored; for P V two keys' V rows are interleaved. So
@@ -61,7 +63,7 @@ GPU: flash-decoding units of one warp (kernels/gpu_attention.mojo).
 from std.atomic import Atomic
 from std.math import ceildiv
 from std.memory import bitcast, stack_allocation
-from std.sys.info import num_physical_cores, size_of
+from std.sys.info import CompilationTarget, num_physical_cores, size_of
 from std.sys.intrinsics import prefetch, PrefetchOptions
 from std.utils.index import IndexList
 
@@ -71,7 +73,7 @@ from max.gpu.host.info import is_cpu
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .gpu_attention import gpu_attention, heads_per_unit
 from .parallel import parallel_units
-from .simd import F32Ptr, HAS_AVX512_BF16, W, dot_bf16, exp2, reduce_16, widen
+from .simd import F32Ptr, HAS_AVX512_BF16, HAS_AVX512F, W, dot_bf16, exp2, reduce_16, widen
 
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
 comptime BK = 64  # most keys per tile (the row stride of the score tile)
@@ -79,11 +81,19 @@ comptime MAX_ROWS = 64  # query rows (tokens x group heads) per unit: K/V tiles 
 comptime RB = 4  # rows per register block (rows are padded to a multiple of RB)
 comptime KB = W // RB  # keys per QK register block: RB * KB = 16 accumulators
 comptime NARROW_KEYS[stride_bytes: Int] = 16 if stride_bytes <= 2048 else 8
-"""Keys per `_qk_narrow` block (one ymm accumulator each) for K rows `stride_bytes`
+"""Keys per `_qk_narrow` block (one accumulator each) for K rows `stride_bytes`
 apart. The block reads its keys' rows side by side, a cache line of each at a time;
 rows a multiple of 4 KiB apart share one L1 set, and 16 such lines overflow its 12 ways.
 The block's loop over L1-resident f32 rows: 16 keys ran at 96 GFLOP/s with 2 KiB
 strides and 27 with 4, 8 or 16 KiB; 8 keys at 85-96 for all four."""
+comptime NARROW_LANES = W if HAS_AVX512F and not CompilationTarget._is_arch["znver4"]() else 8
+"""Lanes of `_qk_narrow`'s vectors. Zen 4 splits every 512-bit op in two, so 8 lanes
+cost it no peak (117 GFLOP/s per core for f32 FMAs in 8 or 16 lanes, register-only),
+and 16 were slower there (bf16 GQA 8, one thread in L2: 55.8 -> 58.5 us). CPUs with
+whole 512-bit units run 16 lanes at twice the rate of 8 (emeraldrapids: 175 vs 95
+GFLOP/s; `vdpbf16ps` 86 vs 47): there, against 8 lanes (`ab_decode.py`, 1 x 16k unless
+said, three rounds), bf16 GQA 8 3.25 -> 2.34 ms, 4 x 8k 6.43 -> 4.46 ms, bf16 GQA 4
+3.53 -> 2.55 ms, f32 GQA 8 x0.87-0.91, f32 GQA 4 x0.97."""
 comptime LAZY_MAX: Float32 = 8
 """How far (log2 units) a row's scores may rise above its softmax reference before
 the reference is raised and O rescaled (`_softmax_key_major`)."""
@@ -98,8 +108,21 @@ seven 1 x 16k / 4 x 8k shapes and level on the seventh (GQA 1 bf16), six alterna
 comptime PART_SLOT[D: Int] = MAX_ROWS * (D + 2)
 """Floats of one partial softmax state: o [MAX_ROWS, D], then m and l [MAX_ROWS]."""
 comptime BF16_DOT[dtype: DType, D: Int] = HAS_AVX512_BF16 and dtype == DType.bfloat16 and D % (2 * W) == 0
-"""Whether decode scores and P V over a `dtype` cache use `dot_bf16`: Q is
-then rounded to bf16 once per query and P once per tile (see the module docstring)."""
+"""Whether decode scores over a `dtype` cache use `dot_bf16`: Q is then rounded to
+bf16 once per query (see the module docstring)."""
+comptime HALF_RATE_BF16_DOT = CompilationTarget._is_arch["sapphirerapids"]() or CompilationTarget._is_arch[
+    "emeraldrapids"
+]()
+"""Intel's server cores run `vdpbf16ps` at half the rate of an f32 FMA (emeraldrapids,
+register-only loops, 16 lanes: 86 vs 175 GFLOP/s per core); Zen 4 runs both at one
+512-bit op per cycle."""
+comptime BF16_PV_DOT[dtype: DType, D: Int] = BF16_DOT[dtype, D] and not HALF_RATE_BF16_DOT
+"""Whether decode P V over a `dtype` cache uses `dot_bf16` as well (P then rounded to
+bf16 once per tile). Where `vdpbf16ps` runs at half rate, P V widens each V chunk to
+f32 once and feeds it to the FMAs of all the head's rows instead: emeraldrapids,
+against `dot_bf16` P V (1 x 16k unless said, three rounds): bf16 GQA 8 2.32 -> 1.97 ms,
+4 x 8k 4.35 -> 3.74 ms, GQA 4 x0.90, GQA 1 x0.93. Scores keep `dot_bf16` there: widened,
+a broadcast key group costs a shuffle per FMA (x1.26-1.43 the time)."""
 
 
 @always_inline
@@ -292,25 +315,24 @@ def _qk_key_major[D: Int, RV: Int](
 
 
 @always_inline
-def _store_narrow_q[R: Int, DOT: Bool](head_q: F32Ptr, r: Int, c: Int, qv: SIMD[DType.float32, W]):
+def _store_narrow_q[R: Int, DOT: Bool, V: Int = NARROW_LANES](head_q: F32Ptr, r: Int, c: Int, qv: SIMD[DType.float32, W]):
     """Stores elements c .. c + W of scaled query row r of a head of R rows where
-    `_qk_narrow` reads them: in steps of 8 lanes, lane (r, e) holding PAIR consecutive
-    elements of D (2 with BF16_DOT, else 1), e < 8 / R, so that one step covers
-    G = (8 / R) x PAIR elements of D. Groups of G elements are moved whole, R groups
+    `_qk_narrow` reads them: in steps of V lanes, lane (r, e) holding PAIR consecutive
+    elements of D (2 with BF16_DOT, else 1), e < V / R, so that one step covers
+    G = (V / R) x PAIR elements of D. Groups of G elements are moved whole, R groups
     apart (one element at a time with its index computed took ~13 % of bf16 GQA 8
     decode units of 256 keys)."""
     comptime PAIR = 2 if DOT else 1
-    comptime G = (8 // R) * PAIR
+    comptime G = (V // R) * PAIR
     comptime qdt = DType.bfloat16 if DOT else DType.float32
-    comptime gdt = DType.uint32 if G * size_of[Scalar[qdt]]() == 4 else DType.uint64  # one group
-    var groups = bitcast[gdt, W // G](qv.cast[qdt]())
-    var dst = head_q.unsafe_bitcast[Scalar[gdt]]().unsafe_offset((c // G) * R + r % R)
+    var qc = qv.cast[qdt]()
+    var dst = head_q.unsafe_bitcast[Scalar[qdt]]().unsafe_offset(((c // G) * R + r % R) * G)
     comptime for k in range(W // G):
-        dst.unsafe_store(k * R, groups[k])
+        dst.unsafe_store(k * R * G, qc.slice[G, offset=k * G]())
 
 
 @always_inline
-def _qk_narrow[Cache: KVCacheT, R: Int, full: Bool](
+def _qk_narrow[Cache: KVCacheT, R: Int, full: Bool, V: Int = NARROW_LANES](
     qt: F32Ptr,  # the head's scaled queries in lane order (`_store_narrow_q`), f32 or (BF16_DOT) bf16
     s: F32Ptr,  # [BK, MAX_ROWS] scores of this tile, key-major
     r0: Int,  # the head's first row
@@ -322,17 +344,17 @@ def _qk_narrow[Cache: KVCacheT, R: Int, full: Bool](
     """S^T[j0 .. j0 + NK, r0 .. r0 + R] = K Q^T for a head of R = 8 or 4 rows (GQA 8 or
     4 decode).
 
-    Key-major with 8-lane vectors: per step, one load of the head's queries and NK
-    groups of key elements broadcast straight from the cache (8 // R consecutive
-    elements of D, 4 bytes for R = 8, 8 for R = 4; pairs of them with BF16_DOT) feed NK
-    independent FMAs (`dot_bf16` on 8 lanes). Lane (r, e) sums every (8 // R)-th element
-    of row r's dot product, so R = 8 needs no horizontal sums and R = 4 one add of
-    adjacent lanes per key, against 15 shuffles and adds per 16 scores of the 4-row
+    Key-major with V-lane vectors (`NARROW_LANES`, 8 or 16): per step, one load of the
+    head's queries and NK groups of key elements broadcast straight from the cache
+    (E = V // R consecutive elements of D, pairs of them with BF16_DOT: 4 to 16 bytes)
+    feed NK independent FMAs (`dot_bf16` on V lanes). Lane (r, e) sums every E-th
+    element of row r's dot product, so E = 1 needs no horizontal sums and E = 2 or 4
+    one or two levels of adjacent-lane adds per key (`_fold_keys`, keys paired so no
+    lane is wasted), against 15 shuffles and adds per 16 scores of the 4-row
     butterfly blocks (`_qk_block`). A full block addresses its keys as constant
     displacements from one register (a register per key made LLVM spill three of them)
     and carries the prefetches of its keys' V rows, one or two lines per step.
-    8 lanes cost no peak here: the benchmark VM runs one zmm FMA per cycle and two ymm
-    (117 GFLOP/s per core either way, register-only loops; `vdpbf16ps` 234 either way).
+    With 8 lanes (measured on Zen 4, where they cost no peak: `NARROW_LANES`):
     R = 8, against 8 rows x 2 keys per butterfly, one thread over a 2k context in L3 (4
     KV heads): f32 0.51-0.57 -> 0.45 ms, bf16 0.28-0.29 -> 0.27 ms. R = 4, against the
     4-row butterfly blocks, two threads at 1 x 16k (8 KV heads, medians of five
@@ -342,12 +364,11 @@ def _qk_narrow[Cache: KVCacheT, R: Int, full: Bool](
     comptime STRIDE = Cache.token_stride()
     comptime DOT = BF16_DOT[Cache.dtype, D]
     comptime NK = NARROW_KEYS[STRIDE * size_of[Scalar[Cache.dtype]]()]
-    comptime E = 8 // R  # lanes per row
+    comptime E = V // R  # lanes per row
     comptime PAIR = 2 if DOT else 1
     comptime G = E * PAIR  # elements of D per step
     comptime STEPS = D // G
     comptime qdt = DType.bfloat16 if DOT else DType.float32
-    comptime udt = DType.uint32 if E == 1 else DType.uint64  # one broadcast group of keys
     # A full block's key offsets are constants (one base register, displacements);
     # the tile's last, partial block repeats key n-1.
     var kb0 = kp.unsafe_offset(j0 * STRIDE)
@@ -358,38 +379,68 @@ def _qk_narrow[Cache: KVCacheT, R: Int, full: Bool](
         else:
             koff[kk] = min(kk, n - 1 - j0) * STRIDE
     var qp = qt.unsafe_bitcast[Scalar[qdt]]()
-    var acc = Array[SIMD[DType.float32, 8], NK](fill=0)
+    var acc = Array[SIMD[DType.float32, V], NK](fill=0)
     for st in range(STEPS):
         comptime if full:
             _prefetch_spread[Cache.dtype, NK, D, STRIDE, STEPS](vp.unsafe_offset(j0 * STRIDE), st)
-        var qv = qp.unsafe_load[width=8 * PAIR](st * 8 * PAIR)
+        var qv = qp.unsafe_load[width=V * PAIR](st * V * PAIR)
         comptime for kk in range(NK):
             var group: SIMD[qdt, G]
             comptime if DOT:
                 group = rebind[SIMD[qdt, G]](kb0.unsafe_load[width=G](koff[kk] + st * G))
             else:
                 group = rebind[SIMD[qdt, G]](widen[width=G](kb0, koff[kk] + st * G))
-            var kb = bitcast[qdt, 8 * PAIR](SIMD[udt, 8 // E](bitcast[udt, 1](group)))
+            var kb = _repeat_group[R](group)
             comptime if DOT:
-                acc[kk] = dot_bf16[8](
-                    acc[kk], rebind[SIMD[DType.bfloat16, 16]](qv), rebind[SIMD[DType.bfloat16, 16]](kb)
+                acc[kk] = dot_bf16[V](
+                    acc[kk], rebind[SIMD[DType.bfloat16, 2 * V]](qv), rebind[SIMD[DType.bfloat16, 2 * V]](kb)
                 )
             else:
-                acc[kk] = rebind[SIMD[DType.float32, 8]](kb).fma(rebind[SIMD[DType.float32, 8]](qv), acc[kk])
-    comptime if E == 1:
-        comptime for kk in range(NK):
-            s.unsafe_store((j0 + kk) * MAX_ROWS + r0, acc[kk])
-    else:  # lanes (r, 0) and (r, 1) hold halves of row r's score: add them, two keys at a time
-        comptime for kk in range(0, NK, 2):
-            var both = acc[kk].shuffle[0, 2, 4, 6, 8, 10, 12, 14](acc[kk + 1]) + acc[kk].shuffle[
-                1, 3, 5, 7, 9, 11, 13, 15
-            ](acc[kk + 1])
-            s.unsafe_store((j0 + kk) * MAX_ROWS + r0, both.slice[4, offset=0]())
-            s.unsafe_store((j0 + kk + 1) * MAX_ROWS + r0, both.slice[4, offset=4]())
+                acc[kk] = rebind[SIMD[DType.float32, V]](kb).fma(rebind[SIMD[DType.float32, V]](qv), acc[kk])
+    comptime for kk in range(0, NK, E):
+        var sums = _fold_keys[V, NK, E](acc, kk)
+        comptime for e in range(E):
+            s.unsafe_store((j0 + kk + e) * MAX_ROWS + r0, sums.slice[R, offset=e * R]())
 
 
 @always_inline
-def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB](
+def _repeat_group[R: Int, dtype: DType, G: Int](group: SIMD[dtype, G]) -> SIMD[dtype, R * G]:
+    """The G elements of `group` R times over (a broadcast from memory where `group` is
+    a load)."""
+    comptime GB = G * size_of[Scalar[dtype]]()
+    comptime if GB == 4 or GB == 8:
+        comptime udt = DType.uint32 if GB == 4 else DType.uint64
+        return bitcast[dtype, R * G](SIMD[udt, R](bitcast[udt, 1](group)))
+    elif R == 1:
+        return rebind[SIMD[dtype, R * G]](group)
+    else:
+        var half = _repeat_group[R // 2](group)
+        return rebind[SIMD[dtype, R * G]](half.join(half))
+
+
+def _halves_mask[V: Int, odd: Int]() -> IndexList[V]:
+    """Lanes 0, 2, 4, ... (odd = 0) or 1, 3, 5, ... (odd = 1) of concat(a, b)."""
+    var m = IndexList[V]()
+    for i in range(V):
+        m[i] = 2 * i + odd
+    return m
+
+
+@always_inline
+def _fold_keys[V: Int, NK: Int, E: Int](acc: Array[SIMD[DType.float32, V], NK], k: Int) -> SIMD[DType.float32, V]:
+    """Keys k .. k + E of `acc`, lanes (row, e) with E partial sums per row, summed over
+    e: lane e * (V // E) + r of the result is key k + e's score for row r. Each level
+    adds adjacent lanes of two vectors (two shuffles and an add)."""
+    comptime if E == 1:
+        return acc[k]
+    else:
+        var a = _fold_keys[V, NK, E // 2](acc, k)
+        var b = _fold_keys[V, NK, E // 2](acc, k + E // 2)
+        return a.shuffle[_halves_mask[V, 0]()](b) + a.shuffle[_halves_mask[V, 1]()](b)
+
+
+@always_inline
+def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB, DOT: Bool = BF16_PV_DOT[dtype, D]](
     o: F32Ptr,  # [rows, D] output accumulators
     p: F32Ptr,  # probabilities of this tile, key-major: P[r, j] at j * MAX_ROWS + r
     r0: Int,
@@ -401,7 +452,7 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB](
     """O[r0 .. r0+rb] += P[r0 .. r0+rb, :n] . V[:n], NC 16-lane column chunks per pass:
     rb*NC = 16 accumulators, and each loaded V chunk / broadcast p serves NC / rb FMAs.
     rb = 8 (a GQA-8 head's rows) widens each bf16 V chunk once instead of twice.
-    With BF16_DOT, p holds bf16 pairs (P[r, j], P[r, j+1]) in 32-bit slots
+    With DOT (`BF16_PV_DOT`), p holds bf16 pairs (P[r, j], P[r, j+1]) in 32-bit slots
     ((j // 2) * MAX_ROWS + r, from `_softmax_key_major`) and a step takes two keys: V
     rows j and j+1 interleaved are the adjacent pairs `dot_bf16` multiplies (row n-1
     repeats for an odd n, times 0). They are interleaved within 128-bit lanes (one
@@ -411,7 +462,6 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB](
     L2 (medians of three alternating runs): bf16 GQA 8 29.4 -> 27.5 us, GQA 4 35.3 ->
     33.6 us, GQA 1 78.7 -> 75.7 us; GQA 8 two threads at 1 x 16k 1.08 -> 1.05 ms.
     Each step prefetches the same columns of pf's rows."""
-    comptime DOT = BF16_DOT[dtype, D]
     comptime KSTEP = 2 if DOT else 1
     comptime NC = _pv_chunks(W // rb, D)
     comptime assert not DOT or NC % 2 == 0, "BF16_DOT pairs V columns 32 at a time"
@@ -667,8 +717,8 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
     var rows_hp = _head_rows(u.ntok, group)
     var rows_p = u.nh * rows_hp
     var key_major = rows_hp % W == 0
-    var narrow = rows_hp == 8 or rows_hp == 4  # scores in 8-lane vectors, K broadcast from the cache (`_qk_narrow`)
-    var paired = DOT and not key_major  # P V with `dot_bf16`: O's columns in paired order (`_pv_block`)
+    var narrow = rows_hp == 8 or rows_hp == 4  # scores with K broadcast from the cache (`_qk_narrow`)
+    var paired = BF16_PV_DOT[Cache.dtype, D] and not key_major  # P V with `dot_bf16`: O's columns in paired order
     var qs = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var o = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var s = stack_allocation[MAX_ROWS * BK, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
@@ -791,7 +841,7 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
                 for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
                     _pv_block[DType.float32, D, D](o, s, r0, kf, n, kf, 0)
         else:
-            var p = pb if DOT else s
+            var p = pb if paired else s
             for hh in range(u.nh):
                 var vh = vp.unsafe_offset(hh * D)
                 var kh = kp_next.unsafe_offset(hh * D)

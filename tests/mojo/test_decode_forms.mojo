@@ -1,0 +1,116 @@
+"""Decode's score and P V forms in every variant the CPU choice can pick, on any CPU.
+
+`NARROW_LANES` (8 or 16) and `BF16_PV_DOT` are chosen by the building CPU, so the
+attention tests over a graph only run this machine's variant. Here `_qk_narrow` runs
+with 8 and 16 lanes for 4 and 8 rows per head, and `_pv_block` with and without
+`dot_bf16`, against sums taken in Float64. Every input is a multiple of 1/64 below 1
+in magnitude, exact in bf16, so products and their f32 sums are exact and the
+results must match to the bit.
+"""
+
+from std.sys.info import size_of
+from std.testing import assert_equal, TestSuite
+
+from mokv.continuous import ContinuousBatchingKVCache
+from mokv.kernels.flash_attention import (
+    BF16_DOT,
+    BK,
+    MAX_ROWS,
+    NARROW_KEYS,
+    _o_natural,
+    _pv_block,
+    _qk_narrow,
+    _store_narrow_q,
+)
+from mokv.kernels.simd import F32Ptr, HAS_AVX512_BF16, W
+from mokv.types import Ptr
+
+comptime H = 4  # KV heads of a token: K rows of one head are H * D elements apart
+comptime D = 128
+
+
+def _value(i: Int, salt: Int) -> Float32:
+    """A fixed pseudo-random multiple of 1/64 in (-1, 1)."""
+    return Float32((i * 7919 + salt * 104729) % 127 - 63) / 64
+
+
+def _check_scores[dtype: DType, R: Int, V: Int, full: Bool]() raises:
+    comptime Cache = ContinuousBatchingKVCache[dtype, H, D]
+    comptime STRIDE = Cache.token_stride()
+    comptime NK = NARROW_KEYS[STRIDE * size_of[Scalar[dtype]]()]
+    comptime DOT = BF16_DOT[dtype, D]
+    var n = NK if full else NK - 3  # a partial block repeats its last key
+    var k = List[Scalar[dtype]](length=NK * STRIDE, fill=0)
+    for i in range(len(k)):
+        k[i] = _value(i, 1).cast[dtype]()
+    var qt = List[Float32](length=R * D, fill=0)
+    var qtp = qt.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    for r in range(R):
+        comptime for c in range(0, D, W):
+            var qv = SIMD[DType.float32, W](0)
+            comptime for i in range(W):
+                qv[i] = _value(r * D + c + i, 2)
+            _store_narrow_q[R, DOT, V](qtp, r, c, qv)
+    var s = List[Float32](length=BK * MAX_ROWS, fill=0)
+    var kp = k.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    _qk_narrow[Cache, R, full, V](qtp, s.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), 0, kp, kp, 0, n)
+    for j in range(n):
+        for r in range(R):
+            var want: Float64 = 0
+            for d in range(D):
+                want += Float64(_value(r * D + d, 2)) * Float64(k[j * STRIDE + d].cast[DType.float64]())
+            assert_equal(Float64(s[j * MAX_ROWS + r]), want, String("R ", R, " V ", V, " key ", j, " row ", r))
+    _ = k^  # the kernel read them through pointers: keep them alive until here
+    _ = qt^
+
+
+def _check_pv[dtype: DType, rb: Int, DOT: Bool]() raises:
+    comptime STRIDE = H * D
+    comptime n = 13  # odd: the paired form's last key pairs with a zero probability
+    var v = List[Scalar[dtype]](length=n * STRIDE, fill=0)
+    for i in range(len(v)):
+        v[i] = _value(i, 3).cast[dtype]()
+    var p = List[Float32](length=BK * MAX_ROWS, fill=0)
+    var pp = p.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    for j in range(n):
+        for r in range(rb):
+            var pr = abs(_value(j * rb + r, 4))
+            comptime if DOT:  # bf16 pairs (P[r, j], P[r, j + 1]) in one 32-bit slot
+                pp.unsafe_bitcast[BFloat16]().unsafe_store(((j // 2) * MAX_ROWS + r) * 2 + j % 2, pr.cast[DType.bfloat16]())
+            else:
+                pp.unsafe_store(j * MAX_ROWS + r, pr)
+    var o = List[Float32](length=rb * D, fill=0)
+    var op = o.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var vp = v.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    _pv_block[dtype, D, STRIDE, rb, DOT](op, pp, 0, vp, n, vp, 0)
+    for r in range(rb):
+        comptime for c in range(0, D, W):
+            var got = _o_natural[D](op, r, c, DOT)
+            comptime for i in range(W):
+                var want: Float64 = 0
+                for j in range(n):
+                    want += Float64(abs(_value(j * rb + r, 4))) * Float64(v[j * STRIDE + c + i].cast[DType.float64]())
+                assert_equal(Float64(got[i]), want, String("rb ", rb, " DOT ", DOT, " row ", r, " column ", c + i))
+    _ = o^  # read through pointers: keep them alive until here
+    _ = p^
+
+
+def test_scores_in_8_and_16_lanes() raises:
+    comptime for V in [8, 16]:
+        comptime for R in [4, 8]:
+            _check_scores[DType.float32, R, V, True]()
+            _check_scores[DType.float32, R, V, False]()
+            _check_scores[DType.bfloat16, R, V, True]()
+            _check_scores[DType.bfloat16, R, V, False]()
+
+
+def test_pv_with_and_without_the_bf16_dot_product() raises:
+    comptime for rb in [1, 4, 8]:
+        _check_pv[DType.float32, rb, False]()
+        _check_pv[DType.bfloat16, rb, False]()
+        comptime if HAS_AVX512_BF16:
+            _check_pv[DType.bfloat16, rb, True]()
+
+
+def main() raises:
+    TestSuite.discover_tests[__functions_in_module()]().run()
