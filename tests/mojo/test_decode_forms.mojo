@@ -53,13 +53,16 @@ def _check_scores[dtype: DType, R: Int, V: Int, full: Bool]() raises:
             _store_narrow_q[R, DOT, V](qtp, r, c, qv)
     var s = List[Float32](length=BK * MAX_ROWS, fill=0)
     var kp = k.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    _qk_narrow[Cache, R, full, V](qtp, s.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), 0, kp, kp, 0, n)
+    var sp = s.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    _qk_narrow[Cache, R, full, V](qtp, sp, 0, kp, kp, 0, n)
     for j in range(n):
         for r in range(R):
             var want: Float64 = 0
             for d in range(D):
-                want += Float64(_value(r * D + d, 2)) * Float64(k[j * STRIDE + d].cast[DType.float64]())
-            assert_equal(Float64(s[j * MAX_ROWS + r]), want, String("R ", R, " V ", V, " key ", j, " row ", r))
+                var kd = k[j * STRIDE + d].cast[DType.float64]()
+                want += Float64(_value(r * D + d, 2)) * Float64(kd)
+            var where = String("R ", R, " V ", V, " key ", j, " row ", r)
+            assert_equal(Float64(s[j * MAX_ROWS + r]), want, where)
     _ = k^  # the kernel read them through pointers: keep them alive until here
     _ = qt^
 
@@ -76,7 +79,8 @@ def _check_pv[dtype: DType, rb: Int, DOT: Bool]() raises:
         for r in range(rb):
             var pr = abs(_value(j * rb + r, 4))
             comptime if DOT:  # bf16 pairs (P[r, j], P[r, j + 1]) in one 32-bit slot
-                pp.unsafe_bitcast[BFloat16]().unsafe_store(((j // 2) * MAX_ROWS + r) * 2 + j % 2, pr.cast[DType.bfloat16]())
+                var slot = (j // 2) * MAX_ROWS + r
+                pp.unsafe_bitcast[BFloat16]().unsafe_store(slot * 2 + j % 2, pr.cast[DType.bfloat16]())
             else:
                 pp.unsafe_store(j * MAX_ROWS + r, pr)
     var o = List[Float32](length=rb * D, fill=0)
@@ -89,8 +93,10 @@ def _check_pv[dtype: DType, rb: Int, DOT: Bool]() raises:
             comptime for i in range(W):
                 var want: Float64 = 0
                 for j in range(n):
-                    want += Float64(abs(_value(j * rb + r, 4))) * Float64(v[j * STRIDE + c + i].cast[DType.float64]())
-                assert_equal(Float64(got[i]), want, String("rb ", rb, " DOT ", DOT, " row ", r, " column ", c + i))
+                    var vd = v[j * STRIDE + c + i].cast[DType.float64]()
+                    want += Float64(abs(_value(j * rb + r, 4))) * Float64(vd)
+                var where = String("rb ", rb, " DOT ", DOT, " row ", r, " column ", c + i)
+                assert_equal(Float64(got[i]), want, where)
     _ = o^  # read through pointers: keep them alive until here
     _ = p^
 

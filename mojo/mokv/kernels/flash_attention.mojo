@@ -315,7 +315,9 @@ def _qk_key_major[D: Int, RV: Int](
 
 
 @always_inline
-def _store_narrow_q[R: Int, DOT: Bool, V: Int = NARROW_LANES](head_q: F32Ptr, r: Int, c: Int, qv: SIMD[DType.float32, W]):
+def _store_narrow_q[R: Int, DOT: Bool, V: Int = NARROW_LANES](
+    head_q: F32Ptr, r: Int, c: Int, qv: SIMD[DType.float32, W]
+):
     """Stores elements c .. c + W of scaled query row r of a head of R rows where
     `_qk_narrow` reads them: in steps of V lanes, lane (r, e) holding PAIR consecutive
     elements of D (2 with BF16_DOT, else 1), e < V / R, so that one step covers
