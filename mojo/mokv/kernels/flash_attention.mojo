@@ -122,7 +122,9 @@ bf16 once per tile). Where `vdpbf16ps` runs at half rate, P V widens each V chun
 f32 once and feeds it to the FMAs of all the head's rows instead: emeraldrapids,
 against `dot_bf16` P V (1 x 16k unless said, three rounds): bf16 GQA 8 2.32 -> 1.97 ms,
 4 x 8k 4.35 -> 3.74 ms, GQA 4 x0.90, GQA 1 x0.93. Scores keep `dot_bf16` there: widened,
-a broadcast key group costs a shuffle per FMA (x1.26-1.43 the time)."""
+a broadcast key group costs a shuffle per FMA (x1.26-1.43 the time); widened into L1 a
+block ahead, the score loop alone ran 1.3x faster and decode x1.03-1.20 slower
+(benchmarks/README.md, section 3b)."""
 
 
 @always_inline
