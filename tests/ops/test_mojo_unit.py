@@ -19,14 +19,19 @@ ROOT = Path(__file__).resolve().parents[2]
 MOJO_TESTS = sorted((ROOT / "tests" / "mojo").glob("test_*.mojo"))
 
 
-@pytest.mark.parametrize("path", MOJO_TESTS, ids=lambda p: p.name)
-def test_mojo_file(path: Path) -> None:
-    proc = subprocess.run(
-        [_mojo_binary(), "run", "-I", str(kernels_path().parent), str(path)],
+def _mojo_run(*args: str) -> subprocess.CompletedProcess:
+    """`mojo run` with the precompiled mokv package on the import path."""
+    return subprocess.run(
+        [_mojo_binary(), "run", "-I", str(kernels_path().parent), *args],
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+@pytest.mark.parametrize("path", MOJO_TESTS, ids=lambda p: p.name)
+def test_mojo_file(path: Path) -> None:
+    proc = _mojo_run(str(path))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "FAIL" not in proc.stdout.replace("0 failed", ""), proc.stdout[-4000:]
 
@@ -36,12 +41,6 @@ def test_decode_direct_benchmark_runs_and_matches_its_reference() -> None:
     tokens (tiles, splits and a partial tile): it exits non-zero when sequence 0's
     output differs from its float64 reference."""
     defines = ["-D", "KV_HEADS=2", "-D", "GROUP=4", "-D", "DTYPE=bfloat16"]
-    proc = subprocess.run(
-        [_mojo_binary(), "run", "-I", str(kernels_path().parent), *defines,
-         str(ROOT / "benchmarks" / "decode_direct.mojo"), "600", "2", "3"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = _mojo_run(*defines, str(ROOT / "benchmarks" / "decode_direct.mojo"), "600", "2", "3")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "median_ms" in proc.stdout and "context 600 batch 2" in proc.stdout, proc.stdout
