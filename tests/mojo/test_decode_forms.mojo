@@ -1,9 +1,10 @@
 """Decode's score and P V forms in every variant the CPU choice can pick, on any CPU.
 
-`NARROW_LANES` (8 or 16) and `BF16_PV_DOT` are chosen by the building CPU, so the
-attention tests over a graph only run this machine's variant. Here `_qk_narrow` runs
-with 8 and 16 lanes for 4 and 8 rows per head, and `_pv_block` with and without
-`dot_bf16`, against sums taken in Float64. Every input is a multiple of 1/64 below 1
+`NARROW_LANES` (8 or 16), `ROW_PAIR_SCORES`, `BF16_PV_DOT` and `SPLIT_PV` are chosen by
+the building CPU, so the attention tests over a graph only run this machine's variant.
+Here `_qk_narrow` runs with 8 and 16 lanes and `_qk_row_pairs` (bf16) for 4 and 8 rows
+per head, and `_pv_block` with and without `dot_bf16` and split widening, against sums
+taken in Float64. Every input is a multiple of 1/64 below 1
 in magnitude, exact in bf16, so products and their f32 sums are exact and the
 results must match to the bit.
 """
@@ -17,10 +18,16 @@ from mokv.kernels.flash_attention import (
     BK,
     MAX_ROWS,
     NARROW_KEYS,
+    O_NATURAL,
+    O_PAIRED,
+    O_SPLIT,
+    ROW_PAIR_KEYS,
     _o_natural,
     _pv_block,
     _qk_narrow,
+    _qk_row_pairs,
     _store_narrow_q,
+    _store_row_pairs_q,
 )
 from mokv.kernels.simd import F32Ptr, HAS_AVX512_BF16, W
 from mokv.types import Ptr
@@ -34,11 +41,12 @@ def _value(i: Int, salt: Int) -> Float32:
     return Float32((i * 7919 + salt * 104729) % 127 - 63) / 64
 
 
-def _check_scores[dtype: DType, R: Int, V: Int, full: Bool]() raises:
+def _check_scores[dtype: DType, R: Int, V: Int, full: Bool, ROW_PAIRS: Bool = False]() raises:
+    """`_qk_narrow` in V lanes, or (ROW_PAIRS) `_qk_row_pairs`."""
     comptime Cache = ContinuousBatchingKVCache[dtype, H, D]
     comptime STRIDE = Cache.token_stride()
-    comptime NK = NARROW_KEYS[STRIDE * size_of[Scalar[dtype]]()]
-    comptime DOT = BF16_DOT[dtype, D]
+    comptime NK = ROW_PAIR_KEYS if ROW_PAIRS else NARROW_KEYS[STRIDE * size_of[Scalar[dtype]]()]
+    comptime DOT = BF16_DOT[dtype, D] and not ROW_PAIRS
     var n = NK if full else NK - 3  # a partial block repeats its last key
     var k = List[Scalar[dtype]](length=NK * STRIDE, fill=0)
     for i in range(len(k)):
@@ -50,24 +58,30 @@ def _check_scores[dtype: DType, R: Int, V: Int, full: Bool]() raises:
             var qv = SIMD[DType.float32, W](0)
             comptime for i in range(W):
                 qv[i] = _value(r * D + c + i, 2)
-            _store_narrow_q[R, DOT, V](qtp, r, c, qv)
+            comptime if ROW_PAIRS:
+                _store_row_pairs_q[R](qtp, r, c, qv)
+            else:
+                _store_narrow_q[R, DOT, V](qtp, r, c, qv)
     var s = List[Float32](length=BK * MAX_ROWS, fill=0)
     var kp = k.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var sp = s.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    _qk_narrow[Cache, R, full, V](qtp, sp, 0, kp, kp, 0, n)
+    comptime if ROW_PAIRS:
+        _qk_row_pairs[Cache, R, full](qtp, sp, 0, kp, kp, 0, n)
+    else:
+        _qk_narrow[Cache, R, full, V](qtp, sp, 0, kp, kp, 0, n)
     for j in range(n):
         for r in range(R):
             var want: Float64 = 0
             for d in range(D):
                 var kd = k[j * STRIDE + d].cast[DType.float64]()
                 want += Float64(_value(r * D + d, 2)) * Float64(kd)
-            var where = String("R ", R, " V ", V, " key ", j, " row ", r)
+            var where = String("R ", R, " V ", V, " row pairs ", ROW_PAIRS, " key ", j, " row ", r)
             assert_equal(Float64(s[j * MAX_ROWS + r]), want, where)
     _ = k^  # the kernel read them through pointers: keep them alive until here
     _ = qt^
 
 
-def _check_pv[dtype: DType, rb: Int, DOT: Bool]() raises:
+def _check_pv[dtype: DType, rb: Int, DOT: Bool, SPLIT: Bool = False]() raises:
     comptime STRIDE = H * D
     comptime n = 13  # odd: the paired form's last key pairs with a zero probability
     var v = List[Scalar[dtype]](length=n * STRIDE, fill=0)
@@ -86,16 +100,17 @@ def _check_pv[dtype: DType, rb: Int, DOT: Bool]() raises:
     var o = List[Float32](length=rb * D, fill=0)
     var op = o.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var vp = v.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    _pv_block[dtype, D, STRIDE, rb, DOT](op, pp, 0, vp, n, vp, 0)
+    _pv_block[dtype, D, STRIDE, rb, DOT, SPLIT](op, pp, 0, vp, n, vp, 0)
+    comptime order = O_PAIRED if DOT else (O_SPLIT if SPLIT else O_NATURAL)
     for r in range(rb):
         comptime for c in range(0, D, W):
-            var got = _o_natural[D](op, r, c, DOT)
+            var got = _o_natural[D](op, r, c, order)
             comptime for i in range(W):
                 var want: Float64 = 0
                 for j in range(n):
                     var vd = v[j * STRIDE + c + i].cast[DType.float64]()
                     want += Float64(abs(_value(j * rb + r, 4))) * Float64(vd)
-                var where = String("rb ", rb, " DOT ", DOT, " row ", r, " column ", c + i)
+                var where = String("rb ", rb, " DOT ", DOT, " SPLIT ", SPLIT, " row ", r, " column ", c + i)
                 assert_equal(Float64(got[i]), want, where)
     _ = o^  # read through pointers: keep them alive until here
     _ = p^
@@ -110,10 +125,17 @@ def test_scores_in_8_and_16_lanes() raises:
             _check_scores[DType.bfloat16, R, V, False]()
 
 
+def test_scores_over_keys_widened_for_row_pairs() raises:
+    comptime for R in [4, 8]:
+        _check_scores[DType.bfloat16, R, W, True, True]()
+        _check_scores[DType.bfloat16, R, W, False, True]()
+
+
 def test_pv_with_and_without_the_bf16_dot_product() raises:
     comptime for rb in [1, 4, 8]:
         _check_pv[DType.float32, rb, False]()
         _check_pv[DType.bfloat16, rb, False]()
+        _check_pv[DType.bfloat16, rb, False, True]()
         comptime if HAS_AVX512_BF16:
             _check_pv[DType.bfloat16, rb, True]()
 

@@ -31,7 +31,8 @@ CPU design (decode is memory-bound, prefill compute-bound):
     all units and runs lane-wise over 16 rows, with no horizontal sums. Decode reads
     K as stored, in the form that fits its rows per head: 8 and 4 (GQA 8 and 4) in
     vectors of 8 or 16 lanes (`NARROW_LANES`, by CPU) with groups of key elements
-    broadcast from the cache (`_qk_narrow`);
+    broadcast from the cache (`_qk_narrow`), or, for bf16 where `vdpbf16ps` runs at
+    half rate, two rows per vector over keys widened in registers (`_qk_row_pairs`);
     1 (GQA 1) one key x 16 heads per butterfly, reading a key's rows in address order
     (`_qk_heads`); 12 (a few new tokens) in 4-row x 4-key register blocks, 16 FMA
     chains over D reduced by one butterfly (`_qk_block`). Each gives its measurements.
@@ -43,8 +44,8 @@ CPU design (decode is memory-bound, prefill compute-bound):
     widened once per block (bf16 by a bit shift); 1 and 8 rows per head have their own
     block shapes.
   * bf16 caches on CPUs with AVX-512 BF16 (BF16_DOT, chosen when the kernels are
-    built): decode scores and P V (P V not where `vdpbf16ps` runs at half the f32
-    FMA's rate: `BF16_PV_DOT`) use `vdpbf16ps`, 32 bf16 products per instruction
+    built): decode scores and P V (neither where `vdpbf16ps` runs at half the f32
+    FMA's rate: `ROW_PAIR_SCORES`, `BF16_PV_DOT`) use `vdpbf16ps`, 32 bf16 products per instruction
     into 16 f32 lanes, twice the f32 FMA's elements and no widening. It multiplies
     adjacent pairs along the reduction: for Q K^T these are adjacent head_dim
     elements, so K is read as stored; for P V two keys' V rows are interleaved. So
@@ -73,7 +74,7 @@ from max.gpu.host.info import is_cpu
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .gpu_attention import gpu_attention, heads_per_unit
 from .parallel import parallel_units
-from .simd import F32Ptr, HAS_AVX512_BF16, HAS_AVX512F, W, dot_bf16, exp2, reduce_16, widen
+from .simd import F32Ptr, HAS_AVX512_BF16, HAS_AVX512F, W, _fold, dot_bf16, exp2, reduce_16, widen
 
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
 comptime BK = 64  # most keys per tile (the row stride of the score tile)
@@ -121,10 +122,19 @@ comptime BF16_PV_DOT[dtype: DType, D: Int] = BF16_DOT[dtype, D] and not HALF_RAT
 bf16 once per tile). Where `vdpbf16ps` runs at half rate, P V widens each V chunk to
 f32 once and feeds it to the FMAs of all the head's rows instead: emeraldrapids,
 against `dot_bf16` P V (1 x 16k unless said, three rounds): bf16 GQA 8 2.32 -> 1.97 ms,
-4 x 8k 4.35 -> 3.74 ms, GQA 4 x0.90, GQA 1 x0.93. Scores keep `dot_bf16` there: widened,
-a broadcast key group costs a shuffle per FMA (x1.26-1.43 the time); widened into L1 a
-block ahead, the score loop alone ran 1.3x faster and decode x1.03-1.20 slower
-(benchmarks/README.md, section 3b)."""
+4 x 8k 4.35 -> 3.74 ms, GQA 4 x0.90, GQA 1 x0.93."""
+comptime SPLIT_PV[dtype: DType, D: Int] = dtype == DType.bfloat16 and not BF16_PV_DOT[dtype, D] and D % (2 * W) == 0
+"""Whether decode P V over a bf16 cache widens V in split order: 32 bf16 columns are
+loaded as 16 32-bit words, and a shift and a mask make the even columns and the odd
+ones into two f32 vectors (one op per 16 columns instead of two for a zero-extension
+and a shift). O's columns are then kept even-then-odd per 32 (`O_SPLIT`) until the
+unit's output. emeraldrapids, bf16 GQA 8 with `_qk_row_pairs`, direct calls
+(`decode_direct.mojo`, alternating): two threads at 1 x 16k 1.44-1.46 -> 1.39 ms, one
+thread in L2 (768 keys) 118-120 -> 112 us; GQA 1 in L2 38.6 -> 36.7 us."""
+comptime ROW_PAIR_SCORES[dtype: DType, D: Int] = HALF_RATE_BF16_DOT and dtype == DType.bfloat16 and D % W == 0
+"""Whether GQA 8 and 4 decode scores over a `dtype` cache are f32 FMAs over K widened
+in registers (`_qk_row_pairs`) rather than `vdpbf16ps` (`_qk_narrow`): where that
+instruction runs at half the FMA's rate."""
 
 
 @always_inline
@@ -443,8 +453,129 @@ def _fold_keys[V: Int, NK: Int, E: Int](acc: Array[SIMD[DType.float32, V], NK], 
         return a.shuffle[_halves_mask[V, 0]()](b) + a.shuffle[_halves_mask[V, 1]()](b)
 
 
+comptime ROW_PAIR_KEYS = 4
+"""Keys per `_qk_row_pairs` block: 4 keys x 4 row pairs = 16 accumulators beside the 8
+query vectors of a step (2 keys per block: 1.55 vs 1.43-1.47 ms, bf16 GQA 8 1 x 16k)."""
+
+
 @always_inline
-def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB, DOT: Bool = BF16_PV_DOT[dtype, D]](
+def _store_row_pairs_q[R: Int](head_q: F32Ptr, r: Int, c: Int, qv: SIMD[DType.float32, W]):
+    """Stores elements c .. c + W of scaled query row r of a head of R rows where
+    `_qk_row_pairs` reads them: per step (W elements of D) and pair of rows, one vector
+    of the even elements, then one of the odd ones, each with lanes (row of the pair,
+    e), e < 8."""
+    var lo = qv.slice[W // 2, offset=0]()
+    var hi = qv.slice[W // 2, offset=W // 2]()
+    var base = ((c // W) * R + (r % R) // 2 * 2) * W + (r % 2) * (W // 2)
+    head_q.unsafe_store(base, lo.shuffle[_halves_mask[W // 2, 0]()](hi))
+    head_q.unsafe_store(base + W, lo.shuffle[_halves_mask[W // 2, 1]()](hi))
+
+
+@always_inline
+def _qk_row_pairs[Cache: KVCacheT, R: Int, full: Bool](
+    qt: F32Ptr,  # the head's scaled queries in `_store_row_pairs_q`'s order, f32
+    s: F32Ptr,  # [BK, MAX_ROWS] scores of this tile, key-major
+    r0: Int,  # the head's first row
+    kp: Ptr[Cache.dtype],  # the head's first key row of the tile
+    vp: Ptr[Cache.dtype],  # the head's first value row of the tile (a full block prefetches its rows as it goes)
+    j0: Int,
+    n: Int,  # keys in the tile; `full`: j0 + ROW_PAIR_KEYS <= n
+):
+    """S^T[j0 .. j0 + NK, r0 .. r0 + R] = K Q^T for a head of R = 8 or 4 rows over a
+    bf16 cache, on f32 FMAs (`ROW_PAIR_SCORES`: where `vdpbf16ps` runs at half rate).
+
+    A vector holds two rows of 8 lanes. Per step of 16 elements of D, a key's 32 bytes
+    are broadcast to both halves of a register and widened in split order: a shift
+    makes the even elements f32, a mask the odd ones. Each of the two serves the R / 2
+    row pairs' FMAs (query vectors of even and odd elements, `_store_row_pairs_q`), so
+    a widening op feeds R / 2 FMAs, where a broadcast key group of `_qk_narrow`'s
+    layout (8 rows x 2 lanes) would need one per FMA. Each row's 8 lanes are summed
+    with the other rows' and keys' by three levels of two-source shuffles and adds
+    (`_fold`, `_fold_keys`). The floor per key row of GQA 8 is then 64 FMAs, 16
+    widening ops and ~10 for the sums, ~45 cycles, against 64 for 32 `vdpbf16ps`.
+    emeraldrapids, bf16, direct calls (`decode_direct.mojo`), against `_qk_narrow`:
+    GQA 8 two threads at 1 x 16k 1.64-1.66 -> 1.45-1.46 ms, one thread in L2 (768
+    keys) 141.5 -> 119 us (46 -> 39 ns per key row); GQA 4 (8 KV heads) 2.00 -> 1.82
+    ms, in L2 74.2 -> 65.5 us. Q stays f32 (`_qk_narrow` rounds it to bf16), so
+    the scores are the f32 products' sums. Keys past n repeat key n-1; their scores
+    land in unused slots."""
+    comptime D = Cache.kv_params.head_size
+    comptime STRIDE = Cache.token_stride()
+    comptime NK = ROW_PAIR_KEYS
+    comptime G = R // 2  # row pairs
+    comptime E = W // R  # lanes per row once a key's row pairs are summed
+    comptime STEPS = D // W
+    var kb0 = kp.unsafe_offset(j0 * STRIDE)
+    var koff = Array[Int, NK](fill=0)
+    comptime for kk in range(NK):
+        comptime if full:
+            koff[kk] = kk * STRIDE
+        else:
+            koff[kk] = min(kk, n - 1 - j0) * STRIDE
+    var acc = Array[SIMD[DType.float32, W], NK * G](fill=0)  # [kk * G + g]: lanes (row of pair g, e)
+    for st in range(STEPS):
+        comptime if full:
+            _prefetch_spread[Cache.dtype, NK, D, STRIDE, STEPS](vp.unsafe_offset(j0 * STRIDE), st)
+        var q = Array[SIMD[DType.float32, W], 2 * G](fill=0)  # [2 g]: even elements, [2 g + 1]: odd
+        comptime for i in range(2 * G):
+            q[i] = qt.unsafe_load[width=W]((st * 2 * G + i) * W)
+        comptime for kk in range(NK):
+            var words = bitcast[DType.uint32, W // 2](kb0.unsafe_load[width=W](koff[kk] + st * W))
+            var both = words.join(words)
+            var even = SIMD[DType.float32, W](from_bits=both << 16)
+            var odd = SIMD[DType.float32, W](from_bits=both & UInt32(0xFFFF0000))
+            comptime for g in range(G):
+                acc[kk * G + g] = q[2 * g].fma(even, acc[kk * G + g])
+                acc[kk * G + g] = q[2 * g + 1].fma(odd, acc[kk * G + g])
+    var per_key = Array[SIMD[DType.float32, W], NK](fill=0)  # lanes (row, e): R rows of E lanes
+    comptime for kk in range(NK):
+        var quads = Array[SIMD[DType.float32, W], G // 2](fill=0)  # 4 rows of 4 lanes
+        comptime for h in range(G // 2):
+            quads[h] = _fold[8](acc[kk * G + 2 * h], acc[kk * G + 2 * h + 1])
+        comptime if G == 4:
+            per_key[kk] = _fold[4](quads[0], quads[1])
+        else:
+            per_key[kk] = quads[0]
+    comptime for kk in range(0, NK, E):
+        var sums = _fold_keys[W, NK, E](per_key, kk)
+        comptime for e in range(E):
+            s.unsafe_store((j0 + kk + e) * MAX_ROWS + r0, sums.slice[R, offset=e * R]())
+
+
+def _group_keys[Cache: KVCacheT]() -> Int:
+    """Keys per score block of a GQA 8 or 4 head (`_qk_group`)."""
+    comptime if ROW_PAIR_SCORES[Cache.dtype, Cache.kv_params.head_size]:
+        return ROW_PAIR_KEYS
+    return NARROW_KEYS[Cache.token_stride() * size_of[Scalar[Cache.dtype]]()]
+
+
+@always_inline
+def _store_group_q[Cache: KVCacheT, R: Int](head_q: F32Ptr, r: Int, c: Int, qv: SIMD[DType.float32, W]):
+    """Stores elements c .. c + W of scaled query row r of a head of R = 8 or 4 rows
+    where `_qk_group` reads them."""
+    comptime D = Cache.kv_params.head_size
+    comptime if ROW_PAIR_SCORES[Cache.dtype, D]:
+        _store_row_pairs_q[R](head_q, r, c, qv)
+    else:
+        _store_narrow_q[R, BF16_DOT[Cache.dtype, D]](head_q, r, c, qv)
+
+
+@always_inline
+def _qk_group[Cache: KVCacheT, R: Int, full: Bool](
+    qt: F32Ptr, s: F32Ptr, r0: Int, kp: Ptr[Cache.dtype], vp: Ptr[Cache.dtype], j0: Int, n: Int
+):
+    """The scores of one block of `_group_keys` keys for a head of R = 8 or 4 rows, in
+    the form this CPU runs fastest (arguments as `_qk_narrow`'s)."""
+    comptime if ROW_PAIR_SCORES[Cache.dtype, Cache.kv_params.head_size]:
+        _qk_row_pairs[Cache, R, full](qt, s, r0, kp, vp, j0, n)
+    else:
+        _qk_narrow[Cache, R, full](qt, s, r0, kp, vp, j0, n)
+
+
+@always_inline
+def _pv_block[
+    dtype: DType, D: Int, STRIDE: Int, rb: Int = RB, DOT: Bool = BF16_PV_DOT[dtype, D], SPLIT: Bool = SPLIT_PV[dtype, D]
+](
     o: F32Ptr,  # [rows, D] output accumulators
     p: F32Ptr,  # probabilities of this tile, key-major: P[r, j] at j * MAX_ROWS + r
     r0: Int,
@@ -456,6 +587,8 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB, DOT: Bool = BF16_
     """O[r0 .. r0+rb] += P[r0 .. r0+rb, :n] . V[:n], NC 16-lane column chunks per pass:
     rb*NC = 16 accumulators, and each loaded V chunk / broadcast p serves NC / rb FMAs.
     rb = 8 (a GQA-8 head's rows) widens each bf16 V chunk once instead of twice.
+    With SPLIT (`SPLIT_PV`), a bf16 V chunk pair is widened by one shift and one mask
+    into its even and odd columns, and O's columns are kept in that order (`O_SPLIT`).
     With DOT (`BF16_PV_DOT`), p holds bf16 pairs (P[r, j], P[r, j+1]) in 32-bit slots
     ((j // 2) * MAX_ROWS + r, from `_softmax_key_major`) and a step takes two keys: V
     rows j and j+1 interleaved are the adjacent pairs `dot_bf16` multiplies (row n-1
@@ -489,8 +622,14 @@ def _pv_block[dtype: DType, D: Int, STRIDE: Int, rb: Int = RB, DOT: Bool = BF16_
                         acc[rr * NC + cc] = dot_bf16(acc[rr * NC + cc], pj, vv[cc])
             else:
                 var vv = Array[SIMD[DType.float32, W], NC](fill=0)
-                comptime for cc in range(NC):
-                    vv[cc] = widen(vp, j * STRIDE + c0 + cc * W)
+                comptime if SPLIT:
+                    comptime for cc in range(0, NC, 2):
+                        var bits = bitcast[DType.uint32, W](vp.unsafe_load[width=2 * W](j * STRIDE + c0 + cc * W))
+                        vv[cc] = SIMD[DType.float32, W](from_bits=bits << 16)
+                        vv[cc + 1] = SIMD[DType.float32, W](from_bits=bits & UInt32(0xFFFF0000))
+                else:
+                    comptime for cc in range(NC):
+                        vv[cc] = widen(vp, j * STRIDE + c0 + cc * W)
                 comptime for rr in range(rb):
                     var pj = SIMD[DType.float32, W](p.unsafe_load(j * MAX_ROWS + r0 + rr))
                     comptime for cc in range(NC):
@@ -522,14 +661,36 @@ def _natural_columns_mask[half: Int]() -> IndexList[W]:
 
 
 @always_inline
-def _o_natural[D: Int](o: F32Ptr, r: Int, c: Int, paired: Bool) -> SIMD[DType.float32, W]:
-    """O[r, c .. c + W] in natural column order, from O kept in paired order (bf16
-    decode units, `_pv_block`) or in natural order."""
-    if not paired:
+def _split_columns_mask[half: Int]() -> IndexList[W]:
+    """Lanes of concat(even, odd), 32 O columns in split order, that hold natural
+    columns half * 16 .. half * 16 + 16."""
+    var m = IndexList[W]()
+    for t in range(W):
+        m[t] = (t % 2) * W + half * (W // 2) + t // 2
+    return m
+
+
+comptime O_NATURAL = 0
+"""O's columns as in the output (prefill units, f32 decode units)."""
+comptime O_PAIRED = 1
+"""O's columns in the order of `dot_bf16` P V (`_pair_keys_mask`)."""
+comptime O_SPLIT = 2
+"""O's columns even then odd per 32 (`SPLIT_PV`)."""
+
+
+@always_inline
+def _o_natural[D: Int](o: F32Ptr, r: Int, c: Int, order: Int) -> SIMD[DType.float32, W]:
+    """O[r, c .. c + W] in natural column order, from O kept in `order` (`O_NATURAL`,
+    `O_PAIRED` or `O_SPLIT`)."""
+    if order == O_NATURAL:
         return o.unsafe_load[width=W](r * D + c)
     var c0 = c - c % (2 * W)
     var lo = o.unsafe_load[width=W](r * D + c0)
     var hi = o.unsafe_load[width=W](r * D + c0 + W)
+    if order == O_SPLIT:
+        if c == c0:
+            return lo.shuffle[_split_columns_mask[0]()](hi)
+        return lo.shuffle[_split_columns_mask[1]()](hi)
     if c == c0:
         return lo.shuffle[_natural_columns_mask[0]()](hi)
     return lo.shuffle[_natural_columns_mask[1]()](hi)
@@ -721,8 +882,9 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
     var rows_hp = _head_rows(u.ntok, group)
     var rows_p = u.nh * rows_hp
     var key_major = rows_hp % W == 0
-    var narrow = rows_hp == 8 or rows_hp == 4  # scores with K broadcast from the cache (`_qk_narrow`)
+    var narrow = rows_hp == 8 or rows_hp == 4  # scores of a GQA 8 or 4 head from K as stored (`_qk_group`)
     var paired = BF16_PV_DOT[Cache.dtype, D] and not key_major  # P V with `dot_bf16`: O's columns in paired order
+    var order = O_PAIRED if paired else (O_SPLIT if SPLIT_PV[Cache.dtype, D] and not key_major else O_NATURAL)
     var qs = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var o = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var s = stack_allocation[MAX_ROWS * BK, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
@@ -742,12 +904,12 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
             if key_major:  # qs is Q^T [D, MAX_ROWS]
                 comptime for i in range(W):
                     qs.unsafe_store((c + i) * MAX_ROWS + r, qv[i])
-            elif narrow:  # per head, in `_qk_narrow`'s lane order
+            elif narrow:  # per head, in `_qk_group`'s lane order
                 var head_q = qs.unsafe_offset((r // rows_hp) * rows_hp * D)
                 if rows_hp == 8:
-                    _store_narrow_q[8, DOT](head_q, r, c, qv)
+                    _store_group_q[Cache, 8](head_q, r, c, qv)
                 else:
-                    _store_narrow_q[4, DOT](head_q, r, c, qv)
+                    _store_group_q[Cache, 4](head_q, r, c, qv)
             else:  # qs is Q [rows, D], in bf16 for `dot_bf16` scores
                 comptime if DOT:
                     qs.unsafe_bitcast[BFloat16]().unsafe_store(r * D + c, qv.cast[DType.bfloat16]())
@@ -806,7 +968,7 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
         elif narrow:
             # Key blocks outer, heads inner: the tile is read in address order (a
             # token's heads are adjacent), which the hardware prefetchers follow.
-            comptime NK = NARROW_KEYS[STRIDE * size_of[Scalar[Cache.dtype]]()]
+            comptime NK = _group_keys[Cache]()
             for j0 in range(0, n, NK):
                 for hh in range(u.nh):
                     var qh = qs.unsafe_offset(hh * rows_hp * D)
@@ -816,13 +978,13 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
                     if j0 + NK > n:
                         _prefetch_rows[Cache](vh.unsafe_offset(j0 * STRIDE), n - j0, D)
                         if rows_hp == 8:
-                            _qk_narrow[Cache, 8, False](qh, s, r0, kh, vh, j0, n)
+                            _qk_group[Cache, 8, False](qh, s, r0, kh, vh, j0, n)
                         else:
-                            _qk_narrow[Cache, 4, False](qh, s, r0, kh, vh, j0, n)
+                            _qk_group[Cache, 4, False](qh, s, r0, kh, vh, j0, n)
                     elif rows_hp == 8:
-                        _qk_narrow[Cache, 8, True](qh, s, r0, kh, vh, j0, n)
+                        _qk_group[Cache, 8, True](qh, s, r0, kh, vh, j0, n)
                     else:
-                        _qk_narrow[Cache, 4, True](qh, s, r0, kh, vh, j0, n)
+                        _qk_group[Cache, 4, True](qh, s, r0, kh, vh, j0, n)
         elif rows_hp == 1:  # GQA 1 decode: key by key, 16 heads at a time, in address order
             for j in range(n):
                 for h0 in range(0, u.nh, W):
@@ -862,7 +1024,7 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
         var slot = parts.unsafe_offset(u.part * PART_SLOT[D])
         for r in range(rows_p):
             comptime for c in range(0, D, W):
-                slot.unsafe_store(r * D + c, _o_natural[D](o, r, c, paired))
+                slot.unsafe_store(r * D + c, _o_natural[D](o, r, c, order))
             slot.unsafe_store(MAX_ROWS * D + r, m.unsafe_load(r))
             slot.unsafe_store(MAX_ROWS * (D + 1) + r, l.unsafe_load(r))
         return
@@ -872,7 +1034,7 @@ def _attend_unit[Cache: KVCacheT, q_dtype: DType](
             continue
         var inv = 1 / l.unsafe_load(r)
         comptime for c in range(0, D, W):
-            output.unsafe_store(off + c, (_o_natural[D](o, r, c, paired) * inv).cast[q_dtype]())
+            output.unsafe_store(off + c, (_o_natural[D](o, r, c, order) * inv).cast[q_dtype]())
 
 
 def _merge_parts[q_dtype: DType, D: Int](
