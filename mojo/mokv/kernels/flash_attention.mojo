@@ -74,7 +74,7 @@ from max.gpu.host.info import is_cpu
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .gpu_attention import gpu_attention, heads_per_unit
 from .parallel import parallel_units
-from .simd import F32Ptr, HAS_AVX512_BF16, HAS_AVX512F, W, _fold, dot_bf16, exp2, reduce_16, widen
+from .simd import F32Ptr, HAS_AVX512_BF16, HAS_AVX512F, W, _fold, dot_bf16, exp2, reduce_16, widen, widen_even, widen_odd
 
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
 comptime BK = 64  # most keys per tile (the row stride of the score tile)
@@ -522,8 +522,8 @@ def _qk_row_pairs[Cache: KVCacheT, R: Int, full: Bool](
         comptime for kk in range(NK):
             var words = bitcast[DType.uint32, W // 2](kb0.unsafe_load[width=W](koff[kk] + st * W))
             var both = words.join(words)
-            var even = SIMD[DType.float32, W](from_bits=both << 16)
-            var odd = SIMD[DType.float32, W](from_bits=both & UInt32(0xFFFF0000))
+            var even = widen_even(both)
+            var odd = widen_odd(both)
             comptime for g in range(G):
                 acc[kk * G + g] = q[2 * g].fma(even, acc[kk * G + g])
                 acc[kk * G + g] = q[2 * g + 1].fma(odd, acc[kk * G + g])
@@ -624,9 +624,9 @@ def _pv_block[
                 var vv = Array[SIMD[DType.float32, W], NC](fill=0)
                 comptime if SPLIT:
                     comptime for cc in range(0, NC, 2):
-                        var bits = bitcast[DType.uint32, W](vp.unsafe_load[width=2 * W](j * STRIDE + c0 + cc * W))
-                        vv[cc] = SIMD[DType.float32, W](from_bits=bits << 16)
-                        vv[cc + 1] = SIMD[DType.float32, W](from_bits=bits & UInt32(0xFFFF0000))
+                        var words = bitcast[DType.uint32, W](vp.unsafe_load[width=2 * W](j * STRIDE + c0 + cc * W))
+                        vv[cc] = widen_even(words)
+                        vv[cc + 1] = widen_odd(words)
                 else:
                     comptime for cc in range(NC):
                         vv[cc] = widen(vp, j * STRIDE + c0 + cc * W)

@@ -28,6 +28,21 @@ def widen[dtype: DType, width: Int = W](p: Ptr[dtype], off: Int) -> SIMD[DType.f
 
 
 @always_inline
+def widen_even[width: Int = W](words: SIMD[DType.uint32, width]) -> SIMD[DType.float32, width]:
+    """The even bf16 of `words` (pairs of bf16 loaded as 32-bit words) as f32: a shift.
+    With `widen_odd`, one op per `width` elements, against two (zero-extension and
+    shift) for `widen`; the elements come out split, even ones and odd ones apart, so
+    the other operand must be in the same order."""
+    return SIMD[DType.float32, width](from_bits=words << 16)
+
+
+@always_inline
+def widen_odd[width: Int = W](words: SIMD[DType.uint32, width]) -> SIMD[DType.float32, width]:
+    """The odd bf16 of `words` as f32: a mask (see `widen_even`)."""
+    return SIMD[DType.float32, width](from_bits=words & UInt32(0xFFFF0000))
+
+
+@always_inline
 def dot_bf16[width: Int = W](
     acc: SIMD[DType.float32, width], a: SIMD[DType.bfloat16, 2 * width], b: SIMD[DType.bfloat16, 2 * width]
 ) -> SIMD[DType.float32, width]:
