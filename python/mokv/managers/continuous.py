@@ -24,6 +24,7 @@ import numpy as np
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
+from ..cache.cache_memory import cache_buffer
 from ..context import RequestID, TextGenerationContext
 from ..errors import (
     AlreadyClaimedError,
@@ -71,7 +72,7 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
                 f"data_parallel_degree={params.data_parallel_degree}"
             )
         self.max_cache_batch_size = max_cache_batch_size
-        self.blocks = [Buffer(params.dtype, self.block_shape(max_cache_batch_size), device=d)
+        self.blocks = [cache_buffer(params.dtype, self.block_shape(max_cache_batch_size), d)
                        for d in self.devices]
         self._free_slots = list(range(max_cache_batch_size - 1, -1, -1))
         self._slot_of: dict[RequestID, int] = {}

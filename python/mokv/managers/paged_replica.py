@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from max.driver import Buffer, Device
 
+from ..cache.cache_memory import cache_buffer
 from ..cache.hashing import PageHashFn, iter_page_hashes, salted_root
 from ..cache.host_pool import HostPagePool
 from ..cache.page_copy import HostPages, read_pages, write_pages
@@ -171,7 +172,7 @@ class PagedReplica:
             params.n_kv_heads_per_device,
             params.head_dim,
         ]
-        self.blocks = [Buffer(params.dtype, shape, device=d) for d in devices]
+        self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
         # The host tier: None when off. `_pinned[host page]` counts the pending loads
         # that read it (a Counter without zeros).
         self.host: HostPagePool | None = None
