@@ -8,7 +8,7 @@ from max.driver import CPU, Buffer
 from max.dtype import DType
 
 import mokv
-from mokv.cache.cache_memory import HUGE_PAGE, advise_huge_pages, cache_buffer
+from mokv.cache.cache_memory import HUGE_PAGE, advise_huge_pages, aligned_interior
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -31,12 +31,6 @@ def _thp_eligible(address: int) -> bool:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def _aligned_interior(buffer: Buffer) -> tuple[int, int]:
-    start = buffer._data_ptr()
-    end = start + buffer.num_elements * buffer.dtype.size_in_bytes
-    return -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-
-
 def _big_params(strategy: str) -> mokv.KVCacheParams:
     # One page of 128 tokens x 8 heads x 128 dims, K and V, float32: 1 MiB per layer.
     return mokv.KVCacheParams(DType.float32, 8, 128, page_size=128, cache_strategy=strategy)
@@ -48,15 +42,15 @@ def test_paged_and_continuous_caches_are_advised(session):
     continuous = mokv.ContinuousBatchingKVCacheManager(_big_params("continuous"), 4, 1024, 1,
                                                        [CPU()], session)
     for blocks in (paged.replicas[0].blocks[0], continuous.blocks[0]):
-        lo, hi = _aligned_interior(blocks)
+        lo, hi = aligned_interior(blocks)
         assert hi - lo >= 4 * HUGE_PAGE
         assert _thp_eligible(lo) and _thp_eligible(hi - 1)
 
 
-def test_advice_covers_the_aligned_interior():
+def test_advice_covers_thealigned_interior():
     buffer = Buffer(DType.float32, [(6 << 20) + 100], device=CPU())  # 24 MiB and a bit
     assert advise_huge_pages(buffer) is True
-    lo, hi = _aligned_interior(buffer)
+    lo, hi = aligned_interior(buffer)
     assert hi - lo >= 11 * HUGE_PAGE
     assert _thp_eligible(lo) and _thp_eligible(hi - 1)
 

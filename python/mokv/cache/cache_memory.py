@@ -46,13 +46,17 @@ def advise_huge_pages(buffer: Buffer) -> bool:
 
     Pages already touched keep their small pages (khugepaged may merge them later),
     so this is for fresh buffers."""
-    start = buffer._data_ptr()
-    end = start + buffer.num_elements * buffer.dtype.size_in_bytes
-    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-    hi = end // HUGE_PAGE * HUGE_PAGE
+    lo, hi = aligned_interior(buffer)
     if hi <= lo:
         return False
     return _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
+
+
+def aligned_interior(buffer: Buffer) -> tuple[int, int]:
+    """[lo, hi): the addresses of the whole huge pages inside the buffer (hi <= lo: none)."""
+    start = buffer._data_ptr()
+    end = start + buffer.num_elements * buffer.dtype.size_in_bytes
+    return -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
 
 
 @functools.cache
