@@ -104,6 +104,19 @@ def copy_bandwidth(probe: ReadProbe, repeats: int = 5) -> dict:
             "read_1thread_GBps": src.nbytes / one / 1e9, "bytes": src.nbytes}
 
 
+def execute_floor_us(session) -> float:
+    """Median µs of `execute` for a one-op graph (x + 1 over one float): MAX's own cost
+    per call, which every decode cell pays on top of its kernel. It sets how small a
+    cell can be and still reach a share of the read (at 26.7 on a 2-vCPU VM, 67-71 µs:
+    20% of the time 8 MiB take at 30 GB/s)."""
+    cpu = DeviceRef.CPU()
+    with Graph("execute_floor", input_types=[TensorType(DType.float32, [1], cpu)]) as g:
+        g.output(g.inputs[0].tensor + 1)
+    model = session.load(g)
+    x = Buffer.from_numpy(np.zeros(1, np.float32))
+    return _time(lambda: model.execute(x), 0.5, max_reps=5000) * 1e6
+
+
 def _io_types(dtype: DType = DTYPE, device: Device = CPU()):
     ref = DeviceRef.from_device(device)
     return [TensorType(dtype, ["total_tokens", H, D], ref),
@@ -321,6 +334,7 @@ def run(quick: bool = False, progress=None) -> dict:
             out["errors"][name] = f"{type(e).__name__}: {str(e)[:600]}"
         if progress:
             progress()
+    out["execute_floor_us"] = execute_floor_us(session)
     min_time = 0.3 if quick else 0.8
     plan = cases(quick)
     for b, c in plan["decode"]:

@@ -178,8 +178,9 @@ def summary(r: dict) -> str:
     if a.get("decode"):
         sides = list(a["sides"])
         c = a["copy"]
+        floor = f", MAX's execute floor {a['execute_floor_us']:.0f} µs" if "execute_floor_us" in a else ""
         lines += [f"### CPU attention (copy {c['numpy_copy_GBps']:.1f} GB/s, two-thread read "
-                  f"{c['read_2threads_GBps']:.1f} GB/s)", "",
+                  f"{c['read_2threads_GBps']:.1f} GB/s{floor})", "",
                   f"Decode cells: ms (GB/s of K/V read, {SHARE}).", "",
                   "| decode B × ctx | " + " | ".join(f"{s} ms (GB/s, share)" for s in sides) + " |",
                   "|---" * (len(sides) + 1) + "|"]
