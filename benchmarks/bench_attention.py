@@ -107,8 +107,8 @@ def copy_bandwidth(probe: ReadProbe, repeats: int = 5) -> dict:
 def execute_floor_us(session) -> float:
     """Median µs of `execute` for a one-op graph (x + 1 over one float): MAX's own cost
     per call, which every decode cell pays on top of its kernel. It sets how small a
-    cell can be and still reach a share of the read (at 26.7 on a 2-vCPU VM, 67-71 µs:
-    20% of the time 8 MiB take at 30 GB/s)."""
+    cell can be and still reach a share of the read (MAX 26.7 on a 2-vCPU VM: 34 µs,
+    12% of the 0.28 ms that 8 MiB take at 30 GB/s)."""
     cpu = DeviceRef.CPU()
     with Graph("execute_floor", input_types=[TensorType(DType.float32, [1], cpu)]) as g:
         g.output(g.inputs[0].tensor + 1)
