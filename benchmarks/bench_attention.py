@@ -141,8 +141,10 @@ class MokvSide:
     """mokv's flash attention over one of its caches ("paged" or "continuous")."""
 
     def __init__(self, session, kind: str, hkv: int = HKV, dtype: DType = DTYPE,
-                 slots: int = 64, max_ctx: int = MAX_CTX, device: Device = CPU()):
-        self.session, self.kind, self.name, self.dtype = session, kind, f"mokv-{kind}", dtype
+                 slots: int = 64, max_ctx: int = MAX_CTX, device: Device = CPU(),
+                 tensor_cores: bool = False):
+        self.session, self.kind, self.dtype = session, kind, dtype
+        self.name = f"mokv-{kind}" + ("-tc" if tensor_cores else "")  # -tc: gpu_tensor_cores=True
         self.device = device
         strategy = mokv.KVCacheStrategy.PAGED if kind == "paged" else mokv.KVCacheStrategy.CONTINUOUS
         self.params = mokv.KVCacheParams(dtype, hkv, D, page_size=PAGE, cache_strategy=strategy)
@@ -155,7 +157,8 @@ class MokvSide:
                    input_types=[*_io_types(dtype, device), *self.mgr.input_symbols()[0]]) as g:
             q, offsets, *kv = g.inputs
             coll = self.mgr.layout.fetch(self.params, 1, *kv)
-            out = mokv.ops.flash_attention(coll, q.tensor, offsets.tensor, 0, 1 / math.sqrt(D))
+            out = mokv.ops.flash_attention(coll, q.tensor, offsets.tensor, 0, 1 / math.sqrt(D),
+                                           gpu_tensor_cores=tensor_cores)
             g.output(out)
         self.model = session.load(g)
 

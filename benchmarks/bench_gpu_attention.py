@@ -5,8 +5,10 @@ Runs where MAX sees an accelerator (`max.driver.accelerator_count() > 0`):
     python benchmarks/bench_gpu_attention.py [--quick] [--bf16 | --f32] [--qkv] [--json PATH]
 
 Same sides as bench_attention.py (mokv paged and continuous, MAX 26.7's
-`flash_attention_ragged` over its paged cache), built for the GPU. 32 query heads,
-head_dim 128, page 128; GQA 1/4/8 (32, 8, 4 KV heads), float32 and bfloat16.
+`flash_attention_ragged` over its paged cache), built for the GPU; for bf16 GQA 4 and 8
+also `mokv-paged-tc`, mokv paged with `gpu_tensor_cores=True` (the staged tensor-core
+kernel, kernels/gpu_attention_mma.mojo). 32 query heads, head_dim 128, page 128; GQA
+1/4/8 (32, 8, 4 KV heads), float32 and bfloat16.
 
 - **decode**: B requests of `ctx` cached tokens and one new token each. It must read
   every cached K and V byte once: the figure of merit is those bytes over the time,
@@ -141,10 +143,14 @@ def run(quick: bool, dtypes: list[DType] | None = None) -> dict:
         kv_tok = 2 * hkv * D * dt.size_in_bytes
         max_b, max_c = max(b for b, _ in pairs), max(c for _, c in pairs)
         sides = []
-        for name, make in (("max-paged", lambda: MaxSide(session, hkv, dt, gpu)),
-                           ("mokv-paged", lambda: MokvSide(session, "paged", hkv, dt, device=gpu)),
-                           ("mokv-continuous", lambda: MokvSide(session, "continuous", hkv, dt, slots=max_b,
-                                                                max_ctx=max_c, device=gpu))):
+        makers = [("max-paged", lambda: MaxSide(session, hkv, dt, gpu)),
+                  ("mokv-paged", lambda: MokvSide(session, "paged", hkv, dt, device=gpu)),
+                  ("mokv-continuous", lambda: MokvSide(session, "continuous", hkv, dt, slots=max_b,
+                                                       max_ctx=max_c, device=gpu))]
+        if dt == DType.bfloat16 and H // hkv >= 4:  # the staged tensor-core kernel's shapes
+            makers.append(("mokv-paged-tc", lambda: MokvSide(session, "paged", hkv, dt, device=gpu,
+                                                             tensor_cores=True)))
+        for name, make in makers:
             try:
                 sides.append(make())
             except Exception as e:  # noqa: BLE001 - a side that cannot build is reported
@@ -186,8 +192,10 @@ def run(quick: bool, dtypes: list[DType] | None = None) -> dict:
 
 def _decode_line(row: dict) -> str:
     cells = []
-    for name in ("max-paged", "mokv-paged", "mokv-continuous"):
-        r = row.get(name, {})
+    for name in ("max-paged", "mokv-paged", "mokv-continuous", "mokv-paged-tc"):
+        if name not in row:
+            continue
+        r = row[name]
         cells.append(f"{name} " + (f"{r['ms']:.3f} ms {r['share_of_copy']:.0%}" if "ms" in r else r.get("error", "-")[:80]))
     return f"GQA {row['group']} {row['dtype']:8s} {row['batch']}x{row['context']}: " + " | ".join(cells)
 

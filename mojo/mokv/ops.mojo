@@ -335,7 +335,7 @@ struct QKVEpilogueRopePaged:
 # ===----------------------------------------------------------------------=== #
 
 
-def _attention[Coll: KVCollectionT, target: StaticString](
+def _attention[Coll: KVCollectionT, target: StaticString, tensor_cores: Bool](
     output: OutputTensor[rank=3, ...],  # [total_tokens, n_q, D]
     q: InputTensor[dtype=output.dtype, rank=3, ...],  # [total_tokens, n_q, D]
     input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size + 1]
@@ -344,7 +344,7 @@ def _attention[Coll: KVCollectionT, target: StaticString](
     scale: InputTensor[dtype=DType.float32, rank=1, ...],  # [1], host
     ctx: DeviceContext,
 ) raises:
-    flash_attention[Coll, output.dtype, target](
+    flash_attention[Coll, output.dtype, target, tensor_cores](
         collection,
         _elems(output.unsafe_ptr()),
         _elems(q.unsafe_ptr()),
@@ -360,7 +360,7 @@ def _attention[Coll: KVCollectionT, target: StaticString](
 @register("mokv.flash_attention.ragged.continuous")
 struct FlashAttentionContinuous:
     @staticmethod
-    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString](
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString, tensor_cores: Bool](
         output: OutputTensor[rank=3, ...],
         q: InputTensor[dtype=output.dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -369,13 +369,15 @@ struct FlashAttentionContinuous:
         scale: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, ctx)
+        _attention[target=target, tensor_cores=tensor_cores](
+            output, q, input_row_offsets, collection, layer_idx, scale, ctx
+        )
 
 
 @register("mokv.flash_attention.ragged.paged")
 struct FlashAttentionPaged:
     @staticmethod
-    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString](
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString, tensor_cores: Bool](
         output: OutputTensor[rank=3, ...],
         q: InputTensor[dtype=output.dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -384,7 +386,9 @@ struct FlashAttentionPaged:
         scale: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, ctx)
+        _attention[target=target, tensor_cores=tensor_cores](
+            output, q, input_row_offsets, collection, layer_idx, scale, ctx
+        )
 
 
 # ===----------------------------------------------------------------------=== #

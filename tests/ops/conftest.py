@@ -209,6 +209,7 @@ class Config:
     hidden: int = 64
     rope: bool = False
     checked: bool = False  # the fetcher's checked mode (mokv.check_tables before each kernel)
+    tensor_cores: bool = False  # flash_attention(..., gpu_tensor_cores=...): GPU graphs only
 
     @property
     def params(self) -> KVCacheParams:
@@ -251,7 +252,8 @@ def build_store_attention(cfg: Config, device: DeviceRef) -> Graph:
         *cache_in, k, v, q, offsets = g.inputs
         kv = fetch(cfg)(*cache_in)
         store_kv(kv, k, v, offsets, LAYER)
-        g.output(flash_attention(kv, q, offsets, LAYER, 1.0 / np.sqrt(cfg.head_dim)))
+        g.output(flash_attention(kv, q, offsets, LAYER, 1.0 / np.sqrt(cfg.head_dim),
+                                 gpu_tensor_cores=cfg.tensor_cores))
     return g
 
 

@@ -58,7 +58,8 @@ CPU design (decode is memory-bound, prefill compute-bound):
   * Causality: the key loop stops at the unit's last visible position, so tiles the
     mask hides entirely are never read; only the diagonal tile applies a mask.
   * Units run in parallel on the op's device context (`parallel_units`).
-GPU: flash-decoding units of one warp (kernels/gpu_attention.mojo).
+GPU: flash-decoding units of one warp (kernels/gpu_attention.mojo; on the tensor cores when
+asked, kernels/gpu_attention_mma.mojo).
 """
 
 from std.atomic import Atomic
@@ -73,6 +74,7 @@ from max.gpu.host.info import is_cpu
 
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .gpu_attention import gpu_attention, heads_per_unit
+from .gpu_attention_mma import gpu_attention_mma, tensor_core_shape_ok
 from .parallel import parallel_units
 from .simd import F32Ptr, HAS_AVX512_BF16, HAS_AVX512F, W, _fold, dot_bf16, exp2, reduce_16, widen, widen_even, widen_odd
 
@@ -1122,7 +1124,7 @@ def _plan_units[Cache: KVCacheT](
     return n_parts
 
 
-def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
+def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString, tensor_cores: Bool = False](
     coll: Coll,
     output: Ptr[q_dtype],  # [total_tokens, n_q, D]
     q: Ptr[q_dtype],  # [total_tokens, n_q, D]
@@ -1133,7 +1135,8 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
     scale: Float32,
     ctx: DeviceContext,
 ) raises:
-    """Generic body of `mokv.flash_attention.ragged.*`."""
+    """Generic body of `mokv.flash_attention.ragged.*`. `tensor_cores`: on an NVIDIA GPU,
+    units of 4 or 8 heads over bf16/f16 caches take `gpu_attention_mma` (staged, see there)."""
     comptime Cache = Coll.CacheType
     comptime H = Cache.kv_params.num_heads
     comptime D = Cache.kv_params.head_size
@@ -1178,6 +1181,13 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
     else:
         # Heads per unit: a comptime parameter (their states live in registers).
         var gb = heads_per_unit(group)
+        comptime if tensor_cores and tensor_core_shape_ok[Cache.dtype, D](4) and Cache.dtype == q_dtype:
+            if gb >= 4 and ctx.api() == "cuda":
+                if gb == 8:
+                    gpu_attention_mma[Cache, q_dtype, 8](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
+                else:
+                    gpu_attention_mma[Cache, q_dtype, 4](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
+                return
         if gb == 8:
             gpu_attention[Cache, q_dtype, 8](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
         elif gb == 4:

@@ -14,7 +14,7 @@ U = 2 loads two keys per lane slot before their first use. Scores are kept in ba
 (log2(e) folded into the scale) so each exponential is one `ex2`.
 
 Long contexts are split across units (flash-decoding) until there are about
-TARGET_UNITS units, each split MIN_SPLIT_KEYS..MAX_SPLIT_KEYS keys; `_merge_splits`
+TARGET_UNITS units, each split MIN_SPLIT_KEYS..MAX_SPLIT_KEYS keys; `merge_splits`
 then combines the splits' (m, l, o) states. The split count comes from the cache's
 `max_positions()`, a capacity known on the host; the last split always runs to the
 token's position, so the count only shapes the parallelism, never the result.
@@ -137,6 +137,19 @@ def split_plan(rows: Int, max_positions: Int, step: Int) -> Tuple[Int, Int]:
     return (max(1, ceildiv(max_positions, keys)), keys)
 
 
+@always_inline
+def split_keys_of[Cache: KVCacheT](
+    kc: Cache, offsets: U32Ptr, batch_size: Int, tok: Int, split: Int, splits: Int, split_keys: Int
+) -> Tuple[Int, Int, Int]:
+    """(batch entry, first key, end key) of split `split` of new token `tok`'s keys
+    (flat token index): the last split runs to the token's own position."""
+    var b = batch_of_token(offsets, batch_size, tok)
+    var n_keys = kc.cache_length(b) + tok - Int(offsets[unsafe_offset=b]) + 1
+    var k0 = split * split_keys
+    var k1 = n_keys if split == splits - 1 else min(n_keys, k0 + split_keys)
+    return (b, k0, k1)
+
+
 def gpu_attention[Cache: KVCacheT, q_dtype: DType, GB: Int](
     kc: Cache,
     vc: Cache,
@@ -174,10 +187,7 @@ def gpu_attention[Cache: KVCacheT, q_dtype: DType, GB: Int](
         var tok = row // head_blocks
         var qh0 = (row % head_blocks) * GB
         var h = qh0 // group
-        var b = batch_of_token(offsets, batch_size, tok)
-        var n_keys = kc.cache_length(b) + tok - Int(offsets[unsafe_offset=b]) + 1
-        var k0 = split * split_keys
-        var k1 = n_keys if split == splits - 1 else min(n_keys, k0 + split_keys)
+        var b, k0, k1 = split_keys_of(kc, offsets, batch_size, tok, split, splits, split_keys)
         var slot = lane // L
         var e0 = (lane % L) * E
 
@@ -251,18 +261,18 @@ def gpu_attention[Cache: KVCacheT, q_dtype: DType, GB: Int](
 
     ctx.enqueue_function(unit, grid_dim=(rows, splits), block_dim=WARP)
     if splits > 1:
-        _merge_splits[q_dtype, D](output, part_ptr, total_tokens * n_q, splits, ctx)
+        merge_splits[q_dtype, D](output, part_ptr, total_tokens * n_q, splits, ctx)
     _ = parts^  # freed in stream order, after the kernels that read it
 
 
-def _merge_splits[q_dtype: DType, D: Int](
+def merge_splits[q_dtype: DType, D: Int](
     output: Ptr[q_dtype],
     parts: Pointer[Float32, MutUntrackedOrigin],  # o [n_rows * splits, D], then (m, l) pairs
     n_rows: Int,  # total_tokens * n_q
     splits: Int,
     ctx: DeviceContext,
 ) raises:
-    """out[row] = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s; splits
+    """Writes out[row] = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s; splits
     that saw no key (l = 0) count for nothing. One block per (token, query head)."""
 
     var rows64 = Int64(n_rows)  # captures must be fixed-width to pass to the device
