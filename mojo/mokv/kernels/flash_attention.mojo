@@ -74,7 +74,7 @@ from max.gpu.host.info import is_cpu
 
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .gpu_attention import gpu_attention, heads_per_unit
-from .gpu_attention_mma import gpu_attention_mma, tensor_core_shape_ok
+from .gpu_attention_mma import gpu_attention_mma, tensor_core_cache_ok
 from .parallel import parallel_units
 from .simd import F32Ptr, HAS_AVX512_BF16, HAS_AVX512F, W, _fold, dot_bf16, exp2, reduce_16, widen, widen_even, widen_odd
 
@@ -1181,7 +1181,7 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString, t
     else:
         # Heads per unit: a comptime parameter (their states live in registers).
         var gb = heads_per_unit(group)
-        comptime if tensor_cores and tensor_core_shape_ok[Cache.dtype, D](4) and Cache.dtype == q_dtype:
+        comptime if tensor_cores and tensor_core_cache_ok[Cache.dtype, D]() and Cache.dtype == q_dtype:
             if gb >= 4 and ctx.api() == "cuda":
                 if gb == 8:
                     gpu_attention_mma[Cache, q_dtype, 8](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)

@@ -46,10 +46,11 @@ from .gpu_attention import LOG2E, WARP, merge_splits, split_keys_of, split_plan
 comptime KEYS = 16  # keys per step: two n8 score blocks, one k16 step of P V
 
 
-def tensor_core_shape_ok[dtype: DType, D: Int](group: Int) -> Bool:
-    """Whether `gpu_attention_mma` serves this cache: bf16 or f16, D a multiple of 64
-    (16-byte loads of D / 8 columns per lane), and 4 or 8 query heads per unit."""
-    return (dtype == DType.bfloat16 or dtype == DType.float16) and D % 64 == 0 and group % 4 == 0
+def tensor_core_cache_ok[dtype: DType, D: Int]() -> Bool:
+    """Whether `gpu_attention_mma` serves a cache of this dtype and head size: bf16 or
+    f16, D a multiple of 64 (16-byte loads of D / 8 columns per lane). Its units also
+    need 4 or 8 query heads (a GQA group that is a multiple of 4)."""
+    return (dtype == DType.bfloat16 or dtype == DType.float16) and D % 64 == 0
 
 
 @always_inline
@@ -84,7 +85,7 @@ def gpu_attention_mma[Cache: KVCacheT, q_dtype: DType, GB: Int](
     comptime T = Cache.dtype
     comptime assert T == q_dtype, "tensor-core attention takes queries in the cache's dtype"
     comptime assert GB == 4 or GB == 8, "tensor-core attention serves 4 or 8 heads per unit"
-    comptime assert tensor_core_shape_ok[T, D](GB), "tensor-core attention: bf16/f16 caches, head size % 64 == 0"
+    comptime assert tensor_core_cache_ok[T, D](), "tensor-core attention: bf16/f16 caches, head size % 64 == 0"
     comptime CHUNKS = D // 32  # 16-byte chunks of a Q or K row per lane
     comptime NB = D // 8  # n8 blocks of O's columns = V columns per lane
     var batch_size = kc.batch_size()
