@@ -1,7 +1,7 @@
 """GQA attention over the KV cache on NVIDIA tensor cores: flash-decoding, one warp per unit.
 
-Staged: compiled for sm_90 in the test suite and counted in the SASS (`HMMA.16816`),
-not yet run on a GPU, so `flash_attention` takes it only when asked
+Staged: compiled for sm_90 in the test suite (its SASS, 32 `HMMA.16816` per 16 keys, read
+with `benchmarks/gpu_sass.py`), not yet run on a GPU, so `flash_attention` takes it only when asked
 (`gpu_tensor_cores=True` in Python). `kernels/gpu_attention.mojo` stays the default.
 
 Why: on an H200 the CUDA-core kernel read K/V at ~50% of a device copy for GQA 4 and
