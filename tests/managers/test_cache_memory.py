@@ -47,7 +47,7 @@ def test_paged_and_continuous_caches_are_advised(session):
         assert _thp_eligible(lo) and _thp_eligible(hi - 1)
 
 
-def test_advice_covers_thealigned_interior():
+def test_advice_covers_the_aligned_interior():
     buffer = Buffer(DType.float32, [(6 << 20) + 100], device=CPU())  # 24 MiB and a bit
     assert advise_huge_pages(buffer) is True
     lo, hi = aligned_interior(buffer)

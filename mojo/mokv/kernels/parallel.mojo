@@ -25,13 +25,9 @@ def parallel_units[FuncType: def(Int) raises -> None](body: FuncType, count: Int
         Units taken on demand: median decode times 9-25 % lower on six of seven
         shapes (GQA 1/4/8, f32 and bf16, 1 x 16k), 7 % higher on the seventh (4 x 8k,
         bf16 GQA 8), three runs alternating the two orders.
-    The calling thread does not take units itself beside the tasks: enqueueing one task
-    fewer and running a worker inline before `synchronize` left direct calls level and
-    made decode in graphs 1.41-1.58x slower (emeraldrapids, bf16 GQA 8 at 1 x 4k and
-    1 x 16k, f32 GQA 4 at 1 x 4k, paged and continuous, four rounds of `ab_decode.py`):
-    inside a graph the caller is one of the context's workers and appears to run its
-    tasks while it waits in `synchronize`, so the task left queued ran after the inline
-    worker had taken every unit.
+    The calling thread takes no units inline beside the tasks: in graphs the task it
+    enqueued waited until it synchronized, so the kernel ran on one core (tried twice,
+    `benchmarks/README.md` §3b).
     """
     var cpu_ctx = rebind[DeviceContextBase[CompilationTarget()]](ctx)
     var next_unit = List[Int64](length=1, fill=0)
