@@ -142,9 +142,10 @@ class MokvSide:
 
     def __init__(self, session, kind: str, hkv: int = HKV, dtype: DType = DTYPE,
                  slots: int = 64, max_ctx: int = MAX_CTX, device: Device = CPU(),
-                 tensor_cores: bool = False):
+                 tensor_cores: bool = False, suffix: str = ""):
         self.session, self.kind, self.dtype = session, kind, dtype
-        self.name = f"mokv-{kind}" + ("-tc" if tensor_cores else "")  # -tc: gpu_tensor_cores=True
+        # -tc: gpu_tensor_cores=True; -portable: a session on the portable CPU paths
+        self.name = f"mokv-{kind}" + ("-tc" if tensor_cores else "") + suffix
         self.device = device
         strategy = mokv.KVCacheStrategy.PAGED if kind == "paged" else mokv.KVCacheStrategy.CONTINUOUS
         self.params = mokv.KVCacheParams(dtype, hkv, D, page_size=PAGE, cache_strategy=strategy)
@@ -285,8 +286,14 @@ def _decode_cells(sides: list, probe: ReadProbe, b: int, c: int, kv_bytes: int, 
     return cells
 
 
-def run_shapes(session, probe: ReadProbe, quick: bool, progress=None) -> list[dict]:
-    """Long-context decode for each (GQA group, dtype): mokv paged and continuous, MAX."""
+def _portable_side(portable, make):
+    """[(name, make)] for the mokv side on the portable CPU paths, when asked for."""
+    return [] if portable is None else [("mokv-paged-portable", make)]
+
+
+def run_shapes(session, probe: ReadProbe, quick: bool, progress=None, portable=None) -> list[dict]:
+    """Long-context decode for each (GQA group, dtype): mokv paged and continuous, MAX;
+    with `portable` (a session on the portable CPU paths), mokv paged on those paths too."""
     plan = cases(quick)
     min_time = 0.3 if quick else 0.6
     rows = []
@@ -299,7 +306,9 @@ def run_shapes(session, probe: ReadProbe, quick: bool, progress=None) -> list[di
         for name, make in (("max-paged", lambda: MaxSide(session, hkv, dt)),
                            ("mokv-paged", lambda: MokvSide(session, "paged", hkv, dt)),
                            ("mokv-continuous", lambda: MokvSide(session, "continuous", hkv, dt,
-                                                                slots=max_b, max_ctx=max_c))):
+                                                                slots=max_b, max_ctx=max_c)),
+                           *_portable_side(portable, lambda: MokvSide(portable, "paged", hkv, dt,
+                                                                      suffix="-portable"))):
             try:
                 sides.append(make())
             except Exception as e:  # noqa: BLE001 - reported, not fatal
@@ -316,10 +325,13 @@ def run_shapes(session, probe: ReadProbe, quick: bool, progress=None) -> list[di
     return rows
 
 
-def run(quick: bool = False, progress=None) -> dict:
+def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
+    """`portable`: add mokv's paged side on the portable CPU paths (`use_portable_cpu_paths`:
+    the kernels an AVX2 host runs), timed beside the others."""
     from max.engine import InferenceSession
 
     session = InferenceSession(devices=[CPU()])
+    portable_session = mokv.ops.use_portable_cpu_paths(InferenceSession(devices=[CPU()])) if portable else None
     probe = ReadProbe(1 << (28 if quick else 29))
     out: dict = {"shape": {"n_heads": H, "n_kv_heads": HKV, "head_dim": D, "dtype": "float32",
                            "page_size": PAGE},
@@ -328,7 +340,9 @@ def run(quick: bool = False, progress=None) -> dict:
     sides = []
     for name, make in (("max-paged", lambda: MaxSide(session)),
                        ("mokv-paged", lambda: MokvSide(session, "paged")),
-                       ("mokv-continuous", lambda: MokvSide(session, "continuous"))):
+                       ("mokv-continuous", lambda: MokvSide(session, "continuous")),
+                       *_portable_side(portable_session,
+                                       lambda: MokvSide(portable_session, "paged", suffix="-portable"))):
         t0 = time.perf_counter()
         try:
             sides.append(make())
@@ -359,24 +373,27 @@ def run(quick: bool = False, progress=None) -> dict:
     for side in sides:
         side.mgr = side.model = None
     sides.clear()
-    out["shapes"] = run_shapes(session, probe, quick, progress)
+    out["shapes"] = run_shapes(session, probe, quick, progress, portable_session)
     return out
 
 
-def plan_size(quick: bool) -> int:
+def plan_size(quick: bool, portable: bool = False) -> int:
     """Progress-bar steps `run` reports."""
     p = cases(quick)
-    return 3 + len(p["decode"]) + len(p["prefill"]) + len(p["shapes"])
+    return 3 + portable + len(p["decode"]) + len(p["prefill"]) + len(p["shapes"])
 
 
 if __name__ == "__main__":
     import json
     import sys
 
+    portable = "--portable" in sys.argv
     if "--shapes" in sys.argv:  # only the GQA x dtype table
         from max.engine import InferenceSession
 
-        rows = run_shapes(InferenceSession(devices=[CPU()]), ReadProbe(1 << 28), "--quick" in sys.argv)
+        other = mokv.ops.use_portable_cpu_paths(InferenceSession(devices=[CPU()])) if portable else None
+        rows = run_shapes(InferenceSession(devices=[CPU()]), ReadProbe(1 << 28), "--quick" in sys.argv,
+                          portable=other)
         print(json.dumps(rows, indent=1))
     else:
-        print(json.dumps(run("--quick" in sys.argv), indent=1))
+        print(json.dumps(run("--quick" in sys.argv, portable=portable), indent=1))

@@ -33,7 +33,19 @@ def tokens(quick: bool) -> list[int]:
     return [1, 512] if quick else [1, 16, 128, 512]
 
 
-def run(quick: bool = False, progress=None) -> dict:
+def _mokv_graph(params, hidden_t, weight_t) -> Graph:
+    cpu = DeviceRef.CPU()
+    with Graph("mokv_qkv", input_types=[*mokv.PAGED.input_symbols(params, 1, 0, cpu), hidden_t, weight_t,
+                                        TensorType(DType.uint32, ["batch_plus_1"], cpu)]) as g:
+        *kv, h, w, offsets = g.inputs
+        coll = mokv.FetchPagedKVCacheCollection(params, num_layers=1)(*kv)
+        g.output(mokv.ops.fused_qkv_matmul(coll, h, w, offsets, 0, N_Q))
+    return g
+
+
+def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
+    """`portable`: add mokv's op on the portable CPU paths (`use_portable_cpu_paths`: the
+    kernels an AVX2 host runs), timed beside the others."""
     from max.engine import InferenceSession
 
     cpu = DeviceRef.CPU()
@@ -41,12 +53,11 @@ def run(quick: bool = False, progress=None) -> dict:
     params = mokv.KVCacheParams(DType.float32, HKV, D, page_size=PAGE)
     hidden_t = TensorType(DType.float32, ["tokens", HIDDEN], cpu)
     weight_t = TensorType(DType.float32, [FEATURES, HIDDEN], cpu)
-    with Graph("mokv_qkv", input_types=[*mokv.PAGED.input_symbols(params, 1, 0, cpu), hidden_t, weight_t,
-                                        TensorType(DType.uint32, ["batch_plus_1"], cpu)]) as g:
-        *kv, h, w, offsets = g.inputs
-        coll = mokv.FetchPagedKVCacheCollection(params, num_layers=1)(*kv)
-        g.output(mokv.ops.fused_qkv_matmul(coll, h, w, offsets, 0, N_Q))
-    mokv_model = session.load(g)
+    mokv_model = session.load(_mokv_graph(params, hidden_t, weight_t))
+    portable_model = None
+    if portable:
+        portable_session = mokv.ops.use_portable_cpu_paths(InferenceSession(devices=[CPU()]))
+        portable_model = portable_session.load(_mokv_graph(params, hidden_t, weight_t))
     with Graph("max_qkv", input_types=[hidden_t, weight_t]) as g:
         h, w = g.inputs
         g.output(ops.matmul(h.tensor, ops.transpose(w.tensor, 0, 1)))
@@ -68,6 +79,8 @@ def run(quick: bool = False, progress=None) -> dict:
         row = {"tokens": t}
         fns = {"max-matmul": lambda: max_model.execute(hidden, weight),
                "mokv-fused_qkv": lambda: mokv_model.execute(*cache, hidden, weight, offsets)}
+        if portable_model is not None:
+            fns["mokv-fused_qkv-portable"] = lambda: portable_model.execute(*cache, hidden, weight, offsets)
         times = {name: [] for name in fns}
         cpu = {name: [] for name in fns}
         for fn in fns.values():
@@ -94,4 +107,4 @@ if __name__ == "__main__":
     import json
     import sys
 
-    print(json.dumps(run("--quick" in sys.argv), indent=1))
+    print(json.dumps(run("--quick" in sys.argv, portable="--portable" in sys.argv), indent=1))

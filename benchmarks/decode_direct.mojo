@@ -27,7 +27,7 @@ from std.time import perf_counter_ns
 
 from max.gpu.host import DeviceContext
 
-from mokv.kernels.flash_attention import flash_attention
+from mokv.kernels.attention import flash_attention
 from mokv.manager import ContinuousBatchingKVCacheManager
 from mokv.types import KVCacheStaticParams
 

@@ -1,6 +1,6 @@
 """Runs the whole mokv benchmark suite and writes JSON, PNG plots and a markdown summary.
 
-    python benchmarks/run.py [--quick] [--out DIR] [--parts hashing,events,managers,attention,qkv,compile]
+    python benchmarks/run.py [--quick] [--portable] [--out DIR] [--parts hashing,events,managers,attention,qkv,compile]
 
 Parts (each module's docstring says what it measures and why):
   hashing    bench_hashing.py   prefix-hash throughput per algorithm, beside MAX's
@@ -11,6 +11,10 @@ Parts (each module's docstring says what it measures and why):
   attention  bench_attention.py CPU ragged flash attention, mokv vs MAX, vs copy bandwidth
   qkv        bench_qkv.py       CPU QKV projection: mokv's fused_qkv_matmul vs MAX's matmul
   compile    bench_compile.py   cold and warm build+load of a graph with mokv's kernels
+
+--portable adds, to attention and qkv, mokv's kernels on the portable CPU paths (the
+paths of a host without AVX-512, forced with `mokv.ops.use_portable_cpu_paths`), timed
+beside the host's own paths and MAX's.
 
 Results go to benchmarks/results/ (git-ignored): results.json, summary.md, *.png.
 """
@@ -57,22 +61,23 @@ def machine() -> dict:
             "max": version("max"), "mojo": version("mojo"), "loadavg_start": os.getloadavg()}
 
 
-def _plan(parts: list[str], quick: bool) -> int:
+def _plan(parts: list[str], quick: bool, portable: bool) -> int:
     s = bench_managers.settings(quick)
-    sizes = {"hashing": 2, "events": 10 if quick else 20, "attention": bench_attention.plan_size(quick), "qkv": len(bench_qkv.tokens(quick)),
+    sizes = {"hashing": 2, "events": 10 if quick else 20, "attention": bench_attention.plan_size(quick, portable),
+             "qkv": len(bench_qkv.tokens(quick)),
              "compile": bench_compile.plan_size(quick),
              "managers": 3 * s["repeats"] + len(s["batch_sizes"]) + len(s["budgets"]) + 1}
     return sum(sizes[p] for p in parts)
 
 
-def run(parts: list[str], quick: bool, out: Path) -> dict:
-    results: dict = {"machine": machine(), "quick": quick, "seconds": {}}
+def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dict:
+    results: dict = {"machine": machine(), "quick": quick, "portable": portable, "seconds": {}}
     previous = out / "results.json"
     if set(parts) != set(PARTS) and previous.is_file():  # a partial run updates the last one
         results = {**json.loads(previous.read_text()), **results, "seconds": {}}
     with Progress(TextColumn("{task.description:<34}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), transient=False) as bar:
-        task = bar.add_task("starting", total=_plan(parts, quick))
+        task = bar.add_task("starting", total=_plan(parts, quick, portable))
         tick = lambda: bar.advance(task)  # noqa: E731
 
         def part(name: str, desc: str, fn):
@@ -103,9 +108,9 @@ def run(parts: list[str], quick: bool, out: Path) -> dict:
             tick()
         if "attention" in parts:
             results["attention"] = part("attention", "attention kernels (CPU)",
-                                        lambda: bench_attention.run(quick, tick))
+                                        lambda: bench_attention.run(quick, tick, portable))
         if "qkv" in parts:
-            results["qkv"] = part("qkv", "QKV projection (CPU)", lambda: bench_qkv.run(quick, tick))
+            results["qkv"] = part("qkv", "QKV projection (CPU)", lambda: bench_qkv.run(quick, tick, portable))
         if "compile" in parts:
             results["compile"] = part("compile", "compile cost (subprocesses)",
                                       lambda: bench_compile.run(quick, tick))
@@ -195,7 +200,8 @@ def summary(r: dict) -> str:
             lines.append(f"\n{name} skipped: {err[:300]}")
         lines.append("")
     if a.get("shapes"):
-        sides = ("max-paged", "mokv-paged", "mokv-continuous")
+        sides = [s for s in ("max-paged", "mokv-paged", "mokv-continuous", "mokv-paged-portable")
+                 if any(s in row for row in a["shapes"])]
         lines += ["### CPU decode attention by GQA group and dtype (32 query heads, head_dim 128)", "",
                   f"Cells: ms (GB/s of K/V read, {SHARE}).", "",
                   "| group (kv heads) | dtype | B × ctx | " + " | ".join(sides) + " | MAX / mokv-paged time |",
@@ -205,6 +211,8 @@ def summary(r: dict) -> str:
                      else "-" for s in sides]
             ratio = (f"×{row['max-paged']['ms'] / row['mokv-paged']['ms']:.1f}"
                      if "max-paged" in row and "mokv-paged" in row else "-")
+            if "mokv-paged-portable" in row and "max-paged" in row:
+                ratio += f" (portable ×{row['max-paged']['ms'] / row['mokv-paged-portable']['ms']:.1f})"
             lines.append(f"| {row['group']} ({row['n_kv_heads']}) | {row['dtype']} | {row['batch']} × {row['context']} | "
                          + " | ".join(cells) + f" | {ratio} |")
         errs = {k: v for row in a["shapes"] for k, v in row.get("errors", {}).items()}
@@ -214,14 +222,15 @@ def summary(r: dict) -> str:
     qkv = r.get("qkv", {})
     if qkv.get("rows"):
         sh = qkv["shape"]
+        sides = [s for s in ("max-matmul", "mokv-fused_qkv", "mokv-fused_qkv-portable") if s in qkv["rows"][0]]
         lines += [f"### CPU QKV projection (hidden {sh['hidden']} → {sh['n_heads']} q + 2 × {sh['n_kv_heads']} kv "
                   f"heads of {sh['head_dim']}, {sh['dtype']})", "",
-                  "| tokens | max-matmul ms (GFLOP/s) | mokv-fused_qkv ms (GFLOP/s) | MAX / mokv time |",
-                  "|---|---|---|---|"]
+                  "| tokens | " + " | ".join(f"{s} ms (GFLOP/s)" for s in sides) + " | MAX / mokv time |",
+                  "|---" * (len(sides) + 2) + "|"]
         for row in qkv["rows"]:
-            cells = [f"{row[s]['ms']:.2f} ({row[s]['GFLOPs']:.0f})" for s in ("max-matmul", "mokv-fused_qkv")]
-            ratio = row["max-matmul"]["ms"] / row["mokv-fused_qkv"]["ms"]
-            lines.append(f"| {row['tokens']} | " + " | ".join(cells) + f" | ×{ratio:.2f} |")
+            cells = [f"{row[s]['ms']:.2f} ({row[s]['GFLOPs']:.0f})" for s in sides]
+            ratio = " / ".join(f"×{row['max-matmul']['ms'] / row[s]['ms']:.2f}" for s in sides[1:])
+            lines.append(f"| {row['tokens']} | " + " | ".join(cells) + f" | {ratio} |")
         lines.append("")
     comp = r.get("compile", {})
     if comp and "error" not in comp:
@@ -236,6 +245,8 @@ def summary(r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller traces and grids (~1-2 min warm)")
+    ap.add_argument("--portable", action="store_true",
+                    help="attention and qkv: also time mokv on the portable CPU paths")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
     args = ap.parse_args()
@@ -243,7 +254,7 @@ def main() -> None:
     bad = set(parts) - set(PARTS)
     if bad:
         ap.error(f"unknown parts {sorted(bad)}")
-    results = run(parts, args.quick, args.out)
+    results = run(parts, args.quick, args.out, args.portable)
     Console().print(summary(results))
     print(f"wrote {args.out}/results.json, summary.md, {', '.join(results['plots'])}")
     sys.stdout.flush()

@@ -18,7 +18,7 @@ from max.gpu.host import DeviceContext
 from .continuous import ContinuousBatchingKVCacheCollection
 from .paged import PagedKVCacheCollection
 from .types import Ptr, U32Ptr
-from .kernels.flash_attention import flash_attention
+from .kernels.attention import flash_attention
 from .kernels.fused_qkv import fused_qkv_matmul, qkv_epilogue
 from .kernels.store_kv import store_kv
 from .types import KVCollectionT

@@ -3,7 +3,8 @@
 from std.math import exp
 from std.testing import assert_equal, assert_true, TestSuite
 
-from mokv.kernels.simd import W, exp2
+from mokv.kernels.cpu import W
+from mokv.kernels.simd import exp2
 
 
 def _max_rel_error[degree: Int](lo: Float64, hi: Float64, n: Int) -> Float64:

@@ -4,7 +4,7 @@ tests/ops/test_on_gpu.py where a GPU is present)."""
 
 from std.testing import assert_equal, assert_true, TestSuite
 
-from mokv.kernels.gpu_attention import MAX_SPLIT_KEYS, MIN_SPLIT_KEYS, heads_per_unit, lanes_per_key, split_plan
+from mokv.kernels.attention.gpu import MAX_SPLIT_KEYS, MIN_SPLIT_KEYS, heads_per_unit, lanes_per_key, split_plan
 
 
 def test_lanes_per_key_leave_eight_elements_per_lane() raises:

@@ -12,7 +12,7 @@ from std.testing import assert_almost_equal, assert_equal, TestSuite
 
 from max.gpu.host import DeviceContext
 
-from mokv.kernels.flash_attention import flash_attention
+from mokv.kernels.attention import flash_attention
 from mokv.kernels.store_kv import store_kv
 from mokv.manager import ContinuousBatchingKVCacheManager
 from mokv.types import KVCacheStaticParams

@@ -21,7 +21,8 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType, ops
 
 from mokv.layouts import CONTINUOUS, PAGED, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
-from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv
+from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv, use_portable_cpu_paths
+from mokv.ops.cpu_paths import host_takes_portable_paths
 from mokv.params import KVCacheParams, KVCacheStrategy
 
 NUM_LAYERS = 2
@@ -282,8 +283,13 @@ def session() -> InferenceSession:
 
 
 @pytest.fixture(scope="session")
-def compiled(session: InferenceSession) -> Callable[[str, Config], Any]:
-    """`compiled(kind, cfg)` -> loaded model, compiled once per session per (kind, cfg)."""
+def portable_session() -> InferenceSession:
+    """A session whose graphs take the portable CPU paths (8 lanes, no AVX-512)."""
+    return use_portable_cpu_paths(InferenceSession(devices=[CPU()]))
+
+
+def _memoized_builds(session: InferenceSession) -> Callable[[str, Config], Any]:
+    """`get(kind, cfg)` -> loaded model, compiled once per (kind, cfg) in `session`."""
     models: dict[tuple[str, Config], Any] = {}
     builders = {"store_attention": build_store_attention, "qkv_attention": build_qkv_attention}
 
@@ -294,3 +300,25 @@ def compiled(session: InferenceSession) -> Callable[[str, Config], Any]:
         return models[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def compiled(session: InferenceSession) -> Callable[[str, Config], Any]:
+    """`compiled(kind, cfg)` -> loaded model on this host's native CPU paths."""
+    return _memoized_builds(session)
+
+
+@pytest.fixture(scope="session")
+def compiled_portable(portable_session: InferenceSession) -> Callable[[str, Config], Any]:
+    """`compiled_portable(kind, cfg)` -> loaded model on the portable CPU paths."""
+    return _memoized_builds(portable_session)
+
+
+@pytest.fixture(params=["native", "portable"])
+def compiled_each_path(request: pytest.FixtureRequest) -> Callable[[str, Config], Any]:
+    """`compiled` and `compiled_portable` in turn: a test that takes this fixture runs on
+    both kinds of CPU path, so an AVX-512 host also proves the paths of an AVX2 host.
+    On a host without AVX-512F the native paths are the portable ones: run once."""
+    if request.param == "portable" and host_takes_portable_paths():
+        pytest.skip("this host's native CPU paths are the portable ones")
+    return request.getfixturevalue("compiled" if request.param == "native" else "compiled_portable")

@@ -65,8 +65,8 @@ def test_fused_qkv_then_attention(compiled, cfg):
 
 
 @pytest.mark.parametrize("cfg,layout", TAIL_CASES, ids=lambda x: x if isinstance(x, str) else _ids(x))
-def test_fused_qkv_token_tails(compiled, cfg, layout):
-    _check(compiled, cfg, *LAYOUTS[layout])
+def test_fused_qkv_token_tails(compiled_each_path, cfg, layout):
+    _check(compiled_each_path, cfg, *LAYOUTS[layout])
 
 
 def _check(compiled, cfg: Config, cache_lengths: list[int], new_tokens: list[int]) -> None:

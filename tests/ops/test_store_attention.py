@@ -91,8 +91,8 @@ def check(cfg, cache, before, k, v, q, offsets, out):
         ([600, 33], [2, 2]),
     ],
 )
-def test_paged_f32_gqa4(compiled, cache_lengths, new_tokens):
-    cache, before, k, v, q, offsets, out = run_store_attention(compiled, PAGED_F32_GQA4, cache_lengths, new_tokens)
+def test_paged_f32_gqa4(compiled_each_path, cache_lengths, new_tokens):
+    cache, before, k, v, q, offsets, out = run_store_attention(compiled_each_path, PAGED_F32_GQA4, cache_lengths, new_tokens)
     check(PAGED_F32_GQA4, cache, before, k, v, q, offsets, out)
 
 
@@ -119,14 +119,14 @@ def test_paged_bf16_gqa8_head128(compiled):
     [PAGED_BF16_GQA1, PAGED_BF16_GQA4, PAGED_BF16_GQA8, PAGED_BF16_GQA8_P32],
     ids=["gqa1", "gqa4", "gqa8", "gqa8-page32"],
 )
-def test_paged_bf16_long_decode(compiled, cfg):
+def test_paged_bf16_long_decode(compiled_each_path, cfg):
     """bf16 decode over 1000+ keys (many pages and key tiles, keys split across cores),
     the path that takes bf16 dot products on CPUs with AVX-512 BF16 (Q and P rounded to
     bf16). Scores with a standard deviation of 2 make the softmax peaky, so a wrong
     score shows. GQA 8 over 8-token pages takes partial 8-row key blocks only; over
     32-token pages, full 16-key blocks (V prefetched inside the score loop)."""
     cache, before, k, v, q, offsets, out = run_store_attention(
-        compiled, cfg, [1300, 1100, 2], [1, 1, 1], seed=4, q_std=2.0
+        compiled_each_path, cfg, [1300, 1100, 2], [1, 1, 1], seed=4, q_std=2.0
     )
     check(cfg, cache, before, k, v, q, offsets, out)
 
@@ -136,35 +136,35 @@ def test_paged_bf16_long_decode(compiled, cfg):
     [(PAGED_BF16_GQA8_P32, [1300, 900], [1, 1]), (PAGED_F32_GQA4, [600, 300], [40, 1])],
     ids=["bf16-gqa8-decode", "f32-gqa4-prefill"],
 )
-def test_rising_scores(compiled, cfg, cache_lengths, new_tokens):
+def test_rising_scores(compiled_each_path, cfg, cache_lengths, new_tokens):
     """Scores that climb ~30-45 (natural units) along the context: the softmax reference
     is raised lazily (only past 8 in log2 units) again and again within each split, so
     a rescale of O or l that is skipped, doubled or taken against the wrong reference
     shows; P stays bounded (no overflow to inf in f32 or bf16)."""
     cache, before, k, v, q, offsets, out = run_store_attention(
-        compiled, cfg, cache_lengths, new_tokens, seed=7, rise=8.0
+        compiled_each_path, cfg, cache_lengths, new_tokens, seed=7, rise=8.0
     )
     check(cfg, cache, before, k, v, q, offsets, out)
 
 
-def test_paged_f32_gqa8_odd_heads(compiled):
+def test_paged_f32_gqa8_odd_heads(compiled_each_path):
     """f32 GQA 8 decode: 8-lane key-major scores with K broadcast from the cache. Five KV
     heads make key rows 2.5 KiB apart (8-key blocks) and a unit of 40 rows, so the
     16-row softmax has padding lanes; the long contexts are split across cores and
     merged; the 2-token entry takes the 16-row path."""
     cache, before, k, v, q, offsets, out = run_store_attention(
-        compiled, PAGED_F32_GQA8, [1300, 40, 5], [1, 1, 2], seed=5, q_std=2.0
+        compiled_each_path, PAGED_F32_GQA8, [1300, 40, 5], [1, 1, 2], seed=5, q_std=2.0
     )
     check(PAGED_F32_GQA8, cache, before, k, v, q, offsets, out)
 
 
-def test_paged_f32_mha_20_heads(compiled):
+def test_paged_f32_mha_20_heads(compiled_each_path):
     """GQA 1 decode scores one key x 16 heads per butterfly: 20 KV heads make two head
     blocks, the second with 12 lanes repeating head 19 (padding rows of the softmax);
     the long context is split across cores and merged; the 3-token entry takes 4-row
     blocks (3 rows and a padding row per head) with key-major scores."""
     cache, before, k, v, q, offsets, out = run_store_attention(
-        compiled, PAGED_F32_MHA20, [700, 9, 50], [1, 1, 3], seed=6, q_std=2.0
+        compiled_each_path, PAGED_F32_MHA20, [700, 9, 50], [1, 1, 3], seed=6, q_std=2.0
     )
     check(PAGED_F32_MHA20, cache, before, k, v, q, offsets, out)
 

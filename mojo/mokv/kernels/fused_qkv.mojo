@@ -20,8 +20,9 @@ CPU, two paths (dot products accumulate in f32 in both):
   * Packed (>= PACK_MIN_TOKENS = 16 tokens in the call, `_fused_qkv_packed`): hidden^T
     is packed once per call as f32 [K, tokens] (T x K elements: 1/12 of the weights at
     Llama-3-8B shapes, so packing costs ~1 % at 512 tokens), and a broadcast-FMA
-    micro-kernel computes C^T = W H^T in 8-feature x 48-token register blocks (24
-    accumulators; per k: 3 token vectors + 8 broadcast weights, no horizontal sums).
+    micro-kernel computes C^T = W H^T in MR-feature x 3W-token register blocks (MR = 8
+    with AVX-512's 32 registers, 4 with 16: 24 or 12 accumulators; per k: 3 token
+    vectors + MR broadcast weights, no horizontal sums).
     A unit is (block of up to 512 tokens, one output head), so each weight byte is read
     from memory once per 512 tokens. The weights are used in place: nothing is packed
     or cached across calls (the weight is a graph input; a pack keyed by its pointer
@@ -30,7 +31,7 @@ CPU, two paths (dot products accumulate in f32 in both):
     and a butterfly per chunk, which re-read the weights 8 times at 512 tokens and ran
     at ~60 % of MAX's matmul.
   * Streaming (fewer tokens, e.g. decode): units of up to TB = 64 tokens x one head;
-    4-token x 4-feature register blocks over K chunks of KC, and the last ntok % 4
+    4-token x RF-feature register blocks (RF = W / 4) over K chunks of KC, and the last ntok % 4
     tokens stream each weight row once, whole (a decode token reads the weights at
     ~30 GB/s, 1.7-1.9x MAX's matmul).
 """
@@ -47,19 +48,20 @@ from max.gpu.host.info import is_cpu
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .parallel import parallel_units
 from .ragged import batch_of_token
-from .simd import F32Ptr, W, reduce_16, widen
+from .cpu import VECTOR_REGISTERS, W
+from .simd import F32Ptr, lane_sums, widen
 
 comptime TB = 64  # tokens per work unit: each weight row is read once per TB tokens
 comptime KC = 512  # K chunk: 4 weight rows of it (8 KiB f32) stay in L1
 comptime RT = 4  # tokens per register block
-comptime RF = 4  # features per register block: RT * RF = 16 accumulators
+comptime RF = W // RT  # features per register block: RT * RF = W accumulators
 
 # Packed (broadcast-FMA) path for prefill chunks of at least PACK_MIN_TOKENS tokens.
 comptime PACK_MIN_TOKENS = 16
 comptime PTB = 512  # tokens per packed work unit: a head's weights are read once per PTB tokens
 comptime PKC = 256  # K chunk of the packed path: H^T chunk [PKC, PTB] f32 (512 KiB) stays in L2
-comptime MR = 8  # weight rows (broadcast) per register block
-comptime NR = 3  # token vectors per register block: MR * NR = 24 accumulators
+comptime MR = 8 if VECTOR_REGISTERS >= 32 else 4  # weight rows (broadcast) per register block
+comptime NR = 3  # token vectors per register block: MR * NR = 24 or 12 accumulators
 
 
 @always_inline
@@ -82,8 +84,8 @@ def _dot_block[in_dtype: DType](
 ):
     """acc_out[t, f] += dot(hidden[tok0 + t, chunk], wqkv[f0 + f, chunk]), RT x RF at once.
 
-    RT * RF = 16 independent FMA chains per 16-element step (4 hidden + 4 weight loads
-    feed 16 FMAs), reduced by one butterfly per chunk."""
+    RT * RF = W independent FMA chains per W-element step (4 hidden + RF weight loads
+    feed W FMAs), reduced by one butterfly per chunk."""
     var hoff = Array[Int, RT](fill=0)
     comptime for t in range(RT):
         hoff[t] = (tok0 + t) * K
@@ -98,7 +100,7 @@ def _dot_block[in_dtype: DType](
             comptime for f in range(RF):
                 acc[t * RF + f] = hv.fma(wv[f], acc[t * RF + f])
         k += W
-    var sums = reduce_16(acc)
+    var sums = lane_sums(acc)
     comptime for t in range(RT):
         comptime for f in range(RF):
             var v = sums[t * RF + f]
@@ -143,8 +145,9 @@ def _mk_packed[nr: Int](
     """C^T[f, t .. t + nr*W] += sum_k W[f, k] * H^T[k, t .. t + nr*W] for MR features.
 
     Broadcast-FMA: per k, nr token vectors (contiguous in the packed H^T) and MR
-    broadcast weights feed MR * nr FMAs; no horizontal sums. With nr = 3 that is 24
-    accumulators + 3 vectors + 1 broadcast of the 32 zmm registers."""
+    broadcast weights feed MR * nr FMAs; no horizontal sums. With nr = 3 that is
+    MR * 3 accumulators + 3 vectors + 1 broadcast: 28 of AVX-512's 32 registers (MR =
+    8), 16 of 16 (MR = 4)."""
     var acc = Array[SIMD[DType.float32, W], MR * nr](fill=0)  # [i * nr + j]
     for k in range(kn):
         var hv = Array[SIMD[DType.float32, W], nr](fill=0)
@@ -247,7 +250,7 @@ def _fused_qkv_packed[Coll: KVCollectionT, in_dtype: DType, rope: Bool](
     """The CPU path for prefill chunks: broadcast-FMA over a packed H^T.
 
     Phase 1 packs hidden^T once per call, f32, per block of PTB tokens, as panels of
-    48 tokens x K (`_pack_ht`; ts = the block's tokens rounded up to W, zero columns). That is T x K elements,
+    3W tokens x K (`_pack_ht`; ts = the block's tokens rounded up to W, zero columns). That is T x K elements,
     1/12 of the weights' size at Llama-3-8B shapes, and it is what the micro-kernel
     reads contiguously. The weights are read in place (no W^T pack, nothing cached
     across calls: the weight is a graph input whose buffer may change or move
@@ -295,7 +298,7 @@ def _fused_qkv_packed[Coll: KVCollectionT, in_dtype: DType, rope: Bool](
         var c = c_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         var strip = stack_allocation[MR * PKC, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
         # float32 rows are broadcast in place (see above); with one register block of
-        # tokens (<= 48) each weight element is used once, so K is not chunked then:
+        # tokens (<= 3W) each weight element is used once, so K is not chunked then:
         # the rows stream whole (8 sequential streams). bf16 goes through the strip.
         var direct = in_dtype == DType.float32
         var kstep = K if direct and ts <= NR * W else PKC

@@ -1,19 +1,12 @@
-"""SIMD helpers shared by the CPU kernels: float32 vectors of 16 lanes (AVX-512)."""
+"""SIMD helpers shared by the CPU kernels: float32 vectors of `W` lanes (kernels/cpu.mojo)."""
 
-from std.math import exp2 as std_exp2
 from std.sys import llvm_intrinsic
-from std.sys.info import CompilationTarget
 from std.utils.index import IndexList
 
 from ..types import Ptr
+from .cpu import HAS_AVX512_BF16, HAS_AVX512F, W
 
-comptime W = 16
-"""Float32 lanes of one AVX-512 register."""
 comptime F32Ptr = Pointer[Float32, MutUntrackedOrigin]
-comptime HAS_AVX512_BF16 = CompilationTarget._has_feature["avx512bf16"]()
-"""Whether the build target (the building machine's CPU) has `vdpbf16ps`."""
-comptime HAS_AVX512F = CompilationTarget._has_feature["avx512f"]()
-"""Whether the build target has AVX-512F (`vscalefps`, for `exp2`)."""
 
 
 @always_inline
@@ -49,6 +42,7 @@ def dot_bf16[width: Int = W](
     """Returns acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1] (`vdpbf16ps`): 2 x `width` bf16
     products into `width` f32 lanes per instruction (16 or 8), twice the elements of an
     f32 FMA, with no widening of a or b. Only where HAS_AVX512_BF16."""
+    comptime assert HAS_AVX512_BF16, "vdpbf16ps needs AVX-512 BF16 (kernels/cpu.mojo)"
     comptime assert width == W or width == W // 2, "vdpbf16ps has 512- and 256-bit forms"
     comptime name = "llvm.x86.avx512bf16.dpbf16ps.512" if width == W else "llvm.x86.avx512bf16.dpbf16ps.256"
     return llvm_intrinsic[name, SIMD[DType.float32, width]](acc, a, b)
@@ -68,10 +62,10 @@ def exp2[degree: Int](x: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
     """2^x, for the softmax's x <= 0 (-inf included): 2^round(x) x p(x - round(x)) with
     a `degree` polynomial p. Degree 3 is for probabilities that are rounded to bf16
     next (its 7.5e-5 is far below bf16's 3.9e-3 spacing), 5 for float32 ones. Against
-    the standard library's `exp` (14 instructions, 9 of them FMAs) it takes 4 + degree; where
-    there is no `vscalefps` it falls back to the standard `exp2`."""
-    comptime if not HAS_AVX512F:
-        return std_exp2(x)
+    the standard library's `exp` (14 instructions, 9 of them FMAs) it takes 4 + degree.
+    The power of two is `vscalefps` with AVX-512F; elsewhere its exponent bits are
+    built with integer ops, the same value for every x >= -126 and 0 below (where
+    `vscalefps` gives subnormals under 1.2e-38, noise to a softmax sum of at least 1)."""
     var xc = max(x, SIMD[DType.float32, W](-200))  # 2^-200 is 0 in float32; -inf would make f NaN
     var n = llvm_intrinsic["llvm.roundeven", SIMD[DType.float32, W]](xc)
     var f = xc - n
@@ -80,9 +74,21 @@ def exp2[degree: Int](x: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
     comptime for k in range(degree - 1, -1, -1):
         comptime ck = _exp2_coefficients[degree]()[k]
         p = p.fma(f, SIMD[DType.float32, W](ck))
-    return llvm_intrinsic["llvm.x86.avx512.mask.scalef.ps.512", SIMD[DType.float32, W]](
-        p, n, SIMD[DType.float32, W](0), Int16(-1), Int32(4)
-    )
+    comptime if HAS_AVX512F:
+        return llvm_intrinsic["llvm.x86.avx512.mask.scalef.ps.512", SIMD[DType.float32, W]](
+            p, n, SIMD[DType.float32, W](0), Int16(-1), Int32(4)
+        )
+    else:
+        return p * pow2_int(n)
+
+
+@always_inline
+def pow2_int(n: SIMD[DType.float32, W]) -> SIMD[DType.float32, W]:
+    """2^n for whole n (as floats): the exponent field (n + 127) << 23 for
+    -126 <= n <= 127, 0 below (a biased exponent of 0 with a zero mantissa), and
+    2^127 above (the softmax never asks for more than 2^LAZY_MAX)."""
+    var e = min(max(n.cast[DType.int32]() + 127, 0), 254)
+    return SIMD[DType.float32, W](from_bits=(e << 23).cast[DType.uint32]())
 
 
 def _fold_mask[s: Int, hi: Int]() -> IndexList[W]:
@@ -105,15 +111,25 @@ def _fold[s: Int](x: SIMD[DType.float32, W], y: SIMD[DType.float32, W]) -> SIMD[
 
 
 @always_inline
-def reduce_16(acc: Array[SIMD[DType.float32, W], W]) -> SIMD[DType.float32, W]:
-    """Lane i of the result = acc[i].reduce_add(). A butterfly of 15 two-source shuffles
-    pairs and adds, about 3 instructions per sum instead of 8 for a `reduce_add` each."""
-    var b = Array[SIMD[DType.float32, W], 8](fill=0)
-    comptime for i in range(8):
-        b[i] = _fold[16](acc[2 * i], acc[2 * i + 1])
-    var c = Array[SIMD[DType.float32, W], 4](fill=0)
-    comptime for i in range(4):
-        c[i] = _fold[8](b[2 * i], b[2 * i + 1])
-    return _fold[2](_fold[4](c[0], c[1]), _fold[4](c[2], c[3]))
+def _fold_level[s: Int, n: Int](x: Array[SIMD[DType.float32, W], n]) -> Array[SIMD[DType.float32, W], n // 2]:
+    """One butterfly level over n vectors of partial sums of s lanes: n // 2 vectors."""
+    var y = Array[SIMD[DType.float32, W], n // 2](fill=0)
+    comptime for i in range(n // 2):
+        y[i] = _fold[s](x[2 * i], x[2 * i + 1])
+    return y^
 
 
+@always_inline
+def _fold_all[s: Int, n: Int](x: Array[SIMD[DType.float32, W], n]) -> SIMD[DType.float32, W]:
+    comptime if n == 1:
+        return x[0]
+    else:
+        return _fold_all[s // 2, n // 2](_fold_level[s, n](x))
+
+
+@always_inline
+def lane_sums(acc: Array[SIMD[DType.float32, W], W]) -> SIMD[DType.float32, W]:
+    """Lane i of the result = acc[i].reduce_add(). A butterfly of W - 1 two-source
+    shuffles pairs and adds, about 3 instructions per sum instead of log2(W) + 4 for a
+    `reduce_add` each."""
+    return _fold_all[W, W](acc)

@@ -8,7 +8,15 @@ adds mokv's kernel package to the graph, so no `custom_extensions` are needed.
 
 from .attention import flash_attention
 from ..mojo_package import kernels_path
+from .cpu_paths import use_portable_cpu_paths
 from .kv_cache import store_kv
 from .matmul import fused_qkv_matmul, rope_freqs_cis
 
-__all__ = ["flash_attention", "fused_qkv_matmul", "kernels_path", "rope_freqs_cis", "store_kv"]
+__all__ = [
+    "flash_attention",
+    "fused_qkv_matmul",
+    "kernels_path",
+    "rope_freqs_cis",
+    "store_kv",
+    "use_portable_cpu_paths",
+]

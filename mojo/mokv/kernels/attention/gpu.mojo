@@ -43,8 +43,8 @@ from max.gpu import block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from max.gpu.primitives.warp import shuffle_xor
 
-from ..types import KVCacheT, Ptr, U32Ptr
-from .ragged import batch_of_token
+from ...types import KVCacheT, Ptr, U32Ptr
+from ..ragged import batch_of_token
 
 comptime WARP = 32
 comptime MIN_SPLIT_KEYS = 256

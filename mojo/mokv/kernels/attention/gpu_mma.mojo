@@ -40,8 +40,8 @@ from max.gpu.compute.mma import mma
 from max.gpu.host import DeviceContext
 from max.gpu.primitives.warp import shuffle_xor
 
-from ..types import KVCacheT, Ptr, U32Ptr
-from .gpu_attention import LOG2E, WARP, merge_splits, split_keys_of, split_plan
+from ...types import KVCacheT, Ptr, U32Ptr
+from .gpu import LOG2E, WARP, merge_splits, split_keys_of, split_plan
 
 comptime KEYS = 16  # keys per step: two n8 score blocks, one k16 step of P V
 

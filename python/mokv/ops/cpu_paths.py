@@ -1,0 +1,49 @@
+"""Which of mokv's CPU kernel paths a session's graphs take (mojo/mokv/kernels/cpu.mojo).
+
+The kernels pick their paths by the build target's features when MAX compiles a graph:
+16-lane AVX-512 forms where the CPU has AVX-512F, the portable 8-lane forms elsewhere
+(x86-64 with AVX2, Arm). `use_portable_cpu_paths` makes a session compile the portable
+forms on any host, so that an AVX-512 machine tests and measures the paths an AVX2 one
+runs; a server never needs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from max.engine import InferenceSession
+
+PORTABLE_DEFINE = "MOKV_CPU_PORTABLE"
+"""The compile-time define the Mojo kernels read (`mojo run -D MOKV_CPU_PORTABLE=true`)."""
+
+
+def use_portable_cpu_paths(session: InferenceSession) -> InferenceSession:
+    """Makes every graph `session` compiles from now on take mokv's portable CPU paths.
+
+    Graphs compiled before the call keep their paths; MAX keys its compiled-model cache
+    on the define, so a portable and a native build of one graph do not mix. Uses MAX
+    26.7's `InferenceSession._set_mojo_define` (private: MAX's own pipelines set their
+    kernel defines through it). Returns the session.
+    """
+    if not isinstance(session, InferenceSession):
+        raise TypeError(f"session must be a max.engine.InferenceSession, got {type(session).__name__}")
+    session._set_mojo_define(PORTABLE_DEFINE, "true")
+    return session
+
+
+def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """This host's CPU feature flags (Linux's `/proc/cpuinfo`; empty where it has none)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86 / Arm
+            return frozenset(value.split())
+    return frozenset()
+
+
+def host_takes_portable_paths() -> bool:
+    """Whether graphs compiled on this host take the portable paths anyway (no AVX-512F)."""
+    return "avx512f" not in host_cpu_flags()
