@@ -4,11 +4,12 @@
 #               redis-server package that tests/remote/ starts) and runs every test
 #   make test-remote  only the shared-tier tests (each starts its own redis-server)
 #   make bench  runs the benchmark suite (make bench-quick: a shorter run)
+#   make docs   builds the docs site (docs/, mkdocs.yml) into site/, warnings as errors
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-remote bench bench-quick install redis-server
+.PHONY: demo test test-remote bench bench-quick docs install redis-server
 
 # The shared-tier tests start their own redis-server (only the binary is used; a service
 # the package may start is never contacted). Under CI=true they fail without it.
@@ -36,6 +37,10 @@ test: $(VENV)/.installed redis-server
 
 test-remote: $(VENV)/.installed redis-server
 	$(PY) -m pytest -q tests/remote
+
+# The test extra includes the docs extra (mkdocs-material); tests/docs/ builds it too.
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs build --strict
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"

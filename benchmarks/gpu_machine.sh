@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs mokv's GPU tests and GPU benchmark on a machine that has an NVIDIA GPU but no
-# network and no MAX (README "Running on an NVIDIA GPU" says how it went).
+# network and no MAX (docs/gpus.md, "Running on an NVIDIA GPU", says how it went).
 #
 #   benchmarks/gpu_machine.sh stage-check      # unpack MAX (once per machine), print what MAX sees
 #   benchmarks/gpu_machine.sh tests [pytest args]   # the tests that need a GPU

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs MAX 26.7 / Mojo 1.2 and mokv's own dependencies for a GPU machine that has Python
-# 3.12 but no network (run here, in the repository root; README "Running on an NVIDIA GPU").
+# 3.12 but no network (run here, in the repository root; docs/gpus.md, "Running on an NVIDIA GPU").
 #
 # The wheels are installed into a site-packages tree here (`pip install --target`, for
 # Python 3.12), xz-compressed (650 MB -> 175 MB: xz packs the shared libraries ~30% tighter

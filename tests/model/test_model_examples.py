@@ -32,3 +32,15 @@ def test_generate_example(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "matches the uncached recompute" in proc.stdout
+
+
+def test_quickstart_example():
+    """The two manager flows of MAX's documentation (paged with two replicas, continuous
+    with sequence ids) run and leave the state they print."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "examples" / "quickstart.py")],
+        check=False, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ctx3 shares the system prompt" in proc.stdout and "start_idx=32" in proc.stdout
+    assert "after release: 4 free slots" in proc.stdout

@@ -2,7 +2,7 @@
 
 Skipped unless MAX sees an accelerator (`max.driver.accelerator_count() > 0`); users run
 them with pixi on NVIDIA hardware. They passed on an NVIDIA H200 (the float32 QKV cases
-with an earlier form of their kernel; README, "Running on an NVIDIA GPU";
+with an earlier form of their kernel; docs/gpus.md, "Running on an NVIDIA GPU";
 `benchmarks/gpu_machine.sh tests` runs them on a machine without network). That every op compiles for sm_90 and gfx942 is checked everywhere by
 test_virtual_gpu.py.
 

@@ -1,0 +1,50 @@
+"""Runs the code blocks of README.md and docs/*.md as tests (Sybil).
+
+Every ```python block runs, in order, in one namespace per file, so a page reads as one
+program; a failing block is reported as `docs/PAGE.md::line:N`. Every ```mojo block is a
+whole program: it is written to a temporary file and run with `mojo run` against mokv's
+precompiled Mojo package (as tests/ops/test_mojo_unit.py runs tests/mojo/). Blocks fenced
+as ```sh, ```text or ```toml are commands, output or configuration and are not run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+from sybil import Sybil
+from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser
+
+
+def run_mojo(example) -> None:
+    """Runs one ```mojo block as a program; its exit status and output are the test."""
+    from mokv.mojo_package import _mojo_binary
+    from mokv.ops import kernels_path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "example.mojo"
+        source.write_text(example.parsed)
+        proc = subprocess.run(
+            [_mojo_binary(), "run", "-I", str(kernels_path().parent), str(source)],
+            check=False, capture_output=True, text=True, timeout=600,
+        )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"mojo run of the block at line {example.line} exited {proc.returncode}:\n"
+            + (proc.stdout + proc.stderr)[-4000:]
+        )
+
+
+def close_managers(namespace: dict) -> None:
+    """A page that fails half-way may leave a publishing manager open: close it."""
+    for value in list(namespace.values()):
+        if type(value).__name__ == "PagedKVCacheManager":
+            value.close()
+
+
+pytest_collect_file = Sybil(
+    parsers=[PythonCodeBlockParser(), CodeBlockParser(language="mojo", evaluator=run_mojo)],
+    patterns=["README.md", "docs/*.md"],
+    teardown=close_managers,
+).pytest()
