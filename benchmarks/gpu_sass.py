@@ -13,7 +13,7 @@ tensor-core `HMMA`, warp shuffles, byte permutes.
     python benchmarks/gpu_sass.py --tools /tmp/nv/x/nvidia/cu13/bin [--mef FILE] [--sass DIR]
 
 This is how the bf16 slice loads were found to be eight 2-byte loads each (before
-`_slice_align` in `kernels/gpu_attention.mojo`).
+`_slice_align` in `kernels/attention/gpu.mojo`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The manager owns the blocks buffer of the continuous layout (continuous.mojo)
     blocks_buf  [max_batch_size, 2, num_layers, max_seq_len, num_heads, head_size]  on this_device
 
 and hands out `ContinuousBatchingKVCacheCollection` views of it, the same struct the
-graph ops consume, so mokv's kernels (kernels/store_kv.mojo, kernels/flash_attention.mojo)
+graph ops consume, so mokv's kernels (kernels/store_kv.mojo, kernels/attention/)
 run on it directly. Lifecycle of one sequence:
 
     claim(n)                 -> seq_ids (a seq id is its slot, lowest free slot first)

@@ -1,4 +1,4 @@
-"""The GPU attention kernel's host-side plan (mokv/kernels/gpu_attention.mojo): lanes per
+"""The GPU attention kernel's host-side plan (mokv/kernels/attention/gpu.mojo): lanes per
 key, heads per unit and the key splits, checked on the CPU (the kernel itself runs in
 tests/ops/test_on_gpu.py where a GPU is present)."""
 

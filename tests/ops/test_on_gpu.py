@@ -115,7 +115,7 @@ CHUNK = ([600], [40])  # a prefill chunk after a long prefix (continuous slots h
          "paged-gqa8-chunk", "continuous-gqa8-short"],
 )
 def test_tensor_core_attention_on_gpu(gpu_compiled, cfg, cache_lengths, new_tokens):
-    """`gpu_tensor_cores=True` (kernels/gpu_attention_mma.mojo) against the same numpy
+    """`gpu_tensor_cores=True` (kernels/attention/gpu_mma.mojo) against the same numpy
     reference and bf16 tolerance as the default kernels; scores of std 2 so that a wrong
     fragment shows. Written without a GPU: not yet run on one."""
     check(cfg, *run_store_attention(gpu_compiled, cfg, cache_lengths, new_tokens, seed=5, q_std=2.0))

@@ -27,7 +27,7 @@ def parallel_units[FuncType: def(Int) raises -> None](body: FuncType, count: Int
         bf16 GQA 8), three runs alternating the two orders.
     The calling thread takes no units inline beside the tasks: in graphs the task it
     enqueued waited until it synchronized, so the kernel ran on one core (tried twice,
-    `benchmarks/README.md` §3b).
+    docs/log.md, 2026-11-23 to 2026-11-25).
     """
     var cpu_ctx = rebind[DeviceContextBase[CompilationTarget()]](ctx)
     var next_unit = List[Int64](length=1, fill=0)

@@ -90,7 +90,7 @@ def check_group(op: str, n_heads: int, n_kv_heads: int, device: DeviceRef) -> No
 def check_tensor_core_shape(dtype: DType, head_dim: int, group: int, device: DeviceRef) -> None:
     """ValueError unless `flash_attention(..., gpu_tensor_cores=True)` can serve this
     shape: a GPU, a bf16 or f16 cache, head_dim % 64 == 0 and group % 4 == 0 (the
-    fragments of `kernels/gpu_attention_mma.mojo`)."""
+    fragments of `kernels/attention/gpu_mma.mojo`)."""
     problems = []
     if device.is_cpu():
         problems.append("a GPU device (q is on the CPU)")

@@ -47,7 +47,7 @@ def flash_attention(
         checked: check the runtime tables first (`mokv.check_tables`); None: the
             collection's `checked` (see `FetchKVCacheCollection`).
         gpu_tensor_cores: on an NVIDIA GPU, run units of 4 or 8 query heads on the
-            tensor cores (`kernels/gpu_attention_mma.mojo`; bf16 or f16 caches, head_dim
+            tensor cores (`kernels/attention/gpu_mma.mojo`; bf16 or f16 caches, head_dim
             a multiple of 64, GQA groups a multiple of 4). Staged: it compiles for sm_90
             but has not yet run on a GPU, so it is off by default; on an AMD GPU the
             default kernel runs. Refused for a CPU device or another shape.

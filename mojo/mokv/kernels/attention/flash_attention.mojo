@@ -8,7 +8,9 @@ positions [0, p]. The K/V of the new tokens must already be in the cache (store_
 fused_qkv_matmul ran first). Softmax is the online (flash) form in float32, taken in
 powers of 2 against a reference maximum raised lazily (`softmax_key_major`).
 
-CPU design (decode is memory-bound, prefill compute-bound):
+CPU design (decode is memory-bound, prefill compute-bound). The counts below are for
+AVX-512's W = 16 lanes; the portable paths (kernels/cpu.mojo) take W = 8, with half the
+lanes and accumulators per register block alike:
   * A work unit is (batch entry, tile of new tokens, block of KV heads, range of keys).
     Its rows are every query head of the GQA group for those tokens and heads, at
     most MAX_ROWS = 64. One pass over the unit's keys serves all its rows, so each K/V
@@ -58,8 +60,8 @@ CPU design (decode is memory-bound, prefill compute-bound):
   * Causality: the key loop stops at the unit's last visible position, so tiles the
     mask hides entirely are never read; only the diagonal tile applies a mask.
   * Units run in parallel on the op's device context (`parallel_units`).
-GPU: flash-decoding units of one warp (kernels/gpu_attention.mojo; on the tensor cores when
-asked, kernels/gpu_attention_mma.mojo).
+GPU: flash-decoding units of one warp (attention/gpu.mojo; on the tensor cores when
+asked, attention/gpu_mma.mojo).
 """
 
 from std.atomic import Atomic

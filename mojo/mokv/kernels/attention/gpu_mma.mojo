@@ -2,10 +2,10 @@
 
 Staged: compiled for sm_90 in the test suite (its SASS, 32 `HMMA.16816` per 16 keys, read
 with `benchmarks/gpu_sass.py`), not yet run on a GPU, so `flash_attention` takes it only when asked
-(`gpu_tensor_cores=True` in Python). `kernels/gpu_attention.mojo` stays the default.
+(`gpu_tensor_cores=True` in Python). `attention/gpu.mojo` stays the default.
 
 Why: on an H200 the CUDA-core kernel read K/V at ~50% of a device copy for GQA 4 and
-~25% for GQA 8 (README, "On an NVIDIA H200"), against 74-77% for GQA 1: per key, a
+~25% for GQA 8 (docs/benchmarks.md, "GPU (NVIDIA H200)"), against 74-77% for GQA 1: per key, a
 lane does 4 or 8 heads' FMAs and butterflies. Here a warp's 16 keys x GB heads of
 scores are 2 x D / 16 `mma.sync.m16n8k16` and their P V another D / 8, so the per-key
 work no longer grows with the group.
