@@ -160,7 +160,8 @@ class MokvSide:
             out = mokv.ops.flash_attention(coll, q.tensor, offsets.tensor, 0, 1 / math.sqrt(D),
                                            gpu_tensor_cores=tensor_cores)
             g.output(out)
-        self.model = session.load(g)
+        with mokv.filter_collection_warnings():
+            self.model = session.load(g)
 
     def _paged_manager(self, batch: int, seq: int):
         pages = batch * -(-seq // PAGE) + 1
@@ -216,7 +217,8 @@ class MaxSide:
                                          ops.constant(0, DType.uint32, DeviceRef.CPU()),
                                          MHAMaskVariant.CAUSAL_MASK, 1 / math.sqrt(D))
             g.output(out)
-        self.model = session.load(g)
+        with mokv.filter_collection_warnings():
+            self.model = session.load(g)
 
     def inputs(self, cached: list[int], new: list[int]) -> list[Buffer]:
         from max import tree

@@ -11,6 +11,7 @@ The layers, top to bottom:
       -> the kernels (`mokv.ops`, mojo/mokv/) read and write the cache through it
 """
 
+from .compiler_output import filter_collection_warnings
 from .context import RequestID, TextContext, TextGenerationContext
 from .errors import (
     AlreadyClaimedError,
@@ -77,6 +78,7 @@ __all__ = [
     "TextContext",
     "TextGenerationContext",
     "UnknownRequestError",
+    "filter_collection_warnings",
     "layout_for",
     "layout_of_inputs",
     "load_kv_manager",
