@@ -149,8 +149,8 @@ class MokvSide:
         strategy = mokv.KVCacheStrategy.PAGED if kind == "paged" else mokv.KVCacheStrategy.CONTINUOUS
         self.params = mokv.KVCacheParams(dtype, hkv, D, page_size=PAGE, cache_strategy=strategy)
         if kind == "continuous":  # one cache for every case (its max_seq_len is a static dim)
-            self.mgr = mokv.ContinuousBatchingKVCacheManager(self.params, slots, max_ctx + 1, 1,
-                                                             [device], session)
+            self.mgr = mokv.ContinuousKVCacheManager(self.params, slots, max_ctx + 1, 1,
+                                                     [device], session)
         else:
             self.mgr = self._paged_manager(1, 2 * PAGE)
         with Graph(f"mokv_attention_{kind}",

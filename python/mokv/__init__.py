@@ -5,7 +5,7 @@ The layers, top to bottom:
     a scheduler / model runner
       -> the manager contract (`KVCacheManager`: managers/base.py)
       -> a manager (paged: one `PagedReplica` per data-parallel replica -> `PagePool`;
-         continuous: one slot per sequence; null: compile-only)
+         continuous: one slot per request; null: compile-only)
     the graph boundary: the manager's `layout` (`mokv.layouts`) names the flat inputs
       -> a fetcher turns them into an opaque Mojo collection value inside the graph
       -> the kernels (`mokv.ops`, mojo/mokv/) read and write the cache through it
@@ -39,11 +39,12 @@ from .layouts import (
 )
 from .events.config import KVEventsConfig
 from .managers.base import KVCacheManager
-from .managers.continuous import ContinuousBatchingKVCacheManager
+from .managers.continuous import ContinuousKVCacheManager
 from .managers.loader import load_kv_manager
 from .managers.mojo_continuous import MojoContinuousBatchingKVCacheManager
 from .managers.null import NullKVCacheManager
 from .managers.paged import PagedKVCacheManager
+from .managers.sequences import ContinuousBatchingKVCacheManager
 from .metrics import KVCacheMetrics
 from .params import KVCacheParams, KVCacheStrategy
 
@@ -56,6 +57,7 @@ __all__ = [
     "CacheLayout",
     "ContinuousBatchingKVCacheInputs",
     "ContinuousBatchingKVCacheManager",
+    "ContinuousKVCacheManager",
     "FetchContinuousBatchingKVCacheCollection",
     "FetchKVCacheCollection",
     "FetchPagedKVCacheCollection",

@@ -341,7 +341,7 @@ def test_continuous_and_null_check_their_arguments(session):
     )
     for n in (0, -1, 1.0, True):
         with pytest.raises(ValueError, match="positive number of sequences"):
-            cont.sequences.claim(n)
+            cont.claim(n)
     (s,) = cont.claim(1)
     with pytest.raises(ValueError, match="-5"):
         cont.step({s: -5})
@@ -401,29 +401,32 @@ def test_text_context_rejects_what_it_would_mangle():
 
 
 def test_continuous_manager_calls_survive_an_exception_inside(session, monkeypatch):
+    """Both flows over the shared slots: a failure inside building the inputs or taking
+    a slot changes neither."""
     cont = mokv.ContinuousBatchingKVCacheManager(
         small_params(cache_strategy="continuous"), 3, 16, NUM_LAYERS, [CPU()], session
     )
+    requests = cont.requests
     ctx = TextContext([1, 2, 3], "A")
-    cont.external_claim(ctx.request_id)
+    requests.external_claim(ctx.request_id)
     (seq_id,) = cont.claim(1)
 
     def state():
-        return (cont.num_free_blocks, cont.metrics, cont.get_req_blocks(ctx.request_id),
-                cont.sequences.cache_length(seq_id))
+        return (cont.num_free_blocks, requests.metrics, requests.get_req_blocks(ctx.request_id),
+                cont.cache_length(seq_id))
 
     before = state()
 
     def boom(*args, **kwargs):
-        raise Injected("inside _inputs")
+        raise Injected("inside the slots")
 
-    monkeypatch.setattr(type(cont), "_inputs", boom)
-    for call in (lambda: cont.fetch([ctx]), lambda: cont.fetch([seq_id])):
+    monkeypatch.setattr(mokv.ContinuousKVCacheManager, "slot_inputs", boom)
+    for call in (lambda: requests.fetch([ctx]), lambda: cont.fetch([seq_id])):
         with pytest.raises(Injected):
             call()
         assert state() == before
-    monkeypatch.setattr(type(cont), "_take_slots", boom)
-    for call in (lambda: cont.claim(1), lambda: cont.external_claim("B")):
+    monkeypatch.setattr(mokv.ContinuousKVCacheManager, "take_slots", boom)
+    for call in (lambda: cont.claim(1), lambda: requests.external_claim("B")):
         with pytest.raises(Injected):
             call()
-        assert state() == before and not cont.contains("B")
+        assert state() == before and not requests.contains("B")

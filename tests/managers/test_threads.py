@@ -47,7 +47,7 @@ def test_threads_share_a_manager(session, kind):
         manager = make_paged(session, num_pages=10, max_batch_size=4, max_seq_len=32)
         total = 10
     else:
-        manager = mokv.ContinuousBatchingKVCacheManager(
+        manager = mokv.ContinuousKVCacheManager(
             small_params(cache_strategy="continuous"), 4, 32, NUM_LAYERS, [CPU()], session
         )
         total = 4

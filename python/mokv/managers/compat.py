@@ -2,9 +2,9 @@
 
 MAX renamed parts of its manager interface between releases; mokv answers to both.
 Everything here is a thin alias of a `KVCacheManager` member (see base.py), so a
-manager implements the contract and gets these for free. The continuous cache's
-sequence-id flow (`claim(n) -> seq_ids`, ...) is the other compatibility piece, in
-`sequences.py`.
+manager implements the contract and gets these for free. The other compatibility
+piece, the continuous cache's sequence-id flow (`claim(n) -> seq_ids`, ...), is its own
+class, `ContinuousBatchingKVCacheManager` (sequences.py).
 """
 
 from __future__ import annotations

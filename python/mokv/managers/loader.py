@@ -15,7 +15,7 @@ from max.engine import InferenceSession
 from ..events.config import KVEventsConfig
 from ..params import KVCacheParams, KVCacheStrategy
 from .base import KVCacheManager
-from .continuous import ContinuousBatchingKVCacheManager
+from .continuous import ContinuousKVCacheManager
 from .null import NullKVCacheManager
 from .paged import PagedKVCacheManager
 
@@ -45,7 +45,7 @@ def load_kv_manager(
             available_cache_memory or 0, page_size,
         )
     if params.cache_strategy is KVCacheStrategy.CONTINUOUS:
-        return ContinuousBatchingKVCacheManager(
+        return ContinuousKVCacheManager(
             params, max_batch_size, max_seq_len, num_layers, devices, session
         )
     if available_cache_memory is None:
