@@ -35,7 +35,7 @@ test: $(VENV)/.installed redis-server
 	$(PY) -m pytest -q
 
 test-remote: $(VENV)/.installed redis-server
-	$(PY) -m pytest -q tests/remote
+	$(PY) -m pytest -q tests/remote tests/tiers/test_remote.py
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"

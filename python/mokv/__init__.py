@@ -4,7 +4,8 @@ The layers, top to bottom:
 
     a scheduler / model runner
       -> the manager contract (`KVCacheManager`: managers/base.py)
-      -> a manager (paged: one `PagedReplica` per data-parallel replica -> `PagePool`;
+      -> a manager (paged: one `PagedReplica` per data-parallel replica -> `PagePool`,
+         then its tiers (`mokv.tiers`: host memory, a shared Redis store);
          continuous: one slot per request; null: compile-only)
     the graph boundary: the manager's `layout` (`mokv.layouts`) names the flat inputs
       -> a fetcher turns them into an opaque Mojo collection value inside the graph
@@ -45,11 +46,12 @@ from .managers.mojo_continuous import MojoContinuousBatchingKVCacheManager
 from .managers.null import NullKVCacheManager
 from .managers.paged import PagedKVCacheManager
 from .managers.sequences import ContinuousBatchingKVCacheManager
-from .metrics import KVCacheMetrics
+from .metrics import KVCacheMetrics, TierMetrics
 from .params import KVCacheParams, KVCacheStrategy
+from .tiers.host import HostTierConfig
+from .tiers.remote import RemoteTierConfig
 
 __all__ = [
-    "KVEventsConfig",
     "CONTINUOUS",
     "PAGED",
     "AlreadyClaimedError",
@@ -61,6 +63,7 @@ __all__ = [
     "FetchContinuousBatchingKVCacheCollection",
     "FetchKVCacheCollection",
     "FetchPagedKVCacheCollection",
+    "HostTierConfig",
     "InsufficientMemoryError",
     "InsufficientPagesError",
     "InvalidReplicaError",
@@ -69,16 +72,19 @@ __all__ = [
     "KVCacheMetrics",
     "KVCacheParams",
     "KVCacheStrategy",
+    "KVEventsConfig",
     "MojoContinuousBatchingKVCacheManager",
     "MokvError",
     "NullKVCacheManager",
     "PagedKVCacheManager",
     "RaggedKVCacheInputs",
+    "RemoteTierConfig",
     "RequestID",
     "SequenceTooLongError",
     "StaleContextError",
     "TextContext",
     "TextGenerationContext",
+    "TierMetrics",
     "UnknownRequestError",
     "filter_collection_warnings",
     "layout_for",

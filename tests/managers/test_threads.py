@@ -68,4 +68,4 @@ def test_threads_share_a_manager(session, kind):
     assert manager.num_free_blocks == total  # every page (slot) came back
     if kind == "paged":
         manager.check_invariants()
-        assert not manager._replica_of and not manager.replicas[0]._requests
+        assert manager.replicas[0].num_free_slots == 4  # every request slot came back

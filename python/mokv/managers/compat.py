@@ -3,8 +3,9 @@
 MAX renamed parts of its manager interface between releases; mokv answers to both.
 Everything here is a thin alias of a `KVCacheManager` member (see base.py), so a
 manager implements the contract and gets these for free. The other compatibility
-piece, the continuous cache's sequence-id flow (`claim(n) -> seq_ids`, ...), is its own
-class, `ContinuousBatchingKVCacheManager` (sequences.py).
+pieces: the continuous cache's sequence-id flow (`claim(n) -> seq_ids`, ...) is its own
+class, `ContinuousBatchingKVCacheManager` (sequences.py), and MAX's flat configuration
+spellings are mapped in `mokv.params_compat`.
 """
 
 from __future__ import annotations

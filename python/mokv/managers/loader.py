@@ -37,7 +37,7 @@ def load_kv_manager(
     In MAX's virtual-device (compile-only) mode no memory can be used, so a
     `NullKVCacheManager` with the strategy's layout is returned instead.
     `available_cache_memory` is required by the paged strategy, and
-    `kv_events_config` (KV-cache events) applies to it only.
+    `kv_events_config` (MAX's spelling of `params.kv_events`) applies to it only.
     """
     if driver.is_virtual_device_mode():
         return NullKVCacheManager(
