@@ -36,7 +36,7 @@ test: $(VENV)/.installed redis-server
 	$(PY) -m pytest -q
 
 test-remote: $(VENV)/.installed redis-server
-	$(PY) -m pytest -q tests/remote
+	$(PY) -m pytest -q tests/remote tests/tiers/test_remote.py
 
 # The test extra includes the docs extra (mkdocs-material); tests/docs/ builds it too.
 docs: $(VENV)/.installed

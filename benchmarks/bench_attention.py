@@ -150,8 +150,8 @@ class MokvSide:
         strategy = mokv.KVCacheStrategy.PAGED if kind == "paged" else mokv.KVCacheStrategy.CONTINUOUS
         self.params = mokv.KVCacheParams(dtype, hkv, D, page_size=PAGE, cache_strategy=strategy)
         if kind == "continuous":  # one cache for every case (its max_seq_len is a static dim)
-            self.mgr = mokv.ContinuousBatchingKVCacheManager(self.params, slots, max_ctx + 1, 1,
-                                                             [device], session)
+            self.mgr = mokv.ContinuousKVCacheManager(self.params, slots, max_ctx + 1, 1,
+                                                     [device], session)
         else:
             self.mgr = self._paged_manager(1, 2 * PAGE)
         with Graph(f"mokv_attention_{kind}",
@@ -161,7 +161,8 @@ class MokvSide:
             out = mokv.ops.flash_attention(coll, q.tensor, offsets.tensor, 0, 1 / math.sqrt(D),
                                            gpu_tensor_cores=tensor_cores)
             g.output(out)
-        self.model = session.load(g)
+        with mokv.filter_collection_warnings():
+            self.model = session.load(g)
 
     def _paged_manager(self, batch: int, seq: int):
         pages = batch * -(-seq // PAGE) + 1
@@ -217,7 +218,8 @@ class MaxSide:
                                          ops.constant(0, DType.uint32, DeviceRef.CPU()),
                                          MHAMaskVariant.CAUSAL_MASK, 1 / math.sqrt(D))
             g.output(out)
-        self.model = session.load(g)
+        with mokv.filter_collection_warnings():
+            self.model = session.load(g)
 
     def inputs(self, cached: list[int], new: list[int]) -> list[Buffer]:
         from max import tree

@@ -36,8 +36,7 @@ def with_host_tier(budget_pages: int, host_pages: int, **kw) -> MokvPaged:
         gb = host_pages * p.bytes_per_page(SHAPE["num_layers"]) / 2**30
         params = mokv.KVCacheParams(p.dtype, p.n_kv_heads, p.head_dim, page_size=p.page_size,
                                     enable_prefix_caching=True,
-                                    enable_kvcache_swapping_to_host=True,
-                                    host_kvcache_swap_space_gb=gb)
+                                    tiers=(mokv.HostTierConfig(swap_space_gb=gb),))
         m = adapter.manager
         adapter.manager = mokv.PagedKVCacheManager(
             params, m.max_batch_size, m.max_seq_len, SHAPE["num_layers"], [CPU()], m.session,

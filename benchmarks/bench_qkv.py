@@ -53,11 +53,13 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
     params = mokv.KVCacheParams(DType.float32, HKV, D, page_size=PAGE)
     hidden_t = TensorType(DType.float32, ["tokens", HIDDEN], cpu)
     weight_t = TensorType(DType.float32, [FEATURES, HIDDEN], cpu)
-    mokv_model = session.load(_mokv_graph(params, hidden_t, weight_t))
+    with mokv.filter_collection_warnings():
+        mokv_model = session.load(_mokv_graph(params, hidden_t, weight_t))
     portable_model = None
     if portable:
         portable_session = mokv.ops.use_portable_cpu_paths(InferenceSession(devices=[CPU()]))
-        portable_model = portable_session.load(_mokv_graph(params, hidden_t, weight_t))
+        with mokv.filter_collection_warnings():
+            portable_model = portable_session.load(_mokv_graph(params, hidden_t, weight_t))
     with Graph("max_qkv", input_types=[hidden_t, weight_t]) as g:
         h, w = g.inputs
         g.output(ops.matmul(h.tensor, ops.transpose(w.tensor, 0, 1)))

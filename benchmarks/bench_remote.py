@@ -40,6 +40,8 @@ import time
 import numpy as np
 import redis
 from max.dtype import DType
+
+import mokv
 from mokv.cache.hashing import iter_page_hashes, page_hash_fn, root_hash
 from mokv.remote import RemoteLayout, RemotePageStore
 
@@ -130,9 +132,8 @@ def trace_split(url: str, sessions: int, device_pages: int) -> dict:
     rows.append(_row(f"two managers, {device_pages} pages each, no shared tier",
                      replay_side_by_side(list(zip(pair, halves))), pair))
     namespace = f"bench-trace-{time.time_ns()}"
-    shared = [MokvPaged(device_pages, **size, remote_kvcache_url=url,
-                        remote_kvcache_namespace=namespace, remote_kvcache_timeout_s=5.0)
-              for _ in halves]
+    tier = mokv.RemoteTierConfig(url=url, namespace=namespace, timeout_s=5.0)
+    shared = [MokvPaged(device_pages, **size, tiers=(tier,)) for _ in halves]
     rows.append(_row(f"two managers, {device_pages} pages each, sharing one Redis",
                      replay_side_by_side(list(zip(shared, halves))), shared))
     remote = [a.manager.remote_metrics for a in shared]

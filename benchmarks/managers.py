@@ -7,7 +7,7 @@ contexts of trace requests (`new_context`) and counts the pages in use:
 
 - `MokvPaged`:      `mokv.PagedKVCacheManager` with its prefix cache on;
 - `MokvPagedNoLock`: the same without its per-call lock (what the lock costs);
-- `MokvContinuous`: `mokv.ContinuousBatchingKVCacheManager`, as many `max_seq_len`
+- `MokvContinuous`: `mokv.ContinuousKVCacheManager`, as many `max_seq_len`
                     slots as the same memory budget holds (no prefix cache);
 - `MaxPaged`:       MAX 26.7's `max.pipelines.kv_cache.PagedKVCacheManager` with its
                     prefix cache on, called the way MAX's own `TextBatchConstructor`
@@ -118,7 +118,7 @@ class MokvContinuous(_Mokv):
                                          cache_strategy=mokv.KVCacheStrategy.CONTINUOUS)
         slots = max(1, min(max_batch, budget_pages * page_size // max_seq_len))
         self.pages_per_slot = -(-max_seq_len // page_size)
-        self.manager = mokv.ContinuousBatchingKVCacheManager(
+        self.manager = mokv.ContinuousKVCacheManager(
             self.params, slots, max_seq_len, SHAPE["num_layers"], [CPU()], session())
         self.total_pages = slots * self.pages_per_slot
         self.kv_bytes = slots * max_seq_len * self.params.bytes_per_token(SHAPE["num_layers"])

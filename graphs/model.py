@@ -70,7 +70,8 @@ class DecoderModel:
         registry["rope.freqs_cis"] = rope_table(config)
         # The session keeps views of these arrays; hold them as long as the model lives.
         self._registry = registry
-        self.model = session.load(self.graph, weights_registry=registry)
+        with mokv.filter_collection_warnings():  # MAX's generated code moves them needlessly
+            self.model = session.load(self.graph, weights_registry=registry)
 
     def execute(
         self, batch: Sequence[mokv.TextContext], cache_inputs: Sequence[Any]

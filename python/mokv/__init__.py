@@ -4,13 +4,15 @@ The layers, top to bottom:
 
     a scheduler / model runner
       -> the manager contract (`KVCacheManager`: managers/base.py)
-      -> a manager (paged: one `PagedReplica` per data-parallel replica -> `PagePool`;
-         continuous: one slot per sequence; null: compile-only)
+      -> a manager (paged: one `PagedReplica` per data-parallel replica -> `PagePool`,
+         then its tiers (`mokv.tiers`: host memory, a shared Redis store);
+         continuous: one slot per request; null: compile-only)
     the graph boundary: the manager's `layout` (`mokv.layouts`) names the flat inputs
       -> a fetcher turns them into an opaque Mojo collection value inside the graph
       -> the kernels (`mokv.ops`, mojo/mokv/) read and write the cache through it
 """
 
+from .compiler_output import filter_collection_warnings
 from .context import RequestID, TextContext, TextGenerationContext
 from .errors import (
     AlreadyClaimedError,
@@ -38,16 +40,18 @@ from .layouts import (
 )
 from .events.config import KVEventsConfig
 from .managers.base import KVCacheManager
-from .managers.continuous import ContinuousBatchingKVCacheManager
+from .managers.continuous import ContinuousKVCacheManager
 from .managers.loader import load_kv_manager
 from .managers.mojo_continuous import MojoContinuousBatchingKVCacheManager
 from .managers.null import NullKVCacheManager
 from .managers.paged import PagedKVCacheManager
-from .metrics import KVCacheMetrics
+from .managers.sequences import ContinuousBatchingKVCacheManager
+from .metrics import KVCacheMetrics, TierMetrics
 from .params import KVCacheParams, KVCacheStrategy
+from .tiers.host import HostTierConfig
+from .tiers.remote import RemoteTierConfig
 
 __all__ = [
-    "KVEventsConfig",
     "CONTINUOUS",
     "PAGED",
     "AlreadyClaimedError",
@@ -55,9 +59,11 @@ __all__ = [
     "CacheLayout",
     "ContinuousBatchingKVCacheInputs",
     "ContinuousBatchingKVCacheManager",
+    "ContinuousKVCacheManager",
     "FetchContinuousBatchingKVCacheCollection",
     "FetchKVCacheCollection",
     "FetchPagedKVCacheCollection",
+    "HostTierConfig",
     "InsufficientMemoryError",
     "InsufficientPagesError",
     "InvalidReplicaError",
@@ -66,17 +72,21 @@ __all__ = [
     "KVCacheMetrics",
     "KVCacheParams",
     "KVCacheStrategy",
+    "KVEventsConfig",
     "MojoContinuousBatchingKVCacheManager",
     "MokvError",
     "NullKVCacheManager",
     "PagedKVCacheManager",
     "RaggedKVCacheInputs",
+    "RemoteTierConfig",
     "RequestID",
     "SequenceTooLongError",
     "StaleContextError",
     "TextContext",
     "TextGenerationContext",
+    "TierMetrics",
     "UnknownRequestError",
+    "filter_collection_warnings",
     "layout_for",
     "layout_of_inputs",
     "load_kv_manager",

@@ -1,4 +1,5 @@
-"""Keeps one harmless compiler warning about mokv's collections off the terminal.
+"""Keeps one harmless compiler warning about mokv's collections off the terminal, inside
+a scope the caller opens.
 
 mokv's collection structs are trivial register types (see `KVCollectionT` in
 mojo/mokv/types.mojo: that is what keeps MAX 26.7's GPU code generator from reading a
@@ -12,28 +13,30 @@ prints, once per hand-off:
                ^
 
 MAX 26.7 has no switch for compiler diagnostics, and the warnings are written by native
-code straight to file descriptor 2. So while `InferenceSession.compile` / `load_all`
-(which `load` calls) compiles a graph that uses mokv's kernels, descriptor 2 goes to a
-temporary file; afterwards everything in it except those warning blocks is written to
-the real stderr. `install()` is called by the collection fetchers, so only processes
-that build mokv graphs are touched, and graphs without mokv's kernels are compiled as
-before. Set `MOKV_COMPILER_WARNINGS=show` to see the compiler's output unfiltered (and
-live, which matters if a compile crashes the process).
+code straight to file descriptor 2. So around the compile of a graph that uses mokv's
+kernels, a caller may write
+
+    with mokv.filter_collection_warnings():
+        model = session.load(graph)
+
+and while the block runs, descriptor 2 goes to a temporary file; afterwards everything
+in it except those warning blocks is written to the real stderr. Descriptor 2 belongs
+to the whole process, so one block runs at a time (other threads entering one wait),
+and output that other threads write meanwhile comes out when the block ends. Nothing
+is patched and nothing outside the block is touched. Set `MOKV_COMPILER_WARNINGS=show`
+to make the block a no-op: the compiler's output unfiltered and live, which matters if
+a compile crashes the process.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 import re
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
-from typing import Any
-
-from max.engine import InferenceSession
-from max.graph import Graph
+from collections.abc import Iterator
 
 _WARNING = re.compile(
     r"warning: transfer from a value of trivial register type "
@@ -41,7 +44,7 @@ _WARNING = re.compile(
 )
 
 _lock = threading.RLock()  # descriptor 2 is process-wide: one redirection at a time
-_depth = 0  # load_all may call compile: only the outermost call redirects
+_depth = 0  # a block inside a block (same thread) adds no second redirection
 
 
 def drop_collection_warnings(text: str) -> str:
@@ -61,49 +64,34 @@ def drop_collection_warnings(text: str) -> str:
     return "".join(out)
 
 
-def _uses_mokv_kernels(model: object) -> bool:
-    return isinstance(model, Graph) and any(
-        p.name == "mokv.mojoc" for p in model.kernel_libraries_paths
-    )
-
-
-def _filtered(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(compile_fn)
-    def wrapper(self: InferenceSession, model: Any, *args: Any, **kwargs: Any) -> Any:
-        global _depth
-        if not _uses_mokv_kernels(model) or os.environ.get("MOKV_COMPILER_WARNINGS") == "show":
-            return compile_fn(self, model, *args, **kwargs)
-        with _lock:
-            _depth += 1
+@contextlib.contextmanager
+def filter_collection_warnings() -> Iterator[None]:
+    """Within the block, the compiler's warnings about mokv's collection types are
+    dropped from file descriptor 2; everything else written there comes out at the end
+    (see the module docstring)."""
+    global _depth
+    if os.environ.get("MOKV_COMPILER_WARNINGS") == "show":
+        yield
+        return
+    with _lock:
+        _depth += 1
+        try:
             if _depth > 1:
-                try:
-                    return compile_fn(self, model, *args, **kwargs)
-                finally:
-                    _depth -= 1
+                yield
+                return
             sys.stderr.flush()
             saved = os.dup(2)
             with tempfile.TemporaryFile() as captured:
                 os.dup2(captured.fileno(), 2)
                 try:
-                    return compile_fn(self, model, *args, **kwargs)
+                    yield
                 finally:
                     sys.stderr.flush()
                     os.dup2(saved, 2)
                     os.close(saved)
-                    _depth -= 1
                     captured.seek(0)
                     rest = drop_collection_warnings(captured.read().decode(errors="replace"))
                     if rest:
                         os.write(2, rest.encode())
-
-    wrapper._mokv_filtered = True  # type: ignore[attr-defined]
-    return wrapper
-
-
-def install() -> None:
-    """Filters the collection warnings out of every later compile in this process."""
-    with _lock:
-        for name in ("compile", "load_all"):
-            method = getattr(InferenceSession, name)
-            if not getattr(method, "_mokv_filtered", False):
-                setattr(InferenceSession, name, _filtered(method))
+        finally:
+            _depth -= 1

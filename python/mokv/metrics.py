@@ -2,7 +2,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, field
+
+
+@dataclass
+class TierMetrics:
+    """One cache tier's counters, all replicas together (see `mokv.tiers`).
+
+    Attributes:
+        cache_tokens: of the manager's `cache_tokens`, tokens this tier supplied.
+        used_pages: the tier's pages holding a committed prefix (0 where the tier
+            cannot know, as for a shared server).
+        total_pages: the tier's pages (0 where it has no fixed size).
+        bytes_stored: page bytes written into the tier.
+        bytes_loaded: page bytes loaded from the tier into device pages.
+    """
+
+    cache_tokens: int = 0
+    used_pages: int = 0
+    total_pages: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+
+    def __add__(self, other: TierMetrics) -> TierMetrics:
+        """Field by field: the counters of two replicas' tiers together."""
+        return TierMetrics(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+_NO_TIER = TierMetrics()
+
+
+def _tier_counter(tier: str, counter: str, doc: str) -> property:
+    """A read-only property: `counter` of `self.tiers[tier]`, 0 without that tier."""
+    return property(lambda self: getattr(self.tiers.get(tier, _NO_TIER), counter), doc=doc)
 
 
 @dataclass
@@ -15,28 +47,15 @@ class KVCacheMetrics:
         cache_tokens: of those, tokens found in the prefix cache (not recomputed).
         used_pages: pages owned by requests right now (all replicas).
         free_pages: pages that can be handed out right now, cached-free pages included.
-        host_cache_tokens: of `cache_tokens`, tokens loaded from the host tier (the rest
-            were device hits).
-        host_used_pages: host-tier pages holding a committed prefix (all replicas).
-        host_total_pages: host-tier pages (0 with the tier off).
-        bytes_to_host: bytes written through to the host tier.
-        bytes_from_host: bytes loaded back from the host tier.
-        remote_cache_tokens: of `cache_tokens`, tokens loaded from the shared (Redis)
-            tier; the store's own counters are `PagedKVCacheManager.remote_metrics`.
-        bytes_from_remote: page bytes loaded from the shared tier into device pages.
+        tiers: the lower tiers' counters by tier name ("host", "remote"), in lookup
+            order; empty without tiers. The `host_*` and `remote_*` properties read them.
     """
 
     input_tokens: int = 0
     cache_tokens: int = 0
     used_pages: int = 0
     free_pages: int = 0
-    host_cache_tokens: int = 0
-    host_used_pages: int = 0
-    host_total_pages: int = 0
-    bytes_to_host: int = 0
-    bytes_from_host: int = 0
-    remote_cache_tokens: int = 0
-    bytes_from_remote: int = 0
+    tiers: dict[str, TierMetrics] = field(default_factory=dict)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -45,5 +64,20 @@ class KVCacheMetrics:
 
     @property
     def device_cache_tokens(self) -> int:
-        """Of `cache_tokens`, tokens found in device pages."""
-        return self.cache_tokens - self.host_cache_tokens - self.remote_cache_tokens
+        """Of `cache_tokens`, tokens found in device pages (no tier supplied them)."""
+        return self.cache_tokens - sum(t.cache_tokens for t in self.tiers.values())
+
+    # MAX's flat names of the host and shared tiers' counters (0 without the tier).
+    host_cache_tokens = _tier_counter(
+        "host", "cache_tokens", "Of `cache_tokens`, tokens loaded from the host tier.")
+    host_used_pages = _tier_counter(
+        "host", "used_pages", "Host-tier pages holding a committed prefix (all replicas).")
+    host_total_pages = _tier_counter("host", "total_pages", "Host-tier pages.")
+    bytes_to_host = _tier_counter("host", "bytes_stored", "Bytes written through to the host tier.")
+    bytes_from_host = _tier_counter(
+        "host", "bytes_loaded", "Bytes loaded back from the host tier.")
+    remote_cache_tokens = _tier_counter(
+        "remote", "cache_tokens", "Of `cache_tokens`, tokens loaded from the shared (Redis) "
+        "tier; the stores' own counters are `PagedKVCacheManager.remote_metrics`.")
+    bytes_from_remote = _tier_counter(
+        "remote", "bytes_loaded", "Page bytes loaded from the shared tier into device pages.")

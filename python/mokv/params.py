@@ -1,17 +1,30 @@
-"""Static configuration of a KV cache: what one token's keys and values look like.
+"""Static configuration of a KV cache: its shape, its prefix cache, its tiers and events.
 
 One frozen `KVCacheParams` flows from the user into every manager, graph type and
-kernel wrapper; nothing else carries configuration. Derived sizes are properties so
-that they cannot drift from the fields they come from.
+kernel wrapper; nothing else carries configuration. Its own fields are the cache's
+shape and the prefix cache; the lower tiers and the KV-cache events are nested frozen
+configs (`HostTierConfig`, `RemoteTierConfig`: `mokv.tiers`; `KVEventsConfig`:
+`mokv.events`), each checked in its own `__post_init__` and then against the params it
+joins. Derived sizes are properties so that they cannot drift from the fields they
+come from.
+
+MAX's flat spellings (`enable_kvcache_swapping_to_host=True`, `remote_kvcache_url=...`)
+are still accepted, and mapped onto the nested configs in one place:
+`mokv.params_compat`.
 """
 
 from __future__ import annotations
 
 import enum
-import re
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, fields
+from typing import Any
 
 from max.dtype import DType
+
+from .cache.hashing import STABLE_ALGORITHMS
+from .events.config import KVEventsConfig
+from .tiers.base import TierConfig
 
 
 class KVCacheStrategy(str, enum.Enum):
@@ -31,16 +44,30 @@ CACHE_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
 PREFIX_HASH_ALGORITHMS = ("xxh3", "sha256", "builtin")
 """Names accepted by `KVCacheParams.prefix_hash`; see `mokv.cache.hashing`."""
 
-REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
-"""URL schemes of `KVCacheParams.remote_kvcache_url` (those of redis-py's `from_url`)."""
 
-REMOTE_NAMESPACE = re.compile(r"[A-Za-z0-9._/@+-]{1,200}")
-"""A `remote_kvcache_namespace`: no ':' or spaces, so that no two keys are ambiguous."""
+def _accepts_flat_spellings(cls: type) -> type:
+    """Lets `cls(...)` take MAX's flat keywords, which `mokv.params_compat` maps onto
+    the nested fields before the dataclass's own `__init__` sees them."""
+    names = {f.name for f in fields(cls)}
+    dataclass_init = cls.__init__  # type: ignore[misc]
+
+    @functools.wraps(dataclass_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not names.issuperset(kwargs):
+            # Imported here: params_compat imports the tiers, which import this module.
+            from .params_compat import nest_flat_spellings
+
+            kwargs = nest_flat_spellings(kwargs)
+        dataclass_init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
 
 
+@_accepts_flat_spellings
 @dataclass(frozen=True)
 class KVCacheParams:
-    """The shape of the cache and the features a manager turns on.
+    """The shape of the cache, its prefix cache, and the tiers and events it turns on.
 
     Attributes:
         dtype: element type of the cached keys and values.
@@ -51,13 +78,6 @@ class KVCacheParams:
             manager `load_kv_manager` builds (a manager built directly is its own layout).
         enable_prefix_caching: share full pages between requests whose token
             prefixes are identical (paged strategy only).
-        enable_kvcache_swapping_to_host: keep copies of committed pages in a host-memory
-            tier, so that prefixes evicted from the device are loaded back instead of
-            recomputed (paged strategy with `enable_prefix_caching`; see README "Host tier").
-        host_kvcache_swap_space_gb: size of that host tier in GiB, all replicas together
-            (required, > 0, with the tier on).
-        host_kvcache_min_hits: write a page through to the host tier only once it was hit
-            this many times on the device (0, the default: every committed page at once).
         data_parallel_degree: number of independent replicas of the cache, each
             with its own page pool on its own group of devices.
         n_devices: total devices; each replica gets `n_devices // data_parallel_degree`
@@ -68,14 +88,12 @@ class KVCacheParams:
             `hash`, stable within one process only; refused with KV-cache events).
         prefix_hash_seed: mixed into the root of every hash chain, so that two
             caches with different seeds never share a page.
-        remote_kvcache_url: a `redis://host:port/db` (or `rediss://`, `unix://`) URL of a
-            Redis server that several managers share as a page store behind the device
-            and host tiers (None, the default: no shared tier; see README "Shared tier").
-            Needs `enable_prefix_caching` and a stable `prefix_hash`.
-        remote_kvcache_namespace: the model's name in that store (required with a URL):
-            only managers with the same namespace, layout and hash seed share pages.
-        remote_kvcache_timeout_s: bound on each connect and each reply of the store (a
-            slower server is a miss).
+        tiers: the tiers below the device pages, in lookup order (fastest first), at
+            most one of each kind: `HostTierConfig` (host memory), `RemoteTierConfig`
+            (a Redis server several managers share). Paged strategy only; each needs
+            `enable_prefix_caching` (README "Host tier", "Shared tier").
+        kv_events: publish the prefix cache's changes in vLLM's KV-event format
+            (paged strategy; needs a stable `prefix_hash`); None: no events.
     """
 
     dtype: DType
@@ -84,16 +102,12 @@ class KVCacheParams:
     page_size: int = 128
     cache_strategy: KVCacheStrategy = KVCacheStrategy.PAGED
     enable_prefix_caching: bool = False
-    enable_kvcache_swapping_to_host: bool = False
-    host_kvcache_swap_space_gb: float | None = None
-    host_kvcache_min_hits: int = 0
     data_parallel_degree: int = 1
     n_devices: int = 1
     prefix_hash: str = "xxh3"
     prefix_hash_seed: int = 0
-    remote_kvcache_url: str | None = None
-    remote_kvcache_namespace: str | None = None
-    remote_kvcache_timeout_s: float = 0.25
+    tiers: tuple[TierConfig, ...] = ()
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -119,53 +133,37 @@ class KVCacheParams:
                 f"n_kv_heads={self.n_kv_heads} cannot be split evenly across the "
                 f"{self.tensor_parallel_degree} devices of a replica"
             )
-        if self.enable_kvcache_swapping_to_host:
-            gb = self.host_kvcache_swap_space_gb
-            if gb.__class__ not in (int, float) or not gb > 0:
-                raise ValueError(
-                    "enable_kvcache_swapping_to_host needs host_kvcache_swap_space_gb > 0, "
-                    f"got {gb!r}"
-                )
-            if self.host_kvcache_min_hits.__class__ is not int or self.host_kvcache_min_hits < 0:
-                raise ValueError(
-                    f"host_kvcache_min_hits must be an int >= 0, got {self.host_kvcache_min_hits!r}"
-                )
-            if not self.enable_prefix_caching:
-                raise ValueError(
-                    "enable_kvcache_swapping_to_host needs enable_prefix_caching: the host "
-                    "tier holds committed prefix pages"
-                )
         if self.prefix_hash not in PREFIX_HASH_ALGORITHMS:
             raise ValueError(
                 f"prefix_hash={self.prefix_hash!r} is not one of {PREFIX_HASH_ALGORITHMS}"
             )
-        if self.remote_kvcache_url is not None:
-            self._check_remote()
+        self._check_tiers()
+        if self.kv_events is not None:
+            if not isinstance(self.kv_events, KVEventsConfig):
+                raise TypeError(
+                    f"kv_events must be a mokv.KVEventsConfig or None, got {self.kv_events!r}"
+                )
+            if self.prefix_hash not in STABLE_ALGORITHMS:
+                raise ValueError(
+                    f"KV-cache events need a hash that is the same in every process; "
+                    f"prefix_hash={self.prefix_hash!r} is not one of {STABLE_ALGORITHMS}"
+                )
 
-    def _check_remote(self) -> None:
-        url, namespace = self.remote_kvcache_url, self.remote_kvcache_namespace
-        if not isinstance(url, str) or url.partition("://")[0] not in REMOTE_URL_SCHEMES:
-            raise ValueError(
-                f"remote_kvcache_url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL, got {url!r}"
-            )
-        if not isinstance(namespace, str) or not REMOTE_NAMESPACE.fullmatch(namespace):
-            raise ValueError(
-                "remote_kvcache_namespace must be 1-200 characters of [A-Za-z0-9._/@+-] "
-                f"(the model's name in the shared store), got {namespace!r}"
-            )
-        timeout = self.remote_kvcache_timeout_s
-        if timeout.__class__ not in (int, float) or not timeout > 0:
-            raise ValueError(f"remote_kvcache_timeout_s must be > 0, got {timeout!r}")
-        if not self.enable_prefix_caching:
-            raise ValueError(
-                "remote_kvcache_url needs enable_prefix_caching: the shared tier holds "
-                "committed prefix pages"
-            )
-        if self.prefix_hash == "builtin":
-            raise ValueError(
-                "remote_kvcache_url needs a stable prefix_hash ('xxh3' or 'sha256'): "
-                "'builtin' differs between processes, so nothing could be shared"
-            )
+    def _check_tiers(self) -> None:
+        if not isinstance(self.tiers, (tuple, list)):
+            raise TypeError(f"tiers must be a tuple of tier configs, got {self.tiers!r}")
+        object.__setattr__(self, "tiers", tuple(self.tiers))  # a list is accepted, kept frozen
+        names: set[str] = set()
+        for tier in self.tiers:
+            if not isinstance(tier, TierConfig):
+                raise TypeError(
+                    f"tiers holds {tier!r}; a tier is a mokv.HostTierConfig or "
+                    "mokv.RemoteTierConfig (or another mokv.tiers.base.TierConfig)"
+                )
+            if tier.name in names:
+                raise ValueError(f"tiers holds two {tier.name!r} tiers: {self.tiers!r}")
+            names.add(tier.name)
+            tier.check(self)
 
     @property
     def tensor_parallel_degree(self) -> int:

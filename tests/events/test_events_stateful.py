@@ -1,4 +1,4 @@
-"""The paged manager's random-operation machine (tests/managers/test_paged_stateful.py),
+"""The paged manager's random-operation machine (tests/managers/paged/test_stateful.py),
 with events: after every operation, the events recorded so far, encoded and decoded as on
 the wire and applied to a router index, rebuild exactly the pool's own hash index; every
 BlockStored holds full pages only and a parent the stream announced before."""
@@ -9,7 +9,7 @@ from hypothesis.stateful import invariant
 from mokv.events import BatchDecoder, BlockStored, EventRecorder, PrefixRouterIndex, build_events
 from mokv.events.format import KVEventBatch
 
-from tests.managers import test_paged_stateful as base
+from tests.managers.paged import test_stateful as base
 
 
 class EventsMachine(base.PagedManagerMachine):

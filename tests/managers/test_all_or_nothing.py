@@ -11,11 +11,14 @@ from max.driver import CPU
 import mokv
 from mokv import TextContext
 from mokv.cache import page_copy
-from mokv.cache.host_pool import HostPagePool
 from mokv.cache.page_copy import HostPages
 from mokv.cache.page_pool import PagePool
-from mokv.managers import paged_replica
-from mokv.managers.paged_replica import PagedReplica
+from mokv.managers.paged import prefix
+from mokv.managers.paged.prefix import PrefixChains
+from mokv.managers.paged.replica import PagedReplica
+from mokv.tiers.host import HostTier
+from mokv.tiers.host_pool import HostPagePool
+from mokv.tiers.stack import TierStack
 
 from .conftest import NUM_LAYERS, make_paged, small_params
 
@@ -23,33 +26,43 @@ NUM_PAGES = 12
 
 
 def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
-    """Everything the paged manager and the contexts hold, but the token counters. The
-    free list and the LRU are compared as sets: a rolled-back reservation gives its
-    pages back to their young ends, which changes which page is handed out next, not
-    who owns what."""
+    """Everything the paged manager and the contexts hold but the token counters, read
+    through public calls: (replicas, requests, windows).
+
+    A replica is each page's (owners, hash, tokens, cached), its free request slots and
+    each tier's state; a request is its replica, pages, hash chain and pending loads. The
+    order of the free list and of the LRU is not read: a rolled-back reservation gives
+    its pages back to their young ends, which changes which page is handed out next,
+    not who owns what.
+    """
     replicas = []
     for r in m.replicas:
         pool = r.pool
-        replicas.append((
-            tuple(pool._ref_count), tuple(pool._page_hash), frozenset(pool._free),
-            frozenset(pool._cached), tuple(sorted(pool._index.items())),
-            tuple(sorted((rid, req.slot, tuple(req.pages), tuple(req.hashes), tuple(req.loads),
-                          tuple(req.remote_loads))
-                         for rid, req in r._requests.items())),
-            tuple(r._free_slots),
-            tuple(sorted(r._pinned.items())),
-        ))
-        replicas.append(host_snapshot(r.host))
-    return (tuple(replicas), tuple(sorted(m._replica_of.items())),
-            tuple((c.start_idx, c.active_idx, c.end_idx) for c in contexts))
+        pages = tuple((pool.ref_count(p), pool.page_hash(p), pool.page_tokens(p),
+                       pool.is_cached(p)) for p in range(pool.num_pages))
+        replicas.append((pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers)))
+    requests = []
+    for ctx in contexts:
+        rid = ctx.request_id
+        if not m.contains(rid):
+            requests.append((rid, None))
+            continue
+        r = m.get_replica(ctx)
+        replica = m.replicas[r]
+        requests.append((rid, r, tuple(replica.pages_of(rid)),
+                         tuple(replica.committed_hashes(rid)), tuple(replica.pending_loads(rid))))
+    windows = tuple((c.start_idx, c.active_idx, c.end_idx) for c in contexts)
+    return tuple(replicas), tuple(requests), windows
 
 
-def host_snapshot(host: HostPagePool | None) -> tuple:
-    """The host tier's state; the LRU and the free pages as sets (see `snapshot`)."""
-    if host is None:
+def tier_state(tier) -> tuple:
+    """A host tier's (each page's hash and tokens, the indexed hashes, the pins); a
+    shared tier's state is its server's."""
+    if not isinstance(tier, HostTier):
         return ()
-    return (frozenset(host._free), frozenset(host._lru), tuple(sorted(host._index.items())),
-            tuple(host._page_hash), tuple(sorted(host._children.items())))
+    pool = tier.pool
+    return (tuple((pool.page_hash(p), pool.page_tokens(p)) for p in range(pool.num_pages)),
+            frozenset(pool.indexed_hashes()), tuple(sorted(tier.pinned.items())))
 
 
 class World:
@@ -82,8 +95,7 @@ class HostWorld(World):
 
     def options(self) -> dict:
         bytes_per_page = small_params().bytes_per_page(NUM_LAYERS)
-        return dict(enable_kvcache_swapping_to_host=True,
-                    host_kvcache_swap_space_gb=10 * bytes_per_page / 2**30)
+        return dict(tiers=(mokv.HostTierConfig(swap_space_gb=10 * bytes_per_page / 2**30),))
 
 
 def _step(w: World, batch: list[TextContext]) -> None:
@@ -164,20 +176,25 @@ class Faults:
 
 
 def _fault_targets():
+    """Every public call below the manager's; not the tiers' `pin` / `unpin`, which are
+    documented never to fail (plain counter updates, as the pool's own lists)."""
     return [
-        (PagePool, "can_take"), (PagePool, "take"), (PagePool, "release"),
+        (PagePool, "room"), (PagePool, "can_take"), (PagePool, "take"), (PagePool, "release"),
         (PagePool, "commit_pages"), (PagePool, "lookup"), (PagePool, "reset_prefix_cache"),
         (PagedReplica, "plan"), (PagedReplica, "fits"), (PagedReplica, "apply"),
         (PagedReplica, "commit"), (PagedReplica, "plan_commit"), (PagedReplica, "claim"),
         (PagedReplica, "release"), (PagedReplica, "runtime_inputs"),
-        (PagedReplica, "check_tables"), (paged_replica, "iter_page_hashes"),
+        (PagedReplica, "check_tables"), (PagedReplica, "load_pending"),
+        (PagedReplica, "check_loads"), (PagedReplica, "reset_prefix_cache"),
+        (PrefixChains, "device_hits"), (prefix, "iter_page_hashes"),
         (TextContext, "skip_cached_prefix"), (TextContext, "active_idx_after_skip"),
+        (TierStack, "load"), (TierStack, "store"), (TierStack, "note_reserved"),
+        (TierStack, "reset"), (HostTier, "lookup"), (HostTier, "load"), (HostTier, "store"),
+        (HostTier, "note_reserved"), (HostTier, "reset"), (HostTier, "check_invariants"),
         (HostPagePool, "lookup"), (HostPagePool, "plan_store"), (HostPagePool, "evict"),
         (HostPagePool, "insert"), (HostPagePool, "touch"), (HostPagePool, "touch_hashes"),
         (HostPagePool, "reset_prefix_cache"), (HostPages, "offload"), (HostPages, "load"),
-        (page_copy, "copy_pages"), (PagedReplica, "load_pending"),
-        (PagedReplica, "_write_through"), (PagedReplica, "check_loads"),
-        (PagedReplica, "reset_prefix_cache"),
+        (page_copy, "copy_pages"),
     ]
 
 
@@ -196,7 +213,8 @@ def _release_all_and_check(w: World) -> None:
     w.m.check_invariants()
     assert w.m.num_free_blocks == w.num_pages  # no page lost
     for r in w.m.replicas:
-        assert not r._pinned
+        host = r.tiers.named("host")
+        assert host is None or not host.pinned
 
 
 def test_scenario_runs_clean(session):
@@ -214,24 +232,32 @@ def test_host_scenario_runs_clean_and_hits_the_host(session):
 
 
 def _host_part_lost_entries_only(state, old, new) -> bool:
-    """Device part equal to `new`'s, host index a subset of old's and new's together."""
-    (dev, host), (_, old_host), (new_dev, new_host) = state[0], old[0], new[0]
-    if dev != new_dev or state[1:] != new[1:]:
+    """`new`, but for the host tier's index: a subset of old's and new's together."""
+    if state[1:] != new[1:]:
         return False
-    return set(host[2]) <= set(old_host[2]) | set(new_host[2])
+    for (pages, slots, tiers), (_, _, old_tiers), (new_pages, new_slots, new_tiers) in zip(
+            state[0], old[0], new[0]):
+        (_, hashes, pins), (_, old_hashes, _), (_, new_hashes, new_pins) = (
+            tiers[0], old_tiers[0], new_tiers[0])
+        if (pages, slots, pins) != (new_pages, new_slots, new_pins):
+            return False
+        if not hashes <= old_hashes | new_hashes:
+            return False
+    return True
 
 
 def _old_less_evicted_pages(state, old) -> bool:
     """`old`, but for cached device pages that were evicted (`PagedReplica.apply`: when a
     context's `skip_cached_prefix` raises, pages evicted to make room stay evicted)."""
-    if state[1:] != old[1:] or state[0][1] != old[0][1]:
+    if state[1:] != old[1:]:
         return False
-    (ref, hashes, free, cached, index, reqs, slots, pins) = state[0][0]
-    (o_ref, o_hashes, o_free, o_cached, o_index, o_reqs, o_slots, o_pins) = old[0][0]
-    return ((ref, reqs, slots, pins, free | cached) == (o_ref, o_reqs, o_slots, o_pins,
-                                                        o_free | o_cached)
-            and all(h in (None, o) for h, o in zip(hashes, o_hashes))
-            and set(index) <= set(o_index))
+    for (pages, slots, tiers), (old_pages, old_slots, old_tiers) in zip(state[0], old[0]):
+        if (slots, tiers) != (old_slots, old_tiers):
+            return False
+        for (ref, *page), (old_ref, *old_page) in zip(pages, old_pages):
+            if ref != old_ref or page not in (old_page, [None, None, False]):
+                return False
+    return True
 
 
 @pytest.mark.parametrize("world,op", [(name, op) for name, (_, sc) in SCENARIOS.items()
@@ -341,7 +367,7 @@ def test_continuous_and_null_check_their_arguments(session):
     )
     for n in (0, -1, 1.0, True):
         with pytest.raises(ValueError, match="positive number of sequences"):
-            cont.sequences.claim(n)
+            cont.claim(n)
     (s,) = cont.claim(1)
     with pytest.raises(ValueError, match="-5"):
         cont.step({s: -5})
@@ -401,29 +427,32 @@ def test_text_context_rejects_what_it_would_mangle():
 
 
 def test_continuous_manager_calls_survive_an_exception_inside(session, monkeypatch):
+    """Both flows over the shared slots: a failure inside building the inputs or taking
+    a slot changes neither."""
     cont = mokv.ContinuousBatchingKVCacheManager(
         small_params(cache_strategy="continuous"), 3, 16, NUM_LAYERS, [CPU()], session
     )
+    requests = cont.requests
     ctx = TextContext([1, 2, 3], "A")
-    cont.external_claim(ctx.request_id)
+    requests.external_claim(ctx.request_id)
     (seq_id,) = cont.claim(1)
 
     def state():
-        return (cont.num_free_blocks, cont.metrics, cont.get_req_blocks(ctx.request_id),
-                cont.sequences.cache_length(seq_id))
+        return (cont.num_free_blocks, requests.metrics, requests.get_req_blocks(ctx.request_id),
+                cont.cache_length(seq_id))
 
     before = state()
 
     def boom(*args, **kwargs):
-        raise Injected("inside _inputs")
+        raise Injected("inside the slots")
 
-    monkeypatch.setattr(type(cont), "_inputs", boom)
-    for call in (lambda: cont.fetch([ctx]), lambda: cont.fetch([seq_id])):
+    monkeypatch.setattr(mokv.ContinuousKVCacheManager, "slot_inputs", boom)
+    for call in (lambda: requests.fetch([ctx]), lambda: cont.fetch([seq_id])):
         with pytest.raises(Injected):
             call()
         assert state() == before
-    monkeypatch.setattr(type(cont), "_take_slots", boom)
-    for call in (lambda: cont.claim(1), lambda: cont.external_claim("B")):
+    monkeypatch.setattr(mokv.ContinuousKVCacheManager, "take_slots", boom)
+    for call in (lambda: cont.claim(1), lambda: requests.external_claim("B")):
         with pytest.raises(Injected):
             call()
-        assert state() == before and not cont.contains("B")
+        assert state() == before and not requests.contains("B")

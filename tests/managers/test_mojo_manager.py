@@ -1,4 +1,5 @@
-"""The Mojo manager (mokv.MojoContinuousBatchingKVCacheManager) against the Python one.
+"""The Mojo manager (mokv.MojoContinuousBatchingKVCacheManager) against the Python one
+(mokv.ContinuousBatchingKVCacheManager): one name, one set of calls.
 
 Both are driven with the same random call sequences, bad ids and bad counts included,
 and must agree on every result: sequence ids, slots, cache lengths, fetch inputs, the
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,42 +25,13 @@ MAX_BATCH = 5
 MAX_SEQ = 24
 
 
-class ContractPython:
-    """The Python manager's sequence-id flow under the Mojo wrapper's method names."""
-
-    def __init__(self, manager: mokv.ContinuousBatchingKVCacheManager) -> None:
-        self.m = manager
-
-    def claim(self, n: int) -> list[int]:
-        return self.m.claim(n)
-
-    def step(self, batch: Mapping[int, int]) -> None:
-        self.m.step(batch)
-
-    def fetch(self, seq_ids: Sequence[int]) -> Any:
-        return self.m.fetch(list(seq_ids))
-
-    def release(self, seq_id: int) -> None:
-        self.m.release(seq_id)
-
-    def contains(self, seq_id: int) -> bool:
-        return self.m.contains(seq_id)
-
-    def cache_length(self, seq_id: int) -> int:
-        return self.m.sequences.cache_length(seq_id)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.m.num_free_blocks
-
-
 @pytest.fixture
 def pair(session):
     params = small_params(cache_strategy="continuous")
     args = (params, MAX_BATCH, MAX_SEQ, NUM_LAYERS, [CPU()], session)
     py = mokv.ContinuousBatchingKVCacheManager(*args)
     py.blocks[0].to_numpy()[...] = 0  # `Buffer(...)` is uninitialised; the Mojo cache starts at 0
-    return ContractPython(py), mokv.MojoContinuousBatchingKVCacheManager(*args)
+    return py, mokv.MojoContinuousBatchingKVCacheManager(*args)
 
 
 def _outcome(fn: Any, *args: Any) -> tuple[str, Any]:
@@ -132,8 +103,8 @@ def test_same_calls_same_results(pair, seed: int) -> None:
         if a[0] != "ok":
             assert _state(mj) == before, f"{op} raised {a[0]} but changed the Mojo manager"
         assert _state(py) == _state(mj)
-        assert py.m.num_free_blocks == mj.num_free_blocks
-    np.testing.assert_array_equal(py.m.blocks[0].to_numpy(), mj.blocks_array)
+        assert py.num_free_blocks == mj.num_free_blocks
+    np.testing.assert_array_equal(py.blocks[0].to_numpy(), mj.blocks_array)
     assert mj.blocks_array.any()  # the comparison saw writes
 
 

@@ -59,7 +59,7 @@ def test_load_kv_manager_follows_the_strategy(session):
     assert type(paged) is mokv.PagedKVCacheManager
     cont = mokv.load_kv_manager(small_params(cache_strategy=mokv.KVCacheStrategy.CONTINUOUS),
                                 2, 16, NUM_LAYERS, [CPU()], session)
-    assert type(cont) is mokv.ContinuousBatchingKVCacheManager
+    assert type(cont) is mokv.ContinuousKVCacheManager
     with pytest.raises(ValueError, match="available_cache_memory is required"):
         mokv.load_kv_manager(small_params(), 2, 16, NUM_LAYERS, [CPU()], session)
 

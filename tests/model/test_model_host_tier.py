@@ -26,10 +26,8 @@ HOST_PAGES = 160
 def host_tier_manager(session, dp: int = 1):
     params = CONFIG.kv_params("paged", page_size=PAGE_SIZE)
     bytes_per_page = params.bytes_per_page(CONFIG.num_layers)
-    params = dataclasses.replace(
-        params, data_parallel_degree=dp, n_devices=dp, enable_kvcache_swapping_to_host=True,
-        host_kvcache_swap_space_gb=dp * HOST_PAGES * bytes_per_page / 2**30,
-    )
+    host = mokv.HostTierConfig(swap_space_gb=dp * HOST_PAGES * bytes_per_page / 2**30)
+    params = dataclasses.replace(params, data_parallel_degree=dp, n_devices=dp, tiers=(host,))
     return mokv.load_kv_manager(
         params, max_batch_size=MAX_BATCH_SIZE, max_seq_len=MAX_SEQ_LEN,
         num_layers=CONFIG.num_layers, devices=[CPU()] * dp, session=session,

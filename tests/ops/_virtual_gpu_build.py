@@ -22,6 +22,7 @@ from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession  # noqa: E402
 from max.graph import DeviceRef, Graph, TensorType, ops  # noqa: E402
 
+from mokv.compiler_output import filter_collection_warnings  # noqa: E402
 from mokv.layouts import CONTINUOUS, PAGED, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection  # noqa: E402
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv  # noqa: E402
 from mokv.params import KVCacheParams  # noqa: E402
@@ -63,8 +64,9 @@ def main() -> None:
             store_kv(kv, g2.inputs[4], g2.inputs[4], g2.inputs[5], i % layers)
         g2.output()
     session = InferenceSession(devices=[CPU(), gpu])
-    session.load(g2)
-    model = session.load(g)
+    with filter_collection_warnings():
+        session.load(g2)
+        model = session.load(g)
     print("COMPILED", flush=True)
     try:
         model.execute(*[Buffer.from_numpy(np.zeros(1, np.float32))])

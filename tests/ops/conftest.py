@@ -20,6 +20,7 @@ from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType, ops
 
+from mokv.compiler_output import filter_collection_warnings
 from mokv.layouts import CONTINUOUS, PAGED, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv, use_portable_cpu_paths
 from mokv.ops.cpu_paths import host_takes_portable_paths
@@ -296,7 +297,8 @@ def _memoized_builds(session: InferenceSession) -> Callable[[str, Config], Any]:
     def get(kind: str, cfg: Config) -> Any:
         key = (kind, cfg)
         if key not in models:
-            models[key] = session.load(builders[kind](cfg, DeviceRef.CPU()))
+            with filter_collection_warnings():
+                models[key] = session.load(builders[kind](cfg, DeviceRef.CPU()))
         return models[key]
 
     return get

@@ -22,6 +22,8 @@ from max.engine import InferenceSession
 from max.dtype import DType
 from max.graph import DeviceRef
 
+from mokv.compiler_output import filter_collection_warnings
+
 from .conftest import Config, build_qkv_attention, build_store_attention
 from .test_fused_qkv import CASES, LAYOUTS, _check, _ids
 from . import test_store_attention as cpu_tests  # a module: its tests are not collected twice
@@ -70,7 +72,8 @@ def gpu_compiled():
     def get(kind, cfg):
         if (kind, cfg) not in models:
             graph = builders[kind](cfg, DeviceRef.GPU())
-            models[kind, cfg] = OnGpu(session.load(graph), gpu)
+            with filter_collection_warnings():
+                models[kind, cfg] = OnGpu(session.load(graph), gpu)
         return models[kind, cfg]
 
     return get

@@ -87,8 +87,7 @@ def test_continuous_manager_inputs(session, compiled):
     cfg = CONT_F32_MHA
     params = mokv.KVCacheParams(cfg.dtype, cfg.n_kv_heads, cfg.head_dim,
                                 cache_strategy=mokv.KVCacheStrategy.CONTINUOUS)
-    manager = mokv.ContinuousBatchingKVCacheManager(params, 3, MAX_SEQ_LEN, NUM_LAYERS,
-                                                    [CPU()], session)
+    manager = mokv.ContinuousKVCacheManager(params, 3, MAX_SEQ_LEN, NUM_LAYERS, [CPU()], session)
     run = Run(compiled("store_attention", cfg), cfg, np.random.default_rng(1))
     a, b = TextContext(np.arange(9)), TextContext(np.arange(50, 53))
     for ctx in (a, b):

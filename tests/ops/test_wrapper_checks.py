@@ -95,18 +95,3 @@ def test_tensor_core_attention_names_what_it_needs() -> None:
         assert "head_dim" not in str(err.value)  # 64 is a multiple of 64
         with pytest.raises(TypeError, match="gpu_tensor_cores must be a bool, got 1"):
             flash_attention(kv, q, off, 0, 0.125, gpu_tensor_cores=1)
-
-
-def test_collection_warning_blocks_are_dropped_and_nothing_else():
-    from mokv.compiler_output import drop_collection_warnings
-
-    block = (
-        "warning: transfer from a value of trivial register type "
-        "'PagedKVCacheCollection[Int(0), Int(2), Int(64), Int(16)]' has no effect and can be removed\n"
-        "    return var__9^\n"
-        "                 ^\n"
-        "                 \n"
-    )
-    other = "warning: something else\n    x^\n     ^\n\n"
-    text = "before\n" + block + other + block + "after\n"
-    assert drop_collection_warnings(text) == "before\n" + other + "after\n"

@@ -4,8 +4,8 @@ the shared tier on, the small decoder of tests/model, and the scheduler.
 Run as `python -m tests.remote._decoder_server URL NAMESPACE` from the repository root.
 stdin: one JSON line per batch of work, {"prompts": [[token ids], ...], "max_new": n}.
 stdout: "ready", then one JSON line per batch, after its pages were sent to Redis:
-{"tokens": [[prompt + generated], ...], "metrics": the manager's counters, "remote": the
-stores' counters}.
+{"tokens": [[prompt + generated], ...], "remote_cache_tokens": the tokens the manager
+loaded from the store, "remote": the stores' counters}.
 """
 
 import dataclasses
@@ -26,7 +26,7 @@ BREAKER_COOLDOWN_S = 0.5  # the test waits for the breaker's trial after a resta
 url, namespace = sys.argv[1:3]
 params = dataclasses.replace(
     CONFIG.kv_params("paged", page_size=PAGE_SIZE, enable_prefix_caching=True),
-    remote_kvcache_url=url, remote_kvcache_namespace=namespace,
+    tiers=(mokv.RemoteTierConfig(url=url, namespace=namespace),),
 )
 session = InferenceSession(devices=[CPU()])
 manager = mokv.load_kv_manager(
@@ -35,7 +35,7 @@ manager = mokv.load_kv_manager(
     available_cache_memory=DEVICE_PAGES * params.bytes_per_page(CONFIG.num_layers),
     page_size=PAGE_SIZE, enable_runtime_checks=True,
 )
-stores = [store for replica in manager.replicas for store in replica.remote]
+stores = [store for replica in manager.replicas for store in replica.tiers.named("remote").stores]
 for store in stores:
     store.breaker.cooldown_s = BREAKER_COOLDOWN_S
 model = mg.DecoderModel(CONFIG, manager, session, mg.init_weights(CONFIG, seed=1))
@@ -54,7 +54,7 @@ for line in sys.stdin:
     manager.check_invariants()
     print(json.dumps({
         "tokens": [r.ctx.tokens[: r.ctx.end_idx].tolist() for r in requests],
-        "metrics": dataclasses.asdict(manager.metrics),
+        "remote_cache_tokens": manager.metrics.remote_cache_tokens,
         "remote": manager.remote_metrics.as_dict(),
     }), flush=True)
 manager.close()

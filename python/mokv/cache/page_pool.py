@@ -131,12 +131,17 @@ class PagePool:
         """Adds an owner to a page found through `lookup` (taking it out of the LRU)."""
         self.take((page_id,), 0)
 
-    def can_take(self, hits: Sequence[int], num_new: int) -> bool:
-        """Whether `take(hits, num_new)` would succeed (pure)."""
+    def room(self, hits: Sequence[int]) -> int:
+        """How many fresh pages `take(hits, n)` could hand out: the free and cached pages,
+        less the cached ones among `hits` (taking them revives them). Pure."""
         revived = {p for p in hits if self._ref_count[p] == 0}
         if any(p not in self._cached for p in revived):
             raise InvariantError(f"unowned pages {sorted(revived)} taken but not all are cached")
-        return num_new <= self.num_free - len(revived)
+        return self.num_free - len(revived)
+
+    def can_take(self, hits: Sequence[int], num_new: int) -> bool:
+        """Whether `take(hits, num_new)` would succeed (pure)."""
+        return num_new <= self.room(hits)
 
     def take(self, hits: Sequence[int], num_new: int) -> list[int] | None:
         """Adds an owner to each page of `hits` (pages found through `lookup`; one may

@@ -41,7 +41,6 @@ import msgspec
 import numpy as np
 import zmq
 
-from ..cache.hashing import STABLE_ALGORITHMS
 from .config import KVEventsConfig, binds
 from .format import (
     END_SEQ,
@@ -323,24 +322,3 @@ def open_publishers(config: KVEventsConfig | None, block_size: int, devices: lis
 def event_medium(device) -> str:
     """`medium` of a replica's pages: "GPU" on an accelerator, "CPU" in host memory."""
     return MEDIUM_CPU if device.is_host else MEDIUM_GPU
-
-
-def resolve_events_config(
-    zmq_endpoint_base: str | None, config: KVEventsConfig | None, params
-) -> KVEventsConfig | None:
-    """The manager's events configuration from its two arguments, checked against
-    `params` (events need a hash every process computes the same way)."""
-    if zmq_endpoint_base is not None:
-        if config is None:
-            config = KVEventsConfig(endpoint=zmq_endpoint_base)
-        elif config.endpoint != zmq_endpoint_base:
-            raise ValueError(
-                f"zmq_endpoint_base={zmq_endpoint_base!r} disagrees with "
-                f"kv_events_config.endpoint={config.endpoint!r}; set one"
-            )
-    if config is not None and params.prefix_hash not in STABLE_ALGORITHMS:
-        raise ValueError(
-            f"KV-cache events need a hash that is the same in every process; "
-            f"prefix_hash={params.prefix_hash!r} is not one of {STABLE_ALGORITHMS}"
-        )
-    return config

@@ -35,7 +35,6 @@ from max.graph import BufferValue, DeviceRef, Graph, StaticDim, TensorValue, ops
 from max.graph.type import _OpaqueType
 from max.graph.value import _OpaqueValue
 
-from .. import compiler_output
 from ..checks import check_dtype, check_rank, check_static_dim
 from ..mojo_package import kernels_path
 from ..params import KVCacheParams
@@ -151,13 +150,13 @@ class CacheLayout(ABC):
 def _use_mokv_kernels(graph: Graph) -> None:
     """Adds mokv's kernel package to the graph being built, unless it is there already.
 
-    So that a graph gets mokv's ops without naming `custom_extensions` itself; and
-    its compile stays quiet (see `mokv.compiler_output`).
+    So that a graph gets mokv's ops without naming `custom_extensions` itself. (Its
+    compile prints a harmless warning per collection hand-off unless the caller
+    compiles inside `mokv.filter_collection_warnings()`.)
     """
     path = kernels_path()
     if path not in graph.kernel_libraries_paths:
         graph._import_kernels([path])
-    compiler_output.install()
 
 
 class FetchKVCacheCollection:

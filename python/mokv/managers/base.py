@@ -10,7 +10,8 @@ A scheduler, a model runner or a benchmark uses a manager only through `KVCacheM
     manager.release(ctx.request_id)
 
 MAX's other spellings of the same operations (`claim`, `alloc`, `get_runtime_inputs`,
-`get_symbolic_inputs`, and the continuous cache's sequence-id flow) are in `compat.py`.
+`get_symbolic_inputs`) are in `compat.py`; MAX's sequence-id flow of the continuous
+cache is its own class, `ContinuousBatchingKVCacheManager` (sequences.py).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class KVCacheManager(Protocol):
 def check_request_id(request_id: object) -> None:
     """TypeError unless `request_id` is a string (a `RequestID`)."""
     if not isinstance(request_id, str):
-        hint = "; sequence ids (ints) come from claim(n)" if isinstance(request_id, int) else ""
+        hint = ("; sequence ids (ints) are ContinuousBatchingKVCacheManager's"
+                if isinstance(request_id, int) else "")
         raise TypeError(
             f"request_id must be a str (mokv.RequestID), got {type(request_id).__name__} "
             f"{request_id!r}{hint}"

@@ -2,9 +2,10 @@
 
 MAX renamed parts of its manager interface between releases; mokv answers to both.
 Everything here is a thin alias of a `KVCacheManager` member (see base.py), so a
-manager implements the contract and gets these for free. The continuous cache's
-sequence-id flow (`claim(n) -> seq_ids`, ...) is the other compatibility piece, in
-`sequences.py`.
+manager implements the contract and gets these for free. The other compatibility
+pieces: the continuous cache's sequence-id flow (`claim(n) -> seq_ids`, ...) is its own
+class, `ContinuousBatchingKVCacheManager` (sequences.py), and MAX's flat configuration
+spellings are mapped in `mokv.params_compat`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
-"""ContinuousBatchingKVCacheManager: one contiguous `max_seq_len` slot per sequence.
+"""ContinuousKVCacheManager: one contiguous `max_seq_len` slot per request.
 
 It implements the manager contract (base.py) by request: `external_claim(request_id)`,
 `maybe_reserve(ctx)`, `fetch([ctx, ...])`, `step([ctx, ...])`, `release(request_id)`;
 cache lengths come from each context's `start_idx`, so a scheduler can swap it for the
-paged manager.
+paged manager (`load_kv_manager` builds it for `KVCacheStrategy.CONTINUOUS`).
 
-MAX's older sequence-id flow over the same slots (`claim(n) -> seq_ids`,
-`fetch(seq_ids)`, `step({seq_id: new_tokens})`, `release(seq_id)`) lives in
-`sequences.py`. A sequence id is an `int`, a request id a `str`; the methods below hand
-an int-typed argument to that flow and nothing else, and a batch mixing the two is a
-TypeError, so neither kind can reach the other's slots.
+MAX's sequence-id flow (`claim(n) -> seq_ids`, `fetch(seq_ids)`,
+`step({seq_id: new_tokens})`, `release(seq_id)`) is another class over the same slots:
+`ContinuousBatchingKVCacheManager` (sequences.py), which takes and gives back slots
+through `take_slots` / `give_back_slots` and builds its inputs with `slot_inputs`.
 
 Memory: `max_cache_batch_size * 2 * num_layers * max_seq_len * n_kv_heads * head_dim *
 dtype size` bytes, split over the devices by KV head (layout in `mokv.layouts.continuous`).
@@ -17,7 +16,7 @@ dtype size` bytes, split over the devices by KV head (layout in `mokv.layouts.co
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -39,10 +38,9 @@ from ..params import KVCacheParams
 from .base import ManagerFields, check_num_steps, check_request_id, synchronized
 from .compat import MaxManagerAPI
 from .increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
-from .sequences import SequenceIdFlow, is_sequence_id, is_sequence_id_batch
 
 
-class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
+class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
     """A KV cache of `max_cache_batch_size` contiguous slots (tensor parallel over heads).
 
     Args:
@@ -78,8 +76,6 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
         self._slot_of: dict[RequestID, int] = {}
         self._input_tokens = 0
         self._increment = CacheLengthIncrementer(session, with_max_lengths=False)
-        self.sequences = SequenceIdFlow(self)
-        """MAX's sequence-id flow over the same slots (see sequences.py)."""
 
     # --- sizing ---------------------------------------------------------------------
 
@@ -114,10 +110,12 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
         """Slots that fit the budget: `max(1, floor(memory / (max_seq_len * bytes_per_token)))`."""
         return max(1, available_cache_memory // (max_seq_len * params.bytes_per_token(num_layers)))
 
-    # --- slots (shared by requests and sequence ids) ---------------------------------
+    # --- slots (the requests', and the sequence ids' of sequences.py) ----------------
 
-    def _take_slots(self, n: int, what: str) -> list[int]:
-        """`n` free slots, lowest first; BatchTooLargeError (nothing taken) if fewer are free."""
+    @synchronized
+    def take_slots(self, n: int, what: str) -> list[int]:
+        """`n` free slots, lowest first; BatchTooLargeError naming `what` (and nothing
+        taken) if fewer are free."""
         if n > len(self._free_slots):
             raise BatchTooLargeError(
                 f"cannot claim {what}: {len(self._free_slots)} of "
@@ -125,8 +123,15 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
             )
         return [self._free_slots.pop() for _ in range(n)]
 
-    def _inputs(self, slots: list[int], lengths: list[int]) -> list[ContinuousBatchingKVCacheInputs]:
-        """One device tuple per device for a batch of slots and their cache lengths."""
+    @synchronized
+    def give_back_slots(self, slots: Sequence[int]) -> None:
+        """Frees slots that `take_slots` handed out (and no request holds)."""
+        self._free_slots.extend(slots)
+
+    def slot_inputs(
+        self, slots: list[int], lengths: list[int]
+    ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
+        """One tuple per device for a batch of slots and their cache lengths."""
         cache_lengths = np.array(lengths, dtype=np.uint32)
         host = [Buffer.from_numpy(cache_lengths), Buffer.from_numpy(np.array(slots, dtype=np.uint32))]
         is_empty = Buffer.from_numpy(np.array([not cache_lengths.any()], dtype=np.bool_))
@@ -147,30 +152,19 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
             raise InvalidReplicaError(f"replica_idx={replica_idx!r}: this cache has one replica")
         if request_id in self._slot_of:
             raise AlreadyClaimedError(request_id)
-        (self._slot_of[request_id],) = self._take_slots(1, repr(request_id))
+        (self._slot_of[request_id],) = self.take_slots(1, repr(request_id))
 
     @synchronized
-    def claim(self, request_id_or_n: RequestID | int, replica_idx: int | None = None) -> Any:  # type: ignore[override]
-        """`claim(n)` returns `n` new sequence ids; `claim(request_id)` is `external_claim`."""
-        if is_sequence_id(request_id_or_n):
-            return self.sequences.claim(request_id_or_n)  # type: ignore[arg-type]
-        return self.external_claim(request_id_or_n, replica_idx)  # type: ignore[arg-type]
+    def contains(self, request_id: RequestID) -> bool:
+        """Whether the request holds a slot."""
+        check_request_id(request_id)
+        return request_id in self._slot_of
 
     @synchronized
-    def contains(self, key: RequestID | int) -> bool:
-        """Whether a request id (or a sequence id) holds a slot."""
-        if is_sequence_id(key):
-            return self.sequences.contains(key)  # type: ignore[arg-type]
-        check_request_id(key)
-        return key in self._slot_of
-
-    @synchronized
-    def release(self, key: RequestID | int) -> None:
-        """Frees the slot of a request id (or of a sequence id)."""
-        if is_sequence_id(key):
-            return self.sequences.release(key)  # type: ignore[arg-type]
-        self._free_slots.append(self._slot(key))
-        del self._slot_of[key]  # type: ignore[arg-type]
+    def release(self, request_id: RequestID) -> None:
+        """Frees the request's slot."""
+        self._free_slots.append(self._slot(request_id))
+        del self._slot_of[request_id]
 
     def _slot(self, request_id: RequestID) -> int:
         check_request_id(request_id)
@@ -211,31 +205,27 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
 
     @synchronized
     def fetch(
-        self, batch: Sequence[TextGenerationContext] | Sequence[int], num_steps: int = 1
+        self, batch: Sequence[TextGenerationContext], num_steps: int = 1
     ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
-        """Graph inputs for a batch of contexts (or of sequence ids), one tuple per device."""
-        if is_sequence_id_batch(batch):
-            return self.sequences.fetch(batch, num_steps)  # type: ignore[arg-type]
+        """Graph inputs for a batch of contexts, one tuple per device."""
         check_num_steps(num_steps)
         if len(batch) > self.max_cache_batch_size:
             raise BatchTooLargeError(
                 f"batch of {len(batch)} is larger than max_cache_batch_size={self.max_cache_batch_size}"
             )
-        slots = [self._slot(ctx.request_id) for ctx in batch]  # type: ignore[union-attr]
+        slots = [self._slot(ctx.request_id) for ctx in batch]
         if len(set(slots)) != len(slots):
             raise ValueError("a request appears twice in the batch")
         for ctx in batch:
-            self._check_fits(ctx, num_steps)  # type: ignore[arg-type]
-        inputs = self._inputs(slots, [ctx.start_idx for ctx in batch])  # type: ignore[union-attr]
-        self._input_tokens += sum(ctx.active_length for ctx in batch)  # type: ignore[union-attr]
+            self._check_fits(ctx, num_steps)
+        inputs = self.slot_inputs(slots, [ctx.start_idx for ctx in batch])
+        self._input_tokens += sum(ctx.active_length for ctx in batch)
         return inputs
 
     @synchronized
-    def step(self, batch: Sequence[TextGenerationContext] | Mapping[int, int]) -> None:
-        """Nothing to record for contexts (`fetch` reads `ctx.start_idx`); every request
-        must hold a slot. `step({seq_id: new_tokens})` is the sequence-id flow."""
-        if isinstance(batch, Mapping):
-            return self.sequences.step(batch)
+    def step(self, batch: Sequence[TextGenerationContext]) -> None:
+        """Nothing to record (`fetch` reads `ctx.start_idx`); every request must hold a
+        slot."""
         for ctx in batch:
             self._slot(ctx.request_id)
 

@@ -15,7 +15,7 @@ from max.engine import InferenceSession
 from ..events.config import KVEventsConfig
 from ..params import KVCacheParams, KVCacheStrategy
 from .base import KVCacheManager
-from .continuous import ContinuousBatchingKVCacheManager
+from .continuous import ContinuousKVCacheManager
 from .null import NullKVCacheManager
 from .paged import PagedKVCacheManager
 
@@ -37,7 +37,7 @@ def load_kv_manager(
     In MAX's virtual-device (compile-only) mode no memory can be used, so a
     `NullKVCacheManager` with the strategy's layout is returned instead.
     `available_cache_memory` is required by the paged strategy, and
-    `kv_events_config` (KV-cache events) applies to it only.
+    `kv_events_config` (MAX's spelling of `params.kv_events`) applies to it only.
     """
     if driver.is_virtual_device_mode():
         return NullKVCacheManager(
@@ -45,7 +45,7 @@ def load_kv_manager(
             available_cache_memory or 0, page_size,
         )
     if params.cache_strategy is KVCacheStrategy.CONTINUOUS:
-        return ContinuousBatchingKVCacheManager(
+        return ContinuousKVCacheManager(
             params, max_batch_size, max_seq_len, num_layers, devices, session
         )
     if available_cache_memory is None:

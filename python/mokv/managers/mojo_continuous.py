@@ -4,8 +4,8 @@ The slot state (which sequence holds which slot, how many tokens each has commit
 lives in Mojo, in `mokv.slots.ContinuousBatchingSlotTable` behind a spin lock, together
 with the cache's blocks buffer; this class is a thin typed front end over the
 `mokv_manager_ext` extension module (mojo/python_ext/, built and cached by
-`mokv.extensions`). It offers the sequence-id half of
-`ContinuousBatchingKVCacheManager`'s interface with the same semantics and errors:
+`mokv.extensions`). It offers the calls of `ContinuousBatchingKVCacheManager` (the
+Python sequence-id manager, sequences.py) with the same semantics and errors:
 
     claim(n) -> seq_ids     fetch(seq_ids) -> [ContinuousBatchingKVCacheInputs]
     step({seq_id: n})       release(seq_id)      contains(seq_id)
@@ -76,9 +76,9 @@ class MojoContinuousBatchingKVCacheManager(ManagerFields):
     Args: as `ContinuousBatchingKVCacheManager` (`params.n_devices` must be 1 and the
     device a CPU).
 
-    It has the continuous layout's fields and `input_symbols`, but offers MAX's
-    sequence-id flow rather than the request contract (`KVCacheManager`); the Mojo
-    struct is thread-safe itself, so no Python lock is taken.
+    It has the continuous layout's fields and `input_symbols`, and MAX's sequence-id
+    flow rather than the request contract (`KVCacheManager`); the Mojo struct is
+    thread-safe itself, so no Python lock is taken.
     """
 
     def __init__(

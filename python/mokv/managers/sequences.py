@@ -1,108 +1,163 @@
-"""MAX's sequence-id flow of the continuous-batching cache, over the manager's slots.
+"""ContinuousBatchingKVCacheManager: MAX's sequence-id flow of the continuous cache.
 
+    manager = ContinuousBatchingKVCacheManager(params, max_cache_batch_size, max_seq_len,
+                                               num_layers, devices, session)
     seq_ids = manager.claim(2)              # new sequence ids, each bound to a free slot
     manager.step({seq_ids[0]: 12})          # context encoding wrote 12 tokens
     inputs = manager.fetch(seq_ids)         # cache_lengths come from the counts above
     manager.step({seq_ids[0]: 1, seq_ids[1]: 1})
     manager.release(seq_ids[0])
 
-Here the manager counts the cache lengths itself (the request flow reads them from
-each context). A sequence id is the int index of its slot; request ids are strings, so
-the two flows share the slots but never each other's ids. Every call checks all of its
-arguments before it changes anything.
+A sequence id is the int index of its slot, and this class counts each sequence's
+cache length. It wraps `requests`, a `ContinuousKVCacheManager` (the request contract,
+whose contexts carry their own lengths) over the same slots: the two flows share the
+slots but never each other's ids, since each class takes only its own kind.
+
+One name per thing: `ContinuousBatchingKVCacheManager` is the sequence-id manager, in
+Python (this class, MAX's seed 002) and in Mojo (`mojo/mokv/manager.mojo`, seed 003),
+with the same calls; `MojoContinuousBatchingKVCacheManager` (mojo_continuous.py) is the
+Mojo one driven from Python. Every call checks all of its arguments before it changes
+anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from max.driver import Buffer, Device
+from max.engine import InferenceSession
 
 from ..errors import BatchTooLargeError, SequenceTooLongError, UnknownRequestError
-from .base import check_num_steps
+from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
+from ..params import KVCacheParams
+from .base import ManagerFields, check_num_steps, synchronized
+from .continuous import ContinuousKVCacheManager
 
-if TYPE_CHECKING:
-    from .continuous import ContinuousBatchingKVCacheManager
 
-
-def is_sequence_id(value: object) -> bool:
-    """True for an int sequence id (bool excluded), False for anything else."""
+def _is_count(value: object) -> bool:
+    """An int (a sequence id, a number of sequences or of tokens); bool excluded."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_sequence_id_batch(batch: Sequence[Any]) -> bool:
-    """True for a batch of sequence ids, False for one of contexts (or an empty batch);
-    TypeError for a mix of the two."""
-    kinds = {is_sequence_id(x) for x in batch}
-    if len(kinds) > 1:
-        raise TypeError("a batch holds either sequence ids (ints) or request contexts, not both")
-    return kinds == {True}
+class ContinuousBatchingKVCacheManager(ManagerFields):
+    """A continuous-batching KV cache driven by sequence ids (`max_cache_batch_size`
+    contiguous slots of `max_seq_len` tokens, tensor parallel over heads).
 
+    Args: those of `ContinuousKVCacheManager` (`params.data_parallel_degree` must be 1).
+    """
 
-class SequenceIdFlow:
-    """Sequence ids over a continuous manager's slots, with cache lengths counted here."""
-
-    def __init__(self, manager: ContinuousBatchingKVCacheManager) -> None:
-        self._manager = manager
+    def __init__(
+        self,
+        params: KVCacheParams,
+        max_cache_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        devices: Sequence[Device],
+        session: InferenceSession,
+    ) -> None:
+        self.requests = ContinuousKVCacheManager(
+            params, max_cache_batch_size, max_seq_len, num_layers, devices, session
+        )
+        """The request-contract manager over the same slots."""
+        super().__init__(
+            params, CONTINUOUS, max_cache_batch_size, max_seq_len, num_layers, devices, session
+        )
+        self.max_cache_batch_size = max_cache_batch_size
         self._lengths: dict[int, int] = {}  # seq_id (= slot) -> tokens in its cache
 
+    # --- the cache (as MAX's class describes it) -------------------------------------
+
+    @property
+    def blocks(self) -> list[Buffer]:
+        """The cache, one `Buffer` per device (shared with `requests`)."""
+        return self.requests.blocks
+
+    def block_shape(self, n_sequences: int) -> list[int]:
+        """`[n_sequences, 2, num_layers, max_seq_len, n_kv_heads_per_device, head_dim]`."""
+        return self.requests.block_shape(n_sequences)
+
+    estimated_memory_size = ContinuousKVCacheManager.estimated_memory_size
+    infer_optimal_batch_size = ContinuousKVCacheManager.infer_optimal_batch_size
+
+    def increment_cache_lengths(self, kv_cache_inputs: Sequence[Any],
+                                prev_model_inputs: Any) -> list[Any]:
+        """As `ContinuousKVCacheManager.increment_cache_lengths`."""
+        return self.requests.increment_cache_lengths(kv_cache_inputs, prev_model_inputs)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Slots neither a sequence nor a request holds."""
+        return self.requests.num_free_blocks
+
+    # --- sequence ids ---------------------------------------------------------------
+
+    @synchronized
     def claim(self, n: int) -> list[int]:
         """`n` new sequence ids bound to free slots (lowest first), each with length 0."""
-        if not is_sequence_id(n) or n < 1:
+        if not _is_count(n) or n < 1:
             raise ValueError(f"claim(n) needs a positive number of sequences, got {n!r}")
-        seq_ids = self._manager._take_slots(n, f"{n} sequences")
+        seq_ids = self.requests.take_slots(n, f"{n} sequences")
         self._lengths.update((s, 0) for s in seq_ids)
         return seq_ids
 
+    @synchronized
     def contains(self, seq_id: int) -> bool:
-        return seq_id in self._lengths
+        """Whether `seq_id` is a claimed sequence (False for anything else)."""
+        return _is_count(seq_id) and seq_id in self._lengths
 
     def _check(self, seq_id: object) -> int:
-        if not is_sequence_id(seq_id):
+        if not _is_count(seq_id):
             raise TypeError(f"sequence ids are ints, got {type(seq_id).__name__} {seq_id!r}")
         if seq_id not in self._lengths:
             raise UnknownRequestError(seq_id)
         return seq_id  # type: ignore[return-value]
 
+    @synchronized
     def cache_length(self, seq_id: int) -> int:
         """Tokens in the sequence's cache."""
         return self._lengths[self._check(seq_id)]
 
+    @synchronized
     def release(self, seq_id: int) -> None:
         """Frees the sequence's slot."""
         self._check(seq_id)
+        self.requests.give_back_slots([seq_id])
         del self._lengths[seq_id]
-        self._manager._free_slots.append(seq_id)
 
-    def fetch(self, seq_ids: Sequence[int], num_steps: int = 1) -> list[Any]:
+    @synchronized
+    def fetch(
+        self, seq_ids: Sequence[int], num_steps: int = 1
+    ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
         """One `ContinuousBatchingKVCacheInputs` per device for these sequences."""
         check_num_steps(num_steps)
-        manager = self._manager
-        if len(seq_ids) > manager.max_cache_batch_size:
+        if len(seq_ids) > self.max_cache_batch_size:
             raise BatchTooLargeError(
                 f"batch of {len(seq_ids)} is larger than "
-                f"max_cache_batch_size={manager.max_cache_batch_size}"
+                f"max_cache_batch_size={self.max_cache_batch_size}"
             )
         slots = [self._check(s) for s in seq_ids]
         if len(set(slots)) != len(slots):
             raise ValueError(f"a sequence id appears twice in the batch {list(seq_ids)}")
-        return manager._inputs(slots, [self._lengths[s] for s in slots])
+        return self.requests.slot_inputs(slots, [self._lengths[s] for s in slots])
 
+    @synchronized
     def step(self, new_tokens: Mapping[int, int]) -> None:
         """Adds each sequence's newly written token count to its cache length (checks
         every id, then every count, then every length, as the Mojo manager does)."""
         for seq_id in new_tokens:
             self._check(seq_id)
         for seq_id, n in new_tokens.items():
-            if not is_sequence_id(n) or n < 0:
+            if not _is_count(n) or n < 0:
                 raise ValueError(
                     f"sequence {seq_id} wrote {n!r} tokens; a token count is an int >= 0"
                 )
         grown = {}
         for seq_id, n in new_tokens.items():
             grown[seq_id] = self._lengths[seq_id] + n
-            if grown[seq_id] > self._manager.max_seq_len:
+            if grown[seq_id] > self.max_seq_len:
                 raise SequenceTooLongError(
                     f"sequence {seq_id} would hold {grown[seq_id]} tokens, past "
-                    f"max_seq_len={self._manager.max_seq_len}"
+                    f"max_seq_len={self.max_seq_len}"
                 )
         self._lengths.update(grown)

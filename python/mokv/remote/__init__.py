@@ -6,8 +6,8 @@
     store.py    RemotePageStore: put (queued, SET NX, pipelined, off the caller's path),
                 probe / lookup (pipelined chain probes), RemoteMetrics
 
-Wired into the paged manager by `KVCacheParams.remote_kvcache_url` (see
-`mokv.managers.paged_replica` and the README's "Shared tier" section).
+A paged replica's tier over these stores is `mokv.tiers.remote` (`RemoteTierConfig`;
+the README's "Shared tier" section).
 """
 
 from .breaker import CircuitBreaker

@@ -35,6 +35,7 @@ which the store counts and treats as a miss.
 from __future__ import annotations
 
 import enum
+import re
 import struct
 from dataclasses import dataclass
 from functools import cached_property
@@ -42,7 +43,10 @@ from functools import cached_property
 from max.dtype import DType
 from xxhash import xxh3_64, xxh3_64_intdigest
 
-from ..params import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, REMOTE_NAMESPACE, KVCacheParams
+from ..params import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, KVCacheParams
+
+REMOTE_NAMESPACE = re.compile(r"[A-Za-z0-9._/@+-]{1,200}")
+"""A namespace of the store: no ':' or spaces, so that no two keys are ambiguous."""
 
 MAGIC = b"MKVP"
 VERSION = 1

@@ -89,6 +89,11 @@ class RemoteMetrics:
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def __add__(self, other: RemoteMetrics) -> RemoteMetrics:
+        """Counter by counter: two stores' (or shards') counters together."""
+        return RemoteMetrics(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                                for f in fields(self)})
+
 
 _REJECTION_COUNTER = {
     Rejection.CORRUPT: "rejected_corrupt",
@@ -146,6 +151,11 @@ class RemotePageStore:
         self._writer = threading.Thread(target=self._write_loop, name="mokv-remote-writer",
                                         daemon=True)
         self._writer.start()
+
+    @property
+    def max_queued_pages(self) -> int:
+        """Most pages queued for the writer; `put` drops (and counts) the next."""
+        return self._max_queued
 
     def key(self, page_hash: int) -> str:
         """The Redis key of a page of this store's namespace and layout."""

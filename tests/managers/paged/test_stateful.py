@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import mokv
 from mokv import TextContext
 
-from .conftest import NUM_LAYERS, make_paged, small_params
+from ..conftest import NUM_LAYERS, make_paged, small_params
 
 MAX_SEQ_LEN = 24
 SHARED_PREFIXES = [[1, 2, 1, 2, 1, 2, 1, 2, 0], [2, 2, 2, 2, 2]]
@@ -176,7 +176,8 @@ class PagedManagerMachine(RuleBasedStateMachine):
         self.m.reset_prefix_cache()
         for r in self.m.replicas:  # both tiers forget every prefix
             assert not r.pool.indexed_hashes()
-            assert r.host is None or not r.host.indexed_hashes()
+            host = r.tiers.named("host")
+            assert host is None or not host.pool.indexed_hashes()
 
     @invariant()
     def pages_add_up(self):
@@ -187,7 +188,8 @@ class PagedManagerMachine(RuleBasedStateMachine):
         for rid in list(self.running):
             self.m.release(rid)
         assert self.m.num_free_blocks == self.num_pages
-        assert not any(r._pinned for r in self.m.replicas)  # no host page left pinned
+        hosts = [r.tiers.named("host") for r in self.m.replicas]
+        assert not any(h.pinned for h in hosts if h is not None)  # no host page left pinned
         self.m.check_invariants()
 
 
@@ -202,8 +204,7 @@ class HostTierMachine(PagedManagerMachine):
 
     def options(self) -> dict:
         bytes_per_page = small_params().bytes_per_page(NUM_LAYERS)
-        return dict(enable_kvcache_swapping_to_host=True,
-                    host_kvcache_swap_space_gb=16 * bytes_per_page / 2**30)
+        return dict(tiers=(mokv.HostTierConfig(swap_space_gb=16 * bytes_per_page / 2**30),))
 
     def teardown(self):
         HostTierMachine.host_tokens_loaded += self.m.metrics.host_cache_tokens

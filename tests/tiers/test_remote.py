@@ -1,7 +1,7 @@
-"""The shared tier in the paged manager, on a real redis-server: manager B loads the
-pages manager A committed, bit for bit; salts, TP shards and corrupt values never give
-a wrong page; a False from maybe_reserve changes nothing; an exception anywhere leaves
-the old state or the new one; a dead server is a miss."""
+"""The shared (Redis) tier in the paged manager, on a real redis-server: manager B loads
+the pages manager A committed, bit for bit; salts, TP shards and corrupt values never
+give a wrong page; a False from maybe_reserve changes nothing; an exception anywhere
+leaves the old state or the new one; a dead server is a miss."""
 
 import itertools
 import os
@@ -9,18 +9,18 @@ import time
 
 import numpy as np
 import pytest
-from max.driver import CPU, Buffer
-from max.dtype import DType
 
 import mokv
 from mokv import TextContext
 from mokv.cache import page_copy
 from mokv.cache.page_pool import PagePool
 from mokv.events.publisher import EventRecorder, build_events
-from mokv.managers.paged_replica import PagedReplica
+from mokv.managers.paged.replica import PagedReplica
 from mokv.remote import RemotePageStore
+from mokv.tiers.remote import RemoteTier
+from mokv.tiers.stack import TierStack
 
-from ..managers.conftest import make_paged
+from ..managers.conftest import make_paged, small_params
 from ..managers.test_all_or_nothing import Faults, Injected, snapshot
 
 _namespaces = itertools.count()
@@ -29,8 +29,12 @@ PREFIX = np.arange(8)  # two full pages of 4 tokens
 
 def remote_manager(session, server, namespace, num_pages=6, **overrides):
     return make_paged(session, num_pages=num_pages, max_seq_len=24,
-                      remote_kvcache_url=server.url, remote_kvcache_namespace=namespace,
+                      tiers=(mokv.RemoteTierConfig(url=server.url, namespace=namespace),),
                       **overrides)
+
+
+def stores(m, replica=0) -> list[RemotePageStore]:
+    return m.replicas[replica].tiers.named("remote").stores
 
 
 def fresh_namespace() -> str:
@@ -56,26 +60,6 @@ def serve(m, ctx, fill_seed=None):
     return [page_copy.numpy_view(block)[pages].copy() for block in r.blocks]
 
 
-@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16])
-@pytest.mark.parametrize("path", ["host", "staged"])
-def test_page_bytes_round_trip_bit_exact(dtype, path, monkeypatch):
-    """read_pages -> bytes -> write_pages, on aliasing views or through a staging buffer
-    and `batch_inplace_copy` (the accelerator path, run on CPU buffers)."""
-    if path == "staged":
-        monkeypatch.setattr(page_copy, "_in_host_memory", lambda buffer: False)
-    shape = [6, 2, 2, 4, 1, 8]
-    src, dst = (Buffer(dtype, shape, device=CPU()) for _ in range(2))
-    bits = page_copy.numpy_view(src)
-    bits[:] = np.random.default_rng(0).integers(0, np.iinfo(bits.dtype).max, bits.shape,
-                                                dtype=bits.dtype)
-    page_copy.numpy_view(dst)[:] = 0
-    pages = [bytes(p) for p in page_copy.read_pages(src, [4, 1, 2])]  # as the store keeps them
-    page_copy.write_pages([memoryview(p) for p in pages], dst, [0, 5, 3])
-    back = page_copy.numpy_view(dst)
-    np.testing.assert_array_equal(back[[0, 5, 3]], bits[[4, 1, 2]])
-    assert not back[[1, 2, 4]].any()
-
-
 def reserved(m, tokens, request_id, cache_salt=None) -> TextContext:
     """A new request of `tokens` in `m`, claimed and reserved (maybe_reserve True)."""
     ctx = TextContext(tokens, request_id, cache_salt=cache_salt)
@@ -85,8 +69,8 @@ def reserved(m, tokens, request_id, cache_salt=None) -> TextContext:
 
 
 def flush(m) -> None:
-    for r in m.replicas:
-        for store in r.remote:
+    for r in range(m.num_replicas):
+        for store in stores(m, r):
             assert store.flush(10)
 
 
@@ -103,14 +87,16 @@ def test_b_loads_the_pages_a_committed_bit_exact_and_indexes_them(session, redis
     a, a_pages = committed_by_a(session, redis_server, ns)
     assert a.remote_metrics.pages_written == 2
     # Queued writes are bounded by bytes: a value is 64 + 4 * 8 + 1024 page bytes here.
-    assert a.replicas[0].remote[0]._max_queued == 256 * 2**20 // (64 + 32 + 1024)
+    assert stores(a)[0].max_queued_pages == 256 * 2**20 // (64 + 32 + 1024)
     b = remote_manager(session, redis_server, ns)
     recorder = EventRecorder()
     b.replicas[0].pool.events = recorder
     ctx = reserved(b, np.r_[PREFIX, [5, 6]], "B")
     assert ctx.start_idx == 8
-    assert b.replicas[0]._requests["B"].remote_loads  # pending until fetch
+    pending = b.replicas[0].pending_loads("B")  # until fetch
+    assert [name for name, _, _ in pending] == ["remote", "remote"]
     b.fetch([ctx])
+    assert not b.replicas[0].pending_loads("B")
     pages = b.get_req_blocks("B")
     loaded = page_copy.numpy_view(b.replicas[0].blocks[0])[pages[:2]]
     np.testing.assert_array_equal(loaded, a_pages[0][:2])
@@ -124,8 +110,9 @@ def test_b_loads_the_pages_a_committed_bit_exact_and_indexes_them(session, redis
     # The loaded pages are device pages now: published, and hits for the next request.
     events = build_events(recorder.take(), 4, "GPU")
     assert [type(e).__name__ for e in events] == ["BlockStored"]
-    stored_hashes = b.replicas[0]._requests["B"].hashes
-    assert events[0].block_hashes == stored_hashes and events[0].parent_block_hash is None
+    assert events[0].block_hashes == [h for _, _, h in pending]
+    assert b.replicas[0].committed_hashes("B") == [h for _, _, h in pending]
+    assert events[0].parent_block_hash is None
     c = reserved(b, np.r_[PREFIX, [7]], "C")
     assert c.start_idx == 8
     assert b.metrics.device_cache_tokens == 8 and b.remote_metrics.lookups == 1
@@ -170,12 +157,12 @@ def test_tensor_parallel_counts_a_page_only_if_every_shard_holds_it(session, red
     ns = fresh_namespace()
     tp2 = dict(n_devices=2)  # one KV head per device
     a, a_pages = committed_by_a(session, redis_server, ns, **tp2)
-    stores = a.replicas[0].remote
-    assert [s.layout.tp_rank for s in stores] == [0, 1]
-    assert stores[0].key(1) != stores[1].key(1)
+    shards = stores(a)
+    assert [s.layout.tp_rank for s in shards] == [0, 1]
+    assert shards[0].key(1) != shards[1].key(1)
     # Shard 1 loses page 1 (as LRU eviction would): only page 0 is a hit.
-    page_1 = a.replicas[0]._requests["A"].hashes[1]
-    redis_server.client().delete(stores[1].key(page_1))
+    page_1 = a.replicas[0].committed_hashes("A")[1]
+    redis_server.client().delete(shards[1].key(page_1))
     b = remote_manager(session, redis_server, ns, **tp2)
     ctx = reserved(b, np.r_[PREFIX, [5]], "B")
     assert ctx.start_idx == 4
@@ -195,8 +182,7 @@ def test_tensor_parallel_counts_a_page_only_if_every_shard_holds_it(session, red
 def test_a_corrupted_value_is_a_counted_miss(session, redis_server):
     ns = fresh_namespace()
     a, _ = committed_by_a(session, redis_server, ns)
-    store = a.replicas[0].remote[0]
-    key = store.key(a.replicas[0]._requests["A"].hashes[1])
+    key = stores(a)[0].key(a.replicas[0].committed_hashes("A")[1])
     client = redis_server.client()
     value = bytearray(client.get(key))
     value[-1] ^= 0x01  # one bit of the page's last byte
@@ -256,11 +242,12 @@ def test_a_batch_that_does_not_fit_changes_nothing_with_remote_hits_planned(sess
 
 
 FAULT_TARGETS = [
-    (RemotePageStore, "lookup"), (PagedReplica, "_match_remote"), (PagedReplica, "plan"),
-    (PagedReplica, "apply"), (PagedReplica, "fits"), (PagedReplica, "load_pending"),
-    (PagedReplica, "_load_remote"), (page_copy, "write_pages"), (PagePool, "take"),
-    (PagePool, "commit_pages"), (PagePool, "lookup"), (TextContext, "skip_cached_prefix"),
-    (TextContext, "active_idx_after_skip"), (PagedReplica, "runtime_inputs"),
+    (RemotePageStore, "lookup"), (RemoteTier, "lookup"), (RemoteTier, "load"),
+    (TierStack, "load"), (PagedReplica, "plan"), (PagedReplica, "apply"),
+    (PagedReplica, "fits"), (PagedReplica, "load_pending"), (page_copy, "write_pages"),
+    (PagePool, "room"), (PagePool, "take"), (PagePool, "commit_pages"), (PagePool, "lookup"),
+    (TextContext, "skip_cached_prefix"), (TextContext, "active_idx_after_skip"),
+    (PagedReplica, "runtime_inputs"),
 ]
 
 
@@ -317,7 +304,7 @@ def test_a_dead_server_is_a_miss_and_a_restarted_one_serves_again(session, own_r
     a, _ = committed_by_a(session, own_redis_server, ns)
     own_redis_server.kill()
     b = remote_manager(session, own_redis_server, ns)
-    for store in b.replicas[0].remote:
+    for store in stores(b):
         store.breaker.cooldown_s = 0.2  # the test waits for the trial, not 5 s
     ctx = TextContext(np.r_[PREFIX, [5]], "B")
     serve(b, ctx)  # commits (queued puts fail: counted)
@@ -329,7 +316,7 @@ def test_a_dead_server_is_a_miss_and_a_restarted_one_serves_again(session, own_r
     own_redis_server.start()
     b.reset_prefix_cache()
     deadline = time.monotonic() + 10
-    while b.replicas[0].remote[0].breaker.state == "open" and time.monotonic() < deadline:
+    while stores(b)[0].breaker.state == "open" and time.monotonic() < deadline:
         time.sleep(0.05)
     ctx = TextContext(np.r_[PREFIX, [6]], "B2")
     serve(b, ctx)
@@ -341,24 +328,61 @@ def test_a_dead_server_is_a_miss_and_a_restarted_one_serves_again(session, own_r
         m.close()
 
 
-def test_remote_params_are_validated():
-    with pytest.raises(ValueError, match="remote_kvcache_url must be a redis"):
-        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8, enable_prefix_caching=True,
-                           remote_kvcache_url="http://x", remote_kvcache_namespace="m")
-    with pytest.raises(ValueError, match="remote_kvcache_namespace"):
-        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8, enable_prefix_caching=True,
-                           remote_kvcache_url="redis://127.0.0.1:1/0")
-    with pytest.raises(ValueError, match="remote_kvcache_namespace.*'a:b'"):
-        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8, enable_prefix_caching=True,
-                           remote_kvcache_url="redis://h/0", remote_kvcache_namespace="a:b")
-    with pytest.raises(ValueError, match="remote_kvcache_timeout_s"):
-        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8, enable_prefix_caching=True,
-                           remote_kvcache_url="redis://h/0", remote_kvcache_namespace="m",
-                           remote_kvcache_timeout_s=0)
-    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
-        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8,
-                           remote_kvcache_url="redis://h/0", remote_kvcache_namespace="m")
-    with pytest.raises(ValueError, match="stable prefix_hash"):
-        mokv.KVCacheParams(mokv.params.CACHE_DTYPES[0], 2, 8, enable_prefix_caching=True,
-                           prefix_hash="builtin", remote_kvcache_url="redis://h/0",
-                           remote_kvcache_namespace="m")
+def test_remote_tier_config_is_validated():
+    with pytest.raises(ValueError, match="url must be a redis/rediss/unix:// URL, got 'http://x'"):
+        mokv.RemoteTierConfig(url="http://x", namespace="m")
+    with pytest.raises(ValueError, match="namespace must be 1-200 characters.*got None"):
+        mokv.RemoteTierConfig(url="redis://127.0.0.1:1/0", namespace=None)
+    with pytest.raises(ValueError, match="namespace.*'a:b'"):
+        mokv.RemoteTierConfig(url="redis://h/0", namespace="a:b")
+    with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
+        mokv.RemoteTierConfig(url="redis://h/0", namespace="m", timeout_s=0)
+    tier = mokv.RemoteTierConfig(url="redis://h/0", namespace="m")
+    dtype = mokv.params.CACHE_DTYPES[0]
+    with pytest.raises(ValueError, match="RemoteTierConfig needs enable_prefix_caching"):
+        mokv.KVCacheParams(dtype, 2, 8, tiers=(tier,))
+    with pytest.raises(ValueError, match="stable prefix_hash.*'builtin'"):
+        mokv.KVCacheParams(dtype, 2, 8, enable_prefix_caching=True, prefix_hash="builtin",
+                           tiers=(tier,))
+
+
+def test_one_plan_walks_the_host_then_the_shared_tier_and_asks_the_pool_once(
+        session, redis_server, monkeypatch):
+    """B computed page 0 (written through to its host tier and the store), A then page 1
+    (to the store), and B's device forgot both: one `maybe_reserve` plans page 0 from the
+    host tier and page 1 from the store, asking the pool once how much room it has (the
+    other `room` is `take`'s own check)."""
+    ns = fresh_namespace()
+    page_bytes = small_params().bytes_per_page(2)
+    host = mokv.HostTierConfig(swap_space_gb=10 * page_bytes / 2**30)
+    b = make_paged(session, num_pages=6, max_seq_len=24, tiers=(
+        host, mokv.RemoteTierConfig(url=redis_server.url, namespace=ns)))
+    serve(b, TextContext(np.r_[PREFIX[:4], [1]], "X"))
+    b.release("X")
+    flush(b)
+    a, _ = committed_by_a(session, redis_server, ns)  # finds page 0, computes page 1
+    serve(b, TextContext(np.arange(100, 121), "Y"))  # 6 pages: the device forgets the prefix
+    b.release("Y")
+    b.reset_metrics()
+    calls = {"room": 0, "take": 0, "fits": 0}
+
+    def counted(owner, name):
+        real = getattr(owner, name)
+
+        def count(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, count)
+
+    counted(PagePool, "room")
+    counted(PagePool, "take")
+    counted(PagedReplica, "fits")
+    ctx = reserved(b, np.r_[PREFIX, [5]], "B")
+    assert ctx.start_idx == 8
+    assert [name for name, _, _ in b.replicas[0].pending_loads("B")] == ["host", "remote"]
+    assert calls == {"room": 2, "take": 1, "fits": 0}
+    b.fetch([ctx])
+    assert (b.metrics.host_cache_tokens, b.metrics.remote_cache_tokens) == (4, 4)
+    b.check_invariants()
+    a.close()
+    b.close()

@@ -2,8 +2,8 @@
 
 The host tier keeps copies of committed device pages, so that a prefix evicted from the
 device can be loaded back instead of recomputed. Pages are written through when `step`
-commits them (`PagedReplica.commit`), never on the device allocation path: evicting a
-device page costs nothing, and the allocation path cannot hand out a half-copied page
+commits them (`HostTier.store`, host.py), never on the device allocation path: evicting
+a device page costs nothing, and the allocation path cannot hand out a half-copied page
 (TensorRT-LLM #8813 / #12878, see ../shared/notes/kv-events-and-tiers.md §3).
 
 Every host page is in exactly one of two states:
@@ -11,8 +11,8 @@ Every host page is in exactly one of two states:
     free     no hash       in `_free` (a stack)
     cached   hashed        in `_lru` (oldest first); findable through the index
 
-A page that a pending load reads is *pinned*. Pins are not stored here: the replica
-owns its pending loads and passes the pinned pages (`protected`) to `plan_store`, which
+A page that a pending load reads is *pinned*. Pins are not stored here: the host tier
+counts them and passes the pinned pages (`protected`) to `plan_store`, which
 never picks a pinned page, free or cached, as a target or a victim. So a host page is
 never overwritten while a load still has to read it, even after `reset_prefix_cache`
 made it free.
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from ..errors import InvariantError
-from .page_pool import PageEventSink
+from ..cache.page_pool import PageEventSink
 
 
 @dataclass(slots=True)

@@ -9,19 +9,11 @@ The request lifecycle (the manager contract of base.py, in MAX's spelling):
     step(batch)                                # commits pages that became full
     release(request_id)
 
-Memory: `available_cache_memory` is split evenly between the `data_parallel_degree`
-replicas; each replica holds `floor(memory_per_replica / bytes_per_page)` pages, where
-`bytes_per_page = page_size * 2 * num_layers * n_kv_heads * head_dim * dtype size`.
-A replica's pages live in one `max.driver.Buffer` per device, each device holding
-`n_kv_heads_per_device` of the heads (layout in `mokv.inputs`).
-
-Host tier (`params.enable_kvcache_swapping_to_host`): each replica also holds
-`floor(host_kvcache_swap_space_gb * 2**30 / data_parallel_degree / bytes_per_page)` host
-pages (one host buffer per device shard); see `paged_replica.py` and README "Host tier".
-
-Shared tier (`params.remote_kvcache_url`): each replica opens one `RemotePageStore` per
-device shard on the Redis server; `close` flushes and closes them, and
-`remote_metrics` sums their counters (README "Shared tier").
+This class routes each request to its data-parallel replica (`replica.py`: one page
+pool, its buffers and its tiers) and keeps the contract's promises across them: every
+request of a batch is checked and planned before any replica changes. Memory sizing is
+`sizing.py`; the graph inputs are built by `inputs.py`. The tiers below the device pages
+(`params.tiers`: host memory, a shared Redis store) are `mokv.tiers`.
 """
 
 from __future__ import annotations
@@ -33,9 +25,9 @@ import numpy as np
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
-from ..cache.hashing import page_hash_fn, root_hash
-from ..context import RequestID, TextGenerationContext
-from ..errors import (
+from ...cache.hashing import page_hash_fn, root_hash
+from ...context import RequestID, TextGenerationContext
+from ...errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
     InsufficientMemoryError,
@@ -43,24 +35,25 @@ from ..errors import (
     InvalidReplicaError,
     UnknownRequestError,
 )
-from ..events.config import KVEventsConfig
-from ..events.format import MEDIUM_CPU
-from ..events.publisher import open_publishers, resolve_events_config
-from ..layouts import PAGED, RaggedKVCacheInputs
-from ..metrics import KVCacheMetrics
-from ..params import KVCacheParams
-from ..remote import RemoteMetrics
-from .base import ManagerFields, check_num_steps, check_request_id, synchronized
-from .compat import MaxManagerAPI
-from .increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
-from .paged_replica import PagedReplica, Reservation, _ceil_div
+from ...events.config import KVEventsConfig
+from ...events.publisher import open_publishers
+from ...layouts import PAGED, RaggedKVCacheInputs
+from ...params import KVCacheParams
+from ...params_compat import with_manager_events
+from ..base import ManagerFields, check_num_steps, check_request_id, synchronized
+from ..compat import MaxManagerAPI
+from ..increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
+from .inputs import ceil_div
+from .metrics import PagedMetrics
+from .replica import PagedReplica, Reservation
+from .sizing import PagedSizing, pages_per_replica
 
 
-class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
+class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerFields):
     """Paged KV cache manager with data and tensor parallelism support.
 
     Args:
-        params: cache shape and features (see `KVCacheParams`).
+        params: cache shape, prefix cache, tiers and events (see `KVCacheParams`).
         max_batch_size: most requests held at once, over all replicas together.
         max_seq_len: most tokens one request may hold.
         num_layers: transformer layers; each page holds K and V of every layer.
@@ -69,10 +62,10 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         session: the InferenceSession that runs the model (and the small graph of
             `increment_cache_lengths`).
         available_cache_memory: bytes for KV pages over all devices.
-        zmq_endpoint_base: publish KV-cache events (vLLM's format) on this ZMQ
-            address, replica r on its offset (`KVEventsConfig(endpoint=...)`).
-        kv_events_config: the fuller events configuration (replay socket, topic,
-            payload form, limits); None with no `zmq_endpoint_base`: no events.
+        zmq_endpoint_base: MAX's spelling of `params.kv_events =
+            KVEventsConfig(endpoint=zmq_endpoint_base)` (see `mokv.params_compat`).
+        kv_events_config: the same for a whole `KVEventsConfig`; `self.params` carries
+            the events either gives.
         page_size: kept for signature compatibility; must equal `params.page_size`
             unless left at its default.
         enable_runtime_checks: verify the pools' invariants after every operation.
@@ -92,6 +85,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
         enable_runtime_checks: bool = False,
         kv_events_config: KVEventsConfig | None = None,
     ) -> None:
+        params = with_manager_events(params, zmq_endpoint_base, kv_events_config)
         super().__init__(params, PAGED, max_batch_size, max_seq_len, num_layers, devices, session)
         if page_size != 128 and page_size != params.page_size:
             raise ValueError(
@@ -103,10 +97,9 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
                 f"available_cache_memory must be a number of bytes (an int >= 0), "
                 f"got {available_cache_memory!r}"
             )
-        events_config = resolve_events_config(zmq_endpoint_base, kv_events_config, params)
         dp = params.data_parallel_degree
-        num_pages = self._pages_per_replica(params, num_layers, available_cache_memory)
-        pages_per_seq = _ceil_div(max_seq_len, params.page_size)
+        num_pages = pages_per_replica(params, num_layers, available_cache_memory)
+        pages_per_seq = ceil_div(max_seq_len, params.page_size)
         if num_pages < pages_per_seq:
             raise InsufficientMemoryError(
                 f"available_cache_memory={available_cache_memory} bytes gives {num_pages} "
@@ -117,108 +110,32 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             raise ValueError(
                 f"max_batch_size={max_batch_size} is smaller than data_parallel_degree={dp}"
             )
-        num_host_pages = self._host_pages_per_replica(params, num_layers)
         hash_fn = page_hash_fn(params.prefix_hash)
         root = root_hash(params.prefix_hash, params.prefix_hash_seed)
         tp = params.tensor_parallel_degree
-        self.replicas = [
-            PagedReplica(
-                params,
-                num_pages,
-                _ceil_div(max_batch_size, dp),
-                max_seq_len,
-                num_layers,
-                list(self.devices[r * tp : (r + 1) * tp]),
-                hash_fn,
-                root,
-                num_host_pages,
+        self.replicas: list[PagedReplica] = []
+        try:
+            for r in range(dp):
+                self.replicas.append(PagedReplica(
+                    params, num_pages, ceil_div(max_batch_size, dp), max_seq_len, num_layers,
+                    list(self.devices[r * tp : (r + 1) * tp]), hash_fn, root,
+                ))
+            # One publisher per replica (its own PUB socket), opened last so that nothing
+            # after it can fail; the replica's pool and tiers tell it what changed.
+            self.kv_event_publishers = open_publishers(
+                params.kv_events, params.page_size, [self.devices[r * tp] for r in range(dp)]
             )
-            for r in range(dp)
-        ]
-        # One publisher per replica (its own PUB socket), opened last so that nothing
-        # after it can fail; the replica's page pool tells it what changed.
-        self.kv_event_publishers = open_publishers(
-            events_config, params.page_size, [self.devices[r * tp] for r in range(dp)]
-        )
+        except BaseException:
+            for replica in self.replicas:  # their tiers may run threads
+                replica.close()
+            raise
         for replica, publisher in zip(self.replicas, self.kv_event_publishers):
-            replica.pool.events = publisher
-            if replica.host is not None:
-                replica.host.events = publisher.medium_sink(MEDIUM_CPU)
+            replica.publish_to(publisher)
         self.page_size = params.page_size
         self.total_num_pages = num_pages * dp
         self.enable_runtime_checks = enable_runtime_checks
         self._replica_of: dict[RequestID, int] = {}
         self._increment = CacheLengthIncrementer(session, with_max_lengths=True)
-
-    # --- sizing ---------------------------------------------------------------------
-
-    @staticmethod
-    def _pages_per_replica(params: KVCacheParams, num_layers: int, memory: int) -> int:
-        """`floor(memory / data_parallel_degree / bytes_per_page(num_layers))`."""
-        per_replica = memory // params.data_parallel_degree
-        return per_replica // params.bytes_per_page(num_layers)
-
-    @staticmethod
-    def _host_pages_per_replica(params: KVCacheParams, num_layers: int) -> int:
-        """Host-tier pages of one replica: 0 with the tier off."""
-        if not params.enable_kvcache_swapping_to_host:
-            return 0
-        host_bytes = int(params.host_kvcache_swap_space_gb * 2**30)  # type: ignore[operator]
-        num = host_bytes // params.data_parallel_degree // params.bytes_per_page(num_layers)
-        if num < 1:
-            raise InsufficientMemoryError(
-                f"host_kvcache_swap_space_gb={params.host_kvcache_swap_space_gb} holds no "
-                f"page of {params.bytes_per_page(num_layers)} bytes per replica"
-            )
-        return num
-
-    @classmethod
-    def estimated_memory_size(
-        cls,
-        params: KVCacheParams,
-        max_batch_size: int,
-        max_seq_len: int,
-        num_layers: int,
-        available_cache_memory: int,
-        devices: Sequence[Device],
-        **kwargs: Any,
-    ) -> int:
-        """Bytes the manager allocates for these arguments.
-
-        `data_parallel_degree * floor(available_cache_memory / data_parallel_degree /
-        bytes_per_page) * bytes_per_page`: the budget, rounded down to whole pages.
-        """
-        pages = cls._pages_per_replica(params, num_layers, available_cache_memory)
-        return params.data_parallel_degree * pages * params.bytes_per_page(num_layers)
-
-    @classmethod
-    def infer_optimal_batch_size(
-        cls,
-        params: KVCacheParams,
-        max_seq_len: int,
-        num_layers: int,
-        available_cache_memory: int,
-        devices: Sequence[Device],
-        **kwargs: Any,
-    ) -> int:
-        """Most requests of `max_seq_len` tokens that fit at once, at least 1.
-
-        `max(1, data_parallel_degree * floor(pages_per_replica / ceil(max_seq_len / page_size)))`.
-        """
-        pages = cls._pages_per_replica(params, num_layers, available_cache_memory)
-        per_seq = _ceil_div(max_seq_len, params.page_size)
-        return max(1, params.data_parallel_degree * (pages // per_seq))
-
-    @classmethod
-    def max_supported_sequence_length(
-        cls, params: KVCacheParams, num_layers: int, memory_available: int
-    ) -> int:
-        """Longest sequence every replica can hold: `pages_per_replica * page_size`.
-
-        Replicas get equal shares of `memory_available`, so the minimum over replicas is
-        the value of any one of them; it is a multiple of `page_size`.
-        """
-        return cls._pages_per_replica(params, num_layers, memory_available) * params.page_size
 
     # --- requests -------------------------------------------------------------------
 
@@ -308,7 +225,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             plan = replica.plan(data, num_steps)
             if plan is None:
                 return True
-            if not replica.fits([plan]):
+            if not plan.fits:  # asked of the pool once, by `plan`; nothing changed since
                 return False
             replica.apply([plan])
             self._after_change()
@@ -360,7 +277,7 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             if replica_plans:
                 replica.apply(replica_plans)
         for replica, group in zip(self.replicas, groups):
-            if replica.host is not None or replica.remote:
+            if replica.tiers:
                 if self.enable_runtime_checks:
                     replica.check_loads()
                 replica.load_pending(group)  # lower tiers reach the device before the graph
@@ -429,75 +346,6 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
             counts[self._replica_index(ctx.request_id) + 1] += 1
         return Buffer.from_numpy(np.cumsum(counts))
 
-    # --- occupancy and metrics ------------------------------------------------------
-
-    @property
-    @synchronized
-    def num_free_blocks(self) -> int:
-        """Pages that can be handed out now (cached-free pages included), all replicas."""
-        return sum(r.pool.num_free for r in self.replicas)
-
-    @property
-    def free_blocks_pct(self) -> float:
-        """Fraction (0.0-1.0) of all pages that are free or cached-free."""
-        return self.num_free_blocks / self.total_num_pages
-
-    @property
-    def used_blocks_pct(self) -> float:
-        """Fraction (0.0-1.0) of all pages owned by requests."""
-        return 1.0 - self.free_blocks_pct
-
-    @property
-    @synchronized
-    def metrics(self) -> KVCacheMetrics:
-        hosts = [r.host_pages for r in self.replicas if r.host_pages is not None]
-        return KVCacheMetrics(
-            input_tokens=sum(r.input_tokens for r in self.replicas),
-            cache_tokens=sum(r.cache_tokens for r in self.replicas),
-            used_pages=sum(r.pool.num_used for r in self.replicas),
-            free_pages=self.num_free_blocks,
-            host_cache_tokens=sum(r.host_cache_tokens for r in self.replicas),
-            host_used_pages=sum(r.host.num_cached for r in self.replicas if r.host),
-            host_total_pages=self.total_num_host_pages,
-            bytes_to_host=sum(h.bytes_to_host for h in hosts),
-            bytes_from_host=sum(h.bytes_from_host for h in hosts),
-            remote_cache_tokens=sum(r.remote_cache_tokens for r in self.replicas),
-            bytes_from_remote=sum(r.bytes_from_remote for r in self.replicas),
-        )
-
-    @property
-    def remote_metrics(self) -> RemoteMetrics:
-        """The shared tier's own counters, summed over every store (one per device shard
-        per replica, so with tensor parallelism each page counts once per shard): hits,
-        misses, rejected values, bytes each way, errors, timeouts, drops. All zero with
-        the tier off. The stores count from their own threads, so this is not locked."""
-        total = RemoteMetrics()
-        for store in (s for r in self.replicas for s in r.remote):
-            for name, value in store.metrics.as_dict().items():
-                setattr(total, name, getattr(total, name) + value)
-        return total
-
-    @property
-    def total_num_host_pages(self) -> int:
-        """Pages of the host-memory tier, all replicas (0 with the tier off)."""
-        return sum(r.host.num_pages for r in self.replicas if r.host is not None)
-
-    @property
-    @synchronized
-    def host_committed_block_pct(self) -> float:
-        """Fraction (0.0-1.0) of host pages holding a committed prefix."""
-        total = self.total_num_host_pages
-        used = sum(r.host.num_cached for r in self.replicas if r.host is not None)
-        return used / total if total else 0.0
-
-    @synchronized
-    def reset_metrics(self) -> None:
-        for r in self.replicas:
-            r.input_tokens = r.cache_tokens = r.host_cache_tokens = 0
-            r.remote_cache_tokens = r.bytes_from_remote = 0
-            if r.host_pages is not None:
-                r.host_pages.bytes_to_host = r.host_pages.bytes_from_host = 0
-
     @synchronized
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix; pages owned by requests stay theirs."""
@@ -509,12 +357,12 @@ class PagedKVCacheManager(MaxManagerAPI, ManagerFields):
 
     @synchronized
     def close(self) -> None:
-        """Publishes the events still queued and closes the event sockets (if any); sends
-        the pages queued for the shared tier (a bounded wait) and disconnects from it."""
+        """Publishes the events still queued and closes the event sockets (if any); closes
+        the tiers (the shared tier sends what it queued, a bounded wait, and disconnects)."""
         for publisher in self.kv_event_publishers:
             publisher.close()
         for replica in self.replicas:
-            replica.close_remote()
+            replica.close()
 
     @synchronized
     def check_invariants(self) -> None:

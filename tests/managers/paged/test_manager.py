@@ -8,16 +8,17 @@ from max.dtype import DType
 import mokv
 from mokv import TextContext
 
-from .conftest import NUM_LAYERS, make_paged, small_params
+from ..conftest import NUM_LAYERS, make_paged, small_params
 
 
-def state(manager):
-    """Everything a failed call must leave unchanged."""
+def state(manager, contexts):
+    """Everything a failed call must leave unchanged, read through public calls."""
     return (
         manager.num_free_blocks,
         manager.metrics,
-        {rid: manager.get_req_blocks(rid) for rid in manager._replica_of},
-        [sorted(r.pool._index.items()) for r in manager.replicas],
+        {c.request_id: manager.get_req_blocks(c.request_id) for c in contexts
+         if manager.contains(c.request_id)},
+        [[r.pool.page_hash(p) for p in range(r.pool.num_pages)] for r in manager.replicas],
     )
 
 
@@ -134,14 +135,14 @@ def test_maybe_reserve_false_changes_nothing(session):
     m.claim(a.request_id)
     m.claim(b.request_id)
     assert m.maybe_reserve(a)  # 5 pages
-    before = state(m), (b.start_idx, b.active_idx)
+    before = state(m, [a, b]), (b.start_idx, b.active_idx)
     assert not m.maybe_reserve(b)  # 5 more do not fit in the 3 left
-    assert (state(m), (b.start_idx, b.active_idx)) == before
+    assert (state(m, [a, b]), (b.start_idx, b.active_idx)) == before
     with pytest.raises(mokv.InsufficientPagesError):
         m.alloc(b)
     with pytest.raises(mokv.InsufficientPagesError):
         m.fetch([b])
-    assert state(m) == before[0]
+    assert state(m, [a, b]) == before[0]
 
 
 def test_reserved_request_never_runs_out_in_fetch(session):
@@ -211,7 +212,7 @@ def test_bad_input_raises_named_errors_and_changes_nothing(session, paged):
     a = TextContext(np.arange(5), request_id="a")
     paged.claim(a.request_id)
     paged.fetch([a])
-    before = state(paged)
+    before = state(paged, [a])
     with pytest.raises(mokv.UnknownRequestError, match="'nope'"):
         paged.release(mokv.RequestID("nope"))
     with pytest.raises(mokv.UnknownRequestError):
@@ -229,7 +230,7 @@ def test_bad_input_raises_named_errors_and_changes_nothing(session, paged):
     with pytest.raises(ValueError, match="num_steps"):
         paged.fetch([a], num_steps=0)
     paged.release(long.request_id)
-    assert state(paged) == before
+    assert state(paged, [a]) == before
     for i in range(3):
         paged.claim(mokv.RequestID(f"x{i}"))
     with pytest.raises(mokv.BatchTooLargeError, match="max_batch_size"):
@@ -249,11 +250,12 @@ def test_bad_configuration_is_rejected(session):
         small_params(dtype="float32")
     with pytest.raises(ValueError, match="n_kv_heads=3"):
         small_params(n_kv_heads=3, n_devices=2)
-    with pytest.raises(ValueError, match="host_kvcache_swap_space_gb > 0, got None"):
-        make_paged(session, enable_kvcache_swapping_to_host=True)
-    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
-        small_params(enable_kvcache_swapping_to_host=True, host_kvcache_swap_space_gb=1,
-                     enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="swap_space_gb must be a number of GiB > 0, got 0"):
+        mokv.HostTierConfig(swap_space_gb=0)
+    with pytest.raises(ValueError, match="HostTierConfig needs enable_prefix_caching"):
+        small_params(tiers=(mokv.HostTierConfig(swap_space_gb=1),), enable_prefix_caching=False)
+    with pytest.raises(mokv.InsufficientMemoryError, match="swap_space_gb=1e-09 holds no page"):
+        make_paged(session, tiers=(mokv.HostTierConfig(swap_space_gb=1e-9),))
     with pytest.raises(ValueError, match="prefix_hash='builtin'"):
         mokv.PagedKVCacheManager(small_params(prefix_hash="builtin"), 2, 32, NUM_LAYERS, [CPU()],
                                  session, 10**6, zmq_endpoint_base="inproc://mokv-refused")

@@ -1,0 +1,103 @@
+"""The graph inputs of a paged replica's batch: the page table and the per-device tuples.
+
+Per device, `fetch` hands the graph a `RaggedKVCacheInputs` (layout in
+`mokv.layouts.paged`):
+
+    blocks         the replica's buffer on that device
+    cache_lengths  uint32 [batch_size]: tokens in each request's cache before the step
+    lookup_table   uint32 [batch_size, max_pages]: token t of request b is in page
+                   lookup_table[b, t // page_size], row t % page_size
+    max_lengths    uint32 [num_steps, 2], host: per step (most tokens one request
+                   processes, longest cache)
+
+A request's window, in tokens: `[start_idx, active_idx)` is processed in the first step
+and each later step adds one token, so the table covers
+`max(start_idx + active_length) + num_steps - 1` tokens of the longest request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from max.driver import Buffer, Device
+
+from ...cache.page_pool import PagePool
+from ...errors import InvariantError
+from ...layouts import RaggedKVCacheInputs
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PageTable:
+    """Row `slot` lists the pages of the request in that slot (`max_requests` rows of
+    `max_pages_per_seq`), so that a batch's lookup table is one numpy take."""
+
+    def __init__(self, max_requests: int, max_pages_per_seq: int) -> None:
+        self._rows = np.zeros((max_requests, max_pages_per_seq), dtype=np.uint32)
+
+    def set_row(self, slot: int, pages: Sequence[int]) -> None:
+        """Row `slot` starts with `pages` (entries past them are never read)."""
+        self._rows[slot, : len(pages)] = pages
+
+    def inputs(
+        self,
+        blocks: Sequence[Buffer],
+        devices: Sequence[Device],
+        slots: Sequence[int],
+        starts: Sequence[int],
+        actives: Sequence[int],
+        num_steps: int,
+        page_size: int,
+    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+        """One tuple per device for a batch: request `i` holds row `slots[i]`, its cache
+        ends at `starts[i]` and it processes `actives[i]` tokens in the first step.
+
+        Plain Python lists are used until the final arrays: for a few dozen requests
+        they beat numpy's per-call overhead.
+        """
+        max_start = max(starts, default=0)
+        max_active = max(actives, default=0)
+        max_end = max((s + a for s, a in zip(starts, actives)), default=0) + num_steps - 1
+        max_pages = max(1, ceil_div(max_end, page_size))
+        cache_lengths = np.array(starts, dtype=np.uint32)
+        lookup_table = self._rows[slots, :max_pages]
+        # Row s: (most tokens one sequence processes in step s, longest cache before it).
+        max_lengths = np.array(
+            [(max_active if s == 0 else 1, max_start + s) for s in range(num_steps)],
+            dtype=np.uint32,
+        )
+        # Buffer.from_numpy aliases host memory; on an accelerator the small tables are copied.
+        host = [Buffer.from_numpy(cache_lengths), Buffer.from_numpy(lookup_table)]
+        max_lengths_buf = Buffer.from_numpy(max_lengths)
+        return [
+            RaggedKVCacheInputs(b, *(host if d.is_host else [t.to(d) for t in host]),
+                                max_lengths_buf)
+            for b, d in zip(blocks, devices)
+        ]
+
+
+def check_write_windows(
+    pool: PagePool, page_size: int, windows: Iterable[tuple[object, Sequence[int], int, int]]
+) -> None:
+    """InvariantError unless each `(request_id, pages, start_idx, end)` is safe to hand
+    to the graph: its pages cover `end` tokens, and every page of the write window
+    `[start_idx, end)` is in range, unhashed and owned by that request alone
+    (`enable_runtime_checks`)."""
+    for request_id, pages, start, end in windows:
+        if end > len(pages) * page_size:
+            raise InvariantError(
+                f"request {request_id!r} writes up to token {end} but holds "
+                f"{len(pages) * page_size} token slots"
+            )
+        for page_idx in range(start // page_size, ceil_div(end, page_size)):
+            page_id = pages[page_idx]
+            if not 0 <= page_id < pool.num_pages:
+                raise InvariantError(f"request {request_id!r} holds page id {page_id}")
+            if pool.page_hash(page_id) is not None or pool.ref_count(page_id) != 1:
+                raise InvariantError(
+                    f"request {request_id!r} would write page {page_id}, which is "
+                    f"committed or shared (ref count {pool.ref_count(page_id)})"
+                )

@@ -1,0 +1,93 @@
+"""What a paged replica holds per request, and what its calls will do, worked out before
+anything changes (`PagedReplica.plan`, `plan_commit`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...context import TextGenerationContext
+from ...errors import StaleContextError
+from ...tiers.base import DeviceHit
+from ...tiers.stack import PendingLoad
+
+
+@dataclass(slots=True)
+class RequestState:
+    """A claimed request: its row of the page table, its pages and their hash chain.
+
+    `hashes` covers the first `len(hashes)` pages (committed, or found in the index or
+    a tier); `loads` are tier hits reserved for it and not yet copied in.
+    """
+
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    loads: list[PendingLoad] = field(default_factory=list)
+
+    def check_window(self, ctx: TextGenerationContext, page_size: int) -> None:
+        """StaleContextError unless the context's cache ends between the request's
+        committed pages (shared pages it never writes again) and the end of its pages."""
+        if ctx.start_idx < len(self.hashes) * page_size:
+            raise StaleContextError(
+                f"request {ctx.request_id!r} has start_idx={ctx.start_idx}, inside its "
+                f"{len(self.hashes) * page_size} committed tokens (pages other requests may "
+                "share): release the request before ctx.reset()"
+            )
+        if ctx.start_idx > len(self.pages) * page_size:
+            raise StaleContextError(
+                f"request {ctx.request_id!r} has start_idx={ctx.start_idx} but only "
+                f"{len(self.pages) * page_size} token slots were fetched for it"
+            )
+
+
+@dataclass(slots=True)
+class Reservation:
+    """What reserving one request will do."""
+
+    ctx: TextGenerationContext
+    req: RequestState
+    hits: list[tuple[int, int]]
+    """(page id, hash) of device pages that continue its chain."""
+    hit_tokens: int
+    """Where its cache ends after every hit (device and tiers)."""
+    num_new: int
+    """Fresh pages to allocate after the hits."""
+    loads: list[PendingLoad]
+    """Tier hits after the device hits, each needing a fresh page (no page yet)."""
+    parent_hash: int | None
+    """The hash its first hit chains from: its last committed page's (None: none)."""
+    room: int = 0
+    """Fresh pages the pool could hand out with `hits` taken, when it was planned."""
+
+    @property
+    def num_fresh(self) -> int:
+        """Fresh device pages the reservation takes: its new pages and its loads."""
+        return self.num_new + len(self.loads)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the pool could take this reservation alone, as it stood when planned."""
+        return self.num_fresh <= self.room
+
+    def device_hit_run(self) -> list[DeviceHit]:
+        """The device hits, each with the hash before it (and the salt on a first page)."""
+        parent = self.parent_hash
+        salt = getattr(self.ctx, "cache_salt", None) if parent is None else None
+        run = []
+        for page_id, page_hash in self.hits:
+            run.append(DeviceHit(page_id, page_hash, parent, salt))
+            parent, salt = page_hash, None
+        return run
+
+
+@dataclass(slots=True)
+class CommitPlan:
+    """The pages one `step` commits in a replica: parallel columns, one row a page."""
+
+    requests: list[tuple[RequestState, list[int]]]
+    """Each request with pages to commit, and its new chain hashes."""
+    page_ids: list[int]
+    hashes: list[int]
+    datas: list[bytes]
+    parents: list[int | None]
+    salts: list[str | None]

@@ -1,0 +1,407 @@
+"""One data-parallel replica of the paged cache: a page pool, its device buffers, its
+requests and its tiers.
+
+A request's pages, drawn as token regions (page_size 4 here):
+
+    pages:   [ p7      ][ p2      ][ p9      ][ p4      ]
+    tokens:  |committed (hashed)  |  written | reserved for this fetch   |
+             0               n_hashed*ps  start_idx              needed tokens
+
+- the first `len(hashes)` pages are full and were committed to the prefix index
+  (or found in it); their hash chain is `hashes`. They may be shared with other
+  requests, so the request never writes them again: its context's `start_idx` must
+  lie in `[len(hashes) * page_size, len(pages) * page_size]` (else `StaleContextError`,
+  e.g. after `ctx.reset()` without a release);
+- pages after them hold tokens written but not yet filling a page, and room for
+  the tokens of the coming `num_steps` steps.
+
+Prefix matching (prefix.py) extends a request with the longest run of pages that
+continues its hash chain: device pages first, then each tier in order.
+
+Reserving is planned once, then applied. `plan` works out one request's hits and fresh
+pages without changing anything, asking the pool once how many fresh pages it could
+take (`Reservation.room`); `fits` checks a batch of plans against the pool; `apply`
+takes their pages in one all-or-nothing pool call before it moves the contexts' windows.
+
+Tiers (`params.tiers`, `mokv.tiers`). A tier hit takes a fresh device page and becomes
+a pending load on its request, pinned in its tier from `apply` on; `fetch` runs the
+pending loads of its batch (`load_pending`) before the graph runs and then indexes the
+loaded pages, so later requests find them on the device. `commit` hands the pages it
+newly indexed to every tier (`store`). Releasing a request drops its pending loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from max.driver import Buffer, Device
+
+from ...cache.cache_memory import cache_buffer
+from ...cache.hashing import PageHashFn
+from ...cache.page_pool import PagePool
+from ...context import RequestID, TextGenerationContext
+from ...errors import (
+    AlreadyClaimedError,
+    BatchTooLargeError,
+    InvariantError,
+    SequenceTooLongError,
+    UnknownRequestError,
+)
+from ...events.publisher import EventRecorder
+from ...layouts import RaggedKVCacheInputs
+from ...params import KVCacheParams
+from ...tiers.base import CommittedPages
+from ...tiers.stack import PendingLoad, TierStack
+from .inputs import PageTable, ceil_div, check_write_windows
+from .plans import CommitPlan, RequestState, Reservation
+from .prefix import PrefixChains
+
+
+class PagedReplica:
+    """The pages, buffers, requests and tiers of one replica (its devices split the KV
+    heads)."""
+
+    def __init__(
+        self,
+        params: KVCacheParams,
+        num_pages: int,
+        max_requests: int,
+        max_seq_len: int,
+        num_layers: int,
+        devices: list[Device],
+        hash_fn: PageHashFn,
+        root_hash: int,
+    ) -> None:
+        self.params = params
+        self.page_size = params.page_size
+        self.max_seq_len = max_seq_len
+        self.max_requests = max_requests
+        self.devices = devices
+        self.pool = PagePool(num_pages)
+        self.chains = PrefixChains(params, self.pool, hash_fn, root_hash)
+        self._prefix_caching = params.enable_prefix_caching
+        self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
+        shape = [num_pages, 2, num_layers, params.page_size, params.n_kv_heads_per_device,
+                 params.head_dim]
+        self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
+        self._page_table = PageTable(max_requests, self.max_pages_per_seq)
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+        self._requests: dict[RequestID, RequestState] = {}
+        self.input_tokens = 0
+        self.cache_tokens = 0
+        self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks)
+
+    # --- requests -------------------------------------------------------------------
+
+    @property
+    def num_free_slots(self) -> int:
+        """Requests the replica can still claim."""
+        return len(self._free_slots)
+
+    def claim(self, request_id: RequestID) -> None:
+        if request_id in self._requests:
+            raise AlreadyClaimedError(request_id)
+        if not self._free_slots:
+            raise BatchTooLargeError(
+                f"cannot claim {request_id!r}: all {self.max_requests} request slots of the "
+                "replica are taken (max_batch_size / data_parallel_degree)"
+            )
+        self._requests[request_id] = RequestState(self._free_slots.pop())
+
+    def release(self, request_id: RequestID) -> None:
+        req = self._request(request_id)
+        self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
+        self.tiers.unpin(req.loads)
+        del self._requests[request_id]
+        self._free_slots.append(req.slot)
+
+    def pages_of(self, request_id: RequestID) -> list[int]:
+        """The request's pages, in token order."""
+        return list(self._request(request_id).pages)
+
+    def committed_hashes(self, request_id: RequestID) -> list[int]:
+        """The hash chain of the request's committed (or found) pages, in token order."""
+        return list(self._request(request_id).hashes)
+
+    def pending_loads(self, request_id: RequestID) -> list[tuple[str, int, int]]:
+        """(tier name, device page, page hash) of each tier hit reserved for the request
+        and not yet loaded, in chain order."""
+        names = [tier.name for tier in self.tiers]
+        return [(names[ld.tier], ld.device_page, ld.hit.page_hash)  # type: ignore[misc]
+                for ld in self._request(request_id).loads]
+
+    def _request(self, request_id: RequestID) -> RequestState:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise UnknownRequestError(request_id) from None
+
+    # --- prefix cache ---------------------------------------------------------------
+
+    def num_prefix_hit_pages(self, ctx: TextGenerationContext) -> int:
+        """Pages of `ctx`'s tokens this replica could serve from its device pages and
+        its own tiers (a shared tier serves every replica alike, and is not asked)."""
+        req = self._requests.get(ctx.request_id) or RequestState(-1)
+        hits, tail = self.chains.device_hits(ctx, req, want_tail=bool(self.tiers))
+        return len(hits) + (self.tiers.local_hits(tail) if tail is not None else 0)
+
+    # --- reservation ----------------------------------------------------------------
+
+    def plan(self, ctx: TextGenerationContext, num_steps: int) -> Reservation | None:
+        """What reserving `ctx` for `num_steps` steps takes; None when it holds them already.
+
+        Pure (but for the tiers' counters). Raises for a request that is unknown, stale
+        or too long.
+        """
+        req = self._request(ctx.request_id)
+        ps, start, held = self.page_size, ctx.start_idx, len(req.pages) * self.page_size
+        if start < len(req.hashes) * ps or start > held:  # inlined: runs on every step
+            req.check_window(ctx, ps)
+        # The common decode step: the window is already held, and then no prefix can
+        # match (`PrefixChains.can_match`). `active_idx > start_idx` holds between steps.
+        needed = ctx.active_idx + num_steps - 1
+        if needed <= held and needed <= self.max_seq_len:
+            return None
+        hits, tail = self.chains.device_hits(ctx, req, want_tail=bool(self.tiers))
+        plan = self._reservation(ctx, req, num_steps, hits, [])
+        plan.room = room = self.pool.room([page_id for page_id, _ in hits])
+        if tail is None:
+            return plan
+        loads: list[PendingLoad] = []
+        parent = hits[-1][1] if hits else plan.parent_hash
+        salt = getattr(ctx, "cache_salt", None) if parent is None else None
+        for index, tier in enumerate(self.tiers):
+            # A tier hit needs a fresh device page as a miss does, and more hits only
+            # move the window further: a plan that does not fit cannot be made to fit
+            # by a lower tier, so it is not asked. That walk was most of the host tier's
+            # cost: a request at the head of the queue is retried every step until pages
+            # free up, and on the trace replay 97% of the host pages matched belonged to
+            # such tries; and the shared tier would fetch the same bytes at every retry.
+            if not plan.fits:
+                break
+            found = tier.lookup(tail.pages(len(loads)))
+            if not found:
+                continue
+            for hit in found:
+                loads.append(PendingLoad(index, hit, parent, salt))
+                parent, salt = hit.page_hash, None
+            plan = self._reservation(ctx, req, num_steps, hits, loads)
+            plan.room = room
+        return plan
+
+    def _reservation(
+        self,
+        ctx: TextGenerationContext,
+        req: RequestState,
+        num_steps: int,
+        hits: list[tuple[int, int]],
+        loads: list[PendingLoad],
+    ) -> Reservation:
+        """The reservation of `ctx` with these hits: where its cache ends and how many
+        fresh pages it takes (each step after the first adds one token). Raises
+        SequenceTooLongError past `max_seq_len`."""
+        num_hits = len(hits) + len(loads)
+        hit_tokens = (len(req.hashes) + num_hits) * self.page_size if num_hits else ctx.start_idx
+        # Where the window ends after a hit is the context's rule, not the manager's.
+        active_idx = ctx.active_idx_after_skip(hit_tokens) if num_hits else ctx.active_idx
+        needed = active_idx + num_steps - 1
+        if needed > self.max_seq_len:
+            raise SequenceTooLongError(
+                f"request {ctx.request_id!r} needs {needed} tokens of cache for {num_steps} "
+                f"step(s), past max_seq_len={self.max_seq_len}"
+            )
+        num_new = max(ceil_div(needed, self.page_size) - len(req.pages) - num_hits, 0)
+        parent = req.hashes[-1] if req.hashes else None
+        return Reservation(ctx, req, hits, hit_tokens, num_new, list(loads), parent)
+
+    def fits(self, plans: list[Reservation]) -> bool:
+        """Whether the pool can take every plan's hits and fresh pages at once."""
+        hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
+        return self.pool.can_take(hit_pages, sum(p.num_fresh for p in plans))
+
+    def apply(self, plans: list[Reservation]) -> None:
+        """Takes the pages of `plans` (which `fits`), then moves each hit context's window.
+
+        If a context's own `skip_cached_prefix` raises, the plans whose contexts did not
+        move give their pages back (cached pages evicted to make room stay evicted).
+        Each tier hit takes a fresh device page and is pinned in its tier, so it stays
+        loadable from the moment it was matched (TensorRT-LLM #12878).
+        """
+        hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
+        new_pages = self.pool.take(hit_pages, sum(p.num_fresh for p in plans))
+        if new_pages is None:
+            raise InvariantError("a reservation that fits could not take its pages")
+        sizes, fresh = [], []
+        for plan in plans:
+            req, taken = plan.req, new_pages[: plan.num_fresh]
+            del new_pages[: plan.num_fresh]
+            fresh.append(taken)
+            sizes.append((len(req.pages), len(req.hashes), len(req.loads)))
+            req.pages.extend(page_id for page_id, _ in plan.hits)
+            req.pages.extend(taken)  # the loads' pages first, in chain order
+            req.hashes.extend(page_hash for _, page_hash in plan.hits)
+            req.hashes.extend(load.hit.page_hash for load in plan.loads)
+            loads = [replace(load, device_page=page_id) for load, page_id in zip(plan.loads, taken)]
+            req.loads.extend(loads)
+            self.tiers.pin(loads)
+            self._page_table.set_row(req.slot, req.pages)
+        applied = len(plans)
+        try:
+            for applied, plan in enumerate(plans):  # noqa: B007 (read after the loop)
+                if not plan.hits and not plan.loads:
+                    continue
+                skipped = plan.hit_tokens - plan.ctx.start_idx
+                plan.ctx.skip_cached_prefix(plan.hit_tokens)
+                self.cache_tokens += skipped
+                self.input_tokens += skipped
+                self.tiers.count_served(plan.loads, self.page_size)
+            applied = len(plans)
+        except BaseException:
+            self._give_back(plans[applied:], sizes[applied:])
+            raise
+        finally:
+            if self.tiers:  # what the plans that stand took (see `Tier.note_reserved`)
+                self.tiers.note_reserved([p for pages in fresh[:applied] for p in pages],
+                                         [plan.device_hit_run() for plan in plans[:applied]])
+
+    def _give_back(self, plans: list[Reservation], sizes: list[tuple[int, int, int]]) -> None:
+        for plan, (num_pages, num_hashes, num_loads) in zip(plans, sizes):
+            req = plan.req
+            self.pool.release(reversed(req.pages[num_pages:]))
+            del req.pages[num_pages:]
+            del req.hashes[num_hashes:]
+            self.tiers.unpin(req.loads[num_loads:])
+            del req.loads[num_loads:]
+
+    def load_pending(self, batch: list[TextGenerationContext]) -> None:
+        """Copies the tier hits of `batch`'s requests into their device pages (one batch
+        per tier and device), then indexes those pages on the device and unpins the
+        hits. All or nothing: the copies only write pages the requests own, so a failure
+        before the index changes leaves the loads pending, to run again."""
+        reqs = [self._requests[ctx.request_id] for ctx in batch]
+        pending = [load for req in reqs for load in req.loads]
+        if not pending:
+            return
+        loads = self.tiers.load(pending)
+        self.pool.commit_pages(
+            [ld.device_page for ld in loads], [ld.hit.page_hash for ld in loads],  # type: ignore[misc]
+            [ld.hit.token_bytes for ld in loads], [ld.parent_hash for ld in loads],
+            [ld.cache_salt for ld in loads],
+        )
+        for req in reqs:
+            req.loads.clear()
+        self.tiers.unpin(loads)
+
+    # --- commit ---------------------------------------------------------------------
+
+    def plan_commit(self, batch: list[TextGenerationContext]) -> CommitPlan:
+        """The pages of `batch` that became full since their last step, with their hashes
+        (pure; StaleContextError for a context whose cache does not fit its pages)."""
+        ps, plans = self.page_size, []
+        page_ids, hashes, datas, parents, salts = [], [], [], [], []
+        for ctx in batch:
+            req = self._request(ctx.request_id)
+            start = ctx.start_idx
+            first, num_full = len(req.hashes), start // ps
+            if start < first * ps or start > len(req.pages) * ps:
+                req.check_window(ctx, ps)
+            if num_full <= first or not self._prefix_caching:
+                continue
+            parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
+            salt = getattr(ctx, "cache_salt", None) if parent is None else None
+            chain = self.chains.pages(ctx, req, num_full)
+            new_hashes = []
+            for page_idx, (page_hash, data) in enumerate(chain, start=first):
+                page_ids.append(req.pages[page_idx])
+                hashes.append(page_hash)
+                datas.append(data)
+                parents.append(parent)
+                salts.append(salt)
+                new_hashes.append(page_hash)
+                parent, salt = page_hash, None
+            plans.append((req, new_hashes))
+        return CommitPlan(plans, page_ids, hashes, datas, parents, salts)
+
+    def commit(self, plan: CommitPlan) -> None:
+        """Indexes the planned pages in one all-or-nothing pool call, then hands the
+        newly indexed ones to every tier (`Tier.store`: after the device commit, so a
+        tier's failure can only leave that tier with fewer pages)."""
+        indexed: list[bool] = []
+        if plan.page_ids:
+            indexed = self.pool.commit_pages(
+                plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.salts
+            )
+        for req, new_hashes in plan.requests:
+            req.hashes.extend(new_hashes)
+        if not self.tiers:
+            return
+        new = [i for i, ok in enumerate(indexed) if ok]
+        self.tiers.store(CommittedPages(
+            [plan.page_ids[i] for i in new], [plan.hashes[i] for i in new],
+            [plan.datas[i] for i in new], [plan.parents[i] for i in new],
+            [plan.salts[i] for i in new]))
+
+    # --- graph inputs ---------------------------------------------------------------
+
+    def runtime_inputs(
+        self, batch: list[TextGenerationContext], num_steps: int
+    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+        """The batch's lookup table, cache lengths and max lengths on each device
+        (`inputs.PageTable.inputs`). Every request must already hold its pages."""
+        requests = self._requests
+        slots = [requests[ctx.request_id].slot for ctx in batch]
+        starts = [ctx.start_idx for ctx in batch]
+        actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
+        inputs = self._page_table.inputs(self.blocks, self.devices, slots, starts, actives,
+                                         num_steps, self.page_size)
+        self.input_tokens += sum(actives)
+        return inputs
+
+    def check_tables(self, batch: list[TextGenerationContext], num_steps: int) -> None:
+        """InvariantError unless the tables `runtime_inputs` hands out for `batch` are safe
+        (`inputs.check_write_windows`; `enable_runtime_checks`)."""
+        check_write_windows(self.pool, self.page_size, (
+            (ctx.request_id, self._requests[ctx.request_id].pages, ctx.start_idx,
+             ctx.active_idx + num_steps - 1) for ctx in batch))
+
+    # --- the tiers, with the device pool ---------------------------------------------
+
+    def reset_metrics(self) -> None:
+        self.input_tokens = self.cache_tokens = 0
+        self.tiers.reset_metrics()
+
+    def publish_to(self, events: EventRecorder) -> None:
+        """Reports the pool's and the tiers' changes to `events` (the replica's stream)."""
+        self.pool.events = events
+        self.tiers.publish_to(events)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix in the pool and the tiers (pending loads still
+        complete)."""
+        self.pool.reset_prefix_cache()
+        self.tiers.reset()
+
+    def close(self) -> None:
+        """Closes the tiers (they send what they queued, a bounded wait)."""
+        self.tiers.close()
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants(req.pages for req in self._requests.values())
+        for request_id, req in self._requests.items():
+            if len(req.hashes) > len(req.pages):
+                raise InvariantError(f"request {request_id!r} has more hashes than pages")
+        self.check_loads()
+
+    def check_loads(self) -> None:
+        """InvariantError unless every pending load writes a page its request owns
+        without a hash, and each tier holds exactly the pending loads' hits pinned, each
+        still holding its tokens (`Tier.check_invariants`)."""
+        for request_id, req in self._requests.items():
+            for load in req.loads:
+                page = load.device_page
+                if page not in req.pages or self.pool.page_hash(page) is not None:  # type: ignore[arg-type]
+                    raise InvariantError(
+                        f"request {request_id!r} loads into device page {page}, which it "
+                        "does not own or which is hashed"
+                    )
+        self.tiers.check_invariants([ld for req in self._requests.values() for ld in req.loads])

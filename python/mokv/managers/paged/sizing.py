@@ -1,0 +1,75 @@
+"""How many pages a paged manager's memory budget buys, and what that lets it hold.
+
+`available_cache_memory` is split evenly between the `data_parallel_degree` replicas;
+each replica holds `floor(memory_per_replica / bytes_per_page)` pages, where
+`bytes_per_page = page_size * 2 * num_layers * n_kv_heads * head_dim * dtype size`
+(`KVCacheParams.bytes_per_page`). A replica's pages live in one `max.driver.Buffer` per
+device, each device holding `n_kv_heads_per_device` of the heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from max.driver import Device
+
+from ...params import KVCacheParams
+from .inputs import ceil_div
+
+
+def pages_per_replica(params: KVCacheParams, num_layers: int, memory: int) -> int:
+    """`floor(memory / data_parallel_degree / bytes_per_page(num_layers))`."""
+    return memory // params.data_parallel_degree // params.bytes_per_page(num_layers)
+
+
+class PagedSizing:
+    """MAX's sizing classmethods of the paged manager (pure: they allocate nothing)."""
+
+    @classmethod
+    def estimated_memory_size(
+        cls,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[Device],
+        **kwargs: Any,
+    ) -> int:
+        """Bytes the manager allocates for these arguments.
+
+        `data_parallel_degree * floor(available_cache_memory / data_parallel_degree /
+        bytes_per_page) * bytes_per_page`: the budget, rounded down to whole pages.
+        """
+        pages = pages_per_replica(params, num_layers, available_cache_memory)
+        return params.data_parallel_degree * pages * params.bytes_per_page(num_layers)
+
+    @classmethod
+    def infer_optimal_batch_size(
+        cls,
+        params: KVCacheParams,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[Device],
+        **kwargs: Any,
+    ) -> int:
+        """Most requests of `max_seq_len` tokens that fit at once, at least 1.
+
+        `max(1, data_parallel_degree * floor(pages_per_replica / ceil(max_seq_len / page_size)))`.
+        """
+        pages = pages_per_replica(params, num_layers, available_cache_memory)
+        per_seq = ceil_div(max_seq_len, params.page_size)
+        return max(1, params.data_parallel_degree * (pages // per_seq))
+
+    @classmethod
+    def max_supported_sequence_length(
+        cls, params: KVCacheParams, num_layers: int, memory_available: int
+    ) -> int:
+        """Longest sequence every replica can hold: `pages_per_replica * page_size`.
+
+        Replicas get equal shares of `memory_available`, so the minimum over replicas is
+        the value of any one of them; it is a multiple of `page_size`.
+        """
+        return pages_per_replica(params, num_layers, memory_available) * params.page_size

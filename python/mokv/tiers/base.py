@@ -1,0 +1,185 @@
+"""The tier protocol: what a paged replica asks of each cache tier below its device pages.
+
+A replica finds a request's prefix in its device pages first, then asks each tier of
+`params.tiers`, in that order, to continue the same hash chain (host.py: host memory;
+remote.py: a Redis server that several servers share). A tier hit needs a fresh device
+page, as a miss does, and becomes a pending load that `fetch` copies in before the
+graph runs. The calls a tier gets, by manager call:
+
+    maybe_reserve / fetch   lookup(chain) -> hits      pure, but for the tier's counters
+                            pin(hits)                  the hits stay loadable until unpin
+                            note_reserved(...)         what the device pool handed out
+    fetch                   load(hits, device_pages)   then unpin(hits)
+    release                 unpin(hits)                a reservation dropped unloaded
+    step                    store(pages)               pages newly committed on the device
+    reset_prefix_cache      reset()
+    close                   close()
+    metrics                 metrics(), reset_metrics()
+    enable_runtime_checks   check_invariants(pinned)
+
+Adding a tier (a local disk, a peer server) is one file: a `TierConfig` subclass (a
+frozen dataclass whose `__post_init__` checks its fields) and a class that meets `Tier`.
+Users list the config in `KVCacheParams.tiers`; nothing else names the tier.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from max.driver import Buffer
+
+    from ..cache.page_pool import PagePool
+    from ..events.publisher import EventRecorder
+    from ..metrics import TierMetrics
+    from ..params import KVCacheParams
+
+
+class TierConfig(ABC):
+    """The configuration of one cache tier: an entry of `KVCacheParams.tiers`."""
+
+    name: ClassVar[str]
+    """The tier's name in `KVCacheMetrics.tiers` (one tier of each name per params)."""
+
+    @abstractmethod
+    def check(self, params: KVCacheParams) -> None:
+        """ValueError naming the setting when `params` cannot carry this tier (called
+        by `KVCacheParams.__post_init__`)."""
+
+    @abstractmethod
+    def build(
+        self, params: KVCacheParams, num_layers: int, pool: PagePool, blocks: list[Buffer]
+    ) -> Tier:
+        """The tier of one replica, over its device page pool and its K/V buffers (one
+        per device shard). Raises before it starts anything that `close` must stop."""
+
+
+class TierHit(NamedTuple):
+    """One page of a hash chain that a tier holds."""
+
+    page_hash: int
+    token_bytes: bytes
+    handle: Any
+    """The tier's own reference to the page: a host page, a page's bytes per shard."""
+
+
+class DeviceHit(NamedTuple):
+    """A page a request found in the device index, with the chain around it."""
+
+    page_id: int
+    page_hash: int
+    parent_hash: int | None
+    """The hash of the page before it; None for a sequence's first page."""
+    cache_salt: str | None
+    """The request's salt on a first page (as events carry it), else None."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedPages:
+    """Device pages that one `step` newly indexed, parents before their children."""
+
+    page_ids: list[int]
+    hashes: list[int]
+    token_bytes: list[bytes]
+    parents: list[int | None]
+    salts: list[str | None]
+
+
+class Tier(Protocol):
+    """One replica's tier. Every call is all or nothing for the tier's own state, and
+    no call raises for a page the tier lacks or a backend that fails: that is a miss."""
+
+    name: str
+    """The config's name (`TierConfig.name`)."""
+    shared: bool
+    """True when other replicas and servers see the same pages (the Redis tier): a
+    replica's own prefix is then no reason to route a request to it."""
+
+    def lookup(self, chain: Iterator[tuple[int, bytes]]) -> list[TierHit]:
+        """The leading pages of `chain` ((page hash, token bytes) in chain order) that
+        the tier holds, token bytes compared; stops at the first page it lacks. May read
+        the whole chain. Changes nothing but the tier's counters."""
+        ...
+
+    def pin(self, hits: Sequence[TierHit]) -> None:
+        """A reservation holding `hits` was applied: until `unpin`, `load` of them must
+        find their bytes (nothing evicts or overwrites them). Cannot fail half-way."""
+        ...
+
+    def unpin(self, hits: Sequence[TierHit]) -> None:
+        """The reservation of `hits` was loaded or dropped. Cannot fail half-way."""
+        ...
+
+    def load(self, hits: Sequence[TierHit], device_pages: Sequence[int]) -> None:
+        """Copies each pinned hit into its device page (owned by the request, not yet
+        indexed); writes nothing else, so a failure leaves the loads to run again."""
+        ...
+
+    def note_reserved(self, fresh_pages: Sequence[int],
+                      device_hits: Sequence[Sequence[DeviceHit]]) -> None:
+        """After a reservation: the pool handed out `fresh_pages`, and each request took
+        its run of `device_hits` (chain order). Refreshes or counts; changes no page."""
+        ...
+
+    def store(self, pages: CommittedPages) -> None:
+        """Keeps (or queues) copies of pages `step` newly committed on the device. Best
+        effort: a page that finds no room is not stored. A failure may leave the tier
+        with fewer pages, never a hash over other bytes."""
+        ...
+
+    def reset(self) -> None:
+        """`reset_prefix_cache`: forgets what this replica stored, where it can (pinned
+        hits still load)."""
+        ...
+
+    def close(self) -> None:
+        """Sends what is queued (a bounded wait) and releases connections and threads."""
+        ...
+
+    def publish_to(self, events: EventRecorder) -> None:
+        """Reports the tier's stores and evictions to the replica's event recorder."""
+        ...
+
+    def metrics(self) -> TierMetrics:
+        """The tier's pages and bytes (`cache_tokens` is the replica's count)."""
+        ...
+
+    def reset_metrics(self) -> None:
+        """Zeroes the counters `metrics` reports."""
+        ...
+
+    def check_invariants(self, pinned: Sequence[TierHit]) -> None:
+        """InvariantError unless the tier is consistent and `pinned` (the replica's
+        pending loads from this tier) is exactly what it holds pinned, each hit still
+        holding its own tokens."""
+        ...
+
+
+class ChainTail:
+    """A request's hash chain past its device hits, hashed once as the tiers read it.
+
+    The first tier reads `pages(0)` and stops at its first miss; the next tier reads
+    `pages(number of hits so far)`, from the page the one before it lacked, without
+    hashing the pages again.
+    """
+
+    __slots__ = ("_pages", "_rest")
+
+    def __init__(self, first: tuple[int, bytes], rest: Iterator[tuple[int, bytes]]) -> None:
+        self._pages = [first]
+        self._rest = rest
+
+    def pages(self, start: int) -> Iterator[tuple[int, bytes]]:
+        """(page hash, token bytes) from page `start` of the tail on."""
+        pages, i = self._pages, start
+        while True:
+            while i >= len(pages):
+                page = next(self._rest, None)
+                if page is None:
+                    return
+                pages.append(page)
+            yield pages[i]
+            i += 1

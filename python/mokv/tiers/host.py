@@ -1,0 +1,224 @@
+"""The host-memory tier: copies of committed device pages, loaded back instead of
+recomputed once the device has evicted them (README "Host tier").
+
+    KVCacheParams(..., enable_prefix_caching=True,
+                  tiers=(HostTierConfig(swap_space_gb=64),))   # all replicas together
+
+Each replica gets `floor(swap_space_gb * 2**30 / data_parallel_degree / bytes_per_page)`
+host pages, one host buffer per device shard in the device page layout (`HostPages`),
+indexed by `HostPagePool` (host_pool.py: the index and the LRU over leaves).
+
+- Write-through at commit: `store` copies the pages `step` newly indexed on the device,
+  one batched copy per step and device shard. With `min_hits` a page is written only at
+  the `store` after its `min_hits`-th device hit (counted by `note_reserved`), and only
+  if it still carries the hash it was hit under.
+- Pins: `pin` counts, per host page, the pending loads that will read it. `store` never
+  picks a pinned page as a target or a victim, and nothing else evicts host pages, so a
+  hit stays loadable from its match on (TensorRT-LLM #12878 was onboarding that evicted
+  other reusable host blocks mid-allocation).
+- Device hits refresh their host copies in the LRU (`note_reserved`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from max.driver import Buffer
+
+from ..cache.page_copy import HostPages
+from ..cache.page_pool import PagePool
+from ..errors import InsufficientMemoryError, InvariantError
+from ..events.format import MEDIUM_CPU
+from ..events.publisher import EventRecorder
+from ..metrics import TierMetrics
+from ..params import KVCacheParams
+from .base import CommittedPages, DeviceHit, TierConfig, TierHit
+from .host_pool import HostPagePool
+
+
+@dataclass(frozen=True)
+class HostTierConfig(TierConfig):
+    """Keep copies of committed pages in host memory (paged strategy; needs
+    `enable_prefix_caching`).
+
+    Attributes:
+        swap_space_gb: GiB of host memory for the tier, all replicas together (> 0).
+        min_hits: write a page through only once it was hit this many times on the
+            device (0, the default: every committed page at once).
+    """
+
+    name: ClassVar[str] = "host"
+    swap_space_gb: float
+    min_hits: int = 0
+
+    def __post_init__(self) -> None:
+        gb = self.swap_space_gb
+        if gb.__class__ not in (int, float) or not gb > 0:
+            raise ValueError(
+                f"HostTierConfig.swap_space_gb must be a number of GiB > 0, got {gb!r}")
+        if self.min_hits.__class__ is not int or self.min_hits < 0:
+            raise ValueError(f"HostTierConfig.min_hits must be an int >= 0, got {self.min_hits!r}")
+
+    def check(self, params: KVCacheParams) -> None:
+        if not params.enable_prefix_caching:
+            raise ValueError(
+                "HostTierConfig needs enable_prefix_caching: the host tier holds committed "
+                "prefix pages"
+            )
+
+    def num_pages(self, params: KVCacheParams, num_layers: int) -> int:
+        """Host pages of one replica; InsufficientMemoryError if that is none."""
+        page_bytes = params.bytes_per_page(num_layers)
+        num = int(self.swap_space_gb * 2**30) // params.data_parallel_degree // page_bytes
+        if num < 1:
+            raise InsufficientMemoryError(
+                f"HostTierConfig.swap_space_gb={self.swap_space_gb} holds no page of "
+                f"{page_bytes} bytes per replica"
+            )
+        return num
+
+    def build(self, params: KVCacheParams, num_layers: int, pool: PagePool,
+              blocks: list[Buffer]) -> HostTier:
+        return HostTier(self, self.num_pages(params, num_layers), pool, blocks)
+
+
+class HostTier:
+    """One replica's host tier: `pool` (the index) over `pages` (the bytes)."""
+
+    name = HostTierConfig.name
+    shared = False
+
+    def __init__(self, config: HostTierConfig, num_pages: int, device_pool: PagePool,
+                 blocks: list[Buffer]) -> None:
+        self.pool = HostPagePool(num_pages)
+        self.pages = HostPages(blocks[0].dtype, num_pages, list(blocks[0].shape[1:]),
+                               [b.device for b in blocks])
+        self._device_pool = device_pool
+        self._blocks = blocks
+        self._pinned: Counter[int] = Counter()  # host page -> pending loads (no zeros)
+        # min_hits > 0: device hits per device page since it was handed out, and the
+        # hits that reached the threshold, written through at the next `store`.
+        self._min_hits = config.min_hits
+        self._page_hits = [0] * device_pool.num_pages if self._min_hits else []
+        self._promoted: list[DeviceHit] = []
+
+    @property
+    def pinned(self) -> dict[int, int]:
+        """Host page -> the pending loads that will read it."""
+        return dict(self._pinned)
+
+    # --- reads ----------------------------------------------------------------------
+
+    def lookup(self, chain: Iterator[tuple[int, bytes]]) -> list[TierHit]:
+        hits = []
+        for page_hash, data in chain:
+            host_page = self.pool.lookup(page_hash, data)
+            if host_page is None:
+                break
+            hits.append(TierHit(page_hash, data, host_page))
+        return hits
+
+    def pin(self, hits: Sequence[TierHit]) -> None:
+        self._pinned.update(hit.handle for hit in hits)
+
+    def unpin(self, hits: Sequence[TierHit]) -> None:
+        self._pinned.subtract(hit.handle for hit in hits)
+        self._pinned += Counter()  # drops the zeros
+
+    def load(self, hits: Sequence[TierHit], device_pages: Sequence[int]) -> None:
+        self.pages.load([hit.handle for hit in hits], self._blocks, device_pages)
+
+    def note_reserved(self, fresh_pages: Sequence[int],
+                      device_hits: Sequence[Sequence[DeviceHit]]) -> None:
+        if self._min_hits:
+            counts = self._page_hits
+            for page_id in fresh_pages:
+                counts[page_id] = 0
+            for run in device_hits:
+                for hit in run:
+                    counts[hit.page_id] += 1
+                    if counts[hit.page_id] == self._min_hits:
+                        self._promoted.append(hit)
+        # A request's prefix is refreshed last: it outlives the suffixes after it.
+        self.pool.touch_hashes(hit.page_hash for run in device_hits for hit in reversed(run))
+
+    # --- writes ---------------------------------------------------------------------
+
+    def store(self, pages: CommittedPages) -> None:
+        if self._min_hits:
+            self._store_promoted()
+        elif pages.page_ids:
+            self._write_through(pages.page_ids, pages.hashes, pages.token_bytes,
+                                pages.parents, pages.salts)
+
+    def _store_promoted(self) -> None:
+        """Writes through the pages that reached `min_hits` device hits and still carry
+        the hash they were hit under (a released page may have been evicted and reused
+        since)."""
+        promoted, self._promoted = self._promoted, []
+        pool, rows = self._device_pool, []
+        for hit in promoted:
+            if pool.page_hash(hit.page_id) == hit.page_hash:
+                rows.append((hit.page_id, hit.page_hash, pool.page_tokens(hit.page_id),
+                             hit.parent_hash, hit.cache_salt))
+        if rows:
+            self._write_through(*(list(column) for column in zip(*rows)))  # type: ignore[arg-type]
+
+    def _write_through(self, page_ids: list[int], hashes: list[int], datas: list[bytes],
+                       parents: list[int | None], salts: list[str | None]) -> None:
+        """Copies device pages (parents first) to host pages: one batched copy. Pages that
+        find no room (every host page pinned) are not stored.
+
+        A failure can only leave the tier with fewer pages (victims evicted, targets
+        still free), never a hash over other bytes: the targets are indexed only after
+        their bytes were copied.
+        """
+        plan = self.pool.plan_store(hashes, self._pinned)
+        self.pool.touch(plan.present)
+        if not plan.entries:
+            return
+        self.pool.evict(plan.victims)
+        e = plan.entries
+        self.pages.offload(self._blocks, [page_ids[i] for i in e], plan.targets)
+        self.pool.insert(plan.targets, [hashes[i] for i in e], [datas[i] for i in e],
+                         [parents[i] for i in e], [salts[i] for i in e])
+
+    # --- the rest of the protocol ---------------------------------------------------
+
+    def reset(self) -> None:
+        """Every host page becomes free; pinned ones keep their bytes until loaded."""
+        self.pool.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Nothing to close: the host buffers go with the tier."""
+
+    def publish_to(self, events: EventRecorder) -> None:
+        self.pool.events = events.medium_sink(MEDIUM_CPU)
+
+    def metrics(self) -> TierMetrics:
+        return TierMetrics(used_pages=self.pool.num_cached, total_pages=self.pool.num_pages,
+                           bytes_stored=self.pages.bytes_to_host,
+                           bytes_loaded=self.pages.bytes_from_host)
+
+    def reset_metrics(self) -> None:
+        self.pages.bytes_to_host = self.pages.bytes_from_host = 0
+
+    def check_invariants(self, pinned: Sequence[TierHit]) -> None:
+        """Also: a host page is never served for tokens other than its own (the
+        TensorRT-LLM #8813 class of bug)."""
+        self.pool.check_invariants()
+        pins: Counter[int] = Counter()
+        for hit in pinned:
+            pins[hit.handle] += 1
+            h = self.pool.page_hash(hit.handle)
+            if h is not None and (h != hit.page_hash
+                                  or self.pool.page_tokens(hit.handle) != hit.token_bytes):
+                raise InvariantError(
+                    f"a pending load would read host page {hit.handle}, which now holds "
+                    f"other tokens (hash {h}, expected {hit.page_hash})"
+                )
+        if pins != self._pinned:
+            raise InvariantError(f"host pins {dict(self._pinned)} but pending loads {dict(pins)}")

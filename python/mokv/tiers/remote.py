@@ -1,0 +1,193 @@
+"""The shared tier: pages on a Redis (or Valkey) server that several managers share, over
+`mokv.remote` (README "Shared tier").
+
+    KVCacheParams(..., enable_prefix_caching=True,
+                  tiers=(RemoteTierConfig(url="redis://10.0.0.5:6379/0",
+                                          namespace="llama-3.2-1b"),))
+
+Each replica opens one `RemotePageStore` per device shard (its layout names the shard);
+nothing is sent before the first request.
+
+- `store` queues every page the device newly indexed to each shard's store (a copy; the
+  writer threads send it, the scheduler never waits for the server). Pages loaded from
+  the store are not written back to it.
+- `lookup` asks each shard's store for the chain (one `lookup` per shard, each for no
+  more pages than the shards before it returned): a page counts only if every shard
+  holds it. The validated bytes ride in the hits, so there is nothing to pin, and
+  `load` copies them into the device pages (one pass per shard).
+- A failing server is a miss, never an error or a wrong page (see `RemotePageStore`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+from max.driver import Buffer
+
+from ..cache.hashing import STABLE_ALGORITHMS
+from ..cache.page_copy import read_pages, write_pages
+from ..cache.page_pool import PagePool
+from ..errors import InvariantError
+from ..events.publisher import EventRecorder
+from ..metrics import TierMetrics
+from ..params import KVCacheParams
+from ..remote import RemoteLayout, RemoteMetrics, RemotePageStore
+from ..remote.layout import REMOTE_NAMESPACE
+from .base import CommittedPages, DeviceHit, TierConfig, TierHit
+
+REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
+"""URL schemes of `RemoteTierConfig.url` (those of redis-py's `from_url`)."""
+
+REMOTE_QUEUE_BYTES = 256 * 2**20
+"""Most value bytes one shard's store holds queued for its writer before it drops pages:
+a page count alone would let large pages (4 MiB at Llama-3.2-1B's bf16 page of 128)
+queue a GiB per shard behind a slow server."""
+
+
+@dataclass(frozen=True)
+class RemoteTierConfig(TierConfig):
+    """Share committed pages through a Redis server (paged strategy; needs
+    `enable_prefix_caching` and a stable `prefix_hash`).
+
+    Attributes:
+        url: `redis://host:port/db`, `rediss://` (TLS) or `unix://`.
+        namespace: the model's name in the store, 1-200 characters of
+            `[A-Za-z0-9._/@+-]`: only managers with the same namespace, page layout and
+            `prefix_hash_seed` share pages.
+        timeout_s: bound on each connect and each reply (a slower server is a miss).
+    """
+
+    name: ClassVar[str] = "remote"
+    url: str
+    namespace: str
+    timeout_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or self.url.partition("://")[0] not in REMOTE_URL_SCHEMES:
+            raise ValueError(
+                f"RemoteTierConfig.url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL, "
+                f"got {self.url!r}"
+            )
+        if not isinstance(self.namespace, str) or not REMOTE_NAMESPACE.fullmatch(self.namespace):
+            raise ValueError(
+                "RemoteTierConfig.namespace must be 1-200 characters of [A-Za-z0-9._/@+-] "
+                f"(the model's name in the shared store), got {self.namespace!r}"
+            )
+        timeout = self.timeout_s
+        if timeout.__class__ not in (int, float) or not timeout > 0:
+            raise ValueError(f"RemoteTierConfig.timeout_s must be > 0, got {timeout!r}")
+
+    def check(self, params: KVCacheParams) -> None:
+        if not params.enable_prefix_caching:
+            raise ValueError(
+                "RemoteTierConfig needs enable_prefix_caching: the shared tier holds "
+                "committed prefix pages"
+            )
+        if params.prefix_hash not in STABLE_ALGORITHMS:
+            raise ValueError(
+                f"RemoteTierConfig needs a stable prefix_hash {STABLE_ALGORITHMS}: "
+                f"{params.prefix_hash!r} differs between processes, so nothing could be shared"
+            )
+
+    def build(self, params: KVCacheParams, num_layers: int, pool: PagePool,
+              blocks: list[Buffer]) -> RemoteTier:
+        layouts = [RemoteLayout.from_params(params, num_layers, shard)
+                   for shard in range(len(blocks))]
+        return RemoteTier(self, layouts, blocks)
+
+
+class RemoteTier:
+    """One replica's view of the shared store: `stores[d]` holds device shard `d`."""
+
+    name = RemoteTierConfig.name
+    shared = True
+
+    def __init__(self, config: RemoteTierConfig, layouts: list[RemoteLayout],
+                 blocks: list[Buffer]) -> None:
+        self.stores: list[RemotePageStore] = []
+        try:
+            for layout in layouts:
+                self.stores.append(RemotePageStore(
+                    config.url, config.namespace, layout, timeout_s=config.timeout_s,
+                    max_queued_pages=max(8, REMOTE_QUEUE_BYTES // layout.value_nbytes)))
+        except BaseException:
+            self.close()  # each store runs a writer thread
+            raise
+        self._blocks = blocks
+        self._views: dict[int, np.ndarray] = {}  # numpy views of the blocks, by buffer id
+        self._bytes_loaded = 0
+
+    def store_metrics(self) -> RemoteMetrics:
+        """The stores' own counters, summed over the shards (each counts its pages)."""
+        return sum((store.metrics for store in self.stores), RemoteMetrics())
+
+    # --- reads ----------------------------------------------------------------------
+
+    def lookup(self, chain: Iterator[tuple[int, bytes]]) -> list[TierHit]:
+        pages = list(chain)
+        shards: list[list[memoryview]] = []
+        found = len(pages)
+        for store in self.stores:
+            shards.append(store.lookup(pages, found) if found else [])
+            found = len(shards[-1])
+        return [TierHit(page_hash, data, tuple(shard[i] for shard in shards))
+                for i, (page_hash, data) in enumerate(pages[:found])]
+
+    def pin(self, hits: Sequence[TierHit]) -> None:
+        """Nothing to pin: the hits carry their bytes."""
+
+    def unpin(self, hits: Sequence[TierHit]) -> None:
+        """Nothing was pinned."""
+
+    def load(self, hits: Sequence[TierHit], device_pages: Sequence[int]) -> None:
+        for shard, block in enumerate(self._blocks):
+            write_pages([hit.handle[shard] for hit in hits], block, device_pages, self._views)
+        self._bytes_loaded += sum(page.nbytes for hit in hits for page in hit.handle)
+
+    def note_reserved(self, fresh_pages: Sequence[int],
+                      device_hits: Sequence[Sequence[DeviceHit]]) -> None:
+        """Nothing to refresh: the server keeps its own LRU."""
+
+    # --- writes ---------------------------------------------------------------------
+
+    def store(self, pages: CommittedPages) -> None:
+        """Queues the pages to each shard's store. `put` copies the bytes and never
+        blocks or raises for the server: a full queue drops the page (counted)."""
+        if not pages.page_ids:
+            return
+        for store, block in zip(self.stores, self._blocks):
+            for page_hash, data, page in zip(pages.hashes, pages.token_bytes,
+                                              read_pages(block, pages.page_ids, self._views)):
+                store.put(page_hash, data, page)
+
+    # --- the rest of the protocol ---------------------------------------------------
+
+    def reset(self) -> None:
+        """Nothing: the store is shared, not this replica's to clear."""
+
+    def close(self) -> None:
+        """Sends the queued pages (a bounded wait per store) and disconnects."""
+        for store in self.stores:
+            store.close()
+
+    def publish_to(self, events: EventRecorder) -> None:
+        """Nothing to publish: loaded pages are announced as the device indexes them."""
+
+    def metrics(self) -> TierMetrics:
+        """The bytes loaded; what the writer threads sent is `store_metrics()`."""
+        return TierMetrics(bytes_loaded=self._bytes_loaded)
+
+    def reset_metrics(self) -> None:
+        """Zeroes the bytes loaded; the stores' own counters only grow."""
+        self._bytes_loaded = 0
+
+    def check_invariants(self, pinned: Sequence[TierHit]) -> None:
+        for hit in pinned:
+            if len(hit.handle) != len(self.stores):
+                raise InvariantError(
+                    f"a pending remote load of page {hit.page_hash} carries "
+                    f"{len(hit.handle)} shards for {len(self.stores)} stores"
+                )

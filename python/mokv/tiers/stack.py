@@ -1,0 +1,142 @@
+"""TierStack: one replica's tiers, in lookup order, driven as one.
+
+The replica plans a request's hits tier by tier (`Tier.lookup` on the chain's tail, each
+tier from where the one before it stopped); everything after that goes through the
+stack, which hands each tier its own hits: a `PendingLoad` names its tier by index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from max.driver import Buffer
+
+from ..cache.page_pool import PagePool
+from ..events.publisher import EventRecorder
+from ..metrics import TierMetrics
+from ..params import KVCacheParams
+from .base import ChainTail, CommittedPages, DeviceHit, Tier, TierConfig, TierHit
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    """A tier hit of a request, to be copied into a fresh device page before the graph
+    reads it, then committed on the device under its hash."""
+
+    tier: int
+    """Index of its tier in the stack."""
+    hit: TierHit
+    parent_hash: int | None
+    """The hash of the page before it (None for a sequence's first page)."""
+    cache_salt: str | None
+    """The request's salt on a first page, else None (as events carry it)."""
+    device_page: int | None = None
+    """The device page it loads into; taken when the reservation is applied."""
+
+
+class TierStack:
+    """The tiers of one replica, built from `params.tiers` over its pool and buffers."""
+
+    def __init__(self, configs: Sequence[TierConfig], params: KVCacheParams, num_layers: int,
+                 pool: PagePool, blocks: list[Buffer]) -> None:
+        self.tiers: list[Tier] = []
+        try:
+            for config in configs:
+                self.tiers.append(config.build(params, num_layers, pool, blocks))
+        except BaseException:
+            self.close()  # a tier built before may run threads
+            raise
+        self._cache_tokens = [0] * len(self.tiers)  # prompt tokens each tier supplied
+
+    def __iter__(self) -> Iterator[Tier]:
+        return iter(self.tiers)
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    def named(self, name: str) -> Tier | None:
+        """The tier called `name` ("host", "remote"), if the replica has it."""
+        return next((tier for tier in self.tiers if tier.name == name), None)
+
+    def local_hits(self, tail: ChainTail) -> int:
+        """Leading pages of `tail` that this replica's own tiers hold (a shared tier
+        serves every replica alike and is not asked): a routing hint, counted nowhere."""
+        found = 0
+        for tier in self.tiers:
+            if tier.shared:
+                break
+            found += len(tier.lookup(tail.pages(found)))
+        return found
+
+    def by_tier(self, loads: Sequence[PendingLoad]) -> list[tuple[Tier, list[PendingLoad]]]:
+        """`loads` grouped by tier, in tier order (each group in the order given)."""
+        groups: list[list[PendingLoad]] = [[] for _ in self.tiers]
+        for load in loads:
+            groups[load.tier].append(load)
+        return [(tier, group) for tier, group in zip(self.tiers, groups) if group]
+
+    # --- a reservation's hits -------------------------------------------------------
+
+    def pin(self, loads: Sequence[PendingLoad]) -> None:
+        for tier, group in self.by_tier(loads):
+            tier.pin([load.hit for load in group])
+
+    def unpin(self, loads: Sequence[PendingLoad]) -> None:
+        for tier, group in self.by_tier(loads):
+            tier.unpin([load.hit for load in group])
+
+    def count_served(self, loads: Sequence[PendingLoad], page_size: int) -> None:
+        """The loads' tokens count as supplied by their tiers (`metrics`)."""
+        for load in loads:
+            self._cache_tokens[load.tier] += page_size
+
+    def note_reserved(self, fresh_pages: Sequence[int],
+                      device_hits: Sequence[Sequence[DeviceHit]]) -> None:
+        for tier in self.tiers:
+            tier.note_reserved(fresh_pages, device_hits)
+
+    def load(self, loads: Sequence[PendingLoad]) -> list[PendingLoad]:
+        """Copies `loads` into their device pages, one batch per tier; returns them in
+        the order they were copied (tier by tier). They stay pinned."""
+        groups = self.by_tier(loads)
+        for tier, group in groups:
+            pages = [load.device_page for load in group]
+            tier.load([load.hit for load in group], pages)  # type: ignore[arg-type]
+        return [load for _, group in groups for load in group]
+
+    # --- the rest, tier by tier -----------------------------------------------------
+
+    def store(self, pages: CommittedPages) -> None:
+        for tier in self.tiers:
+            tier.store(pages)
+
+    def reset(self) -> None:
+        for tier in self.tiers:
+            tier.reset()
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+    def publish_to(self, events: EventRecorder) -> None:
+        for tier in self.tiers:
+            tier.publish_to(events)
+
+    def metrics(self) -> list[tuple[str, TierMetrics]]:
+        """(name, counters) of each tier, with the prompt tokens it supplied."""
+        return [(tier.name, replace(tier.metrics(), cache_tokens=tokens))
+                for tier, tokens in zip(self.tiers, self._cache_tokens)]
+
+    def reset_metrics(self) -> None:
+        self._cache_tokens = [0] * len(self.tiers)
+        for tier in self.tiers:
+            tier.reset_metrics()
+
+    def check_invariants(self, pending: Sequence[PendingLoad]) -> None:
+        """Each tier's own check, given the replica's pending loads from that tier."""
+        groups: list[list[TierHit]] = [[] for _ in self.tiers]
+        for load in pending:
+            groups[load.tier].append(load.hit)
+        for tier, hits in zip(self.tiers, groups):
+            tier.check_invariants(hits)
