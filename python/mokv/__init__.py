@@ -26,6 +26,7 @@ from .errors import (
     StaleContextError,
     UnknownRequestError,
 )
+from .events.config import KVEventsConfig
 from .layouts import (
     CONTINUOUS,
     PAGED,
@@ -38,7 +39,6 @@ from .layouts import (
     layout_for,
     layout_of_inputs,
 )
-from .events.config import KVEventsConfig
 from .managers.base import KVCacheManager
 from .managers.continuous import ContinuousKVCacheManager
 from .managers.loader import load_kv_manager

@@ -20,7 +20,9 @@ def as_tensor(name: str, value: Any) -> TensorValue | BufferValue:
     try:
         return TensorValue(value)
     except Exception as exc:  # noqa: BLE001 - re-raised with the argument's name
-        raise TypeError(f"{name} must be a graph tensor, got {type(value).__name__}: {exc}") from None
+        raise TypeError(
+            f"{name} must be a graph tensor, got {type(value).__name__}: {exc}"
+        ) from None
 
 
 def check_dtype(name: str, value: Any, *dtypes: DType) -> None:

@@ -111,7 +111,13 @@ class TextContext:
     """
 
     __slots__ = (
-        "_request_id", "_buf", "_start", "_active", "_end", "_prompt_len", "max_length",
+        "_request_id",
+        "_buf",
+        "_start",
+        "_active",
+        "_end",
+        "_prompt_len",
+        "max_length",
         "cache_salt",
     )
 
@@ -221,8 +227,10 @@ class TextContext:
             self._start = self._active
             self._active = self._end
             return
-        if not isinstance(new_token, (int, np.integer)) or isinstance(new_token, bool) or not (
-            0 <= new_token < 2**63
+        if (
+            not isinstance(new_token, (int, np.integer))
+            or isinstance(new_token, bool)
+            or not (0 <= new_token < 2**63)
         ):
             raise ValueError(f"new_token must be a token id in [0, 2**63), got {new_token!r}")
         if self.max_length is not None and self._end >= self.max_length:

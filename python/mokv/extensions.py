@@ -76,9 +76,20 @@ def build(name: str, imports_kernels: bool = False) -> Path:
     include = ["-I", str(package.parent)] if package is not None else []
     try:
         proc = subprocess.run(
-            [_mojo_binary(), "build", str(source), "--emit", "shared-lib", *include,
-             "-o", str(tmp)],
-            capture_output=True, text=True, env=_clean_env(), cwd=tmp_dir,
+            [
+                _mojo_binary(),
+                "build",
+                str(source),
+                "--emit",
+                "shared-lib",
+                *include,
+                "-o",
+                str(tmp),
+            ],
+            capture_output=True,
+            text=True,
+            env=_clean_env(),
+            cwd=tmp_dir,
         )
         if proc.returncode != 0 or not tmp.is_file():
             raise RuntimeError(

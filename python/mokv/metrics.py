@@ -69,15 +69,20 @@ class KVCacheMetrics:
 
     # MAX's flat names of the host and shared tiers' counters (0 without the tier).
     host_cache_tokens = _tier_counter(
-        "host", "cache_tokens", "Of `cache_tokens`, tokens loaded from the host tier.")
+        "host", "cache_tokens", "Of `cache_tokens`, tokens loaded from the host tier."
+    )
     host_used_pages = _tier_counter(
-        "host", "used_pages", "Host-tier pages holding a committed prefix (all replicas).")
+        "host", "used_pages", "Host-tier pages holding a committed prefix (all replicas)."
+    )
     host_total_pages = _tier_counter("host", "total_pages", "Host-tier pages.")
     bytes_to_host = _tier_counter("host", "bytes_stored", "Bytes written through to the host tier.")
-    bytes_from_host = _tier_counter(
-        "host", "bytes_loaded", "Bytes loaded back from the host tier.")
+    bytes_from_host = _tier_counter("host", "bytes_loaded", "Bytes loaded back from the host tier.")
     remote_cache_tokens = _tier_counter(
-        "remote", "cache_tokens", "Of `cache_tokens`, tokens loaded from the shared (Redis) "
-        "tier; the stores' own counters are `PagedKVCacheManager.remote_metrics`.")
+        "remote",
+        "cache_tokens",
+        "Of `cache_tokens`, tokens loaded from the shared (Redis) "
+        "tier; the stores' own counters are `PagedKVCacheManager.remote_metrics`.",
+    )
     bytes_from_remote = _tier_counter(
-        "remote", "bytes_loaded", "Page bytes loaded from the shared tier into device pages.")
+        "remote", "bytes_loaded", "Page bytes loaded from the shared tier into device pages."
+    )

@@ -32,16 +32,20 @@ from .tiers.base import TierConfig
 from .tiers.host import HostTierConfig
 from .tiers.remote import RemoteTierConfig
 
-HOST_SPELLINGS = {"host_kvcache_swap_space_gb": "swap_space_gb",
-                  "host_kvcache_min_hits": "min_hits"}
+HOST_SPELLINGS = {
+    "host_kvcache_swap_space_gb": "swap_space_gb",
+    "host_kvcache_min_hits": "min_hits",
+}
 """Flat keyword -> `HostTierConfig` field (on with `enable_kvcache_swapping_to_host`)."""
 
-REMOTE_SPELLINGS = {"remote_kvcache_url": "url", "remote_kvcache_namespace": "namespace",
-                    "remote_kvcache_timeout_s": "timeout_s"}
+REMOTE_SPELLINGS = {
+    "remote_kvcache_url": "url",
+    "remote_kvcache_namespace": "namespace",
+    "remote_kvcache_timeout_s": "timeout_s",
+}
 """Flat keyword -> `RemoteTierConfig` field (on with a `remote_kvcache_url`)."""
 
-FLAT_SPELLINGS = frozenset({"enable_kvcache_swapping_to_host", *HOST_SPELLINGS,
-                            *REMOTE_SPELLINGS})
+FLAT_SPELLINGS = frozenset({"enable_kvcache_swapping_to_host", *HOST_SPELLINGS, *REMOTE_SPELLINGS})
 
 
 def nest_flat_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -69,8 +73,7 @@ def nest_flat_spellings(kwargs: dict[str, Any]) -> dict[str, Any]:
     return rest
 
 
-def _config(cls: type, spellings: dict[str, str], flat: dict[str, Any],
-            **required: Any) -> Any:
+def _config(cls: type, spellings: dict[str, str], flat: dict[str, Any], **required: Any) -> Any:
     """`cls` from the flat keywords in `spellings` (`required` fields default to None,
     for the config's own check to name); its error also names the flat spellings."""
     fields = dict(required)
@@ -80,12 +83,14 @@ def _config(cls: type, spellings: dict[str, str], flat: dict[str, Any],
     except (TypeError, ValueError) as e:
         given = ", ".join(f"{name}={value!r}" for name, value in flat.items())
         mapping = ", ".join(f"{name} -> {field}" for name, field in spellings.items())
-        raise type(e)(f"{e} (flat spellings given: {given}; they map to {cls.__name__} "
-                      f"as {mapping})") from None
+        raise type(e)(
+            f"{e} (flat spellings given: {given}; they map to {cls.__name__} as {mapping})"
+        ) from None
 
 
-def with_manager_events(params: KVCacheParams, zmq_endpoint_base: str | None,
-                        kv_events_config: KVEventsConfig | None) -> KVCacheParams:
+def with_manager_events(
+    params: KVCacheParams, zmq_endpoint_base: str | None, kv_events_config: KVEventsConfig | None
+) -> KVCacheParams:
     """`params` with the events of a manager's keywords in `params.kv_events`."""
     config = kv_events_config
     if zmq_endpoint_base is not None:

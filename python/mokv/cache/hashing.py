@@ -94,7 +94,8 @@ def _address(array: np.ndarray) -> int:
     ~0.35 us, numpy's `__array_interface__` ~1.3 us (it builds a dict), but the view needs
     a writable buffer."""
     if array.flags.writeable:
-        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+        # numpy arrays have the buffer protocol; numpy's stubs do not say so to ctypes'
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))  # type: ignore[arg-type]
     return array.__array_interface__["data"][0]
 
 
@@ -157,6 +158,7 @@ the `xxhash` package's ~0.15-0.2 us a page breaks even at 6-7 pages, at pages of
 def _chain_fn(hash_fn: PageHashFn, num_pages: int) -> ChainHashFn | None:
     """The batched form of `hash_fn` for `num_pages` pages when it has one that runs
     here and pays off, else None."""
+    chain: ChainHashFn
     if hash_fn is _sha256:
         chain, min_pages = sha256_chain, _MIN_SHA256_CHAIN_PAGES
     elif hash_fn is _xxh3:

@@ -69,20 +69,22 @@ def copy_pages(
             _copy_driver(s, src_ids, t, dst_ids)
 
 
-def _copy_host(src: np.ndarray, src_ids: Sequence[int], dst: np.ndarray,
-               dst_ids: Sequence[int]) -> None:
+def _copy_host(
+    src: np.ndarray, src_ids: Sequence[int], dst: np.ndarray, dst_ids: Sequence[int]
+) -> None:
     """One `np.take` per run of consecutive destination pages (one pass over the bytes)."""
     src_idx = np.asarray(src_ids, dtype=np.intp)
     for start, first, n in _runs(dst_ids):
         np.take(src, src_idx[start : start + n], axis=0, out=dst[first : first + n], mode="clip")
 
 
-def _copy_driver(src: Buffer, src_ids: Sequence[int], dst: Buffer,
-                 dst_ids: Sequence[int]) -> None:
+def _copy_driver(src: Buffer, src_ids: Sequence[int], dst: Buffer, dst_ids: Sequence[int]) -> None:
     """One `batch_inplace_copy` of page slices (the accelerator path)."""
     rest = (slice(None),) * (src.rank - 1)  # Buffer slicing wants every dimension
-    batch_inplace_copy([dst[(slice(i, i + 1), *rest)] for i in dst_ids],
-                       [src[(slice(i, i + 1), *rest)] for i in src_ids])
+    batch_inplace_copy(
+        [dst[(slice(i, i + 1),) + rest] for i in dst_ids],
+        [src[(slice(i, i + 1),) + rest] for i in src_ids],
+    )
 
 
 def _view(buffer: Buffer, views: dict[int, np.ndarray] | None) -> np.ndarray:
@@ -106,8 +108,9 @@ def _host_buffer(dtype: DType, shape: list[int], device: Device) -> Buffer:
     return Buffer(dtype, shape, device=device, usage=Usage.STAGING)
 
 
-def read_pages(buffer: Buffer, page_ids: Sequence[int],
-               views: dict[int, np.ndarray] | None = None) -> list[np.ndarray]:
+def read_pages(
+    buffer: Buffer, page_ids: Sequence[int], views: dict[int, np.ndarray] | None = None
+) -> list[np.ndarray]:
     """Pages `page_ids` of one device shard as host arrays of the page's shape, for a
     reader that copies them at once (`RemotePageStore.put`): aliasing views on a host
     device, else rows of one host staging buffer filled by one batched copy."""
@@ -120,8 +123,12 @@ def read_pages(buffer: Buffer, page_ids: Sequence[int],
     return list(numpy_view(staging))
 
 
-def write_pages(pages: Sequence[memoryview], buffer: Buffer, page_ids: Sequence[int],
-                views: dict[int, np.ndarray] | None = None) -> None:
+def write_pages(
+    pages: Sequence[memoryview],
+    buffer: Buffer,
+    page_ids: Sequence[int],
+    views: dict[int, np.ndarray] | None = None,
+) -> None:
     """Writes `pages[i]` (the bytes of one page of the shard's layout) into page
     `page_ids[i]` of one device shard: straight into a host device's pages, else into
     one host staging buffer and then one batched copy to the accelerator."""
@@ -146,8 +153,9 @@ def _in_host_memory(buffer: Buffer) -> bool:
 class HostPages:
     """The host tier's page bytes for one replica: one buffer per device shard."""
 
-    def __init__(self, dtype: DType, num_pages: int, page_shape: Sequence[int],
-                 devices: Sequence[Device]) -> None:
+    def __init__(
+        self, dtype: DType, num_pages: int, page_shape: Sequence[int], devices: Sequence[Device]
+    ) -> None:
         self.num_pages = num_pages
         self.buffers = [_host_buffer(dtype, [num_pages, *page_shape], d) for d in devices]
         self.bytes_per_page = len(devices) * int(np.prod(page_shape)) * dtype.size_in_bytes
@@ -155,14 +163,16 @@ class HostPages:
         self.bytes_to_host = 0
         self.bytes_from_host = 0
 
-    def offload(self, blocks: Sequence[Buffer], device_pages: Sequence[int],
-                host_pages: Sequence[int]) -> None:
+    def offload(
+        self, blocks: Sequence[Buffer], device_pages: Sequence[int], host_pages: Sequence[int]
+    ) -> None:
         """Device pages -> host pages (one batch per device)."""
         copy_pages(blocks, device_pages, self.buffers, host_pages, self._views)
         self.bytes_to_host += len(host_pages) * self.bytes_per_page
 
-    def load(self, host_pages: Sequence[int], blocks: Sequence[Buffer],
-             device_pages: Sequence[int]) -> None:
+    def load(
+        self, host_pages: Sequence[int], blocks: Sequence[Buffer], device_pages: Sequence[int]
+    ) -> None:
         """Host pages -> device pages (one batch per device)."""
         copy_pages(self.buffers, host_pages, blocks, device_pages, self._views)
         self.bytes_from_host += len(device_pages) * self.bytes_per_page

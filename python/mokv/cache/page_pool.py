@@ -287,4 +287,6 @@ class PagePool:
                 raise InvariantError(f"page {page_id} has hash {h} but is not indexed under it")
         for h, page_id in self._index.items():
             if self._page_hash[page_id] != h:
-                raise InvariantError(f"index maps {h} to page {page_id}, which carries another hash")
+                raise InvariantError(
+                    f"index maps {h} to page {page_id}, which carries another hash"
+                )

@@ -1,12 +1,12 @@
 """KV-cache events in vLLM's wire format: publisher, subscriber and a router's prefix index.
 
-    format.py      vLLM's msgspec structs (map and legacy array forms), the batch decoder
-    config.py      KVEventsConfig (defaults as vLLM's), endpoint offsets per replica
-    publisher.py   EventRecorder (a page pool's sink), build_events, EventPublisher (a
-                   recorder with a PUB socket, a publisher thread and a replay ROUTER)
-    subscriber.py  EventSubscriber: SUB + DEALER replay, gap and restart detection
-    index.py       PrefixRouterIndex: per source (server x replica), the cached hashes,
-                   and how many leading pages of a token sequence each source holds
+format.py      vLLM's msgspec structs (map and legacy array forms), the batch decoder
+config.py      KVEventsConfig (defaults as vLLM's), endpoint offsets per replica
+publisher.py   EventRecorder (a page pool's sink), build_events, EventPublisher (a
+               recorder with a PUB socket, a publisher thread and a replay ROUTER)
+subscriber.py  EventSubscriber: SUB + DEALER replay, gap and restart detection
+index.py       PrefixRouterIndex: per source (server x replica), the cached hashes,
+               and how many leading pages of a token sequence each source holds
 """
 
 from .config import KVEventsConfig

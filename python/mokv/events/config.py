@@ -62,7 +62,9 @@ class KVEventsConfig:
 
     def replay_endpoint_for(self, replica: int) -> str | None:
         """The replay (ROUTER) address of data-parallel replica `replica`, if any."""
-        return None if self.replay_endpoint is None else offset_endpoint(self.replay_endpoint, replica)
+        return (
+            None if self.replay_endpoint is None else offset_endpoint(self.replay_endpoint, replica)
+        )
 
 
 def offset_endpoint(endpoint: str, replica: int) -> str:

@@ -56,7 +56,7 @@ class PrefixRouterIndex:
         """The hashes `source` holds (a copy)."""
         return set(self._sources.get(source, ()))
 
-    def apply(self, source: Source, batch: KVEventBatch) -> None:  # type: ignore[valid-type]
+    def apply(self, source: Source, batch: KVEventBatch) -> None:
         """Applies one batch of `source`'s events, in order."""
         held = self._sources.setdefault(source, set())
         for event in batch.events:

@@ -151,8 +151,16 @@ def build_events(records: list[tuple], block_size: int, medium: str) -> list:
             hashes, parent, chunks, extra, run_medium = e
             tokens = np.frombuffer(b"".join(chunks), dtype="<i8").tolist()
             events[i] = BlockStored(
-                hashes, parent, tokens, block_size, None, run_medium, None,
-                extra_keys=extra, group_idx=0, kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
+                hashes,
+                parent,
+                tokens,
+                block_size,
+                None,
+                run_medium,
+                None,
+                extra_keys=extra,
+                group_idx=0,
+                kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
             )
     return events
 
@@ -192,8 +200,9 @@ class EventPublisher(EventRecorder):
         self._wake = threading.Event()
         self._closing = False
         ctx = context or zmq.Context.instance()
-        # Sockets are made here so that a bad address raises in the constructor; after
-        # the thread starts only the publisher thread touches them (ZMQ sockets are not thread-safe).
+        # Sockets are made here so that a bad address raises in the constructor; after the
+        # thread starts only the publisher thread touches them (ZMQ sockets are not
+        # thread-safe).
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 500)

@@ -198,6 +198,8 @@ class EventSubscriber:
             key = (frames[1], replica)
             last = stream.last.get(key)
             # In order; or, for a stream never heard live, the oldest batch still buffered.
-            if seq == (0 if last is None else last + 1) or (last is None and key not in stream.live):
+            if seq == (0 if last is None else last + 1) or (
+                last is None and key not in stream.live
+            ):
                 self._apply(stream, key, (stream.server, replica), seq, batch)
                 self.num_replayed += 1

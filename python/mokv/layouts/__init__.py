@@ -40,9 +40,7 @@ def layout_for(params: KVCacheParams | KVCacheStrategy | str) -> CacheLayout:
     try:
         return LAYOUTS[KVCacheStrategy(strategy).value]
     except ValueError:
-        raise ValueError(
-            f"unknown cache strategy {strategy!r}; valid: {sorted(LAYOUTS)}"
-        ) from None
+        raise ValueError(f"unknown cache strategy {strategy!r}; valid: {sorted(LAYOUTS)}") from None
 
 
 def layout_of_inputs(inputs: Any) -> CacheLayout:

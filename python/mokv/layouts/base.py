@@ -108,10 +108,15 @@ class CacheLayout(ABC):
 
     @abstractmethod
     def empty_inputs(
-        self, params: KVCacheParams, num_layers: int, max_seq_len: int, batch_size: int,
+        self,
+        params: KVCacheParams,
+        num_layers: int,
+        max_seq_len: int,
+        batch_size: int,
         num_steps: int,
     ) -> Any:
-        """Host buffers of the input dtypes and ranks that hold no cache memory (compile-only mode)."""
+        """Host buffers of the input dtypes and ranks that hold no cache memory
+        (compile-only mode)."""
 
     def collection_parameters(self, params: KVCacheParams) -> dict[str, int]:
         """The Mojo collection struct's parameters."""
@@ -121,8 +126,9 @@ class CacheLayout(ABC):
             "head_size": params.head_dim,
         }
 
-    def check_blocks(self, blocks: BufferValue, params: KVCacheParams) -> None:
-        """Checks of `blocks` beyond the dims every layout shares (none by default)."""
+    def check_blocks(self, blocks: BufferValue, params: KVCacheParams) -> None:  # noqa: B027
+        """Checks of `blocks` beyond the dims every layout shares (none by default: a
+        layout overrides it only when it has some)."""
 
     def op_name(self, op: str) -> str:
         """The registered name of `op` for this layout: `mokv.<op>.ragged.<name>`."""
@@ -139,7 +145,9 @@ class CacheLayout(ABC):
         params = collection.type.parameters
         code_to_dtype = {code: dtype for dtype, code in DTYPE_CODES.items()}
         return CollectionInfo(
-            self, code_to_dtype[int(params["dtype_code"])], int(params["num_heads"]),
+            self,
+            code_to_dtype[int(params["dtype_code"])],
+            int(params["num_heads"]),
             int(params["head_size"]),
             num_layers=getattr(collection, "num_layers", None),
             checked=bool(getattr(collection, "checked", False)),
@@ -186,8 +194,12 @@ class FetchKVCacheCollection:
     layout: CacheLayout
 
     def __init__(
-        self, kv_params: KVCacheParams, num_layers: int | None = None,
-        layout: CacheLayout | None = None, *, checked: bool = False,
+        self,
+        kv_params: KVCacheParams,
+        num_layers: int | None = None,
+        layout: CacheLayout | None = None,
+        *,
+        checked: bool = False,
     ) -> None:
         if layout is not None:
             self.layout = layout
@@ -250,8 +262,11 @@ class FetchKVCacheCollection:
         collection = layout.Collection(value)
         layers_dim = blocks.shape[2]
         collection.num_layers = (
-            self.num_layers if self.num_layers is not None
-            else int(layers_dim) if isinstance(layers_dim, StaticDim) else None
+            self.num_layers
+            if self.num_layers is not None
+            else int(layers_dim)
+            if isinstance(layers_dim, StaticDim)
+            else None
         )
         collection.checked = self.checked
         collection.inputs = (blocks, *tensors)

@@ -2,8 +2,8 @@
 
 One device's inputs (`ContinuousBatchingKVCacheInputs`, in constructor-op order):
 
-    blocks         dtype  [max_batch_size, 2, num_layers, max_seq_len, n_kv_heads_per_device, head_dim]
-                          one slot per sequence; token `t` of sequence `b` lives at
+    blocks         dtype  [max_batch_size, 2, num_layers, max_seq_len, n_kv_heads_per_device,
+                          head_dim]: one slot per sequence; token `t` of sequence `b` lives at
                           `blocks[lookup_table[b], kv, layer, t]`.
     cache_lengths  uint32 [batch_size]   tokens already in the cache before this step
     lookup_table   uint32 [batch_size]   slot of each sequence of the batch
@@ -88,8 +88,12 @@ class ContinuousLayout(CacheLayout):
     ) -> ContinuousBatchingKVCacheInputs[BufferType, TensorType]:
         """Graph types of one device's inputs; `max_seq_len` is a static dim of `blocks`."""
         blocks_shape = [
-            "max_batch_size", 2, num_layers, max_seq_len,
-            params.n_kv_heads_per_device, params.head_dim,
+            "max_batch_size",
+            2,
+            num_layers,
+            max_seq_len,
+            params.n_kv_heads_per_device,
+            params.head_dim,
         ]
         return ContinuousBatchingKVCacheInputs(
             blocks=BufferType(params.dtype, blocks_shape, device=device),
@@ -99,7 +103,11 @@ class ContinuousLayout(CacheLayout):
         )
 
     def empty_inputs(
-        self, params: KVCacheParams, num_layers: int, max_seq_len: int, batch_size: int,
+        self,
+        params: KVCacheParams,
+        num_layers: int,
+        max_seq_len: int,
+        batch_size: int,
         num_steps: int,
     ) -> ContinuousBatchingKVCacheInputs[Buffer, Buffer]:
         """Zero slots."""

@@ -2,8 +2,8 @@
 
 One device's inputs (`RaggedKVCacheInputs`, in constructor-op order):
 
-    blocks        dtype   [total_num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]
-                          index 1 selects K (0) or V (1); a page holds `page_size`
+    blocks        dtype   [total_num_pages, 2, num_layers, page_size, n_kv_heads_per_device,
+                          head_dim]: index 1 selects K (0) or V (1); a page holds `page_size`
                           consecutive tokens of one sequence, for every layer.
     cache_lengths uint32  [batch_size]   tokens already in the cache before this step
     lookup_table  uint32  [batch_size, max_num_pages]   page ids of each sequence, in
@@ -27,7 +27,6 @@ from max.driver import Buffer
 from max.dtype import DType
 from max.graph import BufferType, BufferValue, DeviceRef, TensorType
 from max.graph.type import _OpaqueType
-from max.graph.value import _OpaqueValue
 
 from ..checks import check_static_dim
 from ..params import KVCacheParams
@@ -73,8 +72,12 @@ class PagedLayout(CacheLayout):
     ) -> RaggedKVCacheInputs[BufferType, TensorType]:
         """Graph types of one device's inputs; `max_seq_len` does not appear in them."""
         blocks_shape = [
-            "total_num_pages", 2, num_layers, params.page_size,
-            params.n_kv_heads_per_device, params.head_dim,
+            "total_num_pages",
+            2,
+            num_layers,
+            params.page_size,
+            params.n_kv_heads_per_device,
+            params.head_dim,
         ]
         return RaggedKVCacheInputs(
             blocks=BufferType(params.dtype, blocks_shape, device=device),
@@ -84,7 +87,11 @@ class PagedLayout(CacheLayout):
         )
 
     def empty_inputs(
-        self, params: KVCacheParams, num_layers: int, max_seq_len: int, batch_size: int,
+        self,
+        params: KVCacheParams,
+        num_layers: int,
+        max_seq_len: int,
+        batch_size: int,
         num_steps: int,
     ) -> RaggedKVCacheInputs[Buffer, Buffer]:
         """Zero pages; a one-column lookup table of zeros."""

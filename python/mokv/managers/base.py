@@ -95,8 +95,11 @@ class KVCacheManager(Protocol):
 def check_request_id(request_id: object) -> None:
     """TypeError unless `request_id` is a string (a `RequestID`)."""
     if not isinstance(request_id, str):
-        hint = ("; sequence ids (ints) are ContinuousBatchingKVCacheManager's"
-                if isinstance(request_id, int) else "")
+        hint = (
+            "; sequence ids (ints) are ContinuousBatchingKVCacheManager's"
+            if isinstance(request_id, int)
+            else ""
+        )
         raise TypeError(
             f"request_id must be a str (mokv.RequestID), got {type(request_id).__name__} "
             f"{request_id!r}{hint}"
@@ -150,7 +153,9 @@ class ManagerFields:
     ) -> None:
         if not isinstance(params, KVCacheParams):
             raise TypeError(f"params must be a mokv.KVCacheParams, got {type(params).__name__}")
-        check_positive(max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_layers=num_layers)
+        check_positive(
+            max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_layers=num_layers
+        )
         if not isinstance(session, InferenceSession):
             raise TypeError(
                 f"session must be a max.engine.InferenceSession, got {type(session).__name__}"
@@ -160,7 +165,9 @@ class ManagerFields:
         if bad:
             raise TypeError(f"devices must be max.driver.Device objects, got {bad[0]!r}")
         if len(devices) != params.n_devices:
-            raise ValueError(f"got {len(devices)} device(s) but params.n_devices={params.n_devices}")
+            raise ValueError(
+                f"got {len(devices)} device(s) but params.n_devices={params.n_devices}"
+            )
         self.params = params
         self.layout = layout
         self.max_batch_size = max_batch_size
@@ -176,7 +183,9 @@ class ManagerFields:
         """One `layout.Inputs` of graph types per device, matching `fetch`."""
         return [
             self.layout.input_symbols(
-                self.params, num_layers or self.num_layers, self.max_seq_len,
+                self.params,
+                num_layers or self.num_layers,
+                self.max_seq_len,
                 DeviceRef.from_device(d),
             )
             for d in (devices or self.devices)

@@ -70,8 +70,10 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
                 f"data_parallel_degree={params.data_parallel_degree}"
             )
         self.max_cache_batch_size = max_cache_batch_size
-        self.blocks = [cache_buffer(params.dtype, self.block_shape(max_cache_batch_size), d)
-                       for d in self.devices]
+        self.blocks = [
+            cache_buffer(params.dtype, self.block_shape(max_cache_batch_size), d)
+            for d in self.devices
+        ]
         self._free_slots = list(range(max_cache_batch_size - 1, -1, -1))
         self._slot_of: dict[RequestID, int] = {}
         self._input_tokens = 0
@@ -82,7 +84,14 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
     def block_shape(self, n_sequences: int) -> list[int]:
         """`[n_sequences, 2, num_layers, max_seq_len, n_kv_heads_per_device, head_dim]`."""
         p = self.params
-        return [n_sequences, 2, self.num_layers, self.max_seq_len, p.n_kv_heads_per_device, p.head_dim]
+        return [
+            n_sequences,
+            2,
+            self.num_layers,
+            self.max_seq_len,
+            p.n_kv_heads_per_device,
+            p.head_dim,
+        ]
 
     @classmethod
     def estimated_memory_size(
@@ -133,13 +142,15 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
     ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
         """One tuple per device for a batch of slots and their cache lengths."""
         cache_lengths = np.array(lengths, dtype=np.uint32)
-        host = [Buffer.from_numpy(cache_lengths), Buffer.from_numpy(np.array(slots, dtype=np.uint32))]
+        host = [
+            Buffer.from_numpy(cache_lengths),
+            Buffer.from_numpy(np.array(slots, dtype=np.uint32)),
+        ]
         is_empty = Buffer.from_numpy(np.array([not cache_lengths.any()], dtype=np.bool_))
+        tables = [host if d.is_host else [b.to(d) for b in host] for d in self.devices]
         return [
-            ContinuousBatchingKVCacheInputs(
-                blocks, *(host if d.is_host else [b.to(d) for b in host]), is_empty
-            )
-            for blocks, d in zip(self.blocks, self.devices)
+            ContinuousBatchingKVCacheInputs(blocks, device_lengths, device_slots, is_empty)
+            for blocks, (device_lengths, device_slots) in zip(self.blocks, tables)
         ]
 
     # --- requests (the manager contract) ----------------------------------------------
@@ -211,7 +222,8 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         check_num_steps(num_steps)
         if len(batch) > self.max_cache_batch_size:
             raise BatchTooLargeError(
-                f"batch of {len(batch)} is larger than max_cache_batch_size={self.max_cache_batch_size}"
+                f"batch of {len(batch)} is larger than "
+                f"max_cache_batch_size={self.max_cache_batch_size}"
             )
         slots = [self._slot(ctx.request_id) for ctx in batch]
         if len(set(slots)) != len(slots):

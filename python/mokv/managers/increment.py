@@ -8,14 +8,13 @@ One graph per device is compiled the first time it is needed and reused after th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from max.driver import Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
-from max.graph import DeviceRef, Graph, TensorType, ops
+from max.graph import DeviceRef, Graph, TensorType
 
 
 def _build_graph(device: DeviceRef, with_max_lengths: bool) -> Graph:
@@ -59,7 +58,7 @@ class CacheLengthIncrementer:
         args = [cache_lengths, row_offsets.to(cache_lengths.device)]
         if self._with_max_lengths:
             args.append(max_lengths)
-        return list(model.execute(*args))  # type: ignore[arg-type]
+        return list(model.execute(*args))
 
 
 def row_offsets_per_device(
@@ -77,7 +76,9 @@ def row_offsets_per_device(
     for o in offsets:
         _check_row_offsets(o)
     offsets = [
-        Buffer.from_numpy(np.ascontiguousarray(o, dtype=np.uint32)) if isinstance(o, np.ndarray) else o
+        Buffer.from_numpy(np.ascontiguousarray(o, dtype=np.uint32))
+        if isinstance(o, np.ndarray)
+        else o
         for o in offsets
     ]
     num_devices = num_replicas * devices_per_replica
@@ -105,9 +106,15 @@ def _check_row_offsets(offsets: Any) -> None:
         )
     if not np.issubdtype(offsets.dtype, np.integer):
         raise TypeError(f"input_row_offsets must be integers, got dtype {offsets.dtype}")
-    if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or np.any(np.diff(offsets.astype(np.int64)) < 0):
+    if (
+        offsets.ndim != 1
+        or offsets.size < 1
+        or offsets[0] != 0
+        or np.any(np.diff(offsets.astype(np.int64)) < 0)
+    ):
         raise ValueError(
-            f"input_row_offsets must be a non-decreasing 1-D array starting at 0, got {offsets.tolist()}"
+            "input_row_offsets must be a non-decreasing 1-D array starting at 0, "
+            f"got {offsets.tolist()}"
         )
 
 

@@ -41,8 +41,14 @@ def load_kv_manager(
     """
     if driver.is_virtual_device_mode():
         return NullKVCacheManager(
-            params, max_batch_size, max_seq_len, num_layers, devices, session,
-            available_cache_memory or 0, page_size,
+            params,
+            max_batch_size,
+            max_seq_len,
+            num_layers,
+            devices,
+            session,
+            available_cache_memory or 0,
+            page_size,
         )
     if params.cache_strategy is KVCacheStrategy.CONTINUOUS:
         return ContinuousKVCacheManager(
@@ -51,7 +57,14 @@ def load_kv_manager(
     if available_cache_memory is None:
         raise ValueError("available_cache_memory is required for the paged cache strategy")
     return PagedKVCacheManager(
-        params, max_batch_size, max_seq_len, num_layers, devices, session,
-        available_cache_memory, page_size=page_size, enable_runtime_checks=enable_runtime_checks,
+        params,
+        max_batch_size,
+        max_seq_len,
+        num_layers,
+        devices,
+        session,
+        available_cache_memory,
+        page_size=page_size,
+        enable_runtime_checks=enable_runtime_checks,
         kv_events_config=kv_events_config,
     )

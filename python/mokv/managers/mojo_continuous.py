@@ -99,17 +99,27 @@ class MojoContinuousBatchingKVCacheManager(ManagerFields):
             raise TypeError(f"cache dtype must be float32, bfloat16 or float16, got {params.dtype}")
         self.max_cache_batch_size = max_cache_batch_size
         storage = np.dtype(_STORAGE[params.dtype])
-        shape = [max_cache_batch_size, 2, num_layers, max_seq_len, params.n_kv_heads_per_device,
-                 params.head_dim]
+        shape = [
+            max_cache_batch_size,
+            2,
+            num_layers,
+            max_seq_len,
+            params.n_kv_heads_per_device,
+            params.head_dim,
+        ]
         ext = extensions.load("mokv_manager_ext", imports_kernels=True)
         self._native = ext.ContinuousBatchingKVCacheManager(
-            max_cache_batch_size, max_seq_len, num_layers, params.n_kv_heads_per_device,
-            params.head_dim, storage.itemsize,
+            max_cache_batch_size,
+            max_seq_len,
+            num_layers,
+            params.n_kv_heads_per_device,
+            params.head_dim,
+            storage.itemsize,
         )
         nbytes = self._native.blocks_nbytes()
         raw = (ctypes.c_uint8 * nbytes).from_address(self._native.blocks_address())
         # The views keep `raw` alive, and `raw` the native object that owns the memory.
-        raw._owner = self._native  # type: ignore[attr-defined]
+        raw._owner = self._native
         self.blocks_array: np.ndarray = np.frombuffer(raw, dtype=storage).reshape(shape)
         """The cache as numpy (bfloat16 as uint16 bits), aliasing the Mojo-owned memory."""
         buffer = Buffer.from_numpy(self.blocks_array)
@@ -118,12 +128,13 @@ class MojoContinuousBatchingKVCacheManager(ManagerFields):
         ]
         """One `Buffer` per device over the same memory: `fetch`'s `blocks`."""
         # `is_cache_empty` is read-only in the graph: two shared host tensors do.
-        self._is_empty = {flag: Buffer.from_numpy(np.array([flag], dtype=np.bool_))
-                          for flag in (False, True)}
+        self._is_empty = {
+            flag: Buffer.from_numpy(np.array([flag], dtype=np.bool_)) for flag in (False, True)
+        }
 
     # --- lifecycle ------------------------------------------------------------------
 
-    def claim(self, n: int) -> list[int]:  # type: ignore[override]
+    def claim(self, n: int) -> list[int]:
         """`n` new sequence ids (positive int; `BatchTooLargeError` past the free slots)."""
         if n.__class__ is not int or n < 1:
             raise ValueError(f"claim(n) needs a positive int, got {n!r}")
@@ -150,7 +161,7 @@ class MojoContinuousBatchingKVCacheManager(ManagerFields):
             )
         ]
 
-    def release(self, seq_id: int) -> None:  # type: ignore[override]
+    def release(self, seq_id: int) -> None:
         """Frees the slot of `seq_id` (`UnknownRequestError` if it is not claimed)."""
         _call(self._native.release, seq_id)
 

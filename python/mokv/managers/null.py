@@ -19,7 +19,12 @@ from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
 from ..context import RequestID, TextGenerationContext
-from ..errors import AlreadyClaimedError, BatchTooLargeError, InvalidReplicaError, UnknownRequestError
+from ..errors import (
+    AlreadyClaimedError,
+    BatchTooLargeError,
+    InvalidReplicaError,
+    UnknownRequestError,
+)
 from ..layouts import layout_for
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
@@ -108,7 +113,8 @@ class NullKVCacheManager(MaxManagerAPI, ManagerFields):
         check_num_steps(num_steps)
         if len(batch) > self.max_batch_size:
             raise BatchTooLargeError(
-                f"batch of {len(batch)} requests is larger than max_batch_size={self.max_batch_size}"
+                f"batch of {len(batch)} requests is larger than "
+                f"max_batch_size={self.max_batch_size}"
             )
         for ctx in batch:
             self._check_claimed(ctx.request_id)

@@ -80,8 +80,9 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
     estimated_memory_size = ContinuousKVCacheManager.estimated_memory_size
     infer_optimal_batch_size = ContinuousKVCacheManager.infer_optimal_batch_size
 
-    def increment_cache_lengths(self, kv_cache_inputs: Sequence[Any],
-                                prev_model_inputs: Any) -> list[Any]:
+    def increment_cache_lengths(
+        self, kv_cache_inputs: Sequence[Any], prev_model_inputs: Any
+    ) -> list[Any]:
         """As `ContinuousKVCacheManager.increment_cache_lengths`."""
         return self.requests.increment_cache_lengths(kv_cache_inputs, prev_model_inputs)
 
@@ -111,7 +112,7 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
             raise TypeError(f"sequence ids are ints, got {type(seq_id).__name__} {seq_id!r}")
         if seq_id not in self._lengths:
             raise UnknownRequestError(seq_id)
-        return seq_id  # type: ignore[return-value]
+        return seq_id
 
     @synchronized
     def cache_length(self, seq_id: int) -> int:

@@ -6,8 +6,8 @@ emits one custom op. The collection's fetcher (`mokv.FetchPagedKVCacheCollection
 adds mokv's kernel package to the graph, so no `custom_extensions` are needed.
 """
 
-from .attention import flash_attention
 from ..mojo_package import kernels_path
+from .attention import flash_attention
 from .cpu_paths import use_portable_cpu_paths
 from .kv_cache import store_kv
 from .matmul import fused_qkv_matmul, rope_freqs_cis

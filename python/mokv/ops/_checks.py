@@ -26,7 +26,9 @@ def host_scalar(name: str, value: Any, dtype: DType) -> TensorValue:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number or a {dtype} host tensor, got {value!r}")
     if isinstance(value, (int, float, np.number)):
-        return ops.constant(np.array([value], dtype=dtype.to_numpy()), dtype, device=DeviceRef.CPU())
+        return ops.constant(
+            np.array([value], dtype=dtype.to_numpy()), dtype, device=DeviceRef.CPU()
+        )
     check_dtype(name, value, dtype)
     check_device(name, value, DeviceRef.CPU())
     t = TensorValue(value)

@@ -74,7 +74,9 @@ def flash_attention(
     if not isinstance(gpu_tensor_cores, bool):
         raise TypeError(f"gpu_tensor_cores must be a bool, got {gpu_tensor_cores!r}")
     if gpu_tensor_cores:
-        check_tensor_core_shape(info.dtype, info.head_size, int(n_heads) // info.num_heads, q.device)
+        check_tensor_core_shape(
+            info.dtype, info.head_size, int(n_heads) // info.num_heads, q.device
+        )
     offsets = check_row_offsets(input_row_offsets, q.device)
     layer = layer_index(layer_idx, info.num_layers)
     if wants_check(info, checked):

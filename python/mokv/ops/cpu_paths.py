@@ -26,7 +26,9 @@ def use_portable_cpu_paths(session: InferenceSession) -> InferenceSession:
     kernel defines through it). Returns the session.
     """
     if not isinstance(session, InferenceSession):
-        raise TypeError(f"session must be a max.engine.InferenceSession, got {type(session).__name__}")
+        raise TypeError(
+            f"session must be a max.engine.InferenceSession, got {type(session).__name__}"
+        )
     session._set_mojo_define(PORTABLE_DEFINE, "true")
     return session
 

@@ -65,7 +65,9 @@ def fused_qkv_matmul(
     if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
     if n_heads % info.num_heads:
-        raise ValueError(f"n_heads={n_heads} must be a multiple of the cache's {info.num_heads} KV heads")
+        raise ValueError(
+            f"n_heads={n_heads} must be a multiple of the cache's {info.num_heads} KV heads"
+        )
     check_dtype("hidden", hidden, info.dtype)
     check_rank("hidden", hidden, 2)
     check_dtype("wqkv", wqkv, info.dtype)
@@ -97,7 +99,9 @@ def fused_qkv_matmul(
     if wants_check(info, checked):
         positions = rope_rows(freqs_cis) if freqs_cis is not None else None
         collection = emit_table_check(collection, info, offsets, hidden, layer, positions)
-    out_type = TensorType(info.dtype, [hidden.shape[0], n_heads * info.head_size], device=hidden.device)
+    out_type = TensorType(
+        info.dtype, [hidden.shape[0], n_heads * info.head_size], device=hidden.device
+    )
     if on_tensor_cores:
         # MAX's matmul (tensor cores), then mokv's epilogue: RoPE, Q out, K/V into the cache.
         qkv = ops.matmul(hidden, ops.transpose(wqkv, 0, 1))

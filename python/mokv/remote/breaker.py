@@ -42,7 +42,7 @@ class CircuitBreaker:
 
     @property
     def state(self) -> str:
-        """"closed", "open" or "half-open" (pure)."""
+        """ "closed", "open" or "half-open" (pure)."""
         with self._lock:
             if self._opened_at is None:
                 return "closed"

@@ -101,8 +101,16 @@ class RemoteLayout:
     @classmethod
     def from_params(cls, params: KVCacheParams, num_layers: int, tp_rank: int = 0):
         """The layout of device `tp_rank`'s shard of a replica built from `params`."""
-        return cls(params.dtype, params.page_size, num_layers, params.n_kv_heads_per_device,
-                   params.head_dim, tp_rank, params.tensor_parallel_degree, params.prefix_hash)
+        return cls(
+            params.dtype,
+            params.page_size,
+            num_layers,
+            params.n_kv_heads_per_device,
+            params.head_dim,
+            tp_rank,
+            params.tensor_parallel_degree,
+            params.prefix_hash,
+        )
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
@@ -174,8 +182,17 @@ class RemoteLayout:
     def seal(self, value: bytearray, page_hash: int) -> None:
         """Writes the header and the checksum of a `new_value` in place."""
         _HEADER.pack_into(
-            value, 0, MAGIC, VERSION, _DTYPE_CODES[self.dtype], *self.page_shape, self._digest,
-            page_hash, self.page_size, self.page_nbytes, 0,
+            value,
+            0,
+            MAGIC,
+            VERSION,
+            _DTYPE_CODES[self.dtype],
+            *self.page_shape,
+            self._digest,
+            page_hash,
+            self.page_size,
+            self.page_nbytes,
+            0,
         )
         view = memoryview(value)
         checksum = xxh3_64(view[:56])
@@ -188,9 +205,7 @@ class RemoteLayout:
         self.seal(value, page_hash)
         return bytes(value)
 
-    def decode(
-        self, value: bytes, page_hash: int, token_bytes: bytes
-    ) -> memoryview | Rejection:
+    def decode(self, value: bytes, page_hash: int, token_bytes: bytes) -> memoryview | Rejection:
         """The page bytes of `value` (a zero-copy view) if it is exactly the page asked
         for, else why not."""
         if len(value) < HEADER_SIZE:

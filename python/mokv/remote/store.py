@@ -91,8 +91,9 @@ class RemoteMetrics:
 
     def __add__(self, other: RemoteMetrics) -> RemoteMetrics:
         """Counter by counter: two stores' (or shards') counters together."""
-        return RemoteMetrics(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                                for f in fields(self)})
+        return RemoteMetrics(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
 
 
 _REJECTION_COUNTER = {
@@ -123,8 +124,10 @@ class RemotePageStore:
         until the first call. `timeout_s` bounds each connect and each reply."""
         if not isinstance(layout, RemoteLayout):
             raise TypeError(f"layout must be a RemoteLayout, got {layout!r}")
-        for name, value in (("max_queued_pages", max_queued_pages),
-                            ("max_batch_pages", max_batch_pages)):
+        for name, value in (
+            ("max_queued_pages", max_queued_pages),
+            ("max_batch_pages", max_batch_pages),
+        ):
             if value.__class__ is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not timeout_s > 0:
@@ -137,7 +140,9 @@ class RemotePageStore:
         # One retry, without backoff, for a connection the server dropped (a restart);
         # timeouts are never retried, so a slow server costs at most timeout_s per try.
         self._client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
             health_check_interval=0,
         )
@@ -148,8 +153,9 @@ class RemotePageStore:
         self._max_batch = max_batch_pages
         self._in_flight = 0
         self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="mokv-remote-writer",
-                                        daemon=True)
+        self._writer = threading.Thread(
+            target=self._write_loop, name="mokv-remote-writer", daemon=True
+        )
         self._writer.start()
 
     @property
@@ -181,8 +187,7 @@ class RemotePageStore:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Waits until every queued page was sent (or dropped); False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._in_flight,
-                                       timeout_s)
+            return self._cond.wait_for(lambda: not self._queue and not self._in_flight, timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Sends what is queued (for at most `timeout_s`), stops the writer, disconnects."""
@@ -205,8 +210,9 @@ class RemotePageStore:
                 self._cond.wait_for(lambda: self._queue or self._closed)
                 if self._closed and not self._queue:
                     return
-                batch = [self._queue.popleft()
-                         for _ in range(min(self._max_batch, len(self._queue)))]
+                batch = [
+                    self._queue.popleft() for _ in range(min(self._max_batch, len(self._queue)))
+                ]
                 self._in_flight = len(batch)
             try:
                 self._send(batch)
@@ -230,8 +236,11 @@ class RemotePageStore:
         if replies is None:
             return
         written = sum(1 for r in replies if r)
-        self._count(pages_written=written, pages_present=len(replies) - written,
-                    bytes_written=sum(len(v) for r, (_, v, _) in zip(replies, batch) if r))
+        self._count(
+            pages_written=written,
+            pages_present=len(replies) - written,
+            bytes_written=sum(len(v) for r, (_, v, _) in zip(replies, batch) if r),
+        )
 
     # --- reads ----------------------------------------------------------------------
 

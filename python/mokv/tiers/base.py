@@ -118,8 +118,9 @@ class Tier(Protocol):
         indexed); writes nothing else, so a failure leaves the loads to run again."""
         ...
 
-    def note_reserved(self, fresh_pages: Sequence[int],
-                      device_hits: Sequence[Sequence[DeviceHit]]) -> None:
+    def note_reserved(
+        self, fresh_pages: Sequence[int], device_hits: Sequence[Sequence[DeviceHit]]
+    ) -> None:
         """After a reservation: the pool handed out `fresh_pages`, and each request took
         its run of `device_hits` (chain order). Refreshes or counts; changes no page."""
         ...

@@ -58,7 +58,8 @@ class HostTierConfig(TierConfig):
         gb = self.swap_space_gb
         if gb.__class__ not in (int, float) or not gb > 0:
             raise ValueError(
-                f"HostTierConfig.swap_space_gb must be a number of GiB > 0, got {gb!r}")
+                f"HostTierConfig.swap_space_gb must be a number of GiB > 0, got {gb!r}"
+            )
         if self.min_hits.__class__ is not int or self.min_hits < 0:
             raise ValueError(f"HostTierConfig.min_hits must be an int >= 0, got {self.min_hits!r}")
 
@@ -80,8 +81,9 @@ class HostTierConfig(TierConfig):
             )
         return num
 
-    def build(self, params: KVCacheParams, num_layers: int, pool: PagePool,
-              blocks: list[Buffer]) -> HostTier:
+    def build(
+        self, params: KVCacheParams, num_layers: int, pool: PagePool, blocks: list[Buffer]
+    ) -> HostTier:
         return HostTier(self, self.num_pages(params, num_layers), pool, blocks)
 
 
@@ -91,11 +93,13 @@ class HostTier:
     name = HostTierConfig.name
     shared = False
 
-    def __init__(self, config: HostTierConfig, num_pages: int, device_pool: PagePool,
-                 blocks: list[Buffer]) -> None:
+    def __init__(
+        self, config: HostTierConfig, num_pages: int, device_pool: PagePool, blocks: list[Buffer]
+    ) -> None:
         self.pool = HostPagePool(num_pages)
-        self.pages = HostPages(blocks[0].dtype, num_pages, list(blocks[0].shape[1:]),
-                               [b.device for b in blocks])
+        self.pages = HostPages(
+            blocks[0].dtype, num_pages, list(blocks[0].shape[1:]), [b.device for b in blocks]
+        )
         self._device_pool = device_pool
         self._blocks = blocks
         self._pinned: Counter[int] = Counter()  # host page -> pending loads (no zeros)
@@ -131,8 +135,9 @@ class HostTier:
     def load(self, hits: Sequence[TierHit], device_pages: Sequence[int]) -> None:
         self.pages.load([hit.handle for hit in hits], self._blocks, device_pages)
 
-    def note_reserved(self, fresh_pages: Sequence[int],
-                      device_hits: Sequence[Sequence[DeviceHit]]) -> None:
+    def note_reserved(
+        self, fresh_pages: Sequence[int], device_hits: Sequence[Sequence[DeviceHit]]
+    ) -> None:
         if self._min_hits:
             counts = self._page_hits
             for page_id in fresh_pages:
@@ -151,8 +156,9 @@ class HostTier:
         if self._min_hits:
             self._store_promoted()
         elif pages.page_ids:
-            self._write_through(pages.page_ids, pages.hashes, pages.token_bytes,
-                                pages.parents, pages.salts)
+            self._write_through(
+                pages.page_ids, pages.hashes, pages.token_bytes, pages.parents, pages.salts
+            )
 
     def _store_promoted(self) -> None:
         """Writes through the pages that reached `min_hits` device hits and still carry
@@ -162,13 +168,26 @@ class HostTier:
         pool, rows = self._device_pool, []
         for hit in promoted:
             if pool.page_hash(hit.page_id) == hit.page_hash:
-                rows.append((hit.page_id, hit.page_hash, pool.page_tokens(hit.page_id),
-                             hit.parent_hash, hit.cache_salt))
+                rows.append(
+                    (
+                        hit.page_id,
+                        hit.page_hash,
+                        pool.page_tokens(hit.page_id),
+                        hit.parent_hash,
+                        hit.cache_salt,
+                    )
+                )
         if rows:
-            self._write_through(*(list(column) for column in zip(*rows)))  # type: ignore[arg-type]
+            self._write_through(*(list(column) for column in zip(*rows)))
 
-    def _write_through(self, page_ids: list[int], hashes: list[int], datas: list[bytes],
-                       parents: list[int | None], salts: list[str | None]) -> None:
+    def _write_through(
+        self,
+        page_ids: list[int],
+        hashes: list[int],
+        datas: list[bytes],
+        parents: list[int | None],
+        salts: list[str | None],
+    ) -> None:
         """Copies device pages (parents first) to host pages: one batched copy. Pages that
         find no room (every host page pinned) are not stored.
 
@@ -183,8 +202,13 @@ class HostTier:
         self.pool.evict(plan.victims)
         e = plan.entries
         self.pages.offload(self._blocks, [page_ids[i] for i in e], plan.targets)
-        self.pool.insert(plan.targets, [hashes[i] for i in e], [datas[i] for i in e],
-                         [parents[i] for i in e], [salts[i] for i in e])
+        self.pool.insert(
+            plan.targets,
+            [hashes[i] for i in e],
+            [datas[i] for i in e],
+            [parents[i] for i in e],
+            [salts[i] for i in e],
+        )
 
     # --- the rest of the protocol ---------------------------------------------------
 
@@ -199,9 +223,12 @@ class HostTier:
         self.pool.events = events.medium_sink(MEDIUM_CPU)
 
     def metrics(self) -> TierMetrics:
-        return TierMetrics(used_pages=self.pool.num_cached, total_pages=self.pool.num_pages,
-                           bytes_stored=self.pages.bytes_to_host,
-                           bytes_loaded=self.pages.bytes_from_host)
+        return TierMetrics(
+            used_pages=self.pool.num_cached,
+            total_pages=self.pool.num_pages,
+            bytes_stored=self.pages.bytes_to_host,
+            bytes_loaded=self.pages.bytes_from_host,
+        )
 
     def reset_metrics(self) -> None:
         self.pages.bytes_to_host = self.pages.bytes_from_host = 0
@@ -214,8 +241,9 @@ class HostTier:
         for hit in pinned:
             pins[hit.handle] += 1
             h = self.pool.page_hash(hit.handle)
-            if h is not None and (h != hit.page_hash
-                                  or self.pool.page_tokens(hit.handle) != hit.token_bytes):
+            if h is not None and (
+                h != hit.page_hash or self.pool.page_tokens(hit.handle) != hit.token_bytes
+            ):
                 raise InvariantError(
                     f"a pending load would read host page {hit.handle}, which now holds "
                     f"other tokens (hash {h}, expected {hit.page_hash})"

@@ -42,8 +42,8 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
-from ..errors import InvariantError
 from ..cache.page_pool import PageEventSink
+from ..errors import InvariantError
 
 
 @dataclass(slots=True)
@@ -154,8 +154,13 @@ class HostPagePool:
             parent = self._parent[page_id]
             while len(victims) < num_pages and parent is not None:
                 parent_page = self._index.get(parent)
-                if (parent_page is None or parent_page not in passed or parent_page in taken
-                        or parent_page in protected or not is_leaf(parent_page)):
+                if (
+                    parent_page is None
+                    or parent_page not in passed
+                    or parent_page in taken
+                    or parent_page in protected
+                    or not is_leaf(parent_page)
+                ):
                     break
                 take(parent_page)
                 parent = self._parent[parent_page]
@@ -262,8 +267,11 @@ class HostPagePool:
     def check_invariants(self) -> None:
         """Raises InvariantError unless invariants 1-3 hold."""
         free, cached = set(self._free), set(self._lru)
-        if (free & cached or len(free) + len(cached) != self.num_pages
-                or len(free) != len(self._free)):
+        if (
+            free & cached
+            or len(free) + len(cached) != self.num_pages
+            or len(free) != len(self._free)
+        ):
             raise InvariantError(
                 f"host pages: {len(free)} free and {len(cached)} cached of {self.num_pages}, "
                 f"{len(free & cached)} both"
@@ -272,8 +280,10 @@ class HostPagePool:
         for page_id in range(self.num_pages):
             h = self._page_hash[page_id]
             if (h is None) != (page_id in free):
-                raise InvariantError(f"host page {page_id} is {'free' if h is None else 'cached'}"
-                                     f" but sits in the other list")
+                raise InvariantError(
+                    f"host page {page_id} is {'free' if h is None else 'cached'}"
+                    f" but sits in the other list"
+                )
             if h is not None:
                 if self._index.get(h) != page_id:
                     raise InvariantError(f"host page {page_id} has hash {h} but is not indexed")
@@ -281,7 +291,8 @@ class HostPagePool:
                 if parent is not None:
                     children[parent] = children.get(parent, 0) + 1
         if len(self._index) != len(cached):
-            raise InvariantError(f"host index holds {len(self._index)} hashes for "
-                                 f"{len(cached)} cached pages")
+            raise InvariantError(
+                f"host index holds {len(self._index)} hashes for {len(cached)} cached pages"
+            )
         if children != self._children:
             raise InvariantError("host child counts disagree with the stored parents")

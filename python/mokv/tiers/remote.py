@@ -92,10 +92,12 @@ class RemoteTierConfig(TierConfig):
                 f"{params.prefix_hash!r} differs between processes, so nothing could be shared"
             )
 
-    def build(self, params: KVCacheParams, num_layers: int, pool: PagePool,
-              blocks: list[Buffer]) -> RemoteTier:
-        layouts = [RemoteLayout.from_params(params, num_layers, shard)
-                   for shard in range(len(blocks))]
+    def build(
+        self, params: KVCacheParams, num_layers: int, pool: PagePool, blocks: list[Buffer]
+    ) -> RemoteTier:
+        layouts = [
+            RemoteLayout.from_params(params, num_layers, shard) for shard in range(len(blocks))
+        ]
         return RemoteTier(self, layouts, blocks)
 
 
@@ -105,14 +107,21 @@ class RemoteTier:
     name = RemoteTierConfig.name
     shared = True
 
-    def __init__(self, config: RemoteTierConfig, layouts: list[RemoteLayout],
-                 blocks: list[Buffer]) -> None:
+    def __init__(
+        self, config: RemoteTierConfig, layouts: list[RemoteLayout], blocks: list[Buffer]
+    ) -> None:
         self.stores: list[RemotePageStore] = []
         try:
             for layout in layouts:
-                self.stores.append(RemotePageStore(
-                    config.url, config.namespace, layout, timeout_s=config.timeout_s,
-                    max_queued_pages=max(8, REMOTE_QUEUE_BYTES // layout.value_nbytes)))
+                self.stores.append(
+                    RemotePageStore(
+                        config.url,
+                        config.namespace,
+                        layout,
+                        timeout_s=config.timeout_s,
+                        max_queued_pages=max(8, REMOTE_QUEUE_BYTES // layout.value_nbytes),
+                    )
+                )
         except BaseException:
             self.close()  # each store runs a writer thread
             raise
@@ -133,8 +142,10 @@ class RemoteTier:
         for store in self.stores:
             shards.append(store.lookup(pages, found) if found else [])
             found = len(shards[-1])
-        return [TierHit(page_hash, data, tuple(shard[i] for shard in shards))
-                for i, (page_hash, data) in enumerate(pages[:found])]
+        return [
+            TierHit(page_hash, data, tuple(shard[i] for shard in shards))
+            for i, (page_hash, data) in enumerate(pages[:found])
+        ]
 
     def pin(self, hits: Sequence[TierHit]) -> None:
         """Nothing to pin: the hits carry their bytes."""
@@ -147,8 +158,9 @@ class RemoteTier:
             write_pages([hit.handle[shard] for hit in hits], block, device_pages, self._views)
         self._bytes_loaded += sum(page.nbytes for hit in hits for page in hit.handle)
 
-    def note_reserved(self, fresh_pages: Sequence[int],
-                      device_hits: Sequence[Sequence[DeviceHit]]) -> None:
+    def note_reserved(
+        self, fresh_pages: Sequence[int], device_hits: Sequence[Sequence[DeviceHit]]
+    ) -> None:
         """Nothing to refresh: the server keeps its own LRU."""
 
     # --- writes ---------------------------------------------------------------------
@@ -159,8 +171,9 @@ class RemoteTier:
         if not pages.page_ids:
             return
         for store, block in zip(self.stores, self._blocks):
-            for page_hash, data, page in zip(pages.hashes, pages.token_bytes,
-                                              read_pages(block, pages.page_ids, self._views)):
+            for page_hash, data, page in zip(
+                pages.hashes, pages.token_bytes, read_pages(block, pages.page_ids, self._views)
+            ):
                 store.put(page_hash, data, page)
 
     # --- the rest of the protocol ---------------------------------------------------

@@ -34,12 +34,24 @@ class PendingLoad:
     device_page: int | None = None
     """The device page it loads into; taken when the reservation is applied."""
 
+    @property
+    def page(self) -> int:
+        """`device_page`, of a load a request keeps (its page was taken when it was)."""
+        assert self.device_page is not None, "a request keeps a load once its page is taken"
+        return self.device_page
+
 
 class TierStack:
     """The tiers of one replica, built from `params.tiers` over its pool and buffers."""
 
-    def __init__(self, configs: Sequence[TierConfig], params: KVCacheParams, num_layers: int,
-                 pool: PagePool, blocks: list[Buffer]) -> None:
+    def __init__(
+        self,
+        configs: Sequence[TierConfig],
+        params: KVCacheParams,
+        num_layers: int,
+        pool: PagePool,
+        blocks: list[Buffer],
+    ) -> None:
         self.tiers: list[Tier] = []
         try:
             for config in configs:
@@ -91,8 +103,9 @@ class TierStack:
         for load in loads:
             self._cache_tokens[load.tier] += page_size
 
-    def note_reserved(self, fresh_pages: Sequence[int],
-                      device_hits: Sequence[Sequence[DeviceHit]]) -> None:
+    def note_reserved(
+        self, fresh_pages: Sequence[int], device_hits: Sequence[Sequence[DeviceHit]]
+    ) -> None:
         for tier in self.tiers:
             tier.note_reserved(fresh_pages, device_hits)
 
@@ -101,8 +114,7 @@ class TierStack:
         the order they were copied (tier by tier). They stay pinned."""
         groups = self.by_tier(loads)
         for tier, group in groups:
-            pages = [load.device_page for load in group]
-            tier.load([load.hit for load in group], pages)  # type: ignore[arg-type]
+            tier.load([load.hit for load in group], [load.page for load in group])
         return [load for _, group in groups for load in group]
 
     # --- the rest, tier by tier -----------------------------------------------------
@@ -125,8 +137,10 @@ class TierStack:
 
     def metrics(self) -> list[tuple[str, TierMetrics]]:
         """(name, counters) of each tier, with the prompt tokens it supplied."""
-        return [(tier.name, replace(tier.metrics(), cache_tokens=tokens))
-                for tier, tokens in zip(self.tiers, self._cache_tokens)]
+        return [
+            (tier.name, replace(tier.metrics(), cache_tokens=tokens))
+            for tier, tokens in zip(self.tiers, self._cache_tokens)
+        ]
 
     def reset_metrics(self) -> None:
         self._cache_tokens = [0] * len(self.tiers)

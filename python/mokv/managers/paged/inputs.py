@@ -72,10 +72,10 @@ class PageTable:
         # Buffer.from_numpy aliases host memory; on an accelerator the small tables are copied.
         host = [Buffer.from_numpy(cache_lengths), Buffer.from_numpy(lookup_table)]
         max_lengths_buf = Buffer.from_numpy(max_lengths)
+        tables = [host if d.is_host else [t.to(d) for t in host] for d in devices]
         return [
-            RaggedKVCacheInputs(b, *(host if d.is_host else [t.to(d) for t in host]),
-                                max_lengths_buf)
-            for b, d in zip(blocks, devices)
+            RaggedKVCacheInputs(b, lengths, table, max_lengths_buf)
+            for b, (lengths, table) in zip(blocks, tables)
         ]
 
 

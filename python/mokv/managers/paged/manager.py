@@ -116,10 +116,18 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         self.replicas: list[PagedReplica] = []
         try:
             for r in range(dp):
-                self.replicas.append(PagedReplica(
-                    params, num_pages, ceil_div(max_batch_size, dp), max_seq_len, num_layers,
-                    list(self.devices[r * tp : (r + 1) * tp]), hash_fn, root,
-                ))
+                self.replicas.append(
+                    PagedReplica(
+                        params,
+                        num_pages,
+                        ceil_div(max_batch_size, dp),
+                        max_seq_len,
+                        num_layers,
+                        list(self.devices[r * tp : (r + 1) * tp]),
+                        hash_fn,
+                        root,
+                    )
+                )
             # One publisher per replica (its own PUB socket), opened last so that nothing
             # after it can fail; the replica's pool and tiers tell it what changed.
             self.kv_event_publishers = open_publishers(
@@ -164,7 +172,8 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         check_request_id(request_id)
         if replica_idx is None:
             replica_idx = (
-                0 if self.num_replicas == 1
+                0
+                if self.num_replicas == 1
                 else max(range(self.num_replicas), key=lambda r: self.replicas[r].pool.num_free)
             )
         if replica_idx.__class__ is not int or not 0 <= replica_idx < self.num_replicas:
@@ -248,7 +257,8 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         check_num_steps(num_steps)
         if len(batch) > self.max_batch_size:
             raise BatchTooLargeError(
-                f"batch of {len(batch)} requests is larger than max_batch_size={self.max_batch_size}"
+                f"batch of {len(batch)} requests is larger than "
+                f"max_batch_size={self.max_batch_size}"
             )
         groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
         plans: list[list[Reservation]] = [[] for _ in self.replicas]

@@ -28,8 +28,9 @@ the salts."""
 class PrefixChains:
     """Pure queries over one replica's device index (`pool`)."""
 
-    def __init__(self, params: KVCacheParams, pool: PagePool, hash_fn: PageHashFn,
-                 root_hash: int) -> None:
+    def __init__(
+        self, params: KVCacheParams, pool: PagePool, hash_fn: PageHashFn, root_hash: int
+    ) -> None:
         self.params = params
         self.page_size = params.page_size
         self.pool = pool
@@ -40,8 +41,11 @@ class PrefixChains:
     def can_match(self, ctx: TextGenerationContext, req: RequestState) -> bool:
         """Whether a prefix may extend the request now (see the module docstring)."""
         n_committed = len(req.hashes)
-        return (self.params.enable_prefix_caching and len(req.pages) == n_committed
-                and ctx.start_idx == n_committed * self.page_size)
+        return (
+            self.params.enable_prefix_caching
+            and len(req.pages) == n_committed
+            and ctx.start_idx == n_committed * self.page_size
+        )
 
     def parent(self, req: RequestState, ctx: TextGenerationContext) -> int:
         """The hash the request's next page chains from."""
@@ -58,12 +62,19 @@ class PrefixChains:
             root = self._salted_roots[salt] = salted_root(p.prefix_hash, p.prefix_hash_seed, salt)
         return root
 
-    def pages(self, ctx: TextGenerationContext, req: RequestState,
-              end_page: int) -> Iterator[tuple[int, bytes]]:
+    def pages(
+        self, ctx: TextGenerationContext, req: RequestState, end_page: int
+    ) -> Iterator[tuple[int, bytes]]:
         """(hash, token bytes) of the request's full pages after its committed ones, up
         to page `end_page` (excluded)."""
-        return iter_page_hashes(ctx.tokens, self.page_size, self.parent(req, ctx),
-                                self._hash_fn, len(req.hashes), end_page)
+        return iter_page_hashes(
+            ctx.tokens,
+            self.page_size,
+            self.parent(req, ctx),
+            self._hash_fn,
+            len(req.hashes),
+            end_page,
+        )
 
     def device_hits(
         self, ctx: TextGenerationContext, req: RequestState, want_tail: bool

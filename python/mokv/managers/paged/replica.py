@@ -81,8 +81,14 @@ class PagedReplica:
         self.chains = PrefixChains(params, self.pool, hash_fn, root_hash)
         self._prefix_caching = params.enable_prefix_caching
         self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
-        shape = [num_pages, 2, num_layers, params.page_size, params.n_kv_heads_per_device,
-                 params.head_dim]
+        shape = [
+            num_pages,
+            2,
+            num_layers,
+            params.page_size,
+            params.n_kv_heads_per_device,
+            params.head_dim,
+        ]
         self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
         self._page_table = PageTable(max_requests, self.max_pages_per_seq)
         self._free_slots = list(range(max_requests - 1, -1, -1))
@@ -127,8 +133,9 @@ class PagedReplica:
         """(tier name, device page, page hash) of each tier hit reserved for the request
         and not yet loaded, in chain order."""
         names = [tier.name for tier in self.tiers]
-        return [(names[ld.tier], ld.device_page, ld.hit.page_hash)  # type: ignore[misc]
-                for ld in self._request(request_id).loads]
+        return [
+            (names[ld.tier], ld.page, ld.hit.page_hash) for ld in self._request(request_id).loads
+        ]
 
     def _request(self, request_id: RequestID) -> RequestState:
         try:
@@ -261,8 +268,10 @@ class PagedReplica:
             raise
         finally:
             if self.tiers:  # what the plans that stand took (see `Tier.note_reserved`)
-                self.tiers.note_reserved([p for pages in fresh[:applied] for p in pages],
-                                         [plan.device_hit_run() for plan in plans[:applied]])
+                self.tiers.note_reserved(
+                    [p for pages in fresh[:applied] for p in pages],
+                    [plan.device_hit_run() for plan in plans[:applied]],
+                )
 
     def _give_back(self, plans: list[Reservation], sizes: list[tuple[int, int, int]]) -> None:
         for plan, (num_pages, num_hashes, num_loads) in zip(plans, sizes):
@@ -284,8 +293,10 @@ class PagedReplica:
             return
         loads = self.tiers.load(pending)
         self.pool.commit_pages(
-            [ld.device_page for ld in loads], [ld.hit.page_hash for ld in loads],  # type: ignore[misc]
-            [ld.hit.token_bytes for ld in loads], [ld.parent_hash for ld in loads],
+            [ld.page for ld in loads],
+            [ld.hit.page_hash for ld in loads],
+            [ld.hit.token_bytes for ld in loads],
+            [ld.parent_hash for ld in loads],
             [ld.cache_salt for ld in loads],
         )
         for req in reqs:
@@ -336,10 +347,15 @@ class PagedReplica:
         if not self.tiers:
             return
         new = [i for i, ok in enumerate(indexed) if ok]
-        self.tiers.store(CommittedPages(
-            [plan.page_ids[i] for i in new], [plan.hashes[i] for i in new],
-            [plan.datas[i] for i in new], [plan.parents[i] for i in new],
-            [plan.salts[i] for i in new]))
+        self.tiers.store(
+            CommittedPages(
+                [plan.page_ids[i] for i in new],
+                [plan.hashes[i] for i in new],
+                [plan.datas[i] for i in new],
+                [plan.parents[i] for i in new],
+                [plan.salts[i] for i in new],
+            )
+        )
 
     # --- graph inputs ---------------------------------------------------------------
 
@@ -352,17 +368,28 @@ class PagedReplica:
         slots = [requests[ctx.request_id].slot for ctx in batch]
         starts = [ctx.start_idx for ctx in batch]
         actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
-        inputs = self._page_table.inputs(self.blocks, self.devices, slots, starts, actives,
-                                         num_steps, self.page_size)
+        inputs = self._page_table.inputs(
+            self.blocks, self.devices, slots, starts, actives, num_steps, self.page_size
+        )
         self.input_tokens += sum(actives)
         return inputs
 
     def check_tables(self, batch: list[TextGenerationContext], num_steps: int) -> None:
         """InvariantError unless the tables `runtime_inputs` hands out for `batch` are safe
         (`inputs.check_write_windows`; `enable_runtime_checks`)."""
-        check_write_windows(self.pool, self.page_size, (
-            (ctx.request_id, self._requests[ctx.request_id].pages, ctx.start_idx,
-             ctx.active_idx + num_steps - 1) for ctx in batch))
+        check_write_windows(
+            self.pool,
+            self.page_size,
+            (
+                (
+                    ctx.request_id,
+                    self._requests[ctx.request_id].pages,
+                    ctx.start_idx,
+                    ctx.active_idx + num_steps - 1,
+                )
+                for ctx in batch
+            ),
+        )
 
     # --- the tiers, with the device pool ---------------------------------------------
 
@@ -398,8 +425,8 @@ class PagedReplica:
         still holding its tokens (`Tier.check_invariants`)."""
         for request_id, req in self._requests.items():
             for load in req.loads:
-                page = load.device_page
-                if page not in req.pages or self.pool.page_hash(page) is not None:  # type: ignore[arg-type]
+                page = load.page
+                if page not in req.pages or self.pool.page_hash(page) is not None:
                     raise InvariantError(
                         f"request {request_id!r} loads into device page {page}, which it "
                         "does not own or which is hashed"

@@ -1,0 +1,26 @@
+"""The package's lint, format and types: `ruff check`, `ruff format --check` and `mypy`
+over python/mokv, configured in pyproject.toml. They run in the suite so that a change
+that breaks them fails `make test` like any other."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = Path(sys.executable).parent
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["ruff", "check", "python/"], ["ruff", "format", "--check", "python/"], ["mypy"]],
+    ids=["ruff-check", "ruff-format", "mypy"],
+)
+def test_package_is_clean(command: list[str]) -> None:
+    proc = subprocess.run(
+        [str(TOOLS / command[0]), *command[1:]], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
