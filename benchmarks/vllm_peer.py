@@ -20,6 +20,10 @@ drive it, with vLLM's defaults (watermark 0, no lookahead, no connector):
   serve` runs);
 - a running request (`maybe_reserve`): `allocate_slots(request, window)`;
 - `step`: `new_step_starts` (once per step) and `cache_blocks` up to the computed tokens;
+- `fetch`: the block ids vLLM's scheduler puts in its `SchedulerOutput` (new blocks
+  only, all blocks for a request just admitted); building the worker's block table is
+  not the manager's work and is left out, where mokv's and MAX's `fetch` build the
+  graph's input tensors (so vLLM's "runtime inputs" column is lighter work);
 - `release` (finished or preempted): `free`.
 
 One difference from vLLM's scheduler, needed to give all three managers the same work:
@@ -75,16 +79,18 @@ class _VllmContext:
     """A vLLM `Request` under the names the scheduler reads (`mokv.TextContext`'s).
 
     `window` is the number of tokens the request runs this step (vLLM's scheduler keeps
-    that count in its `num_scheduled_tokens`); `update` and `reset` do what vLLM's
+    that count in its `num_scheduled_tokens`), `new_blocks` the blocks this step's
+    reservation handed it (its `req_to_new_blocks`); `update` and `reset` do what vLLM's
     scheduler does to a request after a step and on preemption (untimed, as the
     contexts' `update` is for mokv and MAX).
     """
 
-    __slots__ = ("req", "window", "__weakref__")
+    __slots__ = ("req", "window", "new_blocks", "__weakref__")
 
     def __init__(self, req) -> None:
         self.req = req
         self.window = req.num_tokens
+        self.new_blocks = None
 
     request_id = property(lambda self: self.req.request_id)
     start_idx = property(lambda self: self.req.num_computed_tokens)
@@ -158,7 +164,8 @@ class VllmPaged:
     def maybe_reserve(self, ctx: _VllmContext) -> bool:
         req, m = ctx.req, self.m
         if req.status == self._Status.RUNNING:
-            return m.allocate_slots(req, ctx.window, delay_cache_blocks=True) is not None
+            ctx.new_blocks = m.allocate_slots(req, ctx.window, delay_cache_blocks=True)
+            return ctx.new_blocks is not None
         blocks, hits, _ = m.get_computed_blocks(req)
         new = m.allocate_slots(req, req.num_tokens - hits, num_new_computed_tokens=hits,
                                new_computed_blocks=blocks, delay_cache_blocks=True,
@@ -168,14 +175,16 @@ class VllmPaged:
         req.status = self._Status.RUNNING
         req.num_computed_tokens = hits
         ctx.window = req.num_tokens - hits
+        ctx.new_blocks = m.get_blocks(req.request_id)  # a newly scheduled request: all of them
         m.record_prefix_cache_stats(req, hits)
         self._num_running += 1
         return True
 
     def fetch(self, batch: list[_VllmContext]):
-        """What vLLM's scheduler hands its worker: each request's block ids."""
-        get = self.m.get_block_ids
-        return [get(c.req.request_id) for c in batch]
+        """What vLLM's scheduler hands its worker (`SchedulerOutput`): the block ids of
+        each request's blocks new this step (all of them for a request just admitted);
+        the worker appends them to its persistent block table."""
+        return [c.new_blocks.get_block_ids(allow_none=True) for c in batch]
 
     def step(self, batch: list[_VllmContext]) -> None:
         m = self.m
