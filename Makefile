@@ -3,13 +3,14 @@
 #   make test   installs mokv and its test tools into .venv (and, as root on Debian, the
 #               redis-server package that tests/remote/ starts) and runs every test
 #   make test-remote  only the shared-tier tests (each starts its own redis-server)
-#   make bench  runs the benchmark suite (make bench-quick: a shorter run)
+#   make bench  runs the benchmark suite (make bench-quick: a shorter run), with vLLM's
+#               KV cache manager beside mokv's and MAX's (make bench-vllm installs it)
 #   make docs   builds the docs site (docs/, mkdocs.yml) into site/, warnings as errors
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-remote bench bench-quick docs install redis-server
+.PHONY: demo test test-remote bench bench-quick bench-vllm docs install redis-server
 
 # The shared-tier tests start their own redis-server (only the binary is used; a service
 # the package may start is never contacted). Under CI=true they fail without it.
@@ -42,10 +43,19 @@ test-remote: $(VENV)/.installed redis-server
 docs: $(VENV)/.installed
 	$(VENV)/bin/mkdocs build --strict
 
-bench: $(VENV)/.installed
+# The benchmark's peers: MAX's manager (the bench extra) and vLLM's v1 KVCacheManager, which
+# runs on the CPU from torch (CPU build) and vllm installed --no-deps with only what its
+# import chain needs (benchmarks/requirements-vllm.txt). Never installed by `make test`.
+$(VENV)/.bench: $(VENV)/.installed benchmarks/requirements-vllm.txt
 	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps -r benchmarks/requirements-vllm.txt
+	touch $@
+
+bench-vllm: $(VENV)/.bench
+
+bench: $(VENV)/.bench
 	$(PY) benchmarks/run.py
 
-bench-quick: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[bench]"
+bench-quick: $(VENV)/.bench
 	$(PY) benchmarks/run.py --quick

@@ -12,6 +12,11 @@ Three measurements, all through `replay.replay` (no model execution):
   per-step cost as a function of batch size, where fixed per-step costs show.
 - `budget_sweep`: hit rate against the page budget on a smaller trace.
 
+The managers: mokv's paged manager (with and without its lock), mokv's continuous
+manager, MAX 26.7's paged manager and, where `make bench-vllm` installed it, vLLM's v1
+`KVCacheManager` (`vllm_peer.py`), all behind the same scheduler on the same trace.
+`compare` runs at pages of 128 tokens (`PAGE_SIZE`) and, for vLLM's GPU default, 16.
+
 `profile_mokv` runs cProfile over mokv's replay to name its hot spots.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import cProfile
 import gc
+import importlib.util
 import json
 import os
 import pstats
@@ -34,13 +40,15 @@ sys.path.insert(0, str(HERE))
 
 from trace import Request, TraceConfig, infinite_cache_bound, make_trace, summarize  # noqa: E402
 
-MANAGERS = ("mokv-paged", "mokv-paged-nolock", "mokv-continuous", "max-paged")
+MANAGERS = ("mokv-paged", "mokv-paged-nolock", "mokv-continuous", "max-paged") + (
+    ("vllm-paged",) if importlib.util.find_spec("vllm") is not None else ())
 MAX_SEQ_LEN = 16384
 PAGE_SIZE = 128
+BUDGET_TOKENS = 300 * 128  # the main trace's page budget, in tokens (300 pages of 128)
 
 
 def settings(quick: bool) -> dict:
-    return dict(sessions=150 if quick else 400, budget=300, max_batch=64,
+    return dict(sessions=150 if quick else 400, budget=BUDGET_TOKENS // PAGE_SIZE, max_batch=64,
                 repeats=2 if quick else 5, sweep_sessions=80 if quick else 200,
                 budgets=[160, 300, 600, 1200] if quick else [160, 220, 300, 450, 600, 900, 1200, 2400],
                 batch_sizes=[1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128])
@@ -61,11 +69,12 @@ def _kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
-def _one(manager: str, trace: list[Request], budget: int, max_batch: int, **kw) -> dict:
+def _one(manager: str, trace: list[Request], budget: int, max_batch: int,
+         page_size: int = PAGE_SIZE, **kw) -> dict:
     from managers import ADAPTERS
     from replay import replay
 
-    adapter = ADAPTERS[manager](budget, max_batch, MAX_SEQ_LEN, page_size=PAGE_SIZE)
+    adapter = ADAPTERS[manager](budget, max_batch, MAX_SEQ_LEN, page_size=page_size)
     gc.collect()
     gc.freeze()
     out = replay(adapter, trace, **kw).summary()
@@ -78,11 +87,12 @@ def _one(manager: str, trace: list[Request], budget: int, max_batch: int, **kw) 
 def worker(spec: dict) -> dict:
     """Body of one subprocess of `compare`: one replay of one manager, peak RSS measured."""
     trace = make_trace(TraceConfig(num_sessions=spec["sessions"]))
-    _one(spec["manager"], trace[:20], spec["budget"], spec["max_batch"])  # warm up imports
+    page_size = spec.get("page_size", PAGE_SIZE)
+    _one(spec["manager"], trace[:20], spec["budget"], spec["max_batch"], page_size)  # imports
     gc.collect()
     rss0 = _kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (Linux)
-    run = _one(spec["manager"], trace, spec["budget"], spec["max_batch"])
+    run = _one(spec["manager"], trace, spec["budget"], spec["max_batch"], page_size)
     run["peak_rss_growth_bytes"] = (_kib("VmHWM") - rss0) * 1024
     return run
 
@@ -94,17 +104,28 @@ def _best(runs: list[dict]) -> dict:
     return best
 
 
-def compare(quick: bool, progress=None) -> dict:
+COMPARED = ("mokv-paged", "mokv-continuous")
+"""The managers `compare` sets against each peer (MAX's, vLLM's) in its ratios."""
+
+
+def compare(quick: bool, progress=None, page_size: int = PAGE_SIZE) -> dict:
+    """The main trace through every manager at `page_size` tokens a page, under the same
+    memory (`BUDGET_TOKENS`), each replay in its own subprocess, repeats interleaved."""
     s = settings(quick)
+    budget = BUDGET_TOKENS // page_size
     trace = make_trace(TraceConfig(num_sessions=s["sessions"]))
-    out = {"trace": summarize(trace), "budget_pages": s["budget"], "max_batch": s["max_batch"],
-           "page_size": PAGE_SIZE, "max_seq_len": MAX_SEQ_LEN,
-           "infinite_cache_bound": infinite_cache_bound(trace, PAGE_SIZE), "managers": {}}
+    out = {"trace": summarize(trace), "budget_pages": budget, "max_batch": s["max_batch"],
+           "page_size": page_size, "max_seq_len": MAX_SEQ_LEN,
+           "infinite_cache_bound": infinite_cache_bound(trace, page_size), "managers": {}}
+    if "vllm-paged" in MANAGERS:
+        from vllm_peer import HASH_ALGO, version
+
+        out["vllm"] = {"version": version(), "prefix_caching_hash_algo": HASH_ALGO}
     runs: dict[str, list[dict]] = {m: [] for m in MANAGERS}
     for _ in range(s["repeats"]):  # interleaved, so a burst of other load hits every manager
         for m in MANAGERS:
-            spec = dict(manager=m, sessions=s["sessions"], budget=s["budget"],
-                        max_batch=s["max_batch"])
+            spec = dict(manager=m, sessions=s["sessions"], budget=budget,
+                        max_batch=s["max_batch"], page_size=page_size)
             proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
                                   capture_output=True, text=True, cwd=HERE, env=child_env())
             if proc.returncode:
@@ -116,16 +137,25 @@ def compare(quick: bool, progress=None) -> dict:
     for m, rs in runs.items():
         if rs:
             out["managers"][m] = _best(rs)
-    ms = out["managers"]
-    if "error" not in ms.get("max-paged", {"error": 1}):
-        for m in ("mokv-paged", "mokv-continuous"):
-            if "error" in ms[m]:
-                continue
-            ratio = {}
-            for key in ("us_per_request_step", "bookkeeping_us", "runtime_inputs_us"):
-                ratio[key] = round(ms[m][key]["median"] / ms["max-paged"][key]["median"], 3)
-            ratio["hit_rate"] = round(ms[m]["hit_rate"] / max(ms["max-paged"]["hit_rate"], 1e-9), 3)
-            out.setdefault("ratio_vs_max", {})[m] = ratio
+    for peer in ("max-paged", "vllm-paged"):
+        ratios = _ratios(out["managers"], peer)
+        if ratios:
+            out[f"ratio_vs_{peer.split('-')[0]}"] = ratios
+    return out
+
+
+def _ratios(ms: dict, peer: str) -> dict:
+    """Each of `COMPARED` over `peer`: medians of the three timings, and the hit rates."""
+    if "error" in ms.get(peer, {"error": 1}):
+        return {}
+    out = {}
+    for m in COMPARED:
+        if "error" in ms.get(m, {"error": 1}):
+            continue
+        ratio = {key: round(ms[m][key]["median"] / ms[peer][key]["median"], 3)
+                 for key in ("us_per_request_step", "bookkeeping_us", "runtime_inputs_us")}
+        ratio["hit_rate"] = round(ms[m]["hit_rate"] / max(ms[peer]["hit_rate"], 1e-9), 3)
+        out[m] = ratio
     return out
 
 

@@ -27,6 +27,7 @@ from max.dtype import DType
 from max.engine import InferenceSession
 
 import mokv
+from vllm_peer import VllmPaged
 
 SHAPE = dict(n_kv_heads=1, head_dim=16, num_layers=1)
 _SESSION: InferenceSession | None = None
@@ -210,4 +211,4 @@ class MaxPaged:
         return self.total_pages - self.m.block_count(0).free
 
 
-ADAPTERS = {a.name: a for a in (MokvPaged, MokvPagedNoLock, MokvContinuous, MaxPaged)}
+ADAPTERS = {a.name: a for a in (MokvPaged, MokvPagedNoLock, MokvContinuous, MaxPaged, VllmPaged)}

@@ -5,9 +5,11 @@
 Parts (each module's docstring says what it measures and why):
   hashing    bench_hashing.py   prefix-hash throughput per algorithm, beside MAX's
   events     bench_events.py    hot-path cost of KV-cache events (trace replay on vs off)
-  managers   bench_managers.py  scheduler trace replay: host µs per request-step, hit
-                                rate vs the infinite-cache bound, preemptions, memory;
-                                batch-size and page-budget sweeps; mokv hot spots
+  managers   bench_managers.py  scheduler trace replay (mokv, MAX 26.7 and, after `make
+                                bench-vllm`, vLLM's v1 manager): host µs per request-step,
+                                hit rate vs the infinite-cache bound, preemptions, memory,
+                                at pages of 128 and 16 tokens; batch-size and page-budget
+                                sweeps; mokv hot spots
   attention  bench_attention.py CPU ragged flash attention, mokv vs MAX, vs copy bandwidth
   qkv        bench_qkv.py       CPU QKV projection: mokv's fused_qkv_matmul vs MAX's matmul
   compile    bench_compile.py   cold and warm build+load of a graph with mokv's kernels
@@ -66,7 +68,8 @@ def _plan(parts: list[str], quick: bool, portable: bool) -> int:
     sizes = {"hashing": 2, "events": 10 if quick else 20, "attention": bench_attention.plan_size(quick, portable),
              "qkv": len(bench_qkv.tokens(quick)),
              "compile": bench_compile.plan_size(quick),
-             "managers": 3 * s["repeats"] + len(s["batch_sizes"]) + len(s["budgets"]) + 1}
+             "managers": 2 * len(bench_managers.MANAGERS) * s["repeats"] + len(s["batch_sizes"])
+             + len(s["budgets"]) + 1}
     return sum(sizes[p] for p in parts)
 
 
@@ -97,8 +100,10 @@ def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dic
                                      lambda: bench_events.run(quick, tick))
         if "managers" in parts:
             man = results["managers"] = {}
-            man["compare"] = part("compare", "trace replay (3 managers)",
+            man["compare"] = part("compare", "trace replay, pages of 128",
                                   lambda: bench_managers.compare(quick, tick))
+            man["compare_page16"] = part("compare_page16", "trace replay, pages of 16",
+                                         lambda: bench_managers.compare(quick, tick, 16))
             man["batch_sweep"] = part("batch_sweep", "decode batch-size sweep",
                                       lambda: bench_managers.batch_sweep(quick, tick))
             man["budget_sweep"] = part("budget_sweep", "page-budget sweep",
@@ -127,31 +132,41 @@ def _f(x, nd=1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _replay_table(cmp: dict) -> list[str]:
+    """The trace replay's table of one page size, and each manager's ratios to its peers."""
+    if not cmp.get("managers"):
+        return []
+    vllm = cmp.get("vllm")
+    lines = [f"### Trace replay ({cmp['trace']['requests']} requests, {cmp['budget_pages']} pages "
+             f"of {cmp['page_size']}, batch ≤ {cmp['max_batch']}; infinite-cache bound "
+             f"{cmp['infinite_cache_bound']:.3f})", ""]
+    if vllm:
+        lines += [f"vLLM {vllm['version']}, prefix_caching_hash_algo={vllm['prefix_caching_hash_algo']!r}.", ""]
+    lines += ["| manager | µs/req-step median | p99 | bookkeeping med | runtime inputs med | hit rate | "
+              "peak pages | preemptions | peak RSS growth MB |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in cmp["managers"].items():
+        if "error" in s:
+            lines.append(f"| {name} | error: {s['error'][-120:]!r} |")
+            continue
+        lines.append(f"| {name} | {_f(s['us_per_request_step']['median'], 2)} | "
+                     f"{_f(s['us_per_request_step']['p99'], 1)} | {_f(s['bookkeeping_us']['median'], 2)} | "
+                     f"{_f(s['runtime_inputs_us']['median'], 2)} | {s['hit_rate']:.3f} | {s['peak_pages']} | "
+                     f"{s['preemptions']} | {s['peak_rss_growth_bytes'] / 1e6:.1f} |")
+    for peer in ("max", "vllm"):
+        for name, ratio in cmp.get(f"ratio_vs_{peer}", {}).items():
+            lines.append(f"\n{name} / {peer}-paged: all-in ×{ratio['us_per_request_step']}, bookkeeping "
+                         f"×{ratio['bookkeeping_us']}, runtime inputs ×{ratio['runtime_inputs_us']}, "
+                         f"hit rate ×{ratio['hit_rate']}")
+    return lines + [""]
+
+
 def summary(r: dict) -> str:
     """Markdown tables of the headline numbers."""
     m = r["machine"]
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_GB']} GB, MAX {m['max']}, "
              f"load average {m['loadavg_start'][0]:.2f} → {m['loadavg_end'][0]:.2f}", ""]
-    cmp = r.get("managers", {}).get("compare", {})
-    if cmp.get("managers"):
-        lines += [f"### Trace replay ({cmp['trace']['requests']} requests, {cmp['budget_pages']} pages "
-                  f"of {cmp['page_size']}, batch ≤ {cmp['max_batch']}; infinite-cache bound "
-                  f"{cmp['infinite_cache_bound']:.3f})", "",
-                  "| manager | µs/req-step median | p99 | bookkeeping med | runtime inputs med | hit rate | "
-                  "peak pages | preemptions | peak RSS growth MB |", "|---|---|---|---|---|---|---|---|---|"]
-        for name, s in cmp["managers"].items():
-            if "error" in s:
-                lines.append(f"| {name} | error: {s['error'][-120:]!r} |")
-                continue
-            lines.append(f"| {name} | {_f(s['us_per_request_step']['median'], 2)} | "
-                         f"{_f(s['us_per_request_step']['p99'], 1)} | {_f(s['bookkeeping_us']['median'], 2)} | "
-                         f"{_f(s['runtime_inputs_us']['median'], 2)} | {s['hit_rate']:.3f} | {s['peak_pages']} | "
-                         f"{s['preemptions']} | {s['peak_rss_growth_bytes'] / 1e6:.1f} |")
-        for name, ratio in cmp.get("ratio_vs_max", {}).items():
-            lines.append(f"\n{name} / max-paged: all-in ×{ratio['us_per_request_step']}, bookkeeping "
-                         f"×{ratio['bookkeeping_us']}, runtime inputs ×{ratio['runtime_inputs_us']}, "
-                         f"hit rate ×{ratio['hit_rate']}")
-        lines.append("")
+    for key in ("compare", "compare_page16"):
+        lines += _replay_table(r.get("managers", {}).get(key, {}))
     sweep = r.get("managers", {}).get("batch_sweep", {})
     if isinstance(sweep, dict) and "error" not in sweep and sweep:
         names = list(sweep)

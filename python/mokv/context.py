@@ -20,6 +20,7 @@ tokens fold into the prompt and will be recomputed (or found in the prefix cache
 from __future__ import annotations
 
 import uuid
+from operator import attrgetter
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -145,29 +146,17 @@ class TextContext:
             f"active_idx={self._active}, end_idx={self._end})"
         )
 
-    @property
-    def request_id(self) -> RequestID:
-        return self._request_id
+    # The managers read these on every request of every step: a property over
+    # `attrgetter` runs in C, ~10 ns (a third) less than a Python getter.
+    request_id = property(attrgetter("_request_id"), doc="The request's `RequestID`.")
+    start_idx = property(attrgetter("_start"), doc="Tokens already in the KV cache.")
+    active_idx = property(attrgetter("_active"), doc="End of this step's active window.")
+    end_idx = property(attrgetter("_end"), doc="All tokens known so far.")
+    current_length = property(attrgetter("_end"), doc="`end_idx` (MAX's name).")
 
     @property
     def tokens(self) -> np.ndarray:
         return self._buf[: self._end]
-
-    @property
-    def start_idx(self) -> int:
-        return self._start
-
-    @property
-    def active_idx(self) -> int:
-        return self._active
-
-    @property
-    def end_idx(self) -> int:
-        return self._end
-
-    @property
-    def current_length(self) -> int:
-        return self._end
 
     @property
     def active_length(self) -> int:

@@ -1,0 +1,145 @@
+"""MAX's own attention kernel on mokv's caches: the one place mokv calls MAX's kernel
+library (its internal Mojo API, MAX 26.7), so that an upgrade of MAX is a port of this
+file.
+
+On a GPU, mokv's attention op runs MAX's `generic_flash_attention_kv_cache_ragged` (its
+Hopper and MI300 kernels, split keys as MAX decides) on a MAX view of mokv's collection:
+mokv's pages and slots are byte-identical to MAX's, so the view is three tensor views
+over the same pointers, nothing is copied. On the CPU mokv's own kernels run (faster
+than MAX's there); the define `MOKV_MAX_KERNELS=true` makes the CPU run MAX's kernel
+through this same view, which is how the suite checks the view against numpy on a
+machine without a GPU.
+
+What MAX's views need beyond mokv's tables, and where it comes from:
+  * paged: `max_seq_length` and `max_cache_length`, from `max_lengths` row 0 (mokv's
+    collection keeps them); the cache length is passed as cache + new tokens, an upper
+    bound whatever the row means. MAX's GPU kernels may read up to 16 lookup-table
+    entries past a row's pages: the paged layout pads every row (`layouts/paged.py`).
+  * continuous: seed 002's inputs carry no max lengths, so the view gets bounds from the
+    batch: new tokens of one sequence <= total - batch + 1 (exactly 1 for a decode
+    batch, which keeps MAX on its decode kernels), cache + new tokens <= `max_seq_len`
+    (the slot's capacity; MAX sizes its key splits from it, never its results).
+"""
+
+from std.sys.defines import get_defined_bool
+
+from kv_cache.types import (
+    ContinuousBatchingKVCacheCollection as MaxContinuousCollection,
+    KVCacheStaticParams as MaxKVCacheStaticParams,
+    PagedKVCacheCollection as MaxPagedCollection,
+)
+from layout import Coord, Idx, TileTensor, row_major
+from max.gpu.host import DeviceContext
+from max.gpu.host.info import is_cpu
+from nn.attention.gpu.mha import MHADecodeDispatchMetadata
+from nn.attention.gpu.mha_decode_partition_heuristic import mha_decoding_num_partitions
+from nn.kv_cache_ragged import generic_flash_attention_kv_cache_ragged
+
+from ..continuous import ContinuousBatchingKVCacheCollection
+from ..paged import PagedKVCacheCollection
+from ..types import KVCollectionT, Ptr, U32Ptr
+
+comptime MAX_KERNELS_ON_CPU = get_defined_bool["MOKV_MAX_KERNELS", False]()
+"""Whether the CPU runs MAX's attention too (see the module docstring)."""
+
+
+@always_inline
+def uses_max_attention[target: StaticString]() -> Bool:
+    """Whether mokv's attention op runs MAX's kernel for `target`: on every GPU."""
+    return not is_cpu[target]() or MAX_KERNELS_ON_CPU
+
+
+def _max_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
+    collection: Coll,
+    output: Ptr[q_dtype],  # [total_tokens, n_q, D]
+    q: Ptr[q_dtype],  # [total_tokens, n_q, D]
+    offsets: U32Ptr,  # [batch_size + 1]
+    total_tokens: Int,
+    n_q: Int,
+    layer_idx: Int,
+    scale: Float32,
+    max_new_tokens: Int,
+    max_cache_length: Int,  # cache + new tokens, or an upper bound
+    ctx: DeviceContext,
+) raises:
+    """MAX's ragged causal flash attention over a MAX collection."""
+    comptime D = Coll.kv_params.head_size
+    var batch_size = collection.batch_size()
+    var partitions = 1
+    comptime if not is_cpu[target]():
+        partitions = mha_decoding_num_partitions(batch_size, max_cache_length, Coll.kv_params.num_heads, ctx)
+    var shape = row_major(Coord(total_tokens, n_q, Idx[D]))
+    var q_view = TileTensor(q.unsafe_origin_cast[MutAnyOrigin](), shape)
+    var out_view = TileTensor(output.unsafe_origin_cast[MutAnyOrigin](), shape)
+    var offsets_view = TileTensor(offsets.unsafe_origin_cast[MutAnyOrigin](), row_major(Coord(batch_size + 1))).as_imm()
+    generic_flash_attention_kv_cache_ragged[target=target, mask_str="causal"](
+        q_view,
+        offsets_view,
+        collection,
+        UInt32(layer_idx),
+        scale,
+        out_view,
+        ctx,
+        MHADecodeDispatchMetadata(batch_size, max_new_tokens, partitions, max_cache_length),
+    )
+
+
+def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_dtype: DType, target: StaticString](
+    coll: PagedKVCacheCollection[dtype_code, H, D, page_size],
+    output: Ptr[q_dtype],
+    q: Ptr[q_dtype],
+    offsets: U32Ptr,
+    total_tokens: Int,
+    n_q: Int,
+    layer_idx: Int,
+    scale: Float32,
+    ctx: DeviceContext,
+) raises:
+    """mokv's attention op on a paged cache, through MAX's kernel (see the module)."""
+    comptime Coll = PagedKVCacheCollection[dtype_code, H, D, page_size]
+    comptime dtype = Coll.dtype
+    var blocks = TileTensor(
+        coll.blocks.unsafe_origin_cast[MutAnyOrigin](),
+        row_major(Coord(coll.num_pages, Idx[2], coll.num_layers(), Idx[page_size], Idx[H], Idx[D])),
+    )
+    var lengths = TileTensor(coll.cache_lengths.unsafe_origin_cast[MutAnyOrigin](), row_major(Coord(coll.batch_size()))).as_imm()
+    var table = TileTensor(
+        coll.lookup_table.unsafe_origin_cast[MutAnyOrigin](), row_major(Coord(coll.batch_size(), coll.max_num_pages))
+    ).as_imm()
+    var max_cache = coll.max_cache_length + coll.max_new_tokens
+    var view = MaxPagedCollection[
+        dtype, MaxKVCacheStaticParams(num_heads=H, head_size=D), page_size, MutAnyOrigin, ImmutAnyOrigin, ImmutAnyOrigin, MutAnyOrigin
+    ](blocks, lengths, table, UInt32(coll.max_new_tokens), UInt32(max_cache))
+    _max_attention[target=target](
+        view, output, q, offsets, total_tokens, n_q, layer_idx, scale, coll.max_new_tokens, max_cache, ctx
+    )
+
+
+def continuous_attention_with_max[dtype_code: Int, H: Int, D: Int, q_dtype: DType, target: StaticString](
+    coll: ContinuousBatchingKVCacheCollection[dtype_code, H, D],
+    output: Ptr[q_dtype],
+    q: Ptr[q_dtype],
+    offsets: U32Ptr,
+    total_tokens: Int,
+    n_q: Int,
+    layer_idx: Int,
+    scale: Float32,
+    ctx: DeviceContext,
+) raises:
+    """mokv's attention op on a continuous cache, through MAX's kernel (see the module)."""
+    comptime Coll = ContinuousBatchingKVCacheCollection[dtype_code, H, D]
+    comptime dtype = Coll.dtype
+    var batch_size = coll.batch_size()
+    var blocks = TileTensor(
+        coll.blocks.unsafe_origin_cast[MutAnyOrigin](),
+        row_major(Coord(coll.num_slots, Idx[2], coll.num_layers(), coll.max_seq_len, Idx[H], Idx[D])),
+    )
+    var lengths = TileTensor(coll.cache_lengths.unsafe_origin_cast[MutAnyOrigin](), row_major(Coord(batch_size))).as_imm()
+    var slots = TileTensor(coll.lookup_table.unsafe_origin_cast[MutAnyOrigin](), row_major(Coord(batch_size))).as_imm()
+    var max_new = total_tokens - batch_size + 1
+    var view = MaxContinuousCollection[dtype, MaxKVCacheStaticParams(num_heads=H, head_size=D)](
+        blocks, lengths, slots, UInt32(max_new), UInt32(coll.max_seq_len)
+    )
+    _max_attention[target=target](
+        view, output, q, offsets, total_tokens, n_q, layer_idx, scale, max_new, coll.max_seq_len, ctx
+    )
