@@ -142,10 +142,9 @@ class MokvSide:
 
     def __init__(self, session, kind: str, hkv: int = HKV, dtype: DType = DTYPE,
                  slots: int = 64, max_ctx: int = MAX_CTX, device: Device = CPU(),
-                 tensor_cores: bool = False, suffix: str = ""):
+                 portable: bool = False):
         self.session, self.kind, self.dtype = session, kind, dtype
-        # -tc: gpu_tensor_cores=True; -portable: a session on the portable CPU paths
-        self.name = f"mokv-{kind}" + ("-tc" if tensor_cores else "") + suffix
+        self.name = f"mokv-{kind}" + ("-portable" if portable else "")  # the portable CPU paths
         self.device = device
         strategy = mokv.KVCacheStrategy.PAGED if kind == "paged" else mokv.KVCacheStrategy.CONTINUOUS
         self.params = mokv.KVCacheParams(dtype, hkv, D, page_size=PAGE, cache_strategy=strategy)
@@ -158,10 +157,9 @@ class MokvSide:
                    input_types=[*_io_types(dtype, device), *self.mgr.input_symbols()[0]]) as g:
             q, offsets, *kv = g.inputs
             coll = self.mgr.layout.fetch(self.params, 1, *kv)
-            out = mokv.ops.flash_attention(coll, q.tensor, offsets.tensor, 0, 1 / math.sqrt(D),
-                                           gpu_tensor_cores=tensor_cores)
+            out = mokv.ops.flash_attention(coll, q.tensor, offsets.tensor, 0, 1 / math.sqrt(D))
             g.output(out)
-        with mokv.filter_collection_warnings():
+        with mokv.ops.portable_cpu_paths(session, portable), mokv.filter_collection_warnings():
             self.model = session.load(g)
 
     def _paged_manager(self, batch: int, seq: int):
@@ -288,14 +286,14 @@ def _decode_cells(sides: list, probe: ReadProbe, b: int, c: int, kv_bytes: int, 
     return cells
 
 
-def _portable_side(portable, make):
+def _portable_side(portable: bool, make):
     """[(name, make)] for the mokv side on the portable CPU paths, when asked for."""
-    return [] if portable is None else [("mokv-paged-portable", make)]
+    return [("mokv-paged-portable", make)] if portable else []
 
 
-def run_shapes(session, probe: ReadProbe, quick: bool, progress=None, portable=None) -> list[dict]:
+def run_shapes(session, probe: ReadProbe, quick: bool, progress=None, portable: bool = False) -> list[dict]:
     """Long-context decode for each (GQA group, dtype): mokv paged and continuous, MAX;
-    with `portable` (a session on the portable CPU paths), mokv paged on those paths too."""
+    with `portable`, mokv paged on the portable CPU paths too."""
     plan = cases(quick)
     min_time = 0.3 if quick else 0.6
     rows = []
@@ -309,8 +307,8 @@ def run_shapes(session, probe: ReadProbe, quick: bool, progress=None, portable=N
                            ("mokv-paged", lambda: MokvSide(session, "paged", hkv, dt)),
                            ("mokv-continuous", lambda: MokvSide(session, "continuous", hkv, dt,
                                                                 slots=max_b, max_ctx=max_c)),
-                           *_portable_side(portable, lambda: MokvSide(portable, "paged", hkv, dt,
-                                                                      suffix="-portable"))):
+                           *_portable_side(portable, lambda: MokvSide(session, "paged", hkv, dt,
+                                                                      portable=True))):
             try:
                 sides.append(make())
             except Exception as e:  # noqa: BLE001 - reported, not fatal
@@ -328,12 +326,11 @@ def run_shapes(session, probe: ReadProbe, quick: bool, progress=None, portable=N
 
 
 def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
-    """`portable`: add mokv's paged side on the portable CPU paths (`use_portable_cpu_paths`:
+    """`portable`: add mokv's paged side on the portable CPU paths (`portable_cpu_paths`:
     the kernels an AVX2 host runs), timed beside the others."""
     from max.engine import InferenceSession
 
     session = InferenceSession(devices=[CPU()])
-    portable_session = mokv.ops.use_portable_cpu_paths(InferenceSession(devices=[CPU()])) if portable else None
     probe = ReadProbe(1 << (28 if quick else 29))
     out: dict = {"shape": {"n_heads": H, "n_kv_heads": HKV, "head_dim": D, "dtype": "float32",
                            "page_size": PAGE},
@@ -343,8 +340,7 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
     for name, make in (("max-paged", lambda: MaxSide(session)),
                        ("mokv-paged", lambda: MokvSide(session, "paged")),
                        ("mokv-continuous", lambda: MokvSide(session, "continuous")),
-                       *_portable_side(portable_session,
-                                       lambda: MokvSide(portable_session, "paged", suffix="-portable"))):
+                       *_portable_side(portable, lambda: MokvSide(session, "paged", portable=True))):
         t0 = time.perf_counter()
         try:
             sides.append(make())
@@ -375,7 +371,7 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
     for side in sides:
         side.mgr = side.model = None
     sides.clear()
-    out["shapes"] = run_shapes(session, probe, quick, progress, portable_session)
+    out["shapes"] = run_shapes(session, probe, quick, progress, portable)
     return out
 
 
@@ -393,9 +389,8 @@ if __name__ == "__main__":
     if "--shapes" in sys.argv:  # only the GQA x dtype table
         from max.engine import InferenceSession
 
-        other = mokv.ops.use_portable_cpu_paths(InferenceSession(devices=[CPU()])) if portable else None
         rows = run_shapes(InferenceSession(devices=[CPU()]), ReadProbe(1 << 28), "--quick" in sys.argv,
-                          portable=other)
+                          portable=portable)
         print(json.dumps(rows, indent=1))
     else:
         print(json.dumps(run("--quick" in sys.argv, portable=portable), indent=1))

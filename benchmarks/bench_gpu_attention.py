@@ -5,10 +5,10 @@ Runs where MAX sees an accelerator (`max.driver.accelerator_count() > 0`):
     python benchmarks/bench_gpu_attention.py [--quick] [--bf16 | --f32] [--qkv] [--json PATH]
 
 Same sides as bench_attention.py (mokv paged and continuous, MAX 26.7's
-`flash_attention_ragged` over its paged cache), built for the GPU; for bf16 GQA 4 and 8
-also `mokv-paged-tc`, mokv paged with `gpu_tensor_cores=True` (the staged tensor-core
-kernel, kernels/gpu_attention_mma.mojo). 32 query heads, head_dim 128, page 128; GQA
-1/4/8 (32, 8, 4 KV heads), float32 and bfloat16.
+`flash_attention_ragged` over its paged cache), built for the GPU, where mokv's op runs
+MAX's kernel on a view of mokv's cache (kernels/max_kernels.mojo): the figure to watch
+is mokv within a few % of MAX (same kernel; the difference is the op around it). 32
+query heads, head_dim 128, page 128; GQA 1/4/8 (32, 8, 4 KV heads), float32 and bfloat16.
 
 - **decode**: B requests of `ctx` cached tokens and one new token each. It must read
   every cached K and V byte once: the figure of merit is those bytes over the time,
@@ -148,9 +148,6 @@ def run(quick: bool, dtypes: list[DType] | None = None) -> dict:
                   ("mokv-paged", lambda: MokvSide(session, "paged", hkv, dt, device=gpu)),
                   ("mokv-continuous", lambda: MokvSide(session, "continuous", hkv, dt, slots=max_b,
                                                        max_ctx=max_c, device=gpu))]
-        if dt == DType.bfloat16 and H // hkv >= 4:  # the staged tensor-core kernel's shapes
-            makers.append(("mokv-paged-tc", lambda: MokvSide(session, "paged", hkv, dt, device=gpu,
-                                                             tensor_cores=True)))
         for name, make in makers:
             try:
                 sides.append(make())
@@ -193,7 +190,7 @@ def run(quick: bool, dtypes: list[DType] | None = None) -> dict:
 
 def _decode_line(row: dict) -> str:
     cells = []
-    for name in ("max-paged", "mokv-paged", "mokv-continuous", "mokv-paged-tc"):
+    for name in ("max-paged", "mokv-paged", "mokv-continuous"):
         if name not in row:
             continue
         r = row[name]

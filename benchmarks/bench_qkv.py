@@ -43,8 +43,14 @@ def _mokv_graph(params, hidden_t, weight_t) -> Graph:
     return g
 
 
+def _load(session, graph: Graph, portable: bool):
+    """`graph` compiled on the host's own CPU paths or the portable ones."""
+    with mokv.ops.portable_cpu_paths(session, portable), mokv.filter_collection_warnings():
+        return session.load(graph)
+
+
 def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
-    """`portable`: add mokv's op on the portable CPU paths (`use_portable_cpu_paths`: the
+    """`portable`: add mokv's op on the portable CPU paths (`portable_cpu_paths`: the
     kernels an AVX2 host runs), timed beside the others."""
     from max.engine import InferenceSession
 
@@ -53,13 +59,8 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
     params = mokv.KVCacheParams(DType.float32, HKV, D, page_size=PAGE)
     hidden_t = TensorType(DType.float32, ["tokens", HIDDEN], cpu)
     weight_t = TensorType(DType.float32, [FEATURES, HIDDEN], cpu)
-    with mokv.filter_collection_warnings():
-        mokv_model = session.load(_mokv_graph(params, hidden_t, weight_t))
-    portable_model = None
-    if portable:
-        portable_session = mokv.ops.use_portable_cpu_paths(InferenceSession(devices=[CPU()]))
-        with mokv.filter_collection_warnings():
-            portable_model = portable_session.load(_mokv_graph(params, hidden_t, weight_t))
+    mokv_model = _load(session, _mokv_graph(params, hidden_t, weight_t), portable=False)
+    portable_model = _load(session, _mokv_graph(params, hidden_t, weight_t), portable=True) if portable else None
     with Graph("max_qkv", input_types=[hidden_t, weight_t]) as g:
         h, w = g.inputs
         g.output(ops.matmul(h.tensor, ops.transpose(w.tensor, 0, 1)))

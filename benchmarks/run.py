@@ -15,7 +15,7 @@ Parts (each module's docstring says what it measures and why):
   compile    bench_compile.py   cold and warm build+load of a graph with mokv's kernels
 
 --portable adds, to attention and qkv, mokv's kernels on the portable CPU paths (the
-paths of a host without AVX-512, forced with `mokv.ops.use_portable_cpu_paths`), timed
+paths of a host without AVX-512, forced with `mokv.ops.portable_cpu_paths`), timed
 beside the host's own paths and MAX's.
 
 Results go to benchmarks/results/ (git-ignored): results.json, summary.md, *.png.

@@ -87,6 +87,7 @@ struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head
     var cache_lengths: U32Ptr
     var lookup_table: U32Ptr
     var _batch_size: Int
+    var num_slots: Int  # the blocks' slots (max_batch_size): MAX's view of the cache needs it
     var _num_layers: Int
     var max_seq_len: Int
     var is_cache_empty: Bool  # kept for MAX's signature; no mokv kernel reads it
@@ -98,6 +99,7 @@ struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head
         cache_lengths: U32Ptr,
         lookup_table: U32Ptr,
         batch_size: Int,
+        num_slots: Int,
         num_layers: Int,
         max_seq_len: Int,
         is_cache_empty: Bool,
@@ -108,6 +110,7 @@ struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head
         self.cache_lengths = cache_lengths
         self.lookup_table = lookup_table
         self._batch_size = batch_size
+        self.num_slots = num_slots
         self._num_layers = num_layers
         self.max_seq_len = max_seq_len
         self.is_cache_empty = is_cache_empty

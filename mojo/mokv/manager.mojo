@@ -154,7 +154,7 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
             p = arrays.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
             device = arrays^
         var coll = Self.CollectionType(
-            self.blocks_ptr(), p, p.unsafe_offset(n), n, self.num_layers, self.max_seq_len, is_empty
+            self.blocks_ptr(), p, p.unsafe_offset(n), n, self.max_batch_size, self.num_layers, self.max_seq_len, is_empty
         )
         with BlockingScopedLock(self._inflight_lock):
             self._inflight.append(_InflightBatch(host^, device^, seq_ids.copy(), Int(p)))

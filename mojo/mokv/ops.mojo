@@ -20,6 +20,7 @@ from .paged import PagedKVCacheCollection
 from .types import Ptr, U32Ptr
 from .kernels.attention import flash_attention
 from .kernels.fused_qkv import fused_qkv_matmul, qkv_epilogue
+from .kernels.max_kernels import continuous_attention_with_max, paged_attention_with_max, uses_max_attention
 from .kernels.store_kv import store_kv
 from .types import KVCollectionT
 
@@ -59,6 +60,7 @@ struct ContinuousKVCollectionCtor:
             _u32(cache_lengths.unsafe_ptr()),
             _u32(lookup_table.unsafe_ptr()),
             cache_lengths.dim_size(0),
+            blocks.dim_size(0),
             blocks.dim_size(2),
             blocks.dim_size(3),
             Bool(is_cache_empty.unsafe_ptr()[unsafe_offset=0]),
@@ -335,7 +337,7 @@ struct QKVEpilogueRopePaged:
 # ===----------------------------------------------------------------------=== #
 
 
-def _attention[Coll: KVCollectionT, target: StaticString, tensor_cores: Bool](
+def _attention[Coll: KVCollectionT, target: StaticString](
     output: OutputTensor[rank=3, ...],  # [total_tokens, n_q, D]
     q: InputTensor[dtype=output.dtype, rank=3, ...],  # [total_tokens, n_q, D]
     input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size + 1]
@@ -344,7 +346,8 @@ def _attention[Coll: KVCollectionT, target: StaticString, tensor_cores: Bool](
     scale: InputTensor[dtype=DType.float32, rank=1, ...],  # [1], host
     ctx: DeviceContext,
 ) raises:
-    flash_attention[Coll, output.dtype, target, tensor_cores](
+    """mokv's own attention (the CPU's)."""
+    flash_attention[Coll, output.dtype, target](
         collection,
         _elems(output.unsafe_ptr()),
         _elems(q.unsafe_ptr()),
@@ -357,10 +360,14 @@ def _attention[Coll: KVCollectionT, target: StaticString, tensor_cores: Bool](
     )
 
 
+# On a GPU both ops run MAX's attention kernel on a MAX view of the collection
+# (kernels/max_kernels.mojo); on the CPU, mokv's.
+
+
 @register("mokv.flash_attention.ragged.continuous")
 struct FlashAttentionContinuous:
     @staticmethod
-    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString, tensor_cores: Bool](
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString, num_q_heads: Int](
         output: OutputTensor[rank=3, ...],
         q: InputTensor[dtype=output.dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -369,15 +376,25 @@ struct FlashAttentionContinuous:
         scale: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        _attention[target=target, tensor_cores=tensor_cores](
-            output, q, input_row_offsets, collection, layer_idx, scale, ctx
-        )
+        comptime if uses_max_attention[target]():
+            continuous_attention_with_max[n_q=num_q_heads, target=target](
+                collection,
+                _elems(output.unsafe_ptr()),
+                _elems(q.unsafe_ptr()),
+                _u32(input_row_offsets.unsafe_ptr()),
+                q.dim_size(0),
+                Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
+                scale.unsafe_ptr()[unsafe_offset=0],
+                ctx,
+            )
+        else:
+            _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, ctx)
 
 
 @register("mokv.flash_attention.ragged.paged")
 struct FlashAttentionPaged:
     @staticmethod
-    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString, tensor_cores: Bool](
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString, num_q_heads: Int](
         output: OutputTensor[rank=3, ...],
         q: InputTensor[dtype=output.dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -386,9 +403,19 @@ struct FlashAttentionPaged:
         scale: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        _attention[target=target, tensor_cores=tensor_cores](
-            output, q, input_row_offsets, collection, layer_idx, scale, ctx
-        )
+        comptime if uses_max_attention[target]():
+            paged_attention_with_max[n_q=num_q_heads, target=target](
+                collection,
+                _elems(output.unsafe_ptr()),
+                _elems(q.unsafe_ptr()),
+                _u32(input_row_offsets.unsafe_ptr()),
+                q.dim_size(0),
+                Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
+                scale.unsafe_ptr()[unsafe_offset=0],
+                ctx,
+            )
+        else:
+            _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, ctx)
 
 
 # ===----------------------------------------------------------------------=== #

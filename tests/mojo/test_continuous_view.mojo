@@ -27,6 +27,7 @@ def test_views_write_through_to_the_slot() raises:
         lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         2,
+        SLOTS,
         LAYERS,
         MAX_SEQ,
         False,

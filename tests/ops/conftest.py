@@ -22,7 +22,8 @@ from max.graph import DeviceRef, Graph, TensorType, ops
 
 from mokv.compiler_output import filter_collection_warnings
 from mokv.layouts import CONTINUOUS, PAGED, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
-from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv, use_portable_cpu_paths
+from mokv.layouts.paged import padded_lookup_columns
+from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, portable_cpu_paths, store_kv
 from mokv.ops.cpu_paths import host_takes_portable_paths
 from mokv.params import KVCacheParams, KVCacheStrategy
 
@@ -71,7 +72,8 @@ class Cache:
     params: KVCacheParams
     blocks: np.ndarray  # storage dtype, layout of params.cache_strategy
     cache_lengths: np.ndarray  # uint32 [batch]
-    lookup_table: np.ndarray  # uint32 [batch] or [batch, max_num_pages]
+    lookup_table: np.ndarray  # uint32 [batch] or [batch, padded_lookup_columns(max_num_pages)]
+    new_tokens: list[int]  # the step's new tokens per sequence
 
     @property
     def paged(self) -> bool:
@@ -79,8 +81,9 @@ class Cache:
 
     def buffers(self) -> list[Buffer]:
         """The 4 runtime inputs, in the layout's Inputs order."""
-        if self.paged:
-            extra = np.array([[0, int(self.cache_lengths.max(initial=0))]], np.uint32)
+        if self.paged:  # MAX's max lengths: (most new tokens, longest cache + new tokens)
+            ends = [int(c) + n for c, n in zip(self.cache_lengths, self.new_tokens)]
+            extra = np.array([[max(self.new_tokens, default=0), max(ends, default=0)]], np.uint32)
         else:
             extra = np.array([not self.cache_lengths.any()], np.bool_)
         return [
@@ -136,7 +139,7 @@ def make_cache(
         max_pages = max(need)
         total = sum(need) - min(share_prefix_pages, need[1] if batch > 1 else 0) + 1
         ids = rng.permutation(np.arange(1, total))
-        table = np.zeros((batch, max_pages), np.uint32)
+        table = np.zeros((batch, padded_lookup_columns(max_pages)), np.uint32)
         k = 0
         for b in range(batch):
             for i in range(need[b]):
@@ -150,7 +153,7 @@ def make_cache(
         slots = rng.permutation(batch + 1)[:batch]
         table = slots.astype(np.uint32)
         blocks = np.zeros((batch + 1, 2, NUM_LAYERS, MAX_SEQ_LEN, h, d), storage_dtype)
-    cache = Cache(params, blocks, np.array(cache_lengths, np.uint32), table)
+    cache = Cache(params, blocks, np.array(cache_lengths, np.uint32), table, list(new_tokens))
     for b, c in enumerate(cache_lengths):
         # Sequence 1's shared pages already hold sequence 0's prefix.
         start = share_prefix_pages * params.page_size if b == 1 and cache.paged else 0
@@ -211,7 +214,6 @@ class Config:
     hidden: int = 64
     rope: bool = False
     checked: bool = False  # the fetcher's checked mode (mokv.check_tables before each kernel)
-    tensor_cores: bool = False  # flash_attention(..., gpu_tensor_cores=...): GPU graphs only
 
     @property
     def params(self) -> KVCacheParams:
@@ -254,8 +256,7 @@ def build_store_attention(cfg: Config, device: DeviceRef) -> Graph:
         *cache_in, k, v, q, offsets = g.inputs
         kv = fetch(cfg)(*cache_in)
         store_kv(kv, k, v, offsets, LAYER)
-        g.output(flash_attention(kv, q, offsets, LAYER, 1.0 / np.sqrt(cfg.head_dim),
-                                 gpu_tensor_cores=cfg.tensor_cores))
+        g.output(flash_attention(kv, q, offsets, LAYER, 1.0 / np.sqrt(cfg.head_dim)))
     return g
 
 
@@ -283,22 +284,29 @@ def session() -> InferenceSession:
     return InferenceSession(devices=[CPU()])
 
 
-@pytest.fixture(scope="session")
-def portable_session() -> InferenceSession:
-    """A session whose graphs take the portable CPU paths (8 lanes, no AVX-512)."""
-    return use_portable_cpu_paths(InferenceSession(devices=[CPU()]))
+CPU_PATHS = {"native": (False, False), "portable": (True, False), "max-kernels": (False, True)}
+"""Per kind of CPU path: (portable paths, MAX's attention kernel through mokv's views)."""
 
 
-def _memoized_builds(session: InferenceSession) -> Callable[[str, Config], Any]:
-    """`get(kind, cfg)` -> loaded model, compiled once per (kind, cfg) in `session`."""
+def _memoized_builds(session: InferenceSession, path: str) -> Callable[[str, Config], Any]:
+    """`get(kind, cfg)` -> loaded model on CPU path `path`, compiled once per (kind, cfg).
+
+    MAX 26.7 keeps Mojo defines for the whole process and reads them at compile time,
+    so each compile sets the path's defines first and puts the host's own back after:
+    no build (here or in another test module) inherits another path's."""
+    portable, max_kernels = CPU_PATHS[path]
     models: dict[tuple[str, Config], Any] = {}
     builders = {"store_attention": build_store_attention, "qkv_attention": build_qkv_attention}
 
     def get(kind: str, cfg: Config) -> Any:
         key = (kind, cfg)
         if key not in models:
-            with filter_collection_warnings():
-                models[key] = session.load(builders[kind](cfg, DeviceRef.CPU()))
+            session._set_mojo_define("MOKV_MAX_KERNELS", "true" if max_kernels else "false")
+            try:
+                with portable_cpu_paths(session, portable):
+                    models[key] = session.load(builders[kind](cfg, DeviceRef.CPU()))
+            finally:
+                session._set_mojo_define("MOKV_MAX_KERNELS", "false")
         return models[key]
 
     return get
@@ -307,13 +315,21 @@ def _memoized_builds(session: InferenceSession) -> Callable[[str, Config], Any]:
 @pytest.fixture(scope="session")
 def compiled(session: InferenceSession) -> Callable[[str, Config], Any]:
     """`compiled(kind, cfg)` -> loaded model on this host's native CPU paths."""
-    return _memoized_builds(session)
+    return _memoized_builds(session, "native")
 
 
 @pytest.fixture(scope="session")
-def compiled_portable(portable_session: InferenceSession) -> Callable[[str, Config], Any]:
+def compiled_portable(session: InferenceSession) -> Callable[[str, Config], Any]:
     """`compiled_portable(kind, cfg)` -> loaded model on the portable CPU paths."""
-    return _memoized_builds(portable_session)
+    return _memoized_builds(session, "portable")
+
+
+@pytest.fixture(scope="session")
+def compiled_max_kernels(session: InferenceSession) -> Callable[[str, Config], Any]:
+    """`compiled_max_kernels(kind, cfg)` -> loaded model whose attention op runs MAX's
+    kernel on a MAX view of the cache, as on a GPU (the define `MOKV_MAX_KERNELS`,
+    kernels/max_kernels.mojo): the CPU checks that view against numpy."""
+    return _memoized_builds(session, "max-kernels")
 
 
 @pytest.fixture(params=["native", "portable"])

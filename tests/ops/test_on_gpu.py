@@ -14,7 +14,6 @@ checks are reused unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 from max.driver import CPU, Accelerator, accelerator_count
@@ -24,7 +23,7 @@ from max.graph import DeviceRef
 
 from mokv.compiler_output import filter_collection_warnings
 
-from .conftest import Config, build_qkv_attention, build_store_attention
+from .conftest import build_qkv_attention, build_store_attention
 from .test_fused_qkv import CASES, LAYOUTS, _check, _ids
 from . import test_store_attention as cpu_tests  # a module: its tests are not collected twice
 from .test_store_attention import (
@@ -99,26 +98,3 @@ def test_bf16_long_decode_on_gpu(gpu_compiled, cfg):
 @pytest.mark.parametrize("cfg", CASES, ids=_ids)
 def test_fused_qkv_then_attention_on_gpu(gpu_compiled, cfg):
     _check(gpu_compiled, cfg, *LAYOUTS["packed-22"])
-
-
-CONT_BF16_GQA8 = Config("continuous", DType.bfloat16, n_kv_heads=2, head_dim=128, group=8)
-TC_PAGED_GQA4, TC_PAGED_GQA8, TC_CONT_GQA8 = (
-    dataclasses.replace(cfg, tensor_cores=True) for cfg in (PAGED_BF16_GQA4, PAGED_BF16_GQA8, CONT_BF16_GQA8)
-)
-SHORT = ([0, 37, 70], [20, 1, 9])  # prefill from empty | decode | a chunk over several pages
-LONG = ([1300, 1100, 2], [1, 1, 1])  # long decodes: keys split across units, then merged
-CHUNK = ([600], [40])  # a prefill chunk after a long prefix (continuous slots hold 96)
-
-
-@pytest.mark.parametrize(
-    "cfg,cache_lengths,new_tokens",
-    [(TC_PAGED_GQA4, *SHORT), (TC_PAGED_GQA4, *LONG), (TC_PAGED_GQA8, *SHORT), (TC_PAGED_GQA8, *LONG),
-     (TC_PAGED_GQA8, *CHUNK), (TC_CONT_GQA8, *SHORT)],
-    ids=["paged-gqa4-short", "paged-gqa4-long", "paged-gqa8-short", "paged-gqa8-long",
-         "paged-gqa8-chunk", "continuous-gqa8-short"],
-)
-def test_tensor_core_attention_on_gpu(gpu_compiled, cfg, cache_lengths, new_tokens):
-    """`gpu_tensor_cores=True` (kernels/attention/gpu_mma.mojo) against the same numpy
-    reference and bf16 tolerance as the default kernels; scores of std 2 so that a wrong
-    fragment shows. Written without a GPU: not yet run on one."""
-    check(cfg, *run_store_attention(gpu_compiled, cfg, cache_lengths, new_tokens, seed=5, q_std=2.0))

@@ -13,7 +13,7 @@ and take a path by feature, never by a CPU's name:
 
 `MOKV_CPU_PORTABLE=true`, a compile-time define, forces the portable paths whatever
 the target has (`mojo run -D MOKV_CPU_PORTABLE=true ...`, or
-`mokv.ops.use_portable_cpu_paths(session)` before graphs are compiled): the suite runs
+`with mokv.ops.portable_cpu_paths(session):` around graph compiles): the suite runs
 the kernel tests both ways, so CI on an AVX-512 host covers the paths of an AVX2 host.
 
 The tuning table: where CPUs with the same features differ in speed and a measured

@@ -26,6 +26,7 @@ from std.sys.defines import get_defined_bool
 from kv_cache.types import (
     ContinuousBatchingKVCacheCollection as MaxContinuousCollection,
     KVCacheStaticParams as MaxKVCacheStaticParams,
+    KVCollectionT as MaxKVCollectionT,
     PagedKVCacheCollection as MaxPagedCollection,
 )
 from layout import Coord, Idx, TileTensor, row_major
@@ -37,7 +38,7 @@ from nn.kv_cache_ragged import generic_flash_attention_kv_cache_ragged
 
 from ..continuous import ContinuousBatchingKVCacheCollection
 from ..paged import PagedKVCacheCollection
-from ..types import KVCollectionT, Ptr, U32Ptr
+from ..types import Ptr, U32Ptr
 
 comptime MAX_KERNELS_ON_CPU = get_defined_bool["MOKV_MAX_KERNELS", False]()
 """Whether the CPU runs MAX's attention too (see the module docstring)."""
@@ -49,26 +50,26 @@ def uses_max_attention[target: StaticString]() -> Bool:
     return not is_cpu[target]() or MAX_KERNELS_ON_CPU
 
 
-def _max_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
+def _max_attention[Coll: MaxKVCollectionT, q_dtype: DType, n_q: Int, target: StaticString](
     collection: Coll,
     output: Ptr[q_dtype],  # [total_tokens, n_q, D]
     q: Ptr[q_dtype],  # [total_tokens, n_q, D]
     offsets: U32Ptr,  # [batch_size + 1]
+    batch_size: Int,
     total_tokens: Int,
-    n_q: Int,
     layer_idx: Int,
     scale: Float32,
     max_new_tokens: Int,
     max_cache_length: Int,  # cache + new tokens, or an upper bound
     ctx: DeviceContext,
 ) raises:
-    """MAX's ragged causal flash attention over a MAX collection."""
+    """MAX's ragged causal flash attention over a MAX collection. Its query heads are a
+    parameter: MAX's kernel takes them from q's static shape."""
     comptime D = Coll.kv_params.head_size
-    var batch_size = collection.batch_size()
     var partitions = 1
     comptime if not is_cpu[target]():
         partitions = mha_decoding_num_partitions(batch_size, max_cache_length, Coll.kv_params.num_heads, ctx)
-    var shape = row_major(Coord(total_tokens, n_q, Idx[D]))
+    var shape = row_major(Coord(total_tokens, Idx[n_q], Idx[D]))
     var q_view = TileTensor(q.unsafe_origin_cast[MutAnyOrigin](), shape)
     var out_view = TileTensor(output.unsafe_origin_cast[MutAnyOrigin](), shape)
     var offsets_view = TileTensor(offsets.unsafe_origin_cast[MutAnyOrigin](), row_major(Coord(batch_size + 1))).as_imm()
@@ -84,18 +85,17 @@ def _max_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
     )
 
 
-def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_dtype: DType, target: StaticString](
+def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_dtype: DType, n_q: Int, target: StaticString](
     coll: PagedKVCacheCollection[dtype_code, H, D, page_size],
     output: Ptr[q_dtype],
     q: Ptr[q_dtype],
     offsets: U32Ptr,
     total_tokens: Int,
-    n_q: Int,
     layer_idx: Int,
     scale: Float32,
     ctx: DeviceContext,
 ) raises:
-    """mokv's attention op on a paged cache, through MAX's kernel (see the module)."""
+    """The attention op on a paged cache, through MAX's kernel (see the module)."""
     comptime Coll = PagedKVCacheCollection[dtype_code, H, D, page_size]
     comptime dtype = Coll.dtype
     var blocks = TileTensor(
@@ -110,23 +110,22 @@ def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_
     var view = MaxPagedCollection[
         dtype, MaxKVCacheStaticParams(num_heads=H, head_size=D), page_size, MutAnyOrigin, ImmutAnyOrigin, ImmutAnyOrigin, MutAnyOrigin
     ](blocks, lengths, table, UInt32(coll.max_new_tokens), UInt32(max_cache))
-    _max_attention[target=target](
-        view, output, q, offsets, total_tokens, n_q, layer_idx, scale, coll.max_new_tokens, max_cache, ctx
+    _max_attention[n_q=n_q, target=target](
+        view, output, q, offsets, coll.batch_size(), total_tokens, layer_idx, scale, coll.max_new_tokens, max_cache, ctx
     )
 
 
-def continuous_attention_with_max[dtype_code: Int, H: Int, D: Int, q_dtype: DType, target: StaticString](
+def continuous_attention_with_max[dtype_code: Int, H: Int, D: Int, q_dtype: DType, n_q: Int, target: StaticString](
     coll: ContinuousBatchingKVCacheCollection[dtype_code, H, D],
     output: Ptr[q_dtype],
     q: Ptr[q_dtype],
     offsets: U32Ptr,
     total_tokens: Int,
-    n_q: Int,
     layer_idx: Int,
     scale: Float32,
     ctx: DeviceContext,
 ) raises:
-    """mokv's attention op on a continuous cache, through MAX's kernel (see the module)."""
+    """The attention op on a continuous cache, through MAX's kernel (see the module)."""
     comptime Coll = ContinuousBatchingKVCacheCollection[dtype_code, H, D]
     comptime dtype = Coll.dtype
     var batch_size = coll.batch_size()
@@ -140,6 +139,6 @@ def continuous_attention_with_max[dtype_code: Int, H: Int, D: Int, q_dtype: DTyp
     var view = MaxContinuousCollection[dtype, MaxKVCacheStaticParams(num_heads=H, head_size=D)](
         blocks, lengths, slots, UInt32(max_new), UInt32(coll.max_seq_len)
     )
-    _max_attention[target=target](
-        view, output, q, offsets, total_tokens, n_q, layer_idx, scale, max_new, coll.max_seq_len, ctx
+    _max_attention[n_q=n_q, target=target](
+        view, output, q, offsets, batch_size, total_tokens, layer_idx, scale, max_new, coll.max_seq_len, ctx
     )

@@ -36,6 +36,14 @@ T = TypeVar("T")
 B = TypeVar("B")
 
 
+def padded_lookup_columns(num_pages: int) -> int:
+    """Columns of a lookup table whose rows hold up to `num_pages` pages: as MAX pads its
+    own (`round_up(num_pages, 8) + 16`), because MAX's GPU attention kernels, which mokv's
+    ops run on a GPU, may read up to 16 entries past a row's pages. The extra entries
+    hold page ids that are in range (never read by mokv's own kernels)."""
+    return -(-num_pages // 8) * 8 + 16
+
+
 class RaggedKVCacheInputs(NamedTuple, Generic[B, T]):
     """One device's paged-cache inputs: `Buffer`s at run time, types at graph build."""
 

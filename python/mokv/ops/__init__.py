@@ -8,7 +8,7 @@ adds mokv's kernel package to the graph, so no `custom_extensions` are needed.
 
 from ..mojo_package import kernels_path
 from .attention import flash_attention
-from .cpu_paths import use_portable_cpu_paths
+from .cpu_paths import portable_cpu_paths
 from .kv_cache import store_kv
 from .matmul import fused_qkv_matmul, rope_freqs_cis
 
@@ -18,5 +18,5 @@ __all__ = [
     "kernels_path",
     "rope_freqs_cis",
     "store_kv",
-    "use_portable_cpu_paths",
+    "portable_cpu_paths",
 ]

@@ -89,23 +89,6 @@ def check_group(op: str, n_heads: int, n_kv_heads: int, device: DeviceRef) -> No
         )
 
 
-def check_tensor_core_shape(dtype: DType, head_dim: int, group: int, device: DeviceRef) -> None:
-    """ValueError unless `flash_attention(..., gpu_tensor_cores=True)` can serve this
-    shape: a GPU, a bf16 or f16 cache, head_dim % 64 == 0 and group % 4 == 0 (the
-    fragments of `kernels/attention/gpu_mma.mojo`)."""
-    problems = []
-    if device.is_cpu():
-        problems.append("a GPU device (q is on the CPU)")
-    if dtype not in (DType.bfloat16, DType.float16):
-        problems.append(f"a bfloat16 or float16 cache (got {dtype.name})")
-    if head_dim % 64:
-        problems.append(f"head_dim a multiple of 64 (got {head_dim})")
-    if group % 4:
-        problems.append(f"query heads per KV head a multiple of 4 (got {group})")
-    if problems:
-        raise ValueError("flash_attention with gpu_tensor_cores=True needs " + "; ".join(problems))
-
-
 def wants_check(info: Any, checked: bool | None) -> bool:
     """Whether an op checks its tables: the wrapper's `checked`, else the collection's."""
     if checked is None:

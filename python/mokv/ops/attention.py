@@ -13,7 +13,6 @@ from ._checks import (
     check_group,
     check_head_dim,
     check_row_offsets,
-    check_tensor_core_shape,
     emit_table_check,
     host_scalar,
     layer_index,
@@ -28,7 +27,6 @@ def flash_attention(
     layer_idx: int | TensorValue,
     scale: float | TensorValue,
     checked: bool | None = None,
-    gpu_tensor_cores: bool = False,
 ) -> TensorValue:
     """Causal grouped-query attention of this step's queries over the cached K and V.
 
@@ -46,14 +44,11 @@ def flash_attention(
         scale: softmax scale, usually 1 / sqrt(head_dim) (float, or float32 host scalar).
         checked: check the runtime tables first (`mokv.check_tables`); None: the
             collection's `checked` (see `FetchKVCacheCollection`).
-        gpu_tensor_cores: on an NVIDIA GPU, run units of 4 or 8 query heads on the
-            tensor cores (`kernels/attention/gpu_mma.mojo`; bf16 or f16 caches, head_dim
-            a multiple of 64, GQA groups a multiple of 4). Staged: it compiles for sm_90
-            but has not yet run on a GPU, so it is off by default; on an AMD GPU the
-            default kernel runs. Refused for a CPU device or another shape.
 
-    The CPU kernel needs head_dim to be a multiple of 16 and at most 64 query heads per
-    KV head; other values are refused here.
+    On the CPU this is mokv's kernel; on a GPU, MAX's own attention kernel on a MAX
+    view of the same cache (`kernels/max_kernels.mojo`). The CPU kernel needs head_dim
+    to be a multiple of 16 and at most 64 query heads per KV head; other values are
+    refused here.
 
     Returns:
         [total_tokens, n_heads, head_dim] in q's dtype.
@@ -71,12 +66,6 @@ def flash_attention(
         )
     check_head_dim("flash_attention", info.head_size, q.device)
     check_group("flash_attention", int(n_heads), info.num_heads, q.device)
-    if not isinstance(gpu_tensor_cores, bool):
-        raise TypeError(f"gpu_tensor_cores must be a bool, got {gpu_tensor_cores!r}")
-    if gpu_tensor_cores:
-        check_tensor_core_shape(
-            info.dtype, info.head_size, int(n_heads) // info.num_heads, q.device
-        )
     offsets = check_row_offsets(input_row_offsets, q.device)
     layer = layer_index(layer_idx, info.num_layers)
     if wants_check(info, checked):
@@ -87,5 +76,6 @@ def flash_attention(
         q.device,
         [q, offsets, collection, layer, host_scalar("scale", scale, DType.float32)],
         out_types=[out_type],
-        parameters={"tensor_cores": gpu_tensor_cores},
+        # MAX's GPU kernel takes the query heads from q's static shape: a parameter.
+        parameters={"num_q_heads": int(n_heads)},
     )[0].tensor

@@ -2,13 +2,15 @@
 
 The kernels pick their paths by the build target's features when MAX compiles a graph:
 16-lane AVX-512 forms where the CPU has AVX-512F, the portable 8-lane forms elsewhere
-(x86-64 with AVX2, Arm). `use_portable_cpu_paths` makes a session compile the portable
+(x86-64 with AVX2, Arm). `portable_cpu_paths` makes graphs compile the portable
 forms on any host, so that an AVX-512 machine tests and measures the paths an AVX2 one
 runs; a server never needs it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from max.engine import InferenceSession
@@ -17,20 +19,33 @@ PORTABLE_DEFINE = "MOKV_CPU_PORTABLE"
 """The compile-time define the Mojo kernels read (`mojo run -D MOKV_CPU_PORTABLE=true`)."""
 
 
-def use_portable_cpu_paths(session: InferenceSession) -> InferenceSession:
-    """Makes every graph `session` compiles from now on take mokv's portable CPU paths.
+@contextmanager
+def portable_cpu_paths(
+    session: InferenceSession, portable: bool = True
+) -> Iterator[InferenceSession]:
+    """Graphs compiled inside the block take mokv's portable CPU paths (`portable`) or the
+    host's own (`False`); after the block, the host's own.
 
-    Graphs compiled before the call keep their paths; MAX keys its compiled-model cache
-    on the define, so a portable and a native build of one graph do not mix. Uses MAX
-    26.7's `InferenceSession._set_mojo_define` (private: MAX's own pipelines set their
-    kernel defines through it). Returns the session.
+        with mokv.ops.portable_cpu_paths(session):
+            model = session.load(graph)     # keeps the portable paths for good
+
+    It sets the kernels' define through MAX 26.7's `InferenceSession._set_mojo_define`
+    (private: MAX's own pipelines set their kernel defines through it), whose defines hold
+    for the whole process and are read when a graph compiles, so inside the block every
+    session's compiles take the paths, not only `session`'s. MAX keys its compiled-model
+    cache on the define: portable and native builds of one graph never mix.
     """
     if not isinstance(session, InferenceSession):
         raise TypeError(
             f"session must be a max.engine.InferenceSession, got {type(session).__name__}"
         )
-    session._set_mojo_define(PORTABLE_DEFINE, "true")
-    return session
+    if not isinstance(portable, bool):
+        raise TypeError(f"portable must be a bool, got {portable!r}")
+    session._set_mojo_define(PORTABLE_DEFINE, "true" if portable else "false")
+    try:
+        yield session
+    finally:
+        session._set_mojo_define(PORTABLE_DEFINE, "false")
 
 
 def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:

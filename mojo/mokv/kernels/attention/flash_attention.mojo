@@ -60,8 +60,8 @@ lanes and accumulators per register block alike:
   * Causality: the key loop stops at the unit's last visible position, so tiles the
     mask hides entirely are never read; only the diagonal tile applies a mask.
   * Units run in parallel on the op's device context (`parallel_units`).
-GPU: flash-decoding units of one warp (attention/gpu.mojo; on the tensor cores when
-asked, attention/gpu_mma.mojo).
+On a GPU the ops run MAX's attention kernel on a MAX view of the cache instead
+(kernels/max_kernels.mojo).
 """
 
 from std.atomic import Atomic
@@ -72,13 +72,11 @@ from max.gpu.host.info import is_cpu
 from ...types import KVCollectionT, Ptr, U32Ptr
 from ..parallel import parallel_units
 from .forms import PART_SLOT
-from .gpu import gpu_attention, heads_per_unit
-from .gpu_mma import gpu_attention_mma, tensor_core_cache_ok
 from .plan import plan_units
 from .unit import Merge, Unit, attend_unit, merge_parts
 
 
-def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString, tensor_cores: Bool = False](
+def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
     coll: Coll,
     output: Ptr[q_dtype],  # [total_tokens, n_q, D]
     q: Ptr[q_dtype],  # [total_tokens, n_q, D]
@@ -89,8 +87,9 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString, t
     scale: Float32,
     ctx: DeviceContext,
 ) raises:
-    """Generic body of `mokv.flash_attention.ragged.*`. `tensor_cores`: on an NVIDIA GPU,
-    units of 4 or 8 heads over bf16/f16 caches take `gpu_attention_mma` (staged, see there)."""
+    """Generic body of `mokv.flash_attention.ragged.*` on the CPU (a GPU runs MAX's
+    attention kernel instead: kernels/max_kernels.mojo)."""
+    comptime assert is_cpu[target](), "mokv's attention kernel runs on the CPU; the ops take MAX's on a GPU"
     comptime Cache = Coll.CacheType
     comptime H = Cache.kv_params.num_heads
     comptime D = Cache.kv_params.head_size
@@ -99,54 +98,35 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString, t
     var batch_size = coll.batch_size()
     var group = n_q // H
 
-    comptime if is_cpu[target]():
-        var units = List[Unit]()
-        var merges = List[Merge]()
-        var n_parts = plan_units(kc, offsets, batch_size, group, units, merges)
-        # Partial slots are written by their split before the merge reads them: no fill.
-        var scratch = List[Float32](capacity=max(n_parts, 1) * PART_SLOT[D])
-        var parts = scratch.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var pending = List[Int64](capacity=len(merges))  # per merge: splits still running
-        for mg in merges:
-            pending.append(Int64(mg.parts))
-        var pending_ptr = pending.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var unit_ptr = units.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var merge_ptr = merges.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var units = List[Unit]()
+    var merges = List[Merge]()
+    var n_parts = plan_units(kc, offsets, batch_size, group, units, merges)
+    # Partial slots are written by their split before the merge reads them: no fill.
+    var scratch = List[Float32](capacity=max(n_parts, 1) * PART_SLOT[D])
+    var parts = scratch.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var pending = List[Int64](capacity=len(merges))  # per merge: splits still running
+    for mg in merges:
+        pending.append(Int64(mg.parts))
+    var pending_ptr = pending.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var unit_ptr = units.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var merge_ptr = merges.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
 
-        # The last split of a unit to finish merges it, so the merges need no second
-        # parallel pass: that pass's dispatch and the zero fill of the partial slots
-        # cost ~1 % of bf16 GQA 8 decode at 1 x 4096 (0.283 -> 0.279 ms, direct calls,
-        # medians of five alternating runs). The atomic (sequentially consistent)
-        # makes the other splits' slots visible to the merging one.
-        def body(i: Int) {
-            imm kc, imm vc, imm q, imm output, imm unit_ptr, imm merge_ptr, imm pending_ptr,
-            imm group, imm n_q, imm scale, imm parts
-        }:
-            var u = unit_ptr[unsafe_offset=i]
-            attend_unit(kc, vc, q, output, u, group, n_q, scale, parts)
-            if u.merge >= 0 and Atomic[Int64].fetch_add(pending_ptr.unsafe_offset(u.merge), -1) == 1:
-                merge_parts[q_dtype, D](merge_ptr[unsafe_offset=u.merge], parts, output, group, n_q)
+    # The last split of a unit to finish merges it, so the merges need no second
+    # parallel pass: that pass's dispatch and the zero fill of the partial slots
+    # cost ~1 % of bf16 GQA 8 decode at 1 x 4096 (0.283 -> 0.279 ms, direct calls,
+    # medians of five alternating runs). The atomic (sequentially consistent)
+    # makes the other splits' slots visible to the merging one.
+    def body(i: Int) {
+        imm kc, imm vc, imm q, imm output, imm unit_ptr, imm merge_ptr, imm pending_ptr,
+        imm group, imm n_q, imm scale, imm parts
+    }:
+        var u = unit_ptr[unsafe_offset=i]
+        attend_unit(kc, vc, q, output, u, group, n_q, scale, parts)
+        if u.merge >= 0 and Atomic[Int64].fetch_add(pending_ptr.unsafe_offset(u.merge), -1) == 1:
+            merge_parts[q_dtype, D](merge_ptr[unsafe_offset=u.merge], parts, output, group, n_q)
 
-        parallel_units(body, len(units), ctx)
-        _ = pending^
-        _ = units^  # keep the tables and partial states alive until every task has run
-        _ = merges^
-        _ = scratch^
-    else:
-        # Heads per unit: a comptime parameter (their states live in registers).
-        var gb = heads_per_unit(group)
-        comptime if tensor_cores and tensor_core_cache_ok[Cache.dtype, D]() and Cache.dtype == q_dtype:
-            if gb >= 4 and ctx.api() == "cuda":
-                if gb == 8:
-                    gpu_attention_mma[Cache, q_dtype, 8](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
-                else:
-                    gpu_attention_mma[Cache, q_dtype, 4](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
-                return
-        if gb == 8:
-            gpu_attention[Cache, q_dtype, 8](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
-        elif gb == 4:
-            gpu_attention[Cache, q_dtype, 4](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
-        elif gb == 2:
-            gpu_attention[Cache, q_dtype, 2](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
-        else:
-            gpu_attention[Cache, q_dtype, 1](kc, vc, output, q, offsets, total_tokens, n_q, group, scale, ctx)
+    parallel_units(body, len(units), ctx)
+    _ = pending^
+    _ = units^  # keep the tables and partial states alive until every task has run
+    _ = merges^
+    _ = scratch^

@@ -5,8 +5,9 @@ Per device, `fetch` hands the graph a `RaggedKVCacheInputs` (layout in
 
     blocks         the replica's buffer on that device
     cache_lengths  uint32 [batch_size]: tokens in each request's cache before the step
-    lookup_table   uint32 [batch_size, max_pages]: token t of request b is in page
-                   lookup_table[b, t // page_size], row t % page_size
+    lookup_table   uint32 [batch_size, padded_lookup_columns(max_pages)]: token t of
+                   request b is in page lookup_table[b, t // page_size], row
+                   t % page_size; the padding columns hold in-range page ids
     max_lengths    uint32 [num_steps, 2], host: per step (most tokens one request
                    processes, longest cache)
 
@@ -25,6 +26,7 @@ from max.driver import Buffer, Device
 from ...cache.page_pool import PagePool
 from ...errors import InvariantError
 from ...layouts import RaggedKVCacheInputs
+from ...layouts.paged import padded_lookup_columns
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -36,10 +38,13 @@ class PageTable:
     `max_pages_per_seq`), so that a batch's lookup table is one numpy take."""
 
     def __init__(self, max_requests: int, max_pages_per_seq: int) -> None:
-        self._rows = np.zeros((max_requests, max_pages_per_seq), dtype=np.uint32)
+        self._rows = np.zeros(
+            (max_requests, padded_lookup_columns(max_pages_per_seq)), dtype=np.uint32
+        )
 
     def set_row(self, slot: int, pages: Sequence[int]) -> None:
-        """Row `slot` starts with `pages` (entries past them are never read)."""
+        """Row `slot` starts with `pages` (entries past them are page ids of this pool,
+        read by no kernel but MAX's padding reads)."""
         self._rows[slot, : len(pages)] = pages
 
     def inputs(
@@ -63,7 +68,7 @@ class PageTable:
         max_end = max((s + a for s, a in zip(starts, actives)), default=0) + num_steps - 1
         max_pages = max(1, ceil_div(max_end, page_size))
         cache_lengths = np.array(starts, dtype=np.uint32)
-        lookup_table = self._rows[slots, :max_pages]
+        lookup_table = self._rows[slots, : padded_lookup_columns(max_pages)]
         # Row s: (most tokens one sequence processes in step s, longest cache before it).
         max_lengths = np.array(
             [(max_active if s == 0 else 1, max_start + s) for s in range(num_steps)],
