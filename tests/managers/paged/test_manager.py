@@ -337,6 +337,24 @@ def test_reset_prefix_cache_forgets_cached_prefixes(paged):
     assert b.start_idx == 0
 
 
+def test_reset_prefix_cache_is_refused_while_requests_hold_pages(paged):
+    # vLLM's rule (BlockPool.reset_prefix_cache): False, and nothing changes, while any
+    # page is in use; a reset under running requests would leave them holding committed
+    # pages whose hashes routers were just told to forget.
+    a = TextContext(np.arange(9))
+    paged.claim(a.request_id)
+    paged.fetch([a])
+    a.update(0)
+    paged.step([a])
+    indexed, free = paged.replicas[0].pool.indexed_hashes(), paged.num_free_blocks
+    assert len(indexed) == 2
+    assert paged.reset_prefix_cache() is False
+    assert (paged.replicas[0].pool.indexed_hashes(), paged.num_free_blocks) == (indexed, free)
+    paged.release(a.request_id)
+    assert paged.reset_prefix_cache() is True
+    assert not paged.replicas[0].pool.indexed_hashes()
+
+
 def test_increment_cache_lengths_on_the_device(session, paged):
     a, b = TextContext(np.arange(3)), TextContext(np.arange(5))
     for ctx in (a, b):
