@@ -47,6 +47,11 @@ def test_each_page_weighs_what_its_best_tier_is_worth():
     assert index.scores(TOKENS) == {("device", 0): 4.0, ("host", 0): 3.0, ("shared", 0): 1.0,
                                     ("mixed", 0): 2 + 2 * 0.75}
     assert index.best(TOKENS) == (("device", 0), 4.0)
+    assert index.match(TOKENS, tiers=("device",)) == {("device", 0): 4, ("host", 0): 0,
+                                                       ("shared", 0): 0, ("mixed", 0): 2}
+    assert index.match(TOKENS, tiers=("device", "host"))[("shared", 0)] == 0
+    with pytest.raises(ValueError, match="tiers=\\('gpu',\\)"):
+        index.match(TOKENS, tiers=("gpu",))
     assert index.hashes(("mixed", 0), "device") == set(H[:2])
     assert index.hashes(("mixed", 0)) == set(H)
 

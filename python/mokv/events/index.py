@@ -157,10 +157,23 @@ class PrefixRouterIndex:
             self._roots[cache_salt] = root
         return page_hashes(np.asarray(tokens), self.page_size, root, self._hash_fn)
 
-    def match(self, tokens, cache_salt: str | None = None) -> dict[Source, int]:
+    def match(
+        self, tokens, cache_salt: str | None = None, tiers: tuple[str, ...] = TIERS
+    ) -> dict[Source, int]:
         """For each source, how many leading full pages of `tokens` (with this salt) it
-        holds in any tier."""
-        return {s: len(w) for s, w in self._page_weights(tokens, cache_salt).items()}
+        holds in any of `tiers` (e.g. `("device",)`: what it holds on its device)."""
+        if not set(tiers) <= set(TIERS):
+            raise ValueError(f"tiers={tiers!r} are not all in {TIERS}")
+        if tiers == TIERS:
+            return {s: len(w) for s, w in self._page_weights(tokens, cache_salt).items()}
+        hashes = self.page_hashes(tokens, cache_salt)
+        out = {}
+        for source, held in self._sources.items():
+            n = 0
+            while n < len(hashes) and any(hashes[n] in held[t] for t in tiers):
+                n += 1
+            out[source] = n
+        return out
 
     def scores(self, tokens, cache_salt: str | None = None) -> dict[Source, float]:
         """For each source, its leading pages of `tokens` (see `match`), each weighted by
