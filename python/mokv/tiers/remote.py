@@ -16,6 +16,8 @@ nothing is sent before the first request.
   holds it. The validated bytes ride in the hits, so there is nothing to pin, and
   `load` copies them into the device pages (one pass per shard).
 - A failing server is a miss, never an error or a wrong page (see `RemotePageStore`).
+- Events: the pages every shard queued are announced with medium "EXTERNAL"; evictions
+  never are (the server evicts by itself).
 """
 
 from __future__ import annotations
