@@ -3,6 +3,8 @@
 #   make test   installs mokv and its test tools into .venv (and, as root on Debian, the
 #               redis-server package that tests/remote/ starts) and runs every test
 #   make test-remote  only the shared-tier tests (each starts its own redis-server)
+#   make test-consumers  installs vLLM's event classes and NVIDIA Dynamo's KV indexer (CPU
+#               builds) and runs tests/consumers/: routers others wrote read mokv's events
 #   make bench  runs the benchmark suite (make bench-quick: a shorter run), with vLLM's
 #               KV cache manager beside mokv's and MAX's (make bench-vllm installs it)
 #   make docs   builds the docs site (docs/, mkdocs.yml) into site/, warnings as errors
@@ -10,7 +12,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-remote bench bench-quick bench-vllm docs install redis-server
+.PHONY: demo test test-remote test-consumers bench bench-quick bench-vllm docs install redis-server
 
 # The shared-tier tests start their own redis-server (only the binary is used; a service
 # the package may start is never contacted). Under CI=true they fail without it.
@@ -38,6 +40,19 @@ test: $(VENV)/.installed redis-server
 
 test-remote: $(VENV)/.installed redis-server
 	$(PY) -m pytest -q tests/remote tests/tiers/test_remote.py
+
+# Routers that others wrote, fed mokv's events (tests/consumers/, pytest marker
+# `consumers`): vllm's kv_events classes need torch (the CPU build, pinned: a plain `torch`
+# would pull a multi-GB CUDA build) and vllm --no-deps with what its import chain loads;
+# Dynamo's standalone indexer ships in the ai-dynamo-runtime wheel. Never part of `make test`
+# (without them those tests skip, saying how to install them).
+$(VENV)/.consumers: $(VENV)/.installed tests/consumers/requirements.txt
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps -r tests/consumers/requirements.txt
+	touch $@
+
+test-consumers: $(VENV)/.consumers
+	$(PY) -m pytest -q -m consumers tests/consumers
 
 # The test extra includes the docs extra (mkdocs-material); tests/docs/ builds it too.
 docs: $(VENV)/.installed

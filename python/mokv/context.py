@@ -65,8 +65,9 @@ class TextGenerationContext(Protocol):
     @property
     def cache_salt(self) -> str | None:
         """Isolates the request's prefix-cache pages: requests share pages only when their
-        salts are equal (None: the unsalted cache). Set by the server (tenant, auth
-        layer), never taken from a caller; managers read it with a None default."""
+        salts are equal (None or "": the unsalted cache, as in vLLM). Set by the server
+        (tenant, auth layer), never taken from a caller; managers read it through
+        `cache_salt_of`."""
         ...
 
     def active_idx_after_skip(self, num_tokens: int) -> int:
@@ -236,3 +237,10 @@ class TextContext:
         self._start = 0
         self._active = self._end
         self._prompt_len = self._end
+
+
+def cache_salt_of(ctx: object) -> str | None:
+    """The salt a manager keys `ctx`'s pages with: its `cache_salt`, with None for a
+    context without one and for the empty salt (vLLM salts a request only when its
+    `cache_salt` is truthy, so "" shares the unsalted cache)."""
+    return getattr(ctx, "cache_salt", None) or None

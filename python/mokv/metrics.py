@@ -16,6 +16,9 @@ class TierMetrics:
         total_pages: the tier's pages (0 where it has no fixed size).
         bytes_stored: page bytes written into the tier.
         bytes_loaded: page bytes loaded from the tier into device pages.
+        evicted_unused_pages: pages the tier evicted before any request loaded them back
+            (copies that cost a write and saved nothing; 0 where the tier cannot know,
+            as for a shared server, which evicts by itself).
     """
 
     cache_tokens: int = 0
@@ -23,6 +26,7 @@ class TierMetrics:
     total_pages: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
+    evicted_unused_pages: int = 0
 
     def __add__(self, other: TierMetrics) -> TierMetrics:
         """Field by field: the counters of two replicas' tiers together."""
@@ -67,6 +71,13 @@ class KVCacheMetrics:
         """Of `cache_tokens`, tokens found in device pages (no tier supplied them)."""
         return self.cache_tokens - sum(t.cache_tokens for t in self.tiers.values())
 
+    @property
+    def cache_tokens_by_source(self) -> dict[str, int]:
+        """`cache_tokens` by where they were found: "device", then each tier by name
+        ("host", "remote") in lookup order; the values add up to `cache_tokens`."""
+        by_tier = {name: tier.cache_tokens for name, tier in self.tiers.items()}
+        return {"device": self.device_cache_tokens, **by_tier}
+
     # MAX's flat names of the host and shared tiers' counters (0 without the tier).
     host_cache_tokens = _tier_counter(
         "host", "cache_tokens", "Of `cache_tokens`, tokens loaded from the host tier."
@@ -77,6 +88,9 @@ class KVCacheMetrics:
     host_total_pages = _tier_counter("host", "total_pages", "Host-tier pages.")
     bytes_to_host = _tier_counter("host", "bytes_stored", "Bytes written through to the host tier.")
     bytes_from_host = _tier_counter("host", "bytes_loaded", "Bytes loaded back from the host tier.")
+    host_evicted_unused_pages = _tier_counter(
+        "host", "evicted_unused_pages", "Host pages evicted before any request loaded them back."
+    )
     remote_cache_tokens = _tier_counter(
         "remote",
         "cache_tokens",

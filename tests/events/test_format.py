@@ -73,7 +73,8 @@ def test_batch_without_rank_encodes_as_vllm_declares_it():
     assert BatchDecoder().decode(encoded).data_parallel_rank is None
 
 
-# Declared as vLLM declares them (vllm/distributed/kv_events.py), independently of mokv.
+# Declared as vLLM 0.33.0 declares them (vllm/distributed/kv_events.py of the PyPI wheel),
+# independently of mokv; tests/consumers/ compares with vLLM's own classes where installed.
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
@@ -96,12 +97,18 @@ class VBlockStored(KVCacheEvent, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class VBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class VAllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
@@ -123,3 +130,30 @@ def test_vllm_structs_decode_the_golden_vector():
     assert stored.extra_keys == [None] and stored.kv_cache_spec_kind == "full_attention"
     assert removed.block_hashes == [7] and isinstance(cleared, VAllBlocksCleared)
     assert batch.data_parallel_rank == 0
+
+
+def test_events_are_declared_as_vllm_033_declares_them():
+    # Names, order and tags: the 15th BlockStored field is lookahead_token_ids.
+    for mine, theirs in ((BlockStored, VBlockStored), (BlockRemoved, VBlockRemoved),
+                         (AllBlocksCleared, VAllBlocksCleared)):
+        assert mine.__struct_fields__ == theirs.__struct_fields__
+        assert mine.__struct_config__.tag == theirs.__struct_config__.tag
+    assert BlockStored.__struct_fields__[14] == "lookahead_token_ids"
+
+
+class VArrayBlockStored(VBlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+def test_lookahead_token_ids_decode_in_both_forms():
+    # vLLM 0.33 with lookahead hashing publishes one token list per block in the 15th
+    # field: in the array form that position is read positionally, so a decoder that
+    # declares another field there rejects the batch.
+    fields = dict(extra_keys=[None], group_idx=0, kv_cache_spec_kind="full_attention",
+                  lookahead_token_ids=[[5, 6]])
+    stored = VBlockStored([9], None, [1, 2, 3, 4], 4, None, "GPU", None, **fields)
+    array = VArrayBlockStored([9], None, [1, 2, 3, 4], 4, None, "GPU", None, **fields)
+    for event in (stored, array):
+        payload = msgspec.msgpack.encode(EventBatch(1.0, [event], 0))
+        (decoded,) = BatchDecoder().decode(payload).events
+        assert decoded.lookahead_token_ids == [[5, 6]] and decoded.block_hashes == [9]

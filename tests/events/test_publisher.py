@@ -2,6 +2,7 @@
 two), both payload forms, the bind/connect topologies, and a full queue's counted drop."""
 
 import mokv
+import msgspec
 import numpy as np
 import pytest
 from mokv.cache.hashing import page_hash_fn, page_hashes, root_hash, salted_root
@@ -31,13 +32,13 @@ def run_request(m, tokens, replica=None, salt=None):
 
 
 def stored(hs, parent, tokens, extra=None):
-    return VBlockStored(hs, parent, list(tokens), 4, None, "CPU", None,
+    return VBlockStored(hs, parent, list(tokens), 4, None, "GPU", None,
                         extra_keys=extra or [None] * len(hs), group_idx=0,
                         kv_cache_spec_kind="full_attention")
 
 
 def removed(h):
-    return VBlockRemoved([h], "CPU", group_idx=0)
+    return VBlockRemoved([h], "GPU", group_idx=0)
 
 
 def scripted(m, replica=None):
@@ -46,9 +47,10 @@ def scripted(m, replica=None):
     a = run_request(m, range(10), replica)  # 3 pages, the first 2 full when stepped
     h0, h1 = hashes(range(8))
     m.release(a.request_id)  # tail first: h1 joins the LRU before h0
-    run_request(m, range(20, 36), replica)  # needs all 4 pages: evicts h1, then h0
+    c = run_request(m, range(20, 36), replica)  # needs all 4 pages: evicts h1, then h0
     b = hashes(range(20, 36))
-    m.reset_prefix_cache()
+    m.release(c.request_id)  # a reset waits for the requests holding pages (vLLM's rule)
+    assert m.reset_prefix_cache()
     return [
         [VAllBlocksCleared()],
         [stored([h0, h1], None, range(8))],
@@ -144,6 +146,82 @@ def test_salted_first_page_carries_its_salt(session, reader_factory):
     m.close()
 
 
+@pytest.mark.parametrize(("salt_format", "extra", "top_level"), [
+    ("vllm", ("tenant-a",), None),
+    ("dynamo", ("dynamo-cache-salt:tenant-a",), None),  # the only salt Dynamo's router reads
+    ("sglang", ("tenant-a",), "tenant-a"),  # SGLang's router reads a top-level cache_salt
+])
+def test_salt_format_writes_the_salt_a_router_reads(session, reader_factory, salt_format,
+                                                     extra, top_level):
+    endpoint = inproc_name()
+    m = make_publishing(session, KVEventsConfig(endpoint, salt_format=salt_format), num_pages=8)
+    reader = reader_factory(endpoint)
+    m.release(run_request(m, range(9), salt="tenant-a").request_id)
+    m.release(run_request(m, range(50, 59)).request_id)  # unsalted: no salt in any form
+    salted, plain = (msgspec.msgpack.decode(p)[1][0] for _, _, p in reader.take(2))
+    assert salted["extra_keys"] == [list(extra), None] and plain["extra_keys"] == [None, None]
+    assert salted.get("cache_salt") == top_level and "cache_salt" not in plain
+    assert salted["block_hashes"] == hashes(range(8), "tenant-a")  # the hashes never change
+    (event,) = decode_like_vllm(msgspec.msgpack.encode([0.0, [salted]])).events
+    assert event.extra_keys == [extra, None]  # vLLM's structs still decode every form
+    m.close()
+
+
+def test_empty_salt_is_no_salt_as_in_vllm(session, reader_factory):
+    # vLLM salts a request only when its cache_salt is truthy: "" shares the unsalted
+    # pages and publishes no salt.
+    endpoint = inproc_name()
+    m = make_publishing(session, KVEventsConfig(endpoint), num_pages=8)
+    reader = reader_factory(endpoint)
+    m.release(run_request(m, range(9), salt="").request_id)
+    (event,) = decode_like_vllm(reader.take(1)[0][2]).events
+    assert event.extra_keys == [None, None] and event.block_hashes == hashes(range(8))
+    again = mokv.TextContext(np.arange(10))  # unsalted: finds the "" request's pages
+    m.external_claim(again.request_id)
+    assert m.maybe_reserve(again) and again.start_idx == 8
+    m.release(again.request_id)
+    assert salted_root("xxh3", 0, "") == ROOT
+    m.close()
+
+
+def test_primary_cache_medium_is_gpu_on_every_device(session, reader_factory):
+    # vLLM publishes "GPU" for its primary cache on the CPU platform too and keeps "CPU"
+    # for offloaded copies: routers (Dynamo, SGLang) file "CPU" under their host tier.
+    endpoint = inproc_name()
+    m = make_publishing(session, KVEventsConfig(endpoint))  # a replica on the CPU device
+    assert m.devices[0].is_host
+    reader = reader_factory(endpoint)
+    a = run_request(m, range(10))
+    m.release(a.request_id)
+    m.release(run_request(m, range(20, 36)).request_id)  # evicts a's pages
+    mediums = [e.medium for _, _, p in reader.take(2) for e in decode_like_vllm(p).events]
+    assert mediums == ["GPU", "GPU", "GPU", "GPU"]
+    m.close()
+
+
+def test_reset_under_running_requests_publishes_nothing(session, reader_factory):
+    # The stream never announces a page whose parent it has cleared: a reset that would
+    # clear the pages a running request holds is refused and publishes no batch.
+    endpoint = inproc_name()
+    m = make_publishing(session, KVEventsConfig(endpoint), num_pages=8)
+    reader = reader_factory(endpoint)
+    a = run_request(m, range(10))  # holds two committed pages
+    (first,) = decode_like_vllm(reader.take(1)[0][2]).events
+    assert m.reset_prefix_cache() is False
+    a.update(101)
+    a.update(102)
+    m.fetch([a])  # reserves the third page ...
+    a.update(103)
+    m.step([a])  # ... which this step fills and commits, chained to the second
+    (second,) = decode_like_vllm(reader.take(1)[0][2]).events
+    assert second.parent_block_hash == first.block_hashes[-1]  # announced, never cleared
+    assert not reader.sock.poll(100)  # the refused reset published nothing
+    m.release(a.request_id)
+    assert m.reset_prefix_cache() is True
+    assert decode_like_vllm(reader.take(1)[0][2]).events == [VAllBlocksCleared()]
+    m.close()
+
+
 def test_endpoint_offsets():
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
@@ -152,15 +230,20 @@ def test_endpoint_offsets():
     assert offset_endpoint("ipc:///tmp/x", 1) == "ipc:///tmp/x_dp1"
     c = KVEventsConfig()
     assert (c.endpoint, c.replay_endpoint, c.buffer_steps, c.hwm, c.max_queue_size, c.topic,
-            c.payload_format) == ("tcp://*:5557", None, 10_000, 100_000, 100_000, "", "map")
+            c.payload_format, c.salt_format) == (
+        "tcp://*:5557", None, 10_000, 100_000, 100_000, "", "map", "vllm")
     with pytest.raises(ValueError, match="payload_format"):
         KVEventsConfig(payload_format="json")
+    with pytest.raises(ValueError, match="'trtllm'"):
+        KVEventsConfig(salt_format="trtllm")
+    with pytest.raises(ValueError, match="payload_format='array'"):
+        KVEventsConfig(salt_format="sglang", payload_format="array")
 
 
 def test_full_queue_drops_oldest_and_counts(session):
     from mokv.events import EventPublisher
 
-    p = EventPublisher(KVEventsConfig(inproc_name(), max_queue_size=1), 0, 4, "CPU")
+    p = EventPublisher(KVEventsConfig(inproc_name(), max_queue_size=1), 0, 4)
     p._wake.wait = lambda timeout: None  # hold the thread back: batches pile up
     for i in range(50):
         p.removed(i)

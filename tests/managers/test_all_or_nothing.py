@@ -114,9 +114,11 @@ SCENARIO = [
     (lambda w: (w.B.update(12), w.C.update(13)), lambda w: _step(w, [w.B, w.C])),
     (None, lambda w: w.m.fetch([w.A, w.B, w.C], num_steps=3)),
     (lambda w: [c.update(14) for c in w.contexts], lambda w: _step(w, w.contexts)),
+    (None, lambda w: w.m.reset_prefix_cache()),  # refused: A, B and C hold pages
     (None, lambda w: w.m.release(w.A.request_id)),
-    (None, lambda w: w.m.reset_prefix_cache()),
     (None, lambda w: w.m.release(w.B.request_id)),
+    (None, lambda w: w.m.release(w.C.request_id)),
+    (None, lambda w: w.m.reset_prefix_cache()),
 ]
 
 
@@ -135,8 +137,8 @@ HOST_SCENARIO = [
     (None, lambda w: w.m.maybe_reserve(w.B)),  # two host hits, pinned
     (None, lambda w: w.m.fetch([w.B])),  # loads them
     (lambda w: w.B.update(13), lambda w: _step(w, [w.B])),
-    (None, lambda w: w.m.reset_prefix_cache()),
     (None, lambda w: w.m.release(w.B.request_id)),
+    (None, lambda w: w.m.reset_prefix_cache()),
 ]
 
 SCENARIOS = {"device": (World, SCENARIO), "host": (HostWorld, HOST_SCENARIO)}

@@ -213,9 +213,10 @@ def test_extra_key_encoding_is_injective():
 
 @pytest.mark.parametrize("algorithm", ["xxh3", "sha256"])
 def test_salts_separate_roots(algorithm):
-    roots = {salted_root(algorithm, 0, s) for s in (None, "", "a", "b", "ab")}
+    roots = {salted_root(algorithm, 0, s) for s in (None, "a", "b", "ab", " ")}
     assert len(roots) == 5
     assert salted_root(algorithm, 0, None) == root_hash(algorithm, 0)
+    assert salted_root(algorithm, 0, "") == root_hash(algorithm, 0)  # no salt, as in vLLM
     assert salted_root(algorithm, 0, "a") == salted_root(algorithm, 0, "a")
     assert salted_root(algorithm, 0, "a") != salted_root(algorithm, 1, "a")
 

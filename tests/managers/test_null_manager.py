@@ -30,7 +30,7 @@ def test_documented_return_values(null):
     assert null.get_data_parallel_splits([ctx, ctx]).to_numpy().tolist() == [0, 2]
     assert mokv.NullKVCacheManager.estimated_memory_size(null.params, 4, 32, 2, 10**9, []) == 0
     assert mokv.NullKVCacheManager.infer_optimal_batch_size(null.params, 32, 2, 10**9, []) == 1
-    assert null.step([ctx]) is None and null.reset_prefix_cache() is None
+    assert null.step([ctx]) is None and null.reset_prefix_cache() is True
     assert null.metrics == mokv.KVCacheMetrics()
     null.release(ctx.request_id)
     assert not null.contains(ctx.request_id)

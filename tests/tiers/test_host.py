@@ -9,6 +9,7 @@ from max.dtype import DType
 import mokv
 from mokv import TextContext
 from mokv.cache import page_copy
+from mokv.cache.hashing import page_hash_fn, page_hashes, root_hash
 
 from ..managers.conftest import NUM_LAYERS, make_paged, small_params
 
@@ -126,9 +127,11 @@ def test_reset_clears_both_tiers_and_counters_report_the_tier(session):
     m.step([a])
     assert m.host_committed_block_pct == pytest.approx(0.3)
     assert m.metrics.bytes_to_host == 3 * host_tier(m).pages.bytes_per_page
-    m.reset_prefix_cache()
-    assert m.host_committed_block_pct == 0.0 and not host_tier(m).pool.indexed_hashes()
+    assert not m.reset_prefix_cache()  # A holds pages: refused, nothing forgotten
+    assert m.host_committed_block_pct == pytest.approx(0.3)
     m.release("A")
+    assert m.reset_prefix_cache()
+    assert m.host_committed_block_pct == 0.0 and not host_tier(m).pool.indexed_hashes()
     assert m.num_free_blocks == 6
 
 
@@ -192,3 +195,32 @@ def test_manager_round_trip_on_two_tp_shards(session, dtype):
     assert m.metrics.host_cache_tokens == 8
     for view, before in zip(shards, original):
         np.testing.assert_array_equal(view[loaded], before)
+
+
+def test_metrics_count_hits_by_source_and_host_pages_evicted_unused(session):
+    m = make_host(session, num_host_pages=10)
+    cached_on_host_only(m)  # host: A's 2 pages, then X's 5
+    b = TextContext(np.r_[np.arange(8), [5]], "B")
+    m.external_claim("B")
+    m.fetch([b])  # loads A's 2 pages back: reused
+    b.update(1)
+    m.step([b])
+    m.release("B")
+    c = TextContext(np.r_[np.arange(8), [6]], "C")  # on the device now
+    m.external_claim("C")
+    m.fetch([c])
+    m.release("C")
+    metrics = m.metrics
+    assert metrics.cache_tokens_by_source == {"device": 8, "host": 8}
+    assert sum(metrics.cache_tokens_by_source.values()) == metrics.cache_tokens == 16
+    assert metrics.host_evicted_unused_pages == 0
+    # Y's 5 pages need 5 host pages: 3 free, then the oldest leaves, X's last 2 (C's
+    # device hits refreshed A's copies, the loaded ones)
+    evict_from_device(m, range(200, 221), "Y")
+    assert m.metrics.tiers["host"].evicted_unused_pages == 2
+    evict_from_device(m, range(300, 321), "Z")  # X's other 3, then A's 2 (loaded: not counted)
+    assert m.metrics.tiers["host"].evicted_unused_pages == 5
+    a_pages = set(page_hashes(np.arange(8), 4, root_hash("xxh3", 0), page_hash_fn("xxh3")))
+    assert not a_pages & host_tier(m).pool.indexed_hashes()  # A's copies went too
+    m.reset_metrics()
+    assert m.metrics.host_evicted_unused_pages == 0

@@ -121,6 +121,25 @@ def test_b_loads_the_pages_a_committed_bit_exact_and_indexes_them(session, redis
     b.close()
 
 
+def test_pages_queued_to_the_store_are_announced_as_external(session, redis_server):
+    # The shared tier's copies are published with medium "EXTERNAL" (Dynamo's External
+    # tier), after the device's own store, and only those every shard queued.
+    a = remote_manager(session, redis_server, fresh_namespace())
+    recorder = EventRecorder()
+    a.replicas[0].publish_to(recorder)
+    serve(a, TextContext(np.r_[PREFIX, [9]], "A", cache_salt="t"))
+    events = build_events(recorder.take(), 4)
+    assert [(e.medium, e.block_hashes) for e in events] == [
+        ("GPU", a.replicas[0].committed_hashes("A")),
+        ("EXTERNAL", a.replicas[0].committed_hashes("A"))]
+    assert all(e.parent_block_hash is None and e.extra_keys == [("t",), None] for e in events)
+    for store in stores(a):  # a full queue drops the page: nothing announced
+        store._max_queued = 0
+    serve(a, TextContext(np.r_[PREFIX, [9, 10, 11, 12, 13]], "A2", cache_salt="t"))
+    assert [e.medium for e in build_events(recorder.take(), 4)] == ["GPU"]
+    a.close()
+
+
 def test_the_remote_chain_continues_after_device_hits(session, redis_server):
     """B holds page 0 on its device; the store supplies page 1."""
     ns = fresh_namespace()

@@ -222,11 +222,12 @@ def encode_extra_keys(*keys: str | bytes | int) -> bytes:
 
 
 def salted_root(algorithm: str, seed: int, cache_salt: str | None) -> int:
-    """The parent hash of the first page of a sequence with `cache_salt` (None: unsalted).
+    """The parent hash of the first page of a sequence with `cache_salt` (None or "":
+    unsalted, as in vLLM, which salts a request only when its salt is truthy).
 
     The salt is hashed under its own root (not `root_hash`), so a salted root can never
     equal the hash of some unsalted first page."""
-    if cache_salt is None:
+    if cache_salt is None or cache_salt == "":
         return root_hash(algorithm, seed)
     if not isinstance(cache_salt, str):
         raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")

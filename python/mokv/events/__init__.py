@@ -5,8 +5,9 @@ config.py      KVEventsConfig (defaults as vLLM's), endpoint offsets per replica
 publisher.py   EventRecorder (a page pool's sink), build_events, EventPublisher (a
                recorder with a PUB socket, a publisher thread and a replay ROUTER)
 subscriber.py  EventSubscriber: SUB + DEALER replay, gap and restart detection
-index.py       PrefixRouterIndex: per source (server x replica), the cached hashes,
-               and how many leading pages of a token sequence each source holds
+index.py       PrefixRouterIndex: per source (server x replica) and tier, the cached
+               hashes; the leading pages of a token sequence each source holds, and
+               their score by tier (device 1.0, host 0.75, shared 0.25)
 """
 
 from .config import KVEventsConfig

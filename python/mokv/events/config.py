@@ -6,6 +6,14 @@ from dataclasses import dataclass
 
 from .format import PAYLOAD_FORMATS
 
+SALT_FORMATS = ("vllm", "dynamo", "sglang")
+"""How a salted first page carries its cache salt (`KVEventsConfig.salt_format`)."""
+
+DYNAMO_SALT_PREFIX = "dynamo-cache-salt:"
+"""The tag NVIDIA Dynamo's router strips from an `extra_keys` entry to find a page's cache
+namespace (ai-dynamo/dynamo lib/kv-router, `DYNAMO_CACHE_SALT_PREFIX`); an untagged entry
+is not a salt to it."""
+
 
 @dataclass(frozen=True)
 class KVEventsConfig:
@@ -24,6 +32,12 @@ class KVEventsConfig:
         topic: first frame of every message (llm-d accepts only `kv@<pod>@<model>`).
         payload_format: "map" (events as tagged maps: current vLLM and SGLang) or
             "array" (the legacy positional events).
+        salt_format: how the first page of a salted sequence carries its cache salt:
+            "vllm" (vLLM's form: `extra_keys` entry `(salt,)`), "dynamo" (`extra_keys`
+            entry `("dynamo-cache-salt:" + salt,)`, the only salt NVIDIA Dynamo's router
+            reads) or "sglang" (vLLM's form plus a top-level `cache_salt` field, which
+            SGLang's router reads; map payloads only). Page hashes are the same in
+            every form.
 
     Data-parallel replica `r` publishes on `endpoint_for(r)`: the tcp port plus `r`
     (port 0, "any free port", stays 0), or the address with `_dp{r}` appended for
@@ -37,6 +51,7 @@ class KVEventsConfig:
     max_queue_size: int = 100_000
     topic: str = ""
     payload_format: str = "map"
+    salt_format: str = "vllm"
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "topic"):
@@ -51,6 +66,13 @@ class KVEventsConfig:
         if self.payload_format not in PAYLOAD_FORMATS:
             raise ValueError(
                 f"payload_format={self.payload_format!r} is not one of {PAYLOAD_FORMATS}"
+            )
+        if self.salt_format not in SALT_FORMATS:
+            raise ValueError(f"salt_format={self.salt_format!r} is not one of {SALT_FORMATS}")
+        if self.salt_format == "sglang" and self.payload_format != "map":
+            raise ValueError(
+                "salt_format='sglang' adds a top-level cache_salt field, which only the map "
+                f"payload has; got payload_format={self.payload_format!r}"
             )
         for endpoint in (self.endpoint, self.replay_endpoint):
             if endpoint is not None and "://" not in endpoint:

@@ -17,28 +17,21 @@ omit_defaults), so that msgspec writes the same bytes: msgspec picks a map's hea
 the struct's field count (a fixmap up to 15 keys, tag included; map16 from 16), so even
 the fields mokv never sets (`locality`, ...) matter.
 
-Sources read for `BlockStored` (through the `search` tools, Nov 2026):
-- vllm/distributed/kv_events.py in karen-sy/vllm @ f7d935a063c5c69e40825bd667fc36d09d63fa1e
-  (a fork carrying upstream main with vLLM #51381, merged, which added `session_id`):
-  14 fields, block_hashes ... lora_name, extra_keys, group_idx, kv_cache_spec_kind,
-  kv_cache_spec_sliding_window, locality, ownership, session_id. Third-party decoders
-  that copy vLLM main (e.g. a fixture "copied from kv_events.py at main (f4eccdadef)")
-  show the same 14. `BlockRemoved`: block_hashes, medium, group_idx, locality, ownership.
-- vllm-project/vllm @ 0181ea3173e53eea8cf04a86891488e3dc89bb34 (the stored upstream
-  copy, older): the first 11 of those, in the same order.
-- vLLM #55487 / #55488 (typed `extra_keys`) add `event_version` to `BlockStored`. A vLLM
-  test of that change (found by content; the index names no repository for it) has
-  locality, session_id and event_version and asserts "the current schema (15 declared
-  fields + tag) encodes with a map16 header". The issue index shows #55488 closed; one
-  kv_events.py copy from before session_id puts `event_version: int = 1` after
-  lora_name. Its place in today's vLLM is unverified: it is appended last here.
-- SGLang (sgl-project/sglang #37482, #39991) still sends positional arrays with a
-  7-element base, which the "array" form below decodes.
+Source: `vllm/distributed/kv_events.py` of the vllm 0.33.0 wheel (PyPI), read directly:
+`BlockStored` has 15 fields, block_hashes, parent_block_hash, token_ids, block_size,
+lora_id, medium, lora_name (no default), then extra_keys, group_idx, kv_cache_spec_kind,
+kv_cache_spec_sliding_window, locality, ownership, session_id, lookahead_token_ids
+(default None); `BlockRemoved` has block_hashes, medium, then group_idx, locality,
+ownership. vLLM's media there are "GPU", "CPU" and "STORAGE". With vllm installed,
+`tests/consumers/` checks these declarations against vLLM's own classes.
 
-The shared note's golden vector (map16 header `de000b`) needs exactly 15 fields, which
-is what #55488's schema has; vLLM main's 14 would give a fixmap (`8b`). Decoders ignore
-the header's size, and a None field is omitted on the wire, so only the header byte
-depends on the 15th field; mokv never sets it.
+The 15th field matters twice: msgspec writes a map16 header (`de000b`) for 15 fields
+plus the tag, where 14 would give a fixmap (`8b`); and in the array form it is the 15th
+position, which vLLM decodes as `lookahead_token_ids` (a list of token lists per block).
+mokv never sets it.
+
+SGLang (sgl-project/sglang #37482, #39991) and consumers that copied older vLLM structs
+still decode positional arrays with a 7-element base, which the "array" form serves.
 """
 
 # No `from __future__ import annotations`: msgspec resolves string annotations in module
@@ -51,7 +44,14 @@ PayloadFormat = Literal["map", "array"]
 PAYLOAD_FORMATS = ("map", "array")
 
 MEDIUM_GPU = "GPU"
+"""The primary cache's pages, on every device (vLLM's `MEDIUM_GPU`, which vLLM publishes
+for its primary cache on the CPU platform too)."""
 MEDIUM_CPU = "CPU"
+"""Host-tier copies (vLLM's `MEDIUM_CPU`, for its CPU offloading)."""
+MEDIUM_SHARED = "EXTERNAL"
+"""Shared-tier (Redis) copies: Dynamo's canonical wire name of its External tier
+(`StorageTier::to_kv_medium`; it also reads "SHARED", "REMOTE", "NETWORK" as External)."""
+MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_SHARED)
 KV_CACHE_SPEC_KIND = "full_attention"
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -81,7 +81,7 @@ def _structs(array_like: bool):
         locality: str | None = None
         ownership: str | None = None
         session_id: str | None = None
-        event_version: int | None = None
+        lookahead_token_ids: list[list[int]] | None = None
 
     class BlockRemoved(KVCacheEvent):
         block_hashes: list[int]
@@ -110,6 +110,18 @@ ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared, ArrayKVEventBatch = 
 """The legacy positional form."""
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+SaltedBlockStored = msgspec.defstruct(
+    "SaltedBlockStored",
+    [("cache_salt", str | None, None)],
+    bases=(BlockStored,),
+    tag="BlockStored",
+)
+"""A map-form `BlockStored` with a top-level `cache_salt`, the field SGLang's router reads
+(`KVEventsConfig(salt_format="sglang")`). Only encoded: decoders that do not know the key
+skip it, and mokv's decoder reads the salt from `extra_keys`."""
+
 
 _ARRAY_TYPES = {
     BlockStored: ArrayBlockStored,

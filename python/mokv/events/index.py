@@ -1,19 +1,34 @@
-"""PrefixRouterIndex: what each cache holds, rebuilt from events, asked by prefix.
+"""PrefixRouterIndex: what each cache holds, by tier, rebuilt from events, asked by prefix.
 
 A source is one publisher: `(server, replica)`, a server's data-parallel replica. For
-each, the index keeps the set of page hashes its events say are cached now:
+each, the index keeps the page hashes its events say are cached now, per tier (the
+event's `medium`, see `TIER_OF_MEDIUM`):
 
-    BlockStored       adds its block_hashes
-    BlockRemoved      removes its block_hashes
-    AllBlocksCleared  empties the source's set
+    BlockStored       adds its block_hashes to its medium's tier
+    BlockRemoved      removes its block_hashes from its medium's tier
+    AllBlocksCleared  empties every tier of the source
 
-A router asks `match(tokens, cache_salt)`: it hashes the full pages of `tokens` the way
-the servers do (same algorithm, seed, page size and salt; see `mokv.cache.hashing`) and
-counts, per source, the leading pages whose hashes the source holds. A source holding
-pages 3 and 4 of a prompt but not page 0 scores 0: a cache serves prefixes only.
+A router hashes the full pages of `tokens` the way the servers do (same algorithm, seed,
+page size and salt; see `mokv.cache.hashing`) and asks, per source:
 
-Invariant: after a source's events up to seq N are applied in order, its set equals
-the publishing pool's `indexed_hashes()` as it was when batch N was handed over.
+    match(tokens)   the leading pages the source holds in any tier (a source holding
+                    pages 3 and 4 of a prompt but not page 0 holds 0: a cache serves
+                    prefixes only)
+    scores(tokens)  the same pages, each weighted by the best tier holding it:
+                    device 1.0, host `host_weight`, shared `shared_weight`
+
+so a replica holding a prefix on its device outscores one that would load it back from
+host memory, which outscores one that would fetch it from the shared store. This is
+llm-d's LongestPrefixScorer (llm-d/llm-d-kv-cache pkg/kvcache/kvblock_scorer.go: per
+page the best weight among the pod's tiers, summed over the longest prefix) with
+NVIDIA Dynamo's default weights (ai-dynamo/dynamo lib/kv-router/src/scheduling/
+config.rs: `host_cache_hit_weight` 0.75, `disk_cache_hit_weight` 0.25 for its disk and
+external tiers, the device 1.0). llm-d's defaults are GPU 1.0 and CPU 0.8.
+
+Invariant: after a source's events up to seq N are applied in order, its device tier
+equals the publishing pool's `indexed_hashes()` and its host tier the host pool's, as
+they were when batch N was handed over. The shared tier holds what the source stored
+there; the server evicts without telling anyone, so it may hold pages already gone.
 """
 
 from __future__ import annotations
@@ -26,49 +41,109 @@ from .format import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 Source = tuple[str, int]
 """(server name, data-parallel replica)."""
 
+TIERS = ("device", "host", "shared")
+
+TIER_OF_MEDIUM = {
+    "GPU": "device",
+    "DEVICE": "device",
+    "CPU": "host",
+    "CPU_PINNED": "host",
+    "CPU_TIER1": "host",
+    "CPU_TIER2": "shared",
+    "DISK": "shared",
+    "NVME": "shared",
+    "STORAGE": "shared",
+    "EXTERNAL": "shared",
+    "NETWORK": "shared",
+    "REMOTE": "shared",
+    "SHARED": "shared",
+}
+"""The tier of each `medium` a publisher may send: Dynamo's reading
+(`StorageTier::from_kv_medium`), with its disk and external tiers both "shared" (they
+weigh the same there). An event without a medium is a device event, as for Dynamo and
+llm-d; one with another medium is ignored (counted in `num_ignored`)."""
+
 
 class PrefixRouterIndex:
-    """Per source, the cached page hashes; per query, the leading pages each source holds.
+    """Per source and tier, the cached page hashes; per query, what each source holds.
 
     Args:
         page_size: the servers' page size; stores of another `block_size` are ignored
             (and counted in `num_ignored`), as their hashes cannot match.
         prefix_hash: the servers' `KVCacheParams.prefix_hash` ("xxh3" or "sha256").
         prefix_hash_seed: the servers' `KVCacheParams.prefix_hash_seed`.
+        host_weight: what a page in host memory ("CPU") is worth against one on the
+            device (1.0): loading it back costs a copy, recomputing it a prefill.
+        shared_weight: the same for a page in the shared store ("EXTERNAL"); at most
+            `host_weight`.
+
+    Raises:
+        ValueError: an unknown `prefix_hash`, or weights outside
+            `0 <= shared_weight <= host_weight <= 1`.
     """
 
-    def __init__(self, page_size: int, prefix_hash: str = "xxh3", prefix_hash_seed: int = 0):
+    def __init__(
+        self,
+        page_size: int,
+        prefix_hash: str = "xxh3",
+        prefix_hash_seed: int = 0,
+        host_weight: float = 0.75,
+        shared_weight: float = 0.25,
+    ):
         if prefix_hash not in STABLE_ALGORITHMS:
             raise ValueError(f"prefix_hash={prefix_hash!r} is not one of {STABLE_ALGORITHMS}")
+        for name, weight in (("host_weight", host_weight), ("shared_weight", shared_weight)):
+            if weight.__class__ not in (int, float) or not 0 <= weight <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1], got {weight!r}")
+        if shared_weight > host_weight:
+            raise ValueError(
+                f"shared_weight={shared_weight} is above host_weight={host_weight}: a page "
+                "from the shared store costs more to load than one from host memory"
+            )
         self.page_size = page_size
         self.prefix_hash = prefix_hash
         self.prefix_hash_seed = prefix_hash_seed
+        self.weights = {"device": 1.0, "host": float(host_weight), "shared": float(shared_weight)}
         self._hash_fn = page_hash_fn(prefix_hash)
         self._roots: dict[str | None, int] = {}
-        self._sources: dict[Source, set[int]] = {}
+        self._sources: dict[Source, dict[str, set[int]]] = {}
         self.num_ignored = 0
 
     @property
     def sources(self) -> list[Source]:
         return list(self._sources)
 
-    def hashes(self, source: Source) -> set[int]:
-        """The hashes `source` holds (a copy)."""
-        return set(self._sources.get(source, ()))
+    def hashes(self, source: Source, tier: str | None = None) -> set[int]:
+        """The hashes `source` holds in `tier` ("device", "host", "shared"), or in any
+        tier (a copy)."""
+        tiers = self._sources.get(source, {})
+        if tier is not None:
+            if tier not in TIERS:
+                raise ValueError(f"tier={tier!r} is not one of {TIERS}")
+            return set(tiers.get(tier, ()))
+        return set().union(*tiers.values())
 
     def apply(self, source: Source, batch: KVEventBatch) -> None:
         """Applies one batch of `source`'s events, in order."""
-        held = self._sources.setdefault(source, set())
+        tiers = self._sources.setdefault(source, {tier: set() for tier in TIERS})
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                if event.block_size != self.page_size:
-                    self.num_ignored += 1
-                    continue
-                held.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                held.difference_update(event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                held.clear()
+            if isinstance(event, AllBlocksCleared):
+                for held in tiers.values():
+                    held.clear()
+                continue
+            if not isinstance(event, BlockStored | BlockRemoved):
+                continue
+            tier = TIER_OF_MEDIUM.get(event.medium) if event.medium is not None else "device"
+            if (
+                tier is None
+                or isinstance(event, BlockStored)
+                and event.block_size != self.page_size
+            ):
+                self.num_ignored += 1
+            elif isinstance(event, BlockStored):
+                tiers[tier].update(event.block_hashes)
+            else:
+                tiers[tier].difference_update(event.block_hashes)
 
     def drop_source(self, source: Source) -> None:
         """Forgets everything about `source` (after a restart or an unrecoverable gap)."""
@@ -82,24 +157,48 @@ class PrefixRouterIndex:
             self._roots[cache_salt] = root
         return page_hashes(np.asarray(tokens), self.page_size, root, self._hash_fn)
 
-    def match(self, tokens, cache_salt: str | None = None) -> dict[Source, int]:
-        """For each source, how many leading full pages of `tokens` (with this salt) it holds."""
+    def match(
+        self, tokens, cache_salt: str | None = None, tiers: tuple[str, ...] = TIERS
+    ) -> dict[Source, int]:
+        """For each source, how many leading full pages of `tokens` (with this salt) it
+        holds in any of `tiers` (e.g. `("device",)`: what it holds on its device)."""
+        if not set(tiers) <= set(TIERS):
+            raise ValueError(f"tiers={tiers!r} are not all in {TIERS}")
+        if tiers == TIERS:
+            return {s: len(w) for s, w in self._page_weights(tokens, cache_salt).items()}
         hashes = self.page_hashes(tokens, cache_salt)
         out = {}
         for source, held in self._sources.items():
             n = 0
-            for h in hashes:
-                if h not in held:
-                    break
+            while n < len(hashes) and any(hashes[n] in held[t] for t in tiers):
                 n += 1
             out[source] = n
         return out
 
-    def best(self, tokens, cache_salt: str | None = None) -> tuple[Source | None, int]:
-        """The source holding the longest prefix of `tokens` and that many pages
-        ((None, 0) when no source holds its first page)."""
-        scores = self.match(tokens, cache_salt)
-        if not scores:
-            return None, 0
-        source = max(scores, key=scores.__getitem__)
-        return (source, scores[source]) if scores[source] else (None, 0)
+    def scores(self, tokens, cache_salt: str | None = None) -> dict[Source, float]:
+        """For each source, its leading pages of `tokens` (see `match`), each weighted by
+        the best tier that holds it (device 1.0, host `host_weight`, shared
+        `shared_weight`), summed."""
+        return {s: sum(w) for s, w in self._page_weights(tokens, cache_salt).items()}
+
+    def best(self, tokens, cache_salt: str | None = None) -> tuple[Source | None, float]:
+        """The source with the highest `scores` for `tokens`, and its score ((None, 0.0)
+        when no source holds the first page); ties go to the source added first."""
+        scores = self.scores(tokens, cache_salt)
+        source = max(scores, key=scores.__getitem__, default=None)
+        return (source, scores[source]) if source is not None and scores[source] else (None, 0.0)
+
+    def _page_weights(self, tokens, cache_salt: str | None) -> dict[Source, list[float]]:
+        """Per source, the weight of each leading page it holds (its best tier's)."""
+        hashes = self.page_hashes(tokens, cache_salt)
+        order = sorted(TIERS, key=self.weights.__getitem__, reverse=True)
+        out = {}
+        for source, tiers in self._sources.items():
+            weights = []
+            for h in hashes:
+                tier = next((t for t in order if h in tiers[t]), None)
+                if tier is None:
+                    break
+                weights.append(self.weights[tier])
+            out[source] = weights
+        return out

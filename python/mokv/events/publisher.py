@@ -22,8 +22,10 @@ What is published:
 - `BlockStored` for each run of pages committed one after another on one hash chain:
   their hashes, the parent of the first (None for a sequence's first page), all their
   token ids (`len == len(block_hashes) * block_size`: full pages only), `block_size`,
-  `medium`, `extra_keys` with one entry per page (`(cache_salt,)` for a salted first
-  page, else None), `group_idx` 0, `kv_cache_spec_kind` "full_attention".
+  `medium` ("GPU" for the replica's own pages on every device, as vLLM; "CPU" for host-tier
+  copies, "EXTERNAL" for the shared tier's), `extra_keys` with one entry per page (the
+  cache salt of a salted first page in the form `config.salt_format` names, else None),
+  `group_idx` 0, `kv_cache_spec_kind` "full_attention".
 - `BlockRemoved` for each evicted hash; `AllBlocksCleared` at startup (batch seq 0)
   and on `reset_prefix_cache`.
 A parent is always a hash this stream announced before (the pool commits a page only
@@ -41,16 +43,16 @@ import msgspec
 import numpy as np
 import zmq
 
-from .config import KVEventsConfig, binds
+from .config import DYNAMO_SALT_PREFIX, KVEventsConfig, binds
 from .format import (
     END_SEQ,
     KV_CACHE_SPEC_KIND,
-    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    SaltedBlockStored,
     to_array_form,
 )
 
@@ -121,24 +123,27 @@ class MediumSink:
         pass
 
 
-def build_events(records: list[tuple], block_size: int, medium: str) -> list:
+def build_events(
+    records: list[tuple], block_size: int, medium: str = MEDIUM_GPU, salt_format: str = "vllm"
+) -> list:
     """vLLM event structs for `records` (from `EventRecorder.take`), in order; consecutive
     pages of one chain in one medium are merged into one `BlockStored`. A record's own
-    medium (from a `MediumSink`) overrides `medium`."""
+    medium (from a `MediumSink`) overrides `medium`. A salted first page, which always
+    starts its event, carries its salt as `salt_format` says (`KVEventsConfig`)."""
     events: list = []
-    run: list | None = None  # [hashes, parent, token chunks, extra_keys, medium] of a BlockStored
+    run: list | None = None  # [hashes, parent, token chunks, salts, medium] of a BlockStored
     for rec in records:
         kind = rec[0]
         if kind == _STORED:
             page_hash, parent, data, salt = rec[1:5]
             rec_medium = rec[5] if len(rec) > 5 else medium
-            extra = (salt,) if salt is not None and parent is None else None
+            salt = salt if parent is None else None
             if run is not None and parent == run[0][-1] and rec_medium == run[4]:
                 run[0].append(page_hash)
                 run[2].append(data)
-                run[3].append(extra)
+                run[3].append(None)
                 continue
-            run = [[page_hash], parent, [data], [extra], rec_medium]
+            run = [[page_hash], parent, [data], [salt], rec_medium]
             events.append(run)
             continue
         run = None
@@ -148,21 +153,23 @@ def build_events(records: list[tuple], block_size: int, medium: str) -> list:
             events.append(AllBlocksCleared())
     for i, e in enumerate(events):
         if isinstance(e, list):
-            hashes, parent, chunks, extra, run_medium = e
-            tokens = np.frombuffer(b"".join(chunks), dtype="<i8").tolist()
-            events[i] = BlockStored(
-                hashes,
-                parent,
-                tokens,
-                block_size,
-                None,
-                run_medium,
-                None,
-                extra_keys=extra,
-                group_idx=0,
-                kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
-            )
+            events[i] = _block_stored(e, block_size, salt_format)
     return events
+
+
+def _block_stored(run: list, block_size: int, salt_format: str) -> BlockStored:
+    """The `BlockStored` of one run: `run[3][0]` is the salt of its first page, if any."""
+    hashes, parent, chunks, salts, medium = run
+    salt = salts[0]
+    tokens = np.frombuffer(b"".join(chunks), dtype="<i8").tolist()
+    tagged = DYNAMO_SALT_PREFIX + salt if salt is not None and salt_format == "dynamo" else salt
+    extra = [None if s is None else (tagged,) for s in salts]
+    fields = dict(extra_keys=extra, group_idx=0, kv_cache_spec_kind=KV_CACHE_SPEC_KIND)
+    if salt is not None and salt_format == "sglang":
+        return SaltedBlockStored(
+            hashes, parent, tokens, block_size, None, medium, None, cache_salt=salt, **fields
+        )
+    return BlockStored(hashes, parent, tokens, block_size, None, medium, None, **fields)
 
 
 class EventPublisher(EventRecorder):
@@ -173,7 +180,8 @@ class EventPublisher(EventRecorder):
         data_parallel_rank: the replica's index; offsets the endpoints and is written
             into every batch.
         block_size: tokens per page.
-        medium: "GPU" for accelerator pages, "CPU" for pages in host memory.
+        medium: of the replica's own pages: "GPU" on every device, as vLLM publishes
+            its primary cache (the host tier's records carry "CPU" themselves).
     """
 
     def __init__(
@@ -181,7 +189,7 @@ class EventPublisher(EventRecorder):
         config: KVEventsConfig,
         data_parallel_rank: int,
         block_size: int,
-        medium: str,
+        medium: str = MEDIUM_GPU,
         context: zmq.Context | None = None,
     ) -> None:
         self.config = config
@@ -288,7 +296,7 @@ class EventPublisher(EventRecorder):
                 return
 
     def _send(self, seq: int, ts: float, records: list[tuple]) -> None:
-        events = build_events(records, self.block_size, self.medium)
+        events = build_events(records, self.block_size, self.medium, self.config.salt_format)
         batch = KVEventBatch(ts, events, self.data_parallel_rank)
         payload = self._encode(to_array_form(batch) if self._array_form else batch)
         seq_bytes = seq.to_bytes(8, "big")
@@ -312,22 +320,17 @@ class EventPublisher(EventRecorder):
         sock.send_multipart((identity, b"", b"", END_SEQ, b""))
 
 
-def open_publishers(config: KVEventsConfig | None, block_size: int, devices: list) -> list:
-    """One `EventPublisher` per replica (`devices[r]`: the replica's first device), or none
-    without a config. All or nothing: if one cannot bind, those opened are closed."""
+def open_publishers(config: KVEventsConfig | None, block_size: int, num_replicas: int) -> list:
+    """One `EventPublisher` per replica, or none without a config. All or nothing: if one
+    cannot bind, those opened are closed."""
     publishers: list[EventPublisher] = []
     if config is None:
         return publishers
     try:
-        for r, device in enumerate(devices):
-            publishers.append(EventPublisher(config, r, block_size, event_medium(device)))
+        for r in range(num_replicas):
+            publishers.append(EventPublisher(config, r, block_size))
     except BaseException:
         for p in publishers:
             p.close()
         raise
     return publishers
-
-
-def event_medium(device) -> str:
-    """`medium` of a replica's pages: "GPU" on an accelerator, "CPU" in host memory."""
-    return MEDIUM_CPU if device.is_host else MEDIUM_GPU

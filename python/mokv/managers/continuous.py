@@ -300,5 +300,6 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         self._input_tokens = 0
 
     @synchronized
-    def reset_prefix_cache(self) -> None:
-        """Nothing to forget: slots are never shared."""
+    def reset_prefix_cache(self) -> bool:
+        """Nothing to forget (slots are never shared): True."""
+        return True

@@ -178,5 +178,6 @@ class NullKVCacheManager(MaxManagerAPI, ManagerFields):
         self._metrics = KVCacheMetrics()
 
     @synchronized
-    def reset_prefix_cache(self) -> None:
-        """No-op."""
+    def reset_prefix_cache(self) -> bool:
+        """Nothing to forget: True."""
+        return True

@@ -134,6 +134,7 @@ class HostTier:
 
     def load(self, hits: Sequence[TierHit], device_pages: Sequence[int]) -> None:
         self.pages.load([hit.handle for hit in hits], self._blocks, device_pages)
+        self.pool.mark_loaded(hit.handle for hit in hits)
 
     def note_reserved(
         self, fresh_pages: Sequence[int], device_hits: Sequence[Sequence[DeviceHit]]
@@ -228,10 +229,12 @@ class HostTier:
             total_pages=self.pool.num_pages,
             bytes_stored=self.pages.bytes_to_host,
             bytes_loaded=self.pages.bytes_from_host,
+            evicted_unused_pages=self.pool.num_evicted_unused,
         )
 
     def reset_metrics(self) -> None:
         self.pages.bytes_to_host = self.pages.bytes_from_host = 0
+        self.pool.num_evicted_unused = 0
 
     def check_invariants(self, pinned: Sequence[TierHit]) -> None:
         """Also: a host page is never served for tokens other than its own (the

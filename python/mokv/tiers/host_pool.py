@@ -33,6 +33,10 @@ Every change is all or nothing: `plan_store` is pure, and `evict` / `insert` / `
 
 Events. An optional `events` sink hears `stored` / `removed` (medium "CPU", see
 `mokv.events.EventRecorder.medium_sink`) after the change.
+
+Reuse. `mark_loaded` records that a stored page was loaded back; `num_evicted_unused`
+counts the pages evicted before that ever happened (copies that cost a write and saved
+nothing: a sign the tier is too small or `min_hits` too low).
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class HostPagePool:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._index: dict[int, int] = {}
         self._children: dict[int, int] = {}
+        self._loaded = [False] * num_pages  # loaded back since it was stored
+        self.num_evicted_unused = 0
         self.events: PageEventSink | None = None
 
     # --- queries (change nothing) ---------------------------------------------------
@@ -174,6 +180,7 @@ class HostPagePool:
             if page_id not in self._lru:
                 raise InvariantError(f"host page {page_id} evicted but not cached")
         hashes = [self._page_hash[p] for p in victims]
+        self.num_evicted_unused += sum(not self._loaded[p] for p in victims)
         for page_id, page_hash in zip(victims, hashes):
             self._forget(page_id, page_hash)  # type: ignore[arg-type]
             del self._lru[page_id]
@@ -220,6 +227,7 @@ class HostPagePool:
             self._page_hash[page_id] = page_hash
             self._page_tokens[page_id] = data
             self._parent[page_id] = parent
+            self._loaded[page_id] = False
             if parent is not None:
                 self._children[parent] = self._children.get(parent, 0) + 1
         if self.events is not None:
@@ -240,6 +248,11 @@ class HostPagePool:
                 raise InvariantError(f"host pages {sorted(wanted)} are not all free")
             found += free[i] in wanted
         free[i:] = [p for p in free[i:] if p not in wanted]
+
+    def mark_loaded(self, page_ids: Iterable[int]) -> None:
+        """The pages were loaded back into device pages (reused)."""
+        for page_id in page_ids:
+            self._loaded[page_id] = True
 
     def touch(self, page_ids: Iterable[int]) -> None:
         """Moves cached pages to the young end of the LRU, in the order given."""

@@ -16,6 +16,8 @@ nothing is sent before the first request.
   holds it. The validated bytes ride in the hits, so there is nothing to pin, and
   `load` copies them into the device pages (one pass per shard).
 - A failing server is a miss, never an error or a wrong page (see `RemotePageStore`).
+- Events: the pages every shard queued are announced with medium "EXTERNAL"; evictions
+  never are (the server evicts by itself).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from max.driver import Buffer
 
 from ..cache.hashing import STABLE_ALGORITHMS
 from ..cache.page_copy import read_pages, write_pages
-from ..cache.page_pool import PagePool
+from ..cache.page_pool import PageEventSink, PagePool
 from ..errors import InvariantError
+from ..events.format import MEDIUM_SHARED
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
 from ..params import KVCacheParams
@@ -128,6 +131,7 @@ class RemoteTier:
         self._blocks = blocks
         self._views: dict[int, np.ndarray] = {}  # numpy views of the blocks, by buffer id
         self._bytes_loaded = 0
+        self._events: PageEventSink | None = None
 
     def store_metrics(self) -> RemoteMetrics:
         """The stores' own counters, summed over the shards (each counts its pages)."""
@@ -167,14 +171,22 @@ class RemoteTier:
 
     def store(self, pages: CommittedPages) -> None:
         """Queues the pages to each shard's store. `put` copies the bytes and never
-        blocks or raises for the server: a full queue drops the page (counted)."""
+        blocks or raises for the server: a full queue drops the page (counted). Pages
+        every shard queued are announced to the replica's events (medium "EXTERNAL")."""
         if not pages.page_ids:
             return
+        queued = [True] * len(pages.page_ids)
         for store, block in zip(self.stores, self._blocks):
-            for page_hash, data, page in zip(
-                pages.hashes, pages.token_bytes, read_pages(block, pages.page_ids, self._views)
+            for i, (page_hash, data, page) in enumerate(
+                zip(pages.hashes, pages.token_bytes, read_pages(block, pages.page_ids, self._views))
             ):
-                store.put(page_hash, data, page)
+                queued[i] &= store.put(page_hash, data, page)
+        if self._events is not None:
+            for i, ok in enumerate(queued):
+                if ok:
+                    self._events.stored(
+                        pages.hashes[i], pages.parents[i], pages.token_bytes[i], pages.salts[i]
+                    )
 
     # --- the rest of the protocol ---------------------------------------------------
 
@@ -187,7 +199,11 @@ class RemoteTier:
             store.close()
 
     def publish_to(self, events: EventRecorder) -> None:
-        """Nothing to publish: loaded pages are announced as the device indexes them."""
+        """Announces the pages this replica queued to the store, with medium "EXTERNAL".
+        Never a removal: the server evicts by itself and tells no one (a router's view of
+        the shared tier may hold pages already gone). Loaded pages are announced as the
+        device indexes them."""
+        self._events = events.medium_sink(MEDIUM_SHARED)
 
     def metrics(self) -> TierMetrics:
         """The bytes loaded; what the writer threads sent is `store_metrics()`."""

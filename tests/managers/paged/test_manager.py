@@ -325,14 +325,22 @@ def test_occupancy_properties(session, paged):
     assert (m.used_pages, m.free_pages) == (4, 12)
 
 
-def test_reset_prefix_cache_forgets_cached_prefixes(paged):
+def test_reset_prefix_cache_forgets_cached_prefixes_once_no_request_holds_pages(paged):
     a = TextContext(np.arange(9))
     paged.claim(a.request_id)
     paged.fetch([a])
     a.update(0)
     paged.step([a])
+    # vLLM's rule (BlockPool.reset_prefix_cache): False, and nothing changes, while any
+    # page is in use; a reset under running requests would leave them holding committed
+    # pages whose hashes routers were just told to forget.
+    indexed, free = paged.replicas[0].pool.indexed_hashes(), paged.num_free_blocks
+    assert len(indexed) == 2
+    assert paged.reset_prefix_cache() is False
+    assert (paged.replicas[0].pool.indexed_hashes(), paged.num_free_blocks) == (indexed, free)
     paged.release(a.request_id)
-    paged.reset_prefix_cache()
+    assert paged.reset_prefix_cache() is True
+    assert not paged.replicas[0].pool.indexed_hashes()
     b = TextContext(np.arange(9))
     paged.claim(b.request_id)
     paged.alloc(b)

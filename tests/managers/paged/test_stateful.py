@@ -173,11 +173,21 @@ class PagedManagerMachine(RuleBasedStateMachine):
 
     @rule()
     def reset_prefix_cache(self):
-        self.m.reset_prefix_cache()
-        for r in self.m.replicas:  # both tiers forget every prefix
-            assert not r.pool.indexed_hashes()
-            host = r.tiers.named("host")
-            assert host is None or not host.pool.indexed_hashes()
+        """vLLM's rule: refused (False, nothing changed) while any request holds pages."""
+        holding = any(self.m.get_req_blocks(rid) for rid in self.running)
+        before = [(r.pool.indexed_hashes(), self.host_hashes(r)) for r in self.m.replicas]
+        free = self.m.num_free_blocks
+        assert self.m.reset_prefix_cache() is not holding
+        after = [(r.pool.indexed_hashes(), self.host_hashes(r)) for r in self.m.replicas]
+        if holding:
+            assert after == before and self.m.num_free_blocks == free
+        else:  # both tiers forget every prefix
+            assert all(not device and not host for device, host in after)
+
+    @staticmethod
+    def host_hashes(replica):
+        host = replica.tiers.named("host")
+        return set() if host is None else host.pool.indexed_hashes()
 
     @invariant()
     def pages_add_up(self):

@@ -130,9 +130,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
                 )
             # One publisher per replica (its own PUB socket), opened last so that nothing
             # after it can fail; the replica's pool and tiers tell it what changed.
-            self.kv_event_publishers = open_publishers(
-                params.kv_events, params.page_size, [self.devices[r * tp] for r in range(dp)]
-            )
+            self.kv_event_publishers = open_publishers(params.kv_events, params.page_size, dp)
         except BaseException:
             for replica in self.replicas:  # their tiers may run threads
                 replica.close()
@@ -357,13 +355,25 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         return Buffer.from_numpy(np.cumsum(counts))
 
     @synchronized
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached prefix; pages owned by requests stay theirs."""
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix of the device and host tiers; False, changing and
+        publishing nothing, while any request holds pages (vLLM's rule: release or preempt
+        them first).
+
+        A reset under running requests would leave them holding committed pages whose
+        hashes the event stream had just cleared; the next page such a request commits
+        would name a parent no router still knows, and its prefix would stay a duplicate
+        that is never announced again. With nothing held, everything after the reset's
+        `AllBlocksCleared` chains from pages announced after it.
+        """
+        if any(r.pool.num_used for r in self.replicas):
+            return False
         for r in self.replicas:
             r.reset_prefix_cache()
         for publisher in self.kv_event_publishers:
             publisher.end_step()
         self._after_change()
+        return True
 
     @synchronized
     def close(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...context import TextGenerationContext
+from ...context import TextGenerationContext, cache_salt_of
 from ...errors import StaleContextError
 from ...tiers.base import DeviceHit
 from ...tiers.stack import PendingLoad
@@ -72,7 +72,7 @@ class Reservation:
     def device_hit_run(self) -> list[DeviceHit]:
         """The device hits, each with the hash before it (and the salt on a first page)."""
         parent = self.parent_hash
-        salt = getattr(self.ctx, "cache_salt", None) if parent is None else None
+        salt = cache_salt_of(self.ctx) if parent is None else None
         run = []
         for page_id, page_hash in self.hits:
             run.append(DeviceHit(page_id, page_hash, parent, salt))

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from ...cache.hashing import PageHashFn, iter_page_hashes, salted_root
 from ...cache.page_pool import PagePool
-from ...context import TextGenerationContext
+from ...context import TextGenerationContext, cache_salt_of
 from ...params import KVCacheParams
 from ...tiers.base import ChainTail
 from .plans import RequestState
@@ -51,7 +51,7 @@ class PrefixChains:
         """The hash the request's next page chains from."""
         if req.hashes:
             return req.hashes[-1]
-        salt = getattr(ctx, "cache_salt", None)
+        salt = cache_salt_of(ctx)
         if salt is None:
             return self._root_hash
         root = self._salted_roots.get(salt)

@@ -39,7 +39,7 @@ from max.driver import Buffer, Device
 from ...cache.cache_memory import cache_buffer
 from ...cache.hashing import PageHashFn
 from ...cache.page_pool import PagePool
-from ...context import RequestID, TextGenerationContext
+from ...context import RequestID, TextGenerationContext, cache_salt_of
 from ...errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
@@ -176,7 +176,7 @@ class PagedReplica:
             return plan
         loads: list[PendingLoad] = []
         parent = hits[-1][1] if hits else plan.parent_hash
-        salt = getattr(ctx, "cache_salt", None) if parent is None else None
+        salt = cache_salt_of(ctx) if parent is None else None
         for index, tier in enumerate(self.tiers):
             # A tier hit needs a fresh device page as a miss does, and more hits only
             # move the window further: a plan that does not fit cannot be made to fit
@@ -319,7 +319,7 @@ class PagedReplica:
             if num_full <= first or not self._prefix_caching:
                 continue
             parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
-            salt = getattr(ctx, "cache_salt", None) if parent is None else None
+            salt = cache_salt_of(ctx) if parent is None else None
             chain = self.chains.pages(ctx, req, num_full)
             new_hashes = []
             for page_idx, (page_hash, data) in enumerate(chain, start=first):
