@@ -9,13 +9,17 @@ One device's inputs (`RaggedKVCacheInputs`, in constructor-op order):
     lookup_table  uint32  [batch_size, max_num_pages]   page ids of each sequence, in
                           order; token `t` of sequence `b` lives in page
                           `lookup_table[b, t // page_size]` at row `t % page_size`.
-                          Entries past a sequence's pages are 0 and never read.
-    max_lengths   uint32  [num_steps, 2] on the host; row `s` holds (most tokens one
-                          sequence processes in step s, longest cache before step s).
-                          Carried for compatibility with MAX's paged-cache signature;
-                          mokv's kernels read the per-sequence `cache_lengths` instead.
+                          A manager's table is padded as MAX pads it, every entry a
+                          valid page id (`max_paged.lookup_table_width`); mokv's
+                          kernels use only a sequence's own pages, at any width.
+    max_lengths   uint32  [num_steps, 2] on the host; row `s` holds MAX's (most new
+                          tokens of one sequence in step s, most cache + new tokens of
+                          one sequence in step s). For MAX's ops (`max_paged`, whose
+                          GPU attention sizes its work by the second); mokv's kernels
+                          read the per-sequence `cache_lengths` instead.
 
-Mojo side: `PagedKVCacheCollection` in mojo/mokv/paged.mojo.
+Mojo side: `PagedKVCacheCollection` in mojo/mokv/paged.mojo. MAX's own paged ops take
+these inputs in MAX's form: `mokv.layouts.max_paged`.
 """
 
 from __future__ import annotations
