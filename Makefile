@@ -3,13 +3,15 @@
 #   make test   installs mokv and its test tools into .venv (and, as root on Debian, the
 #               redis-server package that tests/remote/ starts) and runs every test
 #   make test-remote  only the shared-tier tests (each starts its own redis-server)
+#   make test-virtual-gpu  MAX's own layers on a mokv cache, compiled for a virtual sm_90
+#               (minutes: outside make test)
 #   make bench  runs the benchmark suite (make bench-quick: a shorter run)
 #   make docs   builds the docs site (docs/, mkdocs.yml) into site/, warnings as errors
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-remote bench bench-quick docs install redis-server
+.PHONY: demo test test-remote test-virtual-gpu bench bench-quick docs install redis-server
 
 # The shared-tier tests start their own redis-server (only the binary is used; a service
 # the package may start is never contacted). Under CI=true they fail without it.
@@ -37,6 +39,10 @@ test: $(VENV)/.installed redis-server
 
 test-remote: $(VENV)/.installed redis-server
 	$(PY) -m pytest -q tests/remote tests/tiers/test_remote.py
+
+# Marked max_virtual_gpu (pyproject.toml): deselected by make test, selected here.
+test-virtual-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -m max_virtual_gpu tests/ops/test_virtual_gpu.py
 
 # The test extra includes the docs extra (mkdocs-material); tests/docs/ builds it too.
 docs: $(VENV)/.installed
