@@ -219,3 +219,25 @@ def test_null_get_req_blocks_is_empty_for_any_request(session):
     assert null.get_req_blocks("never claimed") == []
     assert not null.contains("never claimed")  # and it did not claim it
 
+
+
+def test_each_replica_has_its_own_graph_dims(session):
+    # MAX 25.7 names each replica's per-batch dims apart (replica_0_batch_size, ...), so
+    # one graph takes both replicas' inputs with batches of different sizes; mokv named
+    # them alike, and such a graph refused to run.
+    from max.graph import Graph
+
+    m = dp2(session)
+    symbols = m.input_symbols()
+    assert [str(s.cache_lengths.shape[0]) for s in symbols] == [
+        "replica_0_batch_size", "replica_1_batch_size"]
+    a, b, c = (TextContext(np.arange(n)) for n in (3, 4, 5))
+    m.external_claim(a.request_id, replica_idx=0)
+    for ctx in (b, c):
+        m.external_claim(ctx.request_id, replica_idx=1)
+    with Graph("two_replicas", input_types=[*symbols[0], *symbols[1]]) as graph:
+        graph.output(graph.inputs[1].tensor + 1, graph.inputs[5].tensor + 1)
+    model = session.load(graph)
+    inputs = m.fetch([a, b, c])
+    out = model.execute(*inputs[0], *inputs[1])
+    assert [o.to_numpy().tolist() for o in out] == [[1], [1, 1]]

@@ -72,9 +72,17 @@ class PagedLayout(CacheLayout):
     )
 
     def input_symbols(
-        self, params: KVCacheParams, num_layers: int, max_seq_len: int, device: DeviceRef
+        self,
+        params: KVCacheParams,
+        num_layers: int,
+        max_seq_len: int,
+        device: DeviceRef,
+        dim_prefix: str = "",
     ) -> RaggedKVCacheInputs[BufferType, TensorType]:
         """Graph types of one device's inputs; `max_seq_len` does not appear in them."""
+        batch, pages, steps = (
+            dim_prefix + n for n in ("batch_size", "max_num_pages", "steps_remaining")
+        )
         blocks_shape = [
             "total_num_pages",
             2,
@@ -85,9 +93,9 @@ class PagedLayout(CacheLayout):
         ]
         return RaggedKVCacheInputs(
             blocks=BufferType(params.dtype, blocks_shape, device=device),
-            cache_lengths=TensorType(DType.uint32, ["batch_size"], device=device),
-            lookup_table=TensorType(DType.uint32, ["batch_size", "max_num_pages"], device=device),
-            max_lengths=TensorType(DType.uint32, ["steps_remaining", 2], device=DeviceRef.CPU()),
+            cache_lengths=TensorType(DType.uint32, [batch], device=device),
+            lookup_table=TensorType(DType.uint32, [batch, pages], device=device),
+            max_lengths=TensorType(DType.uint32, [steps, 2], device=DeviceRef.CPU()),
         )
 
     def empty_inputs(
