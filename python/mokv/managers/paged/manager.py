@@ -335,8 +335,10 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         """Inputs for the next step of multistep decoding, computed on the device.
 
         `prev_model_inputs.input_row_offsets` (or the offsets themselves) gives the rows
-        each request processed: one Buffer for a single replica, else one per replica or
-        per device. Cache lengths grow by those counts and `max_lengths` drops a row.
+        each request processed: one Buffer for a single replica; with several, MAX's form
+        (one global Buffer plus `prev_model_inputs.data_parallel_splits`, as
+        `get_data_parallel_splits` returns them), or one Buffer per replica or per device.
+        Cache lengths grow by those counts and `max_lengths` drops a row.
         """
         offsets = row_offsets_per_device(
             prev_model_inputs, self.num_replicas, self.params.tensor_parallel_degree
