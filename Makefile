@@ -5,6 +5,10 @@
 #   make test-remote  only the shared-tier tests (each starts its own redis-server)
 #   make test-consumers  installs vLLM's event classes and NVIDIA Dynamo's KV indexer (CPU
 #               builds) and runs tests/consumers/: routers others wrote read mokv's events
+#   make test-virtual-gpu  MAX's own layers on a mokv cache, compiled for a virtual sm_90
+#               (minutes: outside make test)
+#   make test-max-pipeline  MAX's own Llama pipeline generating on a mokv manager (installs
+#               MAX's pipeline dependencies, the max-pipeline extra; minutes: outside make test)
 #   make bench  runs the benchmark suite (make bench-quick: a shorter run), with vLLM's
 #               KV cache manager beside mokv's and MAX's (make bench-vllm installs it)
 #   make docs   builds the docs site (docs/, mkdocs.yml) into site/, warnings as errors
@@ -12,7 +16,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-remote test-consumers bench bench-quick bench-vllm docs install redis-server
+.PHONY: demo test test-remote test-consumers test-virtual-gpu test-max-pipeline bench bench-quick bench-vllm docs install redis-server
 
 # The shared-tier tests start their own redis-server (only the binary is used; a service
 # the package may start is never contacted). Under CI=true they fail without it.
@@ -53,6 +57,18 @@ $(VENV)/.consumers: $(VENV)/.installed tests/consumers/requirements.txt
 
 test-consumers: $(VENV)/.consumers
 	$(PY) -m pytest -q -m consumers tests/consumers
+
+# Marked max_virtual_gpu (pyproject.toml): deselected by make test, selected here.
+test-virtual-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -m max_virtual_gpu tests/ops/test_virtual_gpu.py
+
+$(VENV)/.max-pipeline: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[max-pipeline]"
+	touch $@
+
+# Marked max_pipeline (pyproject.toml): deselected by make test, selected here.
+test-max-pipeline: $(VENV)/.max-pipeline
+	$(PY) -m pytest -q -m max_pipeline tests/model/test_max_pipeline.py
 
 # The test extra includes the docs extra (mkdocs-material); tests/docs/ builds it too.
 docs: $(VENV)/.installed

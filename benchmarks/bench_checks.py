@@ -61,7 +61,8 @@ def inputs(cache_lengths: list[int], new_tokens: list[int]) -> list[Buffer]:
     q = rng.standard_normal((total, H, D)).astype(np.float32)
     offsets = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.uint32)
     lengths = np.array(cache_lengths, np.uint32)
-    max_lengths = np.array([[max(new_tokens), max(cache_lengths)]], np.uint32)
+    ends = [c + n for c, n in zip(cache_lengths, new_tokens)]
+    max_lengths = np.array([[max(new_tokens), max(ends)]], np.uint32)  # MAX's meaning
     return [Buffer.from_numpy(a) for a in (blocks, lengths, table, max_lengths, k, k, q, offsets)]
 
 

@@ -20,9 +20,15 @@ session = InferenceSession(devices=[CPU()])
 def show(title, kv_cache_inputs):
     print(f"  {title}:")
     for device_idx, inputs in enumerate(kv_cache_inputs):
+        table = inputs.lookup_table.to_numpy()
+        if table.ndim == 2:  # paged: the pages the steps use, then MAX's padding columns
+            page_size = inputs.blocks.shape[3]
+            used = -(-int(inputs.max_lengths.to_numpy()[-1, 1]) // page_size)
+            table = f"{table[:, :used].tolist()} (+ padding to {table.shape[1]} columns)"
+        else:
+            table = table.tolist()
         print(f"    device {device_idx}: blocks {tuple(inputs.blocks.shape)}, "
-              f"cache_lengths {inputs.cache_lengths.to_numpy().tolist()}, "
-              f"lookup_table {inputs.lookup_table.to_numpy().tolist()}")
+              f"cache_lengths {inputs.cache_lengths.to_numpy().tolist()}, lookup_table {table}")
 
 
 print("1. PagedKVCacheManager: 2 replicas, 16-token pages, prefix caching on")

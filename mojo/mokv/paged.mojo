@@ -5,7 +5,8 @@ Layout of the manager's buffers (python/mokv/layouts/paged.py, `RaggedKVCacheInp
     blocks        [total_num_pages, 2, num_layers, page_size, num_heads, head_size]
     cache_lengths uint32 [batch_size]                  tokens cached before this step
     lookup_table  uint32 [batch_size, max_num_pages]   page ids, in sequence order
-    max_lengths   uint32 [num_steps, 2] (host)         row 0: (max new tokens, max cache length)
+    max_lengths   uint32 [num_steps, 2] (host)         row 0: (most new tokens of a sequence,
+                                                       most cache + new tokens), MAX's meaning
 
 Token `tok` of entry `b` lives in page `lookup_table[b, tok // page_size]`, row
 `tok % page_size`. `page_size` is a parameter so that divisions become shifts when it
@@ -98,9 +99,10 @@ struct PagedKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int, p
     var max_num_pages: Int
     var num_pages: Int
     var _num_layers: Int
-    # From `max_lengths` row 0, kept for MAX's signature; no mokv kernel reads them.
+    # From `max_lengths` row 0, for MAX's kernels on a GPU (kernels/max_kernels.mojo); no
+    # mokv kernel reads them.
     var max_new_tokens: Int  # most new tokens of one sequence this step (max_lengths[0, 0])
-    var max_cache_length: Int  # longest cache prefix before this step (max_lengths[0, 1])
+    var max_cache_length: Int  # most cache + new tokens of one sequence (max_lengths[0, 1])
 
     @always_inline
     def __init__[blocks_dtype: DType, //](

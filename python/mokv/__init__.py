@@ -39,6 +39,7 @@ from .layouts import (
     layout_for,
     layout_of_inputs,
 )
+from .layouts.max_paged import max_cache_values, max_kv_params
 from .managers.base import KVCacheManager
 from .managers.continuous import ContinuousKVCacheManager
 from .managers.loader import load_kv_manager
@@ -90,4 +91,6 @@ __all__ = [
     "layout_for",
     "layout_of_inputs",
     "load_kv_manager",
+    "max_cache_values",
+    "max_kv_params",
 ]

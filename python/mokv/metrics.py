@@ -41,14 +41,20 @@ def _tier_counter(tier: str, counter: str, doc: str) -> property:
     return property(lambda self: getattr(self.tiers.get(tier, _NO_TIER), counter), doc=doc)
 
 
+def prompt_tokens_in(start: int, stop: int, prompt_end: int) -> int:
+    """Of the tokens `[start, stop)` a step processes, those before `prompt_end` (the
+    prompt's; a decode step's token comes after it)."""
+    return max(0, min(stop, prompt_end) - start)
+
+
 @dataclass
 class KVCacheMetrics:
-    """Prompt-token accounting and page occupancy of a manager.
+    """Prompt-token accounting and page occupancy of a manager, with MAX's meanings.
 
     Attributes:
-        input_tokens: tokens that requests asked the cache to hold for processing:
-            every token fetched for a step, plus every token found in the prefix cache.
-        cache_tokens: of those, tokens found in the prefix cache (not recomputed).
+        input_tokens: prompt tokens that requests' steps computed (prefix-cache misses;
+            generated tokens fed back in decode steps are not counted).
+        cache_tokens: prompt tokens found in the prefix cache (not recomputed).
         used_pages: pages owned by requests right now (all replicas).
         free_pages: pages that can be handed out right now, cached-free pages included.
         tiers: the lower tiers' counters by tier name ("host", "remote"), in lookup
@@ -62,9 +68,16 @@ class KVCacheMetrics:
     tiers: dict[str, TierMetrics] = field(default_factory=dict)
 
     @property
+    def prompt_tokens(self) -> int:
+        """`input_tokens + cache_tokens`: every prompt token, computed or found."""
+        return self.input_tokens + self.cache_tokens
+
+    @property
     def cache_hit_rate(self) -> float:
-        """`cache_tokens / input_tokens` (0.0 before any input)."""
-        return self.cache_tokens / self.input_tokens if self.input_tokens else 0.0
+        """`cache_tokens / prompt_tokens`: the fraction of prompt tokens found in the
+        prefix cache (0.0 before any prompt)."""
+        prompt_tokens = self.prompt_tokens
+        return self.cache_tokens / prompt_tokens if prompt_tokens else 0.0
 
     @property
     def device_cache_tokens(self) -> int:

@@ -36,7 +36,7 @@ def test_context_flow_matches_the_paged_manager(cont):
     cont.step([a])
     assert cont.fetch([a])[0].cache_lengths.to_numpy().tolist() == [4]
     assert cont.get_req_blocks(a.request_id) == [inputs.lookup_table.to_numpy()[0]]
-    assert cont.metrics.input_tokens == 5 and cont.metrics.cache_hit_rate == 0.0
+    assert cont.metrics.input_tokens == 4 and cont.metrics.cache_hit_rate == 0.0  # the prompt
     assert cont.contains(a.request_id) and cont.get_replica(a) == 0
     cont.release(a.request_id)
     assert not cont.contains(a.request_id) and cont.num_free_blocks == 3

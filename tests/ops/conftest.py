@@ -22,7 +22,7 @@ from max.graph import DeviceRef, Graph, TensorType, ops
 
 from mokv.compiler_output import filter_collection_warnings
 from mokv.layouts import CONTINUOUS, PAGED, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
-from mokv.layouts.paged import padded_lookup_columns
+from mokv.layouts.max_paged import lookup_table_width
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, portable_cpu_paths, store_kv
 from mokv.ops.cpu_paths import host_takes_portable_paths
 from mokv.params import KVCacheParams, KVCacheStrategy
@@ -72,7 +72,7 @@ class Cache:
     params: KVCacheParams
     blocks: np.ndarray  # storage dtype, layout of params.cache_strategy
     cache_lengths: np.ndarray  # uint32 [batch]
-    lookup_table: np.ndarray  # uint32 [batch] or [batch, padded_lookup_columns(max_num_pages)]
+    lookup_table: np.ndarray  # uint32 [batch] or [batch, lookup_table_width(max_num_pages)]
     new_tokens: list[int]  # the step's new tokens per sequence
 
     @property
@@ -139,7 +139,7 @@ def make_cache(
         max_pages = max(need)
         total = sum(need) - min(share_prefix_pages, need[1] if batch > 1 else 0) + 1
         ids = rng.permutation(np.arange(1, total))
-        table = np.zeros((batch, padded_lookup_columns(max_pages)), np.uint32)
+        table = np.zeros((batch, lookup_table_width(max_pages)), np.uint32)
         k = 0
         for b in range(batch):
             for i in range(need[b]):

@@ -12,9 +12,9 @@ machine without a GPU.
 
 What MAX's views need beyond mokv's tables, and where it comes from:
   * paged: `max_seq_length` and `max_cache_length`, from `max_lengths` row 0 (mokv's
-    collection keeps them); the cache length is passed as cache + new tokens, an upper
-    bound whatever the row means. MAX's GPU kernels may read up to 16 lookup-table
-    entries past a row's pages: the paged layout pads every row (`layouts/paged.py`).
+    collection keeps them; the row is MAX's: most new tokens of a sequence, most cache +
+    new tokens). MAX's GPU kernels may read up to 16 lookup-table entries past a row's
+    pages: every fetch pads the rows as MAX does (python/mokv/layouts/max_paged.py).
   * continuous: seed 002's inputs carry no max lengths, so the view gets bounds from the
     batch: new tokens of one sequence <= total - batch + 1 (exactly 1 for a decode
     batch, which keeps MAX on its decode kernels), cache + new tokens <= `max_seq_len`
@@ -106,7 +106,7 @@ def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_
     var table = TileTensor(
         coll.lookup_table.unsafe_origin_cast[MutAnyOrigin](), row_major(Coord(coll.batch_size(), coll.max_num_pages))
     ).as_imm()
-    var max_cache = coll.max_cache_length + coll.max_new_tokens
+    var max_cache = coll.max_cache_length
     var view = MaxPagedCollection[
         dtype, MaxKVCacheStaticParams(num_heads=H, head_size=D), page_size, MutAnyOrigin, ImmutAnyOrigin, ImmutAnyOrigin, MutAnyOrigin
     ](blocks, lengths, table, UInt32(coll.max_new_tokens), UInt32(max_cache))

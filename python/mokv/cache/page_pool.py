@@ -14,10 +14,11 @@ the managers release a request's pages tail first, so a shared prompt prefix out
 the suffixes that extend it (the eviction order of vLLM's `FreeKVCacheBlockQueue`).
 
 The hash index maps a chained page hash (see `hashing.py`) to the one page committed
-under it. Two requests that compute the same page at the same time each keep their
-own copy, but only the first committed copy is indexed; the other is an ordinary
-unhashed page. Lookups compare the page's token bytes too, so a hash collision can
-never hand out the wrong page.
+under it. When two requests compute the same page at the same time, only the first
+committed copy is indexed; `commit` leaves the other an ordinary unhashed page, and its
+owner decides what to do with it (the paged replica moves the request onto the indexed
+copy and frees its own, as MAX does). Lookups compare the page's token bytes too, so a
+hash collision can never hand out the wrong page.
 
 Invariants (checked by `check_invariants`):
   1. free, cached and owned partition the pages; `_free` and `_cached` hold no duplicates.

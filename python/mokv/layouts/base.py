@@ -102,9 +102,15 @@ class CacheLayout(ABC):
 
     @abstractmethod
     def input_symbols(
-        self, params: KVCacheParams, num_layers: int, max_seq_len: int, device: DeviceRef
+        self,
+        params: KVCacheParams,
+        num_layers: int,
+        max_seq_len: int,
+        device: DeviceRef,
+        dim_prefix: str = "",
     ) -> Any:
-        """The graph types of one device's inputs (an `Inputs` of types)."""
+        """The graph types of one device's inputs (an `Inputs` of types); `dim_prefix`
+        starts the name of every dim that varies per batch (one per replica)."""
 
     @abstractmethod
     def empty_inputs(

@@ -84,9 +84,15 @@ class ContinuousLayout(CacheLayout):
     )
 
     def input_symbols(
-        self, params: KVCacheParams, num_layers: int, max_seq_len: int, device: DeviceRef
+        self,
+        params: KVCacheParams,
+        num_layers: int,
+        max_seq_len: int,
+        device: DeviceRef,
+        dim_prefix: str = "",
     ) -> ContinuousBatchingKVCacheInputs[BufferType, TensorType]:
         """Graph types of one device's inputs; `max_seq_len` is a static dim of `blocks`."""
+        batch = dim_prefix + "batch_size"
         blocks_shape = [
             "max_batch_size",
             2,
@@ -97,8 +103,8 @@ class ContinuousLayout(CacheLayout):
         ]
         return ContinuousBatchingKVCacheInputs(
             blocks=BufferType(params.dtype, blocks_shape, device=device),
-            cache_lengths=TensorType(DType.uint32, ["batch_size"], device=device),
-            lookup_table=TensorType(DType.uint32, ["batch_size"], device=device),
+            cache_lengths=TensorType(DType.uint32, [batch], device=device),
+            lookup_table=TensorType(DType.uint32, [batch], device=device),
             is_cache_empty=TensorType(DType.bool, [1], device=DeviceRef.CPU()),
         )
 

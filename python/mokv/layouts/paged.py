@@ -9,13 +9,17 @@ One device's inputs (`RaggedKVCacheInputs`, in constructor-op order):
     lookup_table  uint32  [batch_size, max_num_pages]   page ids of each sequence, in
                           order; token `t` of sequence `b` lives in page
                           `lookup_table[b, t // page_size]` at row `t % page_size`.
-                          Entries past a sequence's pages are 0 and never read.
-    max_lengths   uint32  [num_steps, 2] on the host; row `s` holds (most tokens one
-                          sequence processes in step s, longest cache before step s).
-                          Carried for compatibility with MAX's paged-cache signature;
-                          mokv's kernels read the per-sequence `cache_lengths` instead.
+                          A manager's table is padded as MAX pads it, every entry a
+                          valid page id (`max_paged.lookup_table_width`); mokv's
+                          kernels use only a sequence's own pages, at any width.
+    max_lengths   uint32  [num_steps, 2] on the host; row `s` holds MAX's (most new
+                          tokens of one sequence in step s, most cache + new tokens of
+                          one sequence in step s). For MAX's ops (`max_paged`, whose
+                          GPU attention sizes its work by the second); mokv's kernels
+                          read the per-sequence `cache_lengths` instead.
 
-Mojo side: `PagedKVCacheCollection` in mojo/mokv/paged.mojo.
+Mojo side: `PagedKVCacheCollection` in mojo/mokv/paged.mojo. MAX's own paged ops take
+these inputs in MAX's form: `mokv.layouts.max_paged`.
 """
 
 from __future__ import annotations
@@ -34,14 +38,6 @@ from .base import CacheLayout, FetchKVCacheCollection, KVCollectionValue, Tensor
 
 T = TypeVar("T")
 B = TypeVar("B")
-
-
-def padded_lookup_columns(num_pages: int) -> int:
-    """Columns of a lookup table whose rows hold up to `num_pages` pages: as MAX pads its
-    own (`round_up(num_pages, 8) + 16`), because MAX's GPU attention kernels, which mokv's
-    ops run on a GPU, may read up to 16 entries past a row's pages. The extra entries
-    hold page ids that are in range (never read by mokv's own kernels)."""
-    return -(-num_pages // 8) * 8 + 16
 
 
 class RaggedKVCacheInputs(NamedTuple, Generic[B, T]):
@@ -76,9 +72,17 @@ class PagedLayout(CacheLayout):
     )
 
     def input_symbols(
-        self, params: KVCacheParams, num_layers: int, max_seq_len: int, device: DeviceRef
+        self,
+        params: KVCacheParams,
+        num_layers: int,
+        max_seq_len: int,
+        device: DeviceRef,
+        dim_prefix: str = "",
     ) -> RaggedKVCacheInputs[BufferType, TensorType]:
         """Graph types of one device's inputs; `max_seq_len` does not appear in them."""
+        batch, pages, steps = (
+            dim_prefix + n for n in ("batch_size", "max_num_pages", "steps_remaining")
+        )
         blocks_shape = [
             "total_num_pages",
             2,
@@ -89,9 +93,9 @@ class PagedLayout(CacheLayout):
         ]
         return RaggedKVCacheInputs(
             blocks=BufferType(params.dtype, blocks_shape, device=device),
-            cache_lengths=TensorType(DType.uint32, ["batch_size"], device=device),
-            lookup_table=TensorType(DType.uint32, ["batch_size", "max_num_pages"], device=device),
-            max_lengths=TensorType(DType.uint32, ["steps_remaining", 2], device=DeviceRef.CPU()),
+            cache_lengths=TensorType(DType.uint32, [batch], device=device),
+            lookup_table=TensorType(DType.uint32, [batch, pages], device=device),
+            max_lengths=TensorType(DType.uint32, [steps, 2], device=DeviceRef.CPU()),
         )
 
     def empty_inputs(

@@ -180,13 +180,18 @@ class ManagerFields:
     def input_symbols(
         self, devices: Sequence[Device] | None = None, num_layers: int | None = None
     ) -> list[Any]:
-        """One `layout.Inputs` of graph types per device, matching `fetch`."""
+        """One `layout.Inputs` of graph types per device, matching `fetch`. With several
+        data-parallel replicas, device `i` belongs to replica `i // tensor_parallel_degree`
+        and its per-batch dims are that replica's own (`replica_<r>_batch_size`, as in
+        MAX), so that one graph takes replicas' batches of different sizes."""
+        dp, tp = self.params.data_parallel_degree, self.params.tensor_parallel_degree
         return [
             self.layout.input_symbols(
                 self.params,
                 num_layers or self.num_layers,
                 self.max_seq_len,
                 DeviceRef.from_device(d),
+                dim_prefix=f"replica_{i // tp}_" if dp > 1 else "",
             )
-            for d in (devices or self.devices)
+            for i, d in enumerate(devices or self.devices)
         ]

@@ -47,6 +47,28 @@ class MaxManagerAPI:
         """Same as `input_symbols`."""
         return self.input_symbols(devices, num_layers)
 
+    def max_input_symbols(
+        self: KVCacheManager, devices: Sequence[Device] | None = None, num_layers: int | None = None
+    ) -> list[Any]:
+        """`input_symbols` in the form MAX's own paged graph ops take: one
+        `max.nn.kv_cache.KVCacheInputsPerDevice` of graph types per device (its
+        `max.tree.leaves` are the graph's cache inputs; `mokv.max_cache_values` turns
+        those values back into MAX's `PagedCacheValues`). Paged caches only."""
+        from ..layouts.max_paged import max_input_symbols
+
+        _check_paged(self)
+        return [max_input_symbols(s) for s in self.input_symbols(devices, num_layers)]
+
+    def max_inputs(self: KVCacheManager, fetched: Sequence[Any]) -> list[Any]:
+        """A `fetch` result in the form MAX's own paged graph ops take, to match
+        `max_input_symbols` (the same cache buffers, plus host scalars; nothing is read
+        back from a device). Paged caches only."""
+        from ..layouts.max_paged import max_runtime_inputs
+
+        _check_paged(self)
+        heads = self.params.n_kv_heads_per_device
+        return [max_runtime_inputs(inputs, heads) for inputs in fetched]
+
     @property
     def total_num_host_pages(self) -> int:
         """Pages of the host-memory tier: 0 (the paged manager overrides this)."""
@@ -56,3 +78,12 @@ class MaxManagerAPI:
     def host_committed_block_pct(self) -> float:
         """Fraction of host pages holding committed prefixes: 0.0 (no host tier)."""
         return 0.0
+
+
+def _check_paged(manager: KVCacheManager) -> None:
+    """TypeError unless the manager's cache is paged (MAX 26.7's graph ops have no
+    continuous-batching attention)."""
+    if manager.layout.name != "paged":
+        raise TypeError(
+            f"MAX's graph ops take a paged cache; this manager's layout is {manager.layout.name!r}"
+        )

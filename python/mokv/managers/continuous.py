@@ -33,7 +33,7 @@ from ..errors import (
     UnknownRequestError,
 )
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
-from ..metrics import KVCacheMetrics
+from ..metrics import KVCacheMetrics, prompt_tokens_in
 from ..params import KVCacheParams
 from .base import ManagerFields, check_num_steps, check_request_id, synchronized
 from .compat import MaxManagerAPI
@@ -76,7 +76,8 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         ]
         self._free_slots = list(range(max_cache_batch_size - 1, -1, -1))
         self._slot_of: dict[RequestID, int] = {}
-        self._input_tokens = 0
+        self._prompt_end: dict[RequestID, int] = {}  # end_idx at a request's first fetch
+        self._input_tokens = 0  # prompt tokens fetched (the metrics count no decode token)
         self._increment = CacheLengthIncrementer(session, with_max_lengths=False)
 
     # --- sizing ---------------------------------------------------------------------
@@ -133,6 +134,11 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         return [self._free_slots.pop() for _ in range(n)]
 
     @synchronized
+    def free_slots(self) -> set[int]:
+        """The slots neither a request nor a sequence holds (a copy)."""
+        return set(self._free_slots)
+
+    @synchronized
     def give_back_slots(self, slots: Sequence[int]) -> None:
         """Frees slots that `take_slots` handed out (and no request holds)."""
         self._free_slots.extend(slots)
@@ -176,6 +182,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         """Frees the request's slot."""
         self._free_slots.append(self._slot(request_id))
         del self._slot_of[request_id]
+        self._prompt_end.pop(request_id, None)
 
     def _slot(self, request_id: RequestID) -> int:
         check_request_id(request_id)
@@ -231,7 +238,9 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         for ctx in batch:
             self._check_fits(ctx, num_steps)
         inputs = self.slot_inputs(slots, [ctx.start_idx for ctx in batch])
-        self._input_tokens += sum(ctx.active_length for ctx in batch)
+        for ctx in batch:
+            prompt_end = self._prompt_end.setdefault(ctx.request_id, ctx.end_idx)
+            self._input_tokens += prompt_tokens_in(ctx.start_idx, ctx.active_idx, prompt_end)
         return inputs
 
     @synchronized

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from max.driver import Buffer, Device
+from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef, Graph, TensorType
@@ -68,19 +68,24 @@ def row_offsets_per_device(
 
     Accepts an object with an `input_row_offsets` attribute, or the offsets themselves:
     a Buffer or numpy array (one replica), or a sequence with one entry per replica
-    (local to that replica's requests) or per device.
+    (local to that replica's requests) or per device. MAX's form with several replicas:
+    one global offsets array over the whole batch (or a list of identical ones, of
+    which the first is read) and `prev_model_inputs.data_parallel_splits`, the int64
+    `[num_replicas + 1]` offsets of each replica's requests in the batch
+    (`get_data_parallel_splits`); each replica then gets its slice of the offsets.
     """
     offsets = getattr(prev_model_inputs, "input_row_offsets", prev_model_inputs)
-    if isinstance(offsets, (Buffer, np.ndarray)):
-        offsets = [offsets]
-    for o in offsets:
-        _check_row_offsets(o)
-    offsets = [
-        Buffer.from_numpy(np.ascontiguousarray(o, dtype=np.uint32))
-        if isinstance(o, np.ndarray)
-        else o
-        for o in offsets
-    ]
+    splits = getattr(prev_model_inputs, "data_parallel_splits", None)
+    if splits is not None and num_replicas > 1:
+        whole = offsets[0] if isinstance(offsets, (list, tuple)) else offsets
+        _check_row_offsets(whole)
+        offsets = _split_by_replica(_as_buffer(whole), splits, num_replicas)
+    else:
+        if isinstance(offsets, (Buffer, np.ndarray)):
+            offsets = [offsets]
+        for o in offsets:
+            _check_row_offsets(o)
+        offsets = [_as_buffer(o) for o in offsets]
     num_devices = num_replicas * devices_per_replica
     if len(offsets) == num_devices:
         return offsets
@@ -90,6 +95,38 @@ def row_offsets_per_device(
         f"input_row_offsets has {len(offsets)} entries; expected one per replica "
         f"({num_replicas}) or per device ({num_devices})"
     )
+
+
+def _as_buffer(offsets: Any) -> Any:
+    """A numpy array of offsets as a uint32 Buffer; anything else as it is."""
+    if isinstance(offsets, np.ndarray):
+        return Buffer.from_numpy(np.ascontiguousarray(offsets, dtype=np.uint32))
+    return offsets
+
+
+def _split_by_replica(offsets: Any, splits: Any, num_replicas: int) -> list[Buffer]:
+    """Replica r's rows of the global `offsets`: entries `splits[r] .. splits[r + 1]`
+    (a view; its first entry need not be 0, since only differences are used).
+
+    `splits` is read on the host (MAX's `get_data_parallel_splits` builds it there);
+    ValueError unless it has `num_replicas + 1` non-decreasing entries from 0 to the
+    batch size that `offsets` describes."""
+    if isinstance(splits, Buffer):
+        splits = splits.to_numpy() if splits.device.is_host else splits.to(CPU()).to_numpy()
+    splits = np.asarray(splits)
+    batch_size = int(offsets.shape[0]) - 1
+    if (
+        splits.shape != (num_replicas + 1,)
+        or not np.issubdtype(splits.dtype, np.integer)
+        or splits[0] != 0
+        or splits[-1] != batch_size
+        or np.any(np.diff(splits) < 0)
+    ):
+        raise ValueError(
+            f"data_parallel_splits must be {num_replicas + 1} non-decreasing ints from 0 to "
+            f"the batch size {batch_size}, got {splits.tolist()}"
+        )
+    return [offsets[int(splits[r]) : int(splits[r + 1]) + 1] for r in range(num_replicas)]
 
 
 def _check_row_offsets(offsets: Any) -> None:

@@ -5,8 +5,9 @@ no buffer can be used. This manager lets the same model code build its graph the
 it has the layout that `params.cache_strategy` names, returns that layout's graph input
 types, and runtime inputs of the right dtypes and ranks that hold nothing (host
 buffers of zero pages or slots). It tracks claims like a real manager, so a model
-that misuses the manager fails in compile-only mode the way it would for real; its
-occupancy numbers are MAX's documented placeholders (1000 free blocks, 100% free).
+that misuses the manager fails in compile-only mode the way it would for real (MAX's
+null manager accepts any id there); its occupancy numbers are MAX's documented
+placeholders (1000 free blocks, 100% free), and `get_req_blocks` is empty for any id.
 """
 
 from __future__ import annotations
@@ -148,8 +149,8 @@ class NullKVCacheManager(MaxManagerAPI, ManagerFields):
 
     @synchronized
     def get_req_blocks(self, request_id: RequestID) -> list[int]:
-        """Empty: no blocks are allocated."""
-        self._check_claimed(request_id)
+        """Empty, for any request id, claimed or not (seed 001): no blocks are allocated."""
+        check_request_id(request_id)
         return []
 
     @property

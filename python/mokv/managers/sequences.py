@@ -23,6 +23,7 @@ anything.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from max.driver import Buffer, Device
@@ -91,6 +92,18 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
         """Slots neither a sequence nor a request holds."""
         return self.requests.num_free_blocks
 
+    @property
+    def slots_remaining(self) -> set[int]:
+        """The free slots (MAX's name; a copy): `claim` can take `len(slots_remaining)`
+        more sequences."""
+        return self.requests.free_slots()
+
+    @property
+    def cache_lengths(self) -> Mapping[int, int]:
+        """Tokens in each claimed sequence's cache, by sequence id (seed 003's field): a
+        read-only view that follows `step`, `claim` and `release`."""
+        return MappingProxyType(self._lengths)
+
     # --- sequence ids ---------------------------------------------------------------
 
     @synchronized
@@ -108,6 +121,8 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
         return _is_count(seq_id) and seq_id in self._lengths
 
     def _check(self, seq_id: object) -> int:
+        """`seq_id` if it is a claimed sequence; TypeError for a non-int, and
+        `UnknownRequestError` (a `ValueError`, as in MAX) for an unclaimed id."""
         if not _is_count(seq_id):
             raise TypeError(f"sequence ids are ints, got {type(seq_id).__name__} {seq_id!r}")
         if seq_id not in self._lengths:

@@ -1,12 +1,12 @@
 """PagedKVCacheManager on the CPU device: MAX's documented example and every member."""
 
-import mokv
 import numpy as np
 import pytest
 from max.driver import CPU, Buffer
 from max.dtype import DType
+
+import mokv
 from mokv import TextContext
-from mokv.layouts.paged import padded_lookup_columns
 
 from ..conftest import NUM_LAYERS, make_paged, small_params
 
@@ -43,13 +43,16 @@ def test_seed_000_example_runs_verbatim(session):
     kv_manager.release(ctx2.request_id)
 
     assert len(kv_cache_inputs) == 2  # one per device, replica 0 then replica 1
-    for inputs, ctx in zip(kv_cache_inputs, [ctx1, ctx2]):
+    for inputs, prompt_length in zip(kv_cache_inputs, [6, 7]):
         assert inputs.cache_lengths.to_numpy().tolist() == [0]
-        # 6 or 7 prompt tokens + 9 more steps -> 15 or 16 tokens -> 4 pages of 4
+        # 6 or 7 prompt tokens + 9 more steps -> 15 or 16 tokens -> 4 pages of 4,
+        # in a table padded to MAX's width: round_up(4, 8) + 16 columns
         assert inputs.lookup_table.to_numpy()[:, :4].tolist() == [[0, 1, 2, 3]]
-        assert inputs.lookup_table.shape[1] == padded_lookup_columns(4)  # as MAX pads it
-        assert inputs.max_lengths.to_numpy()[:, 1].tolist() == list(range(10))
-    assert kv_cache_inputs[0].max_lengths.to_numpy()[0, 0] == 6
+        assert inputs.lookup_table.shape == (1, 24)
+        # per step: (new tokens of the longest, cache + new tokens of the longest)
+        assert inputs.max_lengths.to_numpy().tolist() == [[prompt_length, prompt_length]] + [
+            [1, prompt_length + s] for s in range(1, 10)
+        ]
     assert kv_manager.num_free_blocks == 32
 
 
@@ -63,15 +66,16 @@ def test_fetch_describes_the_batch_in_real_buffers(session, paged):
     assert isinstance(blocks, Buffer) and blocks.shape == (16, 2, NUM_LAYERS, 4, 2, 8)
     assert blocks.dtype == DType.float32 and blocks.device == CPU()
     assert cache_lengths.to_numpy().tolist() == [0, 0]
-    assert lookup_table.to_numpy()[:, :2].tolist() == [[0, 1], [2, 0]]  # b's unused entry is 0
-    assert lookup_table.shape[1] == padded_lookup_columns(2)
-    assert max_lengths.to_numpy().tolist() == [[5, 0]]
+    assert lookup_table.shape == (2, 24)  # 2 pages, padded as MAX pads: round_up(2, 8) + 16
+    assert lookup_table.to_numpy()[:, :2].tolist() == [[0, 1], [2, 0]]  # b's unused entry: 0
+    assert (lookup_table.to_numpy()[:, 2:] == 0).all()
+    assert max_lengths.to_numpy().tolist() == [[5, 5]]
     assert paged.get_req_blocks(a.request_id) == [0, 1]
     a.update(7)
     paged.step([a])
     inputs = paged.fetch([a])
     assert inputs[0].cache_lengths.to_numpy().tolist() == [5]
-    assert inputs[0].max_lengths.to_numpy().tolist() == [[1, 5]]
+    assert inputs[0].max_lengths.to_numpy().tolist() == [[1, 6]]
 
 
 def test_input_symbols_match_fetched_buffers(paged):
@@ -100,8 +104,8 @@ def test_prefix_hit_shares_pages_and_skips_tokens(paged):
     assert paged.get_req_blocks(b.request_id)[:2] == paged.get_req_blocks(a.request_id)[:2]
     pool = paged.replicas[0].pool
     assert [pool.ref_count(p) for p in paged.get_req_blocks(b.request_id)] == [2, 2, 1]
-    m = paged.metrics
-    assert (m.cache_tokens, m.input_tokens) == (8, 11 + 8)
+    m = paged.metrics  # a's 11 prompt tokens computed, b's first 8 found (MAX's meanings)
+    assert (m.cache_tokens, m.input_tokens, m.prompt_tokens) == (8, 11, 19)
     assert m.cache_hit_rate == pytest.approx(8 / 19)
     paged.reset_metrics()
     assert paged.metrics.input_tokens == 0
@@ -325,22 +329,14 @@ def test_occupancy_properties(session, paged):
     assert (m.used_pages, m.free_pages) == (4, 12)
 
 
-def test_reset_prefix_cache_forgets_cached_prefixes_once_no_request_holds_pages(paged):
+def test_reset_prefix_cache_forgets_cached_prefixes(paged):
     a = TextContext(np.arange(9))
     paged.claim(a.request_id)
     paged.fetch([a])
     a.update(0)
     paged.step([a])
-    # vLLM's rule (BlockPool.reset_prefix_cache): False, and nothing changes, while any
-    # page is in use; a reset under running requests would leave them holding committed
-    # pages whose hashes routers were just told to forget.
-    indexed, free = paged.replicas[0].pool.indexed_hashes(), paged.num_free_blocks
-    assert len(indexed) == 2
-    assert paged.reset_prefix_cache() is False
-    assert (paged.replicas[0].pool.indexed_hashes(), paged.num_free_blocks) == (indexed, free)
     paged.release(a.request_id)
-    assert paged.reset_prefix_cache() is True
-    assert not paged.replicas[0].pool.indexed_hashes()
+    paged.reset_prefix_cache()
     b = TextContext(np.arange(9))
     paged.claim(b.request_id)
     paged.alloc(b)

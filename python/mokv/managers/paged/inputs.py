@@ -5,15 +5,16 @@ Per device, `fetch` hands the graph a `RaggedKVCacheInputs` (layout in
 
     blocks         the replica's buffer on that device
     cache_lengths  uint32 [batch_size]: tokens in each request's cache before the step
-    lookup_table   uint32 [batch_size, padded_lookup_columns(max_pages)]: token t of
+    lookup_table   uint32 [batch_size, lookup_table_width(max_pages)]: token t of
                    request b is in page lookup_table[b, t // page_size], row
-                   t % page_size; the padding columns hold in-range page ids
-    max_lengths    uint32 [num_steps, 2], host: per step (most tokens one request
-                   processes, longest cache)
+                   t % page_size; every entry is a valid page id
+    max_lengths    uint32 [num_steps, 2], host: per step s, MAX's (most new tokens of
+                   one request, most cache + new tokens of one request)
 
 A request's window, in tokens: `[start_idx, active_idx)` is processed in the first step
 and each later step adds one token, so the table covers
-`max(start_idx + active_length) + num_steps - 1` tokens of the longest request.
+`max(start_idx + active_length) + num_steps - 1` tokens of the longest request, and is
+padded as MAX pads it (`mokv.layouts.max_paged`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from max.driver import Buffer, Device
 from ...cache.page_pool import PagePool
 from ...errors import InvariantError
 from ...layouts import RaggedKVCacheInputs
-from ...layouts.paged import padded_lookup_columns
+from ...layouts.max_paged import LOOKUP_PAD_PAGE, lookup_table_width
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -35,16 +36,17 @@ def ceil_div(a: int, b: int) -> int:
 
 class PageTable:
     """Row `slot` lists the pages of the request in that slot (`max_requests` rows of
-    `max_pages_per_seq`), so that a batch's lookup table is one numpy take."""
+    `lookup_table_width(max_pages_per_seq)`), so that a batch's lookup table is one
+    numpy take. Every entry is a valid page id: `LOOKUP_PAD_PAGE` until a request's
+    pages are written there (entries past a request's pages may hold an earlier
+    request's; kernels read them at most, never for a token of the request)."""
 
     def __init__(self, max_requests: int, max_pages_per_seq: int) -> None:
-        self._rows = np.zeros(
-            (max_requests, padded_lookup_columns(max_pages_per_seq)), dtype=np.uint32
-        )
+        width = lookup_table_width(max_pages_per_seq)
+        self._rows = np.full((max_requests, width), LOOKUP_PAD_PAGE, dtype=np.uint32)
 
     def set_row(self, slot: int, pages: Sequence[int]) -> None:
-        """Row `slot` starts with `pages` (entries past them are page ids of this pool,
-        read by no kernel but MAX's padding reads)."""
+        """Row `slot` starts with `pages`."""
         self._rows[slot, : len(pages)] = pages
 
     def inputs(
@@ -63,15 +65,15 @@ class PageTable:
         Plain Python lists are used until the final arrays: for a few dozen requests
         they beat numpy's per-call overhead.
         """
-        max_start = max(starts, default=0)
         max_active = max(actives, default=0)
-        max_end = max((s + a for s, a in zip(starts, actives)), default=0) + num_steps - 1
-        max_pages = max(1, ceil_div(max_end, page_size))
+        max_end = max((s + a for s, a in zip(starts, actives)), default=0)
+        max_pages = max(1, ceil_div(max_end + num_steps - 1, page_size))
         cache_lengths = np.array(starts, dtype=np.uint32)
-        lookup_table = self._rows[slots, : padded_lookup_columns(max_pages)]
-        # Row s: (most tokens one sequence processes in step s, longest cache before it).
+        lookup_table = self._rows[slots, : lookup_table_width(max_pages)]
+        # Row s, as MAX builds it (`build_max_lengths_tensor`): (most tokens one sequence
+        # processes in step s, most cache + new tokens of one sequence after step s).
         max_lengths = np.array(
-            [(max_active if s == 0 else 1, max_start + s) for s in range(num_steps)],
+            [(max_active if s == 0 else 1, max_end + s) for s in range(num_steps)],
             dtype=np.uint32,
         )
         # Buffer.from_numpy aliases host memory; on an accelerator the small tables are copied.

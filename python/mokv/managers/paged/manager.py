@@ -166,14 +166,11 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
 
     @synchronized
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
-        """Binds `request_id` to a replica (by default the one with the most free pages)."""
+        """Binds `request_id` to a replica: by default the one `_recommend` picks with no
+        prefix to match (MAX 25.7 raises ValueError instead when there are several)."""
         check_request_id(request_id)
         if replica_idx is None:
-            replica_idx = (
-                0
-                if self.num_replicas == 1
-                else max(range(self.num_replicas), key=lambda r: self.replicas[r].pool.num_free)
-            )
+            replica_idx = self._recommend(None)
         if replica_idx.__class__ is not int or not 0 <= replica_idx < self.num_replicas:
             raise InvalidReplicaError(
                 f"replica_idx={replica_idx!r} is out of range for {self.num_replicas} replica(s)"
@@ -197,17 +194,26 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
 
     @synchronized
     def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
-        """The request's replica if claimed; else the one with the longest cached prefix
-        of its tokens, ties going to the one with the most free pages."""
+        """The request's replica if claimed; else the one `_recommend` picks for it."""
         if context.request_id in self._replica_of:
             return self._replica_of[context.request_id]
-        return max(
-            range(self.num_replicas),
-            key=lambda r: (
-                self.replicas[r].num_prefix_hit_pages(context),
-                self.replicas[r].pool.num_free,
-            ),
-        )
+        return self._recommend(context)
+
+    def _recommend(self, context: TextGenerationContext | None) -> int:
+        """The replica for a new request: one with a free request slot while any has one
+        (a full one would refuse the claim); among those the one holding the longest
+        cached prefix of `context`'s tokens (mokv's addition: MAX 25.7 ignores prefixes
+        here), then MAX's rule, the fewest requests, then the most free pages; the
+        lowest index on a tie."""
+        if self.num_replicas == 1:
+            return 0
+
+        def rank(r: int) -> tuple[bool, int, int, int]:
+            replica = self.replicas[r]
+            hits = replica.num_prefix_hit_pages(context) if context is not None else 0
+            return (replica.num_free_slots > 0, hits, -replica.num_requests, replica.pool.num_free)
+
+        return max(range(self.num_replicas), key=rank)
 
     @synchronized
     def get_req_blocks(self, request_id: RequestID) -> list[int]:
@@ -327,8 +333,10 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         """Inputs for the next step of multistep decoding, computed on the device.
 
         `prev_model_inputs.input_row_offsets` (or the offsets themselves) gives the rows
-        each request processed: one Buffer for a single replica, else one per replica or
-        per device. Cache lengths grow by those counts and `max_lengths` drops a row.
+        each request processed: one Buffer for a single replica; with several, MAX's form
+        (one global Buffer plus `prev_model_inputs.data_parallel_splits`, as
+        `get_data_parallel_splits` returns them), or one Buffer per replica or per device.
+        Cache lengths grow by those counts and `max_lengths` drops a row.
         """
         offsets = row_offsets_per_device(
             prev_model_inputs, self.num_replicas, self.params.tensor_parallel_degree

@@ -16,10 +16,13 @@ class RequestState:
     """A claimed request: its row of the page table, its pages and their hash chain.
 
     `hashes` covers the first `len(hashes)` pages (committed, or found in the index or
-    a tier); `loads` are tier hits reserved for it and not yet copied in.
+    a tier); `loads` are tier hits reserved for it and not yet copied in. `prompt_end`
+    is the context's `end_idx` at its first fetch (its prompt: nothing was generated
+    before), -1 until then; the metrics count only prompt tokens.
     """
 
     slot: int
+    prompt_end: int = -1
     pages: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     loads: list[PendingLoad] = field(default_factory=list)
@@ -86,6 +89,8 @@ class CommitPlan:
 
     requests: list[tuple[RequestState, list[int]]]
     """Each request with pages to commit, and its new chain hashes."""
+    owners: list[tuple[RequestState, int]]
+    """The request holding each page, and the page's index in its pages."""
     page_ids: list[int]
     hashes: list[int]
     datas: list[bytes]

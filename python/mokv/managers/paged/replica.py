@@ -18,6 +18,8 @@ A request's pages, drawn as token regions (page_size 4 here):
 Prefix matching (prefix.py) extends a request with the longest run of pages that
 continues its hash chain: device pages first, then each tier in order.
 
+Committing the pages a step filled (`step`) is `commit.py`, a mixin of this class.
+
 Reserving is planned once, then applied. `plan` works out one request's hits and fresh
 pages without changing anything, asking the pool once how many fresh pages it could
 take (`Reservation.room`); `fits` checks a batch of plans against the pool; `apply`
@@ -49,15 +51,16 @@ from ...errors import (
 )
 from ...events.publisher import EventRecorder
 from ...layouts import RaggedKVCacheInputs
+from ...metrics import prompt_tokens_in
 from ...params import KVCacheParams
-from ...tiers.base import CommittedPages
 from ...tiers.stack import PendingLoad, TierStack
+from .commit import ReplicaCommits
 from .inputs import PageTable, ceil_div, check_write_windows
-from .plans import CommitPlan, RequestState, Reservation
+from .plans import RequestState, Reservation
 from .prefix import PrefixChains
 
 
-class PagedReplica:
+class PagedReplica(ReplicaCommits):
     """The pages, buffers, requests and tiers of one replica (its devices split the KV
     heads)."""
 
@@ -103,6 +106,11 @@ class PagedReplica:
     def num_free_slots(self) -> int:
         """Requests the replica can still claim."""
         return len(self._free_slots)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the replica holds."""
+        return len(self._requests)
 
     def claim(self, request_id: RequestID) -> None:
         if request_id in self._requests:
@@ -260,7 +268,6 @@ class PagedReplica:
                 skipped = plan.hit_tokens - plan.ctx.start_idx
                 plan.ctx.skip_cached_prefix(plan.hit_tokens)
                 self.cache_tokens += skipped
-                self.input_tokens += skipped
                 self.tiers.count_served(plan.loads, self.page_size)
             applied = len(plans)
         except BaseException:
@@ -292,70 +299,21 @@ class PagedReplica:
         if not pending:
             return
         loads = self.tiers.load(pending)
-        self.pool.commit_pages(
+        hashes = [ld.hit.page_hash for ld in loads]
+        datas = [ld.hit.token_bytes for ld in loads]
+        indexed = self.pool.commit_pages(
             [ld.page for ld in loads],
-            [ld.hit.page_hash for ld in loads],
-            [ld.hit.token_bytes for ld in loads],
+            hashes,
+            datas,
             [ld.parent_hash for ld in loads],
             [ld.cache_salt for ld in loads],
         )
+        # A page loaded while another request committed the same prefix on the device.
+        owner = {page: (req, idx) for req in reqs for idx, page in enumerate(req.pages)}
+        self._share_duplicates([owner[ld.page] for ld in loads], hashes, datas, indexed)
         for req in reqs:
             req.loads.clear()
         self.tiers.unpin(loads)
-
-    # --- commit ---------------------------------------------------------------------
-
-    def plan_commit(self, batch: list[TextGenerationContext]) -> CommitPlan:
-        """The pages of `batch` that became full since their last step, with their hashes
-        (pure; StaleContextError for a context whose cache does not fit its pages)."""
-        ps, plans = self.page_size, []
-        page_ids, hashes, datas, parents, salts = [], [], [], [], []
-        for ctx in batch:
-            req = self._request(ctx.request_id)
-            start = ctx.start_idx
-            first, num_full = len(req.hashes), start // ps
-            if start < first * ps or start > len(req.pages) * ps:
-                req.check_window(ctx, ps)
-            if num_full <= first or not self._prefix_caching:
-                continue
-            parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
-            salt = cache_salt_of(ctx) if parent is None else None
-            chain = self.chains.pages(ctx, req, num_full)
-            new_hashes = []
-            for page_idx, (page_hash, data) in enumerate(chain, start=first):
-                page_ids.append(req.pages[page_idx])
-                hashes.append(page_hash)
-                datas.append(data)
-                parents.append(parent)
-                salts.append(salt)
-                new_hashes.append(page_hash)
-                parent, salt = page_hash, None
-            plans.append((req, new_hashes))
-        return CommitPlan(plans, page_ids, hashes, datas, parents, salts)
-
-    def commit(self, plan: CommitPlan) -> None:
-        """Indexes the planned pages in one all-or-nothing pool call, then hands the
-        newly indexed ones to every tier (`Tier.store`: after the device commit, so a
-        tier's failure can only leave that tier with fewer pages)."""
-        indexed: list[bool] = []
-        if plan.page_ids:
-            indexed = self.pool.commit_pages(
-                plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.salts
-            )
-        for req, new_hashes in plan.requests:
-            req.hashes.extend(new_hashes)
-        if not self.tiers:
-            return
-        new = [i for i, ok in enumerate(indexed) if ok]
-        self.tiers.store(
-            CommittedPages(
-                [plan.page_ids[i] for i in new],
-                [plan.hashes[i] for i in new],
-                [plan.datas[i] for i in new],
-                [plan.parents[i] for i in new],
-                [plan.salts[i] for i in new],
-            )
-        )
 
     # --- graph inputs ---------------------------------------------------------------
 
@@ -364,14 +322,17 @@ class PagedReplica:
     ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
         """The batch's lookup table, cache lengths and max lengths on each device
         (`inputs.PageTable.inputs`). Every request must already hold its pages."""
-        requests = self._requests
-        slots = [requests[ctx.request_id].slot for ctx in batch]
+        reqs = [self._requests[ctx.request_id] for ctx in batch]
+        slots = [req.slot for req in reqs]
         starts = [ctx.start_idx for ctx in batch]
         actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
         inputs = self._page_table.inputs(
             self.blocks, self.devices, slots, starts, actives, num_steps, self.page_size
         )
-        self.input_tokens += sum(actives)
+        for req, ctx, start, active in zip(reqs, batch, starts, actives):
+            if req.prompt_end < 0:
+                req.prompt_end = ctx.end_idx
+            self.input_tokens += prompt_tokens_in(start, start + active, req.prompt_end)
         return inputs
 
     def check_tables(self, batch: list[TextGenerationContext], num_steps: int) -> None:

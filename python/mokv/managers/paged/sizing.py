@@ -37,13 +37,21 @@ class PagedSizing:
         devices: Sequence[Device],
         **kwargs: Any,
     ) -> int:
-        """Bytes the manager allocates for these arguments.
+        """Bytes the cache needs for these arguments: per replica, the pages of the
+        budget or, if fewer, the pages its requests can fill, all at `max_seq_len`.
 
-        `data_parallel_degree * floor(available_cache_memory / data_parallel_degree /
-        bytes_per_page) * bytes_per_page`: the budget, rounded down to whole pages.
+        `data_parallel_degree * min(pages_per_replica, ceil(max_batch_size /
+        data_parallel_degree) * ceil(max_seq_len / page_size)) * bytes_per_page`.
+        MAX 25.7 caps by `max_batch_size * ceil(max_seq_len / page_size)` pages as well;
+        mokv differs on purpose twice: it rounds the budget down to whole pages (the
+        bytes a manager given that budget allocates), and with several replicas it caps
+        each by the requests that replica can hold, not by `max_batch_size` (MAX's
+        figure is `data_parallel_degree` times too large there).
         """
+        dp = params.data_parallel_degree
         pages = pages_per_replica(params, num_layers, available_cache_memory)
-        return params.data_parallel_degree * pages * params.bytes_per_page(num_layers)
+        needed = ceil_div(max_batch_size, dp) * ceil_div(max_seq_len, params.page_size)
+        return dp * min(pages, needed) * params.bytes_per_page(num_layers)
 
     @classmethod
     def infer_optimal_batch_size(

@@ -1,0 +1,191 @@
+"""The paged layout as MAX's own graph ops take it: the one place that knows MAX's form.
+
+mokv's paged pages are byte-identical to MAX's (`blocks [pages, 2, layers, page_size,
+kv_heads, head_dim]`, packed), so MAX 26.7's paged ops (`max.nn.kernels`:
+`flash_attention_ragged`, `fused_qkv_ragged_matmul`, `rope_split_store_ragged`, ...,
+and the `max.nn` layers built on them, e.g. `AttentionWithRope`) run on a mokv cache
+once they get the inputs in MAX's form, a `max.nn.kv_cache.KVCacheInputsPerDevice`
+(`PagedCacheValues` inside a graph), one per device:
+
+    field                        from mokv's RaggedKVCacheInputs (`fetch`, `input_symbols`)
+    kv_blocks                    blocks (the same buffer)
+    cache_lengths                cache_lengths (the same buffer)
+    lookup_table                 lookup_table (the same buffer: `fetch` pads it as MAX
+                                 does, `lookup_table_width` below)
+    max_prompt_length  uint32 [1], host   max_lengths[0, 0]: most new tokens of a sequence
+    max_cache_length   uint32 [1], host   max_lengths[0, 1]: most cache + new tokens
+    page_stride        int64 [1], host    -1: the pages are packed
+    attention_dispatch_metadata int64 [4], host   (batch_size, max_prompt_length,
+                                 num_partitions, max_cache_length), MAX's `MHAAttnKey`
+
+Everything comes from shapes and the host-side `max_lengths`, so converting a device's
+`fetch` output never reads a device buffer back. After `increment_cache_lengths` the
+next step's `max_lengths` row 0 gives the next step's values.
+
+Two of MAX's rules that mokv's own tables follow so that MAX's GPU kernels can read them
+(also what mokv's GPU ops need when they call MAX's kernels):
+
+- `max_lengths[s, 1]` (hence `max_cache_length`) counts the cache *and* the step's new
+  tokens, the bound MAX's GPU attention sizes its work by (a smaller one drops keys);
+- the lookup table is `lookup_table_width(n)` columns wide, every entry a valid page id:
+  MAX's GPU kernels load up to 16 entries past a row's last page for SIMD alignment
+  (`max.nn.kv_cache.padded_lut_cols`; MAX fills them with a null page it allocates,
+  mokv with page `LOOKUP_PAD_PAGE`). They only read there; nothing is written.
+
+These are MAX-internal interfaces that move between releases (mokv pins `max==26.7.0`):
+every use of them is in this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from max.driver import Buffer, Device
+from max.dtype import DType
+from max.graph import BufferType, BufferValue, DeviceRef, TensorType, TensorValue, Value
+
+from ..params import KVCacheParams
+from .paged import RaggedKVCacheInputs
+
+if TYPE_CHECKING:  # `max.nn` takes ~0.25 s to import: loaded on first use, not with mokv
+    from max.nn.kv_cache import KVCacheInputsPerDevice, MHAKVCacheParams
+
+LOOKUP_TABLE_TAIL = 16
+"""Columns past the rounded-up width, for the GPU kernels' 16-wide SIMD loads."""
+
+LOOKUP_PAD_PAGE = 0
+"""The page id in every lookup-table entry past a sequence's pages (any valid id works:
+those entries are read, never written)."""
+
+PACKED_PAGE_STRIDE = -1
+"""MAX's `page_stride` for packed pages (`max.nn.kv_cache.PACKED_PAGE_STRIDE`)."""
+
+NUM_MAX_INPUTS = 7
+"""Leaves of one device's `KVCacheInputsPerDevice` here (`max.tree.leaves` order)."""
+
+
+def lookup_table_width(num_pages: int) -> int:
+    """Columns of a lookup table whose longest row holds `num_pages` pages:
+    `round_up(num_pages, 8) + 16`, MAX's `padded_lut_cols`."""
+    return -(-num_pages // 8) * 8 + LOOKUP_TABLE_TAIL
+
+
+def num_partitions(batch_size: int, max_cache_length: int, n_kv_heads: int, device: Device) -> int:
+    """MAX's split of decode attention over the keys: 1 on a CPU (MAX's CPU kernel does
+    not split), else MAX's own heuristic for the device."""
+    if device.is_host or batch_size < 1:
+        return 1
+    from max._kv_cache_ops import mha_decode_num_partitions  # needs a device context
+
+    return mha_decode_num_partitions(batch_size, max_cache_length, n_kv_heads, device)
+
+
+def dispatch_metadata(
+    batch_size: int, max_prompt_length: int, max_cache_length: int, partitions: int
+) -> np.ndarray:
+    """int64 `[4]`: MAX's MHA dispatch metadata, in `MHAAttnKey.pack_into`'s order."""
+    return np.array([batch_size, max_prompt_length, partitions, max_cache_length], np.int64)
+
+
+def max_input_symbols(
+    symbols: RaggedKVCacheInputs[BufferType, TensorType],
+) -> KVCacheInputsPerDevice[TensorType, BufferType]:
+    """The graph types of one device's inputs in MAX's form, from mokv's
+    `input_symbols()` entry for that device (the extras are host tensors)."""
+    from max.nn.kv_cache import KVCacheInputsPerDevice
+
+    if not isinstance(symbols, RaggedKVCacheInputs):
+        raise TypeError(
+            "max_input_symbols takes one device's paged input_symbols() entry "
+            f"(RaggedKVCacheInputs), got {type(symbols).__name__}"
+        )
+
+    def host(dtype: DType, size: int) -> TensorType:
+        return TensorType(dtype, [size], device=DeviceRef.CPU())
+
+    return KVCacheInputsPerDevice(
+        kv_blocks=symbols.blocks,
+        cache_lengths=symbols.cache_lengths,
+        lookup_table=symbols.lookup_table,
+        max_prompt_length=host(DType.uint32, 1),
+        max_cache_length=host(DType.uint32, 1),
+        page_stride=host(DType.int64, 1),
+        attention_dispatch_metadata=host(DType.int64, 4),
+    )
+
+
+def max_runtime_inputs(
+    inputs: RaggedKVCacheInputs[Buffer, Buffer], n_kv_heads_per_device: int
+) -> KVCacheInputsPerDevice[Buffer, Buffer]:
+    """One device's `fetch` output in MAX's form (the same cache buffers, plus host
+    scalars from `max_lengths` row 0; nothing is read from the device)."""
+    if not isinstance(inputs, RaggedKVCacheInputs) or not isinstance(inputs.blocks, Buffer):
+        raise TypeError(
+            "max_runtime_inputs takes one device's paged fetch() entry "
+            f"(RaggedKVCacheInputs of Buffers), got {type(inputs).__name__}"
+        )
+    from max.nn.kv_cache import KVCacheInputsPerDevice
+
+    max_lengths = inputs.max_lengths.to_numpy()
+    if max_lengths.shape[0] < 1:
+        raise ValueError("max_lengths has no step left: fetch again for the next step")
+    max_prompt, max_cache = (int(n) for n in max_lengths[0])
+    batch_size = int(inputs.cache_lengths.shape[0])
+    partitions = num_partitions(batch_size, max_cache, n_kv_heads_per_device, inputs.blocks.device)
+    return KVCacheInputsPerDevice(
+        kv_blocks=inputs.blocks,
+        cache_lengths=inputs.cache_lengths,
+        lookup_table=inputs.lookup_table,
+        max_prompt_length=Buffer.from_numpy(np.array([max_prompt], np.uint32)),
+        max_cache_length=Buffer.from_numpy(np.array([max_cache], np.uint32)),
+        page_stride=Buffer.from_numpy(np.array([PACKED_PAGE_STRIDE], np.int64)),
+        attention_dispatch_metadata=Buffer.from_numpy(
+            dispatch_metadata(batch_size, max_prompt, max_cache, partitions)
+        ),
+    )
+
+
+def max_cache_values(values: Sequence[Value[Any]]) -> KVCacheInputsPerDevice[TensorValue, Any]:
+    """`PagedCacheValues` (what `max.nn`'s attention layers take) from one device's
+    `NUM_MAX_INPUTS` graph input values, in the order `max.tree.leaves` gives
+    `max_input_symbols`'s types."""
+    from max.nn.kv_cache import KVCacheInputsPerDevice
+
+    values = list(values)
+    if len(values) != NUM_MAX_INPUTS:
+        raise ValueError(f"expected the {NUM_MAX_INPUTS} MAX cache inputs, got {len(values)}")
+    blocks, *tensors = values
+    if not isinstance(blocks, BufferValue):
+        blocks = blocks.buffer
+    cache_lengths, lookup_table, max_prompt, max_cache, page_stride, metadata = (
+        t if isinstance(t, TensorValue) else t.tensor for t in tensors
+    )
+    return KVCacheInputsPerDevice(
+        kv_blocks=blocks,
+        cache_lengths=cache_lengths,
+        lookup_table=lookup_table,
+        max_prompt_length=max_prompt,
+        max_cache_length=max_cache,
+        page_stride=page_stride,
+        attention_dispatch_metadata=metadata,
+    )
+
+
+def max_kv_params(
+    params: KVCacheParams, num_layers: int, devices: Sequence[DeviceRef]
+) -> MHAKVCacheParams:
+    """MAX 26.7's `KVCacheParams` of the same cache, for MAX's layers (`kv_params=`)."""
+    from max.nn.kv_cache import MHAKVCacheParams
+
+    return MHAKVCacheParams(
+        dtype=params.dtype,
+        head_dim=params.head_dim,
+        num_layers=num_layers,
+        devices=list(devices),
+        n_kv_heads=params.n_kv_heads,
+        page_size=params.page_size,
+        enable_prefix_caching=params.enable_prefix_caching,
+        data_parallel_degree=params.data_parallel_degree,
+    )

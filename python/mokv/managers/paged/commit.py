@@ -1,0 +1,115 @@
+"""What a paged replica's `step` does: commit the pages its requests filled.
+
+`plan_commit` works out, without changing anything, which of a batch's pages became
+full since their last step and their hash chain; `commit` indexes them in one
+all-or-nothing pool call. When two requests computed the same page at once, the pool
+indexes the first copy only, and the second request is moved onto it and its own copy
+freed (`_share_duplicates`, as MAX's block manager does), so a duplicate never holds
+a page until its request ends. Loaded tier pages go through the same sharing
+(`PagedReplica.load_pending`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ...cache.page_pool import PagePool
+from ...context import RequestID, TextGenerationContext, cache_salt_of
+from ...tiers.base import CommittedPages
+from ...tiers.stack import TierStack
+from .inputs import PageTable
+from .plans import CommitPlan, RequestState
+from .prefix import PrefixChains
+
+
+class ReplicaCommits:
+    """The commit half of `PagedReplica` (a mixin over its pool, requests and tiers)."""
+
+    page_size: int
+    pool: PagePool
+    chains: PrefixChains
+    tiers: TierStack
+    _prefix_caching: bool
+    _page_table: PageTable
+    _requests: dict[RequestID, RequestState]
+    _request: Callable[[RequestID], RequestState]  # UnknownRequestError for an unknown id
+
+    def plan_commit(self, batch: list[TextGenerationContext]) -> CommitPlan:
+        """The pages of `batch` that became full since their last step, with their hashes
+        (pure; StaleContextError for a context whose cache does not fit its pages)."""
+        ps, plans = self.page_size, []
+        owners: list[tuple[RequestState, int]] = []
+        page_ids, hashes, datas, parents, salts = [], [], [], [], []
+        for ctx in batch:
+            req = self._request(ctx.request_id)
+            start = ctx.start_idx
+            first, num_full = len(req.hashes), start // ps
+            if start < first * ps or start > len(req.pages) * ps:
+                req.check_window(ctx, ps)
+            if num_full <= first or not self._prefix_caching:
+                continue
+            parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
+            salt = cache_salt_of(ctx) if parent is None else None
+            chain = self.chains.pages(ctx, req, num_full)
+            new_hashes = []
+            for page_idx, (page_hash, data) in enumerate(chain, start=first):
+                owners.append((req, page_idx))
+                page_ids.append(req.pages[page_idx])
+                hashes.append(page_hash)
+                datas.append(data)
+                parents.append(parent)
+                salts.append(salt)
+                new_hashes.append(page_hash)
+                parent, salt = page_hash, None
+            plans.append((req, new_hashes))
+        return CommitPlan(plans, owners, page_ids, hashes, datas, parents, salts)
+
+    def commit(self, plan: CommitPlan) -> None:
+        """Indexes the planned pages in one all-or-nothing pool call, moves each request
+        off the pages that duplicate an indexed one (`_share_duplicates`), then hands
+        the newly indexed pages to every tier (`Tier.store`: after the device commit, so
+        a tier's failure can only leave that tier with fewer pages)."""
+        indexed: list[bool] = []
+        if plan.page_ids:
+            indexed = self.pool.commit_pages(
+                plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.salts
+            )
+            self._share_duplicates(plan.owners, plan.hashes, plan.datas, indexed)
+        for req, new_hashes in plan.requests:
+            req.hashes.extend(new_hashes)
+        if not self.tiers:
+            return
+        new = [i for i, ok in enumerate(indexed) if ok]
+        self.tiers.store(
+            CommittedPages(
+                [plan.page_ids[i] for i in new],
+                [plan.hashes[i] for i in new],
+                [plan.datas[i] for i in new],
+                [plan.parents[i] for i in new],
+                [plan.salts[i] for i in new],
+            )
+        )
+
+    def _share_duplicates(
+        self,
+        owners: list[tuple[RequestState, int]],
+        hashes: list[int],
+        datas: list[bytes],
+        indexed: list[bool],
+    ) -> None:
+        """For each page that `commit_pages` did not index because another page already
+        holds its hash and tokens (two requests computed the same prefix at once), the
+        request takes a reference to that page and frees its own copy, as MAX does: a
+        committed page is never written again, so the two are interchangeable. A page
+        whose hash is held by different tokens (a collision) stays the request's own."""
+        switched: dict[int, RequestState] = {}
+        for (req, page_idx), page_hash, data, ok in zip(owners, hashes, datas, indexed):
+            shared = None if ok else self.pool.lookup(page_hash, data)
+            if shared is None:
+                continue
+            self.pool.acquire(shared)
+            self.pool.release([req.pages[page_idx]])  # unhashed: back to the free pages
+            req.pages[page_idx] = shared
+            switched[req.slot] = req
+        for req in switched.values():
+            self._page_table.set_row(req.slot, req.pages)
