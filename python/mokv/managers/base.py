@@ -29,6 +29,7 @@ from ..context import RequestID, TextGenerationContext
 from ..layouts import CacheLayout
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
+from ..undo import UndoLog
 
 
 @runtime_checkable
@@ -138,6 +139,18 @@ def synchronized(method: Method) -> Method:
     return locked  # type: ignore[return-value]
 
 
+def atomic(method: Method) -> Method:
+    """`synchronized`, and all or nothing: whatever the call changed is undone when it
+    raises anything (`self._undo.run`, see `mokv.undo`)."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._undo.run(method, self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
 class ManagerFields:
     """The constructor arguments every manager shares, checked, and its layout."""
 
@@ -176,6 +189,7 @@ class ManagerFields:
         self.devices = devices
         self.session = session
         self._lock = threading.RLock()
+        self._undo = UndoLog()
 
     def input_symbols(
         self, devices: Sequence[Device] | None = None, num_layers: int | None = None

@@ -35,7 +35,7 @@ from ..errors import (
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..metrics import KVCacheMetrics, prompt_tokens_in
 from ..params import KVCacheParams
-from .base import ManagerFields, check_num_steps, check_request_id, synchronized
+from .base import ManagerFields, atomic, check_num_steps, check_request_id, synchronized
 from .compat import MaxManagerAPI
 from .increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
 
@@ -131,7 +131,9 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
                 f"cannot claim {what}: {len(self._free_slots)} of "
                 f"{self.max_cache_batch_size} slots are free"
             )
-        return [self._free_slots.pop() for _ in range(n)]
+        slots = [self._free_slots.pop() for _ in range(n)]
+        self._undo.push(self._free_slots.extend, slots[::-1])
+        return slots
 
     @synchronized
     def free_slots(self) -> set[int]:
@@ -141,6 +143,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
     @synchronized
     def give_back_slots(self, slots: Sequence[int]) -> None:
         """Frees slots that `take_slots` handed out (and no request holds)."""
+        self._undo.push(self._free_slots.__delitem__, slice(len(self._free_slots), None))
         self._free_slots.extend(slots)
 
     def slot_inputs(
@@ -161,7 +164,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
 
     # --- requests (the manager contract) ----------------------------------------------
 
-    @synchronized
+    @atomic
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
         """Gives the request a slot (BatchTooLargeError when all are taken)."""
         check_request_id(request_id)
@@ -170,6 +173,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         if request_id in self._slot_of:
             raise AlreadyClaimedError(request_id)
         (self._slot_of[request_id],) = self.take_slots(1, repr(request_id))
+        self._undo.push(self._slot_of.pop, request_id)
 
     @synchronized
     def contains(self, request_id: RequestID) -> bool:

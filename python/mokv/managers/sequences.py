@@ -32,7 +32,7 @@ from max.engine import InferenceSession
 from ..errors import BatchTooLargeError, SequenceTooLongError, UnknownRequestError
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..params import KVCacheParams
-from .base import ManagerFields, check_num_steps, synchronized
+from .base import ManagerFields, atomic, check_num_steps, synchronized
 from .continuous import ContinuousKVCacheManager
 
 
@@ -66,6 +66,8 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
         )
         self.max_cache_batch_size = max_cache_batch_size
         self._lengths: dict[int, int] = {}  # seq_id (= slot) -> tokens in its cache
+        # One lock and one undo log with `requests`: both flows change the same slots.
+        self._lock, self._undo = self.requests._lock, self.requests._undo
 
     # --- the cache (as MAX's class describes it) -------------------------------------
 
@@ -106,14 +108,19 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
 
     # --- sequence ids ---------------------------------------------------------------
 
-    @synchronized
+    @atomic
     def claim(self, n: int) -> list[int]:
         """`n` new sequence ids bound to free slots (lowest first), each with length 0."""
         if not _is_count(n) or n < 1:
             raise ValueError(f"claim(n) needs a positive number of sequences, got {n!r}")
         seq_ids = self.requests.take_slots(n, f"{n} sequences")
+        self._undo.push(self._forget, seq_ids)
         self._lengths.update((s, 0) for s in seq_ids)
         return seq_ids
+
+    def _forget(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._lengths.pop(seq_id, None)
 
     @synchronized
     def contains(self, seq_id: int) -> bool:
@@ -134,11 +141,12 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
         """Tokens in the sequence's cache."""
         return self._lengths[self._check(seq_id)]
 
-    @synchronized
+    @atomic
     def release(self, seq_id: int) -> None:
         """Frees the sequence's slot."""
         self._check(seq_id)
         self.requests.give_back_slots([seq_id])
+        self._undo.push(self._lengths.__setitem__, seq_id, self._lengths[seq_id])
         del self._lengths[seq_id]
 
     @synchronized

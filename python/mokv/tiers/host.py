@@ -35,6 +35,7 @@ from ..events.format import MEDIUM_CPU
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
 from ..params import KVCacheParams
+from ..undo import UndoLog
 from .base import CommittedPages, DeviceHit, TierConfig, TierHit
 from .host_pool import HostPagePool
 
@@ -110,6 +111,15 @@ class HostTier:
         self._promoted: list[DeviceHit] = []
 
     @property
+    def undo(self) -> UndoLog | None:
+        """Where the tier and its host pool record how to undo their changes."""
+        return self.pool.undo
+
+    @undo.setter
+    def undo(self, log: UndoLog | None) -> None:
+        self.pool.undo = log
+
+    @property
     def pinned(self) -> dict[int, int]:
         """Host page -> the pending loads that will read it."""
         return dict(self._pinned)
@@ -126,10 +136,22 @@ class HostTier:
         return hits
 
     def pin(self, hits: Sequence[TierHit]) -> None:
-        self._pinned.update(hit.handle for hit in hits)
+        handles = [hit.handle for hit in hits]
+        self._pin(handles)
+        if self.undo is not None:
+            self.undo.push(self._unpin, handles)
 
     def unpin(self, hits: Sequence[TierHit]) -> None:
-        self._pinned.subtract(hit.handle for hit in hits)
+        handles = [hit.handle for hit in hits]
+        self._unpin(handles)
+        if self.undo is not None:
+            self.undo.push(self._pin, handles)
+
+    def _pin(self, handles: list[int]) -> None:
+        self._pinned.update(handles)
+
+    def _unpin(self, handles: list[int]) -> None:
+        self._pinned.subtract(handles)
         self._pinned += Counter()  # drops the zeros
 
     def load(self, hits: Sequence[TierHit], device_pages: Sequence[int]) -> None:
@@ -141,6 +163,11 @@ class HostTier:
     ) -> None:
         if self._min_hits:
             counts = self._page_hits
+            touched = [*fresh_pages, *(hit.page_id for run in device_hits for hit in run)]
+            if self.undo is not None:  # restoring old values: pushed first, idempotent
+                self.undo.push(
+                    self._restore_hits, [(p, counts[p]) for p in touched], len(self._promoted)
+                )
             for page_id in fresh_pages:
                 counts[page_id] = 0
             for run in device_hits:
@@ -166,6 +193,8 @@ class HostTier:
         the hash they were hit under (a released page may have been evicted and reused
         since)."""
         promoted, self._promoted = self._promoted, []
+        if self.undo is not None:
+            self.undo.push(setattr, self, "_promoted", promoted)
         pool, rows = self._device_pool, []
         for hit in promoted:
             if pool.page_hash(hit.page_id) == hit.page_hash:
@@ -201,6 +230,8 @@ class HostTier:
         if not plan.entries:
             return
         self.pool.evict(plan.victims)
+        if plan.victims and self.undo is not None:
+            self.undo.push(self.pool.lose, plan.victims)  # the copy overwrites them
         e = plan.entries
         self.pages.offload(self._blocks, [page_ids[i] for i in e], plan.targets)
         self.pool.insert(
@@ -210,6 +241,11 @@ class HostTier:
             [parents[i] for i in e],
             [salts[i] for i in e],
         )
+
+    def _restore_hits(self, counts: list[tuple[int, int]], num_promoted: int) -> None:
+        for page_id, count in counts:  # each the value before the change
+            self._page_hits[page_id] = count
+        del self._promoted[num_promoted:]
 
     # --- the rest of the protocol ---------------------------------------------------
 

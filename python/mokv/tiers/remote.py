@@ -39,6 +39,7 @@ from ..metrics import TierMetrics
 from ..params import KVCacheParams
 from ..remote import RemoteLayout, RemoteMetrics, RemotePageStore
 from ..remote.layout import REMOTE_NAMESPACE
+from ..undo import UndoLog
 from .base import CommittedPages, DeviceHit, TierConfig, TierHit
 
 REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
@@ -109,6 +110,9 @@ class RemoteTier:
 
     name = RemoteTierConfig.name
     shared = True
+    # Nothing of its own to undo: the hits carry their bytes, stored pages are the
+    # server's (valid pages), and its announcements are the event recorder's.
+    undo: UndoLog | None = None
 
     def __init__(
         self, config: RemoteTierConfig, layouts: list[RemoteLayout], blocks: list[Buffer]

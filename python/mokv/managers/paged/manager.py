@@ -11,7 +11,10 @@ The request lifecycle (the manager contract of base.py, in MAX's spelling):
 
 This class routes each request to its data-parallel replica (`replica.py`: one page
 pool, its buffers and its tiers) and keeps the contract's promises across them: every
-request of a batch is checked and planned before any replica changes. Memory sizing is
+request of a batch is checked and planned before any replica changes, and every call
+that changes something runs under the manager's undo log (`mokv.undo`), shared by the
+replicas, their pools and tiers and the event recorders: a call that raises, from
+anywhere inside, is rolled back (docs/reliability.md says what stands). Memory sizing is
 `sizing.py`; the graph inputs are built by `inputs.py`. The tiers below the device pages
 (`params.tiers`: host memory, a shared Redis store) are `mokv.tiers`.
 """
@@ -40,7 +43,7 @@ from ...events.publisher import open_publishers
 from ...layouts import PAGED, RaggedKVCacheInputs
 from ...params import KVCacheParams
 from ...params_compat import with_manager_events
-from ..base import ManagerFields, check_num_steps, check_request_id, synchronized
+from ..base import ManagerFields, atomic, check_num_steps, check_request_id, synchronized
 from ..compat import MaxManagerAPI
 from ..increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
 from .inputs import ceil_div
@@ -126,6 +129,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
                         list(self.devices[r * tp : (r + 1) * tp]),
                         hash_fn,
                         root,
+                        self._undo,
                     )
                 )
             # One publisher per replica (its own PUB socket), opened last so that nothing
@@ -164,7 +168,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         check_request_id(request_id)
         return request_id in self._replica_of
 
-    @synchronized
+    @atomic
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
         """Binds `request_id` to a replica: by default the one `_recommend` picks with no
         prefix to match (MAX 25.7 raises ValueError instead when there are several)."""
@@ -179,13 +183,16 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
             raise AlreadyClaimedError(request_id)
         self.replicas[replica_idx].claim(request_id)
         self._replica_of[request_id] = replica_idx
+        self._undo.push(self._replica_of.pop, request_id)
         self._after_change()
 
-    @synchronized
+    @atomic
     def release(self, request_id: RequestID) -> None:
         """Frees the request's pages (hashed ones stay reusable) and forgets it."""
-        self._replica(request_id).release(request_id)
+        replica_idx = self._replica_index(request_id)
+        self.replicas[replica_idx].release(request_id)
         del self._replica_of[request_id]
+        self._undo.push(self._replica_of.__setitem__, request_id, replica_idx)
         self._after_change()
 
     @synchronized
@@ -240,13 +247,16 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
                 return True
             if not plan.fits:  # asked of the pool once, by `plan`; nothing changed since
                 return False
-            replica.apply([plan])
-            self._after_change()
+            self._undo.run(self._apply, replica, [plan])
             return True
         finally:
             self._lock.release()
 
-    @synchronized
+    def _apply(self, replica: PagedReplica, plans: list[Reservation]) -> None:
+        replica.apply(plans)
+        self._after_change()
+
+    @atomic
     def fetch(
         self, batch: Sequence[TextGenerationContext], num_steps: int = 1
     ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
@@ -256,7 +266,8 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         devices come replica by replica. Requests not yet reserved are reserved here.
         All or nothing: every request is checked and every reservation planned before
         anything changes; `InsufficientPagesError` (and no change) if the pages of the
-        batch do not fit.
+        batch do not fit. A reservation whose context moved its window (a prefix hit)
+        stands even if something after it raises, as after `maybe_reserve`.
         """
         check_num_steps(num_steps)
         if len(batch) > self.max_batch_size:
@@ -310,8 +321,14 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
     def step(self, batch: Sequence[TextGenerationContext]) -> None:
         """Commits the pages that the batch's last step filled to the prefix cache.
 
-        Every request is checked before any page is committed.
+        Every request is checked before any page is committed; the step's events are
+        handed to the publishers once the commit can no longer be undone.
         """
+        self._undo.run(self._commit, batch)
+        for publisher in self.kv_event_publishers:  # one event batch per step
+            publisher.end_step()
+
+    def _commit(self, batch: Sequence[TextGenerationContext]) -> None:
         groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
         for ctx in batch:
             groups[self._replica_index(ctx.request_id)].append(ctx)
@@ -320,8 +337,6 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]
         for replica, plan in zip(self.replicas, plans):
             replica.commit(plan)
-        for publisher in self.kv_event_publishers:  # one event batch per step
-            publisher.end_step()
         self._after_change()
 
     @synchronized
@@ -376,12 +391,15 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         """
         if any(r.pool.num_used for r in self.replicas):
             return False
-        for r in self.replicas:
-            r.reset_prefix_cache()
+        self._undo.run(self._reset_replicas)
         for publisher in self.kv_event_publishers:
             publisher.end_step()
-        self._after_change()
         return True
+
+    def _reset_replicas(self) -> None:
+        for r in self.replicas:
+            r.reset_prefix_cache()
+        self._after_change()
 
     @synchronized
     def close(self) -> None:
