@@ -41,6 +41,14 @@ def served(m, ctx: TextContext) -> None:
     m.step([ctx])
 
 
+def with_a_cached_prefix(session):
+    """A manager whose request A committed PREFIX (two pages) and was released."""
+    m = manager(session)
+    served(m, TextContext(PREFIX + [9], "A"))
+    m.release("A")
+    return m
+
+
 def all_back(m) -> None:
     """Every request released: every page and slot is back, every invariant holds."""
     m.check_invariants()
@@ -123,9 +131,7 @@ def test_no_hidden_slot_after_the_replicas_claim(session, monkeypatch):
 
 
 def test_a_moved_context_keeps_its_reservation(session, monkeypatch):
-    m = manager(session)
-    served(m, TextContext(PREFIX + [9], "A"))
-    m.release("A")
+    m = with_a_cached_prefix(session)
     b = TextContext(PREFIX + [7, 7], "B")
     m.external_claim("B")
     fault(monkeypatch, TextContext, "skip_cached_prefix")
@@ -140,9 +146,7 @@ def test_a_moved_context_keeps_its_reservation(session, monkeypatch):
 
 def test_a_context_that_did_not_move_gives_everything_back(session, monkeypatch):
     """`skip_cached_prefix` raised before moving: the old state, evicted pages included."""
-    m = manager(session)
-    served(m, TextContext(PREFIX + [9], "A"))
-    m.release("A")
+    m = with_a_cached_prefix(session)
     for rid, first in (("C", 100), ("D", 200)):  # 4 full pages each
         served(m, TextContext(np.arange(first, first + 17), rid))
         m.release(rid)
@@ -165,9 +169,7 @@ def test_in_a_batch_the_contexts_that_moved_keep_their_reservations(session, mon
     """Two prefix hits in one fetch; the second context's `skip_cached_prefix` raises
     before moving: the first keeps its reservation, the second gets none; a retry of the
     fetch reserves the second."""
-    m = manager(session)
-    served(m, TextContext(PREFIX + [9], "A"))
-    m.release("A")
+    m = with_a_cached_prefix(session)
     b, c = TextContext(PREFIX + [7], "B"), TextContext(PREFIX + [5, 5], "C")
     for ctx in (b, c):
         m.external_claim(ctx.request_id)
