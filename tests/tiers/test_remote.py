@@ -375,7 +375,7 @@ def test_remote_tier_config_is_validated():
         mokv.RemoteTierConfig(url="redis://127.0.0.1:1/0", namespace=None)
     with pytest.raises(ValueError, match="namespace.*'a:b'"):
         mokv.RemoteTierConfig(url="redis://h/0", namespace="a:b")
-    with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
+    with pytest.raises(ValueError, match="timeout_s must be finite and > 0, got 0"):
         mokv.RemoteTierConfig(url="redis://h/0", namespace="m", timeout_s=0)
     tier = mokv.RemoteTierConfig(url="redis://h/0", namespace="m")
     dtype = mokv.params.CACHE_DTYPES[0]

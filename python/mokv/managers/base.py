@@ -114,6 +114,23 @@ def check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def refuse_paged_features(params: KVCacheParams, manager: str) -> None:
+    """ValueError naming the setting when `params` asks for what only the paged manager
+    does: tiers below the device pages, or KV-cache events (both are about committed
+    prefix pages, which a continuous cache never has). Never silently ignored."""
+    if params.tiers:
+        raise ValueError(
+            f"{manager} keeps no prefix pages, so it cannot honour tiers={params.tiers!r} "
+            "(host and shared tiers hold committed prefix pages): use the paged manager "
+            "or drop the tiers"
+        )
+    if params.kv_events is not None:
+        raise ValueError(
+            f"{manager} has no prefix cache to publish events of, so it cannot honour "
+            f"kv_events={params.kv_events!r}: use the paged manager or drop the events"
+        )
+
+
 def check_num_steps(num_steps: int) -> None:
     """ValueError unless `num_steps` is a positive int (runs on every step: kept cheap)."""
     if num_steps.__class__ is not int or num_steps < 1:

@@ -35,7 +35,14 @@ from ..errors import (
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..metrics import KVCacheMetrics, prompt_tokens_in
 from ..params import KVCacheParams
-from .base import ManagerFields, atomic, check_num_steps, check_request_id, synchronized
+from .base import (
+    ManagerFields,
+    atomic,
+    check_num_steps,
+    check_request_id,
+    refuse_paged_features,
+    synchronized,
+)
 from .compat import MaxManagerAPI
 from .increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
 
@@ -69,6 +76,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
                 "the continuous-batching cache has no data-parallel replicas: "
                 f"data_parallel_degree={params.data_parallel_degree}"
             )
+        refuse_paged_features(params, "the continuous-batching cache")
         self.max_cache_batch_size = max_cache_batch_size
         self.blocks = [
             cache_buffer(params.dtype, self.block_shape(max_cache_batch_size), d)

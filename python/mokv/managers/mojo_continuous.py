@@ -33,7 +33,7 @@ from .. import extensions
 from ..errors import BatchTooLargeError, SequenceTooLongError, UnknownRequestError
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..params import KVCacheParams
-from .base import ManagerFields, check_num_steps
+from .base import ManagerFields, check_num_steps, refuse_paged_features
 
 _STORAGE = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16}
 """numpy type holding each cache dtype (bfloat16 as its uint16 bit patterns)."""
@@ -95,6 +95,7 @@ class MojoContinuousBatchingKVCacheManager(ManagerFields):
         )
         if len(self.devices) != 1 or not self.devices[0].is_host:
             raise ValueError(f"the Mojo manager runs on one CPU device, got {self.devices!r}")
+        refuse_paged_features(params, "the Mojo continuous-batching manager")
         if params.dtype not in _STORAGE:
             raise TypeError(f"cache dtype must be float32, bfloat16 or float16, got {params.dtype}")
         self.max_cache_batch_size = max_cache_batch_size

@@ -130,8 +130,8 @@ class RemotePageStore:
         ):
             if value.__class__ is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if timeout_s.__class__ not in (int, float) or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s!r}")
         self.layout = layout
         self.namespace = namespace
         self._prefix = layout.key_prefix(namespace)

@@ -21,6 +21,8 @@ indexed by `HostPagePool` (host_pool.py: the index and the LRU over leaves).
 
 from __future__ import annotations
 
+import math
+import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +41,9 @@ from ..undo import UndoLog
 from .base import CommittedPages, DeviceHit, TierConfig, TierHit
 from .host_pool import HostPagePool
 
+MAX_SWAP_SPACE_GB = 2**16
+"""64 TiB: more host memory than any one machine has (the largest hold tens of TiB)."""
+
 
 @dataclass(frozen=True)
 class HostTierConfig(TierConfig):
@@ -46,7 +51,9 @@ class HostTierConfig(TierConfig):
     `enable_prefix_caching`).
 
     Attributes:
-        swap_space_gb: GiB of host memory for the tier, all replicas together (> 0).
+        swap_space_gb: GiB of host memory for the tier, all replicas together (> 0 and
+            at most `MAX_SWAP_SPACE_GB`; a manager also refuses more than its machine's
+            memory).
         min_hits: write a page through only once it was hit this many times on the
             device (0, the default: every committed page at once).
     """
@@ -57,9 +64,14 @@ class HostTierConfig(TierConfig):
 
     def __post_init__(self) -> None:
         gb = self.swap_space_gb
-        if gb.__class__ not in (int, float) or not gb > 0:
+        if gb.__class__ not in (int, float) or not 0 < gb < math.inf:
             raise ValueError(
-                f"HostTierConfig.swap_space_gb must be a number of GiB > 0, got {gb!r}"
+                f"HostTierConfig.swap_space_gb must be a finite number of GiB > 0, got {gb!r}"
+            )
+        if gb > MAX_SWAP_SPACE_GB:
+            raise InsufficientMemoryError(
+                f"HostTierConfig.swap_space_gb={gb!r} is more than any machine's memory "
+                f"(at most {MAX_SWAP_SPACE_GB} GiB)"
             )
         if self.min_hits.__class__ is not int or self.min_hits < 0:
             raise ValueError(f"HostTierConfig.min_hits must be an int >= 0, got {self.min_hits!r}")
@@ -85,7 +97,29 @@ class HostTierConfig(TierConfig):
     def build(
         self, params: KVCacheParams, num_layers: int, pool: PagePool, blocks: list[Buffer]
     ) -> HostTier:
-        return HostTier(self, self.num_pages(params, num_layers), pool, blocks)
+        num_pages = self.num_pages(params, num_layers)
+        memory = host_memory_bytes()
+        if memory is not None and self.swap_space_gb * 2**30 > memory:
+            raise InsufficientMemoryError(
+                f"HostTierConfig.swap_space_gb={self.swap_space_gb!r} is more than this "
+                f"machine's {memory / 2**30:.1f} GiB of memory"
+            )
+        try:
+            return HostTier(self, num_pages, pool, blocks)
+        except MemoryError:  # a bare MemoryError would not say which setting asked
+            raise InsufficientMemoryError(
+                f"HostTierConfig.swap_space_gb={self.swap_space_gb!r}: {num_pages} host "
+                f"pages of {params.bytes_per_page(num_layers)} bytes per replica could not "
+                "be allocated"
+            ) from None
+
+
+def host_memory_bytes() -> int | None:
+    """The machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 class HostTier:

@@ -22,11 +22,14 @@ nothing is sent before the first request.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
+from urllib.parse import urlsplit
 
 import numpy as np
+import redis
 from max.driver import Buffer
 
 from ..cache.hashing import STABLE_ALGORITHMS
@@ -70,19 +73,15 @@ class RemoteTierConfig(TierConfig):
     timeout_s: float = 0.25
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str) or self.url.partition("://")[0] not in REMOTE_URL_SCHEMES:
-            raise ValueError(
-                f"RemoteTierConfig.url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL, "
-                f"got {self.url!r}"
-            )
+        check_url(self.url)
         if not isinstance(self.namespace, str) or not REMOTE_NAMESPACE.fullmatch(self.namespace):
             raise ValueError(
                 "RemoteTierConfig.namespace must be 1-200 characters of [A-Za-z0-9._/@+-] "
                 f"(the model's name in the shared store), got {self.namespace!r}"
             )
         timeout = self.timeout_s
-        if timeout.__class__ not in (int, float) or not timeout > 0:
-            raise ValueError(f"RemoteTierConfig.timeout_s must be > 0, got {timeout!r}")
+        if timeout.__class__ not in (int, float) or not 0 < timeout < math.inf:
+            raise ValueError(f"RemoteTierConfig.timeout_s must be finite and > 0, got {timeout!r}")
 
     def check(self, params: KVCacheParams) -> None:
         if not params.enable_prefix_caching:
@@ -103,6 +102,40 @@ class RemoteTierConfig(TierConfig):
             RemoteLayout.from_params(params, num_layers, shard) for shard in range(len(blocks))
         ]
         return RemoteTier(self, layouts, blocks)
+
+
+def check_url(url: object) -> None:
+    """ValueError naming `url` unless it is a Redis URL that redis-py connects to as
+    written: `redis://` or `rediss://` with a host, a port in 1-65535 and a numeric
+    database, or `unix://` with the socket's path."""
+    if not isinstance(url, str) or url.partition("://")[0] not in REMOTE_URL_SCHEMES:
+        raise ValueError(
+            f"RemoteTierConfig.url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL, got {url!r}"
+        )
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    db = parts.path.strip("/")
+    problem = None
+    if parts.scheme == "unix":
+        problem = None if parts.path else "a unix:// URL names the socket's path"
+    elif not parts.hostname:
+        problem = "no host"
+    elif port == 0:
+        problem = "the port is not a number in 1-65535"
+    elif db and not (db.isascii() and db.isdigit()):
+        problem = f"the database {db!r} is not a number"
+    if problem is None:
+        try:
+            redis.connection.parse_url(url)  # the query's options, as redis-py reads them
+        except ValueError as e:
+            problem = str(e)
+    if problem is not None:
+        if parts.password:  # an error message ends up in logs
+            url = url.replace(f":{parts.password}@", ":***@", 1)
+        raise ValueError(f"RemoteTierConfig.url={url!r}: {problem}")
 
 
 class RemoteTier:
