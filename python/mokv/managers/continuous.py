@@ -45,6 +45,7 @@ from .base import (
 )
 from .compat import MaxManagerAPI
 from .increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
+from .sequence_checks import too_few_slots
 
 
 class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
@@ -135,10 +136,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         """`n` free slots, lowest first; BatchTooLargeError naming `what` (and nothing
         taken) if fewer are free."""
         if n > len(self._free_slots):
-            raise BatchTooLargeError(
-                f"cannot claim {what}: {len(self._free_slots)} of "
-                f"{self.max_cache_batch_size} slots are free"
-            )
+            raise too_few_slots(what, len(self._free_slots), self.max_cache_batch_size)
         slots = [self._free_slots.pop() for _ in range(n)]
         self._undo.push(self._free_slots.extend, slots[::-1])
         return slots
