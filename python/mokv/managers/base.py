@@ -21,11 +21,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import numpy as np
 from max.driver import Device
 from max.engine import InferenceSession
 from max.graph import DeviceRef
 
 from ..context import RequestID, TextGenerationContext
+from ..errors import SequenceTooLongError
 from ..layouts import CacheLayout
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
@@ -129,6 +131,56 @@ def refuse_paged_features(params: KVCacheParams, manager: str) -> None:
             f"{manager} has no prefix cache to publish events of, so it cannot honour "
             f"kv_events={params.kv_events!r}: use the paged manager or drop the events"
         )
+
+
+def check_window(ctx: TextGenerationContext) -> None:
+    """ValueError naming the request unless its window is one a step can process:
+    `0 <= start_idx < active_idx <= end_idx` (a context's own methods keep it so; a
+    hand-made context may not)."""
+    start, active, end = ctx.start_idx, ctx.active_idx, ctx.end_idx
+    if not 0 <= start < active <= end:
+        raise ValueError(
+            f"request {ctx.request_id!r} has start_idx={start!r}, active_idx={active!r}, "
+            f"end_idx={end!r}: a step needs 0 <= start_idx < active_idx <= end_idx"
+        )
+
+
+def integer_tokens(ctx: TextGenerationContext) -> np.ndarray:
+    """`ctx.tokens` as an array; TypeError naming the request unless they are integer
+    ids (floats hashed as int64 would match the pages of the integers they truncate to;
+    `TextContext` refuses them itself, a hand-made context may not)."""
+    tokens = np.asarray(ctx.tokens)
+    if tokens.dtype.kind not in "iu":
+        raise TypeError(
+            f"request {ctx.request_id!r} has tokens of dtype {tokens.dtype}: token ids are integers"
+        )
+    return tokens
+
+
+def check_fits(ctx: TextGenerationContext, num_steps: int, max_seq_len: int) -> None:
+    """SequenceTooLongError unless `ctx`'s window and `num_steps` steps fit `max_seq_len`."""
+    needed = ctx.active_idx + num_steps - 1
+    if needed > max_seq_len:
+        raise sequence_too_long(ctx.request_id, needed, num_steps, max_seq_len)
+
+
+def sequence_too_long(
+    request_id: object, needed: int, num_steps: int, max_seq_len: int
+) -> SequenceTooLongError:
+    """The error of a request whose steps would pass `max_seq_len` (every manager's)."""
+    return SequenceTooLongError(
+        f"request {request_id!r} needs {needed} tokens of cache for {num_steps} step(s), "
+        f"past max_seq_len={max_seq_len}"
+    )
+
+
+def check_distinct(batch: Sequence[TextGenerationContext]) -> None:
+    """ValueError naming the request that appears twice in `batch`."""
+    seen: set[RequestID] = set()
+    for ctx in batch:
+        if ctx.request_id in seen:
+            raise ValueError(f"request {ctx.request_id!r} appears twice in the batch")
+        seen.add(ctx.request_id)
 
 
 def check_num_steps(num_steps: int) -> None:

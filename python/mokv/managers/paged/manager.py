@@ -22,9 +22,7 @@ anywhere inside, is rolled back (docs/reliability.md says what stands). Memory s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-import numpy as np
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
@@ -43,16 +41,25 @@ from ...events.publisher import open_publishers
 from ...layouts import PAGED, RaggedKVCacheInputs
 from ...params import KVCacheParams
 from ...params_compat import with_manager_events
-from ..base import ManagerFields, atomic, check_num_steps, check_request_id, synchronized
+from ..base import (
+    ManagerFields,
+    atomic,
+    check_distinct,
+    check_num_steps,
+    check_request_id,
+    check_window,
+    synchronized,
+)
 from ..compat import MaxManagerAPI
-from ..increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
+from ..increment import CacheLengthIncrementer
 from .inputs import ceil_div
 from .metrics import PagedMetrics
+from .multistep import PagedMultistep
 from .replica import PagedReplica, Reservation
 from .sizing import PagedSizing, pages_per_replica
 
 
-class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerFields):
+class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerAPI, ManagerFields):
     """Paged KV cache manager with data and tensor parallelism support.
 
     Args:
@@ -280,6 +287,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         last = 0
         for ctx in batch:
             r = self._replica_index(ctx.request_id)
+            check_window(ctx)
             if r < last:
                 raise ValueError(
                     f"batch is not ordered by replica: {ctx.request_id!r} (replica {r}) "
@@ -291,12 +299,13 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
             if plan is not None:
                 plans[r].append(plan)
         if len({ctx.request_id for ctx in batch}) != len(batch):
-            raise ValueError("a request appears twice in the batch")
-        for replica, replica_plans in zip(self.replicas, plans):
+            check_distinct(batch)
+        for r, (replica, replica_plans) in enumerate(zip(self.replicas, plans)):
             if replica_plans and not replica.fits(replica_plans):
                 raise InsufficientPagesError(
-                    f"the batch needs more pages than the {replica.pool.num_free} free; "
-                    "call maybe_reserve before fetch"
+                    f"requests {[p.ctx.request_id for p in replica_plans]} need "
+                    f"{sum(p.num_fresh for p in replica_plans)} fresh pages of replica {r}, "
+                    f"which has {replica.pool.num_free} free; call maybe_reserve before fetch"
                 )
         for replica, replica_plans in zip(self.replicas, plans):
             if replica_plans:
@@ -333,49 +342,11 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         for ctx in batch:
             groups[self._replica_index(ctx.request_id)].append(ctx)
         if len({ctx.request_id for ctx in batch}) != len(batch):
-            raise ValueError("a request appears twice in the batch")
+            check_distinct(batch)
         plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]
         for replica, plan in zip(self.replicas, plans):
             replica.commit(plan)
         self._after_change()
-
-    @synchronized
-    def increment_cache_lengths(
-        self,
-        kv_cache_inputs: Sequence[RaggedKVCacheInputs[Buffer, Buffer]],
-        prev_model_inputs: Any,
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
-        """Inputs for the next step of multistep decoding, computed on the device.
-
-        `prev_model_inputs.input_row_offsets` (or the offsets themselves) gives the rows
-        each request processed: one Buffer for a single replica; with several, MAX's form
-        (one global Buffer plus `prev_model_inputs.data_parallel_splits`, as
-        `get_data_parallel_splits` returns them), or one Buffer per replica or per device.
-        Cache lengths grow by those counts and `max_lengths` drops a row.
-        """
-        offsets = row_offsets_per_device(
-            prev_model_inputs, self.num_replicas, self.params.tensor_parallel_degree
-        )
-        if len(kv_cache_inputs) != len(offsets):
-            raise ValueError(f"got {len(kv_cache_inputs)} cache inputs for {len(offsets)} devices")
-        for inputs, row_offsets in zip(kv_cache_inputs, offsets):
-            check_batch_size(inputs.cache_lengths, row_offsets)
-        out = []
-        for inputs, row_offsets in zip(kv_cache_inputs, offsets, strict=True):
-            cache_lengths, max_lengths = self._increment(
-                inputs.cache_lengths, row_offsets, inputs.max_lengths
-            )
-            out.append(inputs._replace(cache_lengths=cache_lengths, max_lengths=max_lengths))
-        return out
-
-    @synchronized
-    def get_data_parallel_splits(self, context_batch: Sequence[TextGenerationContext]) -> Buffer:
-        """int64 `[num_replicas + 1]`: offsets of each replica's requests in the batch,
-        `[0, n_0, n_0 + n_1, ...]` (the batch must be ordered by replica)."""
-        counts = np.zeros(self.num_replicas + 1, dtype=np.int64)
-        for ctx in context_batch:
-            counts[self._replica_index(ctx.request_id) + 1] += 1
-        return Buffer.from_numpy(np.cumsum(counts))
 
     @synchronized
     def reset_prefix_cache(self) -> bool:

@@ -52,7 +52,6 @@ from ...errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
     InvariantError,
-    SequenceTooLongError,
     UnknownRequestError,
 )
 from ...events.publisher import EventRecorder
@@ -61,6 +60,7 @@ from ...metrics import prompt_tokens_in
 from ...params import KVCacheParams
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
+from ..base import sequence_too_long
 from .commit import ReplicaCommits
 from .inputs import PageTable, ceil_div, check_write_windows
 from .plans import RequestState, Reservation
@@ -240,10 +240,7 @@ class PagedReplica(ReplicaCommits):
         active_idx = ctx.active_idx_after_skip(hit_tokens) if num_hits else ctx.active_idx
         needed = active_idx + num_steps - 1
         if needed > self.max_seq_len:
-            raise SequenceTooLongError(
-                f"request {ctx.request_id!r} needs {needed} tokens of cache for {num_steps} "
-                f"step(s), past max_seq_len={self.max_seq_len}"
-            )
+            raise sequence_too_long(ctx.request_id, needed, num_steps, self.max_seq_len)
         num_new = max(ceil_div(needed, self.page_size) - len(req.pages) - num_hits, 0)
         parent = req.hashes[-1] if req.hashes else None
         return Reservation(ctx, req, hits, hit_tokens, num_new, list(loads), parent)
