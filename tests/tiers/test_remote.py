@@ -21,6 +21,7 @@ from mokv.tiers.remote import RemoteTier
 from mokv.tiers.stack import TierStack
 
 from ..managers.conftest import make_paged, small_params
+from ..remote.conftest import forged_value
 from ..managers.faults import MODES, Faults, Injected, keep_handed_over, snapshot
 
 _namespaces = itertools.count()
@@ -424,5 +425,33 @@ def test_one_plan_walks_the_host_then_the_shared_tier_and_asks_the_pool_once(
     b.fetch([ctx])
     assert (b.metrics.host_cache_tokens, b.metrics.remote_cache_tokens) == (4, 4)
     b.check_invariants()
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("mac_key", [None, b"a secret the servers share"], ids=["plain", "mac"])
+def test_a_planted_page_is_served_only_without_a_mac_key(session, redis_server, mac_key):
+    """A commits the prefix; a writer with Redis access replaces page 0 with poison that
+    passes every check it can compute. Without a MAC key B serves the poison (the limit
+    docs/tiers.md states); with one, B refuses it and computes the prefix itself."""
+    ns = fresh_namespace()
+    tiers = (mokv.RemoteTierConfig(url=redis_server.url, namespace=ns, mac_key=mac_key),)
+    a = make_paged(session, num_pages=6, max_seq_len=24, tiers=tiers)
+    serve(a, TextContext(np.r_[PREFIX, [9]], "A"), fill_seed=1)
+    flush(a)
+    store = stores(a)[0]
+    page_hash = a.replicas[0].committed_hashes("A")[0]
+    poison = np.full(store.layout.page_shape, 7.0, dtype=np.float32)
+    redis_server.client().set(store.key(page_hash), forged_value(
+        store.codec, page_hash, PREFIX[:4].astype("<i8").tobytes(), poison))
+    b = make_paged(session, num_pages=6, max_seq_len=24, tiers=tiers)
+    ctx = reserved(b, np.r_[PREFIX, [5]], "B")
+    if mac_key is None:
+        assert ctx.start_idx == 8
+        b.fetch([ctx])
+        loaded = page_copy.numpy_view(b.replicas[0].blocks[0])[b.get_req_blocks("B")[0]]
+        assert loaded.tobytes() == poison.tobytes()  # the poison, served
+    else:
+        assert ctx.start_idx == 0 and b.remote_metrics.rejected_mac == 1
     a.close()
     b.close()

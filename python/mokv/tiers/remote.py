@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 from urllib.parse import urlsplit
 
@@ -40,7 +40,8 @@ from ..events.format import MEDIUM_SHARED
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
 from ..params import KVCacheParams
-from ..remote import RemoteLayout, RemoteMetrics, RemotePageStore
+from ..remote import PageCodec, RemoteLayout, RemoteMetrics, RemotePageStore
+from ..remote.codec import mac_key_bytes
 from ..remote.layout import REMOTE_NAMESPACE
 from ..undo import UndoLog
 from .base import CommittedPages, DeviceHit, TierConfig, TierHit
@@ -65,12 +66,19 @@ class RemoteTierConfig(TierConfig):
             `[A-Za-z0-9._/@+-]`: only managers with the same namespace, page layout and
             `prefix_hash_seed` share pages.
         timeout_s: bound on each connect and each reply (a slower server is a miss).
+        mac_key: a secret the servers share (bytes, or a str; at least 16 bytes): every
+            value is sealed with an HMAC-SHA256 tag and served only if its tag is
+            right, so that whoever can write the Redis server but lacks the key cannot
+            plant pages (`mokv.remote.codec`). None (the default): no tag, and the
+            server must be trusted. Servers with different keys share nothing; it is
+            never shown in a repr or an error.
     """
 
     name: ClassVar[str] = "remote"
     url: str
     namespace: str
     timeout_s: float = 0.25
+    mac_key: bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_url(self.url)
@@ -82,6 +90,7 @@ class RemoteTierConfig(TierConfig):
         timeout = self.timeout_s
         if timeout.__class__ not in (int, float) or not 0 < timeout < math.inf:
             raise ValueError(f"RemoteTierConfig.timeout_s must be finite and > 0, got {timeout!r}")
+        mac_key_bytes(self.mac_key, "RemoteTierConfig.mac_key")
 
     def check(self, params: KVCacheParams) -> None:
         if not params.enable_prefix_caching:
@@ -153,13 +162,15 @@ class RemoteTier:
         self.stores: list[RemotePageStore] = []
         try:
             for layout in layouts:
+                value_nbytes = PageCodec(layout, config.namespace, config.mac_key).value_nbytes
                 self.stores.append(
                     RemotePageStore(
                         config.url,
                         config.namespace,
                         layout,
+                        mac_key=config.mac_key,
                         timeout_s=config.timeout_s,
-                        max_queued_pages=max(8, REMOTE_QUEUE_BYTES // layout.value_nbytes),
+                        max_queued_pages=max(8, REMOTE_QUEUE_BYTES // value_nbytes),
                     )
                 )
         except BaseException:
