@@ -16,7 +16,7 @@ from mokv import TextContext
 from mokv.cache import page_copy
 from mokv.cache.page_copy import HostPages
 from mokv.cache.page_pool import PagePool
-from mokv.events import PrefixRouterIndex, build_events
+from mokv.events import KVEventBatch, PrefixRouterIndex, build_events
 from mokv.events.publisher import EventPublisher, EventRecorder, MediumSink
 from mokv.managers.paged import prefix
 from mokv.managers.paged.inputs import PageTable
@@ -85,7 +85,6 @@ class EventsMixin:
         (publisher,) = self.m.kv_event_publishers
         records = list(recorded(publisher))
         index = PrefixRouterIndex(page_size=self.m.page_size)
-        from mokv.events.format import KVEventBatch
         index.apply(("m", 0), KVEventBatch(0.0, build_events(records, self.m.page_size), 0))
         replica = self.m.replicas[0]
         assert index.hashes(("m", 0), "device") == replica.pool.indexed_hashes()
