@@ -83,9 +83,11 @@ class TextGenerationContext(Protocol):
     def update(self, new_token: int) -> None: ...
 
 
-def _token_array(tokens: object) -> np.ndarray:
-    """`tokens` as a non-empty 1-D int64 array of ids >= 0; TypeError / ValueError naming
-    the problem otherwise (never a silent truncation of floats or flattening)."""
+def token_ids(tokens: object, allow_empty: bool = False) -> np.ndarray:
+    """`tokens` as a 1-D int64 array of ids in [0, 2**63) (non-empty unless
+    `allow_empty`); TypeError / ValueError naming the problem otherwise: never a silent
+    truncation of floats, a flattening, or an id that wraps around. What a context's
+    prompt and a router's query (`PrefixRouterIndex.match`) must be."""
     array = np.asarray(tokens)
     if array.dtype == object:  # Python ints past int64 land here
         raise ValueError(f"tokens must be token ids in [0, 2**63), got {tokens!r}")
@@ -94,6 +96,8 @@ def _token_array(tokens: object) -> np.ndarray:
     if array.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
     if array.size == 0:
+        if allow_empty:
+            return np.zeros(0, dtype=np.int64)
         raise ValueError("a TextContext needs at least one prompt token")
     if array.min() < 0 or (array.dtype == np.uint64 and array.max() >= 2**63):
         bad = array[(array < 0) | (array >= 2**63)] if array.dtype != np.uint64 else array
@@ -132,7 +136,7 @@ class TextContext:
     ) -> None:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
-        prompt = _token_array(tokens)
+        prompt = token_ids(tokens)
         self._request_id = RequestID(request_id) if request_id is not None else RequestID()
         self._buf = np.empty(max(16, 2 * prompt.size), dtype=np.int64)
         self._buf[: prompt.size] = prompt

@@ -137,6 +137,13 @@ class KVCacheParams:
             raise ValueError(
                 f"prefix_hash={self.prefix_hash!r} is not one of {PREFIX_HASH_ALGORITHMS}"
             )
+        if self.enable_prefix_caching.__class__ is not bool:
+            raise TypeError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+        seed = self.prefix_hash_seed
+        if seed.__class__ is not int or not 0 <= seed < 2**64:
+            raise ValueError(f"prefix_hash_seed must be an int in [0, 2**64), got {seed!r}")
         self._check_tiers()
         if self.kv_events is not None:
             if not isinstance(self.kv_events, KVEventsConfig):
@@ -148,6 +155,7 @@ class KVCacheParams:
                     f"KV-cache events need a hash that is the same in every process; "
                     f"prefix_hash={self.prefix_hash!r} is not one of {STABLE_ALGORITHMS}"
                 )
+            self.kv_events.check(self)
 
     def _check_tiers(self) -> None:
         if not isinstance(self.tiers, (tuple, list)):

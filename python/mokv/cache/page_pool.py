@@ -30,7 +30,12 @@ Invariants (checked by `check_invariants`):
 Every change is all or nothing: a call first works out what it will do (and raises, or
 returns None, before touching anything), then applies it with plain list and dict
 operations that cannot fail half-way. So an exception from any call, or from anything
-it calls, leaves the pool as it was.
+it calls, leaves the pool as it was. With an `undo` log (`mokv.undo.UndoLog`, set by
+the manager) each change also records there how to undo it, before it tells its event
+sink: a manager rolls back a call that raised after a pool call returned. An undone
+change restores every page's owners, hash and tokens and the index; the free list and
+the LRU may end in another order (evicted pages go back to the old end of the LRU,
+revived ones to its young end).
 
 Events. An optional `events` sink (`mokv.events.EventPublisher`, set by the manager
 before the pool is used) hears the three changes routers care about, at the one place
@@ -50,6 +55,7 @@ from itertools import islice
 from typing import Protocol
 
 from ..errors import InvariantError
+from ..undo import UndoLog
 
 
 class PageEventSink(Protocol):
@@ -79,6 +85,7 @@ class PagePool:
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._index: dict[int, int] = {}
         self.events: PageEventSink | None = None
+        self.undo: UndoLog | None = None
 
     # --- queries (change nothing) ---------------------------------------------------
 
@@ -173,6 +180,7 @@ class PagePool:
         for page_id in hits:
             self._ref_count[page_id] += 1
         evicted_hashes = [self._page_hash[page_id] for page_id in evicted]
+        evicted_tokens = [self._page_tokens[page_id] for page_id in evicted]
         for page_id, page_hash in zip(evicted, evicted_hashes):
             del self._cached[page_id]
             del self._index[page_hash]  # type: ignore[arg-type]
@@ -182,6 +190,16 @@ class PagePool:
         del self._free[len(self._free) - from_free :]
         for page_id in pages:
             self._ref_count[page_id] = 1
+        if self.undo is not None:
+            self.undo.push(
+                self._untake,
+                list(hits),
+                revived,
+                tuple(pages),
+                from_free,
+                evicted_hashes,
+                evicted_tokens,
+            )
         if self.events is not None:
             for page_hash in evicted_hashes:
                 self.events.removed(page_hash)  # type: ignore[arg-type]
@@ -211,6 +229,8 @@ class PagePool:
                     self._free.append(page_id)
                 else:
                     self._cached[page_id] = None
+        if self.undo is not None:
+            self.undo.push(self._unrelease, page_ids)
 
     def commit(
         self,
@@ -256,6 +276,8 @@ class PagePool:
                 self._index[page_hash] = page_id
                 self._page_hash[page_id] = page_hash
                 self._page_tokens[page_id] = data
+        if self.undo is not None:
+            self.undo.push(self._uncommit, [p for p, new in zip(page_ids, indexed) if new])
         if self.events is not None:
             parents = parent_hashes or [None] * len(page_ids)
             salts = cache_salts or [None] * len(page_ids)
@@ -268,6 +290,13 @@ class PagePool:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every hash: cached pages become free, owned pages stop being shareable."""
+        if self.undo is not None:
+            self.undo.push(
+                self._unreset,
+                [(p, h, self._page_tokens[p]) for h, p in self._index.items()],
+                list(self._cached),
+                len(self._free),
+            )
         for page_id in self._index.values():
             self._page_hash[page_id] = None
             self._page_tokens[page_id] = None
@@ -276,6 +305,60 @@ class PagePool:
         self._cached.clear()
         if self.events is not None:
             self.events.cleared()
+
+    # --- undo (run by `UndoLog.rollback`, newest change first) ------------------------
+
+    def _untake(
+        self,
+        hits: list[int],
+        revived: set[int],
+        pages: tuple[int, ...],
+        from_free: int,
+        evicted_hashes: list[int],
+        evicted_tokens: list[bytes],
+    ) -> None:
+        for page_id in pages:
+            self._ref_count[page_id] = 0
+        self._free.extend(reversed(pages[:from_free]))
+        evicted = pages[from_free:]
+        for page_id, page_hash, data in zip(
+            evicted[::-1], evicted_hashes[::-1], evicted_tokens[::-1]
+        ):
+            self._page_hash[page_id] = page_hash
+            self._page_tokens[page_id] = data
+            self._index[page_hash] = page_id
+            self._cached[page_id] = None
+            self._cached.move_to_end(page_id, last=False)  # they were the oldest
+        for page_id in hits:
+            self._ref_count[page_id] -= 1
+        for page_id in revived:
+            self._cached[page_id] = None
+
+    def _unrelease(self, page_ids: list[int]) -> None:
+        for page_id in reversed(page_ids):
+            ref = self._ref_count[page_id]
+            if ref == 0:
+                if self._page_hash[page_id] is None:
+                    self._free.pop()  # it was appended last
+                else:
+                    del self._cached[page_id]
+            self._ref_count[page_id] = ref + 1
+
+    def _uncommit(self, page_ids: list[int]) -> None:
+        for page_id in page_ids:
+            del self._index[self._page_hash[page_id]]  # type: ignore[arg-type]
+            self._page_hash[page_id] = self._page_tokens[page_id] = None
+
+    def _unreset(
+        self, indexed: list[tuple[int, int, bytes | None]], cached: list[int], num_free: int
+    ) -> None:
+        for page_id, page_hash, data in indexed:
+            self._index[page_hash] = page_id
+            self._page_hash[page_id] = page_hash
+            self._page_tokens[page_id] = data
+        del self._free[num_free:]
+        self._cached.clear()
+        self._cached.update(dict.fromkeys(cached))
 
     # --- checks ---------------------------------------------------------------------
 

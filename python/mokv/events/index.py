@@ -33,9 +33,8 @@ there; the server evicts without telling anyone, so it may hold pages already go
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..cache.hashing import STABLE_ALGORITHMS, page_hash_fn, page_hashes, salted_root
+from ..context import token_ids
 from .format import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 Source = tuple[str, int]
@@ -78,8 +77,14 @@ class PrefixRouterIndex:
             `host_weight`.
 
     Raises:
-        ValueError: an unknown `prefix_hash`, or weights outside
+        ValueError: a `page_size` that is not a positive int, an unknown `prefix_hash`,
+            a `prefix_hash_seed` outside [0, 2**64), or weights outside
             `0 <= shared_weight <= host_weight <= 1`.
+
+    A query's tokens must be a 1-D sequence of integer token ids in [0, 2**63), as a
+    context's (`mokv.context.token_ids`: floats, 2-D arrays, negative or huge ids are a
+    TypeError / ValueError naming them, never truncated into a match), and its
+    `cache_salt` a str or None.
     """
 
     def __init__(
@@ -90,8 +95,14 @@ class PrefixRouterIndex:
         host_weight: float = 0.75,
         shared_weight: float = 0.25,
     ):
+        if page_size.__class__ is not int or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if prefix_hash not in STABLE_ALGORITHMS:
             raise ValueError(f"prefix_hash={prefix_hash!r} is not one of {STABLE_ALGORITHMS}")
+        if prefix_hash_seed.__class__ is not int or not 0 <= prefix_hash_seed < 2**64:
+            raise ValueError(
+                f"prefix_hash_seed must be an int in [0, 2**64), got {prefix_hash_seed!r}"
+            )
         for name, weight in (("host_weight", host_weight), ("shared_weight", shared_weight)):
             if weight.__class__ not in (int, float) or not 0 <= weight <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {weight!r}")
@@ -151,11 +162,14 @@ class PrefixRouterIndex:
 
     def page_hashes(self, tokens, cache_salt: str | None = None) -> list[int]:
         """The hashes of the full pages of `tokens` with `cache_salt`, as servers compute them."""
+        tokens = token_ids(tokens, allow_empty=True)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
         root = self._roots.get(cache_salt)
         if root is None:
             root = salted_root(self.prefix_hash, self.prefix_hash_seed, cache_salt)
             self._roots[cache_salt] = root
-        return page_hashes(np.asarray(tokens), self.page_size, root, self._hash_fn)
+        return page_hashes(tokens, self.page_size, root, self._hash_fn)
 
     def match(
         self, tokens, cache_salt: str | None = None, tiers: tuple[str, ...] = TIERS

@@ -43,6 +43,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from ..undo import UndoLog
 from .config import DYNAMO_SALT_PREFIX, KVEventsConfig, binds
 from .format import (
     END_SEQ,
@@ -70,24 +71,35 @@ class EventRecorder:
 
     `take()` hands the records over; `build_events` turns them into vLLM event structs.
     `EventPublisher` is a recorder that publishes what it takes once per step.
+
+    With an `undo` log (`mokv.undo.UndoLog`, set by the manager) each record also
+    records how to take it back, so that a rolled-back manager call announces nothing
+    it undid. Records are only handed over (`take`) after a manager call ended.
     """
 
     def __init__(self) -> None:
         self._pending: list[tuple] = []
+        self.undo: UndoLog | None = None
+
+    def _record(self, record: tuple) -> None:
+        pending = self._pending
+        if self.undo is not None:
+            self.undo.push(pending.pop, len(pending))  # newer records are gone or kept
+        pending.append(record)
 
     def stored(
         self, page_hash: int, parent_hash: int | None, token_bytes: bytes, cache_salt: str | None
     ) -> None:
         """A full page was committed under `page_hash` (parent None: a first page)."""
-        self._pending.append((_STORED, page_hash, parent_hash, token_bytes, cache_salt))
+        self._record((_STORED, page_hash, parent_hash, token_bytes, cache_salt))
 
     def removed(self, page_hash: int) -> None:
         """The page committed under `page_hash` was evicted."""
-        self._pending.append((_REMOVED, page_hash))
+        self._record((_REMOVED, page_hash))
 
     def cleared(self) -> None:
         """Every hash was forgotten."""
-        self._pending.append((_CLEARED,))
+        self._record((_CLEARED,))
 
     def take(self) -> list[tuple]:
         """The records since the last call (and forgets them)."""
@@ -112,12 +124,12 @@ class MediumSink:
     def stored(
         self, page_hash: int, parent_hash: int | None, token_bytes: bytes, cache_salt: str | None
     ) -> None:
-        self._recorder._pending.append(
+        self._recorder._record(
             (_STORED, page_hash, parent_hash, token_bytes, cache_salt, self.medium)
         )
 
     def removed(self, page_hash: int) -> None:
-        self._recorder._pending.append((_REMOVED, page_hash, self.medium))
+        self._recorder._record((_REMOVED, page_hash, self.medium))
 
     def cleared(self) -> None:
         pass

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from ..events.publisher import EventRecorder
     from ..metrics import TierMetrics
     from ..params import KVCacheParams
+    from ..undo import UndoLog
 
 
 class TierConfig(ABC):
@@ -97,6 +98,12 @@ class Tier(Protocol):
     shared: bool
     """True when other replicas and servers see the same pages (the Redis tier): a
     replica's own prefix is then no reason to route a request to it."""
+    undo: UndoLog | None
+    """The manager's undo log (`mokv.undo`, set by `TierStack`): every call that changes
+    the tier's state records there how to undo it, before it returns, so that a manager
+    call that raises afterwards can roll the tier back. What cannot be undone (bytes
+    sent to a server, a page overwritten) must leave a state the tier accepts: fewer
+    pages, never a hash over other bytes."""
 
     def lookup(self, chain: Iterator[tuple[int, bytes]]) -> list[TierHit]:
         """The leading pages of `chain` ((page hash, token bytes) in chain order) that

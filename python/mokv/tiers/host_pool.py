@@ -29,7 +29,11 @@ Invariants (checked by `check_invariants`):
   3. `_children[h]` is the number of cached pages whose parent hash is `h`.
 
 Every change is all or nothing: `plan_store` is pure, and `evict` / `insert` / `touch` /
-`reset` apply plain list and dict operations after their checks.
+`reset` apply plain list and dict operations after their checks. With an `undo` log
+(`mokv.undo.UndoLog`, set by the host tier) each change also records how to undo it;
+an evicted page is restored only if its bytes were not overwritten since (`lose`: the
+host tier names the victims it is about to copy over), else it stays evicted and its
+removal stays announced.
 
 Events. An optional `events` sink hears `stored` / `removed` (medium "CPU", see
 `mokv.events.EventRecorder.medium_sink`) after the change.
@@ -48,6 +52,7 @@ from itertools import islice
 
 from ..cache.page_pool import PageEventSink
 from ..errors import InvariantError
+from ..undo import UndoLog
 
 
 @dataclass(slots=True)
@@ -78,6 +83,8 @@ class HostPagePool:
         self._loaded = [False] * num_pages  # loaded back since it was stored
         self.num_evicted_unused = 0
         self.events: PageEventSink | None = None
+        self.undo: UndoLog | None = None
+        self._lost: set[int] = set()  # victims whose bytes were overwritten (a rollback's)
 
     # --- queries (change nothing) ---------------------------------------------------
 
@@ -180,11 +187,15 @@ class HostPagePool:
             if page_id not in self._lru:
                 raise InvariantError(f"host page {page_id} evicted but not cached")
         hashes = [self._page_hash[p] for p in victims]
-        self.num_evicted_unused += sum(not self._loaded[p] for p in victims)
+        unused = sum(not self._loaded[p] for p in victims)
+        entries = [(p, self._page_tokens[p], self._parent[p]) for p in victims]
+        self.num_evicted_unused += unused
         for page_id, page_hash in zip(victims, hashes):
             self._forget(page_id, page_hash)  # type: ignore[arg-type]
             del self._lru[page_id]
             self._free.append(page_id)
+        if self.undo is not None:
+            self.undo.push(self._unevict, list(zip(hashes, entries)), unused)
         if self.events is not None:
             for page_hash in hashes:
                 self.events.removed(page_hash)  # type: ignore[arg-type]
@@ -218,6 +229,7 @@ class HostPagePool:
                 )
         if len(set(page_hashes)) != len(page_hashes):
             raise InvariantError(f"hashes {list(page_hashes)} stored twice in one call")
+        loaded = [self._loaded[p] for p in page_ids]
         self._take_free(page_ids)
         for page_id, page_hash, data, parent in zip(
             page_ids, page_hashes, token_bytes, parent_hashes
@@ -230,6 +242,8 @@ class HostPagePool:
             self._loaded[page_id] = False
             if parent is not None:
                 self._children[parent] = self._children.get(parent, 0) + 1
+        if self.undo is not None:
+            self.undo.push(self._uninsert, list(page_ids), loaded)
         if self.events is not None:
             salts = cache_salts or [None] * len(page_ids)
             for page_hash, data, parent, salt in zip(
@@ -251,6 +265,9 @@ class HostPagePool:
 
     def mark_loaded(self, page_ids: Iterable[int]) -> None:
         """The pages were loaded back into device pages (reused)."""
+        page_ids = list(page_ids)
+        if self.undo is not None:
+            self.undo.push(self._unmark_loaded, [(p, self._loaded[p]) for p in page_ids])
         for page_id in page_ids:
             self._loaded[page_id] = True
 
@@ -268,12 +285,73 @@ class HostPagePool:
     def reset_prefix_cache(self) -> None:
         """Forgets every hash: every page becomes free (pinned pages keep their bytes;
         `plan_store` still refuses them until their loads are done)."""
+        if self.undo is not None:
+            self.undo.push(
+                self._unreset,
+                [(p, self._page_hash[p], self._page_tokens[p], self._parent[p]) for p in self._lru],
+                dict(self._children),
+                len(self._free),
+            )
         for page_id in self._lru:
             self._page_hash[page_id] = self._page_tokens[page_id] = self._parent[page_id] = None
             self._free.append(page_id)
         self._lru.clear()
         self._index.clear()
         self._children.clear()
+
+    # --- undo (see the module docstring) ---------------------------------------------
+
+    def lose(self, page_ids: Iterable[int]) -> None:
+        """Run by a rollback: these evicted pages' bytes were overwritten, so undoing
+        their eviction leaves them evicted."""
+        self._lost.update(page_ids)
+
+    def _unevict(
+        self, victims: list[tuple[int, tuple[int, bytes, int | None]]], unused: int
+    ) -> None:
+        self.num_evicted_unused -= unused
+        back = {}
+        for page_hash, (page_id, data, parent) in victims:
+            if page_id in self._lost:
+                if self.events is not None:  # its removal was taken back with the rest
+                    self.events.removed(page_hash)
+                continue
+            back[page_id] = (page_hash, data, parent)
+        self._lost.difference_update(page_id for _, (page_id, _, _) in victims)
+        self._free = [p for p in self._free if p not in back]
+        for page_id, (page_hash, data, parent) in reversed(back.items()):
+            self._index[page_hash] = page_id
+            self._page_hash[page_id], self._page_tokens[page_id] = page_hash, data
+            self._parent[page_id] = parent
+            if parent is not None:
+                self._children[parent] = self._children.get(parent, 0) + 1
+            self._lru[page_id] = None
+            self._lru.move_to_end(page_id, last=False)  # the victims were the oldest
+
+    def _uninsert(self, page_ids: list[int], loaded: list[bool]) -> None:
+        for page_id, was_loaded in zip(page_ids, loaded):
+            self._forget(page_id, self._page_hash[page_id])  # type: ignore[arg-type]
+            del self._lru[page_id]
+            self._loaded[page_id] = was_loaded
+        self._free.extend(reversed(page_ids))
+
+    def _unmark_loaded(self, flags: list[tuple[int, bool]]) -> None:
+        for page_id, was_loaded in flags:
+            self._loaded[page_id] = was_loaded
+
+    def _unreset(
+        self,
+        cached: list[tuple[int, int | None, bytes | None, int | None]],
+        children: dict[int, int],
+        num_free: int,
+    ) -> None:
+        del self._free[num_free:]
+        for page_id, page_hash, data, parent in cached:
+            self._lru[page_id] = None
+            self._index[page_hash] = page_id  # type: ignore[index]
+            self._page_hash[page_id], self._page_tokens[page_id] = page_hash, data
+            self._parent[page_id] = parent
+        self._children = children
 
     # --- checks ---------------------------------------------------------------------
 

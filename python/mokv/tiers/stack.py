@@ -16,6 +16,7 @@ from ..cache.page_pool import PagePool
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
 from ..params import KVCacheParams
+from ..undo import UndoLog
 from .base import ChainTail, CommittedPages, DeviceHit, Tier, TierConfig, TierHit
 
 
@@ -51,6 +52,7 @@ class TierStack:
         num_layers: int,
         pool: PagePool,
         blocks: list[Buffer],
+        undo: UndoLog | None = None,
     ) -> None:
         self.tiers: list[Tier] = []
         try:
@@ -59,6 +61,9 @@ class TierStack:
         except BaseException:
             self.close()  # a tier built before may run threads
             raise
+        self.undo = undo
+        for tier in self.tiers:
+            tier.undo = undo
         self._cache_tokens = [0] * len(self.tiers)  # prompt tokens each tier supplied
 
     def __iter__(self) -> Iterator[Tier]:
@@ -100,6 +105,8 @@ class TierStack:
 
     def count_served(self, loads: Sequence[PendingLoad], page_size: int) -> None:
         """The loads' tokens count as supplied by their tiers (`metrics`)."""
+        if self.undo is not None and loads:
+            self.undo.push(setattr, self, "_cache_tokens", list(self._cache_tokens))
         for load in loads:
             self._cache_tokens[load.tier] += page_size
 

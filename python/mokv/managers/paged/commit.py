@@ -17,6 +17,7 @@ from ...cache.page_pool import PagePool
 from ...context import RequestID, TextGenerationContext, cache_salt_of
 from ...tiers.base import CommittedPages
 from ...tiers.stack import TierStack
+from ...undo import UndoLog
 from .inputs import PageTable
 from .plans import CommitPlan, RequestState
 from .prefix import PrefixChains
@@ -29,6 +30,7 @@ class ReplicaCommits:
     pool: PagePool
     chains: PrefixChains
     tiers: TierStack
+    undo: UndoLog
     _prefix_caching: bool
     _page_table: PageTable
     _requests: dict[RequestID, RequestState]
@@ -76,6 +78,7 @@ class ReplicaCommits:
             )
             self._share_duplicates(plan.owners, plan.hashes, plan.datas, indexed)
         for req, new_hashes in plan.requests:
+            self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
             req.hashes.extend(new_hashes)
         if not self.tiers:
             return
@@ -108,8 +111,23 @@ class ReplicaCommits:
             if shared is None:
                 continue
             self.pool.acquire(shared)
-            self.pool.release([req.pages[page_idx]])  # unhashed: back to the free pages
+            own = req.pages[page_idx]
+            self.pool.release([own])  # unhashed: back to the free pages
             req.pages[page_idx] = shared
+            self.undo.push(self._set_page, req, page_idx, own)
             switched[req.slot] = req
         for req in switched.values():
             self._page_table.set_row(req.slot, req.pages)
+
+    # --- undo -----------------------------------------------------------------------
+
+    def _truncate(self, req: RequestState, num_pages: int, num_hashes: int, num_loads: int) -> None:
+        """Undoes what a request's pages, hashes and loads gained (idempotent)."""
+        del req.pages[num_pages:]
+        del req.hashes[num_hashes:]
+        del req.loads[num_loads:]
+        self._page_table.set_row(req.slot, req.pages)
+
+    def _set_page(self, req: RequestState, page_idx: int, page_id: int) -> None:
+        req.pages[page_idx] = page_id
+        self._page_table.set_row(req.slot, req.pages)

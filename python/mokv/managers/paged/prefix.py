@@ -18,6 +18,7 @@ from ...cache.page_pool import PagePool
 from ...context import TextGenerationContext, cache_salt_of
 from ...params import KVCacheParams
 from ...tiers.base import ChainTail
+from ..base import integer_tokens
 from .plans import RequestState
 
 SALTED_ROOTS_MEMO = 65536
@@ -66,9 +67,10 @@ class PrefixChains:
         self, ctx: TextGenerationContext, req: RequestState, end_page: int
     ) -> Iterator[tuple[int, bytes]]:
         """(hash, token bytes) of the request's full pages after its committed ones, up
-        to page `end_page` (excluded)."""
+        to page `end_page` (excluded); TypeError for tokens that are not integers
+        (`integer_tokens`)."""
         return iter_page_hashes(
-            ctx.tokens,
+            integer_tokens(ctx),
             self.page_size,
             self.parent(req, ctx),
             self._hash_fn,
