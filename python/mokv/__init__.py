@@ -13,7 +13,7 @@ The layers, top to bottom:
 """
 
 from .compiler_output import filter_collection_warnings
-from .context import RequestID, TextContext, TextGenerationContext
+from .context import MultimodalInput, RequestID, TextContext, TextGenerationContext
 from .errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
@@ -76,6 +76,7 @@ __all__ = [
     "KVEventsConfig",
     "MojoContinuousBatchingKVCacheManager",
     "MokvError",
+    "MultimodalInput",
     "NullKVCacheManager",
     "PagedKVCacheManager",
     "RaggedKVCacheInputs",

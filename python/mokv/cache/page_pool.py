@@ -47,16 +47,19 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import islice
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import InvariantError
+
+if TYPE_CHECKING:
+    from .extra_keys import EventKeys
 
 
 class PageEventSink(Protocol):
     """Hears the pool's prefix-cache changes (see `mokv.events.EventPublisher`)."""
 
     def stored(
-        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, cache_salt: str | None
+        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, keys: EventKeys | None
     ) -> None: ...
 
     def removed(self, page_hash: int) -> None: ...
@@ -218,18 +221,19 @@ class PagePool:
         page_hash: int,
         token_bytes: bytes,
         parent_hash: int | None = None,
-        cache_salt: str | None = None,
+        keys: EventKeys | None = None,
     ) -> bool:
         """Makes an owned, full page findable under `page_hash`.
 
         Returns False (and leaves the page unhashed) if another page already holds
         this hash: the index keeps one copy per prefix, and owners' page lists never
-        change under them. `parent_hash` (None for a sequence's first page) and
-        `cache_salt` are only passed on to the event sink.
+        change under them. `parent_hash` (None for a sequence's first page) and `keys`
+        (what events say of the page: `mokv.cache.extra_keys.EventKeys`) are only passed
+        on to the event sink.
         """
-        return self.commit_pages(
-            [page_id], [page_hash], [token_bytes], [parent_hash], [cache_salt]
-        ) == [True]
+        return self.commit_pages([page_id], [page_hash], [token_bytes], [parent_hash], [keys]) == [
+            True
+        ]
 
     def commit_pages(
         self,
@@ -237,7 +241,7 @@ class PagePool:
         page_hashes: Sequence[int],
         token_bytes: Sequence[bytes],
         parent_hashes: Sequence[int | None] | None = None,
-        cache_salts: Sequence[str | None] | None = None,
+        keys: Sequence[EventKeys | None] | None = None,
     ) -> list[bool]:
         """`commit` for several pages at once, all or nothing; True where a page was
         indexed. Pages of one chain come parent first, so that events announce a parent
@@ -258,12 +262,12 @@ class PagePool:
                 self._page_tokens[page_id] = data
         if self.events is not None:
             parents = parent_hashes or [None] * len(page_ids)
-            salts = cache_salts or [None] * len(page_ids)
-            for page_hash, data, parent, salt, new in zip(
-                page_hashes, token_bytes, parents, salts, indexed
+            page_keys = keys or [None] * len(page_ids)
+            for page_hash, data, parent, page_key, new in zip(
+                page_hashes, token_bytes, parents, page_keys, indexed
             ):
                 if new:
-                    self.events.stored(page_hash, parent, data, salt)
+                    self.events.stored(page_hash, parent, data, page_key)
         return indexed
 
     def reset_prefix_cache(self) -> None:

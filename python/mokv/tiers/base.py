@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 if TYPE_CHECKING:
     from max.driver import Buffer
 
+    from ..cache.extra_keys import EventKeys
     from ..cache.page_pool import PagePool
     from ..events.publisher import EventRecorder
     from ..metrics import TierMetrics
@@ -73,8 +74,9 @@ class DeviceHit(NamedTuple):
     page_hash: int
     parent_hash: int | None
     """The hash of the page before it; None for a sequence's first page."""
-    cache_salt: str | None
-    """The request's salt on a first page (as events carry it), else None."""
+    keys: EventKeys | None
+    """What events say of the page besides its tokens (the request's salt on a first
+    page, its adapter, images, session), or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +87,7 @@ class CommittedPages:
     hashes: list[int]
     token_bytes: list[bytes]
     parents: list[int | None]
-    salts: list[str | None]
+    keys: list[EventKeys | None]
 
 
 class Tier(Protocol):

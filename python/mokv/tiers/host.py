@@ -28,6 +28,7 @@ from typing import ClassVar
 
 from max.driver import Buffer
 
+from ..cache.extra_keys import EventKeys
 from ..cache.page_copy import HostPages
 from ..cache.page_pool import PagePool
 from ..errors import InsufficientMemoryError, InvariantError
@@ -158,7 +159,7 @@ class HostTier:
             self._store_promoted()
         elif pages.page_ids:
             self._write_through(
-                pages.page_ids, pages.hashes, pages.token_bytes, pages.parents, pages.salts
+                pages.page_ids, pages.hashes, pages.token_bytes, pages.parents, pages.keys
             )
 
     def _store_promoted(self) -> None:
@@ -175,7 +176,7 @@ class HostTier:
                         hit.page_hash,
                         pool.page_tokens(hit.page_id),
                         hit.parent_hash,
-                        hit.cache_salt,
+                        hit.keys,
                     )
                 )
         if rows:
@@ -187,7 +188,7 @@ class HostTier:
         hashes: list[int],
         datas: list[bytes],
         parents: list[int | None],
-        salts: list[str | None],
+        keys: list[EventKeys | None],
     ) -> None:
         """Copies device pages (parents first) to host pages: one batched copy. Pages that
         find no room (every host page pinned) are not stored.
@@ -208,7 +209,7 @@ class HostTier:
             [hashes[i] for i in e],
             [datas[i] for i in e],
             [parents[i] for i in e],
-            [salts[i] for i in e],
+            [keys[i] for i in e],
         )
 
     # --- the rest of the protocol ---------------------------------------------------

@@ -46,6 +46,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
+from ..cache.extra_keys import EventKeys
 from ..cache.page_pool import PageEventSink
 from ..errors import InvariantError
 
@@ -206,7 +207,7 @@ class HostPagePool:
         page_hashes: Sequence[int],
         token_bytes: Sequence[bytes],
         parent_hashes: Sequence[int | None],
-        cache_salts: Sequence[str | None] | None = None,
+        keys: Sequence[EventKeys | None] | None = None,
     ) -> None:
         """Indexes free pages whose bytes were just written (the targets of a plan,
         after `evict` of its victims), at the young end of the LRU."""
@@ -231,11 +232,11 @@ class HostPagePool:
             if parent is not None:
                 self._children[parent] = self._children.get(parent, 0) + 1
         if self.events is not None:
-            salts = cache_salts or [None] * len(page_ids)
-            for page_hash, data, parent, salt in zip(
-                page_hashes, token_bytes, parent_hashes, salts
+            page_keys = keys or [None] * len(page_ids)
+            for page_hash, data, parent, page_key in zip(
+                page_hashes, token_bytes, parent_hashes, page_keys
             ):
-                self.events.stored(page_hash, parent, data, salt)
+                self.events.stored(page_hash, parent, data, page_key)
 
     def _take_free(self, page_ids: Sequence[int]) -> None:
         """Removes `page_ids` (free pages that `plan_store` picked from the end of the

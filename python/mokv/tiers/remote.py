@@ -185,7 +185,7 @@ class RemoteTier:
             for i, ok in enumerate(queued):
                 if ok:
                     self._events.stored(
-                        pages.hashes[i], pages.parents[i], pages.token_bytes[i], pages.salts[i]
+                        pages.hashes[i], pages.parents[i], pages.token_bytes[i], pages.keys[i]
                     )
 
     # --- the rest of the protocol ---------------------------------------------------

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from max.driver import Buffer
 
+from ..cache.extra_keys import EventKeys
 from ..cache.page_pool import PagePool
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
@@ -29,8 +30,8 @@ class PendingLoad:
     hit: TierHit
     parent_hash: int | None
     """The hash of the page before it (None for a sequence's first page)."""
-    cache_salt: str | None
-    """The request's salt on a first page, else None (as events carry it)."""
+    keys: EventKeys | None
+    """What events say of the page besides its tokens (`DeviceHit.keys`)."""
     device_page: int | None = None
     """The device page it loads into; taken when the reservation is applied."""
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...context import TextGenerationContext, cache_salt_of
+from ...cache.extra_keys import EventKeys, request_keys
+from ...context import TextGenerationContext
 from ...errors import StaleContextError
 from ...tiers.base import DeviceHit
 from ...tiers.stack import PendingLoad
@@ -72,14 +73,15 @@ class Reservation:
         """Whether the pool could take this reservation alone, as it stood when planned."""
         return self.num_fresh <= self.room
 
-    def device_hit_run(self) -> list[DeviceHit]:
-        """The device hits, each with the hash before it (and the salt on a first page)."""
-        parent = self.parent_hash
-        salt = cache_salt_of(self.ctx) if parent is None else None
+    def device_hit_run(self, page_size: int) -> list[DeviceHit]:
+        """The device hits, each with the hash before it and its `EventKeys`."""
+        parent, keys = self.parent_hash, request_keys(self.ctx)
+        first = self.hit_tokens // page_size - len(self.hits) - len(self.loads)
         run = []
-        for page_id, page_hash in self.hits:
-            run.append(DeviceHit(page_id, page_hash, parent, salt))
-            parent, salt = page_hash, None
+        for page_idx, (page_id, page_hash) in enumerate(self.hits, start=first):
+            page_keys = keys.page(page_idx, page_size) if keys is not None else None
+            run.append(DeviceHit(page_id, page_hash, parent, page_keys))
+            parent = page_hash
         return run
 
 
@@ -95,4 +97,4 @@ class CommitPlan:
     hashes: list[int]
     datas: list[bytes]
     parents: list[int | None]
-    salts: list[str | None]
+    keys: list[EventKeys | None]

@@ -39,9 +39,10 @@ from dataclasses import replace
 from max.driver import Buffer, Device
 
 from ...cache.cache_memory import cache_buffer
+from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
 from ...cache.page_pool import PagePool
-from ...context import RequestID, TextGenerationContext, cache_salt_of
+from ...context import RequestID, TextGenerationContext
 from ...errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
@@ -184,7 +185,7 @@ class PagedReplica(ReplicaCommits):
             return plan
         loads: list[PendingLoad] = []
         parent = hits[-1][1] if hits else plan.parent_hash
-        salt = cache_salt_of(ctx) if parent is None else None
+        keys, first = request_keys(ctx), len(req.hashes) + len(hits)
         for index, tier in enumerate(self.tiers):
             # A tier hit needs a fresh device page as a miss does, and more hits only
             # move the window further: a plan that does not fit cannot be made to fit
@@ -198,8 +199,9 @@ class PagedReplica(ReplicaCommits):
             if not found:
                 continue
             for hit in found:
-                loads.append(PendingLoad(index, hit, parent, salt))
-                parent, salt = hit.page_hash, None
+                page_keys = keys.page(first + len(loads), self.page_size) if keys else None
+                loads.append(PendingLoad(index, hit, parent, page_keys))
+                parent = hit.page_hash
             plan = self._reservation(ctx, req, num_steps, hits, loads)
             plan.room = room
         return plan
@@ -277,7 +279,7 @@ class PagedReplica(ReplicaCommits):
             if self.tiers:  # what the plans that stand took (see `Tier.note_reserved`)
                 self.tiers.note_reserved(
                     [p for pages in fresh[:applied] for p in pages],
-                    [plan.device_hit_run() for plan in plans[:applied]],
+                    [plan.device_hit_run(self.page_size) for plan in plans[:applied]],
                 )
 
     def _give_back(self, plans: list[Reservation], sizes: list[tuple[int, int, int]]) -> None:
@@ -306,7 +308,7 @@ class PagedReplica(ReplicaCommits):
             hashes,
             datas,
             [ld.parent_hash for ld in loads],
-            [ld.cache_salt for ld in loads],
+            [ld.keys for ld in loads],
         )
         # A page loaded while another request committed the same prefix on the device.
         owner = {page: (req, idx) for req in reqs for idx, page in enumerate(req.pages)}
