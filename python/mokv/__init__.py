@@ -49,6 +49,7 @@ from .managers.paged import PagedKVCacheManager
 from .managers.sequences import ContinuousBatchingKVCacheManager
 from .metrics import KVCacheMetrics, TierMetrics
 from .params import KVCacheParams, KVCacheStrategy
+from .sessions import SessionConfig
 from .tiers.host import HostTierConfig
 from .tiers.remote import RemoteTierConfig
 
@@ -83,6 +84,7 @@ __all__ = [
     "RemoteTierConfig",
     "RequestID",
     "SequenceTooLongError",
+    "SessionConfig",
     "StaleContextError",
     "TextContext",
     "TextGenerationContext",

@@ -13,9 +13,10 @@ from mokv import TextContext
 from mokv.cache import page_copy
 from mokv.cache.page_copy import HostPages
 from mokv.cache.page_pool import PagePool
-from mokv.managers.paged import prefix
+from mokv.managers.paged import commit, prefix, replica
 from mokv.managers.paged.prefix import PrefixChains
 from mokv.managers.paged.replica import PagedReplica
+from mokv.managers.paged.sessions import SessionTable
 from mokv.tiers.host import HostTier
 from mokv.tiers.host_pool import HostPagePool
 from mokv.tiers.stack import TierStack
@@ -29,8 +30,10 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
     """Everything the paged manager and the contexts hold but the token counters, read
     through public calls: (replicas, requests, windows).
 
-    A replica is each page's (owners, hash, tokens, cached), its free request slots and
-    each tier's state; a request is its replica, pages, hash chain and pending loads. The
+    A replica is each page's (owners, hash, tokens, cached), its free request slots,
+    each tier's state and its sessions' (each open session's chain, running requests and
+    deadline, and the retained hashes); a request is its replica, pages, hash chain and
+    pending loads. The
     order of the free list and of the LRU is not read: a rolled-back reservation gives
     its pages back to their young ends, which changes which page is handed out next,
     not who owns what.
@@ -40,7 +43,8 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
         pool = r.pool
         pages = tuple((pool.ref_count(p), pool.page_hash(p), pool.page_tokens(p),
                        pool.is_cached(p)) for p in range(pool.num_pages))
-        replicas.append((pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers)))
+        replicas.append((pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers),
+                         session_state(r)))
     requests = []
     for ctx in contexts:
         rid = ctx.request_id
@@ -55,6 +59,15 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
     return tuple(replicas), tuple(requests), windows
 
 
+def session_state(replica) -> tuple:
+    """The replica's open sessions and what its pool retains (empty without sessions)."""
+    table = replica.sessions
+    if table is None:
+        return ()
+    return (tuple((sid, s.chain, s.running, s.deadline) for sid, s in table.sessions.items()),
+            table.retained_hashes, replica.pool.retained_hashes, replica.pool.num_kept)
+
+
 def tier_state(tier) -> tuple:
     """A host tier's (each page's hash and tokens, the indexed hashes, the pins); a
     shared tier's state is its server's."""
@@ -62,7 +75,8 @@ def tier_state(tier) -> tuple:
         return ()
     pool = tier.pool
     return (tuple((pool.page_hash(p), pool.page_tokens(p)) for p in range(pool.num_pages)),
-            frozenset(pool.indexed_hashes()), tuple(sorted(tier.pinned.items())))
+            frozenset(pool.indexed_hashes()), tuple(sorted(tier.pinned.items())),
+            pool.retained_hashes)
 
 
 class World:
@@ -98,8 +112,46 @@ class HostWorld(World):
         return dict(tiers=(mokv.HostTierConfig(swap_space_gb=10 * bytes_per_page / 2**30),))
 
 
+class Clock:
+    """The sessions' injected clock."""
+
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SessionWorld(HostWorld):
+    """Sessions over the host tier's 6 device and 10 host pages (a share of 0.25: 4
+    pages): A and B are two turns of session "s"; C takes free pages, D (an adapter and
+    an image, salted) evicts unretained ones; E opens session "u" and the cap drops "s";
+    F opens session "t", which then outlives its time-to-live."""
+
+    def __init__(self, session):
+        self.clock = Clock()
+        World.__init__(self, session)
+        prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+        self.A = TextContext(prefix + [9, 9], request_id="A", session_id="s")
+        self.B = TextContext(prefix + [9, 9, 11, 7], request_id="B", session_id="s")
+        self.C = TextContext(np.arange(100, 113), request_id="C")
+        self.D = TextContext([1, 2, 3, 4, 0, 0, 0, 0, 5], request_id="D", cache_salt="t",
+                             lora_name="math", lora_id=1,
+                             mm_inputs=[mokv.MultimodalInput("img", 4, 4)])
+        self.E = TextContext(np.arange(200, 209), request_id="E", session_id="u")
+        self.F = TextContext(np.arange(300, 305), request_id="F", session_id="t")
+        self.contexts = [self.A, self.B, self.C, self.D, self.E, self.F]
+
+    def options(self) -> dict:
+        return dict(super().options(),
+                    sessions=mokv.SessionConfig(ttl_s=10.0, max_share=0.25, clock=self.clock))
+
+
 def _step(w: World, batch: list[TextContext]) -> None:
     w.m.step(batch)
+
+
+def _expire(w: SessionWorld) -> None:
+    w.clock.now += 11.0
 
 
 # (what the caller does first, without faults; the one manager call under test)
@@ -141,7 +193,43 @@ HOST_SCENARIO = [
     (None, lambda w: w.m.reset_prefix_cache()),
 ]
 
-SCENARIOS = {"device": (World, SCENARIO), "host": (HostWorld, HOST_SCENARIO)}
+# Sessions: a turn starts its session, a release retains its chain, a second turn finds
+# it, the share cap drops a session, end_session, and the time-to-live (advanced by the
+# clock, applied by the next call that plans the sessions).
+SESSION_SCENARIO = [
+    (None, lambda w: w.m.external_claim(w.A.request_id)),
+    (None, lambda w: w.m.fetch([w.A])),  # opens session "s"
+    (lambda w: w.A.update(11), lambda w: _step(w, [w.A])),
+    (None, lambda w: w.m.release(w.A.request_id)),  # "s" retains A's two pages
+    (None, lambda w: w.m.external_claim(w.C.request_id)),
+    (None, lambda w: w.m.fetch([w.C])),
+    (lambda w: w.C.update(12), lambda w: _step(w, [w.C])),
+    (None, lambda w: w.m.release(w.C.request_id)),
+    (None, lambda w: w.m.external_claim(w.D.request_id)),
+    (None, lambda w: w.m.maybe_reserve(w.D)),  # evicts C's pages, not the session's
+    (None, lambda w: w.m.fetch([w.D])),
+    (lambda w: w.D.update(13), lambda w: _step(w, [w.D])),
+    (None, lambda w: w.m.release(w.D.request_id)),
+    (None, lambda w: w.m.external_claim(w.B.request_id)),
+    (None, lambda w: w.m.maybe_reserve(w.B)),  # a turn: finds the session's pages
+    (None, lambda w: w.m.fetch([w.B])),
+    (lambda w: w.B.update(14), lambda w: _step(w, [w.B])),
+    (None, lambda w: w.m.release(w.B.request_id)),  # "s" retains three pages
+    (None, lambda w: w.m.external_claim(w.E.request_id)),
+    (None, lambda w: w.m.fetch([w.E])),
+    (lambda w: w.E.update(15), lambda w: _step(w, [w.E])),
+    (None, lambda w: w.m.release(w.E.request_id)),  # past the cap: "s" is dropped
+    (None, lambda w: w.m.external_claim(w.F.request_id)),
+    (None, lambda w: w.m.fetch([w.F])),
+    (lambda w: w.F.update(16), lambda w: _step(w, [w.F])),
+    (None, lambda w: w.m.release(w.F.request_id)),
+    (None, lambda w: w.m.end_session("u")),
+    (_expire, lambda w: w.m.end_session("gone")),  # "t" outlived its time-to-live
+    (None, lambda w: w.m.reset_prefix_cache()),
+]
+
+SCENARIOS = {"device": (World, SCENARIO), "host": (HostWorld, HOST_SCENARIO),
+             "sessions": (SessionWorld, SESSION_SCENARIO)}
 
 # Calls that change the device tier and then write the host tier through: after a fault
 # in the host half, the device half stands and the host tier may have lost entries
@@ -178,8 +266,10 @@ class Faults:
 
 
 def _fault_targets():
-    """Every public call below the manager's; not the tiers' `pin` / `unpin`, which are
-    documented never to fail (plain counter updates, as the pool's own lists)."""
+    """Every public call below the manager's; not the tiers' `pin` / `unpin`, nor the
+    sessions' `apply` / `start_requests` and the pools' `retain` / `unretain`, which are
+    documented never to fail (plain counter, set and dict updates, as the pool's own
+    lists); the sessions' plans are, and the extra keys' functions."""
     return [
         (PagePool, "room"), (PagePool, "can_take"), (PagePool, "take"), (PagePool, "release"),
         (PagePool, "commit_pages"), (PagePool, "lookup"), (PagePool, "reset_prefix_cache"),
@@ -196,7 +286,9 @@ def _fault_targets():
         (HostPagePool, "lookup"), (HostPagePool, "plan_store"), (HostPagePool, "evict"),
         (HostPagePool, "insert"), (HostPagePool, "touch"), (HostPagePool, "touch_hashes"),
         (HostPagePool, "reset_prefix_cache"), (HostPages, "offload"), (HostPages, "load"),
-        (page_copy, "copy_pages"),
+        (page_copy, "copy_pages"), (prefix, "hash_inputs"), (prefix, "page_keys"),
+        (commit, "request_keys"), (replica, "request_keys"), (SessionTable, "plan_release"),
+        (SessionTable, "plan_end"), (SessionTable, "plan_expiry"), (SessionTable, "_planned"),
     ]
 
 
@@ -233,15 +325,42 @@ def test_host_scenario_runs_clean_and_hits_the_host(session):
     _release_all_and_check(w)
 
 
+def test_session_scenario_runs_clean_and_keeps_the_session(session):
+    w = SessionWorld(session)
+    table = w.m.replicas[0].sessions
+    _run(w, 4, SESSION_SCENARIO)
+    a_chain = table.retained("s")
+    assert len(a_chain) == 2 and w.m.replicas[0].pool.num_kept == 2
+    _run_from(w, 4, 15)
+    assert w.B.start_idx == 8  # D evicted C's pages and left the session's
+    _run_from(w, 15, 22)
+    s = w.m.metrics.sessions
+    assert (s.turns, s.turn_hits, s.turn_cache_tokens, s.dropped) == (1, 1, 8, 1)
+    assert table.retained("s") == () and len(table.retained("u")) == 2 and table.cap == 4
+    _run_from(w, 22, 28)
+    assert set(table.sessions) == set() and w.m.metrics.sessions.expired == 2  # "s", "t"
+    assert w.m.metrics.sessions.ended == 1 and not w.m.replicas[0].pool.retained_hashes
+    _run_from(w, 28, len(SESSION_SCENARIO))
+    _release_all_and_check(w)
+
+
+def _run_from(w: World, start: int, stop: int) -> None:
+    for before, call in SESSION_SCENARIO[start:stop]:
+        if before:
+            before(w)
+        call(w)
+
+
 def _host_part_lost_entries_only(state, old, new) -> bool:
     """`new`, but for the host tier's index: a subset of old's and new's together."""
     if state[1:] != new[1:]:
         return False
-    for (pages, slots, tiers), (_, _, old_tiers), (new_pages, new_slots, new_tiers) in zip(
-            state[0], old[0], new[0]):
-        (_, hashes, pins), (_, old_hashes, _), (_, new_hashes, new_pins) = (
+    for (pages, slots, tiers, sessions), (_, _, old_tiers, _), (
+            new_pages, new_slots, new_tiers, new_sessions) in zip(state[0], old[0], new[0]):
+        (_, hashes, pins, kept), (_, old_hashes, _, _), (_, new_hashes, new_pins, new_kept) = (
             tiers[0], old_tiers[0], new_tiers[0])
-        if (pages, slots, pins) != (new_pages, new_slots, new_pins):
+        if (pages, slots, pins, kept, sessions) != (
+                new_pages, new_slots, new_pins, new_kept, new_sessions):
             return False
         if not hashes <= old_hashes | new_hashes:
             return False
@@ -253,8 +372,11 @@ def _old_less_evicted_pages(state, old) -> bool:
     context's `skip_cached_prefix` raises, pages evicted to make room stay evicted)."""
     if state[1:] != old[1:]:
         return False
-    for (pages, slots, tiers), (old_pages, old_slots, old_tiers) in zip(state[0], old[0]):
+    for (pages, slots, tiers, sessions), (old_pages, old_slots, old_tiers, old_sessions) in zip(
+            state[0], old[0]):
         if (slots, tiers) != (old_slots, old_tiers):
+            return False
+        if sessions[:3] != old_sessions[:3]:  # the kept pages evicted are gone
             return False
         for (ref, *page), (old_ref, *old_page) in zip(pages, old_pages):
             if ref != old_ref or page not in (old_page, [None, None, False]):
@@ -288,7 +410,7 @@ def test_an_exception_anywhere_leaves_old_or_new_state(session, monkeypatch, wor
             state = snapshot(w.m, w.contexts)
             names = call.__code__.co_names
             kind = "step" if "_step" in names else "reset" if "reset_prefix_cache" in names else ""
-            assert state in (old_state, new_state) or world == "host" and (
+            assert state in (old_state, new_state) or world != "device" and (
                 kind in HOST_AFTER_DEVICE
                 and _host_part_lost_entries_only(state, old_state, new_state)
                 or "maybe_reserve" in names and _old_less_evicted_pages(state, old_state)

@@ -16,6 +16,7 @@ graph runs. The calls a tier gets, by manager call:
     close                   close()
     metrics                 metrics(), reset_metrics()
     enable_runtime_checks   check_invariants(pinned)
+    sessions                retain(hashes), unretain(hashes)
 
 Adding a tier (a local disk, a peer server) is one file: a `TierConfig` subclass (a
 frozen dataclass whose `__post_init__` checks its fields) and a class that meets `Tier`.
@@ -158,6 +159,18 @@ class Tier(Protocol):
         """InvariantError unless the tier is consistent and `pinned` (the replica's
         pending loads from this tier) is exactly what it holds pinned, each hit still
         holding its own tokens."""
+        ...
+
+    def retain(self, page_hashes: Sequence[int]) -> None:
+        """Open sessions retain these hashes (none retained them before): the tier evicts
+        their pages, held now or stored later, only after every page not retained
+        (`mokv.SessionConfig`); a tier that evicts by itself ignores it. Cannot fail
+        half-way."""
+        ...
+
+    def unretain(self, page_hashes: Sequence[int]) -> None:
+        """No open session retains these hashes any more: their pages are evicted first.
+        Cannot fail half-way."""
         ...
 
 

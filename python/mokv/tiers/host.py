@@ -231,11 +231,19 @@ class HostTier:
             bytes_stored=self.pages.bytes_to_host,
             bytes_loaded=self.pages.bytes_from_host,
             evicted_unused_pages=self.pool.num_evicted_unused,
+            kept_pages=self.pool.num_kept,
+            evicted_retained_pages=self.pool.num_evicted_retained,
         )
 
     def reset_metrics(self) -> None:
         self.pages.bytes_to_host = self.pages.bytes_from_host = 0
-        self.pool.num_evicted_unused = 0
+        self.pool.num_evicted_unused = self.pool.num_evicted_retained = 0
+
+    def retain(self, page_hashes: Sequence[int]) -> None:
+        self.pool.retain(page_hashes)
+
+    def unretain(self, page_hashes: Sequence[int]) -> None:
+        self.pool.unretain(page_hashes)
 
     def check_invariants(self, pinned: Sequence[TierHit]) -> None:
         """Also: a host page is never served for tokens other than its own (the

@@ -213,6 +213,12 @@ class RemoteTier:
         """Zeroes the bytes loaded; the stores' own counters only grow."""
         self._bytes_loaded = 0
 
+    def retain(self, page_hashes: Sequence[int]) -> None:
+        """Nothing: the server evicts by itself (sessions cannot hold its pages)."""
+
+    def unretain(self, page_hashes: Sequence[int]) -> None:
+        """Nothing was retained."""
+
     def check_invariants(self, pinned: Sequence[TierHit]) -> None:
         for hit in pinned:
             if len(hit.handle) != len(self.stores):

@@ -118,6 +118,31 @@ class TierStack:
             tier.load([load.hit for load in group], [load.page for load in group])
         return [load for _, group in groups for load in group]
 
+    # --- sessions ---------------------------------------------------------------------
+
+    @property
+    def local_pages(self) -> int:
+        """Pages of this replica's own tiers (a shared tier has no fixed share of them)."""
+        return sum(tier.metrics().total_pages for tier in self.tiers if not tier.shared)
+
+    @property
+    def kept_pages(self) -> int:
+        """Pages the tiers hold for open sessions."""
+        return sum(tier.metrics().kept_pages for tier in self.tiers)
+
+    @property
+    def evicted_retained_pages(self) -> int:
+        """Pages the tiers evicted while an open session retained them."""
+        return sum(tier.metrics().evicted_retained_pages for tier in self.tiers)
+
+    def retain(self, page_hashes: Sequence[int]) -> None:
+        for tier in self.tiers:
+            tier.retain(page_hashes)
+
+    def unretain(self, page_hashes: Sequence[int]) -> None:
+        for tier in self.tiers:
+            tier.unretain(page_hashes)
+
     # --- the rest, tier by tier -----------------------------------------------------
 
     def store(self, pages: CommittedPages) -> None:

@@ -4,12 +4,16 @@ anything changes (`PagedReplica.plan`, `plan_commit`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ...cache.extra_keys import EventKeys, request_keys
 from ...context import TextGenerationContext
 from ...errors import StaleContextError
 from ...tiers.base import DeviceHit
 from ...tiers.stack import PendingLoad
+
+if TYPE_CHECKING:
+    from .sessions import Session
 
 
 @dataclass(slots=True)
@@ -19,7 +23,8 @@ class RequestState:
     `hashes` covers the first `len(hashes)` pages (committed, or found in the index or
     a tier); `loads` are tier hits reserved for it and not yet copied in. `prompt_end`
     is the context's `end_idx` at its first fetch (its prompt: nothing was generated
-    before), -1 until then; the metrics count only prompt tokens.
+    before), -1 until then; the metrics count only prompt tokens. `session` is the open
+    session it belongs to (`SessionTable.start`, at its first reservation), if any.
     """
 
     slot: int
@@ -27,6 +32,7 @@ class RequestState:
     pages: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     loads: list[PendingLoad] = field(default_factory=list)
+    session: Session | None = None
 
     def check_window(self, ctx: TextGenerationContext, page_size: int) -> None:
         """StaleContextError unless the context's cache ends between the request's

@@ -19,6 +19,8 @@ Prefix matching (prefix.py) extends a request with the longest run of pages that
 continues its hash chain: device pages first, then each tier in order.
 
 Committing the pages a step filled (`step`) is `commit.py`, a mixin of this class.
+Sessions (`params.sessions`) are `sessions.py`: a request's first reservation starts
+its session, its release makes the session retain its chain.
 
 Reserving is planned once, then applied. `plan` works out one request's hits and fresh
 pages without changing anything, asking the pool once how many fresh pages it could
@@ -59,6 +61,7 @@ from .commit import ReplicaCommits
 from .inputs import PageTable, ceil_div, check_write_windows
 from .plans import RequestState, Reservation
 from .prefix import PrefixChains
+from .sessions import SessionTable
 
 
 class PagedReplica(ReplicaCommits):
@@ -100,6 +103,9 @@ class PagedReplica(ReplicaCommits):
         self.input_tokens = 0
         self.cache_tokens = 0
         self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks)
+        self.sessions = (
+            SessionTable(params.sessions, self.pool, self.tiers) if params.sessions else None
+        )
 
     # --- requests -------------------------------------------------------------------
 
@@ -124,11 +130,17 @@ class PagedReplica(ReplicaCommits):
         self._requests[request_id] = RequestState(self._free_slots.pop())
 
     def release(self, request_id: RequestID) -> None:
-        req = self._request(request_id)
+        """Frees the request's pages; its session (if any) retains its chain."""
+        req, sessions = self._request(request_id), self.sessions
+        session = req.session
+        if session is not None and sessions is not None:
+            retention = sessions.plan_release(session, req.hashes)
         self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
         self.tiers.unpin(req.loads)
         del self._requests[request_id]
         self._free_slots.append(req.slot)
+        if session is not None and sessions is not None:
+            sessions.apply(retention)
 
     def pages_of(self, request_id: RequestID) -> list[int]:
         """The request's pages, in token order."""
@@ -245,6 +257,8 @@ class PagedReplica(ReplicaCommits):
         loadable from the moment it was matched (TensorRT-LLM #12878).
         """
         hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
+        if self.sessions is not None:  # sessions past their time-to-live, before evicting
+            self.sessions.apply(self.sessions.plan_expiry())
         new_pages = self.pool.take(hit_pages, sum(p.num_fresh for p in plans))
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
@@ -276,6 +290,8 @@ class PagedReplica(ReplicaCommits):
             self._give_back(plans[applied:], sizes[applied:])
             raise
         finally:
+            if self.sessions is not None:
+                self.sessions.start_requests(plans[:applied], [s[0] == 0 for s in sizes])
             if self.tiers:  # what the plans that stand took (see `Tier.note_reserved`)
                 self.tiers.note_reserved(
                     [p for pages in fresh[:applied] for p in pages],
@@ -357,8 +373,10 @@ class PagedReplica(ReplicaCommits):
     # --- the tiers, with the device pool ---------------------------------------------
 
     def reset_metrics(self) -> None:
-        self.input_tokens = self.cache_tokens = 0
+        self.input_tokens = self.cache_tokens = self.pool.num_evicted_retained = 0
         self.tiers.reset_metrics()
+        if self.sessions is not None:
+            self.sessions.reset_metrics()
 
     def publish_to(self, events: EventRecorder) -> None:
         """Reports the pool's and the tiers' changes to `events` (the replica's stream)."""
@@ -370,6 +388,8 @@ class PagedReplica(ReplicaCommits):
         complete)."""
         self.pool.reset_prefix_cache()
         self.tiers.reset()
+        if self.sessions is not None:
+            self.sessions.clear()
 
     def close(self) -> None:
         """Closes the tiers (they send what they queued, a bounded wait)."""
@@ -380,6 +400,8 @@ class PagedReplica(ReplicaCommits):
         for request_id, req in self._requests.items():
             if len(req.hashes) > len(req.pages):
                 raise InvariantError(f"request {request_id!r} has more hashes than pages")
+        if self.sessions is not None:
+            self.sessions.check_invariants(self._requests.values())
         self.check_loads()
 
     def check_loads(self) -> None:
