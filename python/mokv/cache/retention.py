@@ -40,19 +40,21 @@ class Retention:
             if page_id is not None and self.cached.pop(page_id, self) is not self:
                 self.kept[page_id] = None
 
-    def unretain(self, page_hashes: Iterable[int], index: Mapping[int, int]) -> None:
-        """Stops retaining `page_hashes`; their kept pages move to the old end of the
-        cached LRU (an ended session's pages go before any other cached page), the first
-        given first. Cannot fail half-way."""
+    def unretain(self, page_hashes: Iterable[int], index: Mapping[int, int], old_end: bool) -> None:
+        """Stops retaining `page_hashes`; their kept pages move to the cached LRU, the
+        first given first: at its old end (`old_end`: an ended session's pages go before
+        any other cached page) or its young end (a session the share cap drops falls
+        back to plain LRU as if just released). Cannot fail half-way."""
         moved = []
         for page_hash in page_hashes:
             self.hashes.discard(page_hash)
             page_id = index.get(page_hash)
             if page_id is not None and self.kept.pop(page_id, self) is not self:
                 moved.append(page_id)
-        for page_id in reversed(moved):
+        for page_id in reversed(moved) if old_end else moved:
             self.cached[page_id] = None
-            self.cached.move_to_end(page_id, last=False)
+            if old_end:
+                self.cached.move_to_end(page_id, last=False)
 
     def clear(self) -> None:
         """Forgets every retained hash and both LRUs."""

@@ -16,7 +16,7 @@ graph runs. The calls a tier gets, by manager call:
     close                   close()
     metrics                 metrics(), reset_metrics()
     enable_runtime_checks   check_invariants(pinned)
-    sessions                retain(hashes), unretain(hashes)
+    sessions                retain(hashes), unretain(hashes, old_end)
 
 Adding a tier (a local disk, a peer server) is one file: a `TierConfig` subclass (a
 frozen dataclass whose `__post_init__` checks its fields) and a class that meets `Tier`.
@@ -168,9 +168,10 @@ class Tier(Protocol):
         half-way."""
         ...
 
-    def unretain(self, page_hashes: Sequence[int]) -> None:
-        """No open session retains these hashes any more: their pages are evicted first.
-        Cannot fail half-way."""
+    def unretain(self, page_hashes: Sequence[int], old_end: bool) -> None:
+        """No open session retains these hashes any more: their pages become ordinary
+        cached pages, the first evicted (`old_end`: their sessions ended) or the last
+        (the share cap dropped them). Cannot fail half-way."""
         ...
 
 

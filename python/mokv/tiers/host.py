@@ -242,8 +242,8 @@ class HostTier:
     def retain(self, page_hashes: Sequence[int]) -> None:
         self.pool.retain(page_hashes)
 
-    def unretain(self, page_hashes: Sequence[int]) -> None:
-        self.pool.unretain(page_hashes)
+    def unretain(self, page_hashes: Sequence[int], old_end: bool) -> None:
+        self.pool.unretain(page_hashes, old_end)
 
     def check_invariants(self, pinned: Sequence[TierHit]) -> None:
         """Also: a host page is never served for tokens other than its own (the

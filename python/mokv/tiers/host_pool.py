@@ -295,10 +295,10 @@ class HostPagePool:
         kept (`Retention.retain`). Cannot fail half-way."""
         self._retention.retain(page_hashes, self._index)
 
-    def unretain(self, page_hashes: Iterable[int]) -> None:
+    def unretain(self, page_hashes: Iterable[int], old_end: bool = True) -> None:
         """Stops retaining these hashes: their kept pages become cached pages at the old
-        end of the LRU (`Retention.unretain`). Cannot fail half-way."""
-        self._retention.unretain(page_hashes, self._index)
+        end of the LRU, or the young end (`Retention.unretain`). Cannot fail half-way."""
+        self._retention.unretain(page_hashes, self._index, old_end)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every hash and retention: every page becomes free (pinned pages keep

@@ -216,7 +216,7 @@ class RemoteTier:
     def retain(self, page_hashes: Sequence[int]) -> None:
         """Nothing: the server evicts by itself (sessions cannot hold its pages)."""
 
-    def unretain(self, page_hashes: Sequence[int]) -> None:
+    def unretain(self, page_hashes: Sequence[int], old_end: bool) -> None:
         """Nothing was retained."""
 
     def check_invariants(self, pinned: Sequence[TierHit]) -> None:

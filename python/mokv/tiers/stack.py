@@ -139,9 +139,9 @@ class TierStack:
         for tier in self.tiers:
             tier.retain(page_hashes)
 
-    def unretain(self, page_hashes: Sequence[int]) -> None:
+    def unretain(self, page_hashes: Sequence[int], old_end: bool = True) -> None:
         for tier in self.tiers:
-            tier.unretain(page_hashes)
+            tier.unretain(page_hashes, old_end)
 
     # --- the rest, tier by tier -----------------------------------------------------
 

@@ -23,7 +23,10 @@ The share cap: the distinct hashes all sessions retain never exceed `cap` =
 `max_share * (device pages + local tier pages)`. A release that would pass it drops the
 retention of the least recently used other sessions (they stay open, retaining nothing
 until their next release); a chain longer than `cap` is retained up to its first `cap`
-pages (a prefix is what a next turn reuses).
+pages (a prefix is what a next turn reuses). An ended or expired session's pages become
+the first evicted; a dropped session's fall back to plain LRU, at the young end as if
+just released (at the old end, a cap too small for the sessions would evict each one
+right after the next release: worse than no sessions at all, as measured).
 
 Every change is planned first (pure: `plan_*`, a `RetentionPlan`), then applied with
 plain dict and set operations that cannot fail half-way (`apply`), so the replica can
@@ -76,7 +79,11 @@ class RetentionPlan:
     retain: list[int] = field(default_factory=list)
     """Hashes no session retained before (the first is evicted first among them)."""
     unretain: list[int] = field(default_factory=list)
-    """Hashes no session retains after."""
+    """Hashes no session retains after, of ended, expired or released sessions: their
+    pages are the first evicted."""
+    fall_back: list[int] = field(default_factory=list)
+    """Hashes no session retains after, of sessions the cap drops only: plain LRU pages,
+    as if just released."""
 
     def __bool__(self) -> bool:
         return bool(self.released or self.ended or self.expired)
@@ -223,11 +230,12 @@ class SessionTable:
                 distinct -= count.get(h, 0) + d == 0
         gone: set[int] = set()
         released = [plan.released] if plan.released is not None else []
-        for session in (*plan.dropped, *plan.ended, *plan.expired, *released):
+        for session in (*plan.ended, *plan.expired, *released, *plan.dropped):
+            out = plan.fall_back if session in plan.dropped else plan.unretain
             for h in reversed(session.chain):  # tails first
                 if h not in gone and h in count and count[h] + delta.get(h, 0) == 0:
                     gone.add(h)
-                    plan.unretain.append(h)
+                    out.append(h)
         plan.retain = [h for h in reversed(plan.chain) if h not in count and delta.get(h, 0) > 0]
         return plan
 
@@ -253,7 +261,7 @@ class SessionTable:
             released.running -= 1
             released.deadline = plan.now + self.config.ttl_s
             self.sessions.move_to_end(released.session_id)
-        for h in plan.unretain:
+        for h in (*plan.unretain, *plan.fall_back):
             del count[h]
         for session in plan.dropped:
             session.chain = ()
@@ -264,8 +272,9 @@ class SessionTable:
         self.num_dropped += len(plan.dropped)
         for target in (self._pool, self._tiers):
             target.retain(plan.retain)
-            target.unretain(plan.unretain)
-        return len(plan.unretain)
+            target.unretain(plan.unretain, old_end=True)
+            target.unretain(plan.fall_back, old_end=False)
+        return len(plan.unretain) + len(plan.fall_back)
 
     def clear(self) -> None:
         """`reset_prefix_cache`: every session ends (the pools forget their retention)."""
