@@ -281,3 +281,17 @@ def test_config_is_checked():
         small_params(sessions="x")
     assert small_params(sessions=SessionConfig(clock=Clock())) == small_params(
         sessions=SessionConfig())
+
+
+def test_a_dropped_session_falls_back_to_plain_lru_as_if_just_released(session):
+    m = make_paged(session, num_pages=16, max_seq_len=48, sessions=SessionConfig(max_share=0.25))
+    turn(m, np.arange(50, 59))  # 2 cached pages of no session: the oldest
+    turn(m, np.arange(9), "a")
+    turn(m, np.arange(100, 109), "b")
+    turn(m, np.arange(200, 209), "c")  # the cap drops "a": its pages become cached, young
+    assert sessions(m).retained("a") == () and m.replicas[0].pool.num_kept == 4
+    ctx = TextContext(np.arange(300, 337))  # 10 pages: the 8 free, then 2 cached evicted
+    m.external_claim(ctx.request_id)
+    assert m.maybe_reserve(ctx)
+    m.release(ctx.request_id)
+    assert found(m, np.arange(10)) == 8 and found(m, np.arange(50, 60)) == 0
