@@ -47,7 +47,7 @@ from .managers.mojo_continuous import MojoContinuousBatchingKVCacheManager
 from .managers.null import NullKVCacheManager
 from .managers.paged import PagedKVCacheManager
 from .managers.sequences import ContinuousBatchingKVCacheManager
-from .metrics import KVCacheMetrics, TierMetrics
+from .metrics import KVCacheMetrics, SessionMetrics, TierMetrics
 from .params import KVCacheParams, KVCacheStrategy
 from .sessions import SessionConfig
 from .tiers.host import HostTierConfig
@@ -85,6 +85,7 @@ __all__ = [
     "RequestID",
     "SequenceTooLongError",
     "SessionConfig",
+    "SessionMetrics",
     "StaleContextError",
     "TextContext",
     "TextGenerationContext",

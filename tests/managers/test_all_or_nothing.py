@@ -447,6 +447,8 @@ def test_rejected_calls_change_nothing(session):
         m.external_claim(7)
     with pytest.raises(mokv.AlreadyClaimedError):
         m.external_claim(d.request_id)
+    with pytest.raises(TypeError, match="session_id must be a non-empty str, got None"):
+        m.end_session(None)
     assert snapshot(m, [d, a, e]) == state
     m.check_invariants()
 

@@ -68,7 +68,7 @@ def test_a_session_keeps_its_pages_through_a_pause_where_lru_loses_them(session)
         assert found(m, nxt, "agent-1") == expected
         m.check_invariants()
     s = m.metrics.sessions  # without sessions: all zero
-    assert s == mokv.metrics.SessionMetrics()
+    assert s == mokv.SessionMetrics()
     m = make_paged(session, num_pages=12, max_seq_len=24, sessions=SessionConfig())
     turn(m, agent, "agent-1")
     storm(m, 100, 3)

@@ -294,7 +294,7 @@ class SessionMachine(HostTierMachine):
 
     num_pages = 8
     session_turns_hit = 0  # over every example: retention was really exercised
-    totals = mokv.metrics.SessionMetrics()  # ... and the cap, the TTL, ends and evictions
+    totals = mokv.SessionMetrics()  # ... and the cap, the TTL, ends and evictions
 
     def teardown(self):
         SessionMachine.totals += self.m.metrics.sessions
