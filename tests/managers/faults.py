@@ -51,8 +51,8 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
     """Everything the paged manager and the contexts hold but the metrics, read through
     public calls: (replicas, requests, windows, events).
 
-    A replica is each page's (owners, hash, tokens, cached), its free request slots and
-    each tier's state; a request is its replica, pages, hash chain and pending loads;
+    A replica is each page's (owners, hash, tokens, cached), its free request slots,
+    each tier's state and its sessions' (`session_state`); a request is its replica, pages, hash chain and pending loads;
     the events are every record each publisher holds or handed over. The
     order of the free list and of the LRU is not read: a rolled-back call gives pages
     back to their young ends, which changes which page is handed out next, not who
@@ -63,7 +63,8 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
         pool = r.pool
         pages = tuple((pool.ref_count(p), pool.page_hash(p), pool.page_tokens(p),
                        pool.is_cached(p)) for p in range(pool.num_pages))
-        replicas.append((pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers)))
+        replicas.append((pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers),
+                         session_state(r)))
     requests = []
     for ctx in contexts:
         rid = ctx.request_id
@@ -96,11 +97,22 @@ def recorded(publisher: EventPublisher) -> tuple:
     return (*publisher.__dict__.get("handed_over", ()), *publisher._pending)
 
 
+def session_state(replica) -> tuple:
+    """The replica's open sessions (each one's chain, running requests and deadline), the
+    hashes they retain, and what its pool retains and keeps (empty without sessions)."""
+    table = replica.sessions
+    if table is None:
+        return ()
+    return (tuple((sid, s.chain, s.running, s.deadline) for sid, s in table.sessions.items()),
+            table.retained_hashes, replica.pool.retained_hashes, replica.pool.num_kept)
+
+
 def tier_state(tier) -> tuple:
-    """A host tier's (each page's hash and tokens, the indexed hashes, the pins); a
-    shared tier's state is its server's."""
+    """A host tier's (each page's hash and tokens, the indexed hashes, the pins, the
+    retained hashes); a shared tier's state is its server's."""
     if not isinstance(tier, HostTier):
         return ()
     pool = tier.pool
     return (tuple((pool.page_hash(p), pool.page_tokens(p)) for p in range(pool.num_pages)),
-            frozenset(pool.indexed_hashes()), tuple(sorted(tier.pinned.items())))
+            frozenset(pool.indexed_hashes()), tuple(sorted(tier.pinned.items())),
+            pool.retained_hashes)

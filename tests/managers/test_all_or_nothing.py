@@ -17,11 +17,13 @@ from mokv.cache import page_copy
 from mokv.cache.page_copy import HostPages
 from mokv.cache.page_pool import PagePool
 from mokv.events import KVEventBatch, PrefixRouterIndex, build_events
-from mokv.events.publisher import EventPublisher, EventRecorder, MediumSink
-from mokv.managers.paged import prefix
+from mokv.events.publisher import _REMOVED, EventPublisher, EventRecorder, MediumSink
+from mokv.managers.paged import commit, prefix, replica
 from mokv.managers.paged.inputs import PageTable
 from mokv.managers.paged.prefix import PrefixChains
 from mokv.managers.paged.replica import PagedReplica
+from mokv.managers.paged.sessions import SessionTable
+from mokv.managers.paged.sessions import SessionTable
 from mokv.tiers.host import HostTier
 from mokv.tiers.host_pool import HostPagePool
 from mokv.tiers.stack import TierStack
@@ -101,8 +103,50 @@ class HostEventsWorld(EventsMixin, HostWorld):
     pass
 
 
+class Clock:
+    """The sessions' injected clock."""
+
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SessionWorld(EventsMixin, HostWorld):
+    """Sessions over the host tier's 6 device and 10 host pages (a share of 0.25: 4
+    pages), with events: A and B are two turns of session "s"; C takes free pages, D (an
+    adapter and an image, salted) evicts unretained ones; E opens session "u" and the cap
+    drops "s"; F opens session "t", which then outlives its time-to-live."""
+
+    def __init__(self, session):
+        self.clock = Clock()
+        World.__init__(self, session)
+        prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+        self.A = TextContext(prefix + [9, 9], request_id="A", session_id="s")
+        self.B = TextContext(prefix + [9, 9, 11, 7], request_id="B", session_id="s")
+        self.C = TextContext(np.arange(100, 113), request_id="C")
+        self.D = TextContext([1, 2, 3, 4, 0, 0, 0, 0, 5], request_id="D", cache_salt="t",
+                             lora_name="math", lora_id=1,
+                             mm_inputs=[mokv.MultimodalInput("img", 4, 4)])
+        self.E = TextContext(np.arange(200, 209), request_id="E", session_id="u")
+        self.F = TextContext(np.arange(300, 305), request_id="F", session_id="t")
+        self.contexts = [self.A, self.B, self.C, self.D, self.E, self.F]
+
+    def options(self) -> dict:
+        return dict(super().options(),
+                    sessions=mokv.SessionConfig(ttl_s=10.0, max_share=0.25, clock=self.clock))
+
+
+def _expire(w: SessionWorld) -> None:
+    w.clock.now += 11.0
+
+
 def _step(w: World, batch: list[TextContext]) -> None:
     w.m.step(batch)
+
+
+def _expire(w: SessionWorld) -> None:
+    w.clock.now += 11.0
 
 
 # (what the caller does first, without faults; the one manager call under test)
@@ -144,16 +188,53 @@ HOST_SCENARIO = [
     (None, lambda w: w.m.reset_prefix_cache()),
 ]
 
+# Sessions: a turn starts its session, a release retains its chain, a second turn finds
+# it, the share cap drops a session, end_session, and the time-to-live (advanced by the
+# clock, applied by the next call that plans the sessions).
+SESSION_SCENARIO = [
+    (None, lambda w: w.m.external_claim(w.A.request_id)),
+    (None, lambda w: w.m.fetch([w.A])),  # opens session "s"
+    (lambda w: w.A.update(11), lambda w: _step(w, [w.A])),
+    (None, lambda w: w.m.release(w.A.request_id)),  # "s" retains A's two pages
+    (None, lambda w: w.m.external_claim(w.C.request_id)),
+    (None, lambda w: w.m.fetch([w.C])),
+    (lambda w: w.C.update(12), lambda w: _step(w, [w.C])),
+    (None, lambda w: w.m.release(w.C.request_id)),
+    (None, lambda w: w.m.external_claim(w.D.request_id)),
+    (None, lambda w: w.m.maybe_reserve(w.D)),  # evicts C's pages, not the session's
+    (None, lambda w: w.m.fetch([w.D])),
+    (lambda w: w.D.update(13), lambda w: _step(w, [w.D])),
+    (None, lambda w: w.m.release(w.D.request_id)),
+    (None, lambda w: w.m.external_claim(w.B.request_id)),
+    (None, lambda w: w.m.maybe_reserve(w.B)),  # a turn: finds the session's pages
+    (None, lambda w: w.m.fetch([w.B])),
+    (lambda w: w.B.update(14), lambda w: _step(w, [w.B])),
+    (None, lambda w: w.m.release(w.B.request_id)),  # "s" retains three pages
+    (None, lambda w: w.m.external_claim(w.E.request_id)),
+    (None, lambda w: w.m.fetch([w.E])),
+    (lambda w: w.E.update(15), lambda w: _step(w, [w.E])),
+    (None, lambda w: w.m.release(w.E.request_id)),  # past the cap: "s" is dropped
+    (None, lambda w: w.m.external_claim(w.F.request_id)),
+    (None, lambda w: w.m.fetch([w.F])),
+    (lambda w: w.F.update(16), lambda w: _step(w, [w.F])),
+    (None, lambda w: w.m.release(w.F.request_id)),
+    (None, lambda w: w.m.end_session("u")),
+    (_expire, lambda w: w.m.end_session("gone")),  # "t" outlived its time-to-live
+    (None, lambda w: w.m.reset_prefix_cache()),
+]
+
 SCENARIOS = {
     "device": (World, SCENARIO),
     "host": (HostWorld, HOST_SCENARIO),
     "events": (EventsWorld, SCENARIO),
     "host-events": (HostEventsWorld, HOST_SCENARIO),
+    "sessions": (SessionWorld, SESSION_SCENARIO),
 }
 
 
 def _fault_targets():
-    """Every public call below the manager's, and the event sinks'."""
+    """Every public call below the manager's, the event sinks', the sessions' and the
+    extra keys' functions."""
     return [
         (PagePool, "room"), (PagePool, "can_take"), (PagePool, "take"), (PagePool, "release"),
         (PagePool, "commit_pages"), (PagePool, "lookup"), (PagePool, "reset_prefix_cache"),
@@ -175,6 +256,11 @@ def _fault_targets():
         (HostPages, "offload"), (HostPages, "load"), (page_copy, "copy_pages"),
         (EventRecorder, "stored"), (EventRecorder, "removed"), (EventRecorder, "cleared"),
         (MediumSink, "stored"), (MediumSink, "removed"), (EventPublisher, "end_step"),
+        (PagePool, "retain"), (PagePool, "unretain"), (HostPagePool, "retain"),
+        (HostPagePool, "unretain"), (prefix, "hash_inputs"), (prefix, "page_keys"),
+        (commit, "request_keys"), (replica, "request_keys"), (SessionTable, "plan_release"),
+        (SessionTable, "plan_end"), (SessionTable, "plan_expiry"), (SessionTable, "apply"),
+        (SessionTable, "start_requests"), (SessionTable, "clear"),
     ]
 
 
@@ -220,20 +306,46 @@ def test_host_scenario_runs_clean_and_hits_the_host(session):
     _release_all_and_check(w)
 
 
+def test_session_scenario_runs_clean_and_keeps_the_session(session):
+    w = SessionWorld(session)
+    table = w.m.replicas[0].sessions
+    _run(w, SESSION_SCENARIO[:4])
+    assert len(table.retained("s")) == 2 and w.m.replicas[0].pool.num_kept == 2
+    _run(w, SESSION_SCENARIO[4:15])
+    assert w.B.start_idx == 8  # D evicted C's pages and left the session's
+    _run(w, SESSION_SCENARIO[15:22])
+    s = w.m.metrics.sessions
+    assert (s.turns, s.turn_hits, s.turn_cache_tokens, s.dropped) == (1, 1, 8, 1)
+    assert table.retained("s") == () and len(table.retained("u")) == 2 and table.cap == 4
+    _run(w, SESSION_SCENARIO[22:28])
+    assert set(table.sessions) == set() and w.m.metrics.sessions.expired == 2  # "s", "t"
+    assert w.m.metrics.sessions.ended == 1 and not w.m.replicas[0].pool.retained_hashes
+    _run(w, SESSION_SCENARIO[28:])
+    _release_all_and_check(w)
+    w.close()
+
+
 def _lost_host_entries_only(state, old) -> bool:
     """`old`, but for host pages that lost their entry (evicted to make room for a store
-    whose copy overwrote them: they cannot be restored)."""
-    if state[1:] != old[1:]:
+    whose copy overwrote them: they cannot be restored), and their removal announced."""
+    if state[1:3] != old[1:3]:
         return False
-    for (pages, slots, tiers), (old_pages, old_slots, old_tiers) in zip(state[0], old[0]):
-        if (pages, slots) != (old_pages, old_slots):
+    lost = set()
+    for (pages, slots, tiers, sessions), (old_pages, old_slots, old_tiers, old_sessions) in zip(
+            state[0], old[0]):
+        if (pages, slots, sessions) != (old_pages, old_slots, old_sessions):
             return False
-        (host_pages, hashes, pins), (old_host_pages, old_hashes, old_pins) = tiers[0], old_tiers[0]
-        if pins != old_pins or not hashes < old_hashes:
+        (host_pages, hashes, pins, retained), (old_host_pages, old_hashes, old_pins, old_retained) = (
+            tiers[0], old_tiers[0])
+        if (pins, retained) != (old_pins, old_retained) or not hashes < old_hashes:
             return False
         if any(p not in (o, (None, None)) for p, o in zip(host_pages, old_host_pages)):
             return False
-    return True
+        lost |= old_hashes - hashes
+    removed = {(_REMOVED, page_hash, "CPU") for page_hash in lost}
+    return all(records[:len(old_records)] == old_records
+               and set(records[len(old_records):]) <= removed
+               for records, old_records in zip(state[3], old[3]))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -308,6 +420,8 @@ def test_rejected_calls_change_nothing(session):
         m.external_claim(7)
     with pytest.raises(mokv.AlreadyClaimedError):
         m.external_claim(d.request_id)
+    with pytest.raises(TypeError, match="session_id must be a non-empty str, got None"):
+        m.end_session(None)
     assert snapshot(m, [d, a, e]) == state
     m.check_invariants()
 

@@ -30,6 +30,7 @@ from typing import ClassVar
 
 from max.driver import Buffer
 
+from ..cache.extra_keys import EventKeys
 from ..cache.page_copy import HostPages
 from ..cache.page_pool import PagePool
 from ..errors import InsufficientMemoryError, InvariantError
@@ -219,7 +220,7 @@ class HostTier:
             self._store_promoted()
         elif pages.page_ids:
             self._write_through(
-                pages.page_ids, pages.hashes, pages.token_bytes, pages.parents, pages.salts
+                pages.page_ids, pages.hashes, pages.token_bytes, pages.parents, pages.keys
             )
 
     def _store_promoted(self) -> None:
@@ -238,7 +239,7 @@ class HostTier:
                         hit.page_hash,
                         pool.page_tokens(hit.page_id),
                         hit.parent_hash,
-                        hit.cache_salt,
+                        hit.keys,
                     )
                 )
         if rows:
@@ -250,7 +251,7 @@ class HostTier:
         hashes: list[int],
         datas: list[bytes],
         parents: list[int | None],
-        salts: list[str | None],
+        keys: list[EventKeys | None],
     ) -> None:
         """Copies device pages (parents first) to host pages: one batched copy. Pages that
         find no room (every host page pinned) are not stored.
@@ -273,7 +274,7 @@ class HostTier:
             [hashes[i] for i in e],
             [datas[i] for i in e],
             [parents[i] for i in e],
-            [salts[i] for i in e],
+            [keys[i] for i in e],
         )
 
     def _restore_hits(self, counts: list[tuple[int, int]], num_promoted: int) -> None:
@@ -300,11 +301,19 @@ class HostTier:
             bytes_stored=self.pages.bytes_to_host,
             bytes_loaded=self.pages.bytes_from_host,
             evicted_unused_pages=self.pool.num_evicted_unused,
+            kept_pages=self.pool.num_kept,
+            evicted_retained_pages=self.pool.num_evicted_retained,
         )
 
     def reset_metrics(self) -> None:
         self.pages.bytes_to_host = self.pages.bytes_from_host = 0
-        self.pool.num_evicted_unused = 0
+        self.pool.num_evicted_unused = self.pool.num_evicted_retained = 0
+
+    def retain(self, page_hashes: Sequence[int]) -> None:
+        self.pool.retain(page_hashes)
+
+    def unretain(self, page_hashes: Sequence[int], old_end: bool) -> None:
+        self.pool.unretain(page_hashes, old_end)
 
     def check_invariants(self, pinned: Sequence[TierHit]) -> None:
         """Also: a host page is never served for tokens other than its own (the

@@ -233,7 +233,7 @@ class RemoteTier:
             for i, ok in enumerate(queued):
                 if ok:
                     self._events.stored(
-                        pages.hashes[i], pages.parents[i], pages.token_bytes[i], pages.salts[i]
+                        pages.hashes[i], pages.parents[i], pages.token_bytes[i], pages.keys[i]
                     )
 
     # --- the rest of the protocol ---------------------------------------------------
@@ -260,6 +260,12 @@ class RemoteTier:
     def reset_metrics(self) -> None:
         """Zeroes the bytes loaded; the stores' own counters only grow."""
         self._bytes_loaded = 0
+
+    def retain(self, page_hashes: Sequence[int]) -> None:
+        """Nothing: the server evicts by itself (sessions cannot hold its pages)."""
+
+    def unretain(self, page_hashes: Sequence[int], old_end: bool) -> None:
+        """Nothing was retained."""
 
     def check_invariants(self, pinned: Sequence[TierHit]) -> None:
         for hit in pinned:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from max.driver import Buffer
 
+from ..cache.extra_keys import EventKeys
 from ..cache.page_pool import PagePool
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
@@ -30,8 +31,8 @@ class PendingLoad:
     hit: TierHit
     parent_hash: int | None
     """The hash of the page before it (None for a sequence's first page)."""
-    cache_salt: str | None
-    """The request's salt on a first page, else None (as events carry it)."""
+    keys: EventKeys | None
+    """What events say of the page besides its tokens (`DeviceHit.keys`)."""
     device_page: int | None = None
     """The device page it loads into; taken when the reservation is applied."""
 
@@ -123,6 +124,31 @@ class TierStack:
         for tier, group in groups:
             tier.load([load.hit for load in group], [load.page for load in group])
         return [load for _, group in groups for load in group]
+
+    # --- sessions ---------------------------------------------------------------------
+
+    @property
+    def local_pages(self) -> int:
+        """Pages of this replica's own tiers (a shared tier has no fixed share of them)."""
+        return sum(tier.metrics().total_pages for tier in self.tiers if not tier.shared)
+
+    @property
+    def kept_pages(self) -> int:
+        """Pages the tiers hold for open sessions."""
+        return sum(tier.metrics().kept_pages for tier in self.tiers)
+
+    @property
+    def evicted_retained_pages(self) -> int:
+        """Pages the tiers evicted while an open session retained them."""
+        return sum(tier.metrics().evicted_retained_pages for tier in self.tiers)
+
+    def retain(self, page_hashes: Sequence[int]) -> None:
+        for tier in self.tiers:
+            tier.retain(page_hashes)
+
+    def unretain(self, page_hashes: Sequence[int], old_end: bool = True) -> None:
+        for tier in self.tiers:
+            tier.unretain(page_hashes, old_end)
 
     # --- the rest, tier by tier -----------------------------------------------------
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ...cache.extra_keys import request_keys
 from ...cache.page_pool import PagePool
-from ...context import RequestID, TextGenerationContext, cache_salt_of
+from ...context import RequestID, TextGenerationContext
 from ...tiers.base import CommittedPages
 from ...tiers.stack import TierStack
 from ...undo import UndoLog
@@ -41,7 +42,7 @@ class ReplicaCommits:
         (pure; StaleContextError for a context whose cache does not fit its pages)."""
         ps, plans = self.page_size, []
         owners: list[tuple[RequestState, int]] = []
-        page_ids, hashes, datas, parents, salts = [], [], [], [], []
+        page_ids, hashes, datas, parents, keys = [], [], [], [], []
         for ctx in batch:
             req = self._request(ctx.request_id)
             start = ctx.start_idx
@@ -51,7 +52,7 @@ class ReplicaCommits:
             if num_full <= first or not self._prefix_caching:
                 continue
             parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
-            salt = cache_salt_of(ctx) if parent is None else None
+            request = request_keys(ctx)
             chain = self.chains.pages(ctx, req, num_full)
             new_hashes = []
             for page_idx, (page_hash, data) in enumerate(chain, start=first):
@@ -60,11 +61,11 @@ class ReplicaCommits:
                 hashes.append(page_hash)
                 datas.append(data)
                 parents.append(parent)
-                salts.append(salt)
+                keys.append(request.page(page_idx, ps) if request is not None else None)
                 new_hashes.append(page_hash)
-                parent, salt = page_hash, None
+                parent = page_hash
             plans.append((req, new_hashes))
-        return CommitPlan(plans, owners, page_ids, hashes, datas, parents, salts)
+        return CommitPlan(plans, owners, page_ids, hashes, datas, parents, keys)
 
     def commit(self, plan: CommitPlan) -> None:
         """Indexes the planned pages in one all-or-nothing pool call, moves each request
@@ -74,7 +75,7 @@ class ReplicaCommits:
         indexed: list[bool] = []
         if plan.page_ids:
             indexed = self.pool.commit_pages(
-                plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.salts
+                plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.keys
             )
             self._share_duplicates(plan.owners, plan.hashes, plan.datas, indexed)
         for req, new_hashes in plan.requests:
@@ -89,7 +90,7 @@ class ReplicaCommits:
                 [plan.hashes[i] for i in new],
                 [plan.datas[i] for i in new],
                 [plan.parents[i] for i in new],
-                [plan.salts[i] for i in new],
+                [plan.keys[i] for i in new],
             )
         )
 

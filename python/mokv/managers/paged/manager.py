@@ -202,6 +202,22 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
         self._undo.push(self._replica_of.__setitem__, request_id, replica_idx)
         self._after_change()
 
+    @atomic
+    def end_session(self, session_id: str) -> int:
+        """Ends the session `session_id` (`KVCacheParams.sessions`): the pages it retains
+        become ordinary cached pages, the first to be evicted. Requests of it still
+        running keep their pages, and their release retains nothing. Sessions past their
+        time-to-live end first. Returns the pages (distinct hashes per replica) no open
+        session retains any more; 0 when nothing was retained (a session never opened,
+        ended or expired already; sessions off). TypeError for a `session_id` that is
+        not a non-empty str."""
+        if not isinstance(session_id, str) or not session_id:
+            raise TypeError(f"session_id must be a non-empty str, got {session_id!r}")
+        plans = [(r.sessions, r.sessions.plan_end(session_id)) for r in self.replicas if r.sessions]
+        ended = sum(table.apply(plan) for table, plan in plans)
+        self._after_change()
+        return ended
+
     @synchronized
     def get_replica(self, context: TextGenerationContext) -> int:
         return self._replica_index(context.request_id)

@@ -2,8 +2,10 @@
 pages of the device index that continue it.
 
 A request's chain continues from its last committed page: the first page chains from
-the root of the request's `cache_salt` (`mokv.cache.hashing.salted_root`), or from the
-replica's root without a salt. Prefix matching runs only when every page the request
+the root of the request's cache salt and LoRA adapter (`mokv.cache.extra_keys.chain_root`),
+or from the replica's root without them; a page an image overlaps is keyed by it too
+(`extra_keys.page_keys`). Everything besides the tokens comes from one function,
+`extra_keys.hash_inputs(ctx)`. Prefix matching runs only when every page the request
 holds is committed and its cache ends exactly at their end (a new request, or one whose
 cache ends on a page boundary after a chunk or a reset); it stops one token short of
 `end_idx`, since the model must run on the last token.
@@ -13,17 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ...cache.hashing import PageHashFn, iter_page_hashes, salted_root
+from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, page_keys
+from ...cache.hashing import PageHashFn, iter_page_hashes
 from ...cache.page_pool import PagePool
-from ...context import TextGenerationContext, cache_salt_of
+from ...context import TextGenerationContext
 from ...params import KVCacheParams
 from ...tiers.base import ChainTail
 from ..base import integer_tokens
 from .plans import RequestState
 
-SALTED_ROOTS_MEMO = 65536
-"""Salts whose roots are remembered (then forgotten all at once): bounds the memo, not
-the salts."""
+KEYED_ROOTS_MEMO = 65536
+"""(salt, adapter) pairs whose roots are remembered (then forgotten all at once): bounds
+the memo, not the keys."""
 
 
 class PrefixChains:
@@ -37,7 +40,8 @@ class PrefixChains:
         self.pool = pool
         self._hash_fn = hash_fn
         self._root_hash = root_hash
-        self._salted_roots: dict[str, int] = {}  # cache_salt -> root of its hash chains
+        # (cache_salt, lora_name) -> the root of their hash chains
+        self._keyed_roots: dict[tuple[str | None, str | None], int] = {}
 
     def can_match(self, ctx: TextGenerationContext, req: RequestState) -> bool:
         """Whether a prefix may extend the request now (see the module docstring)."""
@@ -48,19 +52,19 @@ class PrefixChains:
             and ctx.start_idx == n_committed * self.page_size
         )
 
-    def parent(self, req: RequestState, ctx: TextGenerationContext) -> int:
-        """The hash the request's next page chains from."""
+    def parent(self, req: RequestState, inputs: HashInputs | None) -> int:
+        """The hash the request's next page chains from (`inputs`: its `hash_inputs`)."""
         if req.hashes:
             return req.hashes[-1]
-        salt = cache_salt_of(ctx)
-        if salt is None:
+        if inputs is None or inputs.cache_salt is None and inputs.lora_name is None:
             return self._root_hash
-        root = self._salted_roots.get(salt)
+        key = (inputs.cache_salt, inputs.lora_name)
+        root = self._keyed_roots.get(key)
         if root is None:
-            if len(self._salted_roots) >= SALTED_ROOTS_MEMO:
-                self._salted_roots.clear()
+            if len(self._keyed_roots) >= KEYED_ROOTS_MEMO:
+                self._keyed_roots.clear()
             p = self.params
-            root = self._salted_roots[salt] = salted_root(p.prefix_hash, p.prefix_hash_seed, salt)
+            root = self._keyed_roots[key] = chain_root(p.prefix_hash, p.prefix_hash_seed, *key)
         return root
 
     def pages(
@@ -69,13 +73,17 @@ class PrefixChains:
         """(hash, token bytes) of the request's full pages after its committed ones, up
         to page `end_page` (excluded); TypeError for tokens that are not integers
         (`integer_tokens`)."""
+        inputs = hash_inputs(ctx)
+        first = len(req.hashes)
+        keys = page_keys(inputs.mm_inputs, self.page_size, first, end_page) if inputs else None
         return iter_page_hashes(
             integer_tokens(ctx),
             self.page_size,
-            self.parent(req, ctx),
+            self.parent(req, inputs),
             self._hash_fn,
-            len(req.hashes),
+            first,
             end_page,
+            keys,
         )
 
     def device_hits(

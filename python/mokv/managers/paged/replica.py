@@ -19,6 +19,8 @@ Prefix matching (prefix.py) extends a request with the longest run of pages that
 continues its hash chain: device pages first, then each tier in order.
 
 Committing the pages a step filled (`step`) is `commit.py`, a mixin of this class.
+Sessions (`params.sessions`) are `sessions.py`: a request's first reservation starts
+its session, its release makes the session retain its chain.
 
 Reserving is planned once, then applied. `plan` works out one request's hits and fresh
 pages without changing anything, asking the pool once how many fresh pages it could
@@ -45,9 +47,10 @@ from dataclasses import replace
 from max.driver import Buffer, Device
 
 from ...cache.cache_memory import cache_buffer
+from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
 from ...cache.page_pool import PagePool
-from ...context import RequestID, TextGenerationContext, cache_salt_of
+from ...context import RequestID, TextGenerationContext
 from ...errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
@@ -65,6 +68,7 @@ from .commit import ReplicaCommits
 from .inputs import PageTable, ceil_div, check_write_windows
 from .plans import RequestState, Reservation
 from .prefix import PrefixChains
+from .sessions import SessionTable
 
 
 class PagedReplica(ReplicaCommits):
@@ -109,6 +113,9 @@ class PagedReplica(ReplicaCommits):
         self.input_tokens = 0
         self.cache_tokens = 0
         self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)
+        self.sessions = (
+            SessionTable(params.sessions, self.pool, self.tiers, undo) if params.sessions else None
+        )
 
     # --- requests -------------------------------------------------------------------
 
@@ -134,12 +141,18 @@ class PagedReplica(ReplicaCommits):
         self.undo.push(self._unclaim, request_id)
 
     def release(self, request_id: RequestID) -> None:
-        req = self._request(request_id)
+        """Frees the request's pages; its session (if any) retains its chain."""
+        req, sessions = self._request(request_id), self.sessions
+        session = req.session
+        if session is not None and sessions is not None:
+            retention = sessions.plan_release(session, req.hashes)
         self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
         self.tiers.unpin(req.loads)
         del self._requests[request_id]
         self._free_slots.append(req.slot)
         self.undo.push(self._unrelease, request_id, req)
+        if session is not None and sessions is not None:
+            sessions.apply(retention)
 
     def _unclaim(self, request_id: RequestID) -> None:
         self._free_slots.append(self._requests.pop(request_id).slot)
@@ -203,7 +216,7 @@ class PagedReplica(ReplicaCommits):
             return plan
         loads: list[PendingLoad] = []
         parent = hits[-1][1] if hits else plan.parent_hash
-        salt = cache_salt_of(ctx) if parent is None else None
+        keys, first = request_keys(ctx), len(req.hashes) + len(hits)
         for index, tier in enumerate(self.tiers):
             # A tier hit needs a fresh device page as a miss does, and more hits only
             # move the window further: a plan that does not fit cannot be made to fit
@@ -217,8 +230,9 @@ class PagedReplica(ReplicaCommits):
             if not found:
                 continue
             for hit in found:
-                loads.append(PendingLoad(index, hit, parent, salt))
-                parent, salt = hit.page_hash, None
+                page_keys = keys.page(first + len(loads), self.page_size) if keys else None
+                loads.append(PendingLoad(index, hit, parent, page_keys))
+                parent = hit.page_hash
             plan = self._reservation(ctx, req, num_steps, hits, loads)
             plan.room = room
         return plan
@@ -276,10 +290,13 @@ class PagedReplica(ReplicaCommits):
         """The pages, pins and counters of `plans`, with their undo records; no window
         moves."""
         hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
+        if self.sessions is not None:  # sessions past their time-to-live, before evicting
+            self.sessions.apply(self.sessions.plan_expiry())
         new_pages = self.pool.take(hit_pages, sum(p.num_fresh for p in plans))
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
         fresh = list(new_pages)
+        firsts = [not plan.req.pages for plan in plans]
         self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
         for plan in plans:
             req, taken = plan.req, new_pages[: plan.num_fresh]
@@ -296,8 +313,10 @@ class PagedReplica(ReplicaCommits):
             self.tiers.pin(loads)
             self._page_table.set_row(req.slot, req.pages)
             self.tiers.count_served(plan.loads, self.page_size)
+        if self.sessions is not None:  # a request's first reservation starts its session
+            self.sessions.start_requests(plans, firsts)
         if self.tiers:  # what the plans took (see `Tier.note_reserved`)
-            self.tiers.note_reserved(fresh, [plan.device_hit_run() for plan in plans])
+            self.tiers.note_reserved(fresh, [plan.device_hit_run(self.page_size) for plan in plans])
 
     def _settle(self, moving: list[Reservation], mark: int) -> None:
         """After a context's `skip_cached_prefix` raised: a plan stands if its context
@@ -328,7 +347,7 @@ class PagedReplica(ReplicaCommits):
             hashes,
             datas,
             [ld.parent_hash for ld in loads],
-            [ld.cache_salt for ld in loads],
+            [ld.keys for ld in loads],
         )
         # A page loaded while another request committed the same prefix on the device.
         owner = {page: (req, idx) for req in reqs for idx, page in enumerate(req.pages)}
@@ -381,8 +400,10 @@ class PagedReplica(ReplicaCommits):
     # --- the tiers, with the device pool ---------------------------------------------
 
     def reset_metrics(self) -> None:
-        self.input_tokens = self.cache_tokens = 0
+        self.input_tokens = self.cache_tokens = self.pool.num_evicted_retained = 0
         self.tiers.reset_metrics()
+        if self.sessions is not None:
+            self.sessions.reset_metrics()
 
     def publish_to(self, events: EventRecorder) -> None:
         """Reports the pool's and the tiers' changes to `events` (the replica's stream)."""
@@ -395,6 +416,8 @@ class PagedReplica(ReplicaCommits):
         complete)."""
         self.pool.reset_prefix_cache()
         self.tiers.reset()
+        if self.sessions is not None:
+            self.sessions.clear()
 
     def close(self) -> None:
         """Closes the tiers (they send what they queued, a bounded wait)."""
@@ -405,6 +428,8 @@ class PagedReplica(ReplicaCommits):
         for request_id, req in self._requests.items():
             if len(req.hashes) > len(req.pages):
                 raise InvariantError(f"request {request_id!r} has more hashes than pages")
+        if self.sessions is not None:
+            self.sessions.check_invariants(self._requests.values())
         self.check_loads()
 
     def check_loads(self) -> None:
