@@ -179,7 +179,7 @@ class PagedReplica(ReplicaCommits):
             return None
         hits, tail = self.chains.device_hits(ctx, req, want_tail=bool(self.tiers))
         plan = self._reservation(ctx, req, num_steps, hits, [])
-        plan.room = room = self.pool.room([page_id for page_id, _ in hits])
+        plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)
         if tail is None:
             return plan
         loads: list[PendingLoad] = []
