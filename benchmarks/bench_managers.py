@@ -1,6 +1,6 @@
 """Host cost and prefix-cache benefit of the KV cache managers, replaying one trace.
 
-Three measurements, all through `replay.replay` (no model execution):
+Four measurements, all through `replay.replay` (no model execution):
 
 - `compare`: the main trace at a tight page budget (preemption happens), each manager
   in a fresh subprocess so its peak RSS growth is its own; `repeats` replays each,
@@ -11,6 +11,12 @@ Three measurements, all through `replay.replay` (no model execution):
 - `batch_sweep`: steady decode of B requests (1k-token prompts, 64 new tokens): the
   per-step cost as a function of batch size, where fixed per-step costs show.
 - `budget_sweep`: hit rate against the page budget on a smaller trace.
+- `session_compare`: the main trace with agent sessions that pause for tool calls
+  (`trace.add_agent_sessions`): the hit rate of a session's next turn and the prefill
+  tokens it saved, mokv with sessions vs mokv's plain LRU vs vLLM's manager, against the
+  trace's infinite-cache bound on those turns, with and without a host tier sized so that
+  the sessions' working set fits in device + host pages; and mokv's sessions at four
+  shares of the pool (`SessionConfig.max_share`).
 
 The managers: mokv's paged manager (with and without its lock), mokv's continuous
 manager, MAX 26.7's paged manager and, where `make bench-vllm` installed it, vLLM's v1
@@ -23,6 +29,8 @@ manager, MAX 26.7's paged manager and, where `make bench-vllm` installed it, vLL
 from __future__ import annotations
 
 import cProfile
+import dataclasses
+import functools
 import gc
 import importlib.util
 import json
@@ -38,7 +46,14 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from trace import Request, TraceConfig, infinite_cache_bound, make_trace, summarize  # noqa: E402
+from trace import (  # noqa: E402
+    Request,
+    TraceConfig,
+    infinite_cache_bound,
+    infinite_cache_hits,
+    make_trace,
+    summarize,
+)
 
 MANAGERS = ("mokv-paged", "mokv-paged-nolock", "mokv-continuous", "max-paged") + (
     ("vllm-paged",) if importlib.util.find_spec("vllm") is not None else ())
@@ -48,7 +63,8 @@ BUDGET_TOKENS = 300 * 128  # the main trace's page budget, in tokens (300 pages 
 
 
 def settings(quick: bool) -> dict:
-    return dict(sessions=150 if quick else 400, budget=BUDGET_TOKENS // PAGE_SIZE, max_batch=64,
+    return dict(sessions=150 if quick else 400, agent_sessions=8 if quick else 16,
+                budget=BUDGET_TOKENS // PAGE_SIZE, max_batch=64,
                 repeats=2 if quick else 5, sweep_sessions=80 if quick else 200,
                 budgets=[160, 300, 600, 1200] if quick else [160, 220, 300, 450, 600, 900, 1200, 2400],
                 batch_sizes=[1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128])
@@ -194,6 +210,80 @@ def budget_sweep(quick: bool, progress=None) -> dict:
     return out
 
 
+SESSION_SHARES = (0.25, 0.5, 0.75, 1.0)
+SESSION_KEYS = ("session_turn_hit_rate", "session_turn_tokens_saved", "no_session_hit_rate",
+                "hit_rate", "prefill_tokens_computed", "preemptions", "session_working_set_pages")
+
+
+def _session_run(name: str, trace: list[Request], budget: int, max_batch: int, host_pages: int,
+                 share: float | None) -> dict:
+    """One replay of the agent trace; mokv with `host_pages` host pages (0: none) and
+    sessions at `share` (None: plain LRU), or vLLM's manager (device pages only)."""
+    from managers import ADAPTERS, SHAPE
+    from replay import replay
+
+    import mokv
+
+    kw: dict = {}
+    if name.startswith("mokv"):
+        if host_pages:
+            page_bytes = mokv.KVCacheParams(mokv.params.DType.float32, SHAPE["n_kv_heads"],
+                                            SHAPE["head_dim"], page_size=PAGE_SIZE
+                                            ).bytes_per_page(SHAPE["num_layers"])
+            kw["tiers"] = (mokv.HostTierConfig(swap_space_gb=host_pages * page_bytes / 2**30),)
+        if share is not None:
+            kw["sessions"] = mokv.SessionConfig(max_share=share)
+    adapter = ADAPTERS["vllm-paged" if name == "vllm" else "mokv-paged"](
+        budget, max_batch, MAX_SEQ_LEN, page_size=PAGE_SIZE, **kw)
+    summary = replay(adapter, trace, page_size=PAGE_SIZE).summary()
+    out = {k: summary[k] for k in SESSION_KEYS}
+    if share is not None:
+        out["sessions"] = dataclasses.asdict(adapter.manager.metrics.sessions)
+    return out
+
+
+def session_compare(quick: bool, progress=None) -> dict:
+    """Agent sessions that pause, side by side in one run (see the module docstring).
+
+    The host tier holds the pages that, with the device's, hold the sessions' peak
+    working set plus 10 % (measured by a first replay, rounded up to 100 pages), so the
+    sessions fit in device + host pages while the rest of the traffic cycles both.
+    """
+    s = settings(quick)
+    budget = BUDGET_TOKENS // PAGE_SIZE
+    trace = make_trace(TraceConfig(num_sessions=s["sessions"], agent_sessions=s["agent_sessions"]))
+    hits = infinite_cache_hits(trace, PAGE_SIZE)
+    turns = [i for i, r in enumerate(trace) if r.session is not None and r.parent is not None]
+    bound = sum(hits[i] for i in turns) / sum(len(trace[i].prompt) for i in turns)
+    run = functools.partial(_session_run, trace=trace, budget=budget, max_batch=s["max_batch"])
+    lru = run("mokv-lru", host_pages=0, share=None)
+    working_set = lru["session_working_set_pages"]
+    host = -(-max(int(1.1 * working_set) - budget, 0) // 100) * 100
+    out = {"trace": summarize(trace), "budget_pages": budget, "page_size": PAGE_SIZE,
+           "host_pages": host, "session_turns": len(turns),
+           "session_turn_prompt_tokens": sum(len(trace[i].prompt) for i in turns),
+           "session_turn_bound": bound, "session_turn_tokens_bound": sum(hits[i] for i in turns),
+           "runs": {}, "shares": {}}
+    rows = [("mokv-sessions+host", host, mokv_default_share()), ("mokv-lru+host", host, None),
+            ("mokv-sessions", 0, mokv_default_share()), ("mokv-lru", 0, None)]
+    if "vllm-paged" in MANAGERS:
+        rows.append(("vllm", 0, None))
+    for name, host_pages, share in rows:
+        out["runs"][name] = lru if name == "mokv-lru" else run(name, host_pages=host_pages,
+                                                               share=share)
+        if progress:
+            progress()
+    for share in SESSION_SHARES:
+        out["shares"][share] = run("mokv-sessions+host", host_pages=host, share=share)
+    return out
+
+
+def mokv_default_share() -> float:
+    from mokv.sessions import DEFAULT_MAX_SHARE
+
+    return DEFAULT_MAX_SHARE
+
+
 def profile_mokv(quick: bool, top: int = 15) -> list[dict]:
     """cProfile of mokv-paged over the main trace: the `top` functions by own time."""
     s = settings(quick)
@@ -213,6 +303,9 @@ def profile_mokv(quick: bool, top: int = 15) -> list[dict]:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         print(json.dumps(worker(json.loads(sys.argv[2]))))
+    elif "--sessions" in sys.argv:
+        print(json.dumps(session_compare("--quick" in sys.argv), indent=1))
+        os._exit(0)
     else:
         quick = "--quick" in sys.argv
         print(json.dumps({"compare": compare(quick), "batch_sweep": batch_sweep(quick)}, indent=1))

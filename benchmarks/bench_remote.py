@@ -96,7 +96,7 @@ def bench(url: str, name: str, layout: RemoteLayout, total_mb: int) -> None:
             t0 = time.perf_counter()
             assert store.probe(links[:32]) == 32
             probes.append(time.perf_counter() - t0)
-    gb = n * layout.value_nbytes / 1e9
+    gb = n * store.codec.value_nbytes / 1e9
     print(f"{name}: {n} pages | put {n / put:,.0f} pages/s {gb / put:.2f} GB/s "
           f"(caller {caller / n * 1e6:.1f} us/page) | lookup {n / get:,.0f} pages/s "
           f"{gb / get:.2f} GB/s | probe of 32 pages: median "

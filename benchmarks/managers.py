@@ -5,7 +5,8 @@
 one manager under the same page budget, hands the scheduler its `manager`, makes the
 contexts of trace requests (`new_context`) and counts the pages in use:
 
-- `MokvPaged`:      `mokv.PagedKVCacheManager` with its prefix cache on;
+- `MokvPaged`:      `mokv.PagedKVCacheManager` with its prefix cache on (further
+                    `KVCacheParams` fields by keyword: a host tier, sessions);
 - `MokvPagedNoLock`: the same without its per-call lock (what the lock costs);
 - `MokvContinuous`: `mokv.ContinuousKVCacheManager`, as many `max_seq_len`
                     slots as the same memory budget holds (no prefix cache);
@@ -44,7 +45,7 @@ class _Mokv:
     """mokv's managers already have the scheduler's method names: `manager` is the manager."""
 
     def new_context(self, req):
-        return mokv.TextContext(req.prompt, request_id=f"r{req.rid}")
+        return mokv.TextContext(req.prompt, request_id=f"r{req.rid}", session_id=req.session)
 
 
 class MokvPaged(_Mokv):

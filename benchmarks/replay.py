@@ -13,7 +13,10 @@ newest on shortage, admit with chunked prefill, model, step, release). The repla
   after the turn before it finished;
 
 and counts, through the scheduler's hooks, the prompt tokens the prefix cache supplied
-at admission and the pages in use after each step.
+at admission and the pages in use after each step. For the trace's agent sessions it
+also counts the session turns (a session's requests after its first) apart, ends each
+session after its last request (`manager.end_session`, where the adapter has it), and
+follows the sessions' working set: the pages of every open session's context, at peak.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ class ReplayStats:
     tokens_skipped: int = 0
     first_prompt_tokens: int = 0
     first_tokens_skipped: int = 0
+    turn_prompt_tokens: int = 0  # session turns (not a session's first request), first admission
+    turn_tokens_skipped: int = 0
+    other_prompt_tokens: int = 0  # requests of no session, first admission
+    other_tokens_skipped: int = 0
+    session_working_set_pages: int = 0  # peak, over open sessions, of their contexts' pages
     prefill_tokens_computed: int = 0
     preemptions: int = 0
     peak_pages: int = 0
@@ -67,6 +75,11 @@ class ReplayStats:
                                   "mean": round(float(np.sum(self.runtime_ns) / n / 1e3), 3)},
             "hit_rate": self.tokens_skipped / max(self.prompt_tokens_admitted, 1),
             "first_admission_hit_rate": self.first_tokens_skipped / max(self.first_prompt_tokens, 1),
+            "session_turn_hit_rate": self.turn_tokens_skipped / max(self.turn_prompt_tokens, 1),
+            "session_turn_prompt_tokens": self.turn_prompt_tokens,
+            "session_turn_tokens_saved": self.turn_tokens_skipped,
+            "no_session_hit_rate": self.other_tokens_skipped / max(self.other_prompt_tokens, 1),
+            "session_working_set_pages": self.session_working_set_pages,
             "prefill_tokens_computed": self.prefill_tokens_computed,
             "preemptions": self.preemptions,
             "peak_pages": self.peak_pages,
@@ -83,8 +96,9 @@ class TimedManager:
 
     def __init__(self, manager) -> None:
         self.ns = [0, 0]
-        for name in ("external_claim", "maybe_reserve", "step", "release"):
-            setattr(self, name, self._timed(getattr(manager, name), phase=0))
+        for name in ("external_claim", "maybe_reserve", "step", "release", "end_session"):
+            if hasattr(manager, name):
+                setattr(self, name, self._timed(getattr(manager, name), phase=0))
         self.fetch = self._timed(manager.fetch, phase=1)
 
     def _timed(self, call, phase: int):
@@ -138,23 +152,33 @@ class _Replay(Scheduler):
         if end == req.prompt_len:  # nothing generated yet: the prompt as the trace sent it
             m.first_prompt_tokens += end
             m.first_tokens_skipped += skipped
+            r = self.requests[req.ctx.request_id]
+            if r.session is not None and r.parent is not None:
+                m.turn_prompt_tokens += end
+                m.turn_tokens_skipped += skipped
+            elif r.session is None:
+                m.other_prompt_tokens += end
+                m.other_tokens_skipped += skipped
 
     def on_step(self, batch: list[Request]) -> None:
         self.measured.batch_sizes.append(len(batch))
         self.measured.peak_pages = max(self.measured.peak_pages, self.adapter.used_pages())
 
 
-def replay(adapter, trace: list[TraceRequest], token_budget: int = 4096) -> ReplayStats:
-    """Runs `trace` through `adapter` (see `managers.py`) and returns what it measured."""
-    return replay_side_by_side([(adapter, trace)], token_budget)[0]
+def replay(adapter, trace: list[TraceRequest], token_budget: int = 4096,
+           page_size: int = 128) -> ReplayStats:
+    """Runs `trace` through `adapter` (see `managers.py`) and returns what it measured
+    (`page_size`: the pages the sessions' working set is counted in)."""
+    return replay_side_by_side([(adapter, trace)], token_budget, page_size)[0]
 
 
-def replay_side_by_side(runs: list[tuple], token_budget: int = 4096) -> list[ReplayStats]:
+def replay_side_by_side(runs: list[tuple], token_budget: int = 4096,
+                        page_size: int = 128) -> list[ReplayStats]:
     """Runs each `(adapter, trace)` with its own scheduler, step by step side by side
     (step s of every run before step s + 1 of any), as servers that serve at the same
     time: what one run's manager writes to a shared tier, another can find in the
     following steps."""
-    states = [_TraceRun(adapter, trace, token_budget) for adapter, trace in runs]
+    states = [_TraceRun(adapter, trace, token_budget, page_size) for adapter, trace in runs]
     step = 0
     while any(state.has_work for state in states):
         for state in states:
@@ -167,8 +191,11 @@ def replay_side_by_side(runs: list[tuple], token_budget: int = 4096) -> list[Rep
 class _TraceRun:
     """One trace's arrivals and scheduler: `advance` runs one scheduler step."""
 
-    def __init__(self, adapter, trace: list[TraceRequest], token_budget: int) -> None:
+    def __init__(self, adapter, trace: list[TraceRequest], token_budget: int,
+                 page_size: int) -> None:
         self.scheduler = _Replay(adapter, token_budget)
+        self.page_size = page_size
+        self.session_pages: dict[str, int] = {}  # open session -> its context's pages
         self.follow_ups: dict[int, list[TraceRequest]] = collections.defaultdict(list)
         self.arrivals: list[tuple[int, int, TraceRequest]] = []  # (step, rid, request): a heap
         for r in trace:
@@ -186,7 +213,13 @@ class _TraceRun:
     def advance(self, step: int) -> None:
         scheduler, arrivals, stats = self.scheduler, self.arrivals, self.scheduler.measured
         while arrivals and arrivals[0][0] <= step:
-            scheduler.submit(heapq.heappop(arrivals)[2])
+            r = heapq.heappop(arrivals)[2]
+            scheduler.submit(r)
+            if r.session is not None:  # its context: the prompt and the answer to come
+                self.session_pages[r.session] = -(-(len(r.prompt) + r.output_len)
+                                                  // self.page_size)
+                stats.session_working_set_pages = max(stats.session_working_set_pages,
+                                                      sum(self.session_pages.values()))
         model_calls = scheduler.stats.steps
         finished = scheduler.step()
         bookkeeping, runtime = scheduler.timed.take()
@@ -197,6 +230,10 @@ class _TraceRun:
             parent = scheduler.requests.pop(req.ctx.request_id)
             for child in self.follow_ups.get(parent.rid, ()):
                 heapq.heappush(arrivals, (step + 1 + child.arrival, child.rid, child))
+            if parent.session is not None and not self.follow_ups.get(parent.rid):
+                del self.session_pages[parent.session]  # its last turn: the session ends
+                if hasattr(scheduler.timed, "end_session"):
+                    scheduler.timed.end_session(parent.session)
         self.steps = step + 1
 
     def finish(self) -> ReplayStats:

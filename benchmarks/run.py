@@ -9,7 +9,9 @@ Parts (each module's docstring says what it measures and why):
                                 bench-vllm`, vLLM's v1 manager): host µs per request-step,
                                 hit rate vs the infinite-cache bound, preemptions, memory,
                                 at pages of 128 and 16 tokens; batch-size and page-budget
-                                sweeps; mokv hot spots
+                                sweeps; agent sessions that pause (session turns' hit
+                                rate: mokv sessions / LRU / vLLM vs the bound); mokv hot
+                                spots
   attention  bench_attention.py CPU ragged flash attention, mokv vs MAX, vs copy bandwidth
   qkv        bench_qkv.py       CPU QKV projection: mokv's fused_qkv_matmul vs MAX's matmul
   compile    bench_compile.py   cold and warm build+load of a graph with mokv's kernels
@@ -69,7 +71,7 @@ def _plan(parts: list[str], quick: bool, portable: bool) -> int:
              "qkv": len(bench_qkv.tokens(quick)),
              "compile": bench_compile.plan_size(quick),
              "managers": 2 * len(bench_managers.MANAGERS) * s["repeats"] + len(s["batch_sizes"])
-             + len(s["budgets"]) + 1}
+             + len(s["budgets"]) + 1 + 5}
     return sum(sizes[p] for p in parts)
 
 
@@ -108,6 +110,8 @@ def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dic
                                       lambda: bench_managers.batch_sweep(quick, tick))
             man["budget_sweep"] = part("budget_sweep", "page-budget sweep",
                                        lambda: bench_managers.budget_sweep(quick, tick))
+            man["sessions"] = part("sessions", "agent sessions that pause",
+                                   lambda: bench_managers.session_compare(quick, tick))
             man["mokv_profile"] = part("profile", "cProfile of mokv-paged",
                                        lambda: bench_managers.profile_mokv(quick))
             tick()
@@ -160,6 +164,28 @@ def _replay_table(cmp: dict) -> list[str]:
     return lines + [""]
 
 
+def _session_table(ses: dict) -> list[str]:
+    """The agent-session replay: session turns' hit rate and tokens saved against the bound."""
+    if not ses.get("runs"):
+        return []
+    bound, tokens = ses["session_turn_bound"], ses["session_turn_prompt_tokens"]
+    lines = [f"### Agent sessions that pause ({ses['trace']['requests']} requests, "
+             f"{ses['session_turns']} session turns of {tokens} prompt tokens; "
+             f"{ses['budget_pages']} device pages of {ses['page_size']}, host tier "
+             f"{ses['host_pages']} pages; session turns' infinite-cache bound {bound:.3f})", "",
+             "| run | session-turn hit rate | of the bound | turn tokens saved | no-session hit "
+             "rate | prefill tokens computed | preemptions |", "|---|---|---|---|---|---|---|"]
+    rows = list(ses["runs"].items()) + [(f"mokv-sessions+host, max_share={k}", v)
+                                        for k, v in ses["shares"].items()]
+    for name, s in rows:
+        lines.append(f"| {name} | {s['session_turn_hit_rate']:.3f} | "
+                     f"{s['session_turn_hit_rate'] / bound:.1%} | {s['session_turn_tokens_saved']} | "
+                     f"{s['no_session_hit_rate']:.3f} | {s['prefill_tokens_computed']} | "
+                     f"{s['preemptions']} |")
+    working_set = ses["runs"]["mokv-lru"]["session_working_set_pages"]
+    return lines + ["", f"Sessions' peak working set: {working_set} pages.", ""]
+
+
 def summary(r: dict) -> str:
     """Markdown tables of the headline numbers."""
     m = r["machine"]
@@ -167,6 +193,7 @@ def summary(r: dict) -> str:
              f"load average {m['loadavg_start'][0]:.2f} → {m['loadavg_end'][0]:.2f}", ""]
     for key in ("compare", "compare_page16"):
         lines += _replay_table(r.get("managers", {}).get(key, {}))
+    lines += _session_table(r.get("managers", {}).get("sessions", {}))
     sweep = r.get("managers", {}).get("batch_sweep", {})
     if isinstance(sweep, dict) and "error" not in sweep and sweep:
         names = list(sweep)

@@ -11,12 +11,22 @@ sees them:
 - **agent**: long-context agentic loops: a 6-12k token document (a few shared ones)
   followed by rounds of tool output and short model actions.
 
+With `agent_sessions`, a fourth family runs beside them (`add_agent_sessions`):
+
+- **session**: agent sessions that pause. A session's context (one of two shared agent
+  instructions plus its own task) grows by each turn's action and the output of a tool
+  call, and the tool runs for a while before the next turn arrives: a few steps, a few
+  hundred, or most of a thousand, while the rest of the trace keeps arriving. Each of its
+  requests names the session (`Request.session`), and the last one ends it.
+
 The "model" emits `model_token(seed, position)`, a deterministic function of the
 conversation and the position, so the answer a later turn resends is known up front
 and matches whatever the replay generated (even after a preemption recomputes it).
 
 `infinite_cache_bound` is the hit rate an unlimited prefix cache could reach on the
-trace: every full page of every earlier request (prompt + answer) stays findable.
+trace: every full page of every earlier request (prompt + answer) stays findable;
+`infinite_cache_hits` gives it per request (the bound of any subset, such as the session
+turns).
 """
 
 from __future__ import annotations
@@ -53,6 +63,8 @@ class Request:
     seed: int
     arrival: int
     parent: int | None = None
+    session: str | None = None
+    """The session the request belongs to (the "session" family)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class TraceConfig:
     max_output: int = 192
     max_context: int = 16_000  # turns stop before a conversation outgrows this
     seed: int = 0
+    agent_sessions: int = 0  # sessions that pause for tool calls (add_agent_sessions)
 
 
 def _zipf_choice(rng: np.random.Generator, n: int, s: float) -> int:
@@ -111,7 +124,40 @@ def make_trace(cfg: TraceConfig = TraceConfig()) -> list[Request]:
             parent = r.rid
             answer = model_tokens(seed, len(prompt), r.output_len)
             prompt = np.concatenate([prompt, answer, rand(int(rng.integers(*user)))])
+    if cfg.agent_sessions:
+        add_agent_sessions(reqs, cfg, t)
     return reqs
+
+
+TOOL_PAUSES = ((0.5, (2, 40)), (0.35, (40, 250)), (0.15, (250, 900)))
+"""(probability, steps range) of a tool call's duration: most are quick, some take a few
+hundred steps, a few most of a thousand (the other traffic keeps arriving meanwhile)."""
+
+
+def add_agent_sessions(reqs: list[Request], cfg: TraceConfig, span: float) -> None:
+    """Appends `cfg.agent_sessions` sessions that pause, arriving over the first `span`
+    steps (the rest of the trace's arrivals), drawn from their own seeded generator so
+    that the rest of the trace stays as it was."""
+    rng = np.random.default_rng(cfg.seed + 7919)
+    rand = lambda n: rng.integers(0, VOCAB, n, dtype=np.int64)  # noqa: E731
+    instructions = [rand(int(rng.integers(2048, 3073))) for _ in range(2)]
+    p = [weight for weight, _ in TOOL_PAUSES]
+    for a in range(cfg.agent_sessions):
+        seed, session = 1_000_000 + a, f"agent-{a}"
+        arrival = float(rng.uniform(0, span))
+        prompt = np.concatenate([instructions[a % 2], rand(int(rng.integers(1024, 4097)))])
+        parent = None
+        for turn in range(int(rng.integers(5, 13))):
+            if len(prompt) + 160 > cfg.max_context:
+                break
+            lo, hi = TOOL_PAUSES[int(rng.choice(len(TOOL_PAUSES), p=p))][1]
+            wait = arrival if turn == 0 else int(rng.integers(lo, hi))
+            r = Request(len(reqs), "session", prompt, int(rng.integers(32, 161)), seed,
+                        int(wait), parent, session)
+            reqs.append(r)
+            parent = r.rid
+            answer = model_tokens(seed, len(prompt), r.output_len)
+            prompt = np.concatenate([prompt, answer, rand(int(rng.integers(128, 1025)))])
 
 
 def _page_keys(tokens: np.ndarray, page_size: int) -> list[int]:
@@ -125,33 +171,40 @@ def _page_keys(tokens: np.ndarray, page_size: int) -> list[int]:
     return keys
 
 
-def infinite_cache_bound(trace: list[Request], page_size: int) -> float:
-    """Hit rate over prompt tokens with unlimited pages, requests taken in trace order.
+def infinite_cache_hits(trace: list[Request], page_size: int) -> list[int]:
+    """Per request (in trace order), the prompt tokens an unlimited prefix cache supplies.
 
     A request can reuse the leading full pages of its prompt that some earlier request
     computed (its prompt and its answer, except the last answer token, which is never
     fed back), and never its last prompt token (the model must run on it).
     """
     seen: set[int] = set()
-    hit = total = 0
+    hits = []
     for r in trace:
         keys = _page_keys(r.prompt, page_size)
         n = 0
         limit = (len(r.prompt) - 1) // page_size
         while n < limit and keys[n] in seen:
             n += 1
-        hit += n * page_size
-        total += len(r.prompt)
+        hits.append(n * page_size)
         full = np.concatenate([r.prompt, model_tokens(r.seed, len(r.prompt), r.output_len - 1)])
         seen.update(_page_keys(full, page_size))
-    return hit / total if total else 0.0
+    return hits
+
+
+def infinite_cache_bound(trace: list[Request], page_size: int) -> float:
+    """Hit rate over prompt tokens with unlimited pages, requests taken in trace order
+    (`infinite_cache_hits`)."""
+    total = sum(len(r.prompt) for r in trace)
+    return sum(infinite_cache_hits(trace, page_size)) / total if total else 0.0
 
 
 def summarize(trace: list[Request]) -> dict:
     kinds = [r.kind for r in trace]
     return {
         "requests": len(trace),
-        "fraction": {k: round(kinds.count(k) / len(trace), 3) for k in ("shared", "chat", "agent")},
+        "fraction": {k: round(kinds.count(k) / len(trace), 3)
+                     for k in ("shared", "chat", "agent", "session") if k in kinds},
         "multi_turn_fraction": round(sum(r.parent is not None for r in trace) / len(trace), 3),
         "prompt_tokens": int(sum(len(r.prompt) for r in trace)),
         "output_tokens": int(sum(r.output_len for r in trace)),

@@ -52,7 +52,8 @@ def test_flat_spellings_through_dataclasses_replace():
 
 
 def test_errors_name_the_flat_spelling():
-    with pytest.raises(ValueError, match=r"swap_space_gb must be a number of GiB > 0, got None "
+    with pytest.raises(ValueError, match=r"swap_space_gb must be a finite number of GiB > 0, "
+                                         r"got None "
                                          r"\(flat spellings given: enable_kvcache_swapping_to_"
                                          r"host=True; .*host_kvcache_swap_space_gb -> swap_space"):
         mokv.KVCacheParams(**SHAPE, enable_kvcache_swapping_to_host=True)

@@ -13,7 +13,7 @@ The layers, top to bottom:
 """
 
 from .compiler_output import filter_collection_warnings
-from .context import RequestID, TextContext, TextGenerationContext
+from .context import MultimodalInput, RequestID, TextContext, TextGenerationContext
 from .errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
@@ -47,8 +47,9 @@ from .managers.mojo_continuous import MojoContinuousBatchingKVCacheManager
 from .managers.null import NullKVCacheManager
 from .managers.paged import PagedKVCacheManager
 from .managers.sequences import ContinuousBatchingKVCacheManager
-from .metrics import KVCacheMetrics, TierMetrics
+from .metrics import KVCacheMetrics, SessionMetrics, TierMetrics
 from .params import KVCacheParams, KVCacheStrategy
+from .sessions import SessionConfig
 from .tiers.host import HostTierConfig
 from .tiers.remote import RemoteTierConfig
 
@@ -76,12 +77,15 @@ __all__ = [
     "KVEventsConfig",
     "MojoContinuousBatchingKVCacheManager",
     "MokvError",
+    "MultimodalInput",
     "NullKVCacheManager",
     "PagedKVCacheManager",
     "RaggedKVCacheInputs",
     "RemoteTierConfig",
     "RequestID",
     "SequenceTooLongError",
+    "SessionConfig",
+    "SessionMetrics",
     "StaleContextError",
     "TextContext",
     "TextGenerationContext",

@@ -15,11 +15,19 @@ A context's tokens are split by three indices:
 prompt chunk was just processed, the new token is appended and becomes the next
 window. `reset()` undoes everything in the cache after preemption: the generated
 tokens fold into the prompt and will be recomputed (or found in the prefix cache).
+
+Besides its tokens, a request may carry what else keys its prefix-cache pages (the
+typed extra keys of `mokv.cache.extra_keys`: its cache salt, LoRA adapter and images)
+and the agent session it belongs to (`session_id`, see `mokv.SessionConfig`). A manager
+reads them with `getattr`, so a context without them is an unsalted, adapter-free,
+text-only request of no session.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol, runtime_checkable
 
@@ -38,9 +46,47 @@ class RequestID(str):
         return f"RequestID({str.__repr__(self)})"
 
 
+@dataclass(frozen=True, slots=True)
+class MultimodalInput:
+    """One image (or other non-text input) of a prompt: what its placeholder tokens
+    stand for, so that the prefix cache tells two images apart (an image's placeholder
+    token ids are the same for every image).
+
+    Attributes:
+        identifier: the input's content hash (any stable string: vLLM's `mm_hash`,
+            a SHA-256 of the image bytes); equal inputs must have equal identifiers.
+        offset: index of its first placeholder token in the prompt (>= 0).
+        length: its number of placeholder tokens (>= 1).
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identifier, str) or not self.identifier:
+            raise TypeError(
+                f"MultimodalInput.identifier must be a non-empty str, got {self.identifier!r}"
+            )
+        for name, low in (("offset", 0), ("length", 1)):
+            value = getattr(self, name)
+            if value.__class__ is not int or value < low:
+                raise ValueError(f"MultimodalInput.{name} must be an int >= {low}, got {value!r}")
+
+    @property
+    def end(self) -> int:
+        """One past its last placeholder token."""
+        return self.offset + self.length
+
+
 @runtime_checkable
 class TextGenerationContext(Protocol):
-    """What a KV cache manager reads from, and writes to, a request."""
+    """What a KV cache manager reads from, and writes to, a request.
+
+    Optional members, read with `getattr` (absent means None or empty): `lora_name`
+    (str) and `lora_id` (int) of the request's LoRA adapter, `mm_inputs` (a sequence of
+    `MultimodalInput`, by offset), `session_id` (str). See `TextContext`.
+    """
 
     @property
     def request_id(self) -> RequestID: ...
@@ -83,9 +129,11 @@ class TextGenerationContext(Protocol):
     def update(self, new_token: int) -> None: ...
 
 
-def _token_array(tokens: object) -> np.ndarray:
-    """`tokens` as a non-empty 1-D int64 array of ids >= 0; TypeError / ValueError naming
-    the problem otherwise (never a silent truncation of floats or flattening)."""
+def token_ids(tokens: object, allow_empty: bool = False) -> np.ndarray:
+    """`tokens` as a 1-D int64 array of ids in [0, 2**63) (non-empty unless
+    `allow_empty`); TypeError / ValueError naming the problem otherwise: never a silent
+    truncation of floats, a flattening, or an id that wraps around. What a context's
+    prompt and a router's query (`PrefixRouterIndex.match`) must be."""
     array = np.asarray(tokens)
     if array.dtype == object:  # Python ints past int64 land here
         raise ValueError(f"tokens must be token ids in [0, 2**63), got {tokens!r}")
@@ -94,11 +142,34 @@ def _token_array(tokens: object) -> np.ndarray:
     if array.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
     if array.size == 0:
+        if allow_empty:
+            return np.zeros(0, dtype=np.int64)
         raise ValueError("a TextContext needs at least one prompt token")
     if array.min() < 0 or (array.dtype == np.uint64 and array.max() >= 2**63):
         bad = array[(array < 0) | (array >= 2**63)] if array.dtype != np.uint64 else array
         raise ValueError(f"tokens must be token ids in [0, 2**63), got {bad[:4].tolist()}")
     return array.astype(np.int64)
+
+
+def _multimodal_inputs(inputs: object, prompt_len: int) -> tuple[MultimodalInput, ...]:
+    """`inputs` as a tuple of `MultimodalInput`s ordered by offset, not overlapping and
+    inside the prompt; TypeError / ValueError naming the offending input otherwise."""
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
+        raise TypeError(f"mm_inputs must be a sequence of mokv.MultimodalInput, got {inputs!r}")
+    images = tuple(inputs)
+    end = 0
+    for image in images:
+        if not isinstance(image, MultimodalInput):
+            raise TypeError(f"mm_inputs holds {image!r}; each must be a mokv.MultimodalInput")
+        if image.offset < end:
+            raise ValueError(
+                f"mm_inputs must be ordered by offset and not overlap: {image!r} starts "
+                f"before token {end}, where the one before it ends"
+            )
+        if image.end > prompt_len:
+            raise ValueError(f"{image!r} ends past the prompt's {prompt_len} tokens")
+        end = image.end
+    return images
 
 
 class TextContext:
@@ -110,6 +181,18 @@ class TextContext:
         max_length: optional cap on `end_idx` (prompt + generated tokens).
         cache_salt: isolates the prefix cache per tenant (see
             `TextGenerationContext.cache_salt`); set by the server, never by a caller.
+        lora_name: the LoRA adapter the request runs under (None: the base model).
+            Every page of the request is keyed by it: requests under different
+            adapters never share pages, and a name must always denote the same
+            adapter weights (load new weights under a new name).
+        lora_id: the adapter's integer id, as vLLM's `lora_int_id`: published in
+            KV-cache events (`BlockStored.lora_id`), not hashed; needs `lora_name`.
+        mm_inputs: the prompt's images (`MultimodalInput`s), ordered by offset, not
+            overlapping, within the prompt: each page that a placeholder range
+            overlaps is keyed by that image.
+        session_id: the agent or chat session the request belongs to: with
+            `KVCacheParams.sessions` set, its pages stay retained after `release`
+            until the session ends (`mokv.SessionConfig`).
     """
 
     __slots__ = (
@@ -121,6 +204,10 @@ class TextContext:
         "_prompt_len",
         "max_length",
         "cache_salt",
+        "lora_name",
+        "lora_id",
+        "mm_inputs",
+        "session_id",
     )
 
     def __init__(
@@ -129,10 +216,22 @@ class TextContext:
         request_id: RequestID | str | None = None,
         max_length: int | None = None,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+        mm_inputs: Sequence[MultimodalInput] = (),
+        session_id: str | None = None,
     ) -> None:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
-        prompt = _token_array(tokens)
+        for name, value in (("lora_name", lora_name), ("session_id", session_id)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"{name} must be a non-empty str or None, got {value!r}")
+        if lora_id is not None and (lora_id.__class__ is not int or lora_id < 0):
+            raise TypeError(f"lora_id must be an int >= 0 or None, got {lora_id!r}")
+        if lora_id is not None and lora_name is None:
+            raise ValueError(f"lora_id={lora_id} needs a lora_name (the name keys the pages)")
+        prompt = token_ids(tokens)
+        images = _multimodal_inputs(mm_inputs, prompt.size)
         self._request_id = RequestID(request_id) if request_id is not None else RequestID()
         self._buf = np.empty(max(16, 2 * prompt.size), dtype=np.int64)
         self._buf[: prompt.size] = prompt
@@ -140,6 +239,10 @@ class TextContext:
         self._end = self._active = self._prompt_len = int(prompt.size)
         self.max_length = max_length
         self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.lora_id = lora_id
+        self.mm_inputs = images
+        self.session_id = session_id
 
     def __repr__(self) -> str:
         return (

@@ -19,6 +19,9 @@ class TierMetrics:
         evicted_unused_pages: pages the tier evicted before any request loaded them back
             (copies that cost a write and saved nothing; 0 where the tier cannot know,
             as for a shared server, which evicts by itself).
+        kept_pages: of `used_pages`, pages an open session retains (`mokv.SessionConfig`).
+        evicted_retained_pages: pages the tier evicted while an open session retained
+            them (nothing else was left to evict).
     """
 
     cache_tokens: int = 0
@@ -27,10 +30,59 @@ class TierMetrics:
     bytes_stored: int = 0
     bytes_loaded: int = 0
     evicted_unused_pages: int = 0
+    kept_pages: int = 0
+    evicted_retained_pages: int = 0
 
     def __add__(self, other: TierMetrics) -> TierMetrics:
         """Field by field: the counters of two replicas' tiers together."""
         return TierMetrics(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+@dataclass
+class SessionMetrics:
+    """The sessions' counters, all replicas together (`mokv.SessionConfig`).
+
+    Attributes:
+        sessions: open sessions (a session open on two replicas counts twice).
+        retained_pages: distinct page hashes the open sessions retain (what
+            `max_share` bounds), wherever their pages are.
+        kept_pages: device pages without an owner held for a session (plain LRU would
+            evict them before now).
+        kept_host_pages: host-tier pages held for a session.
+        turns: requests that resumed an open session (re-admissions after a preemption
+            included).
+        turn_hits: of `turns`, those that found at least one page cached.
+        turn_prompt_tokens: prompt tokens of `turns`.
+        turn_cache_tokens: of those, tokens found in the prefix cache.
+        evicted_pages: retained pages evicted while their session was open (device and
+            host tier): nothing unretained was left.
+        ended: sessions ended by `end_session` (or `reset_prefix_cache`).
+        expired: sessions ended by their time-to-live.
+        dropped: times the share cap dropped an open session's retention.
+    """
+
+    sessions: int = 0
+    retained_pages: int = 0
+    kept_pages: int = 0
+    kept_host_pages: int = 0
+    turns: int = 0
+    turn_hits: int = 0
+    turn_prompt_tokens: int = 0
+    turn_cache_tokens: int = 0
+    evicted_pages: int = 0
+    ended: int = 0
+    expired: int = 0
+    dropped: int = 0
+
+    def __add__(self, other: SessionMetrics) -> SessionMetrics:
+        """Field by field: two replicas' sessions together."""
+        return SessionMetrics(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    @property
+    def turn_hit_rate(self) -> float:
+        """`turn_cache_tokens / turn_prompt_tokens`: how much of a session's next turn the
+        cache supplied (0.0 before any turn)."""
+        return self.turn_cache_tokens / self.turn_prompt_tokens if self.turn_prompt_tokens else 0.0
 
 
 _NO_TIER = TierMetrics()
@@ -59,6 +111,7 @@ class KVCacheMetrics:
         free_pages: pages that can be handed out right now, cached-free pages included.
         tiers: the lower tiers' counters by tier name ("host", "remote"), in lookup
             order; empty without tiers. The `host_*` and `remote_*` properties read them.
+        sessions: the sessions' counters (all zero without `KVCacheParams.sessions`).
     """
 
     input_tokens: int = 0
@@ -66,6 +119,7 @@ class KVCacheMetrics:
     used_pages: int = 0
     free_pages: int = 0
     tiers: dict[str, TierMetrics] = field(default_factory=dict)
+    sessions: SessionMetrics = field(default_factory=SessionMetrics)
 
     @property
     def prompt_tokens(self) -> int:

@@ -1,12 +1,13 @@
-"""Static configuration of a KV cache: its shape, its prefix cache, its tiers and events.
+"""Static configuration of a KV cache: its shape, its prefix cache, its tiers, sessions and
+events.
 
 One frozen `KVCacheParams` flows from the user into every manager, graph type and
 kernel wrapper; nothing else carries configuration. Its own fields are the cache's
-shape and the prefix cache; the lower tiers and the KV-cache events are nested frozen
-configs (`HostTierConfig`, `RemoteTierConfig`: `mokv.tiers`; `KVEventsConfig`:
-`mokv.events`), each checked in its own `__post_init__` and then against the params it
-joins. Derived sizes are properties so that they cannot drift from the fields they
-come from.
+shape and the prefix cache; the lower tiers, sessions and the KV-cache events are nested
+frozen configs (`HostTierConfig`, `RemoteTierConfig`: `mokv.tiers`; `SessionConfig`:
+`mokv.sessions`; `KVEventsConfig`: `mokv.events`), each checked in its own
+`__post_init__` and then against the params it joins. Derived sizes are properties so
+that they cannot drift from the fields they come from.
 
 MAX's flat spellings (`enable_kvcache_swapping_to_host=True`, `remote_kvcache_url=...`)
 are still accepted, and mapped onto the nested configs in one place:
@@ -24,6 +25,7 @@ from max.dtype import DType
 
 from .cache.hashing import STABLE_ALGORITHMS
 from .events.config import KVEventsConfig
+from .sessions import SessionConfig
 from .tiers.base import TierConfig
 
 
@@ -94,6 +96,9 @@ class KVCacheParams:
             `enable_prefix_caching` (README "Host tier", "Shared tier").
         kv_events: publish the prefix cache's changes in vLLM's KV-event format
             (paged strategy; needs a stable `prefix_hash`); None: no events.
+        sessions: retain the pages of requests that name a session (`ctx.session_id`)
+            after their release, until the session ends (`SessionConfig`; paged
+            strategy, needs `enable_prefix_caching`); None: a session id is ignored.
     """
 
     dtype: DType
@@ -108,6 +113,7 @@ class KVCacheParams:
     prefix_hash_seed: int = 0
     tiers: tuple[TierConfig, ...] = ()
     kv_events: KVEventsConfig | None = None
+    sessions: SessionConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -137,6 +143,13 @@ class KVCacheParams:
             raise ValueError(
                 f"prefix_hash={self.prefix_hash!r} is not one of {PREFIX_HASH_ALGORITHMS}"
             )
+        if self.enable_prefix_caching.__class__ is not bool:
+            raise TypeError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+        seed = self.prefix_hash_seed
+        if seed.__class__ is not int or not 0 <= seed < 2**64:
+            raise ValueError(f"prefix_hash_seed must be an int in [0, 2**64), got {seed!r}")
         self._check_tiers()
         if self.kv_events is not None:
             if not isinstance(self.kv_events, KVEventsConfig):
@@ -148,6 +161,13 @@ class KVCacheParams:
                     f"KV-cache events need a hash that is the same in every process; "
                     f"prefix_hash={self.prefix_hash!r} is not one of {STABLE_ALGORITHMS}"
                 )
+            self.kv_events.check(self)
+        if self.sessions is not None:
+            if not isinstance(self.sessions, SessionConfig):
+                raise TypeError(
+                    f"sessions must be a mokv.SessionConfig or None, got {self.sessions!r}"
+                )
+            self.sessions.check(self)
 
     def _check_tiers(self) -> None:
         if not isinstance(self.tiers, (tuple, list)):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .events.config import KVEventsConfig
+from .events.config import KVEventsConfig, check_endpoint
 from .params import KVCacheParams
 from .tiers.base import TierConfig
 from .tiers.host import HostTierConfig
@@ -91,9 +91,16 @@ def _config(cls: type, spellings: dict[str, str], flat: dict[str, Any], **requir
 def with_manager_events(
     params: KVCacheParams, zmq_endpoint_base: str | None, kv_events_config: KVEventsConfig | None
 ) -> KVCacheParams:
-    """`params` with the events of a manager's keywords in `params.kv_events`."""
+    """`params` with the events of a manager's keywords in `params.kv_events` (checked
+    against the params' replicas)."""
     config = kv_events_config
+    if config is not None and not isinstance(config, KVEventsConfig):
+        raise TypeError(
+            f"kv_events_config must be a mokv.KVEventsConfig or None, got {config!r}"
+            + ("; for an address alone use zmq_endpoint_base" if isinstance(config, str) else "")
+        )
     if zmq_endpoint_base is not None:
+        check_endpoint("zmq_endpoint_base", zmq_endpoint_base)
         if config is None:
             config = KVEventsConfig(endpoint=zmq_endpoint_base)
         elif config.endpoint != zmq_endpoint_base:

@@ -6,6 +6,7 @@ same bytes and rebuilds exactly what the server's tiers hold; the scores a route
 from that vLLM-decoded state equal those of mokv's own index.
 """
 
+import mokv
 import msgspec
 import pytest
 import zmq
@@ -17,6 +18,9 @@ from mokv.events.format import (
     BlockStored,
     KVEventBatch,
 )
+from mokv.events.publisher import EventRecorder, build_events
+
+from tests.managers.conftest import make_paged
 
 from .conftest import PAGE_SIZE, Server, catch_up, follow
 
@@ -96,3 +100,41 @@ def test_vllm_decodes_a_server_stream_and_rebuilds_its_tiers(session):
     sub.close()
     subscriber.close()
     server.m.close()
+
+
+def test_extra_keys_are_those_vllm_publishes_for_the_same_request(session):
+    """A request under an adapter, with an image and a salt: mokv's per-page `extra_keys`,
+    `lora_id` and `lora_name` equal what vLLM 0.33's block pool publishes for the same
+    request (`generate_block_hash_extra_keys` -> `to_event_extra_keys`)."""
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+    from vllm.v1.request import Request
+
+    prompt = [1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 7, 7, 9, 9, 9, 9, 8]
+    images = [("img-a", 6, 6), ("img-b", 13, 2)]  # pages 1-2, and page 3
+    theirs = Request("r", prompt, SamplingParams(max_tokens=1), None,
+                     mm_features=[MultiModalFeatureSpec(None, "image", i, PlaceholderRange(o, n))
+                                  for i, o, n in images],
+                     lora_request=LoRARequest("math", 3, "/adapters/math"), cache_salt="tenant-a")
+    keys, mm_idx = [], 0
+    for start in range(0, 16, PAGE_SIZE):
+        page_keys, mm_idx = generate_block_hash_extra_keys(theirs, start, start + PAGE_SIZE, mm_idx)
+        keys.append(page_keys)
+    m = make_paged(session, num_pages=8, max_seq_len=24)
+    recorder = EventRecorder()
+    m.replicas[0].pool.events = recorder
+    ctx = mokv.TextContext(prompt, cache_salt="tenant-a", lora_name="math", lora_id=3,
+                           mm_inputs=[mokv.MultimodalInput(*image) for image in images])
+    m.external_claim(ctx.request_id)
+    m.fetch([ctx])
+    ctx.update(1)
+    m.step([ctx])
+    payload = msgspec.msgpack.encode(KVEventBatch(0.0, build_events(recorder.take(), PAGE_SIZE)))
+    (event,) = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode(payload).events
+    # On the wire (msgpack has arrays only: vLLM decodes an image's pair back as a list).
+    assert msgspec.msgpack.encode(event.extra_keys) == msgspec.msgpack.encode(
+        to_event_extra_keys(keys))
+    assert event.extra_keys[0] == ("math", "tenant-a") and event.extra_keys[3][1] == ["img-b", 1]
+    assert (event.lora_id, event.lora_name) == (theirs.lora_request.adapter_id, "math")

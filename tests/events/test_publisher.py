@@ -6,7 +6,7 @@ import msgspec
 import numpy as np
 import pytest
 from mokv.cache.hashing import page_hash_fn, page_hashes, root_hash, salted_root
-from mokv.events import KVEventsConfig
+from mokv.events import KVEventsConfig, PrefixRouterIndex
 from mokv.events.config import offset_endpoint
 from mokv.events.format import BatchDecoder
 
@@ -250,3 +250,33 @@ def test_full_queue_drops_oldest_and_counts(session):
         p.end_step()
     assert p.num_dropped > 0 and p.last_seq == 50
     p.close()
+
+
+def test_adapter_images_salt_and_session_travel_as_vllm_publishes_them(session, reader_factory):
+    # vLLM 0.33 (`to_event_extra_keys`): per page the LoRA name, (identifier, offset in
+    # the page) of each image it overlaps, then the salt on the first page; lora_id,
+    # lora_name and session_id on the event. A router hashing the same keys matches.
+    endpoint = inproc_name()
+    m = make_publishing(session, KVEventsConfig(endpoint), num_pages=8)
+    reader = reader_factory(endpoint)
+    prompt, image = [1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 9, 9, 8], mokv.MultimodalInput("img-a", 6, 4)
+    ctx = mokv.TextContext(prompt, cache_salt="tenant-a", lora_name="math", lora_id=3,
+                           mm_inputs=[image], session_id="agent-1")
+    m.external_claim(ctx.request_id)
+    m.fetch([ctx])
+    ctx.update(100)
+    m.step([ctx])
+    payload = reader.take(1)[0][2]
+    (event,) = decode_like_vllm(payload).events
+    assert (event.lora_id, event.lora_name, event.session_id) == (3, "math", "agent-1")
+    assert event.extra_keys == [("math", "tenant-a"), ("math", ["img-a", 2]),
+                                ("math", ["img-a", -2])]
+    assert event.block_hashes == m.replicas[0].committed_hashes(ctx.request_id)
+    index = PrefixRouterIndex(page_size=4)
+    index.apply(("server", 0), BatchDecoder().decode(payload))
+    ask = dict(lora_name="math", mm_inputs=[image])
+    assert index.match(prompt, "tenant-a", **ask) == {("server", 0): 3}
+    assert index.match(prompt, "tenant-a", lora_name="math") == {("server", 0): 1}  # no image
+    assert index.match(prompt, "tenant-a", mm_inputs=[image]) == {("server", 0): 0}  # no adapter
+    assert index.match(prompt, lora_name="math", mm_inputs=[image]) == {("server", 0): 0}
+    m.close()

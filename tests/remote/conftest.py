@@ -18,7 +18,8 @@ import pytest
 import redis
 from max.dtype import DType
 from mokv.cache.hashing import iter_page_hashes, page_hash_fn, salted_root
-from mokv.remote import RemoteLayout, RemotePageStore
+from mokv.remote import PageCodec, RemoteLayout, RemotePageStore
+from xxhash import xxh3_64
 
 REDIS_SERVER = shutil.which("redis-server")
 INSTALL_HINT = (
@@ -155,3 +156,18 @@ def put_all(store, links, datas, timeout_s=10) -> None:
     for (page_hash, tokens), data in zip(links, datas):
         assert store.put(page_hash, tokens, data)
     assert store.flush(timeout_s)
+
+
+def forged_value(codec: PageCodec, page_hash: int, token_bytes: bytes, page) -> bytes:
+    """What a writer with access to the server but without the MAC key can make for
+    `codec`'s key space: every header field, the key space digest (from the key names
+    it sees) and the checksum right, the tag guessed."""
+    layout = codec.layout
+    value = bytearray(PageCodec(layout, "forger").encode(page_hash, token_bytes, page))
+    value[28:36] = codec.encode(page_hash, token_bytes, bytes(layout.page_nbytes))[28:36]
+    if codec.sealed:
+        value += bytes(32)  # a tag of the right size
+    check = xxh3_64(bytes(value[:56]))
+    check.update(bytes(value[64:]))
+    value[56:64] = check.intdigest().to_bytes(8, "little")
+    return bytes(value)

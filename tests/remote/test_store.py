@@ -1,11 +1,12 @@
 """RemotePageStore against a real redis-server: round trips, SET NX, chain probes, and
-values that must never come back as pages (corrupted, another layout, other tokens)."""
+values that must never come back as pages (corrupted, another layout, other tokens,
+copied from another namespace, planted without the MAC key)."""
 
 import numpy as np
 from max.dtype import DType
-from mokv.remote import RemoteLayout
+from mokv.remote import PageCodec, RemoteLayout
 
-from .conftest import SMALL, chain, pages, put_all
+from .conftest import SMALL, chain, forged_value, pages, put_all
 
 
 def test_round_trip_is_bit_exact(redis_server, make_store):
@@ -19,7 +20,7 @@ def test_round_trip_is_bit_exact(redis_server, make_store):
         assert np.array_equal(np.frombuffer(page, np.float32).reshape(SMALL.page_shape), data)
     m = store.metrics
     assert (m.hits, m.misses, m.pages_written, m.errors, m.timeouts) == (5, 0, 5, 0, 0)
-    assert m.bytes_written == m.bytes_read == 5 * SMALL.value_nbytes
+    assert m.bytes_written == m.bytes_read == 5 * store.codec.value_nbytes
 
 
 def test_bfloat16_pages_round_trip_as_raw_bytes(redis_server, make_store):
@@ -71,7 +72,7 @@ def test_corrupted_value_is_a_miss(redis_server, make_store):
     links, datas = chain(3), pages(3)
     put_all(store, links, datas)
     client = redis_server.client()
-    client.setrange(store.key(links[1][0]), SMALL.value_nbytes - 1, b"\x99")  # last byte
+    client.setrange(store.key(links[1][0]), store.codec.value_nbytes - 1, b"\x99")  # last byte
     got = store.lookup(links)
     assert [bytes(p) for p in got] == [datas[0].tobytes()]
     assert store.metrics.rejected_corrupt == 1 and store.metrics.misses == 1
@@ -86,7 +87,8 @@ def test_another_layouts_value_is_a_miss(redis_server, make_store):
     assert other.page_nbytes == SMALL.page_nbytes
     (page_hash, tokens), = links = chain(1)
     client = redis_server.client()
-    client.set(store.key(page_hash), other.encode(page_hash, tokens, pages(1)[0].tobytes()))
+    other_codec = PageCodec(other, store.namespace)
+    client.set(store.key(page_hash), other_codec.encode(page_hash, tokens, pages(1)[0].tobytes()))
     assert store.lookup(links) == [] and store.metrics.rejected_layout == 1
     # A store of the other layout never even sees this store's pages: another key.
     put_all(store, chain(2, seed=1), pages(2))
@@ -98,7 +100,8 @@ def test_other_tokens_under_the_same_hash_are_a_miss(redis_server, make_store):
     (page_hash, _), = links = chain(1)
     (_, other_tokens), = chain(1, seed=7)
     client = redis_server.client()
-    client.set(store.key(page_hash), SMALL.encode(page_hash, other_tokens, pages(1)[0].tobytes()))
+    client.set(store.key(page_hash),
+               store.codec.encode(page_hash, other_tokens, pages(1)[0].tobytes()))
     assert store.lookup(links) == [] and store.metrics.rejected_tokens == 1
 
 
@@ -122,4 +125,42 @@ def test_eviction_makes_misses_never_errors(small_redis_server, make_store):
     assert 0 < found < 96
     m = store.metrics
     assert (m.errors, m.timeouts, m.drops, m.skipped) == (0, 0, 0, 0)
-    assert m.rejected_corrupt == m.rejected_layout == m.rejected_tokens == 0
+    assert m.rejected_corrupt == m.rejected_layout == m.rejected_tokens == m.rejected_keyspace == 0
+
+
+def test_a_value_copied_under_another_namespace_is_a_miss(redis_server, make_store):
+    """Issue 41: the header names the key space, so a value copied from one namespace's
+    key to another's is refused (before, it was served)."""
+    a, b = make_store(redis_server), make_store(redis_server)
+    links = chain(1)
+    put_all(a, links, pages(1))
+    client = redis_server.client()
+    client.set(b.key(links[0][0]), client.get(a.key(links[0][0])))
+    assert b.probe(links) == 1  # the key is there
+    assert b.lookup(links) == [] and b.metrics.rejected_keyspace == 1
+
+
+KEY = b"a secret the servers share"
+
+
+def test_stores_sharing_a_mac_key_share_pages(redis_server, make_store):
+    writer = make_store(redis_server, mac_key=KEY)
+    reader = make_store(redis_server, namespace=writer.namespace, mac_key=KEY)
+    plain = make_store(redis_server, namespace=writer.namespace)
+    links, datas = chain(3), pages(3)
+    put_all(writer, links, datas)
+    assert [bytes(p) for p in reader.lookup(links)] == [d.tobytes() for d in datas]
+    assert plain.probe(links) == 0  # another key space: it never reads sealed values
+    assert writer.metrics.bytes_written == 3 * writer.codec.value_nbytes
+
+
+def test_with_a_mac_key_a_planted_page_is_a_miss(redis_server, make_store):
+    """A writer with Redis access plants a page under the servers' key: right hash,
+    tokens, layout, key space digest and checksum, but a tag made without the key."""
+    plain, store = make_store(redis_server), make_store(redis_server, mac_key=KEY)
+    (page_hash, tokens), = links = chain(1)
+    for victim in (plain, store):
+        value = forged_value(victim.codec, page_hash, tokens, pages(1)[0].tobytes())
+        redis_server.client().set(victim.key(page_hash), value)
+    assert len(plain.lookup(links)) == 1  # without a MAC key, a planted page is served
+    assert store.lookup(links) == [] and store.metrics.rejected_mac == 1

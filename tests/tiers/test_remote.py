@@ -14,14 +14,15 @@ import mokv
 from mokv import TextContext
 from mokv.cache import page_copy
 from mokv.cache.page_pool import PagePool
-from mokv.events.publisher import EventRecorder, build_events
+from mokv.events.publisher import EventPublisher, EventRecorder, MediumSink, build_events
 from mokv.managers.paged.replica import PagedReplica
 from mokv.remote import RemotePageStore
 from mokv.tiers.remote import RemoteTier
 from mokv.tiers.stack import TierStack
 
 from ..managers.conftest import make_paged, small_params
-from ..managers.test_all_or_nothing import Faults, Injected, snapshot
+from ..remote.conftest import forged_value
+from ..managers.faults import MODES, Faults, Injected, keep_handed_over, snapshot
 
 _namespaces = itertools.count()
 PREFIX = np.arange(8)  # two full pages of 4 tokens
@@ -261,32 +262,49 @@ def test_a_batch_that_does_not_fit_changes_nothing_with_remote_hits_planned(sess
 
 
 FAULT_TARGETS = [
-    (RemotePageStore, "lookup"), (RemoteTier, "lookup"), (RemoteTier, "load"),
-    (TierStack, "load"), (PagedReplica, "plan"), (PagedReplica, "apply"),
-    (PagedReplica, "fits"), (PagedReplica, "load_pending"), (page_copy, "write_pages"),
-    (PagePool, "room"), (PagePool, "take"), (PagePool, "commit_pages"), (PagePool, "lookup"),
-    (TextContext, "skip_cached_prefix"), (TextContext, "active_idx_after_skip"),
-    (PagedReplica, "runtime_inputs"),
+    (RemotePageStore, "lookup"), (RemotePageStore, "put"), (RemoteTier, "lookup"),
+    (RemoteTier, "load"), (RemoteTier, "store"), (RemoteTier, "pin"), (RemoteTier, "unpin"),
+    (TierStack, "load"), (TierStack, "store"), (TierStack, "pin"), (TierStack, "unpin"),
+    (TierStack, "count_served"), (TierStack, "note_reserved"), (PagedReplica, "plan"),
+    (PagedReplica, "apply"), (PagedReplica, "fits"), (PagedReplica, "load_pending"),
+    (PagedReplica, "commit"), (PagedReplica, "plan_commit"), (page_copy, "write_pages"),
+    (page_copy, "read_pages"), (PagePool, "room"), (PagePool, "take"),
+    (PagePool, "commit_pages"), (PagePool, "lookup"), (TextContext, "skip_cached_prefix"),
+    (TextContext, "active_idx_after_skip"), (PagedReplica, "runtime_inputs"),
+    (EventRecorder, "stored"), (MediumSink, "stored"), (EventPublisher, "end_step"),
 ]
 
 
-@pytest.mark.parametrize("op", ["maybe_reserve", "fetch"])
-def test_an_exception_anywhere_leaves_old_or_new_state(session, redis_server, monkeypatch, op):
-    """B reserves two remote hits (maybe_reserve) and loads them (fetch); a fault in
-    every inner call in turn leaves the state before the call or after it."""
-    ns = fresh_namespace()
-    a, _ = committed_by_a(session, redis_server, ns)
-    a.close()
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op", ["maybe_reserve", "fetch", "step"])
+def test_an_exception_anywhere_leaves_old_or_new_state(session, redis_server, monkeypatch, op,
+                                                       mode):
+    """B, publishing events, reserves two remote hits (maybe_reserve), loads them (fetch)
+    and commits a page it computed, queued to the store (step); a fault instead of, and
+    right after, every inner call in turn leaves the state before the call (and the
+    call, retried, succeeds) or after it."""
+    keep_handed_over(monkeypatch)
+    endpoints = itertools.count()
 
     def world():
-        b = remote_manager(session, redis_server, ns)
-        ctx = TextContext(np.r_[PREFIX, [5]], "B")
+        """A fresh namespace each time: B's step stores a page there."""
+        ns = fresh_namespace()
+        a, _ = committed_by_a(session, redis_server, ns)
+        a.close()
+        events = mokv.KVEventsConfig(endpoint=f"inproc://remote-faults-{next(endpoints)}")
+        b = remote_manager(session, redis_server, ns, kv_events=events)
+        ctx = TextContext(np.r_[PREFIX, [5, 6, 7, 8, 9]], "B")
         b.external_claim("B")
-        if op == "fetch":
+        if op != "maybe_reserve":
             assert b.maybe_reserve(ctx)
+        if op == "step":
+            b.fetch([ctx])
+            ctx.update(1)
         return b, ctx
 
     def call(b, ctx):
+        if op == "step":
+            return b.step([ctx])
         return b.maybe_reserve(ctx) if op == "maybe_reserve" else b.fetch([ctx])
 
     clean, ctx = world()
@@ -299,23 +317,27 @@ def test_an_exception_anywhere_leaves_old_or_new_state(session, redis_server, mo
         faults.disarm()
         b, ctx = world()
         old_state = snapshot(b, [ctx])
-        faults.arm(fault_at)
+        faults.arm(fault_at, mode)
         try:
             call(b, ctx)
         except Injected:
             num_faults += 1
             faults.disarm()
-            assert snapshot(b, [ctx]) in (old_state, new_state), f"fault at {fault_at}"
+            state = snapshot(b, [ctx])
+            assert state in (old_state, new_state), f"fault {mode} call {fault_at}"
             b.check_invariants()
+            call(b, ctx)  # the retry succeeds
+            assert snapshot(b, [ctx]) == new_state, f"fault {mode} call {fault_at}"
             b.release("B")
             assert b.num_free_blocks == 6
         else:
+            num_calls = faults.calls
             faults.disarm()
             assert snapshot(b, [ctx]) == new_state
             b.close()
             break
         b.close()
-    assert num_faults == faults.calls > 3
+    assert num_faults == num_calls > 3
 
 
 def test_a_dead_server_is_a_miss_and_a_restarted_one_serves_again(session, own_redis_server):
@@ -354,7 +376,7 @@ def test_remote_tier_config_is_validated():
         mokv.RemoteTierConfig(url="redis://127.0.0.1:1/0", namespace=None)
     with pytest.raises(ValueError, match="namespace.*'a:b'"):
         mokv.RemoteTierConfig(url="redis://h/0", namespace="a:b")
-    with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
+    with pytest.raises(ValueError, match="timeout_s must be finite and > 0, got 0"):
         mokv.RemoteTierConfig(url="redis://h/0", namespace="m", timeout_s=0)
     tier = mokv.RemoteTierConfig(url="redis://h/0", namespace="m")
     dtype = mokv.params.CACHE_DTYPES[0]
@@ -403,5 +425,33 @@ def test_one_plan_walks_the_host_then_the_shared_tier_and_asks_the_pool_once(
     b.fetch([ctx])
     assert (b.metrics.host_cache_tokens, b.metrics.remote_cache_tokens) == (4, 4)
     b.check_invariants()
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("mac_key", [None, b"a secret the servers share"], ids=["plain", "mac"])
+def test_a_planted_page_is_served_only_without_a_mac_key(session, redis_server, mac_key):
+    """A commits the prefix; a writer with Redis access replaces page 0 with poison that
+    passes every check it can compute. Without a MAC key B serves the poison (the limit
+    docs/tiers.md states); with one, B refuses it and computes the prefix itself."""
+    ns = fresh_namespace()
+    tiers = (mokv.RemoteTierConfig(url=redis_server.url, namespace=ns, mac_key=mac_key),)
+    a = make_paged(session, num_pages=6, max_seq_len=24, tiers=tiers)
+    serve(a, TextContext(np.r_[PREFIX, [9]], "A"), fill_seed=1)
+    flush(a)
+    store = stores(a)[0]
+    page_hash = a.replicas[0].committed_hashes("A")[0]
+    poison = np.full(store.layout.page_shape, 7.0, dtype=np.float32)
+    redis_server.client().set(store.key(page_hash), forged_value(
+        store.codec, page_hash, PREFIX[:4].astype("<i8").tobytes(), poison))
+    b = make_paged(session, num_pages=6, max_seq_len=24, tiers=tiers)
+    ctx = reserved(b, np.r_[PREFIX, [5]], "B")
+    if mac_key is None:
+        assert ctx.start_idx == 8
+        b.fetch([ctx])
+        loaded = page_copy.numpy_view(b.replicas[0].blocks[0])[b.get_req_blocks("B")[0]]
+        assert loaded.tobytes() == poison.tobytes()  # the poison, served
+    else:
+        assert ctx.start_idx == 0 and b.remote_metrics.rejected_mac == 1
     a.close()
     b.close()

@@ -32,7 +32,9 @@ with different `prefix_hash_seed` never share a page. A request with a `cache_sa
 chains from `salted_root(...)` instead, a hash of the salt under a separate root, so the
 salt is mixed into the first page's hash only and later pages inherit it through the
 chain. The salt is encoded with type tags and lengths (`encode_extra_keys`), so two
-different salts never produce the same bytes (SGLang #30827's bug class).
+different salts never produce the same bytes (SGLang #30827's bug class). A LoRA adapter
+joins the salt in the root, and an image keys the pages it overlaps
+(`mokv.cache.extra_keys`: `keyed_root`, `iter_page_hashes(page_keys=...)`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import ctypes
 import functools
 import hashlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 from xxhash import xxh3_64_intdigest
@@ -221,19 +223,28 @@ def encode_extra_keys(*keys: str | bytes | int) -> bytes:
     return b"".join(out)
 
 
+def keyed_root(algorithm: str, seed: int, keys: tuple[str | bytes | int, ...]) -> int:
+    """The parent hash of the first page of a sequence whose every page is keyed by
+    `keys` (tags and values, e.g. `("cache_salt", salt)`; see `mokv.cache.extra_keys`);
+    `root_hash` for none.
+
+    The keys are hashed under their own root (not `root_hash`), so a keyed root can never
+    equal the hash of some unkeyed first page."""
+    if not keys:
+        return root_hash(algorithm, seed)
+    fn = page_hash_fn(algorithm)
+    key_domain = fn(0, _seed_bytes(b"mokv-salted-root", seed))
+    return fn(key_domain, encode_extra_keys(*keys))
+
+
 def salted_root(algorithm: str, seed: int, cache_salt: str | None) -> int:
     """The parent hash of the first page of a sequence with `cache_salt` (None or "":
-    unsalted, as in vLLM, which salts a request only when its salt is truthy).
-
-    The salt is hashed under its own root (not `root_hash`), so a salted root can never
-    equal the hash of some unsalted first page."""
+    unsalted, as in vLLM, which salts a request only when its salt is truthy)."""
     if cache_salt is None or cache_salt == "":
         return root_hash(algorithm, seed)
     if not isinstance(cache_salt, str):
         raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
-    fn = page_hash_fn(algorithm)
-    salt_domain = fn(0, _seed_bytes(b"mokv-salted-root", seed))
-    return fn(salt_domain, encode_extra_keys("cache_salt", cache_salt))
+    return keyed_root(algorithm, seed, ("cache_salt", cache_salt))
 
 
 def token_bytes(tokens: np.ndarray) -> bytes:
@@ -241,11 +252,22 @@ def token_bytes(tokens: np.ndarray) -> bytes:
     return np.ascontiguousarray(tokens, dtype="<i8").tobytes()
 
 
-def page_hashes(tokens: np.ndarray, page_size: int, parent: int, hash_fn: PageHashFn) -> list[int]:
+def page_hashes(
+    tokens: np.ndarray,
+    page_size: int,
+    parent: int,
+    hash_fn: PageHashFn,
+    page_keys: Mapping[int, bytes] | None = None,
+) -> list[int]:
     """Hashes of the full pages of `tokens`, chained from `parent` (no token bytes kept).
 
     What a router computes for a query, and what the benchmark times: the pages are
-    rows of one int64 array, handed to the hash function as zero-copy views."""
+    rows of one int64 array, handed to the hash function as zero-copy views. `page_keys`
+    as for `iter_page_hashes`."""
+    if page_keys:
+        return [
+            h for h, _ in iter_page_hashes(tokens, page_size, parent, hash_fn, 0, None, page_keys)
+        ]
     data = np.ascontiguousarray(tokens, dtype="<i8")
     num_pages = len(data) // page_size
     chain = _chain_fn(hash_fn, num_pages)
@@ -266,9 +288,15 @@ def iter_page_hashes(
     hash_fn: PageHashFn,
     first_page: int = 0,
     end_page: int | None = None,
+    page_keys: Mapping[int, bytes] | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """(hash, token bytes) of full pages `first_page` to `end_page` (default: the last
     full page) of `tokens`, chained from `parent`, the hash of the page before them.
+
+    `page_keys` maps a page index to the encoded extra keys of that page (an image it
+    overlaps: `mokv.cache.extra_keys.page_keys`): such a page's hash is
+    `hash_fn(hash_fn(parent, keys), tokens)`. A range with keyed pages is hashed page by
+    page.
 
     The tokens are converted to bytes once and sliced per page; a caller may stop early.
     A hash with a batched form (`_chain_fn`) hashes the whole range in one call first,
@@ -282,6 +310,13 @@ def iter_page_hashes(
     pages = np.ascontiguousarray(tokens[first_page * page_size : end_page * page_size], dtype="<i8")
     data = pages.tobytes()
     stride = page_size * 8
+    if page_keys:
+        for page_idx, start in enumerate(range(0, len(data), stride), start=first_page):
+            chunk = data[start : start + stride]
+            keys = page_keys.get(page_idx)
+            parent = hash_fn(parent if keys is None else hash_fn(parent, keys), chunk)
+            yield parent, chunk
+        return
     chain = _chain_fn(hash_fn, end_page - first_page)
     if chain is not None:
         for start, page_hash in zip(range(0, len(data), stride), chain(pages, page_size, parent)):

@@ -1,17 +1,24 @@
 """PagePool: the pages of one cache replica, their reference counts and the prefix index.
 
-Every page is in exactly one of three states:
+Every page is in exactly one of four states:
 
     free    ref 0, no hash         in `_free` (a stack: the most recently freed page is
                                    reused first, which keeps the working set small)
     cached  ref 0, hashed          in `_cached` (LRU order, oldest first); still findable
                                    through the prefix index until it is evicted
+    kept    ref 0, hashed, its     in `_kept` (LRU order): a cached page that a session
+            hash retained          retains (`retain`; `mokv.SessionConfig`)
     owned   ref >= 1               held by one or more requests; may be hashed
 
 Allocation takes free pages first and evicts cached pages only when no free page is
-left, oldest first. Owners hand pages back in the order they want them evicted:
-the managers release a request's pages tail first, so a shared prompt prefix outlives
-the suffixes that extend it (the eviction order of vLLM's `FreeKVCacheBlockQueue`).
+left, oldest first, and kept pages only when no cached page is left: retention changes
+the eviction order, never how many pages an allocation can have. Owners hand pages back
+in the order they want them evicted: the managers release a request's pages tail first,
+so a shared prompt prefix outlives the suffixes that extend it (the eviction order of
+vLLM's `FreeKVCacheBlockQueue`).
+
+Retention is by hash (`_retained`): a retained hash's page is kept whenever it has no
+owner, whichever page holds it (one recomputed or loaded back after an eviction too).
 
 The hash index maps a chained page hash (see `hashing.py`) to the one page committed
 under it. When two requests compute the same page at the same time, only the first
@@ -24,13 +31,19 @@ Invariants (checked by `check_invariants`):
   1. free, cached and owned partition the pages; `_free` and `_cached` hold no duplicates.
   2. owned pages have ref >= 1, free and cached pages ref 0.
   3. every page's ref count equals the number of times the owners hold it.
-  4. cached pages are hashed, free pages are not; the index maps each hash to a page
-     carrying exactly that hash, and every hashed page is in the index.
+  4. cached and kept pages are hashed, free pages are not; the index maps each hash to a
+     page carrying exactly that hash, and every hashed page is in the index.
+  5. a kept page's hash is retained, a cached page's is not.
 
 Every change is all or nothing: a call first works out what it will do (and raises, or
 returns None, before touching anything), then applies it with plain list and dict
 operations that cannot fail half-way. So an exception from any call, or from anything
-it calls, leaves the pool as it was.
+it calls, leaves the pool as it was. With an `undo` log (`mokv.undo.UndoLog`, set by
+the manager) each change also records there how to undo it, before it tells its event
+sink: a manager rolls back a call that raised after a pool call returned. An undone
+change restores every page's owners, hash and tokens and the index; the free list and
+the LRU may end in another order (evicted pages go back to the old end of the LRU,
+revived ones to its young end).
 
 Events. An optional `events` sink (`mokv.events.EventPublisher`, set by the manager
 before the pool is used) hears the three changes routers care about, at the one place
@@ -42,7 +55,8 @@ Counters. `num_freed` counts pages that lost their last owner, `num_unindexed` i
 entries removed (evictions, resets); both only grow. Between two readings with both
 unchanged, `room(hits)` cannot have grown, and a lookup that found a page still finds it
 (the prefix memo, `mokv.managers.paged.chain_memo`, relies on this): every change that
-frees a page or removes an index entry must count it.
+frees a page or removes an index entry must count it, undoing included (an undone
+`take` frees its pages, an undone `commit_pages` removes its entries).
 
 Everything here is plain integers in flat lists, so that the pool can move to Mojo
 without changing its shape.
@@ -50,19 +64,24 @@ without changing its shape.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import islice
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import InvariantError
+from ..undo import UndoLog
+from .retention import Retention
+
+if TYPE_CHECKING:
+    from .extra_keys import EventKeys
 
 
 class PageEventSink(Protocol):
     """Hears the pool's prefix-cache changes (see `mokv.events.EventPublisher`)."""
 
     def stored(
-        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, cache_salt: str | None
+        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, keys: EventKeys | None
     ) -> None: ...
 
     def removed(self, page_hash: int) -> None: ...
@@ -82,9 +101,15 @@ class PagePool:
         self._page_tokens: list[bytes | None] = [None] * num_pages
         # Pop from the end; page 0 is handed out first on a fresh pool.
         self._free = list(range(num_pages - 1, -1, -1))
-        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._retention = Retention()
+        self._cached = self._retention.cached  # the same dicts, read on the hot paths
+        self._kept = self._retention.kept
+        self._retained = self._retention.hashes
         self._index: dict[int, int] = {}
+        self.num_evicted_retained = 0
+        """Kept pages evicted (no free or cached page was left): pages lost by a session."""
         self.events: PageEventSink | None = None
+        self.undo: UndoLog | None = None
         self.num_freed = 0
         self.num_unindexed = 0
 
@@ -92,13 +117,18 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        """Pages that `allocate` can hand out now: free and cached pages."""
-        return len(self._free) + len(self._cached)
+        """Pages that `allocate` can hand out now: free, cached and kept pages."""
+        return len(self._free) + len(self._cached) + len(self._kept)
 
     @property
     def num_cached(self) -> int:
-        """Pages that hold a reusable prefix but no owner."""
-        return len(self._cached)
+        """Pages that hold a reusable prefix but no owner (kept ones included)."""
+        return len(self._cached) + len(self._kept)
+
+    @property
+    def num_kept(self) -> int:
+        """Pages without an owner that a session retains."""
+        return len(self._kept)
 
     @property
     def num_used(self) -> int:
@@ -140,7 +170,16 @@ class PagePool:
 
     def is_cached(self, page_id: int) -> bool:
         """True if the page has no owner but can still be reused through the index."""
-        return page_id in self._cached
+        return page_id in self._cached or page_id in self._kept
+
+    def is_retained(self, page_id: int) -> bool:
+        """True if the page's hash is retained (the page is kept whenever unowned)."""
+        return self._page_hash[page_id] in self._retained
+
+    @property
+    def retained_hashes(self) -> frozenset[int]:
+        """The hashes retained now (indexed or not)."""
+        return frozenset(self._retained)
 
     # --- changes --------------------------------------------------------------------
 
@@ -168,7 +207,10 @@ class PagePool:
         revived = {p for p in hits if not ref_count[p]}
         # A dict view's `>=` tests membership of each revived page in C.
         if revived and not self._cached.keys() >= revived:
-            raise InvariantError(f"unowned pages {sorted(revived)} taken but not all are cached")
+            if not self._cached.keys() | self._kept.keys() >= revived:
+                raise InvariantError(
+                    f"unowned pages {sorted(revived)} taken but not all are cached"
+                )
         return revived
 
     def take(self, hits: Sequence[int], num_new: int) -> list[int] | None:
@@ -182,27 +224,41 @@ class PagePool:
         if num_new > self.num_free - len(revived):
             return None
         from_free = min(num_new, len(self._free))
-        evicted = (
-            list(islice((p for p in self._cached if p not in revived), num_new - from_free))
-            if num_new > from_free
-            else []
-        )
+        need = num_new - from_free
+        evicted = list(islice((p for p in self._cached if p not in revived), need)) if need else []
+        num_unretained = len(evicted)
+        if need > num_unretained:  # the cached pages ran out: sessions lose kept pages
+            evicted += islice((p for p in self._kept if p not in revived), need - num_unretained)
         # Everything is decided: apply it.
         for page_id in revived:
-            del self._cached[page_id]
+            if self._cached.pop(page_id, self) is self:
+                del self._kept[page_id]
         for page_id in hits:
             self._ref_count[page_id] += 1
         evicted_hashes = [self._page_hash[page_id] for page_id in evicted]
-        for page_id, page_hash in zip(evicted, evicted_hashes):
-            del self._cached[page_id]
+        evicted_tokens = [self._page_tokens[page_id] for page_id in evicted]
+        for i, (page_id, page_hash) in enumerate(zip(evicted, evicted_hashes)):
+            del (self._cached if i < num_unretained else self._kept)[page_id]
             del self._index[page_hash]  # type: ignore[arg-type]
             self._page_hash[page_id] = None
             self._page_tokens[page_id] = None
+        self.num_evicted_retained += len(evicted) - num_unretained
         pages = self._free[len(self._free) - from_free :][::-1] + evicted
         del self._free[len(self._free) - from_free :]
         for page_id in pages:
             self._ref_count[page_id] = 1
         self.num_unindexed += len(evicted)
+        if self.undo is not None:
+            self.undo.push(
+                self._untake,
+                list(hits),
+                revived,
+                tuple(pages),
+                from_free,
+                evicted_hashes,
+                evicted_tokens,
+                num_unretained,
+            )
         if self.events is not None:
             for page_hash in evicted_hashes:
                 self.events.removed(page_hash)  # type: ignore[arg-type]
@@ -224,15 +280,32 @@ class PagePool:
             for page_id, times in Counter(page_ids).items():
                 if ref_count[page_id] < times:
                     raise InvariantError(f"page {page_id} released more often than it was acquired")
+        retained = self._retained
         for page_id in page_ids:
             ref = self._ref_count[page_id] - 1
             self._ref_count[page_id] = ref
             if ref == 0:
                 self.num_freed += 1
-                if self._page_hash[page_id] is None:
+                page_hash = self._page_hash[page_id]
+                if page_hash is None:
                     self._free.append(page_id)
+                elif retained and page_hash in retained:
+                    self._kept[page_id] = None
                 else:
                     self._cached[page_id] = None
+        if self.undo is not None:
+            self.undo.push(self._unrelease, page_ids)
+
+    def retain(self, page_hashes: Iterable[int]) -> None:
+        """Retains these hashes (not retained yet): their unowned pages become kept, the
+        first given evicted first among them, and so does any page that holds one of them
+        later while unowned (`Retention.retain`). Cannot fail half-way."""
+        self._retention.retain(page_hashes, self._index, self.undo)
+
+    def unretain(self, page_hashes: Iterable[int], old_end: bool = True) -> None:
+        """Stops retaining these hashes: their kept pages become cached pages at the old
+        end of the LRU, or the young end (`Retention.unretain`). Cannot fail half-way."""
+        self._retention.unretain(page_hashes, self._index, old_end, self.undo)
 
     def commit(
         self,
@@ -240,18 +313,19 @@ class PagePool:
         page_hash: int,
         token_bytes: bytes,
         parent_hash: int | None = None,
-        cache_salt: str | None = None,
+        keys: EventKeys | None = None,
     ) -> bool:
         """Makes an owned, full page findable under `page_hash`.
 
         Returns False (and leaves the page unhashed) if another page already holds
         this hash: the index keeps one copy per prefix, and owners' page lists never
-        change under them. `parent_hash` (None for a sequence's first page) and
-        `cache_salt` are only passed on to the event sink.
+        change under them. `parent_hash` (None for a sequence's first page) and `keys`
+        (what events say of the page: `mokv.cache.extra_keys.EventKeys`) are only passed
+        on to the event sink.
         """
-        return self.commit_pages(
-            [page_id], [page_hash], [token_bytes], [parent_hash], [cache_salt]
-        ) == [True]
+        return self.commit_pages([page_id], [page_hash], [token_bytes], [parent_hash], [keys]) == [
+            True
+        ]
 
     def commit_pages(
         self,
@@ -259,7 +333,7 @@ class PagePool:
         page_hashes: Sequence[int],
         token_bytes: Sequence[bytes],
         parent_hashes: Sequence[int | None] | None = None,
-        cache_salts: Sequence[str | None] | None = None,
+        keys: Sequence[EventKeys | None] | None = None,
     ) -> list[bool]:
         """`commit` for several pages at once, all or nothing; True where a page was
         indexed. Pages of one chain come parent first, so that events announce a parent
@@ -278,54 +352,149 @@ class PagePool:
                 self._index[page_hash] = page_id
                 self._page_hash[page_id] = page_hash
                 self._page_tokens[page_id] = data
+        if self.undo is not None:
+            self.undo.push(self._uncommit, [p for p, new in zip(page_ids, indexed) if new])
         if self.events is not None:
             parents = parent_hashes or [None] * len(page_ids)
-            salts = cache_salts or [None] * len(page_ids)
-            for page_hash, data, parent, salt, new in zip(
-                page_hashes, token_bytes, parents, salts, indexed
+            page_keys = keys or [None] * len(page_ids)
+            for page_hash, data, parent, page_key, new in zip(
+                page_hashes, token_bytes, parents, page_keys, indexed
             ):
                 if new:
-                    self.events.stored(page_hash, parent, data, salt)
+                    self.events.stored(page_hash, parent, data, page_key)
         return indexed
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every hash: cached pages become free, owned pages stop being shareable."""
+        """Forgets every hash and retention: cached and kept pages become free, owned pages
+        stop being shareable."""
+        if self.undo is not None:
+            self.undo.push(
+                self._unreset,
+                [(p, h, self._page_tokens[p]) for h, p in self._index.items()],
+                list(self._cached),
+                list(self._kept),
+                set(self._retained),
+                len(self._free),
+            )
         for page_id in self._index.values():
             self._page_hash[page_id] = None
             self._page_tokens[page_id] = None
         self.num_unindexed += len(self._index)
         self._index.clear()
         self._free.extend(self._cached)
-        self._cached.clear()
+        self._free.extend(self._kept)
+        self._retention.clear()
         if self.events is not None:
             self.events.cleared()
+
+    # --- undo (run by `UndoLog.rollback`, newest change first) ------------------------
+
+    def _untake(
+        self,
+        hits: list[int],
+        revived: set[int],
+        pages: tuple[int, ...],
+        from_free: int,
+        evicted_hashes: list[int],
+        evicted_tokens: list[bytes],
+        num_unretained: int,
+    ) -> None:
+        self.num_evicted_retained -= len(evicted_hashes) - num_unretained
+        self.num_freed += len(pages) + len(revived)
+        for page_id in pages:
+            self._ref_count[page_id] = 0
+        self._free.extend(reversed(pages[:from_free]))
+        evicted = pages[from_free:]
+        for page_id, page_hash, data in zip(
+            evicted[::-1], evicted_hashes[::-1], evicted_tokens[::-1]
+        ):
+            self._page_hash[page_id] = page_hash
+            self._page_tokens[page_id] = data
+            self._index[page_hash] = page_id
+            lru = self._retention.lru(page_hash)
+            lru[page_id] = None
+            lru.move_to_end(page_id, last=False)  # they were the oldest
+        for page_id in hits:
+            self._ref_count[page_id] -= 1
+        for page_id in revived:
+            self._retention.lru(self._page_hash[page_id])[page_id] = None
+
+    def _unrelease(self, page_ids: list[int]) -> None:
+        for page_id in reversed(page_ids):
+            ref = self._ref_count[page_id]
+            if ref == 0:
+                page_hash = self._page_hash[page_id]
+                if page_hash is None:
+                    self._free.pop()  # it was appended last
+                else:
+                    del self._retention.lru(page_hash)[page_id]
+            self._ref_count[page_id] = ref + 1
+
+    def _uncommit(self, page_ids: list[int]) -> None:
+        self.num_unindexed += len(page_ids)
+        for page_id in page_ids:
+            del self._index[self._page_hash[page_id]]  # type: ignore[arg-type]
+            self._page_hash[page_id] = self._page_tokens[page_id] = None
+
+    def _unreset(
+        self,
+        indexed: list[tuple[int, int, bytes | None]],
+        cached: list[int],
+        kept: list[int],
+        retained: set[int],
+        num_free: int,
+    ) -> None:
+        for page_id, page_hash, data in indexed:
+            self._index[page_hash] = page_id
+            self._page_hash[page_id] = page_hash
+            self._page_tokens[page_id] = data
+        del self._free[num_free:]
+        self._retention.restore(cached, kept, retained)
 
     # --- checks ---------------------------------------------------------------------
 
     def check_invariants(self, owned_pages: Iterable[Iterable[int]]) -> None:
-        """Raises InvariantError unless invariants 1-4 hold for these owners' page lists."""
+        """Raises InvariantError unless invariants 1-5 hold for these owners' page lists."""
         holders = [0] * self.num_pages
         for pages in owned_pages:
             for page_id in pages:
                 holders[page_id] += 1
-        free, cached = set(self._free), set(self._cached)
+        free, cached, kept = set(self._free), set(self._cached), set(self._kept)
         if len(free) != len(self._free):
             raise InvariantError(f"free list holds duplicates: {sorted(self._free)}")
-        if free & cached:
-            raise InvariantError(f"pages both free and cached: {sorted(free & cached)}")
+        for (name, a), (other, b) in (
+            (("free", free), ("cached", cached)),
+            (("free", free), ("kept", kept)),
+            (("cached", cached), ("kept", kept)),
+        ):
+            if a & b:
+                raise InvariantError(f"pages both {name} and {other}: {sorted(a & b)}")
         for page_id in range(self.num_pages):
             ref, h = self._ref_count[page_id], self._page_hash[page_id]
-            state = "free" if page_id in free else "cached" if page_id in cached else "owned"
+            state = (
+                "free"
+                if page_id in free
+                else "cached"
+                if page_id in cached
+                else "kept"
+                if page_id in kept
+                else "owned"
+            )
             if ref != holders[page_id]:
                 raise InvariantError(
                     f"page {page_id} ({state}) has ref count {ref} but {holders[page_id]} owners"
                 )
             if (state == "owned") != (ref > 0):
                 raise InvariantError(f"page {page_id} is {state} with ref count {ref}")
-            if state == "cached" and h is None or state == "free" and h is not None:
+            if state in ("cached", "kept") and h is None or state == "free" and h is not None:
                 raise InvariantError(f"page {page_id} is {state} with hash {h}")
             if h is not None and self._index.get(h) != page_id:
                 raise InvariantError(f"page {page_id} has hash {h} but is not indexed under it")
+        misfiled = self._retention.misfiled(self._page_hash)
+        if misfiled:
+            raise InvariantError(
+                f"unowned pages {misfiled} are kept without a retained hash or cached with one"
+            )
         for h, page_id in self._index.items():
             if self._page_hash[page_id] != h:
                 raise InvariantError(

@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .format import PAYLOAD_FORMATS
+
+if TYPE_CHECKING:
+    from ..params import KVCacheParams
+
+ZMQ_SCHEMES = ("tcp", "ipc", "inproc")
+"""Transports of `KVEventsConfig.endpoint` and `replay_endpoint`."""
+
+MAX_PORT = 65535
+MAX_HWM = 2**31 - 1
+"""ZMQ's high-water mark is a C int."""
 
 SALT_FORMATS = ("vllm", "dynamo", "sglang")
 """How a salted first page carries its cache salt (`KVEventsConfig.salt_format`)."""
@@ -63,6 +74,8 @@ class KVEventsConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.hwm > MAX_HWM:
+            raise ValueError(f"hwm={self.hwm} is past ZMQ's largest high-water mark {MAX_HWM}")
         if self.payload_format not in PAYLOAD_FORMATS:
             raise ValueError(
                 f"payload_format={self.payload_format!r} is not one of {PAYLOAD_FORMATS}"
@@ -74,9 +87,34 @@ class KVEventsConfig:
                 "salt_format='sglang' adds a top-level cache_salt field, which only the map "
                 f"payload has; got payload_format={self.payload_format!r}"
             )
-        for endpoint in (self.endpoint, self.replay_endpoint):
-            if endpoint is not None and "://" not in endpoint:
-                raise ValueError(f"{endpoint!r} is not a ZMQ address (tcp://, ipc://, inproc://)")
+        check_endpoint("endpoint", self.endpoint)
+        if self.replay_endpoint is not None:
+            check_endpoint("replay_endpoint", self.replay_endpoint)
+        self.check_replicas(1)
+
+    def check(self, params: KVCacheParams) -> None:
+        """ValueError unless every replica of `params` gets its own valid addresses
+        (called by `KVCacheParams.__post_init__`)."""
+        self.check_replicas(params.data_parallel_degree)
+
+    def check_replicas(self, num_replicas: int) -> None:
+        """ValueError unless replicas `0 .. num_replicas - 1` each get valid addresses
+        (tcp ports up to 65535) and no two sockets the same one (port 0 aside)."""
+        seen: dict[str, str] = {}
+        for replica in range(num_replicas):
+            for name, address in (
+                ("endpoint", self.endpoint_for(replica)),
+                ("replay_endpoint", self.replay_endpoint_for(replica)),
+            ):
+                if address is None or address.endswith(":0"):
+                    continue
+                where = f"{name} of replica {replica}"
+                if address in seen:
+                    raise ValueError(
+                        f"the {where} and the {seen[address]} are both {address!r}: each "
+                        "socket needs its own address"
+                    )
+                seen[address] = where
 
     def endpoint_for(self, replica: int) -> str:
         """The PUB address of data-parallel replica `replica`."""
@@ -89,8 +127,31 @@ class KVEventsConfig:
         )
 
 
+def check_endpoint(name: str, endpoint: object) -> None:
+    """TypeError / ValueError naming `endpoint` unless it is a ZMQ address mokv can use:
+    `tcp://host:port` (port 0-65535; 0: any free port), `ipc://path` or
+    `inproc://name`."""
+    if not isinstance(endpoint, str):
+        raise TypeError(f"{name} must be a str (a ZMQ address), got {endpoint!r}")
+    scheme, sep, address = endpoint.partition("://")
+    if not sep or scheme not in ZMQ_SCHEMES or not address:
+        raise ValueError(
+            f"{name}={endpoint!r} is not a ZMQ address: tcp://host:port, ipc://path or "
+            "inproc://name"
+        )
+    if scheme == "tcp":
+        host, colon, port = address.rpartition(":")
+        if not colon or not host or not (port.isascii() and port.isdigit()):
+            raise ValueError(f"{name}={endpoint!r}: a tcp address is tcp://host:port")
+        if int(port) > MAX_PORT:
+            raise ValueError(
+                f"{name}={endpoint!r}: port {port} is past {MAX_PORT} (ZMQ would bind another)"
+            )
+
+
 def offset_endpoint(endpoint: str, replica: int) -> str:
-    """`endpoint` moved to replica `replica`: tcp port + replica, else a `_dp{r}` suffix."""
+    """`endpoint` moved to replica `replica`: tcp port + replica, else a `_dp{r}` suffix.
+    ValueError when the port would pass 65535."""
     if replica == 0:
         return endpoint
     if endpoint.startswith(("inproc://", "ipc://")):
@@ -98,7 +159,14 @@ def offset_endpoint(endpoint: str, replica: int) -> str:
     base, sep, port = endpoint.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"cannot offset {endpoint!r} for replica {replica}: no tcp port")
-    return endpoint if int(port) == 0 else f"{base}:{int(port) + replica}"
+    if int(port) == 0:
+        return endpoint
+    if int(port) + replica > MAX_PORT:
+        raise ValueError(
+            f"{endpoint!r} gives data-parallel replica {replica} port {int(port) + replica}, "
+            f"past {MAX_PORT}: use a lower port"
+        )
+    return f"{base}:{int(port) + replica}"
 
 
 def binds(endpoint: str) -> bool:

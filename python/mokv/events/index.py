@@ -9,7 +9,8 @@ event's `medium`, see `TIER_OF_MEDIUM`):
     AllBlocksCleared  empties every tier of the source
 
 A router hashes the full pages of `tokens` the way the servers do (same algorithm, seed,
-page size and salt; see `mokv.cache.hashing`) and asks, per source:
+page size, salt, LoRA adapter and images; see `mokv.cache.hashing` and
+`mokv.cache.extra_keys`) and asks, per source:
 
     match(tokens)   the leading pages the source holds in any tier (a source holding
                     pages 3 and 4 of a prompt but not page 0 holds 0: a cache serves
@@ -33,9 +34,11 @@ there; the server evicts without telling anyone, so it may hold pages already go
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Sequence
 
-from ..cache.hashing import STABLE_ALGORITHMS, page_hash_fn, page_hashes, salted_root
+from ..cache.extra_keys import chain_root, page_keys
+from ..cache.hashing import STABLE_ALGORITHMS, page_hash_fn, page_hashes
+from ..context import MultimodalInput, token_ids
 from .format import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 Source = tuple[str, int]
@@ -78,8 +81,14 @@ class PrefixRouterIndex:
             `host_weight`.
 
     Raises:
-        ValueError: an unknown `prefix_hash`, or weights outside
+        ValueError: a `page_size` that is not a positive int, an unknown `prefix_hash`,
+            a `prefix_hash_seed` outside [0, 2**64), or weights outside
             `0 <= shared_weight <= host_weight <= 1`.
+
+    A query's tokens must be a 1-D sequence of integer token ids in [0, 2**63), as a
+    context's (`mokv.context.token_ids`: floats, 2-D arrays, negative or huge ids are a
+    TypeError / ValueError naming them, never truncated into a match), and its
+    `cache_salt` a str or None.
     """
 
     def __init__(
@@ -90,8 +99,14 @@ class PrefixRouterIndex:
         host_weight: float = 0.75,
         shared_weight: float = 0.25,
     ):
+        if page_size.__class__ is not int or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if prefix_hash not in STABLE_ALGORITHMS:
             raise ValueError(f"prefix_hash={prefix_hash!r} is not one of {STABLE_ALGORITHMS}")
+        if prefix_hash_seed.__class__ is not int or not 0 <= prefix_hash_seed < 2**64:
+            raise ValueError(
+                f"prefix_hash_seed must be an int in [0, 2**64), got {prefix_hash_seed!r}"
+            )
         for name, weight in (("host_weight", host_weight), ("shared_weight", shared_weight)):
             if weight.__class__ not in (int, float) or not 0 <= weight <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {weight!r}")
@@ -105,7 +120,7 @@ class PrefixRouterIndex:
         self.prefix_hash_seed = prefix_hash_seed
         self.weights = {"device": 1.0, "host": float(host_weight), "shared": float(shared_weight)}
         self._hash_fn = page_hash_fn(prefix_hash)
-        self._roots: dict[str | None, int] = {}
+        self._roots: dict[tuple[str | None, str | None], int] = {}
         self._sources: dict[Source, dict[str, set[int]]] = {}
         self.num_ignored = 0
 
@@ -149,24 +164,45 @@ class PrefixRouterIndex:
         """Forgets everything about `source` (after a restart or an unrecoverable gap)."""
         self._sources.pop(source, None)
 
-    def page_hashes(self, tokens, cache_salt: str | None = None) -> list[int]:
-        """The hashes of the full pages of `tokens` with `cache_salt`, as servers compute them."""
-        root = self._roots.get(cache_salt)
+    def page_hashes(
+        self,
+        tokens,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_inputs: Sequence[MultimodalInput] = (),
+    ) -> list[int]:
+        """The hashes of the full pages of `tokens` with `cache_salt` (None or "": none),
+        under the LoRA adapter `lora_name`, with the images `mm_inputs`, as servers compute
+        them (`TextContext` takes the same keys)."""
+        tokens = token_ids(tokens, allow_empty=True)
+        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a str or None, got {value!r}")
+        key = (cache_salt or None, lora_name or None)
+        root = self._roots.get(key)
         if root is None:
-            root = salted_root(self.prefix_hash, self.prefix_hash_seed, cache_salt)
-            self._roots[cache_salt] = root
-        return page_hashes(np.asarray(tokens), self.page_size, root, self._hash_fn)
+            root = chain_root(self.prefix_hash, self.prefix_hash_seed, *key)
+            self._roots[key] = root
+        keys = page_keys(tuple(mm_inputs), self.page_size, 0, len(tokens) // self.page_size)
+        return page_hashes(tokens, self.page_size, root, self._hash_fn, keys)
 
     def match(
-        self, tokens, cache_salt: str | None = None, tiers: tuple[str, ...] = TIERS
+        self,
+        tokens,
+        cache_salt: str | None = None,
+        tiers: tuple[str, ...] = TIERS,
+        *,
+        lora_name: str | None = None,
+        mm_inputs: Sequence[MultimodalInput] = (),
     ) -> dict[Source, int]:
-        """For each source, how many leading full pages of `tokens` (with this salt) it
-        holds in any of `tiers` (e.g. `("device",)`: what it holds on its device)."""
+        """For each source, how many leading full pages of `tokens` (with this salt,
+        adapter and images) it holds in any of `tiers` (e.g. `("device",)`: what it
+        holds on its device)."""
         if not set(tiers) <= set(TIERS):
             raise ValueError(f"tiers={tiers!r} are not all in {TIERS}")
+        hashes = self.page_hashes(tokens, cache_salt, lora_name, mm_inputs)
         if tiers == TIERS:
-            return {s: len(w) for s, w in self._page_weights(tokens, cache_salt).items()}
-        hashes = self.page_hashes(tokens, cache_salt)
+            return {s: len(w) for s, w in self._page_weights(hashes).items()}
         out = {}
         for source, held in self._sources.items():
             n = 0
@@ -175,22 +211,37 @@ class PrefixRouterIndex:
             out[source] = n
         return out
 
-    def scores(self, tokens, cache_salt: str | None = None) -> dict[Source, float]:
+    def scores(
+        self,
+        tokens,
+        cache_salt: str | None = None,
+        *,
+        lora_name: str | None = None,
+        mm_inputs: Sequence[MultimodalInput] = (),
+    ) -> dict[Source, float]:
         """For each source, its leading pages of `tokens` (see `match`), each weighted by
         the best tier that holds it (device 1.0, host `host_weight`, shared
         `shared_weight`), summed."""
-        return {s: sum(w) for s, w in self._page_weights(tokens, cache_salt).items()}
+        hashes = self.page_hashes(tokens, cache_salt, lora_name, mm_inputs)
+        return {s: sum(w) for s, w in self._page_weights(hashes).items()}
 
-    def best(self, tokens, cache_salt: str | None = None) -> tuple[Source | None, float]:
+    def best(
+        self,
+        tokens,
+        cache_salt: str | None = None,
+        *,
+        lora_name: str | None = None,
+        mm_inputs: Sequence[MultimodalInput] = (),
+    ) -> tuple[Source | None, float]:
         """The source with the highest `scores` for `tokens`, and its score ((None, 0.0)
         when no source holds the first page); ties go to the source added first."""
-        scores = self.scores(tokens, cache_salt)
+        scores = self.scores(tokens, cache_salt, lora_name=lora_name, mm_inputs=mm_inputs)
         source = max(scores, key=scores.__getitem__, default=None)
         return (source, scores[source]) if source is not None and scores[source] else (None, 0.0)
 
-    def _page_weights(self, tokens, cache_salt: str | None) -> dict[Source, list[float]]:
-        """Per source, the weight of each leading page it holds (its best tier's)."""
-        hashes = self.page_hashes(tokens, cache_salt)
+    def _page_weights(self, hashes: list[int]) -> dict[Source, list[float]]:
+        """Per source, the weight of each leading page of `hashes` it holds (its best
+        tier's)."""
         order = sorted(TIERS, key=self.weights.__getitem__, reverse=True)
         out = {}
         for source, tiers in self._sources.items():

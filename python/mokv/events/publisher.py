@@ -23,9 +23,13 @@ What is published:
   their hashes, the parent of the first (None for a sequence's first page), all their
   token ids (`len == len(block_hashes) * block_size`: full pages only), `block_size`,
   `medium` ("GPU" for the replica's own pages on every device, as vLLM; "CPU" for host-tier
-  copies, "EXTERNAL" for the shared tier's), `extra_keys` with one entry per page (the
-  cache salt of a salted first page in the form `config.salt_format` names, else None),
-  `group_idx` 0, `kv_cache_spec_kind` "full_attention".
+  copies, "EXTERNAL" for the shared tier's), `lora_id` and `lora_name` of the request's
+  adapter, `extra_keys` with one entry per page as vLLM 0.33 publishes them (the adapter's
+  name, `(identifier, offset in the page)` of each image the page overlaps, and the salt
+  of a salted first page in the form `config.salt_format` names; None for a page with
+  none: `mokv.cache.extra_keys`), `group_idx` 0, `kv_cache_spec_kind` "full_attention",
+  `session_id` of the request's session. One event holds pages of one adapter and
+  session only.
 - `BlockRemoved` for each evicted hash; `AllBlocksCleared` at startup (batch seq 0)
   and on `reset_prefix_cache`.
 A parent is always a hash this stream announced before (the pool commits a page only
@@ -43,6 +47,8 @@ import msgspec
 import numpy as np
 import zmq
 
+from ..cache.extra_keys import EventKeys
+from ..undo import UndoLog
 from .config import DYNAMO_SALT_PREFIX, KVEventsConfig, binds
 from .format import (
     END_SEQ,
@@ -70,24 +76,36 @@ class EventRecorder:
 
     `take()` hands the records over; `build_events` turns them into vLLM event structs.
     `EventPublisher` is a recorder that publishes what it takes once per step.
+
+    With an `undo` log (`mokv.undo.UndoLog`, set by the manager) each record also
+    records how to take it back, so that a rolled-back manager call announces nothing
+    it undid. Records are only handed over (`take`) after a manager call ended.
     """
 
     def __init__(self) -> None:
         self._pending: list[tuple] = []
+        self.undo: UndoLog | None = None
+
+    def _record(self, record: tuple) -> None:
+        pending = self._pending
+        if self.undo is not None:
+            self.undo.push(pending.pop, len(pending))  # newer records are gone or kept
+        pending.append(record)
 
     def stored(
-        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, cache_salt: str | None
+        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, keys: EventKeys | None
     ) -> None:
-        """A full page was committed under `page_hash` (parent None: a first page)."""
-        self._pending.append((_STORED, page_hash, parent_hash, token_bytes, cache_salt))
+        """A full page was committed under `page_hash` (parent None: a first page), with
+        what events say of it besides its tokens (`keys`)."""
+        self._record((_STORED, page_hash, parent_hash, token_bytes, keys))
 
     def removed(self, page_hash: int) -> None:
         """The page committed under `page_hash` was evicted."""
-        self._pending.append((_REMOVED, page_hash))
+        self._record((_REMOVED, page_hash))
 
     def cleared(self) -> None:
         """Every hash was forgotten."""
-        self._pending.append((_CLEARED,))
+        self._record((_CLEARED,))
 
     def take(self) -> list[tuple]:
         """The records since the last call (and forgets them)."""
@@ -110,14 +128,12 @@ class MediumSink:
         self.medium = medium
 
     def stored(
-        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, cache_salt: str | None
+        self, page_hash: int, parent_hash: int | None, token_bytes: bytes, keys: EventKeys | None
     ) -> None:
-        self._recorder._pending.append(
-            (_STORED, page_hash, parent_hash, token_bytes, cache_salt, self.medium)
-        )
+        self._recorder._record((_STORED, page_hash, parent_hash, token_bytes, keys, self.medium))
 
     def removed(self, page_hash: int) -> None:
-        self._recorder._pending.append((_REMOVED, page_hash, self.medium))
+        self._recorder._record((_REMOVED, page_hash, self.medium))
 
     def cleared(self) -> None:
         pass
@@ -127,23 +143,28 @@ def build_events(
     records: list[tuple], block_size: int, medium: str = MEDIUM_GPU, salt_format: str = "vllm"
 ) -> list:
     """vLLM event structs for `records` (from `EventRecorder.take`), in order; consecutive
-    pages of one chain in one medium are merged into one `BlockStored`. A record's own
-    medium (from a `MediumSink`) overrides `medium`. A salted first page, which always
-    starts its event, carries its salt as `salt_format` says (`KVEventsConfig`)."""
+    pages of one chain in one medium, adapter and session are merged into one
+    `BlockStored`. A record's own medium (from a `MediumSink`) overrides `medium`. A
+    salted first page, which always starts its event, carries its salt as `salt_format`
+    says (`KVEventsConfig`)."""
     events: list = []
-    run: list | None = None  # [hashes, parent, token chunks, salts, medium] of a BlockStored
+    run: list | None = None  # [hashes, parent, token chunks, keys, medium] of a BlockStored
     for rec in records:
         kind = rec[0]
         if kind == _STORED:
-            page_hash, parent, data, salt = rec[1:5]
+            page_hash, parent, data, keys = rec[1:5]
             rec_medium = rec[5] if len(rec) > 5 else medium
-            salt = salt if parent is None else None
-            if run is not None and parent == run[0][-1] and rec_medium == run[4]:
+            if (
+                run is not None
+                and parent == run[0][-1]
+                and rec_medium == run[4]
+                and _run_tag(keys) == _run_tag(run[3][0])
+            ):
                 run[0].append(page_hash)
                 run[2].append(data)
-                run[3].append(None)
+                run[3].append(keys)
                 continue
-            run = [[page_hash], parent, [data], [salt], rec_medium]
+            run = [[page_hash], parent, [data], [keys], rec_medium]
             events.append(run)
             continue
         run = None
@@ -157,19 +178,43 @@ def build_events(
     return events
 
 
+_NO_TAG = (None, None, None)
+
+
+def _run_tag(keys: EventKeys | None) -> tuple:
+    """What the pages of one `BlockStored` must share (adapter and session)."""
+    return _NO_TAG if keys is None else keys.run_tag
+
+
 def _block_stored(run: list, block_size: int, salt_format: str) -> BlockStored:
-    """The `BlockStored` of one run: `run[3][0]` is the salt of its first page, if any."""
-    hashes, parent, chunks, salts, medium = run
-    salt = salts[0]
-    tokens = np.frombuffer(b"".join(chunks), dtype="<i8").tolist()
+    """The `BlockStored` of one run: only its first page can be a salted first page."""
+    hashes, parent, chunks, keys, medium = run
+    first: EventKeys | None = keys[0]
+    salt = first.cache_salt if first is not None and parent is None else None
     tagged = DYNAMO_SALT_PREFIX + salt if salt is not None and salt_format == "dynamo" else salt
-    extra = [None if s is None else (tagged,) for s in salts]
-    fields = dict(extra_keys=extra, group_idx=0, kv_cache_spec_kind=KV_CACHE_SPEC_KIND)
+    extra = [
+        None if k is None else k.event_entry(tagged if i == 0 else None) for i, k in enumerate(keys)
+    ]
+    tokens = np.frombuffer(b"".join(chunks), dtype="<i8").tolist()
+    lora_id, lora_name, session = (
+        (first.lora_id, first.lora_name, first.session_id) if first is not None else (None,) * 3
+    )
+    fields = dict(
+        extra_keys=extra, group_idx=0, kv_cache_spec_kind=KV_CACHE_SPEC_KIND, session_id=session
+    )
     if salt is not None and salt_format == "sglang":
         return SaltedBlockStored(
-            hashes, parent, tokens, block_size, None, medium, None, cache_salt=salt, **fields
+            hashes,
+            parent,
+            tokens,
+            block_size,
+            lora_id,
+            medium,
+            lora_name,
+            cache_salt=salt,
+            **fields,
         )
-    return BlockStored(hashes, parent, tokens, block_size, None, medium, None, **fields)
+    return BlockStored(hashes, parent, tokens, block_size, lora_id, medium, lora_name, **fields)
 
 
 class EventPublisher(EventRecorder):

@@ -22,11 +22,13 @@ request, and a replay is many messages ending with seq -1.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
+from .config import check_endpoint
 from .format import END_SEQ, BatchDecoder
 from .index import PrefixRouterIndex, Source
 
@@ -55,6 +57,16 @@ class EventSubscriber:
         context: zmq.Context | None = None,
         replay_timeout: float = 2.0,
     ) -> None:
+        if not callable(getattr(index, "apply", None)) or not callable(
+            getattr(index, "drop_source", None)
+        ):
+            raise TypeError(
+                f"index must have apply(source, batch) and drop_source(source), got {index!r}"
+            )
+        if replay_timeout.__class__ not in (int, float) or not 0 < replay_timeout < math.inf:
+            raise ValueError(
+                f"replay_timeout must be a finite number of seconds > 0, got {replay_timeout!r}"
+            )
         self.index = index
         self.replay_timeout = replay_timeout
         self._ctx = context or zmq.Context.instance()
@@ -77,7 +89,16 @@ class EventSubscriber:
     ) -> None:
         """Subscribes to `endpoint` as `server`: connects to a publisher that binds (the
         default), or with `bind=True` binds it for publishers that connect (llm-d's
-        topology, where one socket hears many engines: sources then differ by topic)."""
+        topology, where one socket hears many engines: sources then differ by topic).
+        TypeError / ValueError naming an argument that is not what it should be."""
+        for name, value in (("server", server), ("topic", topic)):
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {value!r}")
+        if bind.__class__ is not bool:
+            raise TypeError(f"bind must be a bool, got {bind!r}")
+        check_endpoint("endpoint", endpoint)
+        if replay_endpoint is not None:
+            check_endpoint("replay_endpoint", replay_endpoint)
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)
@@ -101,6 +122,8 @@ class EventSubscriber:
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Handles every message that arrives within `timeout_ms`; returns batches applied."""
+        if timeout_ms.__class__ is not int or timeout_ms < 0:
+            raise ValueError(f"timeout_ms must be an int >= 0, got {timeout_ms!r}")
         before = self.num_batches
         ready = dict(self._poller.poll(timeout_ms))
         while ready:

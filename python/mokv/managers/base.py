@@ -21,14 +21,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import numpy as np
 from max.driver import Device
 from max.engine import InferenceSession
 from max.graph import DeviceRef
 
 from ..context import RequestID, TextGenerationContext
+from ..errors import SequenceTooLongError
 from ..layouts import CacheLayout
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
+from ..undo import UndoLog
 
 
 @runtime_checkable
@@ -113,6 +116,73 @@ def check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def refuse_paged_features(params: KVCacheParams, manager: str) -> None:
+    """ValueError naming the setting when `params` asks for what only the paged manager
+    does: tiers below the device pages, or KV-cache events (both are about committed
+    prefix pages, which a continuous cache never has). Never silently ignored."""
+    if params.tiers:
+        raise ValueError(
+            f"{manager} keeps no prefix pages, so it cannot honour tiers={params.tiers!r} "
+            "(host and shared tiers hold committed prefix pages): use the paged manager "
+            "or drop the tiers"
+        )
+    if params.kv_events is not None:
+        raise ValueError(
+            f"{manager} has no prefix cache to publish events of, so it cannot honour "
+            f"kv_events={params.kv_events!r}: use the paged manager or drop the events"
+        )
+
+
+def check_window(ctx: TextGenerationContext) -> None:
+    """ValueError naming the request unless its window is one a step can process:
+    `0 <= start_idx < active_idx <= end_idx` (a context's own methods keep it so; a
+    hand-made context may not)."""
+    start, active, end = ctx.start_idx, ctx.active_idx, ctx.end_idx
+    if not 0 <= start < active <= end:
+        raise ValueError(
+            f"request {ctx.request_id!r} has start_idx={start!r}, active_idx={active!r}, "
+            f"end_idx={end!r}: a step needs 0 <= start_idx < active_idx <= end_idx"
+        )
+
+
+def integer_tokens(ctx: TextGenerationContext) -> np.ndarray:
+    """`ctx.tokens` as an array; TypeError naming the request unless they are integer
+    ids (floats hashed as int64 would match the pages of the integers they truncate to;
+    `TextContext` refuses them itself, a hand-made context may not)."""
+    tokens = np.asarray(ctx.tokens)
+    if tokens.dtype.kind not in "iu":
+        raise TypeError(
+            f"request {ctx.request_id!r} has tokens of dtype {tokens.dtype}: token ids are integers"
+        )
+    return tokens
+
+
+def check_fits(ctx: TextGenerationContext, num_steps: int, max_seq_len: int) -> None:
+    """SequenceTooLongError unless `ctx`'s window and `num_steps` steps fit `max_seq_len`."""
+    needed = ctx.active_idx + num_steps - 1
+    if needed > max_seq_len:
+        raise sequence_too_long(ctx.request_id, needed, num_steps, max_seq_len)
+
+
+def sequence_too_long(
+    request_id: object, needed: int, num_steps: int, max_seq_len: int
+) -> SequenceTooLongError:
+    """The error of a request whose steps would pass `max_seq_len` (every manager's)."""
+    return SequenceTooLongError(
+        f"request {request_id!r} needs {needed} tokens of cache for {num_steps} step(s), "
+        f"past max_seq_len={max_seq_len}"
+    )
+
+
+def check_distinct(batch: Sequence[TextGenerationContext]) -> None:
+    """ValueError naming the request that appears twice in `batch`."""
+    seen: set[RequestID] = set()
+    for ctx in batch:
+        if ctx.request_id in seen:
+            raise ValueError(f"request {ctx.request_id!r} appears twice in the batch")
+        seen.add(ctx.request_id)
+
+
 def check_num_steps(num_steps: int) -> None:
     """ValueError unless `num_steps` is a positive int (runs on every step: kept cheap)."""
     if num_steps.__class__ is not int or num_steps < 1:
@@ -136,6 +206,18 @@ def synchronized(method: Method) -> Method:
             return method(self, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
+
+
+def atomic(method: Method) -> Method:
+    """`synchronized`, and all or nothing: whatever the call changed is undone when it
+    raises anything (`self._undo.run`, see `mokv.undo`)."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._undo.run(method, self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class ManagerFields:
@@ -176,6 +258,7 @@ class ManagerFields:
         self.devices = devices
         self.session = session
         self._lock = threading.RLock()
+        self._undo = UndoLog()
 
     def input_symbols(
         self, devices: Sequence[Device] | None = None, num_layers: int | None = None

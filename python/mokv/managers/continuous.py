@@ -29,15 +29,27 @@ from ..errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
     InvalidReplicaError,
-    SequenceTooLongError,
+    StaleContextError,
     UnknownRequestError,
 )
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..metrics import KVCacheMetrics, prompt_tokens_in
 from ..params import KVCacheParams
-from .base import ManagerFields, check_num_steps, check_request_id, synchronized
+from .base import (
+    ManagerFields,
+    atomic,
+    check_distinct,
+    check_fits,
+    check_num_steps,
+    check_request_id,
+    check_window,
+    integer_tokens,
+    refuse_paged_features,
+    synchronized,
+)
 from .compat import MaxManagerAPI
-from .increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
+from .increment import CacheLengthIncrementer, row_offsets_for
+from .sequence_checks import too_few_slots
 
 
 class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
@@ -69,6 +81,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
                 "the continuous-batching cache has no data-parallel replicas: "
                 f"data_parallel_degree={params.data_parallel_degree}"
             )
+        refuse_paged_features(params, "the continuous-batching cache")
         self.max_cache_batch_size = max_cache_batch_size
         self.blocks = [
             cache_buffer(params.dtype, self.block_shape(max_cache_batch_size), d)
@@ -77,6 +90,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         self._free_slots = list(range(max_cache_batch_size - 1, -1, -1))
         self._slot_of: dict[RequestID, int] = {}
         self._prompt_end: dict[RequestID, int] = {}  # end_idx at a request's first fetch
+        self._reserved: dict[RequestID, int] = {}  # tokens of cache reserved for a request
         self._input_tokens = 0  # prompt tokens fetched (the metrics count no decode token)
         self._increment = CacheLengthIncrementer(session, with_max_lengths=False)
 
@@ -127,11 +141,10 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         """`n` free slots, lowest first; BatchTooLargeError naming `what` (and nothing
         taken) if fewer are free."""
         if n > len(self._free_slots):
-            raise BatchTooLargeError(
-                f"cannot claim {what}: {len(self._free_slots)} of "
-                f"{self.max_cache_batch_size} slots are free"
-            )
-        return [self._free_slots.pop() for _ in range(n)]
+            raise too_few_slots(what, len(self._free_slots), self.max_cache_batch_size)
+        slots = [self._free_slots.pop() for _ in range(n)]
+        self._undo.push(self._free_slots.extend, slots[::-1])
+        return slots
 
     @synchronized
     def free_slots(self) -> set[int]:
@@ -141,6 +154,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
     @synchronized
     def give_back_slots(self, slots: Sequence[int]) -> None:
         """Frees slots that `take_slots` handed out (and no request holds)."""
+        self._undo.push(self._free_slots.__delitem__, slice(len(self._free_slots), None))
         self._free_slots.extend(slots)
 
     def slot_inputs(
@@ -161,7 +175,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
 
     # --- requests (the manager contract) ----------------------------------------------
 
-    @synchronized
+    @atomic
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
         """Gives the request a slot (BatchTooLargeError when all are taken)."""
         check_request_id(request_id)
@@ -170,6 +184,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         if request_id in self._slot_of:
             raise AlreadyClaimedError(request_id)
         (self._slot_of[request_id],) = self.take_slots(1, repr(request_id))
+        self._undo.push(self._slot_of.pop, request_id)
 
     @synchronized
     def contains(self, request_id: RequestID) -> bool:
@@ -183,6 +198,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         self._free_slots.append(self._slot(request_id))
         del self._slot_of[request_id]
         self._prompt_end.pop(request_id, None)
+        self._reserved.pop(request_id, None)
 
     def _slot(self, request_id: RequestID) -> int:
         check_request_id(request_id)
@@ -205,23 +221,38 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
     def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
         return 0
 
-    def _check_fits(self, ctx: TextGenerationContext, num_steps: int) -> None:
-        needed = ctx.active_idx + num_steps - 1
-        if needed > self.max_seq_len:
-            raise SequenceTooLongError(
-                f"request {ctx.request_id!r} needs {needed} tokens of cache for {num_steps} "
-                f"step(s), past max_seq_len={self.max_seq_len}"
-            )
+    def _check_reservation(self, ctx: TextGenerationContext, num_steps: int) -> int:
+        """The tokens of cache `ctx` needs for `num_steps` steps; raises for an unknown
+        request, a bad window, non-integer tokens (at its first reservation) or a window
+        past `max_seq_len`."""
+        self._slot(ctx.request_id)
+        check_window(ctx)
+        if ctx.request_id not in self._reserved:
+            integer_tokens(ctx)
+        check_fits(ctx, num_steps, self.max_seq_len)
+        return ctx.active_idx + num_steps - 1
 
-    @synchronized
+    def _note_reserved(self, request_id: RequestID, needed: int) -> None:
+        reserved = self._reserved.get(request_id)
+        if reserved is None or needed > reserved:
+            self._undo.push(self._unreserve, request_id, reserved)
+            self._reserved[request_id] = needed
+
+    def _unreserve(self, request_id: RequestID, reserved: int | None) -> None:
+        if reserved is None:
+            self._reserved.pop(request_id, None)
+        else:
+            self._reserved[request_id] = reserved
+
+    @atomic
     def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
-        """True: a claimed request's slot always has room up to `max_seq_len`."""
+        """True: a claimed request's slot always has room up to `max_seq_len` (it
+        records how far `step` may find the request's cache)."""
         check_num_steps(num_steps)
-        self._slot(data.request_id)
-        self._check_fits(data, num_steps)
+        self._note_reserved(data.request_id, self._check_reservation(data, num_steps))
         return True
 
-    @synchronized
+    @atomic
     def fetch(
         self, batch: Sequence[TextGenerationContext], num_steps: int = 1
     ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
@@ -232,23 +263,34 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
                 f"batch of {len(batch)} is larger than "
                 f"max_cache_batch_size={self.max_cache_batch_size}"
             )
-        slots = [self._slot(ctx.request_id) for ctx in batch]
-        if len(set(slots)) != len(slots):
-            raise ValueError("a request appears twice in the batch")
-        for ctx in batch:
-            self._check_fits(ctx, num_steps)
+        needed = [self._check_reservation(ctx, num_steps) for ctx in batch]
+        check_distinct(batch)
+        slots = [self._slot_of[ctx.request_id] for ctx in batch]
         inputs = self.slot_inputs(slots, [ctx.start_idx for ctx in batch])
-        for ctx in batch:
-            prompt_end = self._prompt_end.setdefault(ctx.request_id, ctx.end_idx)
+        self._undo.push(setattr, self, "_input_tokens", self._input_tokens)
+        for ctx, n in zip(batch, needed):
+            self._note_reserved(ctx.request_id, n)
+            if ctx.request_id not in self._prompt_end:
+                self._undo.push(self._prompt_end.pop, ctx.request_id)
+                self._prompt_end[ctx.request_id] = ctx.end_idx
+            prompt_end = self._prompt_end[ctx.request_id]
             self._input_tokens += prompt_tokens_in(ctx.start_idx, ctx.active_idx, prompt_end)
         return inputs
 
     @synchronized
     def step(self, batch: Sequence[TextGenerationContext]) -> None:
         """Nothing to record (`fetch` reads `ctx.start_idx`); every request must hold a
-        slot."""
+        slot, and its cache end inside what `maybe_reserve` or `fetch` reserved
+        (StaleContextError, as the paged manager's, for a step without a reservation)."""
         for ctx in batch:
             self._slot(ctx.request_id)
+            reserved = self._reserved.get(ctx.request_id, 0)
+            if ctx.start_idx > reserved:
+                raise StaleContextError(
+                    f"request {ctx.request_id!r} has start_idx={ctx.start_idx} but only "
+                    f"{reserved} tokens of cache were reserved for it (maybe_reserve or "
+                    "fetch before step)"
+                )
 
     @synchronized
     def increment_cache_lengths(
@@ -259,11 +301,7 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         """Inputs for the next step of multistep decoding: cache lengths grow by the rows
         each sequence processed, and `is_cache_empty` is False (only a first step encodes
         a context)."""
-        offsets = row_offsets_per_device(prev_model_inputs, 1, len(self.devices))
-        if len(kv_cache_inputs) != len(offsets):
-            raise ValueError(f"got {len(kv_cache_inputs)} cache inputs for {len(offsets)} devices")
-        for inputs, row_offsets in zip(kv_cache_inputs, offsets):
-            check_batch_size(inputs.cache_lengths, row_offsets)
+        offsets = row_offsets_for(kv_cache_inputs, prev_model_inputs, 1, len(self.devices))
         not_empty = Buffer.from_numpy(np.array([False]))
         return [
             inputs._replace(
@@ -275,7 +313,9 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
 
     @synchronized
     def get_data_parallel_splits(self, context_batch: Sequence[Any]) -> Buffer:
-        """int64 `[0, len(batch)]`: one replica holds the whole batch."""
+        """int64 `[0, len(batch)]`: one replica holds the whole batch (of claimed requests)."""
+        for ctx in context_batch:
+            self._slot(ctx.request_id)
         return Buffer.from_numpy(np.array([0, len(context_batch)], dtype=np.int64))
 
     # --- occupancy and metrics (a slot plays the part of a page) --------------------

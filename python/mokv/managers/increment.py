@@ -83,6 +83,12 @@ def row_offsets_per_device(
     else:
         if isinstance(offsets, (Buffer, np.ndarray)):
             offsets = [offsets]
+        if not isinstance(offsets, (list, tuple)):
+            raise TypeError(
+                "prev_model_inputs must be input_row_offsets (a Buffer, a numpy array or a "
+                "list of them) or carry them as .input_row_offsets, got "
+                f"{type(prev_model_inputs).__name__} {prev_model_inputs!r}"
+            )
         for o in offsets:
             _check_row_offsets(o)
         offsets = [_as_buffer(o) for o in offsets]
@@ -153,6 +159,23 @@ def _check_row_offsets(offsets: Any) -> None:
             "input_row_offsets must be a non-decreasing 1-D array starting at 0, "
             f"got {offsets.tolist()}"
         )
+
+
+def row_offsets_for(
+    kv_cache_inputs: Any, prev_model_inputs: Any, num_replicas: int, devices_per_replica: int
+) -> list[Buffer]:
+    """`row_offsets_per_device`, checked against `kv_cache_inputs` (one per device, as
+    `fetch` returned them): one offsets array per device, one row per sequence plus one."""
+    if not isinstance(kv_cache_inputs, (list, tuple)):
+        raise TypeError(
+            f"kv_cache_inputs must be the list fetch returned, got {type(kv_cache_inputs).__name__}"
+        )
+    offsets = row_offsets_per_device(prev_model_inputs, num_replicas, devices_per_replica)
+    if len(kv_cache_inputs) != len(offsets):
+        raise ValueError(f"got {len(kv_cache_inputs)} cache inputs for {len(offsets)} devices")
+    for inputs, row_offsets in zip(kv_cache_inputs, offsets):
+        check_batch_size(inputs.cache_lengths, row_offsets)
+    return offsets
 
 
 def check_batch_size(cache_lengths: Buffer, row_offsets: Buffer) -> None:

@@ -51,6 +51,11 @@ def load_kv_manager(
             page_size,
         )
     if params.cache_strategy is KVCacheStrategy.CONTINUOUS:
+        if kv_events_config is not None:
+            raise ValueError(
+                f"kv_events_config={kv_events_config!r}: the continuous cache strategy "
+                "publishes no KV-cache events (they are the paged prefix cache's)"
+            )
         return ContinuousKVCacheManager(
             params, max_batch_size, max_seq_len, num_layers, devices, session
         )

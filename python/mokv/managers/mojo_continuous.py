@@ -15,6 +15,12 @@ starts empty. The blocks are a numpy array and a MAX `Buffer` over the Mojo-owne
 memory (no copy), so a graph built from `input_symbols()` reads and writes the cache
 that the Mojo manager owns. The Mojo calls release the GIL, so Python threads may
 claim, fetch, step and release concurrently. CPU only (one device).
+
+Arguments are checked here, before the Mojo call, by the Python manager's own checks
+(`sequence_checks`): the same inputs are refused with the same errors and messages,
+and no Python value the extension would convert loosely (a float, a bool, an int past
+64 bits) reaches it. The Mojo table checks again under its lock (another thread may
+have released an id since), with errors of the same types.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from .. import extensions
 from ..errors import BatchTooLargeError, SequenceTooLongError, UnknownRequestError
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..params import KVCacheParams
-from .base import ManagerFields, check_num_steps
+from . import sequence_checks as checks
+from .base import ManagerFields, refuse_paged_features
 
 _STORAGE = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16}
 """numpy type holding each cache dtype (bfloat16 as its uint16 bit patterns)."""
@@ -50,8 +57,17 @@ def _typed_error(exc: Exception) -> Exception:
         found = re.search(r"sequence id (-?\d+)", message)
         return UnknownRequestError(int(found.group(1)) if found else message)
     if kind == "BatchTooLargeError":
+        found = re.search(r"cannot claim (\d+) sequences: (\d+) of (\d+)", message)
+        if found:
+            n, free, slots = (int(g) for g in found.groups())
+            return checks.too_few_slots(f"{n} sequences", free, slots)
         return BatchTooLargeError(message)
     if kind == "SequenceTooLongError":
+        found = re.search(
+            r"sequence (\d+) would hold (\d+) tokens, past max_seq_len=(\d+)", message
+        )
+        if found:
+            return checks.too_long(*(int(g) for g in found.groups()))
         return SequenceTooLongError(message)
     if kind == "ValueError":
         return ValueError(message)
@@ -95,6 +111,7 @@ class MojoContinuousBatchingKVCacheManager(ManagerFields):
         )
         if len(self.devices) != 1 or not self.devices[0].is_host:
             raise ValueError(f"the Mojo manager runs on one CPU device, got {self.devices!r}")
+        refuse_paged_features(params, "the Mojo continuous-batching manager")
         if params.dtype not in _STORAGE:
             raise TypeError(f"cache dtype must be float32, bfloat16 or float16, got {params.dtype}")
         self.max_cache_batch_size = max_cache_batch_size
@@ -136,22 +153,38 @@ class MojoContinuousBatchingKVCacheManager(ManagerFields):
 
     def claim(self, n: int) -> list[int]:
         """`n` new sequence ids (positive int; `BatchTooLargeError` past the free slots)."""
-        if n.__class__ is not int or n < 1:
-            raise ValueError(f"claim(n) needs a positive int, got {n!r}")
+        checks.check_claim(n)
+        if n > self.max_cache_batch_size:  # never fits; and it may not fit an Int
+            raise checks.too_few_slots(
+                f"{n} sequences", self.num_free_blocks, self.max_cache_batch_size
+            )
         return _call(self._native.claim, n)
 
     def step(self, batch: Mapping[int, int]) -> None:
         """Commits `{seq_id: new_tokens}`; all or nothing."""
+        checks.check_step(batch, self.max_cache_batch_size)
+        if any(n > self.max_seq_len for n in batch.values()):
+            self._refuse_step(batch)  # never fits; and it may not fit an Int
         _call(self._native.step, list(batch.keys()), list(batch.values()))
+
+    def _refuse_step(self, batch: Mapping[int, int]) -> None:
+        """Raises what the Mojo table would for a step that cannot fit, in its order."""
+        for seq_id in batch:
+            if not self._native.contains(seq_id):
+                raise UnknownRequestError(seq_id)
+        for seq_id, n in batch.items():
+            length = _call(self._native.cache_length, seq_id) + n
+            if length > self.max_seq_len:
+                raise checks.too_long(seq_id, length, self.max_seq_len)
 
     def fetch(
         self, seq_ids: Sequence[int], num_steps: int = 1
     ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
         """Graph inputs of a batch of sequence ids (one tuple: one device)."""
-        check_num_steps(num_steps)
-        ids = list(seq_ids)
+        ids = checks.check_fetch(seq_ids, num_steps, self.max_cache_batch_size)
         arrays = np.empty((2, len(ids)), dtype=np.uint32)  # cache_lengths, lookup_table
         is_empty = _call(self._native.lookup, ids, arrays.ctypes.data)
+        checks.check_room(ids, arrays[0].tolist(), num_steps, self.max_seq_len)
         return [
             ContinuousBatchingKVCacheInputs(
                 self.blocks[0],
@@ -163,15 +196,23 @@ class MojoContinuousBatchingKVCacheManager(ManagerFields):
 
     def release(self, seq_id: int) -> None:
         """Frees the slot of `seq_id` (`UnknownRequestError` if it is not claimed)."""
+        checks.check_ids([seq_id], self.max_cache_batch_size)
         _call(self._native.release, seq_id)
 
     # --- queries --------------------------------------------------------------------
 
     def contains(self, seq_id: int) -> bool:
-        return bool(self._native.contains(seq_id)) if isinstance(seq_id, int) else False
+        """Whether `seq_id` is a claimed sequence (False for anything else)."""
+        # An id out of the slots' range is never claimed (nor fits the extension's Int).
+        return (
+            checks.is_count(seq_id)
+            and 0 <= seq_id < self.max_cache_batch_size
+            and bool(self._native.contains(seq_id))
+        )
 
     def cache_length(self, seq_id: int) -> int:
         """Tokens committed for `seq_id`."""
+        checks.check_ids([seq_id], self.max_cache_batch_size)
         return _call(self._native.cache_length, seq_id)
 
     @property

@@ -29,7 +29,15 @@ from ..errors import (
 from ..layouts import layout_for
 from ..metrics import KVCacheMetrics
 from ..params import KVCacheParams
-from .base import ManagerFields, check_num_steps, check_request_id, synchronized
+from .base import (
+    ManagerFields,
+    check_distinct,
+    check_fits,
+    check_num_steps,
+    check_request_id,
+    check_window,
+    synchronized,
+)
 from .compat import MaxManagerAPI
 
 
@@ -50,6 +58,11 @@ class NullKVCacheManager(MaxManagerAPI, ManagerFields):
         super().__init__(
             params, layout_for(params), max_batch_size, max_seq_len, num_layers, devices, session
         )
+        if page_size != 128 and page_size != params.page_size:
+            raise ValueError(
+                f"page_size={page_size} disagrees with params.page_size={params.page_size}; "
+                "set it in KVCacheParams"
+            )
         self.available_cache_memory = available_cache_memory
         self.page_size = params.page_size
         self._claimed: set[RequestID] = set()
@@ -97,9 +110,11 @@ class NullKVCacheManager(MaxManagerAPI, ManagerFields):
 
     @synchronized
     def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
-        """True for a claimed request: nothing to hold."""
+        """True for a claimed request whose steps fit `max_seq_len`: nothing to hold."""
         check_num_steps(num_steps)
         self._check_claimed(data.request_id)
+        check_window(data)
+        check_fits(data, num_steps, self.max_seq_len)
         return True
 
     @synchronized
@@ -119,8 +134,9 @@ class NullKVCacheManager(MaxManagerAPI, ManagerFields):
             )
         for ctx in batch:
             self._check_claimed(ctx.request_id)
-        if len({ctx.request_id for ctx in batch}) != len(batch):
-            raise ValueError("a request appears twice in the batch")
+            check_window(ctx)
+            check_fits(ctx, num_steps, self.max_seq_len)
+        check_distinct(batch)
         return [
             self.layout.empty_inputs(
                 self.params, self.num_layers, self.max_seq_len, len(batch), num_steps

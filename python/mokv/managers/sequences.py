@@ -22,23 +22,27 @@ anything.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
-from ..errors import BatchTooLargeError, SequenceTooLongError, UnknownRequestError
+from ..errors import UnknownRequestError
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..params import KVCacheParams
-from .base import ManagerFields, check_num_steps, synchronized
+from .base import ManagerFields, atomic, synchronized
 from .continuous import ContinuousKVCacheManager
-
-
-def _is_count(value: object) -> bool:
-    """An int (a sequence id, a number of sequences or of tokens); bool excluded."""
-    return isinstance(value, int) and not isinstance(value, bool)
+from .sequence_checks import (
+    check_claim,
+    check_fetch,
+    check_ids,
+    check_room,
+    check_step,
+    is_count,
+    too_long,
+)
 
 
 class ContinuousBatchingKVCacheManager(ManagerFields):
@@ -66,6 +70,8 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
         )
         self.max_cache_batch_size = max_cache_batch_size
         self._lengths: dict[int, int] = {}  # seq_id (= slot) -> tokens in its cache
+        # One lock and one undo log with `requests`: both flows change the same slots.
+        self._lock, self._undo = self.requests._lock, self.requests._undo
 
     # --- the cache (as MAX's class describes it) -------------------------------------
 
@@ -106,74 +112,68 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
 
     # --- sequence ids ---------------------------------------------------------------
 
-    @synchronized
+    @atomic
     def claim(self, n: int) -> list[int]:
         """`n` new sequence ids bound to free slots (lowest first), each with length 0."""
-        if not _is_count(n) or n < 1:
-            raise ValueError(f"claim(n) needs a positive number of sequences, got {n!r}")
+        check_claim(n)
         seq_ids = self.requests.take_slots(n, f"{n} sequences")
+        self._undo.push(self._forget, seq_ids)
         self._lengths.update((s, 0) for s in seq_ids)
         return seq_ids
+
+    def _forget(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._lengths.pop(seq_id, None)
 
     @synchronized
     def contains(self, seq_id: int) -> bool:
         """Whether `seq_id` is a claimed sequence (False for anything else)."""
-        return _is_count(seq_id) and seq_id in self._lengths
+        return is_count(seq_id) and seq_id in self._lengths
 
     def _check(self, seq_id: object) -> int:
-        """`seq_id` if it is a claimed sequence; TypeError for a non-int, and
-        `UnknownRequestError` (a `ValueError`, as in MAX) for an unclaimed id."""
-        if not _is_count(seq_id):
-            raise TypeError(f"sequence ids are ints, got {type(seq_id).__name__} {seq_id!r}")
-        if seq_id not in self._lengths:
-            raise UnknownRequestError(seq_id)
-        return seq_id
+        """`seq_id` if it is a claimed sequence (`sequence_checks`)."""
+        check_ids([seq_id], self.max_cache_batch_size)
+        self._check_claimed([seq_id])  # type: ignore[list-item]
+        return seq_id  # type: ignore[return-value]
+
+    def _check_claimed(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            if seq_id not in self._lengths:
+                raise UnknownRequestError(seq_id)
 
     @synchronized
     def cache_length(self, seq_id: int) -> int:
         """Tokens in the sequence's cache."""
         return self._lengths[self._check(seq_id)]
 
-    @synchronized
+    @atomic
     def release(self, seq_id: int) -> None:
         """Frees the sequence's slot."""
         self._check(seq_id)
         self.requests.give_back_slots([seq_id])
+        self._undo.push(self._lengths.__setitem__, seq_id, self._lengths[seq_id])
         del self._lengths[seq_id]
 
     @synchronized
     def fetch(
         self, seq_ids: Sequence[int], num_steps: int = 1
     ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
-        """One `ContinuousBatchingKVCacheInputs` per device for these sequences."""
-        check_num_steps(num_steps)
-        if len(seq_ids) > self.max_cache_batch_size:
-            raise BatchTooLargeError(
-                f"batch of {len(seq_ids)} is larger than "
-                f"max_cache_batch_size={self.max_cache_batch_size}"
-            )
-        slots = [self._check(s) for s in seq_ids]
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"a sequence id appears twice in the batch {list(seq_ids)}")
-        return self.requests.slot_inputs(slots, [self._lengths[s] for s in slots])
+        """One `ContinuousBatchingKVCacheInputs` per device for these sequences
+        (`sequence_checks.check_fetch`: room for `num_steps` more tokens each)."""
+        slots = check_fetch(seq_ids, num_steps, self.max_cache_batch_size)
+        self._check_claimed(slots)
+        lengths = [self._lengths[s] for s in slots]
+        check_room(slots, lengths, num_steps, self.max_seq_len)
+        return self.requests.slot_inputs(slots, lengths)
 
     @synchronized
     def step(self, new_tokens: Mapping[int, int]) -> None:
-        """Adds each sequence's newly written token count to its cache length (checks
-        every id, then every count, then every length, as the Mojo manager does)."""
-        for seq_id in new_tokens:
-            self._check(seq_id)
-        for seq_id, n in new_tokens.items():
-            if not _is_count(n) or n < 0:
-                raise ValueError(
-                    f"sequence {seq_id} wrote {n!r} tokens; a token count is an int >= 0"
-                )
-        grown = {}
-        for seq_id, n in new_tokens.items():
-            grown[seq_id] = self._lengths[seq_id] + n
-            if grown[seq_id] > self.max_seq_len:
-                raise SequenceTooLongError(
-                    f"sequence {seq_id} would hold {grown[seq_id]} tokens, past "
-                    f"max_seq_len={self.max_seq_len}"
-                )
+        """Adds each sequence's newly written token count to its cache length
+        (`sequence_checks.check_step`: every id, then every count, then every length)."""
+        check_step(new_tokens, self.max_cache_batch_size)
+        self._check_claimed(new_tokens)
+        grown = {s: self._lengths[s] + n for s, n in new_tokens.items()}
+        for seq_id, length in grown.items():
+            if length > self.max_seq_len:
+                raise too_long(seq_id, length, self.max_seq_len)
         self._lengths.update(grown)

@@ -1,7 +1,8 @@
 """A shared KV tier across servers: a content-addressed page store on Redis (issue 13).
 
-    layout.py   RemoteLayout: the layout fingerprint, the key format, the value's header
-                and checksum (`encode` / `decode`, which trusts nothing it reads)
+    layout.py   RemoteLayout: the page's shape, the layout fingerprint, the key format
+    codec.py    PageCodec: a value's header, checksum and optional MAC tag, bound to its
+                key space (`encode` / `decode`, which trusts nothing it reads)
     breaker.py  CircuitBreaker: stop asking a failing server for a while
     store.py    RemotePageStore: put (queued, SET NX, pipelined, off the caller's path),
                 probe / lookup (pipelined chain probes), RemoteMetrics
@@ -11,7 +12,15 @@ the README's "Shared tier" section).
 """
 
 from .breaker import CircuitBreaker
-from .layout import Rejection, RemoteLayout
+from .codec import PageCodec, Rejection
+from .layout import RemoteLayout
 from .store import RemoteMetrics, RemotePageStore
 
-__all__ = ["CircuitBreaker", "Rejection", "RemoteLayout", "RemoteMetrics", "RemotePageStore"]
+__all__ = [
+    "CircuitBreaker",
+    "PageCodec",
+    "Rejection",
+    "RemoteLayout",
+    "RemoteMetrics",
+    "RemotePageStore",
+]

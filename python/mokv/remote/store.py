@@ -20,8 +20,9 @@ Failure is a miss, never an error or a wrong page:
    (a second time only for a dropped connection, e.g. a restarted server);
 2. a `CircuitBreaker` stops all traffic after `failure_threshold` failed round trips in
    a row, for `cooldown_s`, then lets one trial through;
-3. a value is returned only if `RemoteLayout.decode` accepts it (checksum, layout, page
-   hash and token ids all exactly right); the first rejected or absent page ends the hits;
+3. a value is returned only if `PageCodec.decode` accepts it (checksum, layout, key
+   space, page hash and token ids all exactly right, and the MAC tag with a `mac_key`);
+   the first rejected or absent page ends the hits;
 4. writes are SET NX: a stored page is never overwritten, so two servers writing the same
    page race harmlessly;
 5. the writer thread owns the only other connection; callers never wait for it: a full
@@ -46,7 +47,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .breaker import CircuitBreaker
-from .layout import Rejection, RemoteLayout
+from .codec import PageCodec, Rejection
+from .layout import RemoteLayout
 
 
 @dataclass
@@ -58,8 +60,9 @@ class RemoteMetrics:
         hits: pages `lookup` returned (validated).
         misses: lookups that ended before the pages asked for: an absent page, a
             rejected value, a failed round trip or an open breaker.
-        rejected_corrupt / rejected_layout / rejected_tokens: values read but refused
-            (see `layout.Rejection`); each is also a miss.
+        rejected_corrupt / rejected_layout / rejected_keyspace / rejected_tokens /
+            rejected_mac: values read but refused (see `codec.Rejection`); each is
+            also a miss.
         bytes_read / bytes_written: value bytes moved each way.
         pages_written: pages stored (SET NX took); pages_present: pages the server
             already had (SET NX refused, harmless).
@@ -75,7 +78,9 @@ class RemoteMetrics:
     misses: int = 0
     rejected_corrupt: int = 0
     rejected_layout: int = 0
+    rejected_keyspace: int = 0
     rejected_tokens: int = 0
+    rejected_mac: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     pages_written: int = 0
@@ -99,7 +104,9 @@ class RemoteMetrics:
 _REJECTION_COUNTER = {
     Rejection.CORRUPT: "rejected_corrupt",
     Rejection.LAYOUT: "rejected_layout",
+    Rejection.KEYSPACE: "rejected_keyspace",
     Rejection.TOKENS: "rejected_tokens",
+    Rejection.MAC: "rejected_mac",
 }
 _NETWORK_ERRORS = (redis.RedisError, OSError)
 logger = logging.getLogger(__name__)
@@ -114,6 +121,7 @@ class RemotePageStore:
         namespace: str,
         layout: RemoteLayout,
         *,
+        mac_key: bytes | str | None = None,
         timeout_s: float = 0.25,
         max_queued_pages: int = 256,
         max_batch_pages: int = 32,
@@ -121,20 +129,20 @@ class RemotePageStore:
         cooldown_s: float = 5.0,
     ) -> None:
         """`url`: `redis://host:port/db` (or `rediss://`, `unix://`); nothing is sent
-        until the first call. `timeout_s` bounds each connect and each reply."""
-        if not isinstance(layout, RemoteLayout):
-            raise TypeError(f"layout must be a RemoteLayout, got {layout!r}")
+        until the first call. `mac_key`: seal and check every value with this secret,
+        shared by the servers (`codec.PageCodec`). `timeout_s` bounds each connect and
+        each reply."""
+        self.codec = PageCodec(layout, namespace, mac_key)
         for name, value in (
             ("max_queued_pages", max_queued_pages),
             ("max_batch_pages", max_batch_pages),
         ):
             if value.__class__ is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if timeout_s.__class__ not in (int, float) or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s!r}")
         self.layout = layout
         self.namespace = namespace
-        self._prefix = layout.key_prefix(namespace)
         self.metrics = RemoteMetrics()
         self.breaker = CircuitBreaker(failure_threshold, cooldown_s)
         # One retry, without backoff, for a connection the server dropped (a restart);
@@ -165,7 +173,7 @@ class RemotePageStore:
 
     def key(self, page_hash: int) -> str:
         """The Redis key of a page of this store's namespace and layout."""
-        return f"{self._prefix}{page_hash:016x}"
+        return self.codec.key(page_hash)
 
     # --- writes ---------------------------------------------------------------------
 
@@ -173,9 +181,9 @@ class RemotePageStore:
         """Queues a copy of `page` (any buffer of `layout.page_shape`'s bytes) for the
         writer; returns False, counted in `metrics.drops`, if the queue is full.
 
-        The caller pays one copy (into the value); the header, the checksum and the send
-        happen on the writer thread."""
-        value = self.layout.new_value(page_hash, token_bytes, page)
+        The caller pays one copy (into the value); the header, the checksum, the MAC tag
+        and the send happen on the writer thread."""
+        value = self.codec.new_value(page_hash, token_bytes, page)
         with self._cond:
             if self._closed or len(self._queue) >= self._max_queued:
                 self._count(drops=1)
@@ -230,7 +238,7 @@ class RemotePageStore:
             return
         pipe = self._client.pipeline(transaction=False)
         for key, value, page_hash in batch:
-            self.layout.seal(value, page_hash)
+            self.codec.seal(value, page_hash)
             pipe.set(key, memoryview(value), nx=True)
         replies = self._round_trip(pipe.execute)
         if replies is None:
@@ -268,7 +276,7 @@ class RemotePageStore:
                 if value is None:  # evicted between the two round trips
                     break
                 self._count(bytes_read=len(value))
-                page = self.layout.decode(value, page_hash, tokens)
+                page = self.codec.decode(value, page_hash, tokens)
                 if isinstance(page, Rejection):
                     self._count(**{_REJECTION_COUNTER[page]: 1})
                     break

@@ -16,6 +16,7 @@ graph runs. The calls a tier gets, by manager call:
     close                   close()
     metrics                 metrics(), reset_metrics()
     enable_runtime_checks   check_invariants(pinned)
+    sessions                retain(hashes), unretain(hashes, old_end)
 
 Adding a tier (a local disk, a peer server) is one file: a `TierConfig` subclass (a
 frozen dataclass whose `__post_init__` checks its fields) and a class that meets `Tier`.
@@ -32,10 +33,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 if TYPE_CHECKING:
     from max.driver import Buffer
 
+    from ..cache.extra_keys import EventKeys
     from ..cache.page_pool import PagePool
     from ..events.publisher import EventRecorder
     from ..metrics import TierMetrics
     from ..params import KVCacheParams
+    from ..undo import UndoLog
 
 
 class TierConfig(ABC):
@@ -73,8 +76,9 @@ class DeviceHit(NamedTuple):
     page_hash: int
     parent_hash: int | None
     """The hash of the page before it; None for a sequence's first page."""
-    cache_salt: str | None
-    """The request's salt on a first page (as events carry it), else None."""
+    keys: EventKeys | None
+    """What events say of the page besides its tokens (the request's salt on a first
+    page, its adapter, images, session), or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +89,7 @@ class CommittedPages:
     hashes: list[int]
     token_bytes: list[bytes]
     parents: list[int | None]
-    salts: list[str | None]
+    keys: list[EventKeys | None]
 
 
 class Tier(Protocol):
@@ -97,6 +101,12 @@ class Tier(Protocol):
     shared: bool
     """True when other replicas and servers see the same pages (the Redis tier): a
     replica's own prefix is then no reason to route a request to it."""
+    undo: UndoLog | None
+    """The manager's undo log (`mokv.undo`, set by `TierStack`): every call that changes
+    the tier's state records there how to undo it, before it returns, so that a manager
+    call that raises afterwards can roll the tier back. What cannot be undone (bytes
+    sent to a server, a page overwritten) must leave a state the tier accepts: fewer
+    pages, never a hash over other bytes."""
 
     def lookup(self, chain: Iterator[tuple[int, bytes]]) -> list[TierHit]:
         """The leading pages of `chain` ((page hash, token bytes) in chain order) that
@@ -156,6 +166,19 @@ class Tier(Protocol):
         """InvariantError unless the tier is consistent and `pinned` (the replica's
         pending loads from this tier) is exactly what it holds pinned, each hit still
         holding its own tokens."""
+        ...
+
+    def retain(self, page_hashes: Sequence[int]) -> None:
+        """Open sessions retain these hashes (none retained them before): the tier evicts
+        their pages, held now or stored later, only after every page not retained
+        (`mokv.SessionConfig`); a tier that evicts by itself ignores it. Cannot fail
+        half-way."""
+        ...
+
+    def unretain(self, page_hashes: Sequence[int], old_end: bool) -> None:
+        """No open session retains these hashes any more: their pages become ordinary
+        cached pages, the first evicted (`old_end`: their sessions ended) or the last
+        (the share cap dropped them). Cannot fail half-way."""
         ...
 
 

@@ -21,6 +21,8 @@ indexed by `HostPagePool` (host_pool.py: the index and the LRU over leaves).
 
 from __future__ import annotations
 
+import math
+import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from typing import ClassVar
 
 from max.driver import Buffer
 
+from ..cache.extra_keys import EventKeys
 from ..cache.page_copy import HostPages
 from ..cache.page_pool import PagePool
 from ..errors import InsufficientMemoryError, InvariantError
@@ -35,8 +38,12 @@ from ..events.format import MEDIUM_CPU
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
 from ..params import KVCacheParams
+from ..undo import UndoLog
 from .base import CommittedPages, DeviceHit, TierConfig, TierHit
 from .host_pool import HostPagePool
+
+MAX_SWAP_SPACE_GB = 2**16
+"""64 TiB: more host memory than any one machine has (the largest hold tens of TiB)."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,9 @@ class HostTierConfig(TierConfig):
     `enable_prefix_caching`).
 
     Attributes:
-        swap_space_gb: GiB of host memory for the tier, all replicas together (> 0).
+        swap_space_gb: GiB of host memory for the tier, all replicas together (> 0 and
+            at most `MAX_SWAP_SPACE_GB`; a manager also refuses more than its machine's
+            memory).
         min_hits: write a page through only once it was hit this many times on the
             device (0, the default: every committed page at once).
     """
@@ -56,9 +65,14 @@ class HostTierConfig(TierConfig):
 
     def __post_init__(self) -> None:
         gb = self.swap_space_gb
-        if gb.__class__ not in (int, float) or not gb > 0:
+        if gb.__class__ not in (int, float) or not 0 < gb < math.inf:
             raise ValueError(
-                f"HostTierConfig.swap_space_gb must be a number of GiB > 0, got {gb!r}"
+                f"HostTierConfig.swap_space_gb must be a finite number of GiB > 0, got {gb!r}"
+            )
+        if gb > MAX_SWAP_SPACE_GB:
+            raise InsufficientMemoryError(
+                f"HostTierConfig.swap_space_gb={gb!r} is more than any machine's memory "
+                f"(at most {MAX_SWAP_SPACE_GB} GiB)"
             )
         if self.min_hits.__class__ is not int or self.min_hits < 0:
             raise ValueError(f"HostTierConfig.min_hits must be an int >= 0, got {self.min_hits!r}")
@@ -84,7 +98,29 @@ class HostTierConfig(TierConfig):
     def build(
         self, params: KVCacheParams, num_layers: int, pool: PagePool, blocks: list[Buffer]
     ) -> HostTier:
-        return HostTier(self, self.num_pages(params, num_layers), pool, blocks)
+        num_pages = self.num_pages(params, num_layers)
+        memory = host_memory_bytes()
+        if memory is not None and self.swap_space_gb * 2**30 > memory:
+            raise InsufficientMemoryError(
+                f"HostTierConfig.swap_space_gb={self.swap_space_gb!r} is more than this "
+                f"machine's {memory / 2**30:.1f} GiB of memory"
+            )
+        try:
+            return HostTier(self, num_pages, pool, blocks)
+        except MemoryError:  # a bare MemoryError would not say which setting asked
+            raise InsufficientMemoryError(
+                f"HostTierConfig.swap_space_gb={self.swap_space_gb!r}: {num_pages} host "
+                f"pages of {params.bytes_per_page(num_layers)} bytes per replica could not "
+                "be allocated"
+            ) from None
+
+
+def host_memory_bytes() -> int | None:
+    """The machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 class HostTier:
@@ -110,6 +146,15 @@ class HostTier:
         self._promoted: list[DeviceHit] = []
 
     @property
+    def undo(self) -> UndoLog | None:
+        """Where the tier and its host pool record how to undo their changes."""
+        return self.pool.undo
+
+    @undo.setter
+    def undo(self, log: UndoLog | None) -> None:
+        self.pool.undo = log
+
+    @property
     def pinned(self) -> dict[int, int]:
         """Host page -> the pending loads that will read it."""
         return dict(self._pinned)
@@ -126,10 +171,22 @@ class HostTier:
         return hits
 
     def pin(self, hits: Sequence[TierHit]) -> None:
-        self._pinned.update(hit.handle for hit in hits)
+        handles = [hit.handle for hit in hits]
+        self._pin(handles)
+        if self.undo is not None:
+            self.undo.push(self._unpin, handles)
 
     def unpin(self, hits: Sequence[TierHit]) -> None:
-        self._pinned.subtract(hit.handle for hit in hits)
+        handles = [hit.handle for hit in hits]
+        self._unpin(handles)
+        if self.undo is not None:
+            self.undo.push(self._pin, handles)
+
+    def _pin(self, handles: list[int]) -> None:
+        self._pinned.update(handles)
+
+    def _unpin(self, handles: list[int]) -> None:
+        self._pinned.subtract(handles)
         self._pinned += Counter()  # drops the zeros
 
     def load(self, hits: Sequence[TierHit], device_pages: Sequence[int]) -> None:
@@ -141,6 +198,11 @@ class HostTier:
     ) -> None:
         if self._min_hits:
             counts = self._page_hits
+            touched = [*fresh_pages, *(hit.page_id for run in device_hits for hit in run)]
+            if self.undo is not None:  # restoring old values: pushed first, idempotent
+                self.undo.push(
+                    self._restore_hits, [(p, counts[p]) for p in touched], len(self._promoted)
+                )
             for page_id in fresh_pages:
                 counts[page_id] = 0
             for run in device_hits:
@@ -158,7 +220,7 @@ class HostTier:
             self._store_promoted()
         elif pages.page_ids:
             self._write_through(
-                pages.page_ids, pages.hashes, pages.token_bytes, pages.parents, pages.salts
+                pages.page_ids, pages.hashes, pages.token_bytes, pages.parents, pages.keys
             )
 
     def _store_promoted(self) -> None:
@@ -166,6 +228,8 @@ class HostTier:
         the hash they were hit under (a released page may have been evicted and reused
         since)."""
         promoted, self._promoted = self._promoted, []
+        if self.undo is not None:
+            self.undo.push(setattr, self, "_promoted", promoted)
         pool, rows = self._device_pool, []
         for hit in promoted:
             if pool.page_hash(hit.page_id) == hit.page_hash:
@@ -175,7 +239,7 @@ class HostTier:
                         hit.page_hash,
                         pool.page_tokens(hit.page_id),
                         hit.parent_hash,
-                        hit.cache_salt,
+                        hit.keys,
                     )
                 )
         if rows:
@@ -187,7 +251,7 @@ class HostTier:
         hashes: list[int],
         datas: list[bytes],
         parents: list[int | None],
-        salts: list[str | None],
+        keys: list[EventKeys | None],
     ) -> None:
         """Copies device pages (parents first) to host pages: one batched copy. Pages that
         find no room (every host page pinned) are not stored.
@@ -201,6 +265,8 @@ class HostTier:
         if not plan.entries:
             return
         self.pool.evict(plan.victims)
+        if plan.victims and self.undo is not None:
+            self.undo.push(self.pool.lose, plan.victims)  # the copy overwrites them
         e = plan.entries
         self.pages.offload(self._blocks, [page_ids[i] for i in e], plan.targets)
         self.pool.insert(
@@ -208,8 +274,13 @@ class HostTier:
             [hashes[i] for i in e],
             [datas[i] for i in e],
             [parents[i] for i in e],
-            [salts[i] for i in e],
+            [keys[i] for i in e],
         )
+
+    def _restore_hits(self, counts: list[tuple[int, int]], num_promoted: int) -> None:
+        for page_id, count in counts:  # each the value before the change
+            self._page_hits[page_id] = count
+        del self._promoted[num_promoted:]
 
     # --- the rest of the protocol ---------------------------------------------------
 
@@ -230,11 +301,19 @@ class HostTier:
             bytes_stored=self.pages.bytes_to_host,
             bytes_loaded=self.pages.bytes_from_host,
             evicted_unused_pages=self.pool.num_evicted_unused,
+            kept_pages=self.pool.num_kept,
+            evicted_retained_pages=self.pool.num_evicted_retained,
         )
 
     def reset_metrics(self) -> None:
         self.pages.bytes_to_host = self.pages.bytes_from_host = 0
-        self.pool.num_evicted_unused = 0
+        self.pool.num_evicted_unused = self.pool.num_evicted_retained = 0
+
+    def retain(self, page_hashes: Sequence[int]) -> None:
+        self.pool.retain(page_hashes)
+
+    def unretain(self, page_hashes: Sequence[int], old_end: bool) -> None:
+        self.pool.unretain(page_hashes, old_end)
 
     def check_invariants(self, pinned: Sequence[TierHit]) -> None:
         """Also: a host page is never served for tokens other than its own (the

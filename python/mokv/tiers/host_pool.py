@@ -6,10 +6,12 @@ commits them (`HostTier.store`, host.py), never on the device allocation path: e
 a device page costs nothing, and the allocation path cannot hand out a half-copied page
 (TensorRT-LLM #8813 / #12878, see ../shared/notes/kv-events-and-tiers.md §3).
 
-Every host page is in exactly one of two states:
+Every host page is in exactly one of three states:
 
     free     no hash       in `_free` (a stack)
     cached   hashed        in `_lru` (oldest first); findable through the index
+    kept     hashed, its   in `_kept` (oldest first): a cached page a session retains
+             hash retained  (`retain`; `mokv.SessionConfig`)
 
 A page that a pending load reads is *pinned*. Pins are not stored here: the host tier
 counts them and passes the pinned pages (`protected`) to `plan_store`, which
@@ -20,16 +22,23 @@ made it free.
 Eviction is LRU over leaves: a victim is the oldest cached page that no other cached
 page names as its parent, so a suffix goes before its prefix (SGLang's radix-cache
 rule). Evicting a leaf can make its parent a leaf; if the scan already passed that
-parent, it is now the oldest leaf, so it goes next.
+parent, it is now the oldest leaf, so it goes next. Kept pages come after every cached
+page in that scan: a session's pages go only when nothing else is left. (A session
+retains a whole chain from its root, so a kept page's parent is kept too.)
 
 Invariants (checked by `check_invariants`):
-  1. free and cached partition the pages; no duplicates.
-  2. cached pages are hashed, free pages are not; the index maps each hash to a page
-     carrying exactly that hash; every hashed page is indexed.
-  3. `_children[h]` is the number of cached pages whose parent hash is `h`.
+  1. free, cached and kept partition the pages; no duplicates.
+  2. cached and kept pages are hashed, free pages are not; the index maps each hash to
+     a page carrying exactly that hash; every hashed page is indexed.
+  3. `_children[h]` is the number of cached and kept pages whose parent hash is `h`.
+  4. a kept page's hash is retained, a cached page's is not.
 
 Every change is all or nothing: `plan_store` is pure, and `evict` / `insert` / `touch` /
-`reset` apply plain list and dict operations after their checks.
+`reset` apply plain list and dict operations after their checks. With an `undo` log
+(`mokv.undo.UndoLog`, set by the host tier) each change also records how to undo it;
+an evicted page is restored only if its bytes were not overwritten since (`lose`: the
+host tier names the victims it is about to copy over), else it stays evicted and its
+removal stays announced.
 
 Events. An optional `events` sink hears `stored` / `removed` (medium "CPU", see
 `mokv.events.EventRecorder.medium_sink`) after the change.
@@ -41,13 +50,16 @@ nothing: a sign the tier is too small or `min_hits` too low).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
+from ..cache.extra_keys import EventKeys
 from ..cache.page_pool import PageEventSink
+from ..cache.retention import Retention
 from ..errors import InvariantError
+from ..undo import UndoLog
 
 
 @dataclass(slots=True)
@@ -72,19 +84,35 @@ class HostPagePool:
         self._parent: list[int | None] = [None] * num_pages
         # A stack, popped from the end (page 0 first on a fresh pool).
         self._free = list(range(num_pages - 1, -1, -1))
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._retention = Retention()
+        self._lru = self._retention.cached
+        self._kept = self._retention.kept
+        self._retained = self._retention.hashes
         self._index: dict[int, int] = {}
         self._children: dict[int, int] = {}
         self._loaded = [False] * num_pages  # loaded back since it was stored
         self.num_evicted_unused = 0
+        self.num_evicted_retained = 0  # kept pages evicted: pages a live session lost
         self.events: PageEventSink | None = None
+        self.undo: UndoLog | None = None
+        self._lost: set[int] = set()  # victims whose bytes were overwritten (a rollback's)
 
     # --- queries (change nothing) ---------------------------------------------------
 
     @property
     def num_cached(self) -> int:
-        """Host pages holding a committed prefix."""
-        return len(self._lru)
+        """Host pages holding a committed prefix (kept ones included)."""
+        return len(self._lru) + len(self._kept)
+
+    @property
+    def num_kept(self) -> int:
+        """Host pages that a session retains."""
+        return len(self._kept)
+
+    @property
+    def retained_hashes(self) -> frozenset[int]:
+        """The hashes retained now (stored or not)."""
+        return frozenset(self._retained)
 
     def lookup(self, page_hash: int, token_bytes: bytes) -> int | None:
         """The host page stored under `page_hash` holding exactly `token_bytes`, if any."""
@@ -148,7 +176,7 @@ class HostPagePool:
                 removed_children[parent] = removed_children.get(parent, 0) + 1
 
         passed: set[int] = set()  # pages the scan went over: older than the scan point
-        for page_id in self._lru:
+        for page_id in itertools.chain(self._lru, self._kept):
             if len(victims) == num_pages:
                 break
             passed.add(page_id)
@@ -177,14 +205,21 @@ class HostPagePool:
     def evict(self, victims: Sequence[int]) -> None:
         """Forgets the cached pages `victims` (from `plan_store`); they become free."""
         for page_id in victims:
-            if page_id not in self._lru:
+            if page_id not in self._lru and page_id not in self._kept:
                 raise InvariantError(f"host page {page_id} evicted but not cached")
         hashes = [self._page_hash[p] for p in victims]
-        self.num_evicted_unused += sum(not self._loaded[p] for p in victims)
-        for page_id, page_hash in zip(victims, hashes):
+        lrus = [self._retention.lru(h) for h in hashes]
+        unused = sum(not self._loaded[p] for p in victims)
+        kept = sum(lru is self._kept for lru in lrus)
+        entries = [(p, self._page_tokens[p], self._parent[p]) for p in victims]
+        self.num_evicted_unused += unused
+        self.num_evicted_retained += kept
+        for page_id, page_hash, lru in zip(victims, hashes, lrus):
             self._forget(page_id, page_hash)  # type: ignore[arg-type]
-            del self._lru[page_id]
+            del lru[page_id]
             self._free.append(page_id)
+        if self.undo is not None:
+            self.undo.push(self._unevict, list(zip(hashes, entries)), unused, kept)
         if self.events is not None:
             for page_hash in hashes:
                 self.events.removed(page_hash)  # type: ignore[arg-type]
@@ -206,7 +241,7 @@ class HostPagePool:
         page_hashes: Sequence[int],
         token_bytes: Sequence[bytes],
         parent_hashes: Sequence[int | None],
-        cache_salts: Sequence[str | None] | None = None,
+        keys: Sequence[EventKeys | None] | None = None,
     ) -> None:
         """Indexes free pages whose bytes were just written (the targets of a plan,
         after `evict` of its victims), at the young end of the LRU."""
@@ -218,11 +253,12 @@ class HostPagePool:
                 )
         if len(set(page_hashes)) != len(page_hashes):
             raise InvariantError(f"hashes {list(page_hashes)} stored twice in one call")
+        loaded = [self._loaded[p] for p in page_ids]
         self._take_free(page_ids)
         for page_id, page_hash, data, parent in zip(
             page_ids, page_hashes, token_bytes, parent_hashes
         ):
-            self._lru[page_id] = None
+            self._retention.lru(page_hash)[page_id] = None
             self._index[page_hash] = page_id
             self._page_hash[page_id] = page_hash
             self._page_tokens[page_id] = data
@@ -230,12 +266,14 @@ class HostPagePool:
             self._loaded[page_id] = False
             if parent is not None:
                 self._children[parent] = self._children.get(parent, 0) + 1
+        if self.undo is not None:
+            self.undo.push(self._uninsert, list(page_ids), loaded)
         if self.events is not None:
-            salts = cache_salts or [None] * len(page_ids)
-            for page_hash, data, parent, salt in zip(
-                page_hashes, token_bytes, parent_hashes, salts
+            page_keys = keys or [None] * len(page_ids)
+            for page_hash, data, parent, page_key in zip(
+                page_hashes, token_bytes, parent_hashes, page_keys
             ):
-                self.events.stored(page_hash, parent, data, salt)
+                self.events.stored(page_hash, parent, data, page_key)
 
     def _take_free(self, page_ids: Sequence[int]) -> None:
         """Removes `page_ids` (free pages that `plan_store` picked from the end of the
@@ -251,43 +289,136 @@ class HostPagePool:
 
     def mark_loaded(self, page_ids: Iterable[int]) -> None:
         """The pages were loaded back into device pages (reused)."""
+        page_ids = list(page_ids)
+        if self.undo is not None:
+            self.undo.push(self._unmark_loaded, [(p, self._loaded[p]) for p in page_ids])
         for page_id in page_ids:
             self._loaded[page_id] = True
 
     def touch(self, page_ids: Iterable[int]) -> None:
-        """Moves cached pages to the young end of the LRU, in the order given."""
+        """Moves cached (or kept) pages to the young end of their LRU, in the order given."""
         for page_id in page_ids:
             if page_id in self._lru:
                 self._lru.move_to_end(page_id)
+            elif page_id in self._kept:
+                self._kept.move_to_end(page_id)
 
     def touch_hashes(self, page_hashes: Iterable[int]) -> None:
         """`touch` for the pages stored under these hashes (those that are stored)."""
         index = self._index
         self.touch(index[h] for h in page_hashes if h in index)
 
+    def retain(self, page_hashes: Iterable[int]) -> None:
+        """Retains these hashes (not retained yet): their pages, stored now or later, are
+        kept (`Retention.retain`). Cannot fail half-way."""
+        self._retention.retain(page_hashes, self._index, self.undo)
+
+    def unretain(self, page_hashes: Iterable[int], old_end: bool = True) -> None:
+        """Stops retaining these hashes: their kept pages become cached pages at the old
+        end of the LRU, or the young end (`Retention.unretain`). Cannot fail half-way."""
+        self._retention.unretain(page_hashes, self._index, old_end, self.undo)
+
     def reset_prefix_cache(self) -> None:
-        """Forgets every hash: every page becomes free (pinned pages keep their bytes;
-        `plan_store` still refuses them until their loads are done)."""
-        for page_id in self._lru:
+        """Forgets every hash and retention: every page becomes free (pinned pages keep
+        their bytes; `plan_store` still refuses them until their loads are done)."""
+        cached = itertools.chain(self._lru, self._kept)
+        if self.undo is not None:
+            self.undo.push(
+                self._unreset,
+                [(p, self._page_hash[p], self._page_tokens[p], self._parent[p]) for p in cached],
+                list(self._lru),
+                list(self._kept),
+                set(self._retained),
+                dict(self._children),
+                len(self._free),
+            )
+        for page_id in itertools.chain(self._lru, self._kept):
             self._page_hash[page_id] = self._page_tokens[page_id] = self._parent[page_id] = None
             self._free.append(page_id)
-        self._lru.clear()
+        self._retention.clear()
         self._index.clear()
         self._children.clear()
+
+    # --- undo (see the module docstring) ---------------------------------------------
+
+    def lose(self, page_ids: Iterable[int]) -> None:
+        """Run by a rollback: these evicted pages' bytes were overwritten, so undoing
+        their eviction leaves them evicted."""
+        self._lost.update(page_ids)
+
+    def _unevict(
+        self, victims: list[tuple[int, tuple[int, bytes, int | None]]], unused: int, kept: int
+    ) -> None:
+        self.num_evicted_unused -= unused
+        self.num_evicted_retained -= kept
+        back = {}
+        for page_hash, (page_id, data, parent) in victims:
+            if page_id in self._lost:
+                if self.events is not None:  # its removal was taken back with the rest
+                    self.events.removed(page_hash)
+                continue
+            back[page_id] = (page_hash, data, parent)
+        self._lost.difference_update(page_id for _, (page_id, _, _) in victims)
+        self._free = [p for p in self._free if p not in back]
+        for page_id, (page_hash, data, parent) in reversed(back.items()):
+            self._index[page_hash] = page_id
+            self._page_hash[page_id], self._page_tokens[page_id] = page_hash, data
+            self._parent[page_id] = parent
+            if parent is not None:
+                self._children[parent] = self._children.get(parent, 0) + 1
+            lru = self._retention.lru(page_hash)
+            lru[page_id] = None
+            lru.move_to_end(page_id, last=False)  # the victims were the oldest
+
+    def _uninsert(self, page_ids: list[int], loaded: list[bool]) -> None:
+        for page_id, was_loaded in zip(page_ids, loaded):
+            page_hash = self._page_hash[page_id]
+            self._forget(page_id, page_hash)  # type: ignore[arg-type]
+            del self._retention.lru(page_hash)[page_id]
+            self._loaded[page_id] = was_loaded
+        self._free.extend(reversed(page_ids))
+
+    def _unmark_loaded(self, flags: list[tuple[int, bool]]) -> None:
+        for page_id, was_loaded in flags:
+            self._loaded[page_id] = was_loaded
+
+    def _unreset(
+        self,
+        stored: list[tuple[int, int | None, bytes | None, int | None]],
+        cached: list[int],
+        kept: list[int],
+        retained: set[int],
+        children: dict[int, int],
+        num_free: int,
+    ) -> None:
+        del self._free[num_free:]
+        self._retention.restore(cached, kept, retained)
+        for page_id, page_hash, data, parent in stored:
+            self._index[page_hash] = page_id  # type: ignore[index]
+            self._page_hash[page_id], self._page_tokens[page_id] = page_hash, data
+            self._parent[page_id] = parent
+        self._children = children
 
     # --- checks ---------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raises InvariantError unless invariants 1-3 hold."""
-        free, cached = set(self._free), set(self._lru)
+        """Raises InvariantError unless invariants 1-4 hold."""
+        free, lru, kept = set(self._free), set(self._lru), set(self._kept)
+        cached = lru | kept
         if (
             free & cached
+            or lru & kept
             or len(free) + len(cached) != self.num_pages
             or len(free) != len(self._free)
         ):
             raise InvariantError(
-                f"host pages: {len(free)} free and {len(cached)} cached of {self.num_pages}, "
-                f"{len(free & cached)} both"
+                f"host pages: {len(free)} free, {len(lru)} cached and {len(kept)} kept of "
+                f"{self.num_pages}, {len(free & cached) + len(lru & kept)} in two lists"
+            )
+        misfiled = self._retention.misfiled(self._page_hash)
+        if misfiled:
+            raise InvariantError(
+                f"host pages {misfiled} are kept without a retained hash or cached with one"
             )
         children: dict[int, int] = {}
         for page_id in range(self.num_pages):

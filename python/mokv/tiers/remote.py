@@ -22,11 +22,14 @@ nothing is sent before the first request.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
+from urllib.parse import urlsplit
 
 import numpy as np
+import redis
 from max.driver import Buffer
 
 from ..cache.hashing import STABLE_ALGORITHMS
@@ -37,8 +40,10 @@ from ..events.format import MEDIUM_SHARED
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
 from ..params import KVCacheParams
-from ..remote import RemoteLayout, RemoteMetrics, RemotePageStore
+from ..remote import PageCodec, RemoteLayout, RemoteMetrics, RemotePageStore
+from ..remote.codec import mac_key_bytes
 from ..remote.layout import REMOTE_NAMESPACE
+from ..undo import UndoLog
 from .base import CommittedPages, DeviceHit, TierConfig, TierHit
 
 REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
@@ -61,27 +66,31 @@ class RemoteTierConfig(TierConfig):
             `[A-Za-z0-9._/@+-]`: only managers with the same namespace, page layout and
             `prefix_hash_seed` share pages.
         timeout_s: bound on each connect and each reply (a slower server is a miss).
+        mac_key: a secret the servers share (bytes, or a str; at least 16 bytes): every
+            value is sealed with an HMAC-SHA256 tag and served only if its tag is
+            right, so that whoever can write the Redis server but lacks the key cannot
+            plant pages (`mokv.remote.codec`). None (the default): no tag, and the
+            server must be trusted. Servers with different keys share nothing; it is
+            never shown in a repr or an error.
     """
 
     name: ClassVar[str] = "remote"
     url: str
     namespace: str
     timeout_s: float = 0.25
+    mac_key: bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str) or self.url.partition("://")[0] not in REMOTE_URL_SCHEMES:
-            raise ValueError(
-                f"RemoteTierConfig.url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL, "
-                f"got {self.url!r}"
-            )
+        check_url(self.url)
         if not isinstance(self.namespace, str) or not REMOTE_NAMESPACE.fullmatch(self.namespace):
             raise ValueError(
                 "RemoteTierConfig.namespace must be 1-200 characters of [A-Za-z0-9._/@+-] "
                 f"(the model's name in the shared store), got {self.namespace!r}"
             )
         timeout = self.timeout_s
-        if timeout.__class__ not in (int, float) or not timeout > 0:
-            raise ValueError(f"RemoteTierConfig.timeout_s must be > 0, got {timeout!r}")
+        if timeout.__class__ not in (int, float) or not 0 < timeout < math.inf:
+            raise ValueError(f"RemoteTierConfig.timeout_s must be finite and > 0, got {timeout!r}")
+        mac_key_bytes(self.mac_key, "RemoteTierConfig.mac_key")
 
     def check(self, params: KVCacheParams) -> None:
         if not params.enable_prefix_caching:
@@ -104,11 +113,48 @@ class RemoteTierConfig(TierConfig):
         return RemoteTier(self, layouts, blocks)
 
 
+def check_url(url: object) -> None:
+    """ValueError naming `url` unless it is a Redis URL that redis-py connects to as
+    written: `redis://` or `rediss://` with a host, a port in 1-65535 and a numeric
+    database, or `unix://` with the socket's path."""
+    if not isinstance(url, str) or url.partition("://")[0] not in REMOTE_URL_SCHEMES:
+        raise ValueError(
+            f"RemoteTierConfig.url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL, got {url!r}"
+        )
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    db = parts.path.strip("/")
+    problem = None
+    if parts.scheme == "unix":
+        problem = None if parts.path else "a unix:// URL names the socket's path"
+    elif not parts.hostname:
+        problem = "no host"
+    elif port == 0:
+        problem = "the port is not a number in 1-65535"
+    elif db and not (db.isascii() and db.isdigit()):
+        problem = f"the database {db!r} is not a number"
+    if problem is None:
+        try:
+            redis.connection.parse_url(url)  # the query's options, as redis-py reads them
+        except ValueError as e:
+            problem = str(e)
+    if problem is not None:
+        if parts.password:  # an error message ends up in logs
+            url = url.replace(f":{parts.password}@", ":***@", 1)
+        raise ValueError(f"RemoteTierConfig.url={url!r}: {problem}")
+
+
 class RemoteTier:
     """One replica's view of the shared store: `stores[d]` holds device shard `d`."""
 
     name = RemoteTierConfig.name
     shared = True
+    # Nothing of its own to undo: the hits carry their bytes, stored pages are the
+    # server's (valid pages), and its announcements are the event recorder's.
+    undo: UndoLog | None = None
 
     def __init__(
         self, config: RemoteTierConfig, layouts: list[RemoteLayout], blocks: list[Buffer]
@@ -116,13 +162,15 @@ class RemoteTier:
         self.stores: list[RemotePageStore] = []
         try:
             for layout in layouts:
+                value_nbytes = PageCodec(layout, config.namespace, config.mac_key).value_nbytes
                 self.stores.append(
                     RemotePageStore(
                         config.url,
                         config.namespace,
                         layout,
+                        mac_key=config.mac_key,
                         timeout_s=config.timeout_s,
-                        max_queued_pages=max(8, REMOTE_QUEUE_BYTES // layout.value_nbytes),
+                        max_queued_pages=max(8, REMOTE_QUEUE_BYTES // value_nbytes),
                     )
                 )
         except BaseException:
@@ -185,7 +233,7 @@ class RemoteTier:
             for i, ok in enumerate(queued):
                 if ok:
                     self._events.stored(
-                        pages.hashes[i], pages.parents[i], pages.token_bytes[i], pages.salts[i]
+                        pages.hashes[i], pages.parents[i], pages.token_bytes[i], pages.keys[i]
                     )
 
     # --- the rest of the protocol ---------------------------------------------------
@@ -212,6 +260,12 @@ class RemoteTier:
     def reset_metrics(self) -> None:
         """Zeroes the bytes loaded; the stores' own counters only grow."""
         self._bytes_loaded = 0
+
+    def retain(self, page_hashes: Sequence[int]) -> None:
+        """Nothing: the server evicts by itself (sessions cannot hold its pages)."""
+
+    def unretain(self, page_hashes: Sequence[int], old_end: bool) -> None:
+        """Nothing was retained."""
 
     def check_invariants(self, pinned: Sequence[TierHit]) -> None:
         for hit in pinned:

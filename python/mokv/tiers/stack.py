@@ -12,10 +12,12 @@ from dataclasses import dataclass, replace
 
 from max.driver import Buffer
 
+from ..cache.extra_keys import EventKeys
 from ..cache.page_pool import PagePool
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
 from ..params import KVCacheParams
+from ..undo import UndoLog
 from .base import ChainTail, CommittedPages, DeviceHit, Tier, TierConfig, TierHit
 
 
@@ -29,8 +31,8 @@ class PendingLoad:
     hit: TierHit
     parent_hash: int | None
     """The hash of the page before it (None for a sequence's first page)."""
-    cache_salt: str | None
-    """The request's salt on a first page, else None (as events carry it)."""
+    keys: EventKeys | None
+    """What events say of the page besides its tokens (`DeviceHit.keys`)."""
     device_page: int | None = None
     """The device page it loads into; taken when the reservation is applied."""
 
@@ -51,6 +53,7 @@ class TierStack:
         num_layers: int,
         pool: PagePool,
         blocks: list[Buffer],
+        undo: UndoLog | None = None,
     ) -> None:
         self.tiers: list[Tier] = []
         try:
@@ -59,6 +62,9 @@ class TierStack:
         except BaseException:
             self.close()  # a tier built before may run threads
             raise
+        self.undo = undo
+        for tier in self.tiers:
+            tier.undo = undo
         self._cache_tokens = [0] * len(self.tiers)  # prompt tokens each tier supplied
 
     def __iter__(self) -> Iterator[Tier]:
@@ -100,6 +106,8 @@ class TierStack:
 
     def count_served(self, loads: Sequence[PendingLoad], page_size: int) -> None:
         """The loads' tokens count as supplied by their tiers (`metrics`)."""
+        if self.undo is not None and loads:
+            self.undo.push(setattr, self, "_cache_tokens", list(self._cache_tokens))
         for load in loads:
             self._cache_tokens[load.tier] += page_size
 
@@ -116,6 +124,31 @@ class TierStack:
         for tier, group in groups:
             tier.load([load.hit for load in group], [load.page for load in group])
         return [load for _, group in groups for load in group]
+
+    # --- sessions ---------------------------------------------------------------------
+
+    @property
+    def local_pages(self) -> int:
+        """Pages of this replica's own tiers (a shared tier has no fixed share of them)."""
+        return sum(tier.metrics().total_pages for tier in self.tiers if not tier.shared)
+
+    @property
+    def kept_pages(self) -> int:
+        """Pages the tiers hold for open sessions."""
+        return sum(tier.metrics().kept_pages for tier in self.tiers)
+
+    @property
+    def evicted_retained_pages(self) -> int:
+        """Pages the tiers evicted while an open session retained them."""
+        return sum(tier.metrics().evicted_retained_pages for tier in self.tiers)
+
+    def retain(self, page_hashes: Sequence[int]) -> None:
+        for tier in self.tiers:
+            tier.retain(page_hashes)
+
+    def unretain(self, page_hashes: Sequence[int], old_end: bool = True) -> None:
+        for tier in self.tiers:
+            tier.unretain(page_hashes, old_end)
 
     # --- the rest, tier by tier -----------------------------------------------------
 

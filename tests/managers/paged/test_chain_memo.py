@@ -5,7 +5,8 @@ it still holds. Every answer must equal the one a replica without the memo gives
 import numpy as np
 import pytest
 
-from mokv import TextContext
+from mokv import MultimodalInput, TextContext
+from mokv.cache.extra_keys import HashInputs
 from mokv.cache.hashing import hash_pages, page_hash_fn, root_hash, salted_root
 from mokv.cache.page_pool import PagePool
 from mokv.managers.paged import prefix
@@ -47,8 +48,8 @@ def hash_calls(monkeypatch):
     counted = {"pages": 0}
     real = prefix.iter_page_hashes
 
-    def counting(tokens, page_size, parent, hash_fn, first_page=0, end_page=None):
-        for page in real(tokens, page_size, parent, hash_fn, first_page, end_page):
+    def counting(tokens, page_size, parent, hash_fn, first_page=0, end_page=None, keys=None):
+        for page in real(tokens, page_size, parent, hash_fn, first_page, end_page, keys):
             counted["pages"] += 1
             yield page
 
@@ -72,21 +73,30 @@ def test_a_chain_is_hashed_once_and_then_read_from_the_memo(hash_calls):
     assert hash_calls["pages"] == 4 + 3
 
 
-@pytest.mark.parametrize("change", ["one token", "salt", "request id"])
-def test_a_remembered_chain_is_not_used_for_other_tokens_or_salt(change, hash_calls):
+@pytest.mark.parametrize("change", ["one token", "salt", "adapter", "image", "request id"])
+def test_a_remembered_chain_is_not_used_for_other_tokens_or_keys(change, hash_calls):
     chains = make_chains()
     tokens = np.arange(18)
     chains.pages(TextContext(tokens, request_id="a"), RequestState(0), 4)
-    other, salt, rid = tokens.copy(), None, "a"
+    other, rid, keys = tokens.copy(), "a", {}
     if change == "one token":
         other[9] = 99  # page 2
     elif change == "salt":
-        salt = "tenant"
+        keys = {"cache_salt": "tenant"}
+    elif change == "adapter":
+        keys = {"lora_name": "adapter"}
+    elif change == "image":
+        keys = {"mm_inputs": [MultimodalInput("img", 5, 2)]}  # page 1
     else:
         rid = "b"
-    ctx = TextContext(other, request_id=rid, cache_salt=salt)
-    assert chains.pages(ctx, RequestState(0), 4)[0] == expected(other, salt, end=4)
+    ctx = TextContext(other, request_id=rid, **keys)
+    pages = chains.pages(ctx, RequestState(0), 4)[0]
     assert hash_calls["pages"] == 8  # all four hashed again
+    assert pages == make_chains(capacity=0).pages(ctx, RequestState(0), 4)[0]  # no memo
+    if change in ("one token", "request id"):
+        assert pages == expected(other, end=4)
+    else:
+        assert pages != expected(other, end=4)
 
 
 def test_a_chain_continues_only_from_its_own_parent(hash_calls):
@@ -105,16 +115,19 @@ def test_a_chain_continues_only_from_its_own_parent(hash_calls):
 
 
 def test_an_entry_matches_only_its_own_key():
-    """The key (`PrefixChains.chain_key`) is compared on its own, whatever else goes into
-    it beside the salt."""
+    """The key (`hash_inputs` of the context) is compared whole: another image alone
+    (same salt, adapter and tokens) is another chain."""
     tokens = np.arange(9)
     pages = expected(tokens, end=2)
-    entry = ChainEntry((None,), 5, b"".join(d for _, d in pages), pages)
-    assert entry.matching_pages((None,), 5, tokens, PS, 0, 2) == 2
-    assert entry.matching_pages((None, "extra"), 5, tokens, PS, 0, 2) == 0
-    assert entry.matching_pages((None,), 6, tokens, PS, 0, 2) == 0  # another root
-    assert entry.matching_pages((None,), pages[0][0], tokens, PS, 1, 2) == 1
-    assert entry.matching_pages((None,), 5, tokens, PS, 1, 2) == 0  # another parent
+    key = HashInputs(None, None, (MultimodalInput("img", 0, 2),))
+    entry = ChainEntry(key, 5, b"".join(d for _, d in pages), pages)
+    assert entry.matching_pages(key, 5, tokens, PS, 0, 2) == 2
+    other = HashInputs(None, None, (MultimodalInput("img2", 0, 2),))
+    assert entry.matching_pages(other, 5, tokens, PS, 0, 2) == 0
+    assert entry.matching_pages(None, 5, tokens, PS, 0, 2) == 0
+    assert entry.matching_pages(key, 6, tokens, PS, 0, 2) == 0  # another root
+    assert entry.matching_pages(key, pages[0][0], tokens, PS, 1, 2) == 1
+    assert entry.matching_pages(key, 5, tokens, PS, 1, 2) == 0  # another parent
 
 
 def test_equal_hashes_never_stand_for_different_tokens():

@@ -256,7 +256,7 @@ def test_bad_configuration_is_rejected(session):
         small_params(dtype="float32")
     with pytest.raises(ValueError, match="n_kv_heads=3"):
         small_params(n_kv_heads=3, n_devices=2)
-    with pytest.raises(ValueError, match="swap_space_gb must be a number of GiB > 0, got 0"):
+    with pytest.raises(ValueError, match="swap_space_gb must be a finite number of GiB > 0, got 0"):
         mokv.HostTierConfig(swap_space_gb=0)
     with pytest.raises(ValueError, match="HostTierConfig needs enable_prefix_caching"):
         small_params(tiers=(mokv.HostTierConfig(swap_space_gb=1),), enable_prefix_caching=False)

@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import mokv
 from mokv import TextContext
+from mokv.events import PrefixRouterIndex
 
 from ..conftest import NUM_LAYERS, make_paged, small_params
 
@@ -229,16 +230,20 @@ class HostTierMachine(PagedManagerMachine):
         ctx = TextContext(np.array(prefix + [token]), request_id=f"short{self.shorts}")
         self.serve_whole(ctx)
 
-    def serve_whole(self, ctx):
-        """Claims, fetches (if its pages fit), writes, steps and releases one request."""
+    def serve_whole(self, ctx, check=None) -> bool:
+        """Claims, fetches (if its pages fit), calls `check(ctx)`, writes, steps and
+        releases one request; False if its pages did not fit."""
         self.m.claim(ctx.request_id)
         try:
             self.m.fetch([ctx])
         except mokv.InsufficientPagesError:
             self.m.release(ctx.request_id)
-            return
+            return False
+        if check is not None:
+            check(ctx)
         self.write_and_step(ctx, 0)
         self.m.release(ctx.request_id)
+        return True
 
     def write_and_step(self, ctx, token):
         expected = prefix_values(ctx.tokens)
@@ -259,6 +264,126 @@ class HostTierMachine(PagedManagerMachine):
         self.serve_whole(ctx)
 
 
+class Clock:
+    """The sessions' injected clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+SESSION_IDS = ("s0", "s1", "s2")
+TTL_S = 20.0
+
+
+class SessionMachine(HostTierMachine):
+    """The host tier's rules with sessions: three agent sessions take turns on their
+    growing context (each turn a whole request, released: the session pauses while
+    other rules run), end, and expire on an injected clock; 8 device and 16 host pages
+    with a share of 0.15 (3 pages), so the cap drops sessions too. Besides the pages'
+    values read back and the pools' invariants (runtime checks):
+
+    - a retained page is never in a request's write window (nor owned by one while kept);
+    - the sessions never retain more than the cap;
+    - ending a session stops retaining exactly the hashes no other open session retains;
+    - a session past its time-to-live is ended by the next reservation;
+    - a turn whose session's retained pages are all still cached (device or host) finds
+      at least them."""
+
+    num_pages = 8
+    session_turns_hit = 0  # over every example: retention was really exercised
+    totals = mokv.SessionMetrics()  # ... and the cap, the TTL, ends and evictions
+
+    def teardown(self):
+        SessionMachine.totals += self.m.metrics.sessions
+        super().teardown()
+
+    def options(self) -> dict:
+        self.clock = Clock()
+        self.context = {sid: [] for sid in SESSION_IDS}
+        return dict(super().options(),
+                    sessions=mokv.SessionConfig(ttl_s=TTL_S, max_share=0.15, clock=self.clock))
+
+    @property
+    def table(self):
+        return self.m.replicas[0].sessions
+
+    @precondition(lambda self: len(self.running) < 4)
+    @rule(sid=st.sampled_from(SESSION_IDS), new=st.lists(st.integers(0, 2), min_size=1,
+                                                         max_size=6))
+    def session_turn(self, sid, new):
+        """The session's next turn: its context so far plus new tokens (a tool's output),
+        as one whole request; released after one token (the session pauses)."""
+        context = self.context[sid]
+        if len(context) + len(new) >= MAX_SEQ_LEN - 1:
+            context = self.context[sid] = []  # a new conversation under the same session
+        chain = self.table.retained(sid)
+        replica = self.m.replicas[0]
+        host = replica.tiers.named("host").pool.indexed_hashes()
+        present = all(h in replica.pool.indexed_hashes() or h in host for h in chain)
+        self.turns = getattr(self, "turns", 0) + 1
+        ctx = TextContext(np.array(context + new), request_id=f"{sid}-t{self.turns}",
+                          session_id=sid)
+
+        def finds_the_retained_pages(ctx):
+            # The leading pages of the prompt that the session retains (all, unless the
+            # conversation started over: then a prefix of the retained chain may match).
+            ours = PrefixRouterIndex(page_size=4).page_hashes(ctx.tokens)
+            n = next((i for i, (a, b) in enumerate(zip(ours, chain)) if a != b),
+                     min(len(ours), len(chain)))
+            if present and n:
+                assert ctx.start_idx >= min(n, (ctx.end_idx - 1) // 4) * 4
+                SessionMachine.session_turns_hit += 1
+
+        if self.serve_whole(ctx, finds_the_retained_pages):
+            self.context[sid] = ctx.tokens.tolist()
+
+    @rule(sid=st.sampled_from(SESSION_IDS))
+    def end_session(self, sid):
+        """Ends `sid` (and, first, the sessions past their time-to-live)."""
+        due = {o for o, s in self.table.sessions.items()
+               if not s.running and s.deadline <= self.clock.now}
+        others = set().union(*(self.table.retained(o) for o in SESSION_IDS
+                               if o != sid and o not in due))
+        ending = set().union(*(self.table.retained(o) for o in due | {sid}))
+        before = self.held()
+        assert self.m.end_session(sid) == len(ending - others)
+        assert self.table.retained(sid) == () and not due & set(self.table.sessions)
+        assert self.table.retained_hashes == others == self.m.replicas[0].pool.retained_hashes
+        assert self.held() == before  # no page changes owner
+        self.context[sid] = []
+
+    @precondition(lambda self: len(self.running) < 4)
+    @rule(seconds=st.sampled_from([1.0, 5.0, TTL_S + 1]))
+    def pause(self, seconds):
+        """Time passes (a tool runs); then a reservation ends the sessions past their TTL."""
+        self.clock.now += seconds
+        due = [sid for sid, s in self.table.sessions.items()
+               if not s.running and s.deadline <= self.clock.now]
+        self.pauses = getattr(self, "pauses", 0) + 1
+        ctx = TextContext(np.array([2, 1, 0, 2, 1]), request_id=f"pause{self.pauses}")
+        self.m.claim(ctx.request_id)
+        if self.m.maybe_reserve(ctx):
+            assert not set(due) & set(self.table.sessions)
+        self.m.release(ctx.request_id)
+
+    @invariant()
+    def retained_pages_stay_out_of_write_windows(self):
+        pool = self.m.replicas[0].pool
+        retained = self.table.retained_hashes
+        assert len(retained) <= self.table.cap
+        for rid in self.running:
+            pages = self.m.get_req_blocks(rid)
+            committed = len(self.m.replicas[0].committed_hashes(rid))
+            for page in pages[committed:]:  # the pages it may still write
+                assert pool.page_hash(page) is None and not pool.is_retained(page)
+        for page in range(pool.num_pages):
+            if pool.is_cached(page) and pool.is_retained(page):
+                assert pool.ref_count(page) == 0
+
+
 SESSION = None
 
 
@@ -277,3 +402,14 @@ def test_random_operations_with_the_host_tier(session):
     run.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
     run().runTest()
     assert HostTierMachine.host_tokens_loaded > 0
+
+
+def test_random_operations_with_sessions(session):
+    global SESSION
+    SESSION = session
+    run = SessionMachine.TestCase
+    run.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+    run().runTest()
+    totals = SessionMachine.totals
+    assert SessionMachine.session_turns_hit > 0 and totals.turn_cache_tokens > 0
+    assert min(totals.dropped, totals.expired, totals.ended, totals.evicted_pages) > 0, totals

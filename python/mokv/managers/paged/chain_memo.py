@@ -32,12 +32,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...cache.extra_keys import HashInputs
 from ...cache.page_pool import PagePool
 from ...context import RequestID
 
-ChainKey = tuple[object, ...]
+ChainKey = HashInputs | None
 """Everything besides the token ids and the parent hash that goes into a request's page
-hashes (its salt, ...): built in one place, `PrefixChains.chain_key`."""
+hashes (salt, adapter, images): `mokv.cache.extra_keys.hash_inputs` of its context."""
 
 Page = tuple[int, bytes]
 """(page hash, the page's token bytes)."""

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ...cache.extra_keys import request_keys
 from ...cache.page_pool import PagePool
-from ...context import RequestID, TextGenerationContext, cache_salt_of
+from ...context import RequestID, TextGenerationContext
 from ...tiers.base import CommittedPages
 from ...tiers.stack import TierStack
+from ...undo import UndoLog
 from .inputs import PageTable
 from .plans import CommitPlan, RequestState
 from .prefix import PrefixChains
@@ -29,6 +31,7 @@ class ReplicaCommits:
     pool: PagePool
     chains: PrefixChains
     tiers: TierStack
+    undo: UndoLog
     _prefix_caching: bool
     _page_table: PageTable
     _requests: dict[RequestID, RequestState]
@@ -39,7 +42,7 @@ class ReplicaCommits:
         (pure; StaleContextError for a context whose cache does not fit its pages)."""
         ps, plans = self.page_size, []
         owners: list[tuple[RequestState, int]] = []
-        page_ids, hashes, datas, parents, salts = [], [], [], [], []
+        page_ids, hashes, datas, parents, keys = [], [], [], [], []
         for ctx in batch:
             req = self._request(ctx.request_id)
             start = ctx.start_idx
@@ -49,7 +52,7 @@ class ReplicaCommits:
             if num_full <= first or not self._prefix_caching:
                 continue
             parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
-            salt = cache_salt_of(ctx) if parent is None else None
+            request = request_keys(ctx)
             chain, _ = self.chains.pages(ctx, req, num_full)
             new_hashes = []
             for page_idx, (page_hash, data) in enumerate(chain, start=first):
@@ -58,11 +61,11 @@ class ReplicaCommits:
                 hashes.append(page_hash)
                 datas.append(data)
                 parents.append(parent)
-                salts.append(salt)
+                keys.append(request.page(page_idx, ps) if request is not None else None)
                 new_hashes.append(page_hash)
-                parent, salt = page_hash, None
+                parent = page_hash
             plans.append((req, new_hashes))
-        return CommitPlan(plans, owners, page_ids, hashes, datas, parents, salts)
+        return CommitPlan(plans, owners, page_ids, hashes, datas, parents, keys)
 
     def commit(self, plan: CommitPlan) -> None:
         """Indexes the planned pages in one all-or-nothing pool call, moves each request
@@ -72,10 +75,11 @@ class ReplicaCommits:
         indexed: list[bool] = []
         if plan.page_ids:
             indexed = self.pool.commit_pages(
-                plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.salts
+                plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.keys
             )
             self._share_duplicates(plan.owners, plan.hashes, plan.datas, indexed)
         for req, new_hashes in plan.requests:
+            self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
             req.hashes.extend(new_hashes)
         if not self.tiers:
             return
@@ -86,7 +90,7 @@ class ReplicaCommits:
                 [plan.hashes[i] for i in new],
                 [plan.datas[i] for i in new],
                 [plan.parents[i] for i in new],
-                [plan.salts[i] for i in new],
+                [plan.keys[i] for i in new],
             )
         )
 
@@ -108,8 +112,23 @@ class ReplicaCommits:
             if shared is None:
                 continue
             self.pool.acquire(shared)
-            self.pool.release([req.pages[page_idx]])  # unhashed: back to the free pages
+            own = req.pages[page_idx]
+            self.pool.release([own])  # unhashed: back to the free pages
             req.pages[page_idx] = shared
+            self.undo.push(self._set_page, req, page_idx, own)
             switched[req.slot] = req
         for req in switched.values():
             self._page_table.set_row(req.slot, req.pages)
+
+    # --- undo -----------------------------------------------------------------------
+
+    def _truncate(self, req: RequestState, num_pages: int, num_hashes: int, num_loads: int) -> None:
+        """Undoes what a request's pages, hashes and loads gained (idempotent)."""
+        del req.pages[num_pages:]
+        del req.hashes[num_hashes:]
+        del req.loads[num_loads:]
+        self._page_table.set_row(req.slot, req.pages)
+
+    def _set_page(self, req: RequestState, page_idx: int, page_id: int) -> None:
+        req.pages[page_idx] = page_id
+        self._page_table.set_row(req.slot, req.pages)

@@ -11,7 +11,10 @@ The request lifecycle (the manager contract of base.py, in MAX's spelling):
 
 This class routes each request to its data-parallel replica (`replica.py`: one page
 pool, its buffers and its tiers) and keeps the contract's promises across them: every
-request of a batch is checked and planned before any replica changes. Memory sizing is
+request of a batch is checked and planned before any replica changes, and every call
+that changes something runs under the manager's undo log (`mokv.undo`), shared by the
+replicas, their pools and tiers and the event recorders: a call that raises, from
+anywhere inside, is rolled back (docs/reliability.md says what stands). Memory sizing is
 `sizing.py`; the graph inputs are built by `inputs.py`. The tiers below the device pages
 (`params.tiers`: host memory, a shared Redis store) are `mokv.tiers`.
 """
@@ -19,9 +22,7 @@ request of a batch is checked and planned before any replica changes. Memory siz
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-import numpy as np
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
@@ -40,16 +41,25 @@ from ...events.publisher import open_publishers
 from ...layouts import PAGED, RaggedKVCacheInputs
 from ...params import KVCacheParams
 from ...params_compat import with_manager_events
-from ..base import ManagerFields, check_num_steps, check_request_id, synchronized
+from ..base import (
+    ManagerFields,
+    atomic,
+    check_distinct,
+    check_num_steps,
+    check_request_id,
+    check_window,
+    synchronized,
+)
 from ..compat import MaxManagerAPI
-from ..increment import CacheLengthIncrementer, check_batch_size, row_offsets_per_device
+from ..increment import CacheLengthIncrementer
 from .inputs import ceil_div
 from .metrics import PagedMetrics
+from .multistep import PagedMultistep
 from .replica import PagedReplica, Reservation
 from .sizing import PagedSizing, pages_per_replica
 
 
-class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerFields):
+class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerAPI, ManagerFields):
     """Paged KV cache manager with data and tensor parallelism support.
 
     Args:
@@ -126,6 +136,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
                         list(self.devices[r * tp : (r + 1) * tp]),
                         hash_fn,
                         root,
+                        self._undo,
                     )
                 )
             # One publisher per replica (its own PUB socket), opened last so that nothing
@@ -164,7 +175,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         check_request_id(request_id)
         return request_id in self._replica_of
 
-    @synchronized
+    @atomic
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
         """Binds `request_id` to a replica: by default the one `_recommend` picks with no
         prefix to match (MAX 25.7 raises ValueError instead when there are several)."""
@@ -179,14 +190,33 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
             raise AlreadyClaimedError(request_id)
         self.replicas[replica_idx].claim(request_id)
         self._replica_of[request_id] = replica_idx
+        self._undo.push(self._replica_of.pop, request_id)
         self._after_change()
 
-    @synchronized
+    @atomic
     def release(self, request_id: RequestID) -> None:
         """Frees the request's pages (hashed ones stay reusable) and forgets it."""
-        self._replica(request_id).release(request_id)
+        replica_idx = self._replica_index(request_id)
+        self.replicas[replica_idx].release(request_id)
         del self._replica_of[request_id]
+        self._undo.push(self._replica_of.__setitem__, request_id, replica_idx)
         self._after_change()
+
+    @atomic
+    def end_session(self, session_id: str) -> int:
+        """Ends the session `session_id` (`KVCacheParams.sessions`): the pages it retains
+        become ordinary cached pages, the first to be evicted. Requests of it still
+        running keep their pages, and their release retains nothing. Sessions past their
+        time-to-live end first. Returns the pages (distinct hashes per replica) no open
+        session retains any more; 0 when nothing was retained (a session never opened,
+        ended or expired already; sessions off). TypeError for a `session_id` that is
+        not a non-empty str."""
+        if not isinstance(session_id, str) or not session_id:
+            raise TypeError(f"session_id must be a non-empty str, got {session_id!r}")
+        plans = [(r.sessions, r.sessions.plan_end(session_id)) for r in self.replicas if r.sessions]
+        ended = sum(table.apply(plan) for table, plan in plans)
+        self._after_change()
+        return ended
 
     @synchronized
     def get_replica(self, context: TextGenerationContext) -> int:
@@ -240,13 +270,16 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
                 return True
             if not plan.fits:  # asked of the pool once, by `plan`; nothing changed since
                 return False
-            replica.apply([plan])
-            self._after_change()
+            self._undo.run(self._apply, replica, [plan])
             return True
         finally:
             self._lock.release()
 
-    @synchronized
+    def _apply(self, replica: PagedReplica, plans: list[Reservation]) -> None:
+        replica.apply(plans)
+        self._after_change()
+
+    @atomic
     def fetch(
         self, batch: Sequence[TextGenerationContext], num_steps: int = 1
     ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
@@ -256,7 +289,8 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         devices come replica by replica. Requests not yet reserved are reserved here.
         All or nothing: every request is checked and every reservation planned before
         anything changes; `InsufficientPagesError` (and no change) if the pages of the
-        batch do not fit.
+        batch do not fit. A reservation whose context moved its window (a prefix hit)
+        stands even if something after it raises, as after `maybe_reserve`.
         """
         check_num_steps(num_steps)
         if len(batch) > self.max_batch_size:
@@ -269,6 +303,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         last = 0
         for ctx in batch:
             r = self._replica_index(ctx.request_id)
+            check_window(ctx)
             if r < last:
                 raise ValueError(
                     f"batch is not ordered by replica: {ctx.request_id!r} (replica {r}) "
@@ -280,12 +315,13 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
             if plan is not None:
                 plans[r].append(plan)
         if len({ctx.request_id for ctx in batch}) != len(batch):
-            raise ValueError("a request appears twice in the batch")
-        for replica, replica_plans in zip(self.replicas, plans):
+            check_distinct(batch)
+        for r, (replica, replica_plans) in enumerate(zip(self.replicas, plans)):
             if replica_plans and not replica.fits(replica_plans):
                 raise InsufficientPagesError(
-                    f"the batch needs more pages than the {replica.pool.num_free} free; "
-                    "call maybe_reserve before fetch"
+                    f"requests {[p.ctx.request_id for p in replica_plans]} need "
+                    f"{sum(p.num_fresh for p in replica_plans)} fresh pages of replica {r}, "
+                    f"which has {replica.pool.num_free} free; call maybe_reserve before fetch"
                 )
         for replica, replica_plans in zip(self.replicas, plans):
             if replica_plans:
@@ -310,57 +346,23 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
     def step(self, batch: Sequence[TextGenerationContext]) -> None:
         """Commits the pages that the batch's last step filled to the prefix cache.
 
-        Every request is checked before any page is committed.
+        Every request is checked before any page is committed; the step's events are
+        handed to the publishers once the commit can no longer be undone.
         """
+        self._undo.run(self._commit, batch)
+        for publisher in self.kv_event_publishers:  # one event batch per step
+            publisher.end_step()
+
+    def _commit(self, batch: Sequence[TextGenerationContext]) -> None:
         groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
         for ctx in batch:
             groups[self._replica_index(ctx.request_id)].append(ctx)
         if len({ctx.request_id for ctx in batch}) != len(batch):
-            raise ValueError("a request appears twice in the batch")
+            check_distinct(batch)
         plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]
         for replica, plan in zip(self.replicas, plans):
             replica.commit(plan)
-        for publisher in self.kv_event_publishers:  # one event batch per step
-            publisher.end_step()
         self._after_change()
-
-    @synchronized
-    def increment_cache_lengths(
-        self,
-        kv_cache_inputs: Sequence[RaggedKVCacheInputs[Buffer, Buffer]],
-        prev_model_inputs: Any,
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
-        """Inputs for the next step of multistep decoding, computed on the device.
-
-        `prev_model_inputs.input_row_offsets` (or the offsets themselves) gives the rows
-        each request processed: one Buffer for a single replica; with several, MAX's form
-        (one global Buffer plus `prev_model_inputs.data_parallel_splits`, as
-        `get_data_parallel_splits` returns them), or one Buffer per replica or per device.
-        Cache lengths grow by those counts and `max_lengths` drops a row.
-        """
-        offsets = row_offsets_per_device(
-            prev_model_inputs, self.num_replicas, self.params.tensor_parallel_degree
-        )
-        if len(kv_cache_inputs) != len(offsets):
-            raise ValueError(f"got {len(kv_cache_inputs)} cache inputs for {len(offsets)} devices")
-        for inputs, row_offsets in zip(kv_cache_inputs, offsets):
-            check_batch_size(inputs.cache_lengths, row_offsets)
-        out = []
-        for inputs, row_offsets in zip(kv_cache_inputs, offsets, strict=True):
-            cache_lengths, max_lengths = self._increment(
-                inputs.cache_lengths, row_offsets, inputs.max_lengths
-            )
-            out.append(inputs._replace(cache_lengths=cache_lengths, max_lengths=max_lengths))
-        return out
-
-    @synchronized
-    def get_data_parallel_splits(self, context_batch: Sequence[TextGenerationContext]) -> Buffer:
-        """int64 `[num_replicas + 1]`: offsets of each replica's requests in the batch,
-        `[0, n_0, n_0 + n_1, ...]` (the batch must be ordered by replica)."""
-        counts = np.zeros(self.num_replicas + 1, dtype=np.int64)
-        for ctx in context_batch:
-            counts[self._replica_index(ctx.request_id) + 1] += 1
-        return Buffer.from_numpy(np.cumsum(counts))
 
     @synchronized
     def reset_prefix_cache(self) -> bool:
@@ -376,12 +378,15 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, MaxManagerAPI, ManagerField
         """
         if any(r.pool.num_used for r in self.replicas):
             return False
-        for r in self.replicas:
-            r.reset_prefix_cache()
+        self._undo.run(self._reset_replicas)
         for publisher in self.kv_event_publishers:
             publisher.end_step()
-        self._after_change()
         return True
+
+    def _reset_replicas(self) -> None:
+        for r in self.replicas:
+            r.reset_prefix_cache()
+        self._after_change()
 
     @synchronized
     def close(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from ...metrics import KVCacheMetrics, TierMetrics
+from ...metrics import KVCacheMetrics, SessionMetrics, TierMetrics
 from ...remote import RemoteMetrics
 from ...tiers.remote import RemoteTier
 from ..base import synchronized
@@ -44,15 +44,19 @@ class PagedMetrics:
     @synchronized
     def metrics(self) -> KVCacheMetrics:
         tiers: dict[str, TierMetrics] = {}
+        sessions = SessionMetrics()
         for replica in self.replicas:
             for name, metrics in replica.tiers.metrics():
                 tiers[name] = tiers.get(name, TierMetrics()) + metrics
+            if replica.sessions is not None:
+                sessions += replica.sessions.metrics()
         return KVCacheMetrics(
             input_tokens=sum(r.input_tokens for r in self.replicas),
             cache_tokens=sum(r.cache_tokens for r in self.replicas),
             used_pages=sum(r.pool.num_used for r in self.replicas),
             free_pages=self.num_free_blocks,
             tiers=tiers,
+            sessions=sessions,
         )
 
     @property

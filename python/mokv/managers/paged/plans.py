@@ -4,11 +4,16 @@ anything changes (`PagedReplica.plan`, `plan_commit`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ...context import TextGenerationContext, cache_salt_of
+from ...cache.extra_keys import EventKeys, request_keys
+from ...context import TextGenerationContext
 from ...errors import StaleContextError
 from ...tiers.base import DeviceHit
 from ...tiers.stack import PendingLoad
+
+if TYPE_CHECKING:
+    from .sessions import Session
 
 
 @dataclass(slots=True)
@@ -18,7 +23,8 @@ class RequestState:
     `hashes` covers the first `len(hashes)` pages (committed, or found in the index or
     a tier); `loads` are tier hits reserved for it and not yet copied in. `prompt_end`
     is the context's `end_idx` at its first fetch (its prompt: nothing was generated
-    before), -1 until then; the metrics count only prompt tokens.
+    before), -1 until then; the metrics count only prompt tokens. `session` is the open
+    session it belongs to (`SessionTable.start`, at its first reservation), if any.
     """
 
     slot: int
@@ -26,6 +32,7 @@ class RequestState:
     pages: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     loads: list[PendingLoad] = field(default_factory=list)
+    session: Session | None = None
 
     def check_window(self, ctx: TextGenerationContext, page_size: int) -> None:
         """StaleContextError unless the context's cache ends between the request's
@@ -73,14 +80,15 @@ class Reservation:
         """Whether the pool could take this reservation alone, as it stood when planned."""
         return self.num_fresh <= self.room
 
-    def device_hit_run(self) -> list[DeviceHit]:
-        """The device hits, each with the hash before it (and the salt on a first page)."""
-        parent = self.parent_hash
-        salt = cache_salt_of(self.ctx) if parent is None else None
+    def device_hit_run(self, page_size: int) -> list[DeviceHit]:
+        """The device hits, each with the hash before it and its `EventKeys`."""
+        parent, keys = self.parent_hash, request_keys(self.ctx)
+        first = self.hit_tokens // page_size - len(self.hits) - len(self.loads)
         run = []
-        for page_id, page_hash in self.hits:
-            run.append(DeviceHit(page_id, page_hash, parent, salt))
-            parent, salt = page_hash, None
+        for page_idx, (page_id, page_hash) in enumerate(self.hits, start=first):
+            page_keys = keys.page(page_idx, page_size) if keys is not None else None
+            run.append(DeviceHit(page_id, page_hash, parent, page_keys))
+            parent = page_hash
         return run
 
 
@@ -96,4 +104,4 @@ class CommitPlan:
     hashes: list[int]
     datas: list[bytes]
     parents: list[int | None]
-    salts: list[str | None]
+    keys: list[EventKeys | None]

@@ -2,8 +2,10 @@
 pages of the device index that continue it.
 
 A request's chain continues from its last committed page: the first page chains from
-the root of the request's `cache_salt` (`mokv.cache.hashing.salted_root`), or from the
-replica's root without a salt. Prefix matching runs only when every page the request
+the root of the request's cache salt and LoRA adapter (`mokv.cache.extra_keys.chain_root`),
+or from the replica's root without them; a page an image overlaps is keyed by it too
+(`extra_keys.page_keys`). Everything besides the tokens comes from one function,
+`extra_keys.hash_inputs(ctx)`. Prefix matching runs only when every page the request
 holds is committed and its cache ends exactly at their end (a new request, or one whose
 cache ends on a page boundary after a chunk or a reset); it stops one token short of
 `end_idx`, since the model must run on the last token.
@@ -15,17 +17,19 @@ until it fits, and the commits of its pages after it does, hash it once.
 
 from __future__ import annotations
 
-from ...cache.hashing import PageHashFn, iter_page_hashes, salted_root
+from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, page_keys
+from ...cache.hashing import PageHashFn, iter_page_hashes
 from ...cache.page_pool import PagePool
-from ...context import RequestID, TextGenerationContext, cache_salt_of
+from ...context import RequestID, TextGenerationContext
 from ...params import KVCacheParams
 from ...tiers.base import ChainTail
-from .chain_memo import ChainEntry, ChainKey, ChainMemo, Hits, Page, Room
+from ..base import integer_tokens
+from .chain_memo import ChainEntry, ChainMemo, Hits, Page, Room
 from .plans import RequestState
 
-SALTED_ROOTS_MEMO = 65536
-"""Salts whose roots are remembered (then forgotten all at once): bounds the memo, not
-the salts."""
+KEYED_ROOTS_MEMO = 65536
+"""(salt, adapter) pairs whose roots are remembered (then forgotten all at once): bounds
+the memo, not the keys."""
 
 CHAIN_MEMO_TOKENS = 1 << 17
 """Tokens of the chains a replica remembers (`ChainMemo`), about 16 bytes each."""
@@ -42,7 +46,8 @@ class PrefixChains:
         self.pool = pool
         self._hash_fn = hash_fn
         self._root_hash = root_hash
-        self._salted_roots: dict[str, int] = {}  # cache_salt -> root of its hash chains
+        # (cache_salt, lora_name) -> the root of their hash chains
+        self._keyed_roots: dict[tuple[str | None, str | None], int] = {}
         self.memo = ChainMemo(CHAIN_MEMO_TOKENS)
 
     def can_match(self, ctx: TextGenerationContext, req: RequestState) -> bool:
@@ -54,53 +59,54 @@ class PrefixChains:
             and ctx.start_idx == n_committed * self.page_size
         )
 
-    def parent(self, req: RequestState, ctx: TextGenerationContext) -> int:
-        """The hash the request's next page chains from."""
+    def parent(self, req: RequestState, inputs: HashInputs | None) -> int:
+        """The hash the request's next page chains from (`inputs`: its `hash_inputs`)."""
         if req.hashes:
             return req.hashes[-1]
-        salt = cache_salt_of(ctx)
-        if salt is None:
+        if inputs is None or inputs.cache_salt is None and inputs.lora_name is None:
             return self._root_hash
-        root = self._salted_roots.get(salt)
+        key = (inputs.cache_salt, inputs.lora_name)
+        root = self._keyed_roots.get(key)
         if root is None:
-            if len(self._salted_roots) >= SALTED_ROOTS_MEMO:
-                self._salted_roots.clear()
+            if len(self._keyed_roots) >= KEYED_ROOTS_MEMO:
+                self._keyed_roots.clear()
             p = self.params
-            root = self._salted_roots[salt] = salted_root(p.prefix_hash, p.prefix_hash_seed, salt)
+            root = self._keyed_roots[key] = chain_root(p.prefix_hash, p.prefix_hash_seed, *key)
         return root
-
-    @staticmethod
-    def chain_key(ctx: TextGenerationContext) -> ChainKey:
-        """Everything besides the token ids and the parent hash that goes into `ctx`'s
-        page hashes: what a remembered chain must match (`ChainMemo`)."""
-        return (cache_salt_of(ctx),)
 
     def pages(
         self, ctx: TextGenerationContext, req: RequestState, end_page: int
     ) -> tuple[list[Page], ChainEntry | None]:
         """(hash, token bytes) of the request's full pages after its committed ones, up
         to page `end_page` (excluded), and the memo entry that holds them all (None when
-        it does not). The list may be the entry's own: read it, never change it.
+        it does not). The list may be the entry's own: read it, never change it. TypeError
+        for tokens that are not integers (`integer_tokens`).
 
-        Pages the request's memo entry holds for the same tokens are taken from it; the
-        rest are hashed. A chain from the first page is remembered."""
+        Pages the request's memo entry holds for the same tokens and `hash_inputs` (its
+        `ChainKey`) are taken from it; the rest are hashed. A chain from the first page
+        is remembered."""
         first, ps = len(req.hashes), self.page_size
+        tokens = integer_tokens(ctx)
         if end_page <= first:
             return [], None
-        parent, key, tokens = self.parent(req, ctx), self.chain_key(ctx), ctx.tokens
+        inputs = hash_inputs(ctx)
+        parent = self.parent(req, inputs)
         entry = self.memo.get(ctx.request_id)
-        held = entry.matching_pages(key, parent, tokens, ps, first, end_page) if entry else 0
+        held = entry.matching_pages(inputs, parent, tokens, ps, first, end_page) if entry else 0
         if entry is not None and held == end_page - first:
             if first == 0 and held == len(entry.pages):
                 return entry.pages, entry
             return entry.pages[first:end_page], entry
         start = entry.pages[first + held - 1][0] if entry is not None and held else parent
-        pages = list(iter_page_hashes(tokens, ps, start, self._hash_fn, first + held, end_page))
+        keys = page_keys(inputs.mm_inputs, ps, first + held, end_page) if inputs else None
+        pages = list(
+            iter_page_hashes(tokens, ps, start, self._hash_fn, first + held, end_page, keys)
+        )
         if held:
             pages[:0] = entry.pages[first : first + held]  # type: ignore[union-attr]
         if first:
             return pages, None
-        entry = ChainEntry(key, parent, b"".join([data for _, data in pages]), pages)
+        entry = ChainEntry(inputs, parent, b"".join([data for _, data in pages]), pages)
         self.memo.put(ctx.request_id, entry)
         return pages, entry
 

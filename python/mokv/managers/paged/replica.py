@@ -19,11 +19,19 @@ Prefix matching (prefix.py) extends a request with the longest run of pages that
 continues its hash chain: device pages first, then each tier in order.
 
 Committing the pages a step filled (`step`) is `commit.py`, a mixin of this class.
+Sessions (`params.sessions`) are `sessions.py`: a request's first reservation starts
+its session, its release makes the session retain its chain.
 
 Reserving is planned once, then applied. `plan` works out one request's hits and fresh
 pages without changing anything, asking the pool once how many fresh pages it could
 take (`Reservation.room`); `fits` checks a batch of plans against the pool; `apply`
 takes their pages in one all-or-nothing pool call before it moves the contexts' windows.
+
+Undo. Every change records how to undo it in `undo` (`mokv.undo.UndoLog`, the
+manager's), which the pool, the tiers and the event recorder share, so that the manager
+rolls back a call that raised anywhere. A context's window cannot be moved back: once
+`apply` moved the windows of its hit contexts, it commits the log (the reservation
+stands, and so does everything before it in the call).
 
 Tiers (`params.tiers`, `mokv.tiers`). A tier hit takes a fresh device page and becomes
 a pending load on its request, pinned in its tier from `apply` on; `fetch` runs the
@@ -39,14 +47,14 @@ from dataclasses import replace
 from max.driver import Buffer, Device
 
 from ...cache.cache_memory import cache_buffer
+from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
 from ...cache.page_pool import PagePool
-from ...context import RequestID, TextGenerationContext, cache_salt_of
+from ...context import RequestID, TextGenerationContext
 from ...errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
     InvariantError,
-    SequenceTooLongError,
     UnknownRequestError,
 )
 from ...events.publisher import EventRecorder
@@ -54,10 +62,13 @@ from ...layouts import RaggedKVCacheInputs
 from ...metrics import prompt_tokens_in
 from ...params import KVCacheParams
 from ...tiers.stack import PendingLoad, TierStack
+from ...undo import UndoLog
+from ..base import sequence_too_long
 from .commit import ReplicaCommits
 from .inputs import PageTable, ceil_div, check_write_windows
 from .plans import RequestState, Reservation
 from .prefix import PrefixChains
+from .sessions import SessionTable
 
 
 class PagedReplica(ReplicaCommits):
@@ -74,13 +85,16 @@ class PagedReplica(ReplicaCommits):
         devices: list[Device],
         hash_fn: PageHashFn,
         root_hash: int,
+        undo: UndoLog,
     ) -> None:
         self.params = params
+        self.undo = undo
         self.page_size = params.page_size
         self.max_seq_len = max_seq_len
         self.max_requests = max_requests
         self.devices = devices
         self.pool = PagePool(num_pages)
+        self.pool.undo = undo
         self.chains = PrefixChains(params, self.pool, hash_fn, root_hash)
         self._prefix_caching = params.enable_prefix_caching
         self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
@@ -98,7 +112,10 @@ class PagedReplica(ReplicaCommits):
         self._requests: dict[RequestID, RequestState] = {}
         self.input_tokens = 0
         self.cache_tokens = 0
-        self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks)
+        self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)
+        self.sessions = (
+            SessionTable(params.sessions, self.pool, self.tiers, undo) if params.sessions else None
+        )
 
     # --- requests -------------------------------------------------------------------
 
@@ -121,13 +138,28 @@ class PagedReplica(ReplicaCommits):
                 "replica are taken (max_batch_size / data_parallel_degree)"
             )
         self._requests[request_id] = RequestState(self._free_slots.pop())
+        self.undo.push(self._unclaim, request_id)
 
     def release(self, request_id: RequestID) -> None:
-        req = self._request(request_id)
+        """Frees the request's pages; its session (if any) retains its chain."""
+        req, sessions = self._request(request_id), self.sessions
+        session = req.session
+        if session is not None and sessions is not None:
+            retention = sessions.plan_release(session, req.hashes)
         self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
         self.tiers.unpin(req.loads)
         del self._requests[request_id]
         self._free_slots.append(req.slot)
+        self.undo.push(self._unrelease, request_id, req)
+        if session is not None and sessions is not None:
+            sessions.apply(retention)
+
+    def _unclaim(self, request_id: RequestID) -> None:
+        self._free_slots.append(self._requests.pop(request_id).slot)
+
+    def _unrelease(self, request_id: RequestID, req: RequestState) -> None:
+        self._free_slots.pop()  # req.slot, appended last
+        self._requests[request_id] = req
 
     def pages_of(self, request_id: RequestID) -> list[int]:
         """The request's pages, in token order."""
@@ -184,7 +216,7 @@ class PagedReplica(ReplicaCommits):
             return plan
         loads: list[PendingLoad] = []
         parent = hits[-1][1] if hits else plan.parent_hash
-        salt = cache_salt_of(ctx) if parent is None else None
+        keys, first = request_keys(ctx), len(req.hashes) + len(hits)
         for index, tier in enumerate(self.tiers):
             # A tier hit needs a fresh device page as a miss does, and more hits only
             # move the window further: a plan that does not fit cannot be made to fit
@@ -198,8 +230,9 @@ class PagedReplica(ReplicaCommits):
             if not found:
                 continue
             for hit in found:
-                loads.append(PendingLoad(index, hit, parent, salt))
-                parent, salt = hit.page_hash, None
+                page_keys = keys.page(first + len(loads), self.page_size) if keys else None
+                loads.append(PendingLoad(index, hit, parent, page_keys))
+                parent = hit.page_hash
             plan = self._reservation(ctx, req, num_steps, hits, loads)
             plan.room = room
         return plan
@@ -221,10 +254,7 @@ class PagedReplica(ReplicaCommits):
         active_idx = ctx.active_idx_after_skip(hit_tokens) if num_hits else ctx.active_idx
         needed = active_idx + num_steps - 1
         if needed > self.max_seq_len:
-            raise SequenceTooLongError(
-                f"request {ctx.request_id!r} needs {needed} tokens of cache for {num_steps} "
-                f"step(s), past max_seq_len={self.max_seq_len}"
-            )
+            raise sequence_too_long(ctx.request_id, needed, num_steps, self.max_seq_len)
         num_new = max(ceil_div(needed, self.page_size) - len(req.pages) - num_hits, 0)
         parent = req.hashes[-1] if req.hashes else None
         return Reservation(ctx, req, hits, hit_tokens, num_new, list(loads), parent)
@@ -235,23 +265,45 @@ class PagedReplica(ReplicaCommits):
         return self.pool.can_take(hit_pages, sum(p.num_fresh for p in plans))
 
     def apply(self, plans: list[Reservation]) -> None:
-        """Takes the pages of `plans` (which `fits`), then moves each hit context's window.
+        """Takes the pages of `plans` (which `fits`), then moves each hit context's
+        window, last, and commits the undo log (a window cannot be moved back).
 
-        If a context's own `skip_cached_prefix` raises, the plans whose contexts did not
-        move give their pages back (cached pages evicted to make room stay evicted).
-        Each tier hit takes a fresh device page and is pinned in its tier, so it stays
-        loadable from the moment it was matched (TensorRT-LLM #12878).
+        If a context's own `skip_cached_prefix` raises, the plans whose contexts moved
+        stand and the others are undone exactly (`_settle`). Each tier hit takes a fresh
+        device page and is pinned in its tier, so it stays loadable from the moment it
+        was matched (TensorRT-LLM #12878).
         """
+        mark = len(self.undo)
+        self._take(plans)
+        moving = [plan for plan in plans if plan.hits or plan.loads]
+        if not moving:
+            return
+        try:
+            for plan in moving:
+                plan.ctx.skip_cached_prefix(plan.hit_tokens)
+        except BaseException:
+            self._settle(moving, mark)
+            raise
+        self.undo.commit()
+
+    def _take(self, plans: list[Reservation]) -> None:
+        """The pages, pins and counters of `plans`, with their undo records; no window
+        moves."""
         hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
+        if self.sessions is not None:  # sessions past their time-to-live, before evicting
+            self.sessions.apply(self.sessions.plan_expiry())
         new_pages = self.pool.take(hit_pages, sum(p.num_fresh for p in plans))
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
-        sizes, fresh = [], []
+        fresh = list(new_pages)
+        firsts = [not plan.req.pages for plan in plans]
+        self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
         for plan in plans:
             req, taken = plan.req, new_pages[: plan.num_fresh]
             del new_pages[: plan.num_fresh]
-            fresh.append(taken)
-            sizes.append((len(req.pages), len(req.hashes), len(req.loads)))
+            if plan.hits or plan.loads:  # `can_match`: the window starts at the hashes' end
+                self.cache_tokens += plan.hit_tokens - len(req.hashes) * self.page_size
+            self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
             req.pages.extend(page_id for page_id, _ in plan.hits)
             req.pages.extend(taken)  # the loads' pages first, in chain order
             req.hashes.extend(page_hash for _, page_hash in plan.hits)
@@ -260,34 +312,23 @@ class PagedReplica(ReplicaCommits):
             req.loads.extend(loads)
             self.tiers.pin(loads)
             self._page_table.set_row(req.slot, req.pages)
-        applied = len(plans)
-        try:
-            for applied, plan in enumerate(plans):  # noqa: B007 (read after the loop)
-                if not plan.hits and not plan.loads:
-                    continue
-                skipped = plan.hit_tokens - plan.ctx.start_idx
-                plan.ctx.skip_cached_prefix(plan.hit_tokens)
-                self.cache_tokens += skipped
-                self.tiers.count_served(plan.loads, self.page_size)
-            applied = len(plans)
-        except BaseException:
-            self._give_back(plans[applied:], sizes[applied:])
-            raise
-        finally:
-            if self.tiers:  # what the plans that stand took (see `Tier.note_reserved`)
-                self.tiers.note_reserved(
-                    [p for pages in fresh[:applied] for p in pages],
-                    [plan.device_hit_run() for plan in plans[:applied]],
-                )
+            self.tiers.count_served(plan.loads, self.page_size)
+        if self.sessions is not None:  # a request's first reservation starts its session
+            self.sessions.start_requests(plans, firsts)
+        if self.tiers:  # what the plans took (see `Tier.note_reserved`)
+            self.tiers.note_reserved(fresh, [plan.device_hit_run(self.page_size) for plan in plans])
 
-    def _give_back(self, plans: list[Reservation], sizes: list[tuple[int, int, int]]) -> None:
-        for plan, (num_pages, num_hashes, num_loads) in zip(plans, sizes):
-            req = plan.req
-            self.pool.release(reversed(req.pages[num_pages:]))
-            del req.pages[num_pages:]
-            del req.hashes[num_hashes:]
-            self.tiers.unpin(req.loads[num_loads:])
-            del req.loads[num_loads:]
+    def _settle(self, moving: list[Reservation], mark: int) -> None:
+        """After a context's `skip_cached_prefix` raised: a plan stands if its context
+        moved (a window cannot be moved back), else it is undone, with the changes since
+        `mark` (the pages it evicted come back)."""
+        moved = [plan for plan in moving if plan.ctx.start_idx == plan.hit_tokens]
+        if len(moved) < len(moving):
+            self.undo.rollback(mark)
+            if moved:
+                self._take(moved)
+        if moved:
+            self.undo.commit()
 
     def load_pending(self, batch: list[TextGenerationContext]) -> None:
         """Copies the tier hits of `batch`'s requests into their device pages (one batch
@@ -306,13 +347,15 @@ class PagedReplica(ReplicaCommits):
             hashes,
             datas,
             [ld.parent_hash for ld in loads],
-            [ld.cache_salt for ld in loads],
+            [ld.keys for ld in loads],
         )
         # A page loaded while another request committed the same prefix on the device.
         owner = {page: (req, idx) for req in reqs for idx, page in enumerate(req.pages)}
         self._share_duplicates([owner[ld.page] for ld in loads], hashes, datas, indexed)
         for req in reqs:
-            req.loads.clear()
+            if req.loads:
+                self.undo.push(req.loads.extend, list(req.loads))  # onto the emptied list
+                req.loads.clear()
         self.tiers.unpin(loads)
 
     # --- graph inputs ---------------------------------------------------------------
@@ -329,8 +372,10 @@ class PagedReplica(ReplicaCommits):
         inputs = self._page_table.inputs(
             self.blocks, self.devices, slots, starts, actives, num_steps, self.page_size
         )
+        self.undo.push(setattr, self, "input_tokens", self.input_tokens)
         for req, ctx, start, active in zip(reqs, batch, starts, actives):
             if req.prompt_end < 0:
+                self.undo.push(setattr, req, "prompt_end", -1)
                 req.prompt_end = ctx.end_idx
             self.input_tokens += prompt_tokens_in(start, start + active, req.prompt_end)
         return inputs
@@ -355,11 +400,14 @@ class PagedReplica(ReplicaCommits):
     # --- the tiers, with the device pool ---------------------------------------------
 
     def reset_metrics(self) -> None:
-        self.input_tokens = self.cache_tokens = 0
+        self.input_tokens = self.cache_tokens = self.pool.num_evicted_retained = 0
         self.tiers.reset_metrics()
+        if self.sessions is not None:
+            self.sessions.reset_metrics()
 
     def publish_to(self, events: EventRecorder) -> None:
         """Reports the pool's and the tiers' changes to `events` (the replica's stream)."""
+        events.undo = self.undo
         self.pool.events = events
         self.tiers.publish_to(events)
 
@@ -368,6 +416,8 @@ class PagedReplica(ReplicaCommits):
         complete)."""
         self.pool.reset_prefix_cache()
         self.tiers.reset()
+        if self.sessions is not None:
+            self.sessions.clear()
 
     def close(self) -> None:
         """Closes the tiers (they send what they queued, a bounded wait)."""
@@ -378,6 +428,8 @@ class PagedReplica(ReplicaCommits):
         for request_id, req in self._requests.items():
             if len(req.hashes) > len(req.pages):
                 raise InvariantError(f"request {request_id!r} has more hashes than pages")
+        if self.sessions is not None:
+            self.sessions.check_invariants(self._requests.values())
         self.check_loads()
 
     def check_loads(self) -> None:

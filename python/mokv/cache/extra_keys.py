@@ -1,0 +1,157 @@
+"""Typed extra keys: what besides its token ids keys a page in the prefix cache, and what
+KV-cache events say about it.
+
+One mechanism for every key, as vLLM's `extra_keys` (vllm 0.33
+`vllm/v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`): each key is typed
+(tagged) and scoped to the pages it affects.
+
+    key                    scope                          mixed into
+    cache salt             every page of the request      the root of its hash chain
+    LoRA adapter (name)    every page of the request      the root of its hash chain
+    image (content hash,   the pages its placeholder      the hash of each of those
+      offset, length)        tokens overlap                 pages
+
+A key of every page is mixed into the chain's root once (`chain_root`): every page's
+hash inherits it through the chain, as the salt always did, and a chain with no page
+keys is still hashed in one native call. A page key is mixed into the hash of exactly
+the pages it overlaps: such a page's hash is `H(H(parent, keys), tokens)` where an
+unkeyed page's is `H(parent, tokens)` (`hashing.iter_page_hashes(page_keys=...)`), its
+keys encoded with type tags and lengths (`hashing.encode_extra_keys`), so no two
+different key sets encode alike. Requests with different salts, adapters or images
+never share a page those keys affect; requests with equal ones do.
+
+`hash_inputs(ctx)` is the one function that reads, from a request, everything that
+enters its page hashes besides the tokens (None when nothing does): a cache of a
+request's hash chain must be keyed on it. `request_keys(ctx)` adds what events carry
+but hashes do not (the adapter's id, the session) and gives each page's `EventKeys`.
+
+Events carry the keys as vLLM 0.33 publishes them (`to_event_extra_keys`): one
+`extra_keys` entry per page, a tuple of the LoRA name (on every page of an adapter's
+request), `(identifier, offset in the page)` of each image the page overlaps, and the
+salt (first page only), or None when the page has none; `lora_name` / `lora_id` and
+`session_id` on the event.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..context import MultimodalInput
+from .hashing import encode_extra_keys, keyed_root
+
+LORA_TAG = "lora"
+MM_TAG = "mm"
+SALT_TAG = "cache_salt"
+
+
+class HashInputs(NamedTuple):
+    """Everything but the tokens that enters a request's page hashes (hashable)."""
+
+    cache_salt: str | None
+    lora_name: str | None
+    mm_inputs: tuple[MultimodalInput, ...]
+
+
+def hash_inputs(ctx: object) -> HashInputs | None:
+    """What keys `ctx`'s pages besides its tokens, or None for an unsalted, adapter-free,
+    text-only request. The empty salt is no salt (as in vLLM)."""
+    salt = getattr(ctx, "cache_salt", None) or None
+    lora = getattr(ctx, "lora_name", None) or None
+    images = getattr(ctx, "mm_inputs", None) or ()
+    if salt is None and lora is None and not images:
+        return None
+    return HashInputs(salt, lora, tuple(images))
+
+
+def chain_root(algorithm: str, seed: int, cache_salt: str | None, lora_name: str | None) -> int:
+    """The parent hash of the first page of a request with this salt and adapter:
+    `hashing.keyed_root` of their tagged values (a salt alone gives the root it always
+    gave, so salted pages keep their hashes)."""
+    keys: tuple[str, ...] = ()
+    for tag, value in ((SALT_TAG, cache_salt), (LORA_TAG, lora_name)):
+        if value is not None:
+            if not isinstance(value, str):
+                raise TypeError(f"{tag} must be a str or None, got {value!r}")
+            keys += (tag, value)
+    return keyed_root(algorithm, seed, keys)
+
+
+def page_keys(
+    images: tuple[MultimodalInput, ...], page_size: int, first_page: int, end_page: int
+) -> dict[int, bytes]:
+    """The encoded keys of the pages `[first_page, end_page)` that an image overlaps (page
+    index -> bytes): per image, its tag, identifier, offset from the page's first token
+    (negative when it began on an earlier page; vLLM's form) and length."""
+    keys: dict[int, list[str | int]] = {}
+    for image in images:
+        lo = max(image.offset // page_size, first_page)
+        hi = min((image.end - 1) // page_size + 1, end_page)
+        for page_idx in range(lo, hi):
+            offset = image.offset - page_idx * page_size
+            keys.setdefault(page_idx, []).extend((MM_TAG, image.identifier, offset, image.length))
+    return {page_idx: encode_extra_keys(*k) for page_idx, k in keys.items()}
+
+
+class EventKeys(NamedTuple):
+    """What a `BlockStored` event says about one page besides its hash, parent and
+    tokens (None instead of an `EventKeys` when it says nothing)."""
+
+    cache_salt: str | None
+    """The request's salt, on a sequence's first page only."""
+    lora_name: str | None
+    lora_id: int | None
+    images: tuple[tuple[str, int], ...]
+    """(identifier, offset from the page's first token) of each image it overlaps."""
+    session_id: str | None
+
+    def event_entry(self, salt_entry: str | None) -> tuple | None:
+        """The page's `extra_keys` entry as vLLM 0.33 publishes it: the LoRA name, the
+        images' pairs, then the salt (as `salt_entry`, its router's form); None if empty."""
+        entry: tuple = (self.lora_name,) if self.lora_name is not None else ()
+        entry += self.images
+        if salt_entry is not None:
+            entry += (salt_entry,)
+        return entry or None
+
+    @property
+    def run_tag(self) -> tuple[str | None, int | None, str | None]:
+        """What every page of one `BlockStored` event must share."""
+        return self.lora_name, self.lora_id, self.session_id
+
+
+class RequestKeys(NamedTuple):
+    """A request's keys, as events carry them (from `request_keys`)."""
+
+    inputs: HashInputs | None
+    lora_id: int | None
+    session_id: str | None
+
+    def page(self, page_idx: int, page_size: int) -> EventKeys | None:
+        """The `EventKeys` of the request's page `page_idx`, or None if it has none."""
+        salt = lora = None
+        images: tuple[tuple[str, int], ...] = ()
+        inputs = self.inputs
+        if inputs is not None:
+            lora = inputs.lora_name
+            salt = inputs.cache_salt if page_idx == 0 else None
+            start, end = page_idx * page_size, (page_idx + 1) * page_size
+            images = tuple(
+                (image.identifier, image.offset - start)
+                for image in inputs.mm_inputs
+                if image.offset < end and image.end > start
+            )
+        if salt is None and lora is None and not images and self.session_id is None:
+            return None
+        return EventKeys(
+            salt, lora, self.lora_id if lora is not None else None, images, self.session_id
+        )
+
+
+def request_keys(ctx: object) -> RequestKeys | None:
+    """`ctx`'s keys for events (None when it has none): `hash_inputs(ctx)`, its adapter's
+    id and its `session_id` (vLLM 0.33 publishes the request's session on its stores)."""
+    inputs = hash_inputs(ctx)
+    session_id = getattr(ctx, "session_id", None)
+    if inputs is None and session_id is None:
+        return None
+    return RequestKeys(inputs, getattr(ctx, "lora_id", None), session_id)

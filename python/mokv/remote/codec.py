@@ -1,0 +1,218 @@
+"""PageCodec: the stored value of a page in one key space (a namespace, a layout and,
+optionally, a MAC key), and the checks a value must pass to be served.
+
+Value = a 64-byte header, the page's token ids (int64 little-endian, the bytes the page
+hash was computed over), the page's bytes (the device layout `[2, layers, page_size,
+kv heads per device, head_dim]`, C order), then, with a MAC key, a 32-byte tag:
+
+    offset size  field
+         0    4  magic b"MKVP"
+         4    2  version (2)
+         6    2  dtype code (1 float32, 2 bfloat16, 3 float16)
+         8   20  shape: 5 x uint32 [2, layers, page_size, heads, head_dim]
+        28    8  key space digest: xxh3-64 of the key prefix (`RemoteLayout.key_prefix`:
+                 the namespace, the layout fingerprint, the MAC key's id)
+        36    8  page hash
+        44    4  number of tokens (page_size)
+        48    8  number of page bytes
+        56    8  checksum: xxh3-64 of bytes 0..55 and everything after the header
+        64       tokens, page bytes
+       end-32   32  tag (MAC key only): HMAC-SHA256 with the key of the key prefix,
+                 bytes 0..55, the tokens and the page bytes
+
+`decode` trusts nothing: a value is accepted only if its length, magic, version and
+checksum are right, its layout (dtype, shape) is this one, it names this key space (a
+value copied under another namespace's or layout's key is refused), its page hash and
+token ids are exactly the ones asked for and, with a MAC key, its tag is right.
+Anything else is a `Rejection`, which the store counts and treats as a miss.
+
+What each check stops. The checksum finds corruption; it is no signature: whoever can
+write the server can compute it. Without a MAC key such a writer can plant a page under
+any hash with any bytes, and every server serves it. With one (shared by the servers,
+kept from everyone else), a value passes only if a holder of the key sealed it for
+that namespace, layout, page hash and tokens: a writer without the key can delete or
+corrupt values (misses), or copy a sealed value to another key (refused: the tag
+covers the key prefix and the page hash), but not make one. The MAC costs one
+HMAC-SHA256 pass over the value on each side (`benchmarks/bench_remote_mac.py`).
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import struct
+from functools import cached_property
+
+from xxhash import xxh3_64, xxh3_64_intdigest
+
+from .layout import DTYPE_CODES, RemoteLayout
+
+MAGIC = b"MKVP"
+VERSION = 2
+_HEADER = struct.Struct("<4sHH5IQQIQQ")
+HEADER_SIZE = _HEADER.size  # 64
+TAG_SIZE = 32
+MIN_MAC_KEY_BYTES = 16
+assert HEADER_SIZE == 64
+
+
+class Rejection(enum.Enum):
+    """Why a value read from the server was not accepted (each one is a miss)."""
+
+    CORRUPT = "corrupt"  # too short, wrong magic or version, or a checksum mismatch
+    LAYOUT = "layout"  # a well-formed page of another dtype or shape
+    KEYSPACE = "keyspace"  # sealed for another namespace, layout fingerprint or MAC key
+    TOKENS = "tokens"  # another page hash or other token ids than the ones asked for
+    MAC = "mac"  # a tag that the MAC key did not make: a planted or altered value
+
+
+def mac_key_bytes(mac_key: bytes | str | None, name: str = "mac_key") -> bytes | None:
+    """`mac_key` as bytes (a str is UTF-8), or None. TypeError / ValueError naming the
+    setting, never the secret: at least 16 bytes."""
+    if mac_key is None:
+        return None
+    if isinstance(mac_key, str):
+        mac_key = mac_key.encode()
+    if not isinstance(mac_key, bytes):
+        raise TypeError(f"{name} must be bytes, a str or None, got {type(mac_key).__name__}")
+    if len(mac_key) < MIN_MAC_KEY_BYTES:
+        raise ValueError(
+            f"{name} must be at least {MIN_MAC_KEY_BYTES} bytes (a secret the servers "
+            f"share), got {len(mac_key)}"
+        )
+    return mac_key
+
+
+def mac_key_id(mac_key: bytes) -> str:
+    """8 hex digits naming a MAC key in keys: a keyed digest, which says nothing of the
+    key but tells keys apart (a rotated key gets a key space of its own)."""
+    return hmac.digest(mac_key, b"mokv remote key id", "sha256")[:4].hex()
+
+
+class PageCodec:
+    """Values of `layout`'s pages under `namespace`, sealed with `mac_key` if given."""
+
+    def __init__(
+        self, layout: RemoteLayout, namespace: str, mac_key: bytes | str | None = None
+    ) -> None:
+        if not isinstance(layout, RemoteLayout):
+            raise TypeError(f"layout must be a RemoteLayout, got {layout!r}")
+        self.layout = layout
+        self._mac_key = mac_key_bytes(mac_key)
+        key_id = None if self._mac_key is None else mac_key_id(self._mac_key)
+        self.key_prefix = layout.key_prefix(namespace, key_id)
+        """Every key of this key space starts with it (`key`)."""
+        self._prefix_bytes = self.key_prefix.encode()
+        self._digest = xxh3_64_intdigest(self._prefix_bytes)
+        self._tag_size = 0 if self._mac_key is None else TAG_SIZE
+
+    @property
+    def sealed(self) -> bool:
+        """Whether values carry a MAC tag."""
+        return self._mac_key is not None
+
+    def key(self, page_hash: int) -> str:
+        """The Redis key of a page."""
+        return f"{self.key_prefix}{page_hash:016x}"
+
+    @cached_property
+    def value_nbytes(self) -> int:
+        """Bytes of one stored value: header, token ids, page, tag."""
+        return HEADER_SIZE + 8 * self.layout.page_size + self.layout.page_nbytes + self._tag_size
+
+    def new_value(self, page_hash: int, token_bytes: bytes, page) -> bytearray:
+        """A value with `token_bytes` and a copy of `page` (any buffer of
+        `page_nbytes` contiguous bytes, or an array of `page_shape`) in place and the
+        header and tag still blank (`seal` fills them): the one copy a caller pays.
+        ValueError naming what does not fit."""
+        layout = self.layout
+        if page_hash.__class__ is not int or not 0 <= page_hash < 1 << 64:
+            raise ValueError(f"page_hash must be an unsigned 64-bit int, got {page_hash!r}")
+        if not isinstance(token_bytes, bytes) or len(token_bytes) != 8 * layout.page_size:
+            raise ValueError(
+                f"token_bytes must be {8 * layout.page_size} bytes (page_size int64 ids), "
+                f"got {type(token_bytes).__name__} of {len(token_bytes)}"
+            )
+        shape = getattr(page, "shape", None)
+        if shape is not None and tuple(shape) != layout.page_shape:
+            raise ValueError(f"page has shape {tuple(shape)}, expected {layout.page_shape}")
+        data = memoryview(page)
+        if not data.c_contiguous or data.nbytes != layout.page_nbytes:
+            raise ValueError(
+                f"page must be {layout.page_nbytes} contiguous bytes, got {data.nbytes} "
+                f"(contiguous={data.c_contiguous})"
+            )
+        value = bytearray(self.value_nbytes)
+        tokens_end = HEADER_SIZE + len(token_bytes)
+        value[HEADER_SIZE:tokens_end] = token_bytes
+        value[tokens_end : tokens_end + layout.page_nbytes] = data.cast("B")
+        return value
+
+    def seal(self, value: bytearray, page_hash: int) -> None:
+        """Writes the header, the tag and the checksum of a `new_value` in place."""
+        layout = self.layout
+        _HEADER.pack_into(
+            value,
+            0,
+            MAGIC,
+            VERSION,
+            DTYPE_CODES[layout.dtype],
+            *layout.page_shape,
+            self._digest,
+            page_hash,
+            layout.page_size,
+            layout.page_nbytes,
+            0,
+        )
+        view = memoryview(value)
+        if self._mac_key is not None:
+            view[-TAG_SIZE:] = self._tag(view)
+        checksum = xxh3_64(view[:56])
+        checksum.update(view[HEADER_SIZE:])
+        value[56:HEADER_SIZE] = checksum.intdigest().to_bytes(8, "little")
+
+    def encode(self, page_hash: int, token_bytes: bytes, page) -> bytes:
+        """The stored value of a page (`new_value`, then `seal`)."""
+        value = self.new_value(page_hash, token_bytes, page)
+        self.seal(value, page_hash)
+        return bytes(value)
+
+    def decode(self, value: bytes, page_hash: int, token_bytes: bytes) -> memoryview | Rejection:
+        """The page bytes of `value` (a zero-copy view) if it is exactly the page asked
+        for, sealed for this key space, else why not (cheapest checks first)."""
+        layout = self.layout
+        if len(value) < HEADER_SIZE:
+            return Rejection.CORRUPT
+        (magic, version, dtype_code, *fields) = _HEADER.unpack_from(value)
+        shape, (digest, stored_hash, num_tokens, num_bytes, checksum) = fields[:5], fields[5:]
+        if magic != MAGIC or version != VERSION:
+            return Rejection.CORRUPT
+        view = memoryview(value)
+        check = xxh3_64(view[:56])
+        check.update(view[HEADER_SIZE:])
+        size = HEADER_SIZE + 8 * num_tokens + num_bytes + self._tag_size
+        if check.intdigest() != checksum or len(value) != size:
+            return Rejection.CORRUPT
+        if (
+            dtype_code != DTYPE_CODES[layout.dtype]
+            or tuple(shape) != layout.page_shape
+            or num_bytes != layout.page_nbytes
+        ):
+            return Rejection.LAYOUT
+        if digest != self._digest:
+            return Rejection.KEYSPACE
+        tokens_end = HEADER_SIZE + 8 * num_tokens
+        if stored_hash != page_hash or view[HEADER_SIZE:tokens_end] != token_bytes:
+            return Rejection.TOKENS
+        if self._mac_key is not None and not hmac.compare_digest(self._tag(view), view[-TAG_SIZE:]):
+            return Rejection.MAC
+        return view[tokens_end : tokens_end + num_bytes]
+
+    def _tag(self, view: memoryview) -> bytes:
+        """HMAC-SHA256 of the key prefix, the header's first 56 bytes, the tokens and the
+        page (everything but the checksum and the tag)."""
+        assert self._mac_key is not None
+        mac = hmac.new(self._mac_key, self._prefix_bytes, "sha256")
+        mac.update(view[:56])
+        mac.update(view[HEADER_SIZE:-TAG_SIZE])
+        return mac.digest()
