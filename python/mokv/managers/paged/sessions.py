@@ -316,27 +316,22 @@ class SessionTable:
 
     # --- undo (run by `UndoLog.rollback`, newest change first) ------------------------
 
+    _COUNTERS = (
+        "turns",
+        "turn_hits",
+        "turn_prompt_tokens",
+        "turn_cache_tokens",
+        "num_ended",
+        "num_expired",
+        "num_dropped",
+    )
+
     def _counters(self) -> tuple[int, ...]:
-        return (
-            self.turns,
-            self.turn_hits,
-            self.turn_prompt_tokens,
-            self.turn_cache_tokens,
-            self.num_ended,
-            self.num_expired,
-            self.num_dropped,
-        )
+        return tuple(getattr(self, name) for name in self._COUNTERS)
 
     def _set_counters(self, counters: tuple[int, ...]) -> None:
-        (
-            self.turns,
-            self.turn_hits,
-            self.turn_prompt_tokens,
-            self.turn_cache_tokens,
-            self.num_ended,
-            self.num_expired,
-            self.num_dropped,
-        ) = counters
+        for name, value in zip(self._COUNTERS, counters):
+            setattr(self, name, value)
 
     def _unstart(
         self, session_id: str, session: Session | None, order: list[str], counters: tuple
