@@ -200,9 +200,13 @@ class PagedReplica(ReplicaCommits):
         Pure (but for the tiers' counters). Raises for a request that is unknown, stale
         or too long.
         """
-        req = self._request(ctx.request_id)
-        ps, start, held = self.page_size, ctx.start_idx, len(req.pages) * self.page_size
-        if start < len(req.hashes) * ps or start > held:  # inlined: runs on every step
+        try:  # `_request` and `check_window`'s test, inlined: this runs on every step
+            req = self._requests[ctx.request_id]
+        except KeyError:
+            req = self._request(ctx.request_id)  # raises
+        ps, start = self.page_size, ctx.start_idx
+        held = len(req.pages) * ps
+        if start < len(req.hashes) * ps or start > held:
             req.check_window(ctx, ps)
         # The common decode step: the window is already held, and then no prefix can
         # match (`PrefixChains.can_match`). `active_idx > start_idx` holds between steps.
