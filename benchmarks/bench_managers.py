@@ -75,10 +75,15 @@ def child_env() -> dict:
 
     After MAX's Rust/Mojo extensions load, the process environment carries
     PYTHONEXECUTABLE (the pyenv shim) and PYTHONPATH=":", which would start a child
-    outside the virtualenv; `os.environ` does not see those, so pass it explicitly.
+    outside the virtualenv; `os.environ` does not see those, so pass it explicitly. A
+    PYTHONPATH the caller set (a checkout's `python/` timed against the installed mokv)
+    is kept: dropping it timed the installed package in every replay.
     """
-    drop = ("PYTHONEXECUTABLE", "PYTHONPATH", "MOJO_PYTHON_LIBRARY")
-    return {k: v for k, v in os.environ.items() if k not in drop}
+    drop = ("PYTHONEXECUTABLE", "MOJO_PYTHON_LIBRARY")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    if not env.get("PYTHONPATH", "").strip(os.pathsep):
+        env.pop("PYTHONPATH", None)
+    return env
 
 
 def _kib(field: str) -> int:

@@ -4,6 +4,7 @@ import pytest
 
 from mokv import InvariantError
 from mokv.cache.page_pool import PagePool
+from mokv.undo import UndoLog
 
 
 def test_allocate_is_all_or_nothing():
@@ -93,3 +94,53 @@ def test_check_invariants_reports_broken_ref_counts():
 def test_pool_needs_a_page():
     with pytest.raises(ValueError, match="num_pages=0"):
         PagePool(0)
+
+
+def test_counters_count_freed_pages_and_removed_index_entries():
+    pool = PagePool(4)
+    a, b, c = pool.allocate(3)
+    pool.acquire(a)  # two owners
+    assert pool.commit_pages([a, b], [1, 2], [b"a", b"b"]) == [True, True]
+    assert (pool.num_freed, pool.num_unindexed) == (0, 0)
+    pool.release([a, b, c])  # a keeps an owner; b is cached, c free
+    assert (pool.num_freed, pool.num_unindexed) == (2, 0)
+    pool.allocate(3)  # the free pages 3 and c, then b evicted
+    assert (pool.num_freed, pool.num_unindexed) == (2, 1)
+    pool.release([a])
+    pool.reset_prefix_cache()  # a's entry removed
+    assert (pool.num_freed, pool.num_unindexed) == (3, 2)
+
+
+def test_undone_changes_count_what_they_free_and_unindex():
+    """Rolling back a take frees its pages again and rolling back a commit removes its
+    entries: both count, so that a memo reading taken inside the rolled-back call is
+    read again (`chain_memo`)."""
+    pool = PagePool(2)
+    pool.undo = UndoLog()
+    a, b = pool.allocate(2)
+    pool.commit_pages([a], [1], [b"a"])
+    pool.release([a])
+    pool.undo.commit()
+    freed = pool.num_freed
+    pool.allocate(1)  # evicts a
+    pool.undo.rollback()
+    assert pool.num_freed > freed and pool.lookup(1, b"a") == a
+    unindexed = pool.num_unindexed
+    pool.commit_pages([b], [2], [b"b"])
+    pool.undo.rollback()
+    assert pool.num_unindexed > unindexed and pool.lookup(2, b"b") is None
+
+
+def test_still_indexed_holds_while_pages_keep_their_hash_and_tokens():
+    pool = PagePool(3)
+    a, b, c = pool.allocate(3)
+    pool.commit_pages([a, b], [1, 2], [b"a", b"b"])
+    tokens = [pool.page_tokens(a), pool.page_tokens(b)]
+    assert pool.still_indexed([a, b], [1, 2], tokens)
+    assert pool.still_indexed([a, b], [1, 2], [b"a", b"b"])  # equal bytes, other objects
+    assert not pool.still_indexed([a, b], [1, 3], tokens)
+    assert not pool.still_indexed([a, b], [1, 2], [b"a", b"x"])
+    pool.release([b, c])
+    pool.allocate(2)  # c, then b evicted
+    assert not pool.still_indexed([a, b], [1, 2], tokens)
+    assert pool.still_indexed([a], [1], tokens[:1])

@@ -51,6 +51,13 @@ each happens: `commit_pages` (stored), eviction of a cached page in `take` (remo
 `reset_prefix_cache` (cleared). It is told after the pool's state has changed. With no
 sink each costs one `is None` test.
 
+Counters. `num_freed` counts pages that lost their last owner, `num_unindexed` index
+entries removed (evictions, resets); both only grow. Between two readings with both
+unchanged, `room(hits)` cannot have grown, and a lookup that found a page still finds it
+(the prefix memo, `mokv.managers.paged.chain_memo`, relies on this): every change that
+frees a page or removes an index entry must count it, undoing included (an undone
+`take` frees its pages, an undone `commit_pages` removes its entries).
+
 Everything here is plain integers in flat lists, so that the pool can move to Mojo
 without changing its shape.
 """
@@ -103,6 +110,8 @@ class PagePool:
         """Kept pages evicted (no free or cached page was left): pages lost by a session."""
         self.events: PageEventSink | None = None
         self.undo: UndoLog | None = None
+        self.num_freed = 0
+        self.num_unindexed = 0
 
     # --- queries (change nothing) ---------------------------------------------------
 
@@ -142,6 +151,18 @@ class PagePool:
         if page_id is None or self._page_tokens[page_id] != token_bytes:
             return None
         return page_id
+
+    def still_indexed(
+        self, page_ids: Sequence[int], page_hashes: list[int], token_bytes: list[bytes | None]
+    ) -> bool:
+        """Whether each page still carries its hash and exactly its token bytes, so that
+        `lookup` of that hash and bytes finds it (invariant 4). One C-level pass per
+        column, cheaper than the lookups it stands for; `token_bytes` as `page_tokens`
+        gave them (equal objects compare at once)."""
+        return (
+            list(map(self._page_hash.__getitem__, page_ids)) == page_hashes
+            and list(map(self._page_tokens.__getitem__, page_ids)) == token_bytes
+        )
 
     def indexed_hashes(self) -> set[int]:
         """Every hash a lookup can find now (what an event subscriber rebuilds)."""
@@ -226,6 +247,7 @@ class PagePool:
         del self._free[len(self._free) - from_free :]
         for page_id in pages:
             self._ref_count[page_id] = 1
+        self.num_unindexed += len(evicted)
         if self.undo is not None:
             self.undo.push(
                 self._untake,
@@ -263,6 +285,7 @@ class PagePool:
             ref = self._ref_count[page_id] - 1
             self._ref_count[page_id] = ref
             if ref == 0:
+                self.num_freed += 1
                 page_hash = self._page_hash[page_id]
                 if page_hash is None:
                     self._free.append(page_id)
@@ -356,6 +379,7 @@ class PagePool:
         for page_id in self._index.values():
             self._page_hash[page_id] = None
             self._page_tokens[page_id] = None
+        self.num_unindexed += len(self._index)
         self._index.clear()
         self._free.extend(self._cached)
         self._free.extend(self._kept)
@@ -376,6 +400,7 @@ class PagePool:
         num_unretained: int,
     ) -> None:
         self.num_evicted_retained -= len(evicted_hashes) - num_unretained
+        self.num_freed += len(pages) + len(revived)
         for page_id in pages:
             self._ref_count[page_id] = 0
         self._free.extend(reversed(pages[:from_free]))
@@ -406,6 +431,7 @@ class PagePool:
             self._ref_count[page_id] = ref + 1
 
     def _uncommit(self, page_ids: list[int]) -> None:
+        self.num_unindexed += len(page_ids)
         for page_id in page_ids:
             del self._index[self._page_hash[page_id]]  # type: ignore[arg-type]
             self._page_hash[page_id] = self._page_tokens[page_id] = None

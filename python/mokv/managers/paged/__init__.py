@@ -5,6 +5,7 @@ replica.py  PagedReplica: one replica's pool, buffers and requests; plan once, f
             once, apply, commit
 plans.py    what a replica holds per request, and its calls' plans
 prefix.py   PrefixChains: where a request's hash chain is rooted, its device hits
+chain_memo.py  each request's hash chain kept across its calls, with its last hits
 sessions.py SessionTable: the hash chains open sessions retain, until when
 inputs.py   the graph inputs: the page table and the per-device tuples
 sizing.py   memory sizing (MAX's classmethods)

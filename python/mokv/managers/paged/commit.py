@@ -53,7 +53,7 @@ class ReplicaCommits:
                 continue
             parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
             request = request_keys(ctx)
-            chain = self.chains.pages(ctx, req, num_full)
+            chain, _ = self.chains.pages(ctx, req, num_full)
             new_hashes = []
             for page_idx, (page_hash, data) in enumerate(chain, start=first):
                 owners.append((req, page_idx))

@@ -67,7 +67,8 @@ class Reservation:
     parent_hash: int | None
     """The hash its first hit chains from: its last committed page's (None: none)."""
     room: int = 0
-    """Fresh pages the pool could hand out with `hits` taken, when it was planned."""
+    """Fresh pages the pool could hand out with `hits` taken, when it was planned (for a
+    plan that does not fit, possibly an earlier, larger reading: `PrefixChains.room`)."""
 
     @property
     def num_fresh(self) -> int:

@@ -9,24 +9,30 @@ or from the replica's root without them; a page an image overlaps is keyed by it
 holds is committed and its cache ends exactly at their end (a new request, or one whose
 cache ends on a page boundary after a chunk or a reset); it stops one token short of
 `end_idx`, since the model must run on the last token.
+
+Chains are hashed once per request and kept in a `ChainMemo` (chain_memo.py, with the
+device hits last found and the room they left), so that a prompt retried at every step
+until it fits, and the commits of its pages after it does, hash it once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, page_keys
 from ...cache.hashing import PageHashFn, iter_page_hashes
 from ...cache.page_pool import PagePool
-from ...context import TextGenerationContext
+from ...context import RequestID, TextGenerationContext
 from ...params import KVCacheParams
 from ...tiers.base import ChainTail
 from ..base import integer_tokens
+from .chain_memo import ChainEntry, ChainMemo, Hits, Page, Room
 from .plans import RequestState
 
 KEYED_ROOTS_MEMO = 65536
 """(salt, adapter) pairs whose roots are remembered (then forgotten all at once): bounds
 the memo, not the keys."""
+
+CHAIN_MEMO_TOKENS = 1 << 17
+"""Tokens of the chains a replica remembers (`ChainMemo`), about 16 bytes each."""
 
 
 class PrefixChains:
@@ -42,6 +48,7 @@ class PrefixChains:
         self._root_hash = root_hash
         # (cache_salt, lora_name) -> the root of their hash chains
         self._keyed_roots: dict[tuple[str | None, str | None], int] = {}
+        self.memo = ChainMemo(CHAIN_MEMO_TOKENS)
 
     def can_match(self, ctx: TextGenerationContext, req: RequestState) -> bool:
         """Whether a prefix may extend the request now (see the module docstring)."""
@@ -69,36 +76,91 @@ class PrefixChains:
 
     def pages(
         self, ctx: TextGenerationContext, req: RequestState, end_page: int
-    ) -> Iterator[tuple[int, bytes]]:
+    ) -> tuple[list[Page], ChainEntry | None]:
         """(hash, token bytes) of the request's full pages after its committed ones, up
-        to page `end_page` (excluded); TypeError for tokens that are not integers
-        (`integer_tokens`)."""
+        to page `end_page` (excluded), and the memo entry that holds them all (None when
+        it does not). The list may be the entry's own: read it, never change it. TypeError
+        for tokens that are not integers (`integer_tokens`).
+
+        Pages the request's memo entry holds for the same tokens and `hash_inputs` (its
+        `ChainKey`) are taken from it; the rest are hashed. A chain from the first page
+        is remembered."""
+        first, ps = len(req.hashes), self.page_size
+        tokens = integer_tokens(ctx)
+        if end_page <= first:
+            return [], None
         inputs = hash_inputs(ctx)
-        first = len(req.hashes)
-        keys = page_keys(inputs.mm_inputs, self.page_size, first, end_page) if inputs else None
-        return iter_page_hashes(
-            integer_tokens(ctx),
-            self.page_size,
-            self.parent(req, inputs),
-            self._hash_fn,
-            first,
-            end_page,
-            keys,
+        parent = self.parent(req, inputs)
+        entry = self.memo.get(ctx.request_id)
+        held = entry.matching_pages(inputs, parent, tokens, ps, first, end_page) if entry else 0
+        if entry is not None and held == end_page - first:
+            if first == 0 and held == len(entry.pages):
+                return entry.pages, entry
+            return entry.pages[first:end_page], entry
+        start = entry.pages[first + held - 1][0] if entry is not None and held else parent
+        keys = page_keys(inputs.mm_inputs, ps, first + held, end_page) if inputs else None
+        pages = list(
+            iter_page_hashes(tokens, ps, start, self._hash_fn, first + held, end_page, keys)
         )
+        if held:
+            pages[:0] = entry.pages[first : first + held]  # type: ignore[union-attr]
+        if first:
+            return pages, None
+        entry = ChainEntry(inputs, parent, b"".join([data for _, data in pages]), pages)
+        self.memo.put(ctx.request_id, entry)
+        return pages, entry
 
     def device_hits(
         self, ctx: TextGenerationContext, req: RequestState, want_tail: bool
     ) -> tuple[list[tuple[int, int]], ChainTail | None]:
         """(page id, hash) of indexed device pages that continue the request's committed
         pages, and, if `want_tail`, the rest of the chain from the first page the device
-        lacks (None when nothing is left to look for). Pure."""
+        lacks (None when nothing is left to look for). Pure but for the memo; the hits
+        list may be the memo's: read it, never change it.
+
+        The hits last found for the same pages are reused, without looking them up, when
+        the pool removed no index entry since and the page that missed still misses."""
         hits: list[tuple[int, int]] = []
         if not self.can_match(ctx, req):
             return hits, None
-        pages = self.pages(ctx, req, (ctx.end_idx - 1) // self.page_size)
-        for page_hash, data in pages:
-            page_id = self.pool.lookup(page_hash, data)
-            if page_id is None:
-                return hits, ChainTail((page_hash, data), pages) if want_tail else None
-            hits.append((page_id, page_hash))
-        return hits, None
+        first, end = len(req.hashes), (ctx.end_idx - 1) // self.page_size
+        pages, entry = self.pages(ctx, req, end)
+        pool, lookup = self.pool, self.pool.lookup
+        known = entry.hits if entry is not None else None
+        if (
+            known is not None
+            and (known.first, known.end) == (first, end)
+            and known.still_hold(pool)
+            and (len(known.hits) == len(pages) or lookup(*pages[len(known.hits)]) is None)
+        ):
+            hits = known.hits
+        else:
+            for page_hash, data in pages:
+                page_id = lookup(page_hash, data)
+                if page_id is None:
+                    break
+                hits.append((page_id, page_hash))
+            if entry is not None:
+                tokens = [pool.page_tokens(page_id) for page_id, _ in hits]
+                entry.hits = Hits(first, end, hits, tokens, pool.num_unindexed)
+        n = len(hits)
+        if n == len(pages) or not want_tail:
+            return hits, None
+        return hits, ChainTail(pages[n], iter(pages[n + 1 :]))
+
+    def room(self, request_id: RequestID, hits: list[tuple[int, int]], need: int) -> int:
+        """`pool.room` of the hits' pages, or a bound of it below `need` (the fresh pages
+        a reservation with these hits takes): the room last read for the same hits (the
+        memo's list, `device_hits`) when the pool freed no page since (`chain_memo`).
+        Either way a reservation that needs `need` fresh pages fits exactly when `need`
+        is at most the answer."""
+        pool = self.pool
+        entry = self.memo.get(request_id)
+        known = entry.room if entry is not None else None
+        if known is not None and known.hits is hits and known.freed == pool.num_freed:
+            if need > known.room:
+                return known.room
+        room = pool.room([page_id for page_id, _ in hits])
+        if entry is not None and entry.hits is not None and entry.hits.hits is hits:
+            entry.room = Room(hits, pool.num_freed, room)
+        return room

@@ -200,9 +200,13 @@ class PagedReplica(ReplicaCommits):
         Pure (but for the tiers' counters). Raises for a request that is unknown, stale
         or too long.
         """
-        req = self._request(ctx.request_id)
-        ps, start, held = self.page_size, ctx.start_idx, len(req.pages) * self.page_size
-        if start < len(req.hashes) * ps or start > held:  # inlined: runs on every step
+        try:  # `_request` and `check_window`'s test, inlined: this runs on every step
+            req = self._requests[ctx.request_id]
+        except KeyError:
+            req = self._request(ctx.request_id)  # raises
+        ps, start = self.page_size, ctx.start_idx
+        held = len(req.pages) * ps
+        if start < len(req.hashes) * ps or start > held:
             req.check_window(ctx, ps)
         # The common decode step: the window is already held, and then no prefix can
         # match (`PrefixChains.can_match`). `active_idx > start_idx` holds between steps.
@@ -211,7 +215,7 @@ class PagedReplica(ReplicaCommits):
             return None
         hits, tail = self.chains.device_hits(ctx, req, want_tail=bool(self.tiers))
         plan = self._reservation(ctx, req, num_steps, hits, [])
-        plan.room = room = self.pool.room([page_id for page_id, _ in hits])
+        plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)
         if tail is None:
             return plan
         loads: list[PendingLoad] = []

@@ -1,0 +1,253 @@
+"""The chain memo (`mokv.managers.paged.chain_memo`): a request's page-hash chain is
+hashed once across its calls, and what the device index answered is reused only while
+it still holds. Every answer must equal the one a replica without the memo gives."""
+
+import numpy as np
+import pytest
+
+from mokv import MultimodalInput, TextContext
+from mokv.cache.extra_keys import HashInputs
+from mokv.cache.hashing import hash_pages, page_hash_fn, root_hash, salted_root
+from mokv.cache.page_pool import PagePool
+from mokv.managers.paged import prefix
+from mokv.managers.paged.chain_memo import ChainEntry, ChainMemo
+from mokv.managers.paged.plans import RequestState
+from mokv.managers.paged.prefix import PrefixChains
+
+from ..conftest import make_paged, small_params
+
+PS = 4  # small_params' page size
+
+
+def make_chains(num_pages=8, hash_fn=None, capacity=None):
+    params = small_params()
+    chains = PrefixChains(params, PagePool(num_pages), hash_fn or page_hash_fn("xxh3"),
+                          root_hash("xxh3", 0))
+    if capacity is not None:
+        chains.memo = ChainMemo(capacity)
+    return chains
+
+
+def expected(tokens, salt=None, first=0, end=None):
+    """(hash, bytes) of pages [first, end) computed from scratch."""
+    pages = hash_pages(np.asarray(tokens), PS, salted_root("xxh3", 0, salt), page_hash_fn("xxh3"))
+    return pages[first:end]
+
+
+def commit(chains, tokens, num_pages):
+    """Indexes the first `num_pages` pages of `tokens` on fresh pool pages, owned."""
+    pages = expected(tokens, end=num_pages)
+    page_ids = chains.pool.allocate(num_pages)
+    chains.pool.commit_pages(page_ids, [h for h, _ in pages], [d for _, d in pages])
+    return page_ids
+
+
+@pytest.fixture
+def hash_calls(monkeypatch):
+    """Pages hashed through `prefix.iter_page_hashes`, counted."""
+    counted = {"pages": 0}
+    real = prefix.iter_page_hashes
+
+    def counting(tokens, page_size, parent, hash_fn, first_page=0, end_page=None, keys=None):
+        for page in real(tokens, page_size, parent, hash_fn, first_page, end_page, keys):
+            counted["pages"] += 1
+            yield page
+
+    monkeypatch.setattr(prefix, "iter_page_hashes", counting)
+    return counted
+
+
+def test_a_chain_is_hashed_once_and_then_read_from_the_memo(hash_calls):
+    chains = make_chains()
+    ctx = TextContext(np.arange(18), request_id="a")
+    pages, entry = chains.pages(ctx, RequestState(0), 4)
+    assert pages == expected(np.arange(18), end=4) and hash_calls["pages"] == 4
+    again, same = chains.pages(ctx, RequestState(1), 4)  # a new claim of the same request
+    assert again == pages and same is entry and hash_calls["pages"] == 4
+    # A commit from page 2 on (after two hits) continues from the remembered chain.
+    req = RequestState(1, pages=[5, 6], hashes=[pages[0][0], pages[1][0]])
+    assert chains.pages(ctx, req, 4) == (pages[2:], entry) and hash_calls["pages"] == 4
+    # Pages past the remembered ones are hashed, from the last remembered page on.
+    longer = TextContext(np.arange(30), request_id="a")
+    assert chains.pages(longer, RequestState(2), 7)[0] == expected(np.arange(30), end=7)
+    assert hash_calls["pages"] == 4 + 3
+
+
+@pytest.mark.parametrize("change", ["one token", "salt", "adapter", "image", "request id"])
+def test_a_remembered_chain_is_not_used_for_other_tokens_or_keys(change, hash_calls):
+    chains = make_chains()
+    tokens = np.arange(18)
+    chains.pages(TextContext(tokens, request_id="a"), RequestState(0), 4)
+    other, rid, keys = tokens.copy(), "a", {}
+    if change == "one token":
+        other[9] = 99  # page 2
+    elif change == "salt":
+        keys = {"cache_salt": "tenant"}
+    elif change == "adapter":
+        keys = {"lora_name": "adapter"}
+    elif change == "image":
+        keys = {"mm_inputs": [MultimodalInput("img", 5, 2)]}  # page 1
+    else:
+        rid = "b"
+    ctx = TextContext(other, request_id=rid, **keys)
+    pages = chains.pages(ctx, RequestState(0), 4)[0]
+    assert hash_calls["pages"] == 8  # all four hashed again
+    assert pages == make_chains(capacity=0).pages(ctx, RequestState(0), 4)[0]  # no memo
+    if change in ("one token", "request id"):
+        assert pages == expected(other, end=4)
+    else:
+        assert pages != expected(other, end=4)
+
+
+def test_a_chain_continues_only_from_its_own_parent(hash_calls):
+    """Tokens equal past the committed pages but different before them: the pages after
+    chain from a different parent, so the remembered hashes do not apply."""
+    chains = make_chains()
+    tokens = np.arange(18)
+    chains.pages(TextContext(tokens, request_id="a"), RequestState(0), 4)
+    other = tokens.copy()
+    other[0] = 99  # page 0 only
+    first = expected(other, end=1)
+    req = RequestState(1, pages=[3], hashes=[first[0][0]])
+    pages, entry = chains.pages(TextContext(other, request_id="a"), req, 4)
+    assert pages == expected(other, first=1, end=4) and entry is None
+    assert hash_calls["pages"] == 4 + 3
+
+
+def test_an_entry_matches_only_its_own_key():
+    """The key (`hash_inputs` of the context) is compared whole: another image alone
+    (same salt, adapter and tokens) is another chain."""
+    tokens = np.arange(9)
+    pages = expected(tokens, end=2)
+    key = HashInputs(None, None, (MultimodalInput("img", 0, 2),))
+    entry = ChainEntry(key, 5, b"".join(d for _, d in pages), pages)
+    assert entry.matching_pages(key, 5, tokens, PS, 0, 2) == 2
+    other = HashInputs(None, None, (MultimodalInput("img2", 0, 2),))
+    assert entry.matching_pages(other, 5, tokens, PS, 0, 2) == 0
+    assert entry.matching_pages(None, 5, tokens, PS, 0, 2) == 0
+    assert entry.matching_pages(key, 6, tokens, PS, 0, 2) == 0  # another root
+    assert entry.matching_pages(key, pages[0][0], tokens, PS, 1, 2) == 1
+    assert entry.matching_pages(key, 5, tokens, PS, 1, 2) == 0  # another parent
+
+
+def test_equal_hashes_never_stand_for_different_tokens():
+    """Safety does not rest on the hash: with a hash function that maps every page to
+    the same value, the memo still hands back each request's own token bytes, and a
+    page indexed under that hash is not a hit for other tokens."""
+    chains = make_chains(hash_fn=lambda parent, data: 7)
+    a = TextContext(np.arange(9), request_id="x")
+    b = TextContext(np.arange(100, 109), request_id="x")
+    pages_a, _ = chains.pages(a, RequestState(0), 2)
+    pages_b, _ = chains.pages(b, RequestState(0), 2)
+    assert [h for h, _ in pages_a] == [h for h, _ in pages_b] == [7, 7]
+    assert [np.frombuffer(d, np.int64).tolist() for _, d in pages_b] == [
+        [100, 101, 102, 103], [104, 105, 106, 107]]
+    page_ids = chains.pool.allocate(2)
+    chains.pool.commit_pages(page_ids[:1], [7], [pages_a[0][1]])
+    assert chains.device_hits(a, RequestState(0), False)[0] == [(page_ids[0], 7)]
+    assert chains.device_hits(b, RequestState(0), False)[0] == []
+
+
+def test_hits_are_reused_only_while_every_page_still_holds():
+    chains = make_chains(num_pages=6)
+    tokens = np.arange(14)  # 3 pages that can match (the last token is never matched)
+    ctx = TextContext(tokens, request_id="a")
+    page_ids = commit(chains, tokens, 2)
+    pool = chains.pool
+    pool.release(reversed(page_ids))  # cached, evictable: page_ids[1] first
+    hits, _ = chains.device_hits(ctx, RequestState(0), False)
+    assert hits == [(page_ids[0], expected(tokens)[0][0]), (page_ids[1], expected(tokens)[1][0])]
+    assert chains.device_hits(ctx, RequestState(1), False)[0] is hits  # nothing changed
+    # Evicting a hit: the second page is gone, and is not reported again.
+    taken = pool.allocate(pool.num_free - 1)  # every free page, then the oldest cached
+    assert page_ids[1] in taken and pool.page_hash(page_ids[1]) is None
+    assert chains.device_hits(ctx, RequestState(2), False)[0] == hits[:1]
+    # The page that missed is committed again (owned, on another page): found.
+    pool.release(taken)
+    again = commit(chains, tokens, 2)
+    found = chains.device_hits(ctx, RequestState(3), False)[0]
+    assert found == [(page_ids[0], hits[0][1]), (again[1], hits[1][1])]
+    pool.release(again)
+    # A reset unindexes everything.
+    pool.reset_prefix_cache()
+    assert chains.device_hits(ctx, RequestState(4), False)[0] == []
+
+
+def test_room_is_read_again_once_a_page_is_freed():
+    chains = make_chains(num_pages=6)
+    tokens = np.arange(14)
+    ctx = TextContext(tokens, request_id="a")
+    pool = chains.pool
+    held = pool.allocate(5)
+    hits, _ = chains.device_hits(ctx, RequestState(0), False)
+    assert hits == [] and chains.room("a", hits, 4) == 1
+    other = pool.allocate(1)
+    hits, _ = chains.device_hits(ctx, RequestState(0), False)
+    # The room is not read again (the earlier reading bounds it), and the answer does
+    # not fit either way: 4 pages wanted.
+    assert chains.room("a", hits, 4) == 1
+    assert chains.room("a", hits, 1) == 0  # a need the bound would admit: read exactly
+    pool.release(other + held[:2])
+    hits, _ = chains.device_hits(ctx, RequestState(0), False)
+    assert chains.room("a", hits, 4) == 3
+
+
+def test_the_memo_holds_at_most_its_capacity():
+    memo = ChainMemo(capacity=3 * PS)
+
+    def entry(num_pages):
+        pages = expected(np.arange(num_pages * PS + 1), end=num_pages)
+        return ChainEntry(("",), 0, b"".join(d for _, d in pages), pages)
+
+    memo.put("a", entry(2))
+    memo.put("b", entry(1))
+    assert (len(memo), memo.num_tokens) == (2, 3 * PS)
+    memo.get("a")  # now the most recently used
+    memo.put("c", entry(1))  # drops "b", the least recently used
+    assert (memo.get("b"), len(memo), memo.num_tokens) == (None, 2, 3 * PS)
+    memo.put("d", entry(4))  # larger than the whole memo: not kept
+    assert (memo.get("d"), len(memo)) == (None, 2)
+    memo.put("a", entry(1))  # replaces a's entry
+    memo.forget("c")
+    assert (len(memo), memo.num_tokens) == (1, PS)
+
+
+def test_a_failed_admission_fits_once_a_page_is_freed(session, hash_calls):
+    m = make_paged(session, num_pages=8, max_seq_len=32)
+    a = TextContext(np.arange(20), request_id="A")  # 5 pages
+    m.external_claim("A")
+    m.fetch([a])
+    a.update(1)
+    m.step([a])  # commits 5 full pages
+    b = TextContext(np.arange(100, 116), request_id="B")  # 4 fresh pages; 3 are free
+    for _ in range(3):  # the scheduler's retry: claim, try, release
+        m.external_claim("B")
+        assert m.maybe_reserve(b) is False
+        m.release("B")
+    assert hash_calls["pages"] == 5 + 3  # A's commit, B's chain once
+    m.release("A")  # 5 pages cached: room for B
+    m.external_claim("B")
+    assert m.maybe_reserve(b) is True
+    assert m.get_req_blocks("B") == [5, 6, 7, 4]  # 3 free pages, then A's last cached
+    assert hash_calls["pages"] == 5 + 3
+    m.check_invariants()
+
+
+def test_a_failed_admission_fits_once_its_prefix_is_committed(session):
+    """No page freed and no index entry removed, but the page that missed is now
+    indexed (another request committed the same prefix): the hits grow, and it fits."""
+    m = make_paged(session, num_pages=8, max_seq_len=32)
+    a = TextContext(np.arange(16), request_id="A")  # 4 pages, owned
+    m.external_claim("A")
+    m.fetch([a])
+    b = TextContext(np.concatenate([np.arange(16), [7, 7, 7]]), request_id="B")  # 5 pages
+    m.external_claim("B")
+    assert m.maybe_reserve(b) is False  # nothing to share yet: 5 fresh pages, 4 free
+    m.release("B")
+    a.update(1)
+    m.step([a])  # A commits its 4 pages
+    m.external_claim("B")
+    assert m.maybe_reserve(b) is True  # 4 hits on A's pages, 1 fresh page
+    assert m.get_req_blocks("B") == [0, 1, 2, 3, 4]
+    assert b.start_idx == 16
+    m.check_invariants()
