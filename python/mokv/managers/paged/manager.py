@@ -359,8 +359,13 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
 
     def _commit(self, batch: Sequence[TextGenerationContext]) -> None:
         groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
+        replica_of = self._replica_of
         for ctx in batch:
-            groups[self._replica_index(ctx.request_id)].append(ctx)
+            try:  # `_replica_index`, inlined: once per request per step
+                r = replica_of[ctx.request_id]
+            except (KeyError, TypeError):
+                r = self._replica_index(ctx.request_id)  # raises the caller's error
+            groups[r].append(ctx)
         if len({ctx.request_id for ctx in batch}) != len(batch):
             check_distinct(batch)
         plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]

@@ -43,6 +43,7 @@ newly indexed to every tier (`store`). Releasing a request drops its pending loa
 from __future__ import annotations
 
 from dataclasses import replace
+from operator import itemgetter
 
 from max.driver import Buffer, Device
 
@@ -69,6 +70,8 @@ from .inputs import PageTable, ceil_div, check_write_windows
 from .plans import RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
+
+_page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
 
 
 class PagedReplica(ReplicaCommits):
@@ -308,15 +311,17 @@ class PagedReplica(ReplicaCommits):
             if plan.hits or plan.loads:  # `can_match`: the window starts at the hashes' end
                 self.cache_tokens += plan.hit_tokens - len(req.hashes) * self.page_size
             self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
-            req.pages.extend(page_id for page_id, _ in plan.hits)
+            if plan.hits:
+                req.pages.extend(map(_page_id, plan.hits))  # in C: a prompt's hits
+                req.hashes.extend(map(_page_hash, plan.hits))
             req.pages.extend(taken)  # the loads' pages first, in chain order
-            req.hashes.extend(page_hash for _, page_hash in plan.hits)
-            req.hashes.extend(load.hit.page_hash for load in plan.loads)
-            loads = [replace(load, device_page=page_id) for load, page_id in zip(plan.loads, taken)]
-            req.loads.extend(loads)
-            self.tiers.pin(loads)
+            if plan.loads:
+                req.hashes.extend(load.hit.page_hash for load in plan.loads)
+                loads = [replace(ld, device_page=page) for ld, page in zip(plan.loads, taken)]
+                req.loads.extend(loads)
+                self.tiers.pin(loads)
+                self.tiers.count_served(plan.loads, self.page_size)
             self._page_table.set_row(req.slot, req.pages)
-            self.tiers.count_served(plan.loads, self.page_size)
         if self.sessions is not None:  # a request's first reservation starts its session
             self.sessions.start_requests(plans, firsts)
         if self.tiers:  # what the plans took (see `Tier.note_reserved`)
