@@ -310,7 +310,8 @@ class PagedReplica(ReplicaCommits):
             del new_pages[: plan.num_fresh]
             if plan.hits or plan.loads:  # `can_match`: the window starts at the hashes' end
                 self.cache_tokens += plan.hit_tokens - len(req.hashes) * self.page_size
-            self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
+            held = len(req.pages)
+            self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
             if plan.hits:
                 req.pages.extend(map(_page_id, plan.hits))  # in C: a prompt's hits
                 req.hashes.extend(map(_page_hash, plan.hits))
@@ -321,7 +322,7 @@ class PagedReplica(ReplicaCommits):
                 req.loads.extend(loads)
                 self.tiers.pin(loads)
                 self.tiers.count_served(plan.loads, self.page_size)
-            self._page_table.set_row(req.slot, req.pages)
+            self._page_table.set_row(req.slot, req.pages, held)
         if self.sessions is not None:  # a request's first reservation starts its session
             self.sessions.start_requests(plans, firsts)
         if self.tiers:  # what the plans took (see `Tier.note_reserved`)
