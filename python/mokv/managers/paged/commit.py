@@ -46,7 +46,7 @@ class ReplicaCommits:
         for ctx in batch:
             try:  # `_request`, inlined: once per request per step
                 req = requests[ctx.request_id]
-            except KeyError:
+            except (KeyError, TypeError):
                 req = self._request(ctx.request_id)  # raises
             start = ctx.start_idx
             first, num_full = len(req.hashes), start // ps

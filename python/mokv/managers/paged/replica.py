@@ -64,7 +64,7 @@ from ...metrics import prompt_tokens_in
 from ...params import KVCacheParams
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
-from ..base import sequence_too_long
+from ..base import check_request_id, sequence_too_long
 from .commit import ReplicaCommits
 from .inputs import PageTable, ceil_div, check_write_windows
 from .plans import RequestState, Reservation
@@ -181,9 +181,12 @@ class PagedReplica(ReplicaCommits):
         ]
 
     def _request(self, request_id: RequestID) -> RequestState:
+        """The claimed request; TypeError for an id that is not a str, as the manager's
+        `_replica_index` (`check_request_id`), else UnknownRequestError."""
         try:
             return self._requests[request_id]
-        except KeyError:
+        except (KeyError, TypeError):
+            check_request_id(request_id)
             raise UnknownRequestError(request_id) from None
 
     # --- prefix cache ---------------------------------------------------------------
