@@ -298,12 +298,12 @@ def iter_page_hashes(
     `hash_fn(hash_fn(parent, keys), tokens)`. A range with keyed pages is hashed page by
     page.
 
-    The tokens are converted to bytes once and sliced per page; a caller may stop early.
-    A hash with a batched form (`_chain_fn`) hashes the whole range in one call first,
-    even if the caller stops early: a call costs ~2-2.4 us plus, per 128-token page,
-    ~0.4 us for "sha256" (against ~1.2 us a page through hashlib) or ~0.06 us for "xxh3"
-    (against ~0.2 us), so a lookup that misses at once pays a microsecond or two more and
-    one that hits pays less; the commit that follows hashes those pages anyway.
+    The tokens are converted to bytes once and sliced per page. A range without keyed
+    pages is hashed at once, in one call where the hash has a batched form (`_chain_fn`:
+    a call costs ~2-2.4 us plus, per 128-token page, ~0.4 us for "sha256" against ~1.2 us
+    a page through hashlib, or ~0.06 us for "xxh3" against ~0.2 us), and read back from
+    lists: every caller reads every page, and a generator's step per page would cost
+    about as much as hashing the page with "xxh3".
     """
     if end_page is None:
         end_page = len(tokens) // page_size
@@ -311,20 +311,37 @@ def iter_page_hashes(
     data = pages.tobytes()
     stride = page_size * 8
     if page_keys:
-        for page_idx, start in enumerate(range(0, len(data), stride), start=first_page):
-            chunk = data[start : start + stride]
-            keys = page_keys.get(page_idx)
-            parent = hash_fn(parent if keys is None else hash_fn(parent, keys), chunk)
-            yield parent, chunk
-        return
+        return _keyed_page_hashes(data, stride, parent, hash_fn, first_page, page_keys)
     chain = _chain_fn(hash_fn, end_page - first_page)
     if chain is not None:
-        for start, page_hash in zip(range(0, len(data), stride), chain(pages, page_size, parent)):
-            yield page_hash, data[start : start + stride]
-        return
+        chunks = [data[start : start + stride] for start in range(0, len(data), stride)]
+        return zip(chain(pages, page_size, parent), chunks)
+    return _unbatched_page_hashes(data, stride, parent, hash_fn)
+
+
+def _unbatched_page_hashes(
+    data: bytes, stride: int, parent: int, hash_fn: PageHashFn
+) -> Iterator[tuple[int, bytes]]:
+    pages = []
     for start in range(0, len(data), stride):
         chunk = data[start : start + stride]
         parent = hash_fn(parent, chunk)
+        pages.append((parent, chunk))
+    return iter(pages)
+
+
+def _keyed_page_hashes(
+    data: bytes,
+    stride: int,
+    parent: int,
+    hash_fn: PageHashFn,
+    first_page: int,
+    page_keys: Mapping[int, bytes],
+) -> Iterator[tuple[int, bytes]]:
+    for page_idx, start in enumerate(range(0, len(data), stride), start=first_page):
+        chunk = data[start : start + stride]
+        keys = page_keys.get(page_idx)
+        parent = hash_fn(parent if keys is None else hash_fn(parent, keys), chunk)
         yield parent, chunk
 
 

@@ -152,6 +152,21 @@ class PagePool:
             return None
         return page_id
 
+    def lookup_run(self, pages: Iterable[tuple[int, bytes]]) -> list[tuple[int, int]]:
+        """`(page id, hash)` of the leading `(hash, token bytes)` of `pages` that `lookup`
+        finds, up to the first it does not (`lookup`, inlined: one call per prompt)."""
+        index, page_tokens, run = self._index, self._page_tokens, []
+        for page_hash, token_bytes in pages:
+            page_id = index.get(page_hash)
+            if page_id is None or page_tokens[page_id] != token_bytes:
+                break
+            run.append((page_id, page_hash))
+        return run
+
+    def pages_tokens(self, page_ids: Iterable[int]) -> list[bytes | None]:
+        """`page_tokens` of each page."""
+        return list(map(self._page_tokens.__getitem__, page_ids))
+
     def still_indexed(
         self, page_ids: Sequence[int], page_hashes: list[int], token_bytes: list[bytes | None]
     ) -> bool:
@@ -194,7 +209,7 @@ class PagePool:
     def room(self, hits: Sequence[int]) -> int:
         """How many fresh pages `take(hits, n)` could hand out: the free and cached pages,
         less the cached ones among `hits` (taking them revives them). Pure."""
-        return self.num_free - len(self._revived(hits))
+        return self.num_free - len(self._revived(hits)) if hits else self.num_free
 
     def can_take(self, hits: Sequence[int], num_new: int) -> bool:
         """Whether `take(hits, num_new)` would succeed (pure)."""
@@ -220,7 +235,7 @@ class PagePool:
         The hits are taken first, so the fresh pages never evict them. Returns the fresh
         pages, or None (and no change) if they do not fit.
         """
-        revived = self._revived(hits)
+        revived = self._revived(hits) if hits else set()
         if num_new > self.num_free - len(revived):
             return None
         from_free = min(num_new, len(self._free))
@@ -233,8 +248,9 @@ class PagePool:
         for page_id in revived:
             if self._cached.pop(page_id, self) is self:
                 del self._kept[page_id]
+        ref_count = self._ref_count
         for page_id in hits:
-            self._ref_count[page_id] += 1
+            ref_count[page_id] += 1
         evicted_hashes = [self._page_hash[page_id] for page_id in evicted]
         evicted_tokens = [self._page_tokens[page_id] for page_id in evicted]
         for i, (page_id, page_hash) in enumerate(zip(evicted, evicted_hashes)):
@@ -246,7 +262,7 @@ class PagePool:
         pages = self._free[len(self._free) - from_free :][::-1] + evicted
         del self._free[len(self._free) - from_free :]
         for page_id in pages:
-            self._ref_count[page_id] = 1
+            ref_count[page_id] = 1
         self.num_unindexed += len(evicted)
         if self.undo is not None:
             self.undo.push(
@@ -280,19 +296,20 @@ class PagePool:
             for page_id, times in Counter(page_ids).items():
                 if ref_count[page_id] < times:
                     raise InvariantError(f"page {page_id} released more often than it was acquired")
-        retained = self._retained
-        for page_id in page_ids:
-            ref = self._ref_count[page_id] - 1
-            self._ref_count[page_id] = ref
+        retained, hash_of, freed = self._retained, self._page_hash, 0
+        for page_id in page_ids:  # a request's pages: locals only, in the loop
+            ref = ref_count[page_id] - 1
+            ref_count[page_id] = ref
             if ref == 0:
-                self.num_freed += 1
-                page_hash = self._page_hash[page_id]
+                freed += 1
+                page_hash = hash_of[page_id]
                 if page_hash is None:
                     self._free.append(page_id)
                 elif retained and page_hash in retained:
                     self._kept[page_id] = None
                 else:
                     self._cached[page_id] = None
+        self.num_freed += freed
         if self.undo is not None:
             self.undo.push(self._unrelease, page_ids)
 

@@ -89,6 +89,8 @@ class TierStack:
 
     def by_tier(self, loads: Sequence[PendingLoad]) -> list[tuple[Tier, list[PendingLoad]]]:
         """`loads` grouped by tier, in tier order (each group in the order given)."""
+        if not loads:  # a request without tier hits: its release, every reservation
+            return []
         groups: list[list[PendingLoad]] = [[] for _ in self.tiers]
         for load in loads:
             groups[load.tier].append(load)

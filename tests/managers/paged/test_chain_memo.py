@@ -174,13 +174,14 @@ def test_hits_are_reused_only_while_every_page_still_holds():
 
 
 def test_room_is_read_again_once_a_page_is_freed():
-    chains = make_chains(num_pages=6)
+    chains = make_chains(num_pages=7)
     tokens = np.arange(14)
     ctx = TextContext(tokens, request_id="a")
     pool = chains.pool
-    held = pool.allocate(5)
+    pool.release(commit(chains, tokens, 1))  # a cached hit: taking it revives it
+    held = pool.allocate(5)  # 1 free page and the cached hit left
     hits, _ = chains.device_hits(ctx, RequestState(0), False)
-    assert hits == [] and chains.room("a", hits, 4) == 1
+    assert len(hits) == 1 and chains.room("a", hits, 4) == 1
     other = pool.allocate(1)
     hits, _ = chains.device_hits(ctx, RequestState(0), False)
     # The room is not read again (the earlier reading bounds it), and the answer does
@@ -190,6 +191,7 @@ def test_room_is_read_again_once_a_page_is_freed():
     pool.release(other + held[:2])
     hits, _ = chains.device_hits(ctx, RequestState(0), False)
     assert chains.room("a", hits, 4) == 3
+    assert chains.room("a", [], 4) == pool.num_free == 4  # no hits: read exactly, always
 
 
 def test_the_memo_holds_at_most_its_capacity():

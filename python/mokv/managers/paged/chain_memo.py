@@ -48,12 +48,15 @@ Page = tuple[int, bytes]
 class Hits:
     """The device hits found for pages `[first, end)` of a chain: `hits`, the `(page id,
     hash)` of the run, which stopped at page `first + len(hits)` (a miss, when that is
-    before `end`); `tokens`, the hit pages' token bytes as the pool holds them; and the
+    before `end`), and the same as two columns (`page_ids`, `hashes`: what `still_hold`
+    compares); `tokens`, the hit pages' token bytes as the pool holds them; and the
     pool's `num_unindexed` when they were last known to hold."""
 
     first: int
     end: int
     hits: list[tuple[int, int]]
+    page_ids: list[int]
+    hashes: list[int]
     tokens: list[bytes | None]
     unindexed: int
 
@@ -62,8 +65,7 @@ class Hits:
         each page still carries its hash and tokens); remembers the answer's reading."""
         if self.unindexed == pool.num_unindexed:
             return True
-        hits = self.hits
-        if not pool.still_indexed([p for p, _ in hits], [h for _, h in hits], self.tokens):
+        if not pool.still_indexed(self.page_ids, self.hashes, self.tokens):
             return False
         self.unindexed = pool.num_unindexed
         return True

@@ -40,16 +40,19 @@ class ReplicaCommits:
     def plan_commit(self, batch: list[TextGenerationContext]) -> CommitPlan:
         """The pages of `batch` that became full since their last step, with their hashes
         (pure; StaleContextError for a context whose cache does not fit its pages)."""
-        ps, plans = self.page_size, []
+        ps, plans, requests, caching = self.page_size, [], self._requests, self._prefix_caching
         owners: list[tuple[RequestState, int]] = []
         page_ids, hashes, datas, parents, keys = [], [], [], [], []
         for ctx in batch:
-            req = self._request(ctx.request_id)
+            try:  # `_request`, inlined: once per request per step
+                req = requests[ctx.request_id]
+            except (KeyError, TypeError):
+                req = self._request(ctx.request_id)  # raises
             start = ctx.start_idx
             first, num_full = len(req.hashes), start // ps
             if start < first * ps or start > len(req.pages) * ps:
                 req.check_window(ctx, ps)
-            if num_full <= first or not self._prefix_caching:
+            if num_full <= first or not caching:
                 continue
             parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
             request = request_keys(ctx)

@@ -45,9 +45,13 @@ class PageTable:
         width = lookup_table_width(max_pages_per_seq)
         self._rows = np.full((max_requests, width), LOOKUP_PAD_PAGE, dtype=np.uint32)
 
-    def set_row(self, slot: int, pages: Sequence[int]) -> None:
-        """Row `slot` starts with `pages`."""
-        self._rows[slot, : len(pages)] = pages
+    def set_row(self, slot: int, pages: Sequence[int], start: int = 0) -> None:
+        """Row `slot` starts with `pages`, whose first `start` it holds already (a page
+        appended: one scalar write, ~40 ns against ~1.4 us for a row of 100 pages)."""
+        if len(pages) == start + 1:
+            self._rows[slot, start] = pages[start]
+        else:
+            self._rows[slot, start : len(pages)] = pages[start:]
 
     def inputs(
         self,

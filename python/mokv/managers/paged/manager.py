@@ -358,9 +358,12 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
             publisher.end_step()
 
     def _commit(self, batch: Sequence[TextGenerationContext]) -> None:
-        groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
-        for ctx in batch:
-            groups[self._replica_index(ctx.request_id)].append(ctx)
+        if len(self.replicas) == 1:  # the replica finds each request, or raises as we would
+            groups = [list(batch)]
+        else:
+            groups = [[] for _ in self.replicas]
+            for ctx in batch:
+                groups[self._replica_index(ctx.request_id)].append(ctx)
         if len({ctx.request_id for ctx in batch}) != len(batch):
             check_distinct(batch)
         plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]

@@ -124,25 +124,26 @@ class PrefixChains:
         if not self.can_match(ctx, req):
             return hits, None
         first, end = len(req.hashes), (ctx.end_idx - 1) // self.page_size
+        if first and end <= first:
+            # A decode step onto a fresh page: no page to look for. (Its tokens were
+            # checked when its committed pages were hashed.)
+            return hits, None
         pages, entry = self.pages(ctx, req, end)
-        pool, lookup = self.pool, self.pool.lookup
+        pool = self.pool
         known = entry.hits if entry is not None else None
         if (
             known is not None
             and (known.first, known.end) == (first, end)
             and known.still_hold(pool)
-            and (len(known.hits) == len(pages) or lookup(*pages[len(known.hits)]) is None)
+            and (len(known.hits) == len(pages) or pool.lookup(*pages[len(known.hits)]) is None)
         ):
             hits = known.hits
         else:
-            for page_hash, data in pages:
-                page_id = lookup(page_hash, data)
-                if page_id is None:
-                    break
-                hits.append((page_id, page_hash))
+            hits = pool.lookup_run(pages)
             if entry is not None:
-                tokens = [pool.page_tokens(page_id) for page_id, _ in hits]
-                entry.hits = Hits(first, end, hits, tokens, pool.num_unindexed)
+                page_ids, hashes = [p for p, _ in hits], [h for _, h in hits]
+                tokens = pool.pages_tokens(page_ids)
+                entry.hits = Hits(first, end, hits, page_ids, hashes, tokens, pool.num_unindexed)
         n = len(hits)
         if n == len(pages) or not want_tail:
             return hits, None
@@ -155,6 +156,8 @@ class PrefixChains:
         Either way a reservation that needs `need` fresh pages fits exactly when `need`
         is at most the answer."""
         pool = self.pool
+        if not hits:  # nothing to revive, read at once (every decode step onto a new page)
+            return pool.room(())
         entry = self.memo.get(request_id)
         known = entry.room if entry is not None else None
         if known is not None and known.hits is hits and known.freed == pool.num_freed:

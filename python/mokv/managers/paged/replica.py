@@ -43,6 +43,7 @@ newly indexed to every tier (`store`). Releasing a request drops its pending loa
 from __future__ import annotations
 
 from dataclasses import replace
+from operator import itemgetter
 
 from max.driver import Buffer, Device
 
@@ -63,12 +64,14 @@ from ...metrics import prompt_tokens_in
 from ...params import KVCacheParams
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
-from ..base import sequence_too_long
+from ..base import check_request_id, sequence_too_long
 from .commit import ReplicaCommits
 from .inputs import PageTable, ceil_div, check_write_windows
 from .plans import RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
+
+_page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
 
 
 class PagedReplica(ReplicaCommits):
@@ -178,9 +181,12 @@ class PagedReplica(ReplicaCommits):
         ]
 
     def _request(self, request_id: RequestID) -> RequestState:
+        """The claimed request; TypeError for an id that is not a str, as the manager's
+        `_replica_index` (`check_request_id`), else UnknownRequestError."""
         try:
             return self._requests[request_id]
-        except KeyError:
+        except (KeyError, TypeError):
+            check_request_id(request_id)
             raise UnknownRequestError(request_id) from None
 
     # --- prefix cache ---------------------------------------------------------------
@@ -307,16 +313,19 @@ class PagedReplica(ReplicaCommits):
             del new_pages[: plan.num_fresh]
             if plan.hits or plan.loads:  # `can_match`: the window starts at the hashes' end
                 self.cache_tokens += plan.hit_tokens - len(req.hashes) * self.page_size
-            self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
-            req.pages.extend(page_id for page_id, _ in plan.hits)
+            held = len(req.pages)
+            self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
+            if plan.hits:
+                req.pages.extend(map(_page_id, plan.hits))  # in C: a prompt's hits
+                req.hashes.extend(map(_page_hash, plan.hits))
             req.pages.extend(taken)  # the loads' pages first, in chain order
-            req.hashes.extend(page_hash for _, page_hash in plan.hits)
-            req.hashes.extend(load.hit.page_hash for load in plan.loads)
-            loads = [replace(load, device_page=page_id) for load, page_id in zip(plan.loads, taken)]
-            req.loads.extend(loads)
-            self.tiers.pin(loads)
-            self._page_table.set_row(req.slot, req.pages)
-            self.tiers.count_served(plan.loads, self.page_size)
+            if plan.loads:
+                req.hashes.extend(load.hit.page_hash for load in plan.loads)
+                loads = [replace(ld, device_page=page) for ld, page in zip(plan.loads, taken)]
+                req.loads.extend(loads)
+                self.tiers.pin(loads)
+                self.tiers.count_served(plan.loads, self.page_size)
+            self._page_table.set_row(req.slot, req.pages, held)
         if self.sessions is not None:  # a request's first reservation starts its session
             self.sessions.start_requests(plans, firsts)
         if self.tiers:  # what the plans took (see `Tier.note_reserved`)
