@@ -71,6 +71,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import InvariantError
 from ..undo import UndoLog
+from .page_pool_checks import PagePoolChecks
+from .page_pool_undo import PagePoolUndo
 from .retention import Retention
 
 if TYPE_CHECKING:
@@ -89,8 +91,9 @@ class PageEventSink(Protocol):
     def cleared(self) -> None: ...
 
 
-class PagePool:
-    """Reference-counted pages with an LRU of reusable cached pages."""
+class PagePool(PagePoolUndo, PagePoolChecks):
+    """Reference-counted pages with an LRU of reusable cached pages (its undo records:
+    `page_pool_undo.py`; its invariants' check: `page_pool_checks.py`)."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 1:
@@ -403,117 +406,3 @@ class PagePool:
         self._retention.clear()
         if self.events is not None:
             self.events.cleared()
-
-    # --- undo (run by `UndoLog.rollback`, newest change first) ------------------------
-
-    def _untake(
-        self,
-        hits: list[int],
-        revived: set[int],
-        pages: tuple[int, ...],
-        from_free: int,
-        evicted_hashes: list[int],
-        evicted_tokens: list[bytes],
-        num_unretained: int,
-    ) -> None:
-        self.num_evicted_retained -= len(evicted_hashes) - num_unretained
-        self.num_freed += len(pages) + len(revived)
-        for page_id in pages:
-            self._ref_count[page_id] = 0
-        self._free.extend(reversed(pages[:from_free]))
-        evicted = pages[from_free:]
-        for page_id, page_hash, data in zip(
-            evicted[::-1], evicted_hashes[::-1], evicted_tokens[::-1]
-        ):
-            self._page_hash[page_id] = page_hash
-            self._page_tokens[page_id] = data
-            self._index[page_hash] = page_id
-            lru = self._retention.lru(page_hash)
-            lru[page_id] = None
-            lru.move_to_end(page_id, last=False)  # they were the oldest
-        for page_id in hits:
-            self._ref_count[page_id] -= 1
-        for page_id in revived:
-            self._retention.lru(self._page_hash[page_id])[page_id] = None
-
-    def _unrelease(self, page_ids: list[int]) -> None:
-        for page_id in reversed(page_ids):
-            ref = self._ref_count[page_id]
-            if ref == 0:
-                page_hash = self._page_hash[page_id]
-                if page_hash is None:
-                    self._free.pop()  # it was appended last
-                else:
-                    del self._retention.lru(page_hash)[page_id]
-            self._ref_count[page_id] = ref + 1
-
-    def _uncommit(self, page_ids: list[int]) -> None:
-        self.num_unindexed += len(page_ids)
-        for page_id in page_ids:
-            del self._index[self._page_hash[page_id]]  # type: ignore[arg-type]
-            self._page_hash[page_id] = self._page_tokens[page_id] = None
-
-    def _unreset(
-        self,
-        indexed: list[tuple[int, int, bytes | None]],
-        cached: list[int],
-        kept: list[int],
-        retained: set[int],
-        num_free: int,
-    ) -> None:
-        for page_id, page_hash, data in indexed:
-            self._index[page_hash] = page_id
-            self._page_hash[page_id] = page_hash
-            self._page_tokens[page_id] = data
-        del self._free[num_free:]
-        self._retention.restore(cached, kept, retained)
-
-    # --- checks ---------------------------------------------------------------------
-
-    def check_invariants(self, owned_pages: Iterable[Iterable[int]]) -> None:
-        """Raises InvariantError unless invariants 1-5 hold for these owners' page lists."""
-        holders = [0] * self.num_pages
-        for pages in owned_pages:
-            for page_id in pages:
-                holders[page_id] += 1
-        free, cached, kept = set(self._free), set(self._cached), set(self._kept)
-        if len(free) != len(self._free):
-            raise InvariantError(f"free list holds duplicates: {sorted(self._free)}")
-        for (name, a), (other, b) in (
-            (("free", free), ("cached", cached)),
-            (("free", free), ("kept", kept)),
-            (("cached", cached), ("kept", kept)),
-        ):
-            if a & b:
-                raise InvariantError(f"pages both {name} and {other}: {sorted(a & b)}")
-        for page_id in range(self.num_pages):
-            ref, h = self._ref_count[page_id], self._page_hash[page_id]
-            state = (
-                "free"
-                if page_id in free
-                else "cached"
-                if page_id in cached
-                else "kept"
-                if page_id in kept
-                else "owned"
-            )
-            if ref != holders[page_id]:
-                raise InvariantError(
-                    f"page {page_id} ({state}) has ref count {ref} but {holders[page_id]} owners"
-                )
-            if (state == "owned") != (ref > 0):
-                raise InvariantError(f"page {page_id} is {state} with ref count {ref}")
-            if state in ("cached", "kept") and h is None or state == "free" and h is not None:
-                raise InvariantError(f"page {page_id} is {state} with hash {h}")
-            if h is not None and self._index.get(h) != page_id:
-                raise InvariantError(f"page {page_id} has hash {h} but is not indexed under it")
-        misfiled = self._retention.misfiled(self._page_hash)
-        if misfiled:
-            raise InvariantError(
-                f"unowned pages {misfiled} are kept without a retained hash or cached with one"
-            )
-        for h, page_id in self._index.items():
-            if self._page_hash[page_id] != h:
-                raise InvariantError(
-                    f"index maps {h} to page {page_id}, which carries another hash"
-                )
