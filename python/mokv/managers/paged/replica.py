@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import replace
 from operator import itemgetter
 
-from max.driver import Buffer, Device
+from max.driver import Device
 
 from ...cache.cache_memory import cache_buffer
 from ...cache.extra_keys import request_keys
@@ -59,14 +59,12 @@ from ...errors import (
     UnknownRequestError,
 )
 from ...events.publisher import EventRecorder
-from ...layouts import RaggedKVCacheInputs
-from ...metrics import prompt_tokens_in
 from ...params import KVCacheParams
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from ..base import check_request_id, sequence_too_long
 from .commit import ReplicaCommits
-from .inputs import PageTable, ceil_div, check_write_windows
+from .inputs import PageTable, ReplicaInputs, ceil_div
 from .plans import RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
@@ -74,7 +72,7 @@ from .sessions import SessionTable
 _page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
 
 
-class PagedReplica(ReplicaCommits):
+class PagedReplica(ReplicaCommits, ReplicaInputs):
     """The pages, buffers, requests and tiers of one replica (its devices split the KV
     heads)."""
 
@@ -370,45 +368,6 @@ class PagedReplica(ReplicaCommits):
                 self.undo.push(req.loads.extend, list(req.loads))  # onto the emptied list
                 req.loads.clear()
         self.tiers.unpin(loads)
-
-    # --- graph inputs ---------------------------------------------------------------
-
-    def runtime_inputs(
-        self, batch: list[TextGenerationContext], num_steps: int
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
-        """The batch's lookup table, cache lengths and max lengths on each device
-        (`inputs.PageTable.inputs`). Every request must already hold its pages."""
-        reqs = [self._requests[ctx.request_id] for ctx in batch]
-        slots = [req.slot for req in reqs]
-        starts = [ctx.start_idx for ctx in batch]
-        actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
-        inputs = self._page_table.inputs(
-            self.blocks, self.devices, slots, starts, actives, num_steps, self.page_size
-        )
-        self.undo.push(setattr, self, "input_tokens", self.input_tokens)
-        for req, ctx, start, active in zip(reqs, batch, starts, actives):
-            if req.prompt_end < 0:
-                self.undo.push(setattr, req, "prompt_end", -1)
-                req.prompt_end = ctx.end_idx
-            self.input_tokens += prompt_tokens_in(start, start + active, req.prompt_end)
-        return inputs
-
-    def check_tables(self, batch: list[TextGenerationContext], num_steps: int) -> None:
-        """InvariantError unless the tables `runtime_inputs` hands out for `batch` are safe
-        (`inputs.check_write_windows`; `enable_runtime_checks`)."""
-        check_write_windows(
-            self.pool,
-            self.page_size,
-            (
-                (
-                    ctx.request_id,
-                    self._requests[ctx.request_id].pages,
-                    ctx.start_idx,
-                    ctx.active_idx + num_steps - 1,
-                )
-                for ctx in batch
-            ),
-        )
 
     # --- the tiers, with the device pool ---------------------------------------------
 
