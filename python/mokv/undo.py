@@ -54,14 +54,21 @@ class UndoLog:
     def run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """`fn(*args, **kwargs)`, all or nothing: on any exception, what it recorded is
         undone."""
-        mark = self.begin()
+        # `begin` and `end`, inlined: this brackets every changing call of a manager.
+        steps = self._steps
+        if not self._depth:
+            steps.clear()
+        self._depth += 1
+        mark = len(steps)
         try:
             return fn(*args, **kwargs)
         except BaseException:
             self.rollback(mark)
             raise
         finally:
-            self.end()
+            self._depth -= 1
+            if not self._depth:
+                self._steps.clear()
 
     def push(self, undo: Callable[..., Any], *args: Any) -> None:
         """Records that `undo(*args)` undoes the change just made (or about to be made)."""

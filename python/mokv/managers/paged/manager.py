@@ -182,7 +182,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
         check_request_id(request_id)
         if replica_idx is None:
             replica_idx = self._recommend(None)
-        if replica_idx.__class__ is not int or not 0 <= replica_idx < self.num_replicas:
+        if replica_idx.__class__ is not int or not 0 <= replica_idx < len(self.replicas):
             raise InvalidReplicaError(
                 f"replica_idx={replica_idx!r} is out of range for {self.num_replicas} replica(s)"
             )
@@ -265,10 +265,20 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
         try:
             if num_steps.__class__ is not int or num_steps < 1:
                 check_num_steps(num_steps)  # raises
+            request_id = data.request_id
             try:  # `_replica`, inlined
-                replica = self.replicas[self._replica_of[data.request_id]]
+                replica = self.replicas[self._replica_of[request_id]]
             except (KeyError, TypeError):
-                replica = self._replica(data.request_id)  # raises the caller's error
+                replica = self._replica(request_id)  # raises the caller's error
+            # `replica.plan`'s first answer, inlined (one frame less for every running
+            # request at every step): a window the request holds already takes nothing.
+            # Anything else, a window to refuse included, is `plan`'s to answer.
+            req, ps = replica._requests[request_id], replica.page_size
+            start, held = data.start_idx, len(req.pages) * ps
+            needed = data.active_idx + num_steps - 1
+            if len(req.hashes) * ps <= start <= held and needed <= held:
+                if needed <= replica.max_seq_len:
+                    return True
             plan = replica.plan(data, num_steps)
             if plan is None:
                 return True

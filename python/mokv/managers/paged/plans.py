@@ -60,8 +60,9 @@ class Reservation:
     """(page id, hash) of device pages that continue its chain."""
     hit_tokens: int
     """Where its cache ends after every hit (device and tiers)."""
-    num_new: int
-    """Fresh pages to allocate after the hits."""
+    num_fresh: int
+    """Fresh device pages the reservation takes: its new pages (to allocate after the
+    hits) and its loads. A field, not a property: read on every reservation."""
     loads: list[PendingLoad]
     """Tier hits after the device hits, each needing a fresh page (no page yet)."""
     parent_hash: int | None
@@ -69,11 +70,6 @@ class Reservation:
     room: int = 0
     """Fresh pages the pool could hand out with `hits` taken, when it was planned (for a
     plan that does not fit, possibly an earlier, larger reading: `PrefixChains.room`)."""
-
-    @property
-    def num_fresh(self) -> int:
-        """Fresh device pages the reservation takes: its new pages and its loads."""
-        return self.num_new + len(self.loads)
 
     @property
     def fits(self) -> bool:

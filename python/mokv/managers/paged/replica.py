@@ -147,8 +147,10 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
         session = req.session
         if session is not None and sessions is not None:
             retention = sessions.plan_release(session, req.hashes)
-        self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
-        self.tiers.unpin(req.loads)
+        if req.pages:  # none: a request released after its admission did not fit
+            self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
+        if req.loads:
+            self.tiers.unpin(req.loads)
         del self._requests[request_id]
         self._free_slots.append(req.slot)
         self.undo.push(self._unrelease, request_id, req)
@@ -265,7 +267,7 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
             raise sequence_too_long(ctx.request_id, needed, num_steps, self.max_seq_len)
         num_new = max(ceil_div(needed, self.page_size) - len(req.pages) - num_hits, 0)
         parent = req.hashes[-1] if req.hashes else None
-        return Reservation(ctx, req, hits, hit_tokens, num_new, list(loads), parent)
+        return Reservation(ctx, req, hits, hit_tokens, num_new + len(loads), list(loads), parent)
 
     def fits(self, plans: list[Reservation]) -> bool:
         """Whether the pool can take every plan's hits and fresh pages at once."""
