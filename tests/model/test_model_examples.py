@@ -9,7 +9,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("strategy", ["paged", "continuous"])
+# The paged strategy only: the continuous layout's ops compile for a virtual sm_90 in
+# tests/ops/test_virtual_gpu.py, and each cold decoder build here costs over a minute.
+@pytest.mark.parametrize("strategy", ["paged"])
 def test_compile_only_example(tmp_path, strategy):
     """Cross-compiles the decoder for a virtual H100 and refuses to execute it."""
     proc = subprocess.run(
