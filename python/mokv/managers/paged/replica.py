@@ -306,7 +306,8 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
         fresh = list(new_pages)
-        firsts = [not plan.req.pages for plan in plans]
+        sessions = self.sessions
+        firsts = [not plan.req.pages for plan in plans] if sessions is not None else []
         self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
         for plan in plans:
             req, taken = plan.req, new_pages[: plan.num_fresh]
@@ -326,8 +327,8 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
                 self.tiers.pin(loads)
                 self.tiers.count_served(plan.loads, self.page_size)
             self._page_table.set_row(req.slot, req.pages, held)
-        if self.sessions is not None:  # a request's first reservation starts its session
-            self.sessions.start_requests(plans, firsts)
+        if sessions is not None:  # a request's first reservation starts its session
+            sessions.start_requests(plans, firsts)
         if self.tiers:  # what the plans took (see `Tier.note_reserved`)
             self.tiers.note_reserved(fresh, [plan.device_hit_run(self.page_size) for plan in plans])
 

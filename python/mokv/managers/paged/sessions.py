@@ -148,7 +148,9 @@ class SessionTable:
         of its `prompt_tokens` cached: opens the session, or counts a turn of an open one.
         Cannot fail half-way."""
         session = old = self.sessions.get(session_id)
-        order, counters = list(self.sessions), self._counters()
+        # A turn moves its session to the young end: only then is the old order needed.
+        order = list(self.sessions) if old is not None else []
+        counters = self._counters()
         if session is None:
             session = self.sessions[session_id] = Session(session_id)
         else:
