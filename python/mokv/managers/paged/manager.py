@@ -22,6 +22,7 @@ anywhere inside, is rolled back (docs/reliability.md says what stands). Memory s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
@@ -57,6 +58,8 @@ from .metrics import PagedMetrics
 from .multistep import PagedMultistep
 from .replica import PagedReplica, Reservation
 from .sizing import PagedSizing, pages_per_replica
+
+_request_id = attrgetter("request_id")  # of a context
 
 
 class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerAPI, ManagerFields):
@@ -328,7 +331,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
             plan = self.replicas[r].plan(ctx, num_steps)
             if plan is not None:
                 plans[r].append(plan)
-        if len({ctx.request_id for ctx in batch}) != len(batch):
+        if len(set(map(_request_id, batch))) != len(batch):
             check_distinct(batch)
         for r, (replica, replica_plans) in enumerate(zip(self.replicas, plans)):
             if replica_plans and not replica.fits(replica_plans):
@@ -374,7 +377,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
             groups = [[] for _ in self.replicas]
             for ctx in batch:
                 groups[self._replica_index(ctx.request_id)].append(ctx)
-        if len({ctx.request_id for ctx in batch}) != len(batch):
+        if len(set(map(_request_id, batch))) != len(batch):
             check_distinct(batch)
         plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]
         for replica, plan in zip(self.replicas, plans):

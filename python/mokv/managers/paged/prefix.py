@@ -118,8 +118,9 @@ class PrefixChains:
         lacks (None when nothing is left to look for). Pure but for the memo; the hits
         list may be the memo's: read it, never change it.
 
-        The hits last found for the same pages are reused, without looking them up, when
-        the pool removed no index entry since and the page that missed still misses."""
+        The hits last found for the same pages are reused, without looking them up, up
+        to the first that no longer holds, when the page after them misses
+        (`chain_memo`)."""
         hits: list[tuple[int, int]] = []
         if not self.can_match(ctx, req):
             return hits, None
@@ -131,12 +132,13 @@ class PrefixChains:
         pages, entry = self.pages(ctx, req, end)
         pool = self.pool
         known = entry.hits if entry is not None else None
-        if (
-            known is not None
-            and (known.first, known.end) == (first, end)
-            and known.still_hold(pool)
-            and (len(known.hits) == len(pages) or pool.lookup(*pages[len(known.hits)]) is None)
-        ):
+        held = -1
+        if entry is not None and known is not None and (known.first, known.end) == (first, end):
+            held = known.num_holding(pool)
+        if held >= 0 and (held == len(pages) or pool.lookup(*pages[held]) is None):
+            assert entry is not None and known is not None  # held >= 0 says so
+            if held < len(known.hits):  # hits evicted since: the run stops at the first now
+                entry.hits = known = known.truncated(held, pool)
             hits = known.hits
         else:
             hits = pool.lookup_run(pages)
@@ -163,7 +165,9 @@ class PrefixChains:
         if known is not None and known.hits is hits and known.freed == pool.num_freed:
             if need > known.room:
                 return known.room
-        room = pool.room([page_id for page_id, _ in hits])
-        if entry is not None and entry.hits is not None and entry.hits.hits is hits:
-            entry.room = Room(hits, pool.num_freed, room)
-        return room
+        memo_hits = entry.hits if entry is not None else None
+        if memo_hits is not None and memo_hits.hits is hits:
+            room = pool.room(memo_hits.page_ids)
+            entry.room = Room(hits, pool.num_freed, room)  # type: ignore[union-attr]
+            return room
+        return pool.room([page_id for page_id, _ in hits])

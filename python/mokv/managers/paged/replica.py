@@ -43,7 +43,7 @@ newly indexed to every tier (`store`). Releasing a request drops its pending loa
 from __future__ import annotations
 
 from dataclasses import replace
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 from max.driver import Device
 
@@ -70,6 +70,7 @@ from .prefix import PrefixChains
 from .sessions import SessionTable
 
 _page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
+_num_fresh = attrgetter("num_fresh")  # of a `Reservation`
 
 
 class PagedReplica(ReplicaCommits, ReplicaInputs):
@@ -114,6 +115,7 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
         self.input_tokens = 0
         self.cache_tokens = 0
         self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)
+        self._tiered = bool(self.tiers)  # read on every reservation
         self.sessions = (
             SessionTable(params.sessions, self.pool, self.tiers, undo) if params.sessions else None
         )
@@ -219,7 +221,7 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
         needed = ctx.active_idx + num_steps - 1
         if needed <= held and needed <= self.max_seq_len:
             return None
-        hits, tail = self.chains.device_hits(ctx, req, want_tail=bool(self.tiers))
+        hits, tail = self.chains.device_hits(ctx, req, want_tail=self._tiered)
         plan = self._reservation(ctx, req, num_steps, hits, [])
         plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)
         if tail is None:
@@ -299,20 +301,20 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
     def _take(self, plans: list[Reservation]) -> None:
         """The pages, pins and counters of `plans`, with their undo records; no window
         moves."""
-        hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
-        if self.sessions is not None:  # sessions past their time-to-live, before evicting
-            self.sessions.apply(self.sessions.plan_expiry())
-        new_pages = self.pool.take(hit_pages, sum(p.num_fresh for p in plans))
+        hit_pages = [page_id for plan in plans if plan.hits for page_id, _ in plan.hits]
+        sessions = self.sessions
+        if sessions is not None:  # sessions past their time-to-live, before evicting
+            sessions.apply(sessions.plan_expiry())
+        new_pages = self.pool.take(hit_pages, sum(map(_num_fresh, plans)))
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
-        fresh = list(new_pages)
-        sessions = self.sessions
+        fresh = list(new_pages) if self._tiered else new_pages
         firsts = [not plan.req.pages for plan in plans] if sessions is not None else []
-        self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
         for plan in plans:
             req, taken = plan.req, new_pages[: plan.num_fresh]
             del new_pages[: plan.num_fresh]
             if plan.hits or plan.loads:  # `can_match`: the window starts at the hashes' end
+                self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
                 self.cache_tokens += plan.hit_tokens - len(req.hashes) * self.page_size
             held = len(req.pages)
             self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
@@ -329,7 +331,7 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
             self._page_table.set_row(req.slot, req.pages, held)
         if sessions is not None:  # a request's first reservation starts its session
             sessions.start_requests(plans, firsts)
-        if self.tiers:  # what the plans took (see `Tier.note_reserved`)
+        if self._tiered:  # what the plans took (see `Tier.note_reserved`)
             self.tiers.note_reserved(fresh, [plan.device_hit_run(self.page_size) for plan in plans])
 
     def _settle(self, moving: list[Reservation], mark: int) -> None:
