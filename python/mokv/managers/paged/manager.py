@@ -56,6 +56,7 @@ from ..increment import CacheLengthIncrementer
 from .inputs import ceil_div
 from .metrics import PagedMetrics
 from .multistep import PagedMultistep
+from .plans import RequestState
 from .replica import PagedReplica, Reservation
 from .sizing import PagedSizing, pages_per_replica
 
@@ -279,9 +280,13 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
             req, ps = replica._requests[request_id], replica.page_size
             start, held = data.start_idx, len(req.pages) * ps
             needed = data.active_idx + num_steps - 1
-            if len(req.hashes) * ps <= start <= held and needed <= held:
-                if needed <= replica.max_seq_len:
+            if len(req.hashes) * ps <= start <= held and needed <= replica.max_seq_len:
+                if needed <= held:
                     return True
+                # A decode step onto a fresh page (or a prompt's next chunk without a
+                # prefix to match): fresh pages only, without a plan (`grow`).
+                if req.pages and replica.takes_fresh_only(data, req):
+                    return self._undo.run(self._grow, replica, req, needed)
             plan = replica.plan(data, num_steps)
             if plan is None:
                 return True
@@ -295,6 +300,12 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
     def _apply(self, replica: PagedReplica, plans: list[Reservation]) -> None:
         replica.apply(plans)
         self._after_change()
+
+    def _grow(self, replica: PagedReplica, req: RequestState, needed: int) -> bool:
+        grown = replica.grow(req, ceil_div(needed, replica.page_size) - len(req.pages))
+        if grown:
+            self._after_change()
+        return grown
 
     @atomic
     def fetch(

@@ -249,6 +249,36 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
             plan.room = room
         return plan
 
+    def takes_fresh_only(self, ctx: TextGenerationContext, req: RequestState) -> bool:
+        """Whether reserving `ctx` can take fresh pages only, and no prefix: none may
+        extend it (`PrefixChains.can_match`), or it has no page left to look for (a decode
+        step onto a new page). Then `grow` does what `plan` and `apply` would."""
+        last_page = (ctx.end_idx - 1) // self.page_size  # the last one a prefix may reach
+        return not self.chains.can_match(ctx, req) or last_page <= len(req.hashes)
+
+    def grow(self, req: RequestState, num_pages: int) -> bool:
+        """Takes `num_pages` fresh pages for a request that holds pages already and can
+        match no prefix now (`takes_fresh_only`): `apply` of a reservation without hits
+        or loads, unplanned. False, changing nothing, when they do not fit.
+
+        The step that fills a page of every decoding request takes one such page each;
+        planning it (a `Reservation`, its room, a batch of one) cost as much as taking it.
+        """
+        if num_pages > self.pool.num_free:
+            return False
+        if self.sessions is not None:  # sessions past their time-to-live, before evicting
+            self.sessions.apply(self.sessions.plan_expiry())
+        pages = self.pool.take((), num_pages)
+        if pages is None:
+            raise InvariantError("fresh pages that fit could not be taken")
+        held = len(req.pages)
+        self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
+        req.pages.extend(pages)
+        self._page_table.set_row(req.slot, req.pages, held)
+        if self._tiered:  # what it took (see `Tier.note_reserved`)
+            self.tiers.note_reserved(pages, [[]])
+        return True
+
     def _reservation(
         self,
         ctx: TextGenerationContext,
