@@ -17,6 +17,8 @@ until it fits, and the commits of its pages after it does, hash it once.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, page_keys
 from ...cache.hashing import PageHashFn, iter_page_hashes
 from ...cache.page_pool import PagePool
@@ -106,7 +108,9 @@ class PrefixChains:
             pages[:0] = entry.pages[first : first + held]  # type: ignore[union-attr]
         if first:
             return pages, None
-        entry = ChainEntry(inputs, parent, b"".join([data for _, data in pages]), pages)
+        # The pages' bytes joined are the tokens' bytes (a copy, not a join of slices).
+        data = np.ascontiguousarray(tokens[: end_page * ps], dtype="<i8").tobytes()
+        entry = ChainEntry(inputs, parent, data, pages)
         self.memo.put(ctx.request_id, entry)
         return pages, entry
 
