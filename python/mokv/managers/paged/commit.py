@@ -83,7 +83,8 @@ class ReplicaCommits:
             indexed = self.pool.commit_pages(
                 plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.keys
             )
-            self._share_duplicates(plan.owners, plan.hashes, plan.datas, indexed)
+            if not all(indexed):  # some request computed a page another committed first
+                self._share_duplicates(plan.owners, plan.hashes, plan.datas, indexed)
         for req, new_hashes in plan.requests:
             self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
             req.hashes.extend(new_hashes)

@@ -185,7 +185,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
         prefix to match (MAX 25.7 raises ValueError instead when there are several)."""
         check_request_id(request_id)
         if replica_idx is None:
-            replica_idx = self._recommend(None)
+            replica_idx = self._recommend(None) if len(self.replicas) > 1 else 0
         if replica_idx.__class__ is not int or not 0 <= replica_idx < len(self.replicas):
             raise InvalidReplicaError(
                 f"replica_idx={replica_idx!r} is out of range for {self.num_replicas} replica(s)"
