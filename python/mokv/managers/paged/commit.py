@@ -6,7 +6,7 @@ all-or-nothing pool call. When two requests computed the same page at once, the 
 indexes the first copy only, and the second request is moved onto it and its own copy
 freed (`_share_duplicates`, as MAX's block manager does), so a duplicate never holds
 a page until its request ends. Loaded tier pages go through the same sharing
-(`PagedReplica.load_pending`).
+(`ReplicaTiers.load_pending`, tier_loads.py).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ request of a batch is checked and planned before any replica changes, and every 
 that changes something runs under the manager's undo log (`mokv.undo`), shared by the
 replicas, their pools and tiers and the event recorders: a call that raises, from
 anywhere inside, is rolled back (docs/reliability.md says what stands). Memory sizing is
-`sizing.py`; the graph inputs are built by `inputs.py`. The tiers below the device pages
-(`params.tiers`: host memory, a shared Redis store) are `mokv.tiers`.
+`sizing.py`, the choice of a replica `routing.py`; the graph inputs are built by
+`inputs.py`. The tiers below the device pages (`params.tiers`: host memory, a shared
+Redis store) are `mokv.tiers`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from ...errors import (
     InsufficientMemoryError,
     InsufficientPagesError,
     InvalidReplicaError,
-    UnknownRequestError,
 )
 from ...events.config import KVEventsConfig
 from ...events.publisher import open_publishers
@@ -58,12 +58,15 @@ from .metrics import PagedMetrics
 from .multistep import PagedMultistep
 from .plans import RequestState
 from .replica import PagedReplica, Reservation
+from .routing import PagedRouting
 from .sizing import PagedSizing, pages_per_replica
 
 _request_id = attrgetter("request_id")  # of a context
 
 
-class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerAPI, ManagerFields):
+class PagedKVCacheManager(
+    PagedRouting, PagedMetrics, PagedSizing, PagedMultistep, MaxManagerAPI, ManagerFields
+):
     """Paged KV cache manager with data and tensor parallelism support.
 
     Args:
@@ -160,25 +163,6 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
 
     # --- requests -------------------------------------------------------------------
 
-    @property
-    def num_replicas(self) -> int:
-        return len(self.replicas)
-
-    def _replica(self, request_id: RequestID) -> PagedReplica:
-        return self.replicas[self._replica_index(request_id)]
-
-    def _replica_index(self, request_id: RequestID) -> int:
-        try:
-            return self._replica_of[request_id]  # only str ids are ever stored
-        except (KeyError, TypeError):
-            check_request_id(request_id)
-            raise UnknownRequestError(request_id) from None
-
-    @synchronized
-    def contains(self, request_id: RequestID) -> bool:
-        check_request_id(request_id)
-        return request_id in self._replica_of
-
     @atomic
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
         """Binds `request_id` to a replica: by default the one `_recommend` picks with no
@@ -221,33 +205,6 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
         ended = sum(table.apply(plan) for table, plan in plans)
         self._after_change()
         return ended
-
-    @synchronized
-    def get_replica(self, context: TextGenerationContext) -> int:
-        return self._replica_index(context.request_id)
-
-    @synchronized
-    def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
-        """The request's replica if claimed; else the one `_recommend` picks for it."""
-        if context.request_id in self._replica_of:
-            return self._replica_of[context.request_id]
-        return self._recommend(context)
-
-    def _recommend(self, context: TextGenerationContext | None) -> int:
-        """The replica for a new request: one with a free request slot while any has one
-        (a full one would refuse the claim); among those the one holding the longest
-        cached prefix of `context`'s tokens (mokv's addition: MAX 25.7 ignores prefixes
-        here), then MAX's rule, the fewest requests, then the most free pages; the
-        lowest index on a tie."""
-        if self.num_replicas == 1:
-            return 0
-
-        def rank(r: int) -> tuple[bool, int, int, int]:
-            replica = self.replicas[r]
-            hits = replica.num_prefix_hit_pages(context) if context is not None else 0
-            return (replica.num_free_slots > 0, hits, -replica.num_requests, replica.pool.num_free)
-
-        return max(range(self.num_replicas), key=rank)
 
     @synchronized
     def get_req_blocks(self, request_id: RequestID) -> list[int]:

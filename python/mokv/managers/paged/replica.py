@@ -35,9 +35,10 @@ stands, and so does everything before it in the call).
 
 Tiers (`params.tiers`, `mokv.tiers`). A tier hit takes a fresh device page and becomes
 a pending load on its request, pinned in its tier from `apply` on; `fetch` runs the
-pending loads of its batch (`load_pending`) before the graph runs and then indexes the
-loaded pages, so later requests find them on the device. `commit` hands the pages it
-newly indexed to every tier (`store`). Releasing a request drops its pending loads.
+pending loads of its batch (`load_pending`, a mixin in tier_loads.py) before the graph
+runs and then indexes the loaded pages, so later requests find them on the device.
+`commit` hands the pages it newly indexed to every tier (`store`). Releasing a request
+drops its pending loads.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ from ...errors import (
     InvariantError,
     UnknownRequestError,
 )
-from ...events.publisher import EventRecorder
 from ...params import KVCacheParams
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
@@ -68,12 +68,13 @@ from .inputs import PageTable, ReplicaInputs, ceil_div
 from .plans import RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
+from .tier_loads import ReplicaTiers
 
 _page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
 _num_fresh = attrgetter("num_fresh")  # of a `Reservation`
 
 
-class PagedReplica(ReplicaCommits, ReplicaInputs):
+class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
     """The pages, buffers, requests and tiers of one replica (its devices split the KV
     heads)."""
 
@@ -376,60 +377,6 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
         if moved:
             self.undo.commit()
 
-    def load_pending(self, batch: list[TextGenerationContext]) -> None:
-        """Copies the tier hits of `batch`'s requests into their device pages (one batch
-        per tier and device), then indexes those pages on the device and unpins the
-        hits. All or nothing: the copies only write pages the requests own, so a failure
-        before the index changes leaves the loads pending, to run again."""
-        reqs = [self._requests[ctx.request_id] for ctx in batch]
-        pending = [load for req in reqs for load in req.loads]
-        if not pending:
-            return
-        loads = self.tiers.load(pending)
-        hashes = [ld.hit.page_hash for ld in loads]
-        datas = [ld.hit.token_bytes for ld in loads]
-        indexed = self.pool.commit_pages(
-            [ld.page for ld in loads],
-            hashes,
-            datas,
-            [ld.parent_hash for ld in loads],
-            [ld.keys for ld in loads],
-        )
-        # A page loaded while another request committed the same prefix on the device.
-        owner = {page: (req, idx) for req in reqs for idx, page in enumerate(req.pages)}
-        self._share_duplicates([owner[ld.page] for ld in loads], hashes, datas, indexed)
-        for req in reqs:
-            if req.loads:
-                self.undo.push(req.loads.extend, list(req.loads))  # onto the emptied list
-                req.loads.clear()
-        self.tiers.unpin(loads)
-
-    # --- the tiers, with the device pool ---------------------------------------------
-
-    def reset_metrics(self) -> None:
-        self.input_tokens = self.cache_tokens = self.pool.num_evicted_retained = 0
-        self.tiers.reset_metrics()
-        if self.sessions is not None:
-            self.sessions.reset_metrics()
-
-    def publish_to(self, events: EventRecorder) -> None:
-        """Reports the pool's and the tiers' changes to `events` (the replica's stream)."""
-        events.undo = self.undo
-        self.pool.events = events
-        self.tiers.publish_to(events)
-
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached prefix in the pool and the tiers (pending loads still
-        complete)."""
-        self.pool.reset_prefix_cache()
-        self.tiers.reset()
-        if self.sessions is not None:
-            self.sessions.clear()
-
-    def close(self) -> None:
-        """Closes the tiers (they send what they queued, a bounded wait)."""
-        self.tiers.close()
-
     def check_invariants(self) -> None:
         self.pool.check_invariants(req.pages for req in self._requests.values())
         for request_id, req in self._requests.items():
@@ -438,17 +385,3 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
         if self.sessions is not None:
             self.sessions.check_invariants(self._requests.values())
         self.check_loads()
-
-    def check_loads(self) -> None:
-        """InvariantError unless every pending load writes a page its request owns
-        without a hash, and each tier holds exactly the pending loads' hits pinned, each
-        still holding its tokens (`Tier.check_invariants`)."""
-        for request_id, req in self._requests.items():
-            for load in req.loads:
-                page = load.page
-                if page not in req.pages or self.pool.page_hash(page) is not None:
-                    raise InvariantError(
-                        f"request {request_id!r} loads into device page {page}, which it "
-                        "does not own or which is hashed"
-                    )
-        self.tiers.check_invariants([ld for req in self._requests.values() for ld in req.loads])
