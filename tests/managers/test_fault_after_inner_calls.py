@@ -13,6 +13,7 @@ import pytest
 import mokv
 from mokv import TextContext
 from mokv.cache.page_pool import PagePool
+from mokv.managers.paged.inputs import PageTable
 from mokv.managers.paged.replica import PagedReplica
 from mokv.tiers.host import HostTier
 
@@ -69,6 +70,23 @@ def test_no_page_leaks_after_take_returns(session, monkeypatch, call):
     assert m.num_free_blocks == NUM_PAGES and m.get_req_blocks("A") == []
     reserve()  # the retry succeeds
     assert len(m.get_req_blocks("A")) == 3
+    m.release("A")
+    all_back(m)
+
+
+@pytest.mark.parametrize("owner, name", [(PagePool, "take"), (PageTable, "set_row")])
+def test_a_decode_step_onto_a_new_page_gives_it_back(session, monkeypatch, owner, name):
+    m = manager(session)
+    a = TextContext(np.arange(8), "A")
+    served(m, a)  # two full pages, committed; the token after them needs a third
+    assert m.replicas[0].takes_fresh_only(a, m.replicas[0]._requests["A"])  # `grow`
+    before = m.get_req_blocks("A"), m.num_free_blocks
+    fault(monkeypatch, owner, name)
+    with pytest.raises(Injected):
+        m.maybe_reserve(a)
+    m.check_invariants()
+    assert (m.get_req_blocks("A"), m.num_free_blocks) == before
+    assert m.maybe_reserve(a) and len(m.get_req_blocks("A")) == 3  # the retry succeeds
     m.release("A")
     all_back(m)
 

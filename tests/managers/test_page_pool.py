@@ -3,6 +3,7 @@
 import pytest
 
 from mokv import InvariantError
+from mokv.cache import page_pool_readings
 from mokv.cache.page_pool import PagePool
 from mokv.undo import UndoLog
 
@@ -131,16 +132,53 @@ def test_undone_changes_count_what_they_free_and_unindex():
     assert pool.num_unindexed > unindexed and pool.lookup(2, b"b") is None
 
 
-def test_still_indexed_holds_while_pages_keep_their_hash_and_tokens():
+def test_num_still_indexed_counts_the_leading_pages_that_keep_their_hash_and_tokens():
     pool = PagePool(3)
     a, b, c = pool.allocate(3)
     pool.commit_pages([a, b], [1, 2], [b"a", b"b"])
     tokens = [pool.page_tokens(a), pool.page_tokens(b)]
-    assert pool.still_indexed([a, b], [1, 2], tokens)
-    assert pool.still_indexed([a, b], [1, 2], [b"a", b"b"])  # equal bytes, other objects
-    assert not pool.still_indexed([a, b], [1, 3], tokens)
-    assert not pool.still_indexed([a, b], [1, 2], [b"a", b"x"])
+    assert pool.num_still_indexed([a, b], [1, 2], tokens) == 2
+    assert pool.num_still_indexed([a, b], [1, 2], [b"a", b"b"]) == 2  # equal bytes, other objects
+    assert pool.num_still_indexed([a, b], [1, 3], tokens) == 1
+    assert pool.num_still_indexed([a, b], [1, 2], [b"a", b"x"]) == 1
+    assert pool.num_still_indexed([a, b], [5, 2], tokens) == 0
     pool.release([b, c])
     pool.allocate(2)  # c, then b evicted
-    assert not pool.still_indexed([a, b], [1, 2], tokens)
-    assert pool.still_indexed([a], [1], tokens[:1])
+    assert pool.num_still_indexed([a, b], [1, 2], tokens) == 1
+    assert pool.num_still_indexed([b, a], [2, 1], tokens[::-1]) == 0
+    assert pool.num_still_indexed([a], [1], tokens[:1]) == 1
+
+def test_unindexed_since_names_every_entry_removed_until_the_log_or_a_reset_loses_them(
+    monkeypatch,
+):
+    monkeypatch.setattr(page_pool_readings, "UNINDEXED_LOG", 4)
+    pool = PagePool(4)
+    pool.undo = UndoLog()
+    pages = pool.allocate(4)
+    pool.commit_pages(pages, [1, 2, 3, 4], [b"a", b"b", b"c", b"d"])
+    pool.release(pages)  # cached, oldest first: 1, 2, 3, 4
+    start = pool.num_unindexed
+    assert pool.unindexed_since(start) == []
+    pool.allocate(2)  # evicts 1 and 2
+    assert pool.unindexed_since(start) == [1, 2]
+    mark = pool.undo.begin()
+    pool.allocate(1)  # evicts 3
+    assert pool.unindexed_since(start) == [1, 2, 3]
+    pool.undo.rollback(mark)  # 3 is indexed again; its removal stays counted and logged
+    pool.undo.end()
+    assert pool.lookup(3, b"c") is not None and pool.unindexed_since(start) == [1, 2, 3]
+    owned = pool.allocate(2)  # evicts 3 and 4: the log keeps the last 2 once past 4
+    assert pool.unindexed_since(start) is None
+    assert pool.unindexed_since(pool.num_unindexed - 2) == [3, 4]
+    pool.commit_pages(owned, [5, 6], [b"e", b"f"])
+    reading = pool.num_unindexed
+    pool.undo.begin()
+    pool.commit_pages([p for p in pages if p not in owned][:1], [7], [b"g"])
+    pool.undo.rollback()  # an undone commit removes its entry: logged
+    pool.undo.end()
+    assert pool.unindexed_since(reading) == [7]
+    pool.release(owned)
+    reading = pool.num_unindexed
+    pool.reset_prefix_cache()
+    assert pool.unindexed_since(reading) is None
+    assert pool.unindexed_since(pool.num_unindexed) == []

@@ -56,7 +56,8 @@ entries removed (evictions, resets); both only grow. Between two readings with b
 unchanged, `room(hits)` cannot have grown, and a lookup that found a page still finds it
 (the prefix memo, `mokv.managers.paged.chain_memo`, relies on this): every change that
 frees a page or removes an index entry must count it, undoing included (an undone
-`take` frees its pages, an undone `commit_pages` removes its entries).
+`take` frees its pages, an undone `commit_pages` removes its entries). The hashes of the
+last entries removed are logged too (`page_pool_readings.py`).
 
 Everything here is plain integers in flat lists, so that the pool can move to Mojo
 without changing its shape.
@@ -66,17 +67,21 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import islice
+from itertools import compress, islice
+from operator import not_
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import InvariantError
 from ..undo import UndoLog
 from .page_pool_checks import PagePoolChecks
+from .page_pool_readings import PagePoolReadings
 from .page_pool_undo import PagePoolUndo
 from .retention import Retention
 
 if TYPE_CHECKING:
     from .extra_keys import EventKeys
+
+_NO_PAGES: frozenset[int] = frozenset()
 
 
 class PageEventSink(Protocol):
@@ -91,9 +96,10 @@ class PageEventSink(Protocol):
     def cleared(self) -> None: ...
 
 
-class PagePool(PagePoolUndo, PagePoolChecks):
+class PagePool(PagePoolReadings, PagePoolUndo, PagePoolChecks):
     """Reference-counted pages with an LRU of reusable cached pages (its undo records:
-    `page_pool_undo.py`; its invariants' check: `page_pool_checks.py`)."""
+    `page_pool_undo.py`; its invariants' check: `page_pool_checks.py`; what a memo of
+    its answers reads: `page_pool_readings.py`)."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 1:
@@ -115,6 +121,7 @@ class PagePool(PagePoolUndo, PagePoolChecks):
         self.undo: UndoLog | None = None
         self.num_freed = 0
         self.num_unindexed = 0
+        self._unindexed: list[int] = []  # the last removed entries' hashes, oldest first
 
     # --- queries (change nothing) ---------------------------------------------------
 
@@ -155,33 +162,6 @@ class PagePool(PagePoolUndo, PagePoolChecks):
             return None
         return page_id
 
-    def lookup_run(self, pages: Iterable[tuple[int, bytes]]) -> list[tuple[int, int]]:
-        """`(page id, hash)` of the leading `(hash, token bytes)` of `pages` that `lookup`
-        finds, up to the first it does not (`lookup`, inlined: one call per prompt)."""
-        index, page_tokens, run = self._index, self._page_tokens, []
-        for page_hash, token_bytes in pages:
-            page_id = index.get(page_hash)
-            if page_id is None or page_tokens[page_id] != token_bytes:
-                break
-            run.append((page_id, page_hash))
-        return run
-
-    def pages_tokens(self, page_ids: Iterable[int]) -> list[bytes | None]:
-        """`page_tokens` of each page."""
-        return list(map(self._page_tokens.__getitem__, page_ids))
-
-    def still_indexed(
-        self, page_ids: Sequence[int], page_hashes: list[int], token_bytes: list[bytes | None]
-    ) -> bool:
-        """Whether each page still carries its hash and exactly its token bytes, so that
-        `lookup` of that hash and bytes finds it (invariant 4). One C-level pass per
-        column, cheaper than the lookups it stands for; `token_bytes` as `page_tokens`
-        gave them (equal objects compare at once)."""
-        return (
-            list(map(self._page_hash.__getitem__, page_ids)) == page_hashes
-            and list(map(self._page_tokens.__getitem__, page_ids)) == token_bytes
-        )
-
     def indexed_hashes(self) -> set[int]:
         """Every hash a lookup can find now (what an event subscriber rebuilds)."""
         return set(self._index)
@@ -221,8 +201,8 @@ class PagePool(PagePoolUndo, PagePoolChecks):
     def _revived(self, hits: Sequence[int]) -> set[int]:
         """The pages of `hits` without an owner (they leave the LRU when taken);
         InvariantError unless every one of them is cached."""
-        ref_count = self._ref_count
-        revived = {p for p in hits if not ref_count[p]}
+        # C-level passes: a prompt's run of hits is read at every retry of its admission.
+        revived = set(compress(hits, map(not_, map(self._ref_count.__getitem__, hits))))
         # A dict view's `>=` tests membership of each revived page in C.
         if revived and not self._cached.keys() >= revived:
             if not self._cached.keys() | self._kept.keys() >= revived:
@@ -238,35 +218,31 @@ class PagePool(PagePoolUndo, PagePoolChecks):
         The hits are taken first, so the fresh pages never evict them. Returns the fresh
         pages, or None (and no change) if they do not fit.
         """
-        revived = self._revived(hits) if hits else set()
-        if num_new > self.num_free - len(revived):
+        free, cached = self._free, self._cached
+        revived = self._revived(hits) if hits else _NO_PAGES
+        if num_new > len(free) + len(cached) + len(self._kept) - len(revived):
             return None
-        from_free = min(num_new, len(self._free))
+        from_free = min(num_new, len(free))
         need = num_new - from_free
-        evicted = list(islice((p for p in self._cached if p not in revived), need)) if need else []
+        evicted = list(islice((p for p in cached if p not in revived), need)) if need else []
         num_unretained = len(evicted)
         if need > num_unretained:  # the cached pages ran out: sessions lose kept pages
             evicted += islice((p for p in self._kept if p not in revived), need - num_unretained)
         # Everything is decided: apply it.
         for page_id in revived:
-            if self._cached.pop(page_id, self) is self:
+            if cached.pop(page_id, self) is self:
                 del self._kept[page_id]
         ref_count = self._ref_count
         for page_id in hits:
             ref_count[page_id] += 1
-        evicted_hashes = [self._page_hash[page_id] for page_id in evicted]
-        evicted_tokens = [self._page_tokens[page_id] for page_id in evicted]
-        for i, (page_id, page_hash) in enumerate(zip(evicted, evicted_hashes)):
-            del (self._cached if i < num_unretained else self._kept)[page_id]
-            del self._index[page_hash]  # type: ignore[arg-type]
-            self._page_hash[page_id] = None
-            self._page_tokens[page_id] = None
-        self.num_evicted_retained += len(evicted) - num_unretained
-        pages = self._free[len(self._free) - from_free :][::-1] + evicted
-        del self._free[len(self._free) - from_free :]
+        evicted_hashes = list(map(self._page_hash.__getitem__, evicted))
+        evicted_tokens = list(map(self._page_tokens.__getitem__, evicted))
+        if evicted:
+            self._evict(evicted, evicted_hashes, num_unretained)
+        pages = free[len(free) - from_free :][::-1] + evicted
+        del free[len(free) - from_free :]
         for page_id in pages:
             ref_count[page_id] = 1
-        self.num_unindexed += len(evicted)
         if self.undo is not None:
             self.undo.push(
                 self._untake,
@@ -282,6 +258,18 @@ class PagePool(PagePoolUndo, PagePoolChecks):
             for page_hash in evicted_hashes:
                 self.events.removed(page_hash)  # type: ignore[arg-type]
         return pages
+
+    def _evict(self, evicted: list[int], hashes: list[int | None], num_unretained: int) -> None:
+        """Takes `evicted` (unowned, hashed: first `num_unretained` cached pages, then kept
+        ones) out of their LRU and the index (`take`'s, once it has decided)."""
+        index, page_hash, page_tokens = self._index, self._page_hash, self._page_tokens
+        for i, (page_id, old_hash) in enumerate(zip(evicted, hashes)):
+            del (self._cached if i < num_unretained else self._kept)[page_id]
+            del index[old_hash]  # type: ignore[arg-type]
+            page_hash[page_id] = None
+            page_tokens[page_id] = None
+        self.num_evicted_retained += len(evicted) - num_unretained
+        self._count_unindexed(hashes)  # type: ignore[arg-type]
 
     def release(self, page_ids: Iterable[int]) -> None:
         """Drops one owner from each page; pages left without owners become reusable.
@@ -400,6 +388,7 @@ class PagePool(PagePoolUndo, PagePoolChecks):
             self._page_hash[page_id] = None
             self._page_tokens[page_id] = None
         self.num_unindexed += len(self._index)
+        self._unindexed.clear()  # too many to log: `unindexed_since` answers None
         self._index.clear()
         self._free.extend(self._cached)
         self._free.extend(self._kept)

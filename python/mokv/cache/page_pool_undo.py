@@ -9,6 +9,8 @@ necessarily to their old places, which the pool's contract allows (`page_pool.py
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .retention import Retention
 
 
@@ -25,6 +27,7 @@ class PagePoolUndo:
     _free: list[int]
     _index: dict[int, int]
     _retention: Retention
+    _count_unindexed: Callable[[list[int]], None]
 
     def _untake(
         self,
@@ -68,9 +71,10 @@ class PagePoolUndo:
             self._ref_count[page_id] = ref + 1
 
     def _uncommit(self, page_ids: list[int]) -> None:
-        self.num_unindexed += len(page_ids)
-        for page_id in page_ids:
-            del self._index[self._page_hash[page_id]]  # type: ignore[arg-type]
+        page_hashes = [self._page_hash[page_id] for page_id in page_ids]
+        self._count_unindexed(page_hashes)  # type: ignore[arg-type]
+        for page_id, page_hash in zip(page_ids, page_hashes):
+            del self._index[page_hash]  # type: ignore[arg-type]
             self._page_hash[page_id] = self._page_tokens[page_id] = None
 
     def _unreset(

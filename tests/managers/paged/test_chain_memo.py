@@ -173,6 +173,51 @@ def test_hits_are_reused_only_while_every_page_still_holds():
     assert chains.device_hits(ctx, RequestState(4), False)[0] == []
 
 
+def test_hits_cut_by_evictions_are_not_looked_up_again(monkeypatch):
+    chains = make_chains(num_pages=8)
+    tokens = np.arange(18)  # 4 pages that can match
+    ctx = TextContext(tokens, request_id="a")
+    pool = chains.pool
+    page_ids = commit(chains, tokens, 4)
+    pool.release(reversed(page_ids))  # cached; evicted last page first
+    hits, _ = chains.device_hits(ctx, RequestState(0), False)
+    assert len(hits) == 4
+    lookups = []
+    monkeypatch.setattr(pool, "lookup_run", lambda pages: lookups.append(pages))
+    for n in (3, 2):  # each allocation evicts the oldest cached page: the run's last
+        pool.allocate(pool.num_free - n)
+        cut, _ = chains.device_hits(ctx, RequestState(0), False)
+        assert cut == hits[:n] and lookups == []
+        assert chains.room("a", cut, 9) == pool.room([p for p, _ in cut]) == pool.num_free - n
+    fresh = make_chains(num_pages=8)
+    fresh.pool = pool
+    monkeypatch.undo()
+    assert fresh.device_hits(ctx, RequestState(0), False)[0] == cut
+
+
+def test_memo_hits_compare_only_the_pages_that_decide_the_run(monkeypatch):
+    chains = make_chains(num_pages=8)
+    tokens = np.arange(22)  # 5 pages that can match; the first 2 committed
+    ctx = TextContext(tokens, request_id="a")
+    pool = chains.pool
+    commit(chains, tokens, 2)
+    hits, _ = chains.device_hits(ctx, RequestState(0), False)
+    assert len(hits) == 2
+    lookups = []
+    real_lookup_run = pool.lookup_run
+    monkeypatch.setattr(pool, "lookup_run", lambda pages: lookups.append(1) or real_lookup_run(pages))
+    ctx.tokens[13] = 99  # page 3, after the page that misses (2): decides nothing
+    assert chains.device_hits(ctx, RequestState(0), False)[0] is hits and lookups == []
+    ctx.tokens[9] = 99  # page 2, the first miss: compared, and the run is looked up
+    again, _ = chains.device_hits(ctx, RequestState(0), False)
+    assert again == hits and lookups == [1]
+    ctx.tokens[1] = 99  # page 0, a hit: no longer a hit
+    assert chains.device_hits(ctx, RequestState(0), False)[0] == [] and lookups == [1, 1]
+    fresh = make_chains(num_pages=8)
+    fresh.pool = pool
+    assert fresh.device_hits(ctx, RequestState(0), False)[0] == []
+
+
 def test_room_is_read_again_once_a_page_is_freed():
     chains = make_chains(num_pages=7)
     tokens = np.arange(14)

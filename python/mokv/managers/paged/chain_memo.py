@@ -18,8 +18,10 @@ What the index answered. Beside its chain an entry keeps the device hits last fo
 a range of it (`Hits`) and the room the pool had with them taken (`Room`):
 - a page found then is found again while it carries the same hash and tokens (with no
   index entry removed since, `PagePool.num_unindexed`, every one does); an index entry
-  is only ever added for a hash the index lacks, so the hits are the same if, besides,
-  the first page that missed still misses (one lookup, `PrefixChains.device_hits`);
+  is only ever added for a hash the index lacks, so the hits are the first `n` found
+  then, the `n` that still hold, if besides page `n` misses now (one lookup,
+  `PrefixChains.device_hits`): a waiting prompt's cached pages are evicted one by one
+  while it waits, and its run of hits is cut, never looked up again;
 - with the same hits and no page freed since (`PagePool.num_freed`), the room with
   those hits taken cannot have grown, so a reservation that did not fit then still
   does not (`PrefixChains.room`).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
@@ -48,9 +51,10 @@ Page = tuple[int, bytes]
 class Hits:
     """The device hits found for pages `[first, end)` of a chain: `hits`, the `(page id,
     hash)` of the run, which stopped at page `first + len(hits)` (a miss, when that is
-    before `end`), and the same as two columns (`page_ids`, `hashes`: what `still_hold`
-    compares); `tokens`, the hit pages' token bytes as the pool holds them; and the
-    pool's `num_unindexed` when they were last known to hold."""
+    before `end`), and the same as two columns (`page_ids`, `hashes`: what
+    `num_holding` compares); `tokens`, the hit pages' token bytes as the pool holds
+    them; and the pool's `num_unindexed` when they were last known to hold.
+    `positions` maps each hash to its place in the run, once an eviction needed it."""
 
     first: int
     end: int
@@ -59,16 +63,44 @@ class Hits:
     hashes: list[int]
     tokens: list[bytes | None]
     unindexed: int
+    positions: dict[int, int] | None = None
 
-    def still_hold(self, pool: PagePool) -> bool:
-        """Whether every hit is still indexed as found (no index entry removed since, or
-        each page still carries its hash and tokens); remembers the answer's reading."""
+    def num_holding(self, pool: PagePool) -> int:
+        """How many leading hits are still indexed as found (all of them while no index
+        entry was removed since); remembers the reading when all are.
+
+        A page loses its hash (and its tokens) only when its index entry is removed, so
+        the hits that hold are the ones before the first whose hash the pool unindexed
+        since (`PagePool.unindexed_since`: a few per step, where reading every hit
+        costs a pass over a long prompt's run); or, when the pool no longer knows
+        those hashes, the ones that still carry their hash and tokens."""
+        n = len(self.hits)
         if self.unindexed == pool.num_unindexed:
-            return True
-        if not pool.still_indexed(self.page_ids, self.hashes, self.tokens):
-            return False
-        self.unindexed = pool.num_unindexed
-        return True
+            return n
+        removed = pool.unindexed_since(self.unindexed)
+        if removed is None:
+            n = pool.num_still_indexed(self.page_ids, self.hashes, self.tokens)
+        elif removed:
+            if self.positions is None:
+                # the first place of each hash (a chain may repeat one, however unlikely)
+                self.positions = dict(zip(reversed(self.hashes), range(n - 1, -1, -1)))
+            n = min(n, *map(self.positions.get, removed, repeat(n)))
+        if n == len(self.hits):
+            self.unindexed = pool.num_unindexed
+        return n
+
+    def truncated(self, n: int, pool: PagePool) -> Hits:
+        """These hits cut to the first `n` (which still hold), read at `pool`'s counter."""
+        return Hits(
+            self.first,
+            self.end,
+            self.hits[:n],
+            self.page_ids[:n],
+            self.hashes[:n],
+            self.tokens[:n],
+            pool.num_unindexed,
+            self.positions,  # places past `n` are never read: `num_holding` takes the least
+        )
 
 
 @dataclass(slots=True)
@@ -106,7 +138,10 @@ class ChainEntry:
             return 0
         stride = page_size * 8
         want = np.ascontiguousarray(tokens[first * page_size : n * page_size], dtype="<i8")
-        return n - first if self.data.startswith(want.tobytes(), first * stride) else 0
+        # Compared through the array's buffer: a copy of a long prompt's bytes cost as
+        # much as the comparison.
+        view = memoryview(want)  # type: ignore[arg-type]  # numpy's stubs lack the buffer protocol
+        return n - first if self.data.startswith(view, first * stride) else 0
 
 
 class ChainMemo:

@@ -6,7 +6,7 @@ all-or-nothing pool call. When two requests computed the same page at once, the 
 indexes the first copy only, and the second request is moved onto it and its own copy
 freed (`_share_duplicates`, as MAX's block manager does), so a duplicate never holds
 a page until its request ends. Loaded tier pages go through the same sharing
-(`PagedReplica.load_pending`).
+(`ReplicaTiers.load_pending`, tier_loads.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class ReplicaCommits:
     tiers: TierStack
     undo: UndoLog
     _prefix_caching: bool
+    _tiered: bool
     _page_table: PageTable
     _requests: dict[RequestID, RequestState]
     _request: Callable[[RequestID], RequestState]  # UnknownRequestError for an unknown id
@@ -41,6 +42,8 @@ class ReplicaCommits:
         """The pages of `batch` that became full since their last step, with their hashes
         (pure; StaleContextError for a context whose cache does not fit its pages)."""
         ps, plans, requests, caching = self.page_size, [], self._requests, self._prefix_caching
+        # What events and tiers say of each page; nothing reads it without either.
+        keyed = self.pool.events is not None or self._tiered
         owners: list[tuple[RequestState, int]] = []
         page_ids, hashes, datas, parents, keys = [], [], [], [], []
         for ctx in batch:
@@ -55,7 +58,7 @@ class ReplicaCommits:
             if num_full <= first or not caching:
                 continue
             parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
-            request = request_keys(ctx)
+            request = request_keys(ctx) if keyed else None
             chain, _ = self.chains.pages(ctx, req, num_full)
             new_hashes = []
             for page_idx, (page_hash, data) in enumerate(chain, start=first):
@@ -80,11 +83,12 @@ class ReplicaCommits:
             indexed = self.pool.commit_pages(
                 plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.keys
             )
-            self._share_duplicates(plan.owners, plan.hashes, plan.datas, indexed)
+            if not all(indexed):  # some request computed a page another committed first
+                self._share_duplicates(plan.owners, plan.hashes, plan.datas, indexed)
         for req, new_hashes in plan.requests:
             self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
             req.hashes.extend(new_hashes)
-        if not self.tiers:
+        if not self._tiered:
             return
         new = [i for i, ok in enumerate(indexed) if ok]
         self.tiers.store(

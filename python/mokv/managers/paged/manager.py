@@ -15,13 +15,15 @@ request of a batch is checked and planned before any replica changes, and every 
 that changes something runs under the manager's undo log (`mokv.undo`), shared by the
 replicas, their pools and tiers and the event recorders: a call that raises, from
 anywhere inside, is rolled back (docs/reliability.md says what stands). Memory sizing is
-`sizing.py`; the graph inputs are built by `inputs.py`. The tiers below the device pages
-(`params.tiers`: host memory, a shared Redis store) are `mokv.tiers`.
+`sizing.py`, the choice of a replica `routing.py`; the graph inputs are built by
+`inputs.py`. The tiers below the device pages (`params.tiers`: host memory, a shared
+Redis store) are `mokv.tiers`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
@@ -34,7 +36,6 @@ from ...errors import (
     InsufficientMemoryError,
     InsufficientPagesError,
     InvalidReplicaError,
-    UnknownRequestError,
 )
 from ...events.config import KVEventsConfig
 from ...events.publisher import open_publishers
@@ -55,11 +56,17 @@ from ..increment import CacheLengthIncrementer
 from .inputs import ceil_div
 from .metrics import PagedMetrics
 from .multistep import PagedMultistep
+from .plans import RequestState
 from .replica import PagedReplica, Reservation
+from .routing import PagedRouting
 from .sizing import PagedSizing, pages_per_replica
 
+_request_id = attrgetter("request_id")  # of a context
 
-class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerAPI, ManagerFields):
+
+class PagedKVCacheManager(
+    PagedRouting, PagedMetrics, PagedSizing, PagedMultistep, MaxManagerAPI, ManagerFields
+):
     """Paged KV cache manager with data and tensor parallelism support.
 
     Args:
@@ -156,32 +163,13 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
 
     # --- requests -------------------------------------------------------------------
 
-    @property
-    def num_replicas(self) -> int:
-        return len(self.replicas)
-
-    def _replica(self, request_id: RequestID) -> PagedReplica:
-        return self.replicas[self._replica_index(request_id)]
-
-    def _replica_index(self, request_id: RequestID) -> int:
-        try:
-            return self._replica_of[request_id]  # only str ids are ever stored
-        except (KeyError, TypeError):
-            check_request_id(request_id)
-            raise UnknownRequestError(request_id) from None
-
-    @synchronized
-    def contains(self, request_id: RequestID) -> bool:
-        check_request_id(request_id)
-        return request_id in self._replica_of
-
     @atomic
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
         """Binds `request_id` to a replica: by default the one `_recommend` picks with no
         prefix to match (MAX 25.7 raises ValueError instead when there are several)."""
         check_request_id(request_id)
         if replica_idx is None:
-            replica_idx = self._recommend(None)
+            replica_idx = self._recommend(None) if len(self.replicas) > 1 else 0
         if replica_idx.__class__ is not int or not 0 <= replica_idx < len(self.replicas):
             raise InvalidReplicaError(
                 f"replica_idx={replica_idx!r} is out of range for {self.num_replicas} replica(s)"
@@ -219,33 +207,6 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
         return ended
 
     @synchronized
-    def get_replica(self, context: TextGenerationContext) -> int:
-        return self._replica_index(context.request_id)
-
-    @synchronized
-    def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
-        """The request's replica if claimed; else the one `_recommend` picks for it."""
-        if context.request_id in self._replica_of:
-            return self._replica_of[context.request_id]
-        return self._recommend(context)
-
-    def _recommend(self, context: TextGenerationContext | None) -> int:
-        """The replica for a new request: one with a free request slot while any has one
-        (a full one would refuse the claim); among those the one holding the longest
-        cached prefix of `context`'s tokens (mokv's addition: MAX 25.7 ignores prefixes
-        here), then MAX's rule, the fewest requests, then the most free pages; the
-        lowest index on a tie."""
-        if self.num_replicas == 1:
-            return 0
-
-        def rank(r: int) -> tuple[bool, int, int, int]:
-            replica = self.replicas[r]
-            hits = replica.num_prefix_hit_pages(context) if context is not None else 0
-            return (replica.num_free_slots > 0, hits, -replica.num_requests, replica.pool.num_free)
-
-        return max(range(self.num_replicas), key=rank)
-
-    @synchronized
     def get_req_blocks(self, request_id: RequestID) -> list[int]:
         """Page ids the request holds, in token order."""
         return self._replica(request_id).pages_of(request_id)
@@ -276,9 +237,13 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
             req, ps = replica._requests[request_id], replica.page_size
             start, held = data.start_idx, len(req.pages) * ps
             needed = data.active_idx + num_steps - 1
-            if len(req.hashes) * ps <= start <= held and needed <= held:
-                if needed <= replica.max_seq_len:
+            if len(req.hashes) * ps <= start <= held and needed <= replica.max_seq_len:
+                if needed <= held:
                     return True
+                # A decode step onto a fresh page (or a prompt's next chunk without a
+                # prefix to match): fresh pages only, without a plan (`grow`).
+                if req.pages and replica.takes_fresh_only(data, req):
+                    return self._undo.run(self._grow, replica, req, needed)
             plan = replica.plan(data, num_steps)
             if plan is None:
                 return True
@@ -292,6 +257,12 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
     def _apply(self, replica: PagedReplica, plans: list[Reservation]) -> None:
         replica.apply(plans)
         self._after_change()
+
+    def _grow(self, replica: PagedReplica, req: RequestState, needed: int) -> bool:
+        grown = replica.grow(req, ceil_div(needed, replica.page_size) - len(req.pages))
+        if grown:
+            self._after_change()
+        return grown
 
     @atomic
     def fetch(
@@ -328,7 +299,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
             plan = self.replicas[r].plan(ctx, num_steps)
             if plan is not None:
                 plans[r].append(plan)
-        if len({ctx.request_id for ctx in batch}) != len(batch):
+        if len(set(map(_request_id, batch))) != len(batch):
             check_distinct(batch)
         for r, (replica, replica_plans) in enumerate(zip(self.replicas, plans)):
             if replica_plans and not replica.fits(replica_plans):
@@ -374,7 +345,7 @@ class PagedKVCacheManager(PagedMetrics, PagedSizing, PagedMultistep, MaxManagerA
             groups = [[] for _ in self.replicas]
             for ctx in batch:
                 groups[self._replica_index(ctx.request_id)].append(ctx)
-        if len({ctx.request_id for ctx in batch}) != len(batch):
+        if len(set(map(_request_id, batch))) != len(batch):
             check_distinct(batch)
         plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]
         for replica, plan in zip(self.replicas, plans):

@@ -17,6 +17,8 @@ until it fits, and the commits of its pages after it does, hash it once.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, page_keys
 from ...cache.hashing import PageHashFn, iter_page_hashes
 from ...cache.page_pool import PagePool
@@ -106,7 +108,9 @@ class PrefixChains:
             pages[:0] = entry.pages[first : first + held]  # type: ignore[union-attr]
         if first:
             return pages, None
-        entry = ChainEntry(inputs, parent, b"".join([data for _, data in pages]), pages)
+        # The pages' bytes joined are the tokens' bytes (a copy, not a join of slices).
+        data = np.ascontiguousarray(tokens[: end_page * ps], dtype="<i8").tobytes()
+        entry = ChainEntry(inputs, parent, data, pages)
         self.memo.put(ctx.request_id, entry)
         return pages, entry
 
@@ -118,27 +122,29 @@ class PrefixChains:
         lacks (None when nothing is left to look for). Pure but for the memo; the hits
         list may be the memo's: read it, never change it.
 
-        The hits last found for the same pages are reused, without looking them up, when
-        the pool removed no index entry since and the page that missed still misses."""
-        hits: list[tuple[int, int]] = []
+        The hits last found for the same pages are reused, without looking them up, up
+        to the first that no longer holds, when the page after them misses
+        (`chain_memo`); without a tail, only the tokens of those pages are compared
+        with the memo's (`_memo_hits`)."""
         if not self.can_match(ctx, req):
-            return hits, None
+            return [], None
         first, end = len(req.hashes), (ctx.end_idx - 1) // self.page_size
         if first and end <= first:
             # A decode step onto a fresh page: no page to look for. (Its tokens were
             # checked when its committed pages were hashed.)
-            return hits, None
+            return [], None
+        if not want_tail:
+            found = self._memo_hits(ctx, req, first, end)
+            if found is not None:
+                return found, None
         pages, entry = self.pages(ctx, req, end)
         pool = self.pool
         known = entry.hits if entry is not None else None
-        if (
-            known is not None
-            and (known.first, known.end) == (first, end)
-            and known.still_hold(pool)
-            and (len(known.hits) == len(pages) or pool.lookup(*pages[len(known.hits)]) is None)
-        ):
-            hits = known.hits
-        else:
+        hits: list[tuple[int, int]] | None = None
+        if entry is not None and known is not None and (known.first, known.end) == (first, end):
+            held = known.num_holding(pool)
+            hits = self._cut(entry, known, held, pages[held] if held < len(pages) else None)
+        if hits is None:
             hits = pool.lookup_run(pages)
             if entry is not None:
                 page_ids, hashes = [p for p, _ in hits], [h for _, h in hits]
@@ -148,6 +154,45 @@ class PrefixChains:
         if n == len(pages) or not want_tail:
             return hits, None
         return hits, ChainTail(pages[n], iter(pages[n + 1 :]))
+
+    def _memo_hits(
+        self, ctx: TextGenerationContext, req: RequestState, first: int, end: int
+    ) -> list[tuple[int, int]] | None:
+        """The device hits over pages `[first, end)` from the memo's, when it has them for
+        these pages (None: look them up). Only the pages that decide the run are compared
+        with the memo's tokens: the hits that still hold and the page after them. A prompt
+        retried at every step while it waits compares its few hits, not all its tokens.
+
+        Later pages decide nothing: the run stops at the first miss. Whatever they hold,
+        `pages` + `lookup_run` would find the same run (their bytes are compared in full
+        when they are committed: `pages`)."""
+        tokens = integer_tokens(ctx)
+        entry = self.memo.get(ctx.request_id)
+        known = entry.hits if entry is not None else None
+        if entry is None or known is None or (known.first, known.end) != (first, end):
+            return None
+        held = known.num_holding(self.pool)
+        decided = min(first + held + 1, end)
+        inputs = hash_inputs(ctx)
+        parent = self.parent(req, inputs)
+        ps = self.page_size
+        if entry.matching_pages(inputs, parent, tokens, ps, first, decided) != decided - first:
+            return None
+        return self._cut(
+            entry, known, held, entry.pages[decided - 1] if held < end - first else None
+        )
+
+    def _cut(
+        self, entry: ChainEntry, known: Hits, held: int, next_page: Page | None
+    ) -> list[tuple[int, int]] | None:
+        """The memo's hits cut to the `held` that still hold, when `next_page` (the page
+        after them, None at the chain's end) misses; else None (the index gained it: look
+        the run up)."""
+        if next_page is not None and self.pool.lookup(*next_page) is not None:
+            return None
+        if held < len(known.hits):  # hits evicted since: the run stops at the first now
+            entry.hits = known = known.truncated(held, self.pool)
+        return known.hits
 
     def room(self, request_id: RequestID, hits: list[tuple[int, int]], need: int) -> int:
         """`pool.room` of the hits' pages, or a bound of it below `need` (the fresh pages
@@ -163,7 +208,9 @@ class PrefixChains:
         if known is not None and known.hits is hits and known.freed == pool.num_freed:
             if need > known.room:
                 return known.room
-        room = pool.room([page_id for page_id, _ in hits])
-        if entry is not None and entry.hits is not None and entry.hits.hits is hits:
-            entry.room = Room(hits, pool.num_freed, room)
-        return room
+        memo_hits = entry.hits if entry is not None else None
+        if memo_hits is not None and memo_hits.hits is hits:
+            room = pool.room(memo_hits.page_ids)
+            entry.room = Room(hits, pool.num_freed, room)  # type: ignore[union-attr]
+            return room
+        return pool.room([page_id for page_id, _ in hits])

@@ -35,15 +35,16 @@ stands, and so does everything before it in the call).
 
 Tiers (`params.tiers`, `mokv.tiers`). A tier hit takes a fresh device page and becomes
 a pending load on its request, pinned in its tier from `apply` on; `fetch` runs the
-pending loads of its batch (`load_pending`) before the graph runs and then indexes the
-loaded pages, so later requests find them on the device. `commit` hands the pages it
-newly indexed to every tier (`store`). Releasing a request drops its pending loads.
+pending loads of its batch (`load_pending`, a mixin in tier_loads.py) before the graph
+runs and then indexes the loaded pages, so later requests find them on the device.
+`commit` hands the pages it newly indexed to every tier (`store`). Releasing a request
+drops its pending loads.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 from max.driver import Device
 
@@ -58,7 +59,6 @@ from ...errors import (
     InvariantError,
     UnknownRequestError,
 )
-from ...events.publisher import EventRecorder
 from ...params import KVCacheParams
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
@@ -68,11 +68,13 @@ from .inputs import PageTable, ReplicaInputs, ceil_div
 from .plans import RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
+from .tier_loads import ReplicaTiers
 
 _page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
+_num_fresh = attrgetter("num_fresh")  # of a `Reservation`
 
 
-class PagedReplica(ReplicaCommits, ReplicaInputs):
+class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
     """The pages, buffers, requests and tiers of one replica (its devices split the KV
     heads)."""
 
@@ -114,6 +116,7 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
         self.input_tokens = 0
         self.cache_tokens = 0
         self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)
+        self._tiered = bool(self.tiers)  # read on every reservation
         self.sessions = (
             SessionTable(params.sessions, self.pool, self.tiers, undo) if params.sessions else None
         )
@@ -219,7 +222,7 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
         needed = ctx.active_idx + num_steps - 1
         if needed <= held and needed <= self.max_seq_len:
             return None
-        hits, tail = self.chains.device_hits(ctx, req, want_tail=bool(self.tiers))
+        hits, tail = self.chains.device_hits(ctx, req, want_tail=self._tiered)
         plan = self._reservation(ctx, req, num_steps, hits, [])
         plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)
         if tail is None:
@@ -246,6 +249,36 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
             plan = self._reservation(ctx, req, num_steps, hits, loads)
             plan.room = room
         return plan
+
+    def takes_fresh_only(self, ctx: TextGenerationContext, req: RequestState) -> bool:
+        """Whether reserving `ctx` can take fresh pages only, and no prefix: none may
+        extend it (`PrefixChains.can_match`), or it has no page left to look for (a decode
+        step onto a new page). Then `grow` does what `plan` and `apply` would."""
+        last_page = (ctx.end_idx - 1) // self.page_size  # the last one a prefix may reach
+        return not self.chains.can_match(ctx, req) or last_page <= len(req.hashes)
+
+    def grow(self, req: RequestState, num_pages: int) -> bool:
+        """Takes `num_pages` fresh pages for a request that holds pages already and can
+        match no prefix now (`takes_fresh_only`): `apply` of a reservation without hits
+        or loads, unplanned. False, changing nothing, when they do not fit.
+
+        The step that fills a page of every decoding request takes one such page each;
+        planning it (a `Reservation`, its room, a batch of one) cost as much as taking it.
+        """
+        if num_pages > self.pool.num_free:
+            return False
+        if self.sessions is not None:  # sessions past their time-to-live, before evicting
+            self.sessions.apply(self.sessions.plan_expiry())
+        pages = self.pool.take((), num_pages)
+        if pages is None:
+            raise InvariantError("fresh pages that fit could not be taken")
+        held = len(req.pages)
+        self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
+        req.pages.extend(pages)
+        self._page_table.set_row(req.slot, req.pages, held)
+        if self._tiered:  # what it took (see `Tier.note_reserved`)
+            self.tiers.note_reserved(pages, [[]])
+        return True
 
     def _reservation(
         self,
@@ -299,20 +332,20 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
     def _take(self, plans: list[Reservation]) -> None:
         """The pages, pins and counters of `plans`, with their undo records; no window
         moves."""
-        hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
-        if self.sessions is not None:  # sessions past their time-to-live, before evicting
-            self.sessions.apply(self.sessions.plan_expiry())
-        new_pages = self.pool.take(hit_pages, sum(p.num_fresh for p in plans))
+        hit_pages = [page_id for plan in plans if plan.hits for page_id, _ in plan.hits]
+        sessions = self.sessions
+        if sessions is not None:  # sessions past their time-to-live, before evicting
+            sessions.apply(sessions.plan_expiry())
+        new_pages = self.pool.take(hit_pages, sum(map(_num_fresh, plans)))
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
-        fresh = list(new_pages)
-        sessions = self.sessions
+        fresh = list(new_pages) if self._tiered else new_pages
         firsts = [not plan.req.pages for plan in plans] if sessions is not None else []
-        self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
         for plan in plans:
             req, taken = plan.req, new_pages[: plan.num_fresh]
             del new_pages[: plan.num_fresh]
             if plan.hits or plan.loads:  # `can_match`: the window starts at the hashes' end
+                self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
                 self.cache_tokens += plan.hit_tokens - len(req.hashes) * self.page_size
             held = len(req.pages)
             self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
@@ -329,7 +362,7 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
             self._page_table.set_row(req.slot, req.pages, held)
         if sessions is not None:  # a request's first reservation starts its session
             sessions.start_requests(plans, firsts)
-        if self.tiers:  # what the plans took (see `Tier.note_reserved`)
+        if self._tiered:  # what the plans took (see `Tier.note_reserved`)
             self.tiers.note_reserved(fresh, [plan.device_hit_run(self.page_size) for plan in plans])
 
     def _settle(self, moving: list[Reservation], mark: int) -> None:
@@ -344,60 +377,6 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
         if moved:
             self.undo.commit()
 
-    def load_pending(self, batch: list[TextGenerationContext]) -> None:
-        """Copies the tier hits of `batch`'s requests into their device pages (one batch
-        per tier and device), then indexes those pages on the device and unpins the
-        hits. All or nothing: the copies only write pages the requests own, so a failure
-        before the index changes leaves the loads pending, to run again."""
-        reqs = [self._requests[ctx.request_id] for ctx in batch]
-        pending = [load for req in reqs for load in req.loads]
-        if not pending:
-            return
-        loads = self.tiers.load(pending)
-        hashes = [ld.hit.page_hash for ld in loads]
-        datas = [ld.hit.token_bytes for ld in loads]
-        indexed = self.pool.commit_pages(
-            [ld.page for ld in loads],
-            hashes,
-            datas,
-            [ld.parent_hash for ld in loads],
-            [ld.keys for ld in loads],
-        )
-        # A page loaded while another request committed the same prefix on the device.
-        owner = {page: (req, idx) for req in reqs for idx, page in enumerate(req.pages)}
-        self._share_duplicates([owner[ld.page] for ld in loads], hashes, datas, indexed)
-        for req in reqs:
-            if req.loads:
-                self.undo.push(req.loads.extend, list(req.loads))  # onto the emptied list
-                req.loads.clear()
-        self.tiers.unpin(loads)
-
-    # --- the tiers, with the device pool ---------------------------------------------
-
-    def reset_metrics(self) -> None:
-        self.input_tokens = self.cache_tokens = self.pool.num_evicted_retained = 0
-        self.tiers.reset_metrics()
-        if self.sessions is not None:
-            self.sessions.reset_metrics()
-
-    def publish_to(self, events: EventRecorder) -> None:
-        """Reports the pool's and the tiers' changes to `events` (the replica's stream)."""
-        events.undo = self.undo
-        self.pool.events = events
-        self.tiers.publish_to(events)
-
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached prefix in the pool and the tiers (pending loads still
-        complete)."""
-        self.pool.reset_prefix_cache()
-        self.tiers.reset()
-        if self.sessions is not None:
-            self.sessions.clear()
-
-    def close(self) -> None:
-        """Closes the tiers (they send what they queued, a bounded wait)."""
-        self.tiers.close()
-
     def check_invariants(self) -> None:
         self.pool.check_invariants(req.pages for req in self._requests.values())
         for request_id, req in self._requests.items():
@@ -406,17 +385,3 @@ class PagedReplica(ReplicaCommits, ReplicaInputs):
         if self.sessions is not None:
             self.sessions.check_invariants(self._requests.values())
         self.check_loads()
-
-    def check_loads(self) -> None:
-        """InvariantError unless every pending load writes a page its request owns
-        without a hash, and each tier holds exactly the pending loads' hits pinned, each
-        still holding its tokens (`Tier.check_invariants`)."""
-        for request_id, req in self._requests.items():
-            for load in req.loads:
-                page = load.page
-                if page not in req.pages or self.pool.page_hash(page) is not None:
-                    raise InvariantError(
-                        f"request {request_id!r} loads into device page {page}, which it "
-                        "does not own or which is hashed"
-                    )
-        self.tiers.check_invariants([ld for req in self._requests.values() for ld in req.loads])
