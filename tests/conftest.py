@@ -4,6 +4,8 @@ import pytest
 from max.driver import CPU
 from max.engine import InferenceSession
 
+from .mojo_defines import set_default_mokv_defines
+
 
 @pytest.fixture(scope="session")
 def cpu():
@@ -13,3 +15,9 @@ def cpu():
 @pytest.fixture(scope="session")
 def session(cpu):
     return InferenceSession(devices=[cpu])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_mokv_defines(session):
+    """Before any compile: see tests/mojo_defines.py."""
+    set_default_mokv_defines(session)
