@@ -4,8 +4,6 @@ import pytest
 from max.driver import CPU
 from max.engine import InferenceSession
 
-from .mojo_defines import set_default_mokv_defines
-
 
 @pytest.fixture(scope="session")
 def cpu():
@@ -15,9 +13,3 @@ def cpu():
 @pytest.fixture(scope="session")
 def session(cpu):
     return InferenceSession(devices=[cpu])
-
-
-@pytest.fixture(scope="session", autouse=True)
-def default_mokv_defines(session):
-    """Before any compile: see tests/mojo_defines.py."""
-    set_default_mokv_defines(session)
