@@ -1,4 +1,5 @@
-"""Runs the code blocks of README.md and docs/*.md as tests (Sybil).
+"""Runs the code blocks of README.md and docs/*.md as tests (Sybil), and gives every test
+and page one set of mokv's Mojo defines (tests/mojo_defines.py).
 
 Every ```python block runs, in order, in one namespace per file, so a page reads as one
 program; a failing block is reported as `docs/PAGE.md::line:N`. Every ```mojo block is a
@@ -13,8 +14,19 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import pytest
+from max.driver import CPU
+from max.engine import InferenceSession
 from sybil import Sybil
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser
+
+from tests.mojo_defines import set_default_mokv_defines
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_mokv_defines() -> None:
+    """Before any test or page compiles a graph: see tests/mojo_defines.py."""
+    set_default_mokv_defines(InferenceSession(devices=[CPU()]))
 
 
 def run_mojo(example) -> None:

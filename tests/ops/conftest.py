@@ -4,28 +4,36 @@ Caches are built with numpy in the layouts of python/mokv/layouts/. On the CPU,
 `Buffer.from_numpy` aliases the array, so after a run the test reads the in-place
 writes straight from numpy. bfloat16 travels as uint16 bit patterns viewed as bf16.
 
-Graph compiles cost ~10-20 s each on the 2-core box, so every graph is built once per
-session (`compiled` memoizes on its configuration) with symbolic batch/token dims.
+A cold compile costs ~23 s per model on a 2-core host, most of it paid once per model, so
+the configurations the test modules plan (`plan_graphs`) are compiled as one model per
+CPU path and graph kind (tests/ops/graph_bundle.py), with symbolic batch/token dims.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
-from max.graph import DeviceRef, Graph, TensorType, ops
-
-from mokv.compiler_output import filter_collection_warnings
-from mokv.layouts import CONTINUOUS, PAGED, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection
+from max.graph import DeviceRef, TensorType, Value, ops
+from mokv.layouts import (
+    CONTINUOUS,
+    PAGED,
+    FetchContinuousBatchingKVCacheCollection,
+    FetchPagedKVCacheCollection,
+)
 from mokv.layouts.max_paged import lookup_table_width
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, portable_cpu_paths, store_kv
 from mokv.ops.cpu_paths import host_takes_portable_paths
 from mokv.params import KVCacheParams, KVCacheStrategy
+
+from ..mojo_defines import MAX_KERNELS_DEFINE
+from .graph_bundle import Bundle, Part, PartRunner
 
 NUM_LAYERS = 2
 LAYER = 1  # tests write/read layer 1 and check that layer 0 stays untouched
@@ -244,39 +252,78 @@ def fetch(cfg: Config) -> Callable[..., Any]:
     )
 
 
-def build_store_attention(cfg: Config, device: DeviceRef) -> Graph:
+def _rows(cfg: Config, heads: int, device: DeviceRef) -> TensorType:
+    return TensorType(cfg.dtype, ["total_tokens", heads, cfg.head_dim], device=device)
+
+
+def _offsets(device: DeviceRef) -> TensorType:
+    return TensorType(DType.uint32, ["num_offsets"], device=device)
+
+
+def _idle_cache(cfg: Config) -> list[Buffer]:
+    """Cache inputs of an empty batch (the kernels do nothing on them)."""
+    layout = PAGED if cfg.strategy == "paged" else CONTINUOUS
+    return list(layout.empty_inputs(cfg.params, NUM_LAYERS, MAX_SEQ_LEN, 0, 1))
+
+
+def _no_offsets() -> Buffer:
+    return Buffer.from_numpy(np.zeros(1, np.uint32))
+
+
+def store_attention(cfg: Config, device: DeviceRef) -> Part:
     """Inputs: cache(4), k, v [T, H, D], q [T, n_q, D], offsets. Output: attention [T, n_q, D]."""
-    kt = TensorType(cfg.dtype, ["total_tokens", cfg.n_kv_heads, cfg.head_dim], device=device)
-    qt = TensorType(cfg.dtype, ["total_tokens", cfg.n_q, cfg.head_dim], device=device)
-    ot = TensorType(DType.uint32, ["num_offsets"], device=device)
-    with Graph(
-        "store_attention", input_types=[*cache_symbols(cfg, device), kt, kt, qt, ot],
-        custom_extensions=[kernels_path()],
-    ) as g:
-        *cache_in, k, v, q, offsets = g.inputs
+
+    def body(inputs: Sequence[Value]) -> list[Value]:
+        *cache_in, k, v, q, offsets = inputs
         kv = fetch(cfg)(*cache_in)
         store_kv(kv, k, v, offsets, LAYER)
-        g.output(flash_attention(kv, q, offsets, LAYER, 1.0 / np.sqrt(cfg.head_dim)))
-    return g
+        return [flash_attention(kv, q, offsets, LAYER, 1.0 / np.sqrt(cfg.head_dim))]
+
+    def idle() -> list[Buffer]:
+        k, q = (Buffer(cfg.dtype, (0, h, cfg.head_dim)) for h in (cfg.n_kv_heads, cfg.n_q))
+        return [*_idle_cache(cfg), k, k, q, _no_offsets()]
+
+    kt = _rows(cfg, cfg.n_kv_heads, device)
+    types = [*cache_symbols(cfg, device), kt, kt, _rows(cfg, cfg.n_q, device), _offsets(device)]
+    return Part(types, body, idle)
 
 
-def build_qkv_attention(cfg: Config, device: DeviceRef) -> Graph:
+def qkv_attention(cfg: Config, device: DeviceRef) -> Part:
     """Inputs: cache(4), hidden [T, hidden], wqkv, offsets[, freqs]. Outputs: Q, attention."""
     d = cfg.head_dim
-    ht = TensorType(cfg.dtype, ["total_tokens", cfg.hidden], device=device)
-    wt = TensorType(cfg.dtype, [(cfg.n_q + 2 * cfg.n_kv_heads) * d, cfg.hidden], device=device)
-    ot = TensorType(DType.uint32, ["num_offsets"], device=device)
-    extra = [TensorType(DType.float32, [MAX_SEQ_LEN, d], device=device)] if cfg.rope else []
-    with Graph(
-        "qkv_attention", input_types=[*cache_symbols(cfg, device), ht, wt, ot, *extra],
-        custom_extensions=[kernels_path()],
-    ) as g:
-        cache_in, (hidden, wqkv, offsets, *freqs) = g.inputs[:4], g.inputs[4:]
+    weights_shape, freqs_shape = ((cfg.n_q + 2 * cfg.n_kv_heads) * d, cfg.hidden), (MAX_SEQ_LEN, d)
+    wt = TensorType(cfg.dtype, weights_shape, device=device)
+    ft = TensorType(DType.float32, freqs_shape, device=device)
+
+    def body(inputs: Sequence[Value]) -> list[Value]:
+        cache_in, (hidden, wqkv, offsets, *freqs) = inputs[:4], inputs[4:]
         kv = fetch(cfg)(*cache_in)
         q = fused_qkv_matmul(kv, hidden, wqkv, offsets, LAYER, cfg.n_q, freqs[0] if freqs else None)
         q3 = ops.reshape(q, [q.shape[0], cfg.n_q, d])
-        g.output(q, flash_attention(kv, q3, offsets, LAYER, 1.0 / np.sqrt(d)))
-    return g
+        return [q, flash_attention(kv, q3, offsets, LAYER, 1.0 / np.sqrt(d))]
+
+    def idle() -> list[Buffer]:
+        freqs = [Buffer(DType.float32, freqs_shape)] if cfg.rope else []
+        hidden, weights = Buffer(cfg.dtype, (0, cfg.hidden)), Buffer(cfg.dtype, weights_shape)
+        return [*_idle_cache(cfg), hidden, weights, _no_offsets(), *freqs]
+
+    ht = TensorType(cfg.dtype, ["total_tokens", cfg.hidden], device=device)
+    types = [*cache_symbols(cfg, device), ht, wt, _offsets(device), *([ft] if cfg.rope else [])]
+    return Part(types, body, idle)
+
+
+PARTS = {"store_attention": store_attention, "qkv_attention": qkv_attention}
+
+PLANNED: dict[tuple[str, str], list[Config]] = {}
+"""Per (CPU path, graph kind), the configurations the collected test modules use: the
+first build of a kind compiles them all as one model (tests/ops/graph_bundle.py)."""
+
+
+def plan_graphs(kind: str, configs: Sequence[Config], paths: Sequence[str] = ("native",)) -> None:
+    """Called by a test module at import (collection), before any graph is built."""
+    for path in paths:
+        planned = PLANNED.setdefault((path, kind), [])
+        planned.extend(c for c in configs if c not in planned)
 
 
 @pytest.fixture(scope="session")
@@ -289,25 +336,30 @@ CPU_PATHS = {"native": (False, False), "portable": (True, False), "max-kernels":
 
 
 def _memoized_builds(session: InferenceSession, path: str) -> Callable[[str, Config], Any]:
-    """`get(kind, cfg)` -> loaded model on CPU path `path`, compiled once per (kind, cfg).
+    """`get(kind, cfg)` -> runner of the graph `kind` for `cfg` on CPU path `path`, with
+    the `execute` of a loaded model. The first build of a kind compiles every planned
+    configuration of that kind (and `cfg`) as one model; a configuration not planned
+    is compiled on its own when asked for.
 
     MAX 26.7 keeps Mojo defines for the whole process and reads them at compile time,
     so each compile sets the path's defines first and puts the host's own back after:
     no build (here or in another test module) inherits another path's."""
     portable, max_kernels = CPU_PATHS[path]
-    models: dict[tuple[str, Config], Any] = {}
-    builders = {"store_attention": build_store_attention, "qkv_attention": build_qkv_attention}
+    runners: dict[tuple[str, Config], PartRunner] = {}
 
-    def get(kind: str, cfg: Config) -> Any:
-        key = (kind, cfg)
-        if key not in models:
-            session._set_mojo_define("MOKV_MAX_KERNELS", "true" if max_kernels else "false")
+    def get(kind: str, cfg: Config) -> PartRunner:
+        if (kind, cfg) not in runners:
+            configs = [c for c in PLANNED.get((path, kind), []) if (kind, c) not in runners]
+            configs += [] if cfg in configs else [cfg]
+            parts = [PARTS[kind](c, DeviceRef.CPU()) for c in configs]
+            session._set_mojo_define(MAX_KERNELS_DEFINE, "true" if max_kernels else "false")
             try:
                 with portable_cpu_paths(session, portable):
-                    models[key] = session.load(builders[kind](cfg, DeviceRef.CPU()))
+                    bundle = Bundle(session, kind, parts, custom_extensions=[kernels_path()])
             finally:
-                session._set_mojo_define("MOKV_MAX_KERNELS", "false")
-        return models[key]
+                session._set_mojo_define(MAX_KERNELS_DEFINE, "false")
+            runners.update(((kind, c), bundle.runner(i)) for i, c in enumerate(configs))
+        return runners[(kind, cfg)]
 
     return get
 

@@ -26,7 +26,7 @@ from mokv.layouts import CONTINUOUS, PAGED, FetchPagedKVCacheCollection
 from mokv.ops import flash_attention, fused_qkv_matmul, rope_freqs_cis, store_kv
 from mokv.params import KVCacheParams
 
-from .conftest import MAX_SEQ_LEN, NUM_LAYERS, Config, buffer, make_cache, row_offsets
+from .conftest import MAX_SEQ_LEN, NUM_LAYERS, Config, buffer, make_cache, plan_graphs, row_offsets
 from .test_fused_qkv import CASES as QKV_CASES
 from .test_store_attention import CONT_F32_MHA, PAGED_F32_GQA4
 
@@ -37,6 +37,10 @@ assert PAGED_ROPE.rope and PAGED_ROPE.strategy == "paged" and PAGED_ROPE.dtype =
 
 def checked(cfg: Config) -> Config:
     return dataclasses.replace(cfg, checked=True)
+
+
+plan_graphs("store_attention", [checked(PAGED_F32_GQA4), checked(CONT_F32_MHA)])
+plan_graphs("qkv_attention", [checked(PAGED_ROPE)])
 
 
 # ---------------------------------------------------------------- graph build

@@ -13,6 +13,7 @@ from .conftest import (
     MAX_SEQ_LEN,
     Config,
     buffer,
+    plan_graphs,
     make_cache,
     ref_attention,
     ref_rope,
@@ -53,6 +54,8 @@ TAIL_CASES = [
     (CASES[0], "stream-8"),  # f32, RoPE, head 64
     (CASES[4], "stream-8"), (CASES[4], "packed-537"),  # bf16, hidden 600
 ]
+plan_graphs("qkv_attention", CASES)
+plan_graphs("qkv_attention", [cfg for cfg, _ in TAIL_CASES], paths=("portable",))
 
 
 def _ids(c: Config) -> str:

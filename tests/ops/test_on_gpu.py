@@ -22,8 +22,10 @@ from max.dtype import DType
 from max.graph import DeviceRef
 
 from mokv.compiler_output import filter_collection_warnings
+from mokv.ops import kernels_path
 
-from .conftest import build_qkv_attention, build_store_attention
+from .conftest import PARTS
+from .graph_bundle import bundle_graph
 from .test_fused_qkv import CASES, LAYOUTS, _check, _ids
 from . import test_store_attention as cpu_tests  # a module: its tests are not collected twice
 from .test_store_attention import (
@@ -65,12 +67,11 @@ def gpu_compiled():
     """`gpu_compiled(kind, cfg)`: like conftest's `compiled`, built for the GPU."""
     gpu = Accelerator()
     session = InferenceSession(devices=[CPU(), gpu])
-    builders = {"store_attention": build_store_attention, "qkv_attention": build_qkv_attention}
     models: dict = {}
 
     def get(kind, cfg):
         if (kind, cfg) not in models:
-            graph = builders[kind](cfg, DeviceRef.GPU())
+            graph, _ = bundle_graph(kind, [PARTS[kind](cfg, DeviceRef.GPU())], [kernels_path()])
             with filter_collection_warnings():
                 models[kind, cfg] = OnGpu(session.load(graph), gpu)
         return models[kind, cfg]

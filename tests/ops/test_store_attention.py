@@ -10,6 +10,7 @@ from .conftest import (
     LAYER,
     Config,
     buffer,
+    plan_graphs,
     make_cache,
     ref_attention,
     row_offsets,
@@ -27,6 +28,11 @@ PAGED_F32_GQA8 = Config("paged", DType.float32, n_kv_heads=5, head_dim=128, grou
 PAGED_F32_MHA20 = Config("paged", DType.float32, n_kv_heads=20, head_dim=64, group=1)
 
 TOL = {DType.float32: 2e-5, DType.bfloat16: 2e-2}
+
+EACH_PATH = [PAGED_F32_GQA4, PAGED_BF16_GQA1, PAGED_BF16_GQA4, PAGED_BF16_GQA8, PAGED_BF16_GQA8_P32,
+             PAGED_F32_GQA8, PAGED_F32_MHA20]  # the tests that take `compiled_each_path`
+plan_graphs("store_attention", EACH_PATH, paths=("native", "portable"))
+plan_graphs("store_attention", [CONT_F32_MHA])
 
 
 def run_store_attention(

@@ -19,6 +19,7 @@ from max.engine import InferenceSession
 
 import mokv
 from tests.model.conftest import CONFIG, MAX_BATCH_SIZE, MAX_SEQ_LEN, PAGE_SIZE
+from tests.mojo_defines import set_default_mokv_defines
 
 DEVICE_PAGES = 40
 BREAKER_COOLDOWN_S = 0.5  # the test waits for the breaker's trial after a restart
@@ -29,6 +30,7 @@ params = dataclasses.replace(
     tiers=(mokv.RemoteTierConfig(url=url, namespace=namespace),),
 )
 session = InferenceSession(devices=[CPU()])
+set_default_mokv_defines(session)  # the suite's compiled decoder, from MAX's cache
 manager = mokv.load_kv_manager(
     params, max_batch_size=MAX_BATCH_SIZE, max_seq_len=MAX_SEQ_LEN,
     num_layers=CONFIG.num_layers, devices=[CPU()], session=session,
