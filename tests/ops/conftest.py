@@ -350,7 +350,8 @@ def _memoized_builds(session: InferenceSession, path: str) -> Callable[[str, Con
     def get(kind: str, cfg: Config) -> PartRunner:
         if (kind, cfg) not in runners:
             configs = [c for c in PLANNED.get((path, kind), []) if (kind, c) not in runners]
-            configs += [] if cfg in configs else [cfg]
+            if cfg not in configs:
+                configs.append(cfg)
             parts = [PARTS[kind](c, DeviceRef.CPU()) for c in configs]
             session._set_mojo_define(MAX_KERNELS_DEFINE, "true" if max_kernels else "false")
             try:

@@ -166,11 +166,11 @@ class PrefixChains:
         Later pages decide nothing: the run stops at the first miss. Whatever they hold,
         `pages` + `lookup_run` would find the same run (their bytes are compared in full
         when they are committed: `pages`)."""
-        tokens = integer_tokens(ctx)
         entry = self.memo.get(ctx.request_id)
         known = entry.hits if entry is not None else None
         if entry is None or known is None or (known.first, known.end) != (first, end):
             return None
+        tokens = integer_tokens(ctx)
         held = known.num_holding(self.pool)
         decided = min(first + held + 1, end)
         inputs = hash_inputs(ctx)
