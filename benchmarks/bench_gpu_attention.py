@@ -3,6 +3,10 @@
 Runs where MAX sees an accelerator (`max.driver.accelerator_count() > 0`):
 
     python benchmarks/bench_gpu_attention.py [--quick] [--bf16 | --f32] [--qkv] [--json PATH]
+        [--groups 1,4,8 | none] [--lock PATH]
+
+`--groups` picks the GQA groups (`none`: only `--qkv`); processes given one `--lock` file
+compile side by side and take turns for their timings (benchmarks/gpu_machine.sh).
 
 Same sides as bench_attention.py (mokv paged and continuous, MAX 26.7's
 `flash_attention_ragged` over its paged cache), built for the GPU, where mokv's op runs
@@ -27,6 +31,8 @@ except for the smallest shapes, which are reported anyway (the ms column shows i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import sys
 import time
@@ -127,21 +133,36 @@ def decode_cases(quick: bool):
     return shapes, pairs
 
 
-def run(quick: bool, dtypes: list[DType] | None = None) -> dict:
+@contextlib.contextmanager
+def _exclusive(lock: str | None):
+    """Holds the file lock `lock` (none: nothing): several benchmark processes compile
+    side by side and take turns on the GPU for their timings."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run(quick: bool, dtypes: list[DType] | None = None, groups: list[int] | None = None,
+        lock: str | None = None) -> dict:
     gpu = Accelerator()
     session = InferenceSession(devices=[CPU(), gpu])
-    out: dict = {"device": str(gpu), "copy_GBps": copy_bandwidth(gpu), "decode": [], "prefill": [],
-                 "errors": {}}
+    out: dict = {"device": str(gpu), "copy_GBps": None, "decode": [], "prefill": [], "errors": {}}
     if "--qkv" in sys.argv:
-        try:
-            out["qkv"] = qkv_rows(session, gpu)
-        except Exception as e:  # noqa: BLE001
-            out["errors"]["qkv"] = f"{type(e).__name__}: {str(e)[:600]}"
+        with _exclusive(lock):
+            try:
+                out["qkv"] = qkv_rows(session, gpu)
+            except Exception as e:  # noqa: BLE001
+                out["errors"]["qkv"] = f"{type(e).__name__}: {str(e)[:600]}"
     shapes, pairs = decode_cases(quick)
     for hkv, dt in shapes:
-        if dtypes and dt not in dtypes:
+        if (dtypes and dt not in dtypes) or (groups is not None and H // hkv not in groups):
             continue
-        kv_tok = 2 * hkv * D * dt.size_in_bytes
         max_b, max_c = max(b for b, _ in pairs), max(c for _, c in pairs)
         sides = []
         makers = [("max-paged", lambda: MaxSide(session, hkv, dt, gpu)),
@@ -153,39 +174,48 @@ def run(quick: bool, dtypes: list[DType] | None = None) -> dict:
                 sides.append(make())
             except Exception as e:  # noqa: BLE001 - a side that cannot build is reported
                 out["errors"][f"{name}/{hkv}/{dt}"] = f"{type(e).__name__}: {str(e)[:400]}"
-        for b, c in pairs:
-            if b * c * kv_tok > 8e9:
-                continue
-            row = {"group": H // hkv, "dtype": str(dt).split(".")[-1], "batch": b, "context": c,
-                   "kv_bytes": b * (c + 1) * kv_tok}
-            for side in sides:
-                try:
-                    args = side.inputs([c] * b, [1] * b)
-                    t = _time_gpu(lambda: side.model.execute(*args), gpu)
-                    row[side.name] = {"ms": t * 1e3, "GBps": row["kv_bytes"] / t / 1e9,
-                                      "share_of_copy": row["kv_bytes"] / t / 1e9 / out["copy_GBps"]}
-                except Exception as e:  # noqa: BLE001
-                    row[side.name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            out["decode"].append(row)
-            print(_decode_line(row), flush=True)
-        if hkv == 8 and dt == DType.bfloat16:
-            for n in ([2048] if quick else [1024, 4096]):
-                flops = 4 * H * D * n * (n + 1) / 2
-                row = {"group": H // hkv, "dtype": "bfloat16", "tokens": n}
-                for side in sides:
-                    try:
-                        args = side.inputs([0], [n])
-                        t = _time_gpu(lambda: side.model.execute(*args), gpu, reps=3, groups=3)
-                        row[side.name] = {"ms": t * 1e3, "TFLOPs": flops / t / 1e12}
-                    except Exception as e:  # noqa: BLE001
-                        row[side.name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                out["prefill"].append(row)
-                print(json.dumps(row), flush=True)
+        with _exclusive(lock):
+            if out["copy_GBps"] is None:
+                out["copy_GBps"] = copy_bandwidth(gpu)
+            _time_shape(out, sides, hkv, dt, pairs, quick, gpu)
         for side in sides:  # free the caches before the next shape
             side.mgr = side.model = None
             if hasattr(side, "_keep"):
                 side._keep = None
     return out
+
+
+def _time_shape(out: dict, sides: list, hkv: int, dt: DType, pairs, quick: bool, gpu) -> None:
+    """Decode rows of one (KV heads, dtype) shape, and (GQA 4, bf16) its prefill rows."""
+    kv_tok = 2 * hkv * D * dt.size_in_bytes
+    for b, c in pairs:
+        if b * c * kv_tok > 8e9:
+            continue
+        row = {"group": H // hkv, "dtype": str(dt).split(".")[-1], "batch": b, "context": c,
+               "kv_bytes": b * (c + 1) * kv_tok}
+        for side in sides:
+            try:
+                args = side.inputs([c] * b, [1] * b)
+                t = _time_gpu(lambda: side.model.execute(*args), gpu)
+                row[side.name] = {"ms": t * 1e3, "GBps": row["kv_bytes"] / t / 1e9,
+                                  "share_of_copy": row["kv_bytes"] / t / 1e9 / out["copy_GBps"]}
+            except Exception as e:  # noqa: BLE001
+                row[side.name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        out["decode"].append(row)
+        print(_decode_line(row), flush=True)
+    if hkv == 8 and dt == DType.bfloat16:
+        for n in ([2048] if quick else [1024, 4096]):
+            flops = 4 * H * D * n * (n + 1) / 2
+            row = {"group": H // hkv, "dtype": "bfloat16", "tokens": n}
+            for side in sides:
+                try:
+                    args = side.inputs([0], [n])
+                    t = _time_gpu(lambda: side.model.execute(*args), gpu, reps=3, groups=3)
+                    row[side.name] = {"ms": t * 1e3, "TFLOPs": flops / t / 1e12}
+                except Exception as e:  # noqa: BLE001
+                    row[side.name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            out["prefill"].append(row)
+            print(json.dumps(row), flush=True)
 
 
 def _decode_line(row: dict) -> str:
@@ -202,8 +232,13 @@ if __name__ == "__main__":
     if accelerator_count() == 0:
         sys.exit("no accelerator: this benchmark runs on a GPU")
     only = {"--bf16": [DType.bfloat16], "--f32": [DType.float32]}
-    result = run("--quick" in sys.argv, next((v for k, v in only.items() if k in sys.argv), None))
-    print(f"device-to-device copy: {result['copy_GBps']:.0f} GB/s (read + written)")
+    arg = lambda flag: sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None  # noqa: E731
+    groups = arg("--groups")  # e.g. "1,4" (GQA groups to run), "none": no attention
+    result = run("--quick" in sys.argv, next((v for k, v in only.items() if k in sys.argv), None),
+                 None if groups is None else [int(g) for g in groups.split(",") if g != "none"],
+                 arg("--lock"))
+    if result["copy_GBps"]:
+        print(f"device-to-device copy: {result['copy_GBps']:.0f} GB/s (read + written)")
     print(json.dumps(result["errors"], indent=1))
     if "--json" in sys.argv:
-        Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps(result, indent=1))
+        Path(arg("--json")).write_text(json.dumps(result, indent=1))

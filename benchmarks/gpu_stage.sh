@@ -24,6 +24,16 @@ python3 -m pip download -q --no-deps "${py312[@]}" "${platforms[@]}" -d "$stage/
 rm -rf "$stage/site" "$stage"/x* "$stage/site.tar.xz"
 python3 -m pip install -q --no-deps --no-index "${py312[@]}" "${platforms[@]}" --target "$stage/site" \
   "$stage"/wheels/*.whl
+# Left out: bytecode caches and the AMD transfer plugins. The `mojo` compiler stays (30 MB
+# packed): MAX finds its SDK by modular/bin/mojo, and its own Python KV-cache ops build a
+# Mojo module with it on first use.
+find "$stage/site" -name __pycache__ -prune -exec rm -rf {} +
+rm -rf "$stage"/site/modular/lib/nixl/rocm*
+# .gpu-stage/local travels with the call that runs the tests: mokv's kernel package for
+# the current Mojo sources (no build there), and the suite's test plugin (Sybil).
+rm -rf "$stage/local"
+MOKV_CACHE_DIR="$root/$stage/local/mokv-cache" python3 -c 'import mokv.ops; print(mokv.ops.kernels_path())'
+python3 -m pip install -q --no-deps --target "$stage/local/site" sybil
 tar cf - -C "$stage/site" . | xz -9 -T0 > "$stage/site.tar.xz"
 split -b 59000000 -d -a 1 "$stage/site.tar.xz" "$stage/site.tar.xz."
 n=0
@@ -34,4 +44,6 @@ echo "Staged $n parts. Device calls, back to back (the machine goes back after ~
 for i in $(seq 1 "$n"); do
   echo "  run(carry=[\"$stage/x$i\"], command=\"mkdir -p /tmp/stage && cp $stage/x$i/* /tmp/stage/\")"
 done
+echo "and carry $stage/local (mokv's kernel package, Sybil) in the call that runs gpu_machine.sh"
+
 echo "then: run(command=\"bash benchmarks/gpu_machine.sh stage-check && bash benchmarks/gpu_machine.sh tests\")"

@@ -13,10 +13,11 @@ returns that part's outputs only, so a test sees the same `execute` as a model o
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from max.driver import Buffer
+from max.driver import Buffer, Device
 from max.engine import InferenceSession
 from max.graph import Graph, SymbolicDim, Type, Value
 
@@ -80,11 +81,28 @@ class Bundle:
         self._parts = list(parts)
         graph, self._outputs = bundle_graph(name, self._parts, custom_extensions)
         self._model = session.load(graph)
+        ends = list(itertools.accumulate(len(p.input_types) for p in self._parts))
+        self._inputs = [slice(e - len(p.input_types), e) for p, e in zip(self._parts, ends)]
+
+    def input_devices(self, index: int) -> list[Device]:
+        """Where the model takes part `index`'s inputs."""
+        return list(self._model.input_devices[self._inputs[index]])
+
+    def _idle_inputs(self, index: int) -> list[Buffer]:
+        """Part `index`'s idle inputs, on the devices the model takes them on."""
+        moved = [
+            b if d.is_host else b.to(d)
+            for b, d in zip(self._parts[index].idle_inputs(), self.input_devices(index))
+        ]
+        for d in self.input_devices(index):
+            if not d.is_host:
+                d.synchronize()  # copies are enqueued, not done
+        return moved
 
     def execute_part(self, index: int, inputs: Sequence[Buffer]) -> list[Buffer]:
         args: list[Buffer] = []
-        for i, part in enumerate(self._parts):
-            args.extend(inputs if i == index else part.idle_inputs())
+        for i in range(len(self._parts)):
+            args.extend(inputs if i == index else self._idle_inputs(i))
         return list(self._model.execute(*args)[self._outputs[index]])
 
     def runner(self, index: int) -> PartRunner:

@@ -118,6 +118,29 @@ def test_checked_mode_is_refused_for_a_gpu_cache() -> None:
             store_kv(kv, g.inputs[4], g.inputs[4], g.inputs[5], 0, checked=True)
 
 
+def test_gpu_attention_refuses_pages_that_are_not_a_multiple_of_128() -> None:
+    """MAX's GPU kernel, which the op runs there, fails to compile for such pages (its
+    key tiles must lie within a page): the op says so at graph build instead."""
+    gpu = DeviceRef.GPU()
+    qt = TensorType(DType.bfloat16, ["t", 4, 128], device=gpu)
+    ot = TensorType(DType.uint32, ["n"], device=gpu)
+    for page_size, refused in ((16, True), (64, True), (128, False), (256, False)):
+        params = KVCacheParams(dtype=DType.bfloat16, n_kv_heads=2, head_dim=128, page_size=page_size)
+        with _graph(params, qt, ot, device=gpu) as g:
+            kv = FetchPagedKVCacheCollection(params)(*g.inputs[:4])
+            if refused:
+                match = f"multiple of 128 tokens; this paged cache has page_size={page_size}"
+                with pytest.raises(ValueError, match=match):
+                    flash_attention(kv, g.inputs[4], g.inputs[5], 0, 0.1)
+            else:
+                flash_attention(kv, g.inputs[4], g.inputs[5], 0, 0.1)
+    params = KVCacheParams(dtype=DType.bfloat16, n_kv_heads=2, head_dim=128, page_size=16)
+    qt, ot = (dataclasses.replace(t, device=CPU) for t in (qt, ot))
+    with _graph(params, qt, ot) as g:  # the CPU kernel takes any page size
+        kv = FetchPagedKVCacheCollection(params)(*g.inputs[:4])
+        flash_attention(kv, g.inputs[4], g.inputs[5], 0, 0.1)
+
+
 def test_check_op_is_emitted_only_when_checking() -> None:
     params = KVCacheParams(dtype=DType.float32, n_kv_heads=2, head_dim=64, page_size=16)
     kt = TensorType(DType.float32, ["t", 2, 64], device=CPU)

@@ -69,6 +69,7 @@ class CollectionInfo(NamedTuple):
     num_heads: int  # KV heads on this device
     head_size: int
     num_layers: int | None = None  # layers of the cache buffer, when known at graph build
+    page_size: int | None = None  # tokens per page (paged layouts)
     checked: bool = False  # the fetcher's `checked`: wrappers check the runtime tables
     inputs: tuple[Any, ...] = ()  # the flat input values the collection was built from
 
@@ -156,6 +157,7 @@ class CacheLayout(ABC):
             int(params["num_heads"]),
             int(params["head_size"]),
             num_layers=getattr(collection, "num_layers", None),
+            page_size=int(params["page_size"]) if "page_size" in params else None,
             checked=bool(getattr(collection, "checked", False)),
             inputs=tuple(getattr(collection, "inputs", ())),
         )

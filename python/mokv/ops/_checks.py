@@ -59,6 +59,9 @@ CPU_HEAD_DIM_MULTIPLE = 16
 """The CPU fused_qkv_matmul and flash_attention kernels work on whole 16-lane vectors."""
 GPU_MAX_HEAD_DIM = 1024
 """The GPU fused_qkv_matmul kernel runs one thread per feature of a head (a block of head_dim)."""
+GPU_PAGE_MULTIPLE = 128
+"""On a GPU, paged attention is MAX 26.7's kernel, whose key tiles (64 or 128 tokens) must
+lie within one page: MAX's own paged cache takes pages of a multiple of 128 tokens only."""
 CPU_MAX_GROUP = 64
 """The CPU flash_attention kernel keeps every query head of a GQA group in one work unit."""
 
@@ -86,6 +89,15 @@ def check_group(op: str, n_heads: int, n_kv_heads: int, device: DeviceRef) -> No
         raise ValueError(
             f"{op} on the CPU supports at most {CPU_MAX_GROUP} query heads per KV head, got "
             f"{n_heads} query heads over {n_kv_heads} KV heads"
+        )
+
+
+def check_gpu_page_size(op: str, info: Any, device: DeviceRef) -> None:
+    """ValueError unless a paged cache's pages suit MAX's attention kernel on a GPU."""
+    if not device.is_cpu() and info.page_size is not None and info.page_size % GPU_PAGE_MULTIPLE:
+        raise ValueError(
+            f"{op} on a GPU runs MAX's attention kernel, which needs pages of a multiple of "
+            f"{GPU_PAGE_MULTIPLE} tokens; this paged cache has page_size={info.page_size}"
         )
 
 

@@ -10,6 +10,7 @@ from max.graph import TensorType, TensorValue, ops
 from ..checks import check_dtype, check_rank, check_static_dim
 from ..layouts import collection_info
 from ._checks import (
+    check_gpu_page_size,
     check_group,
     check_head_dim,
     check_row_offsets,
@@ -47,8 +48,9 @@ def flash_attention(
 
     On the CPU this is mokv's kernel; on a GPU, MAX's own attention kernel on a MAX
     view of the same cache (`kernels/max_kernels.mojo`). The CPU kernel needs head_dim
-    to be a multiple of 16 and at most 64 query heads per KV head; other values are
-    refused here.
+    to be a multiple of 16 and at most 64 query heads per KV head; MAX's GPU kernel, a
+    paged cache's pages of a multiple of 128 tokens (as MAX's own cache has). Other
+    values are refused here.
 
     Returns:
         [total_tokens, n_heads, head_dim] in q's dtype.
@@ -66,6 +68,7 @@ def flash_attention(
         )
     check_head_dim("flash_attention", info.head_size, q.device)
     check_group("flash_attention", int(n_heads), info.num_heads, q.device)
+    check_gpu_page_size("flash_attention", info, q.device)
     offsets = check_row_offsets(input_row_offsets, q.device)
     layer = layer_index(layer_idx, info.num_layers)
     if wants_check(info, checked):
