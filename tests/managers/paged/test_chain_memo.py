@@ -298,3 +298,39 @@ def test_a_failed_admission_fits_once_its_prefix_is_committed(session):
     assert m.get_req_blocks("B") == [0, 1, 2, 3, 4]
     assert b.start_idx == 16
     m.check_invariants()
+
+
+def test_a_refused_retry_is_answered_without_a_plan(session, monkeypatch):
+    """A waiting prompt retried with the same hits and window is refused without a plan
+    (`PrefixChains.refused_again`); it is planned again when a token of a page that
+    decides its hits changes, when it asks for other steps, and once it may fit."""
+    m = make_paged(session, num_pages=8, max_seq_len=32)
+    a = TextContext(np.arange(20), request_id="A")  # 5 pages, committed and held
+    m.external_claim("A")
+    m.fetch([a])
+    a.update(1)
+    m.step([a])
+    replica, plans = m.replicas[0], []
+    real_plan = replica.plan
+    monkeypatch.setattr(replica, "plan", lambda ctx, n: plans.append(n) or real_plan(ctx, n))
+    b = TextContext(np.concatenate([np.arange(8), np.arange(100, 116)]), request_id="B")
+
+    def retry(num_steps=1):  # the scheduler's: claim, try, release
+        m.external_claim("B")
+        fits = m.maybe_reserve(b, num_steps)
+        if not fits:
+            m.release("B")
+        return fits
+
+    assert retry() is False and len(plans) == 1  # 2 hits on A's pages, 4 fresh: 3 free
+    assert retry() is False and len(plans) == 1
+    b.tokens[5] = 99  # in a hit: planned, with 1 hit
+    assert retry() is False and len(plans) == 2
+    b.tokens[5] = 5
+    assert retry() is False and len(plans) == 3
+    assert retry() is False and len(plans) == 3
+    assert retry(num_steps=2) is False and len(plans) == 4
+    m.release("A")  # 5 cached pages: B fits
+    assert retry() is True and len(plans) == 5
+    assert m.get_req_blocks("B")[:2] == [0, 1] and b.start_idx == 8
+    m.check_invariants()

@@ -24,7 +24,10 @@ a range of it (`Hits`) and the room the pool had with them taken (`Room`):
   while it waits, and its run of hits is cut, never looked up again;
 - with the same hits and no page freed since (`PagePool.num_freed`), the room with
   those hits taken cannot have grown, so a reservation that did not fit then still
-  does not (`PrefixChains.room`).
+  does not (`PrefixChains.room`);
+- and the last refusal of a waiting prompt (`Refusal`): with the same hits list and
+  the same window, the reservation wants the same fresh pages, so a retry reads only
+  the hits and the room again (`PrefixChains.refused_again`).
 """
 
 from __future__ import annotations
@@ -114,6 +117,17 @@ class Room:
 
 
 @dataclass(slots=True)
+class Refusal:
+    """A reservation of the request refused with these `hits` (the same list object as
+    `Hits.hits`), for the context's `window` (its start, active and end indices and the
+    steps asked) on a request holding no page: it wanted `num_fresh` fresh pages."""
+
+    hits: list[tuple[int, int]]
+    window: tuple[int, int, int, int]
+    num_fresh: int
+
+
+@dataclass(slots=True)
 class ChainEntry:
     """The chain of pages `[0, len(pages))` of one request's tokens: page 0 chains from
     `root`, page `i` from `pages[i - 1]`'s hash; `data` is their token bytes joined."""
@@ -124,6 +138,7 @@ class ChainEntry:
     pages: list[Page]
     hits: Hits | None = None
     room: Room | None = None
+    refusal: Refusal | None = None
 
     def matching_pages(
         self, key: ChainKey, parent: int, tokens: np.ndarray, page_size: int, first: int, end: int

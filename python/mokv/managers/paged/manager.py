@@ -242,8 +242,12 @@ class PagedKVCacheManager(
                     return True
                 # A decode step onto a fresh page (or a prompt's next chunk without a
                 # prefix to match): fresh pages only, without a plan (`grow`).
-                if req.pages and replica.takes_fresh_only(data, req):
-                    return self._undo.run(self._grow, replica, req, needed)
+                if req.pages:
+                    if replica.takes_fresh_only(data, req):
+                        return self._undo.run(self._grow, replica, req, needed)
+                # A waiting prompt retried as it was refused last, unplanned.
+                elif replica.chains.refused_again(data, req, num_steps):
+                    return False
             plan = replica.plan(data, num_steps)
             if plan is None:
                 return True

@@ -11,8 +11,9 @@ cache ends on a page boundary after a chunk or a reset); it stops one token shor
 `end_idx`, since the model must run on the last token.
 
 Chains are hashed once per request and kept in a `ChainMemo` (chain_memo.py, with the
-device hits last found and the room they left), so that a prompt retried at every step
-until it fits, and the commits of its pages after it does, hash it once.
+device hits last found, the room they left and the last refusal), so that a prompt
+retried at every step until it fits, and the commits of its pages after it does, hash
+it once.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import numpy as np
 from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, page_keys
 from ...cache.hashing import PageHashFn, iter_page_hashes
 from ...cache.page_pool import PagePool
-from ...context import RequestID, TextGenerationContext
+from ...context import RequestID, TextContext, TextGenerationContext
 from ...params import KVCacheParams
 from ...tiers.base import ChainTail
 from ..base import integer_tokens
-from .chain_memo import ChainEntry, ChainMemo, Hits, Page, Room
+from .chain_memo import ChainEntry, ChainMemo, Hits, Page, Refusal, Room
 from .plans import RequestState
 
 KEYED_ROOTS_MEMO = 65536
@@ -154,6 +155,46 @@ class PrefixChains:
         if n == len(pages) or not want_tail:
             return hits, None
         return hits, ChainTail(pages[n], iter(pages[n + 1 :]))
+
+    def note_refusal(
+        self,
+        ctx: TextGenerationContext,
+        num_steps: int,
+        hits: list[tuple[int, int]],
+        num_fresh: int,
+    ) -> None:
+        """Remembers that a reservation of `ctx`, on a request holding no page, was
+        refused with these hits (the memo's list, `device_hits`) wanting `num_fresh`
+        fresh pages (`refused_again`). Only a `TextContext`'s: its window after a hit
+        (`active_idx_after_skip`) is a function of its indices, and so is `num_fresh`."""
+        entry = self.memo.get(ctx.request_id)
+        if entry is None or entry.hits is None or entry.hits.hits is not hits:
+            return
+        if ctx.__class__ is TextContext:
+            window = (ctx.start_idx, ctx.active_idx, ctx.end_idx, num_steps)
+            entry.refusal = Refusal(hits, window, num_fresh)
+
+    def refused_again(self, ctx: TextGenerationContext, req: RequestState, num_steps: int) -> bool:
+        """Whether reserving `ctx` for `num_steps` steps, on a request holding no page, is
+        refused again as it was last (`note_refusal`); False when that is not known.
+        Planning it would find the same hits (`_memo_hits`, the very list) and so want
+        the same fresh pages: only the room is read again. A prompt waiting for pages
+        is retried at every step, and building its plan was most of each retry."""
+        entry = self.memo.get(ctx.request_id)
+        refusal = entry.refusal if entry is not None else None
+        if refusal is None or req.pages or not self.can_match(ctx, req):
+            return False
+        if ctx.__class__ is not TextContext or refusal.window != (
+            ctx.start_idx,
+            ctx.active_idx,
+            ctx.end_idx,
+            num_steps,
+        ):
+            return False
+        hits = self._memo_hits(ctx, req, 0, (ctx.end_idx - 1) // self.page_size)
+        if hits is not refusal.hits:
+            return False
+        return refusal.num_fresh > self.room(ctx.request_id, hits, refusal.num_fresh)
 
     def _memo_hits(
         self, ctx: TextGenerationContext, req: RequestState, first: int, end: int
