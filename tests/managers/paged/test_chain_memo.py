@@ -130,6 +130,28 @@ def test_an_entry_matches_only_its_own_key():
     assert entry.matching_pages(key, 5, tokens, PS, 1, 2) == 0  # another parent
 
 
+@pytest.mark.parametrize("form", ["int32", "big-endian", "strided", "uint64"])
+def test_an_entry_compares_token_values_whatever_the_array(form):
+    """Tokens given as another integer type, byte order or a strided view are compared
+    by value, as their int64 bytes (an int32 array's own bytes would be half as long)."""
+    tokens = np.arange(9)
+    pages = expected(tokens, end=2)
+    entry = ChainEntry(None, 5, b"".join(d for _, d in pages), pages)
+    given = {
+        "int32": tokens.astype(np.int32),
+        "big-endian": tokens.astype(">i8"),
+        "strided": np.repeat(tokens, 2)[::2],
+        "uint64": tokens.astype(np.uint64),
+    }[form]
+    assert entry.matching_pages(None, 5, given, PS, 0, 2) == 2
+    given[6] = 0
+    assert entry.matching_pages(None, 5, given, PS, 0, 2) == 0
+    # An int32 array whose bytes equal the int64 bytes of other tokens: [1, 0, 2, 0].
+    halves = np.zeros(18, np.int32)
+    halves[::2] = np.arange(9)
+    assert entry.matching_pages(None, 5, halves, PS, 0, 1) == 0
+
+
 def test_equal_hashes_never_stand_for_different_tokens():
     """Safety does not rest on the hash: with a hash function that maps every page to
     the same value, the memo still hands back each request's own token bytes, and a

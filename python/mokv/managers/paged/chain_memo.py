@@ -42,6 +42,8 @@ from ...cache.extra_keys import HashInputs
 from ...cache.page_pool import PagePool
 from ...context import RequestID
 
+_INT64 = np.dtype("<i8")  # the token bytes' type (a native int64 array's is this object)
+
 ChainKey = HashInputs | None
 """Everything besides the token ids and the parent hash that goes into a request's page
 hashes (salt, adapter, images): `mokv.cache.extra_keys.hash_inputs` of its context."""
@@ -151,12 +153,18 @@ class ChainEntry:
             return 0
         if parent != (self.pages[first - 1][0] if first else self.root):
             return 0
-        stride = page_size * 8
-        want = np.ascontiguousarray(tokens[first * page_size : n * page_size], dtype="<i8")
+        want = tokens[first * page_size : n * page_size]
         # Compared through the array's buffer: a copy of a long prompt's bytes cost as
-        # much as the comparison.
-        view = memoryview(want)  # type: ignore[arg-type]  # numpy's stubs lack the buffer protocol
-        return n - first if self.data.startswith(view, first * stride) else 0
+        # much as the comparison. Only the buffer of a contiguous int64 array holds the
+        # bytes the entry was made of (numpy refuses a strided one's: ValueError).
+        if want.dtype is not _INT64:
+            want = np.ascontiguousarray(want, dtype=_INT64)
+        offset = first * page_size * 8
+        try:
+            same = self.data.startswith(want, offset)  # type: ignore[arg-type]
+        except (ValueError, BufferError):
+            same = self.data.startswith(np.ascontiguousarray(want), offset)  # type: ignore[arg-type]
+        return n - first if same else 0
 
 
 class ChainMemo:

@@ -135,7 +135,7 @@ class PrefixChains:
             # checked when its committed pages were hashed.)
             return [], None
         if not want_tail:
-            found = self._memo_hits(ctx, req, first, end)
+            found = self._memo_hits(self.memo.get(ctx.request_id), ctx, req, first, end)
             if found is not None:
                 return found, None
         pages, entry = self.pages(ctx, req, end)
@@ -182,34 +182,37 @@ class PrefixChains:
         is retried at every step, and building its plan was most of each retry."""
         entry = self.memo.get(ctx.request_id)
         refusal = entry.refusal if entry is not None else None
-        if refusal is None or req.pages or not self.can_match(ctx, req):
+        if refusal is None or req.pages or ctx.__class__ is not TextContext:
             return False
-        if ctx.__class__ is not TextContext or refusal.window != (
-            ctx.start_idx,
-            ctx.active_idx,
-            ctx.end_idx,
-            num_steps,
-        ):
+        # The same window on a request without pages (so without hashes) can match a
+        # prefix (`can_match`) as it could when it was refused.
+        if refusal.window != (ctx.start_idx, ctx.active_idx, ctx.end_idx, num_steps):
             return False
-        hits = self._memo_hits(ctx, req, 0, (ctx.end_idx - 1) // self.page_size)
+        end = (ctx.end_idx - 1) // self.page_size
+        hits = self._memo_hits(entry, ctx, req, 0, end)
         if hits is not refusal.hits:
             return False
-        return refusal.num_fresh > self.room(ctx.request_id, hits, refusal.num_fresh)
+        return refusal.num_fresh > self._room(entry, hits, refusal.num_fresh)
 
     def _memo_hits(
-        self, ctx: TextGenerationContext, req: RequestState, first: int, end: int
+        self,
+        entry: ChainEntry | None,
+        ctx: TextGenerationContext,
+        req: RequestState,
+        first: int,
+        end: int,
     ) -> list[tuple[int, int]] | None:
-        """The device hits over pages `[first, end)` from the memo's, when it has them for
-        these pages (None: look them up). Only the pages that decide the run are compared
+        """The device hits over pages `[first, end)` from the memo's (`entry`, the
+        request's), when it has them for these pages (None: look them up). Only the
+        pages that decide the run are compared
         with the memo's tokens: the hits that still hold and the page after them. A prompt
         retried at every step while it waits compares its few hits, not all its tokens.
 
         Later pages decide nothing: the run stops at the first miss. Whatever they hold,
         `pages` + `lookup_run` would find the same run (their bytes are compared in full
         when they are committed: `pages`)."""
-        entry = self.memo.get(ctx.request_id)
         known = entry.hits if entry is not None else None
-        if entry is None or known is None or (known.first, known.end) != (first, end):
+        if entry is None or known is None or known.first != first or known.end != end:
             return None
         tokens = integer_tokens(ctx)
         held = known.num_holding(self.pool)
@@ -241,10 +244,13 @@ class PrefixChains:
         memo's list, `device_hits`) when the pool freed no page since (`chain_memo`).
         Either way a reservation that needs `need` fresh pages fits exactly when `need`
         is at most the answer."""
-        pool = self.pool
         if not hits:  # nothing to revive, read at once (every decode step onto a new page)
-            return pool.room(())
-        entry = self.memo.get(request_id)
+            return self.pool.room(())
+        return self._room(self.memo.get(request_id), hits, need)
+
+    def _room(self, entry: ChainEntry | None, hits: list[tuple[int, int]], need: int) -> int:
+        """`room` with the request's memo entry."""
+        pool = self.pool
         known = entry.room if entry is not None else None
         if known is not None and known.hits is hits and known.freed == pool.num_freed:
             if need > known.room:
