@@ -210,7 +210,8 @@ def test_hits_cut_by_evictions_are_not_looked_up_again(monkeypatch):
         pool.allocate(pool.num_free - n)
         cut, _ = chains.device_hits(ctx, RequestState(0), False)
         assert cut == hits[:n] and lookups == []
-        assert chains.room("a", cut, 9) == pool.room([p for p, _ in cut]) == pool.num_free - n
+        assert chains.room("a", cut, 1) == pool.room([p for p, _ in cut]) == pool.num_free - n
+        assert chains.room("a", cut, 9) == pool.num_free  # more than free: a bound
     fresh = make_chains(num_pages=8)
     fresh.pool = pool
     monkeypatch.undo()
@@ -241,24 +242,25 @@ def test_memo_hits_compare_only_the_pages_that_decide_the_run(monkeypatch):
 
 
 def test_room_is_read_again_once_a_page_is_freed():
-    chains = make_chains(num_pages=7)
+    """`room` answers a bound below the need where it can: the free pages, or the room
+    read for the same hits with no page freed since; else it reads the room."""
+    chains = make_chains(num_pages=8)
     tokens = np.arange(14)
     ctx = TextContext(tokens, request_id="a")
     pool = chains.pool
-    pool.release(commit(chains, tokens, 1))  # a cached hit: taking it revives it
-    held = pool.allocate(5)  # 1 free page and the cached hit left
+    pool.release(commit(chains, tokens, 2))  # cached hits: taking them revives them
+    held = pool.allocate(4)  # 2 free pages and the 2 cached hits left
     hits, _ = chains.device_hits(ctx, RequestState(0), False)
-    assert len(hits) == 1 and chains.room("a", hits, 4) == 1
-    other = pool.allocate(1)
+    assert len(hits) == 2 and chains.room("a", hits, 1) == 2  # read
+    other = pool.allocate(1)  # the room is 1 now
     hits, _ = chains.device_hits(ctx, RequestState(0), False)
-    # The room is not read again (the earlier reading bounds it), and the answer does
-    # not fit either way: 4 pages wanted.
-    assert chains.room("a", hits, 4) == 1
-    assert chains.room("a", hits, 1) == 0  # a need the bound would admit: read exactly
+    assert chains.room("a", hits, 3) == 2  # the earlier reading bounds it: not read again
+    assert chains.room("a", hits, 4) == pool.num_free == 3  # more than the free pages
+    assert chains.room("a", hits, 1) == 1  # a need a bound would admit: read exactly
     pool.release(other + held[:2])
     hits, _ = chains.device_hits(ctx, RequestState(0), False)
-    assert chains.room("a", hits, 4) == 3
-    assert chains.room("a", [], 4) == pool.num_free == 4  # no hits: read exactly, always
+    assert chains.room("a", hits, 4) == 4  # pages freed: read again
+    assert chains.room("a", [], 4) == pool.num_free == 6  # no hits: read exactly, always
 
 
 def test_the_memo_holds_at_most_its_capacity():

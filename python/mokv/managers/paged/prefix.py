@@ -240,10 +240,14 @@ class PrefixChains:
 
     def room(self, request_id: RequestID, hits: list[tuple[int, int]], need: int) -> int:
         """`pool.room` of the hits' pages, or a bound of it below `need` (the fresh pages
-        a reservation with these hits takes): the room last read for the same hits (the
-        memo's list, `device_hits`) when the pool freed no page since (`chain_memo`).
-        Either way a reservation that needs `need` fresh pages fits exactly when `need`
-        is at most the answer."""
+        a reservation with these hits takes): the pool's free pages (taking hits only
+        revives some of them), or the room last read for the same hits (the memo's
+        list, `device_hits`) when the pool freed no page since (`chain_memo`). Either
+        way a reservation that needs `need` fresh pages fits exactly when `need` is at
+        most the answer.
+
+        Reading the room is a pass over the hits; a prompt that waits for pages is
+        retried at every step, and nine retries in ten need more than the free pages."""
         if not hits:  # nothing to revive, read at once (every decode step onto a new page)
             return self.pool.room(())
         return self._room(self.memo.get(request_id), hits, need)
@@ -251,6 +255,9 @@ class PrefixChains:
     def _room(self, entry: ChainEntry | None, hits: list[tuple[int, int]], need: int) -> int:
         """`room` with the request's memo entry."""
         pool = self.pool
+        free = pool.num_free
+        if need > free:
+            return free
         known = entry.room if entry is not None else None
         if known is not None and known.hits is hits and known.freed == pool.num_freed:
             if need > known.room:
