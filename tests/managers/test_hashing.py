@@ -145,6 +145,8 @@ def test_page_hashes_and_ranges_use_the_same_chain(algorithm):
     pages = list(iter_page_hashes(tokens, 16, expected[2], fn, 3, 39))
     assert [h for h, _ in pages] == expected[3:39]
     assert [d for _, d in pages] == [token_bytes(page) for page in tokens.reshape(40, 16)[3:39]]
+    one = list(iter_page_hashes(tokens, 16, expected[6], fn, 7, 8))  # a decode step's page
+    assert one == [(expected[7], token_bytes(tokens[7 * 16 : 8 * 16]))]
 
 
 @pytest.mark.parametrize(

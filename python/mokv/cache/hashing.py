@@ -64,6 +64,8 @@ def _xxh3(parent: int, token_bytes) -> int:
     return xxh3_64_intdigest(token_bytes, parent)
 
 
+_INT64 = np.dtype("<i8")  # token ids' bytes (an object: a dtype string is parsed per call)
+
 # Copying an initialized hash object skips OpenSSL 3.0's per-constructor digest lookup
 # (about a third of the cost of a 1 KiB page here).
 _SHA256_INIT = hashlib.sha256()
@@ -307,11 +309,13 @@ def iter_page_hashes(
     """
     if end_page is None:
         end_page = len(tokens) // page_size
-    pages = np.ascontiguousarray(tokens[first_page * page_size : end_page * page_size], dtype="<i8")
+    pages = np.ascontiguousarray(tokens[first_page * page_size : end_page * page_size], _INT64)
     data = pages.tobytes()
     stride = page_size * 8
     if page_keys:
         return _keyed_page_hashes(data, stride, parent, hash_fn, first_page, page_keys)
+    if len(data) == stride:  # one page, as a decoding request fills at every commit
+        return iter(((hash_fn(parent, data), data),))
     chain = _chain_fn(hash_fn, end_page - first_page)
     if chain is not None:
         chunks = [data[start : start + stride] for start in range(0, len(data), stride)]

@@ -202,8 +202,12 @@ def synchronized(method: Method) -> Method:
 
     @functools.wraps(method)
     def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not `with`: its __enter__/__exit__ lookups cost more
+        try:
             return method(self, *args, **kwargs)
+        finally:
+            lock.release()
 
     return locked  # type: ignore[return-value]
 
@@ -214,8 +218,12 @@ def atomic(method: Method) -> Method:
 
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not `with`, as `synchronized`
+        try:
             return self._undo.run(method, self, *args, **kwargs)
+        finally:
+            lock.release()
 
     return run  # type: ignore[return-value]
 

@@ -130,6 +130,28 @@ def test_an_entry_matches_only_its_own_key():
     assert entry.matching_pages(key, 5, tokens, PS, 1, 2) == 0  # another parent
 
 
+@pytest.mark.parametrize("form", ["int32", "big-endian", "strided", "uint64"])
+def test_an_entry_compares_token_values_whatever_the_array(form):
+    """Tokens given as another integer type, byte order or a strided view are compared
+    by value, as their int64 bytes (an int32 array's own bytes would be half as long)."""
+    tokens = np.arange(9)
+    pages = expected(tokens, end=2)
+    entry = ChainEntry(None, 5, b"".join(d for _, d in pages), pages)
+    given = {
+        "int32": tokens.astype(np.int32),
+        "big-endian": tokens.astype(">i8"),
+        "strided": np.repeat(tokens, 2)[::2],
+        "uint64": tokens.astype(np.uint64),
+    }[form]
+    assert entry.matching_pages(None, 5, given, PS, 0, 2) == 2
+    given[6] = 0
+    assert entry.matching_pages(None, 5, given, PS, 0, 2) == 0
+    # An int32 array whose bytes equal the int64 bytes of other tokens: [1, 0, 2, 0].
+    halves = np.zeros(18, np.int32)
+    halves[::2] = np.arange(9)
+    assert entry.matching_pages(None, 5, halves, PS, 0, 1) == 0
+
+
 def test_equal_hashes_never_stand_for_different_tokens():
     """Safety does not rest on the hash: with a hash function that maps every page to
     the same value, the memo still hands back each request's own token bytes, and a
@@ -188,7 +210,8 @@ def test_hits_cut_by_evictions_are_not_looked_up_again(monkeypatch):
         pool.allocate(pool.num_free - n)
         cut, _ = chains.device_hits(ctx, RequestState(0), False)
         assert cut == hits[:n] and lookups == []
-        assert chains.room("a", cut, 9) == pool.room([p for p, _ in cut]) == pool.num_free - n
+        assert chains.room("a", cut, 1) == pool.room([p for p, _ in cut]) == pool.num_free - n
+        assert chains.room("a", cut, 9) == pool.num_free  # more than free: a bound
     fresh = make_chains(num_pages=8)
     fresh.pool = pool
     monkeypatch.undo()
@@ -219,24 +242,25 @@ def test_memo_hits_compare_only_the_pages_that_decide_the_run(monkeypatch):
 
 
 def test_room_is_read_again_once_a_page_is_freed():
-    chains = make_chains(num_pages=7)
+    """`room` answers a bound below the need where it can: the free pages, or the room
+    read for the same hits with no page freed since; else it reads the room."""
+    chains = make_chains(num_pages=8)
     tokens = np.arange(14)
     ctx = TextContext(tokens, request_id="a")
     pool = chains.pool
-    pool.release(commit(chains, tokens, 1))  # a cached hit: taking it revives it
-    held = pool.allocate(5)  # 1 free page and the cached hit left
+    pool.release(commit(chains, tokens, 2))  # cached hits: taking them revives them
+    held = pool.allocate(4)  # 2 free pages and the 2 cached hits left
     hits, _ = chains.device_hits(ctx, RequestState(0), False)
-    assert len(hits) == 1 and chains.room("a", hits, 4) == 1
-    other = pool.allocate(1)
+    assert len(hits) == 2 and chains.room("a", hits, 1) == 2  # read
+    other = pool.allocate(1)  # the room is 1 now
     hits, _ = chains.device_hits(ctx, RequestState(0), False)
-    # The room is not read again (the earlier reading bounds it), and the answer does
-    # not fit either way: 4 pages wanted.
-    assert chains.room("a", hits, 4) == 1
-    assert chains.room("a", hits, 1) == 0  # a need the bound would admit: read exactly
+    assert chains.room("a", hits, 3) == 2  # the earlier reading bounds it: not read again
+    assert chains.room("a", hits, 4) == pool.num_free == 3  # more than the free pages
+    assert chains.room("a", hits, 1) == 1  # a need a bound would admit: read exactly
     pool.release(other + held[:2])
     hits, _ = chains.device_hits(ctx, RequestState(0), False)
-    assert chains.room("a", hits, 4) == 3
-    assert chains.room("a", [], 4) == pool.num_free == 4  # no hits: read exactly, always
+    assert chains.room("a", hits, 4) == 4  # pages freed: read again
+    assert chains.room("a", [], 4) == pool.num_free == 6  # no hits: read exactly, always
 
 
 def test_the_memo_holds_at_most_its_capacity():
@@ -297,4 +321,40 @@ def test_a_failed_admission_fits_once_its_prefix_is_committed(session):
     assert m.maybe_reserve(b) is True  # 4 hits on A's pages, 1 fresh page
     assert m.get_req_blocks("B") == [0, 1, 2, 3, 4]
     assert b.start_idx == 16
+    m.check_invariants()
+
+
+def test_a_refused_retry_is_answered_without_a_plan(session, monkeypatch):
+    """A waiting prompt retried with the same hits and window is refused without a plan
+    (`PrefixChains.refused_again`); it is planned again when a token of a page that
+    decides its hits changes, when it asks for other steps, and once it may fit."""
+    m = make_paged(session, num_pages=8, max_seq_len=32)
+    a = TextContext(np.arange(20), request_id="A")  # 5 pages, committed and held
+    m.external_claim("A")
+    m.fetch([a])
+    a.update(1)
+    m.step([a])
+    replica, plans = m.replicas[0], []
+    real_plan = replica.plan
+    monkeypatch.setattr(replica, "plan", lambda ctx, n: plans.append(n) or real_plan(ctx, n))
+    b = TextContext(np.concatenate([np.arange(8), np.arange(100, 116)]), request_id="B")
+
+    def retry(num_steps=1):  # the scheduler's: claim, try, release
+        m.external_claim("B")
+        fits = m.maybe_reserve(b, num_steps)
+        if not fits:
+            m.release("B")
+        return fits
+
+    assert retry() is False and len(plans) == 1  # 2 hits on A's pages, 4 fresh: 3 free
+    assert retry() is False and len(plans) == 1
+    b.tokens[5] = 99  # in a hit: planned, with 1 hit
+    assert retry() is False and len(plans) == 2
+    b.tokens[5] = 5
+    assert retry() is False and len(plans) == 3
+    assert retry() is False and len(plans) == 3
+    assert retry(num_steps=2) is False and len(plans) == 4
+    m.release("A")  # 5 cached pages: B fits
+    assert retry() is True and len(plans) == 5
+    assert m.get_req_blocks("B")[:2] == [0, 1] and b.start_idx == 8
     m.check_invariants()

@@ -3,9 +3,11 @@ managers, one with the memo and one without (capacity 0), must give the same res
 the same pages and the same windows at every step.
 
 The operations are the ones the memo serves: prompts retried until they fit (claimed,
-tried and released every time), request ids reused with other tokens or another salt,
-prefixes shared, pages committed, freed and evicted under a tight budget, preemptions
-and resets of the prefix cache."""
+tried and released every time, for one step or two; refused again without a plan,
+`PrefixChains.refused_again`), waiting prompts whose tokens or window change between
+tries, request ids reused with other tokens or another salt, prefixes shared, pages
+committed, freed and evicted under a tight budget, preemptions and resets of the prefix
+cache."""
 
 import numpy as np
 from hypothesis import settings
@@ -15,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import mokv
 from mokv import TextContext
 from mokv.managers.paged.chain_memo import ChainMemo
+from mokv.managers.paged.prefix import PrefixChains
 
 from ..conftest import make_paged
 
@@ -57,10 +60,10 @@ class TwinMachine(RuleBasedStateMachine):
         assert out[0] == out[1]
         return out[0]
 
-    def admit(self, rid, contexts):
+    def admit(self, rid, contexts, num_steps=1):
         """The scheduler's admission: claim, try, release when it does not fit."""
         self.both(lambda m, i: m.external_claim(rid))
-        kind, fits = self.both(lambda m, i: m.maybe_reserve(contexts[i]))
+        kind, fits = self.both(lambda m, i: m.maybe_reserve(contexts[i], num_steps))
         if kind == "ok" and fits:
             self.running[rid] = contexts
         else:
@@ -76,10 +79,23 @@ class TwinMachine(RuleBasedStateMachine):
         self.admit(rid, [TextContext(prompt, request_id=rid, cache_salt=salt) for _ in self.twins])
 
     @precondition(lambda self: self.waiting and len(self.running) < 4)
-    @rule(data=st.data())
-    def retry(self, data):
+    @rule(data=st.data(), num_steps=st.sampled_from([1, 1, 1, 2]))
+    def retry(self, data, num_steps):
         rid = data.draw(st.sampled_from(sorted(self.waiting)))
-        self.admit(rid, self.waiting.pop(rid))
+        self.admit(rid, self.waiting.pop(rid), num_steps)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data(), token=st.integers(0, 9), chunk=st.integers(0, 9))
+    def edit_waiting(self, data, token, chunk):
+        """A waiting prompt's token changed in place, or its window chunked (0: neither,
+        and the token is written over itself)."""
+        contexts = self.waiting[data.draw(st.sampled_from(sorted(self.waiting)))]
+        position = data.draw(st.integers(0, contexts[0].end_idx - 1))
+        for ctx in contexts:
+            if chunk:
+                ctx.chunk(chunk)
+            else:
+                ctx.tokens[position] = token
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), chunk=st.integers(1, 9), token=st.integers(0, 3))
@@ -129,9 +145,18 @@ class TwinMachine(RuleBasedStateMachine):
             m.check_invariants()
 
 
-def test_the_memo_changes_no_answer(session):
+def test_the_memo_changes_no_answer(session, monkeypatch):
+    refused_again = PrefixChains.refused_again
+    answers = []  # refused_again's answers, to know that it was put to the test
+
+    def counted(self, ctx, req, num_steps):
+        answers.append(refused_again(self, ctx, req, num_steps))
+        return answers[-1]
+
+    monkeypatch.setattr(PrefixChains, "refused_again", counted)
     TwinMachine.session = session
     TwinMachine.TestCase.settings = settings(
         max_examples=150, stateful_step_count=60, deadline=None
     )
     TwinMachine.TestCase().runTest()
+    assert answers.count(True) > 10 and answers.count(False) > 10

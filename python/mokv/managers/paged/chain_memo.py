@@ -24,7 +24,10 @@ a range of it (`Hits`) and the room the pool had with them taken (`Room`):
   while it waits, and its run of hits is cut, never looked up again;
 - with the same hits and no page freed since (`PagePool.num_freed`), the room with
   those hits taken cannot have grown, so a reservation that did not fit then still
-  does not (`PrefixChains.room`).
+  does not (`PrefixChains.room`);
+- and the last refusal of a waiting prompt (`Refusal`): with the same hits list and
+  the same window, the reservation wants the same fresh pages, so a retry reads only
+  the hits and the room again (`PrefixChains.refused_again`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import numpy as np
 from ...cache.extra_keys import HashInputs
 from ...cache.page_pool import PagePool
 from ...context import RequestID
+
+_INT64 = np.dtype("<i8")  # the token bytes' type (a native int64 array's is this object)
 
 ChainKey = HashInputs | None
 """Everything besides the token ids and the parent hash that goes into a request's page
@@ -114,6 +119,17 @@ class Room:
 
 
 @dataclass(slots=True)
+class Refusal:
+    """A reservation of the request refused with these `hits` (the same list object as
+    `Hits.hits`), for the context's `window` (its start, active and end indices and the
+    steps asked) on a request holding no page: it wanted `num_fresh` fresh pages."""
+
+    hits: list[tuple[int, int]]
+    window: tuple[int, int, int, int]
+    num_fresh: int
+
+
+@dataclass(slots=True)
 class ChainEntry:
     """The chain of pages `[0, len(pages))` of one request's tokens: page 0 chains from
     `root`, page `i` from `pages[i - 1]`'s hash; `data` is their token bytes joined."""
@@ -124,6 +140,7 @@ class ChainEntry:
     pages: list[Page]
     hits: Hits | None = None
     room: Room | None = None
+    refusal: Refusal | None = None
 
     def matching_pages(
         self, key: ChainKey, parent: int, tokens: np.ndarray, page_size: int, first: int, end: int
@@ -136,12 +153,18 @@ class ChainEntry:
             return 0
         if parent != (self.pages[first - 1][0] if first else self.root):
             return 0
-        stride = page_size * 8
-        want = np.ascontiguousarray(tokens[first * page_size : n * page_size], dtype="<i8")
+        want = tokens[first * page_size : n * page_size]
         # Compared through the array's buffer: a copy of a long prompt's bytes cost as
-        # much as the comparison.
-        view = memoryview(want)  # type: ignore[arg-type]  # numpy's stubs lack the buffer protocol
-        return n - first if self.data.startswith(view, first * stride) else 0
+        # much as the comparison. Only the buffer of a contiguous int64 array holds the
+        # bytes the entry was made of (numpy refuses a strided one's: ValueError).
+        if want.dtype is not _INT64:
+            want = np.ascontiguousarray(want, dtype=_INT64)
+        offset = first * page_size * 8
+        try:
+            same = self.data.startswith(want, offset)  # type: ignore[arg-type]
+        except (ValueError, BufferError):
+            same = self.data.startswith(np.ascontiguousarray(want), offset)  # type: ignore[arg-type]
+        return n - first if same else 0
 
 
 class ChainMemo:

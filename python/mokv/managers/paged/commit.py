@@ -11,7 +11,7 @@ a page until its request ends. Loaded tier pages go through the same sharing
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ...cache.extra_keys import request_keys
 from ...cache.page_pool import PagePool
@@ -22,6 +22,8 @@ from ...undo import UndoLog
 from .inputs import PageTable
 from .plans import CommitPlan, RequestState
 from .prefix import PrefixChains
+
+_NOTHING = CommitPlan([], [], [], [], [], [], [])  # read only: a step that commits nothing
 
 
 class ReplicaCommits:
@@ -38,14 +40,14 @@ class ReplicaCommits:
     _requests: dict[RequestID, RequestState]
     _request: Callable[[RequestID], RequestState]  # UnknownRequestError for an unknown id
 
-    def plan_commit(self, batch: list[TextGenerationContext]) -> CommitPlan:
+    def plan_commit(self, batch: Sequence[TextGenerationContext]) -> CommitPlan:
         """The pages of `batch` that became full since their last step, with their hashes
-        (pure; StaleContextError for a context whose cache does not fit its pages)."""
-        ps, plans, requests, caching = self.page_size, [], self._requests, self._prefix_caching
-        # What events and tiers say of each page; nothing reads it without either.
-        keyed = self.pool.events is not None or self._tiered
-        owners: list[tuple[RequestState, int]] = []
-        page_ids, hashes, datas, parents, keys = [], [], [], [], []
+        (pure; StaleContextError for a context whose cache does not fit its pages).
+
+        Every request is checked first; the columns are built only for those with pages
+        to commit (at large pages, most steps have none)."""
+        ps, requests, caching = self.page_size, self._requests, self._prefix_caching
+        todo: list[tuple[TextGenerationContext, RequestState, int, int]] = []
         for ctx in batch:
             try:  # `_request`, inlined: once per request per step
                 req = requests[ctx.request_id]
@@ -53,10 +55,17 @@ class ReplicaCommits:
                 req = self._request(ctx.request_id)  # raises
             start = ctx.start_idx
             first, num_full = len(req.hashes), start // ps
-            if start < first * ps or start > len(req.pages) * ps:
+            if num_full < first or start > len(req.pages) * ps:
                 req.check_window(ctx, ps)
-            if num_full <= first or not caching:
-                continue
+            if num_full > first and caching:
+                todo.append((ctx, req, first, num_full))
+        if not todo:
+            return _NOTHING
+        # What events and tiers say of each page; nothing reads it without either.
+        keyed = self.pool.events is not None or self._tiered
+        plans, owners = [], []
+        page_ids, hashes, datas, parents, keys = [], [], [], [], []
+        for ctx, req, first, num_full in todo:
             parent = req.hashes[-1] if req.hashes else None  # for events: None on a first page
             request = request_keys(ctx) if keyed else None
             chain, _ = self.chains.pages(ctx, req, num_full)

@@ -242,8 +242,12 @@ class PagedKVCacheManager(
                     return True
                 # A decode step onto a fresh page (or a prompt's next chunk without a
                 # prefix to match): fresh pages only, without a plan (`grow`).
-                if req.pages and replica.takes_fresh_only(data, req):
-                    return self._undo.run(self._grow, replica, req, needed)
+                if req.pages:
+                    if replica.takes_fresh_only(data, req):
+                        return self._undo.run(self._grow, replica, req, needed)
+                # A waiting prompt retried as it was refused last, unplanned.
+                elif replica.chains.refused_again(data, req, num_steps):
+                    return False
             plan = replica.plan(data, num_steps)
             if plan is None:
                 return True
@@ -340,11 +344,15 @@ class PagedKVCacheManager(
 
     def _commit(self, batch: Sequence[TextGenerationContext]) -> None:
         if len(self.replicas) == 1:  # the replica finds each request, or raises as we would
-            groups = [list(batch)]
-        else:
-            groups = [[] for _ in self.replicas]
-            for ctx in batch:
-                groups[self._replica_index(ctx.request_id)].append(ctx)
+            if len(set(map(_request_id, batch))) != len(batch):
+                check_distinct(batch)
+            replica = self.replicas[0]
+            replica.commit(replica.plan_commit(batch))
+            self._after_change()
+            return
+        groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
+        for ctx in batch:
+            groups[self._replica_index(ctx.request_id)].append(ctx)
         if len(set(map(_request_id, batch))) != len(batch):
             check_distinct(batch)
         plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]

@@ -11,8 +11,9 @@ cache ends on a page boundary after a chunk or a reset); it stops one token shor
 `end_idx`, since the model must run on the last token.
 
 Chains are hashed once per request and kept in a `ChainMemo` (chain_memo.py, with the
-device hits last found and the room they left), so that a prompt retried at every step
-until it fits, and the commits of its pages after it does, hash it once.
+device hits last found, the room they left and the last refusal), so that a prompt
+retried at every step until it fits, and the commits of its pages after it does, hash
+it once.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import numpy as np
 from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, page_keys
 from ...cache.hashing import PageHashFn, iter_page_hashes
 from ...cache.page_pool import PagePool
-from ...context import RequestID, TextGenerationContext
+from ...context import RequestID, TextContext, TextGenerationContext
 from ...params import KVCacheParams
 from ...tiers.base import ChainTail
 from ..base import integer_tokens
-from .chain_memo import ChainEntry, ChainMemo, Hits, Page, Room
+from .chain_memo import ChainEntry, ChainMemo, Hits, Page, Refusal, Room
 from .plans import RequestState
 
 KEYED_ROOTS_MEMO = 65536
@@ -134,7 +135,7 @@ class PrefixChains:
             # checked when its committed pages were hashed.)
             return [], None
         if not want_tail:
-            found = self._memo_hits(ctx, req, first, end)
+            found = self._memo_hits(self.memo.get(ctx.request_id), ctx, req, first, end)
             if found is not None:
                 return found, None
         pages, entry = self.pages(ctx, req, end)
@@ -155,20 +156,63 @@ class PrefixChains:
             return hits, None
         return hits, ChainTail(pages[n], iter(pages[n + 1 :]))
 
+    def note_refusal(
+        self,
+        ctx: TextGenerationContext,
+        num_steps: int,
+        hits: list[tuple[int, int]],
+        num_fresh: int,
+    ) -> None:
+        """Remembers that a reservation of `ctx`, on a request holding no page, was
+        refused with these hits (the memo's list, `device_hits`) wanting `num_fresh`
+        fresh pages (`refused_again`). Only a `TextContext`'s: its window after a hit
+        (`active_idx_after_skip`) is a function of its indices, and so is `num_fresh`."""
+        entry = self.memo.get(ctx.request_id)
+        if entry is None or entry.hits is None or entry.hits.hits is not hits:
+            return
+        if ctx.__class__ is TextContext:
+            window = (ctx.start_idx, ctx.active_idx, ctx.end_idx, num_steps)
+            entry.refusal = Refusal(hits, window, num_fresh)
+
+    def refused_again(self, ctx: TextGenerationContext, req: RequestState, num_steps: int) -> bool:
+        """Whether reserving `ctx` for `num_steps` steps, on a request holding no page, is
+        refused again as it was last (`note_refusal`); False when that is not known.
+        Planning it would find the same hits (`_memo_hits`, the very list) and so want
+        the same fresh pages: only the room is read again. A prompt waiting for pages
+        is retried at every step, and building its plan was most of each retry."""
+        entry = self.memo.get(ctx.request_id)
+        refusal = entry.refusal if entry is not None else None
+        if refusal is None or req.pages or ctx.__class__ is not TextContext:
+            return False
+        # The same window on a request without pages (so without hashes) can match a
+        # prefix (`can_match`) as it could when it was refused.
+        if refusal.window != (ctx.start_idx, ctx.active_idx, ctx.end_idx, num_steps):
+            return False
+        end = (ctx.end_idx - 1) // self.page_size
+        hits = self._memo_hits(entry, ctx, req, 0, end)
+        if hits is not refusal.hits:
+            return False
+        return refusal.num_fresh > self._room(entry, hits, refusal.num_fresh)
+
     def _memo_hits(
-        self, ctx: TextGenerationContext, req: RequestState, first: int, end: int
+        self,
+        entry: ChainEntry | None,
+        ctx: TextGenerationContext,
+        req: RequestState,
+        first: int,
+        end: int,
     ) -> list[tuple[int, int]] | None:
-        """The device hits over pages `[first, end)` from the memo's, when it has them for
-        these pages (None: look them up). Only the pages that decide the run are compared
+        """The device hits over pages `[first, end)` from the memo's (`entry`, the
+        request's), when it has them for these pages (None: look them up). Only the
+        pages that decide the run are compared
         with the memo's tokens: the hits that still hold and the page after them. A prompt
         retried at every step while it waits compares its few hits, not all its tokens.
 
         Later pages decide nothing: the run stops at the first miss. Whatever they hold,
         `pages` + `lookup_run` would find the same run (their bytes are compared in full
         when they are committed: `pages`)."""
-        entry = self.memo.get(ctx.request_id)
         known = entry.hits if entry is not None else None
-        if entry is None or known is None or (known.first, known.end) != (first, end):
+        if entry is None or known is None or known.first != first or known.end != end:
             return None
         tokens = integer_tokens(ctx)
         held = known.num_holding(self.pool)
@@ -196,14 +240,24 @@ class PrefixChains:
 
     def room(self, request_id: RequestID, hits: list[tuple[int, int]], need: int) -> int:
         """`pool.room` of the hits' pages, or a bound of it below `need` (the fresh pages
-        a reservation with these hits takes): the room last read for the same hits (the
-        memo's list, `device_hits`) when the pool freed no page since (`chain_memo`).
-        Either way a reservation that needs `need` fresh pages fits exactly when `need`
-        is at most the answer."""
-        pool = self.pool
+        a reservation with these hits takes): the pool's free pages (taking hits only
+        revives some of them), or the room last read for the same hits (the memo's
+        list, `device_hits`) when the pool freed no page since (`chain_memo`). Either
+        way a reservation that needs `need` fresh pages fits exactly when `need` is at
+        most the answer.
+
+        Reading the room is a pass over the hits; a prompt that waits for pages is
+        retried at every step, and nine retries in ten need more than the free pages."""
         if not hits:  # nothing to revive, read at once (every decode step onto a new page)
-            return pool.room(())
-        entry = self.memo.get(request_id)
+            return self.pool.room(())
+        return self._room(self.memo.get(request_id), hits, need)
+
+    def _room(self, entry: ChainEntry | None, hits: list[tuple[int, int]], need: int) -> int:
+        """`room` with the request's memo entry."""
+        pool = self.pool
+        free = pool.num_free
+        if need > free:
+            return free
         known = entry.room if entry is not None else None
         if known is not None and known.hits is hits and known.freed == pool.num_freed:
             if need > known.room:

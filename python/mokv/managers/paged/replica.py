@@ -226,6 +226,8 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         plan = self._reservation(ctx, req, num_steps, hits, [])
         plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)
         if tail is None:
+            if room < plan.num_fresh and not req.pages and not self._tiered:
+                self.chains.note_refusal(ctx, num_steps, hits, plan.num_fresh)
             return plan
         loads: list[PendingLoad] = []
         parent = hits[-1][1] if hits else plan.parent_hash
