@@ -343,16 +343,12 @@ class PagedKVCacheManager(
             publisher.end_step()
 
     def _commit(self, batch: Sequence[TextGenerationContext]) -> None:
-        if len(self.replicas) == 1:  # the replica finds each request, or raises as we would
-            if len(set(map(_request_id, batch))) != len(batch):
-                check_distinct(batch)
-            replica = self.replicas[0]
-            replica.commit(replica.plan_commit(batch))
-            self._after_change()
-            return
-        groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
-        for ctx in batch:
-            groups[self._replica_index(ctx.request_id)].append(ctx)
+        groups: Sequence[Sequence[TextGenerationContext]] = [batch]
+        if len(self.replicas) > 1:  # (one replica finds each request, or raises as we would)
+            by_replica: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
+            for ctx in batch:
+                by_replica[self._replica_index(ctx.request_id)].append(ctx)
+            groups = by_replica
         if len(set(map(_request_id, batch))) != len(batch):
             check_distinct(batch)
         plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]
