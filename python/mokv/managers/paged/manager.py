@@ -343,17 +343,18 @@ class PagedKVCacheManager(
             publisher.end_step()
 
     def _commit(self, batch: Sequence[TextGenerationContext]) -> None:
-        groups: Sequence[Sequence[TextGenerationContext]] = [batch]
-        if len(self.replicas) > 1:  # (one replica finds each request, or raises as we would)
-            by_replica: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
-            for ctx in batch:
-                by_replica[self._replica_index(ctx.request_id)].append(ctx)
-            groups = by_replica
         if len(set(map(_request_id, batch))) != len(batch):
             check_distinct(batch)
-        plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]
-        for replica, plan in zip(self.replicas, plans):
-            replica.commit(plan)
+        if len(self.replicas) == 1:  # the replica finds each request, or raises as we would
+            replica = self.replicas[0]
+            replica.commit(replica.plan_commit(batch))
+        else:
+            groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
+            for ctx in batch:
+                groups[self._replica_index(ctx.request_id)].append(ctx)
+            plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]
+            for replica, plan in zip(self.replicas, plans):
+                replica.commit(plan)
         self._after_change()
 
     @synchronized
