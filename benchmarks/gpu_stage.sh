@@ -41,9 +41,9 @@ for part in "$stage"/site.tar.xz.[0-9]; do
   n=$((n + 1)); mkdir -p "$stage/x$n"; mv "$part" "$stage/x$n/"
 done
 echo "Staged $n parts. Device calls, back to back (the machine goes back after ~30 s idle):"
-for i in $(seq 1 "$n"); do
+for i in $(seq 1 $((n - 1))); do
   echo "  run(carry=[\"$stage/x$i\"], command=\"mkdir -p /tmp/stage && cp $stage/x$i/* /tmp/stage/\")"
 done
-echo "and carry $stage/local (mokv's kernel package, Sybil) in the call that runs gpu_machine.sh"
-
-echo "then: run(command=\"bash benchmarks/gpu_machine.sh stage-check && bash benchmarks/gpu_machine.sh tests\")"
+echo "  run(carry=[\"$stage/x$n\", \"$stage/local\"], timeout_s=590, command=\"cp $stage/x$n/* /tmp/stage/ &&" \
+  "bash benchmarks/gpu_machine.sh stage-check && bash benchmarks/gpu_machine.sh all 480\")"
+echo "($stage/local: mokv's kernel package and Sybil; results come back from \$OUT)"
