@@ -224,7 +224,9 @@ class PagePool(PagePoolReadings, PagePoolUndo, PagePoolChecks):
             return None
         from_free = min(num_new, len(free))
         need = num_new - from_free
-        evicted = list(islice((p for p in cached if p not in revived), need)) if need else []
+        # The oldest cached pages, read unfiltered when none is revived (a decode step's).
+        unrevived = (p for p in cached if p not in revived) if revived else cached
+        evicted = list(islice(unrevived, need)) if need else []
         num_unretained = len(evicted)
         if need > num_unretained:  # the cached pages ran out: sessions lose kept pages
             evicted += islice((p for p in self._kept if p not in revived), need - num_unretained)
