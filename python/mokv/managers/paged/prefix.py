@@ -44,10 +44,16 @@ class PrefixChains:
     """Pure queries over one replica's device index (`pool`)."""
 
     def __init__(
-        self, params: KVCacheParams, pool: PagePool, hash_fn: PageHashFn, root_hash: int
+        self,
+        params: KVCacheParams,
+        pool: PagePool,
+        hash_fn: PageHashFn,
+        root_hash: int,
+        max_seq_len: int,
     ) -> None:
         self.params = params
         self.page_size = params.page_size
+        self.max_seq_len = max_seq_len  # what a refused retry may reserve (`refused_again`)
         self.pool = pool
         self._hash_fn = hash_fn
         self._root_hash = root_hash
@@ -184,9 +190,11 @@ class PrefixChains:
     def refused_again(self, ctx: TextGenerationContext, req: RequestState, num_steps: int) -> bool:
         """Whether reserving `ctx` for `num_steps` steps, on a request holding no page, is
         refused again as it was last (`note_refusal`); False when that is not known.
-        Planning it would find the same hits (`_memo_hits`, the very list) and so want
-        the same fresh pages: only the room is read again. A prompt waiting for pages
-        is retried at every step, and building its plan was most of each retry."""
+        Planning it would find the hits `_memo_hits` finds: the very list of the refusal
+        (the same fresh pages wanted), or another (cut by evictions since: the fresh
+        pages counted as a plan counts them, `RequestState.reservation_size`); the room
+        is read again. A prompt waiting for pages is retried at every step, and
+        building its plan was most of each retry."""
         entry = self.memo.get(ctx.request_id)
         refusal = entry.refusal if entry is not None else None
         if refusal is None or req.pages or ctx.__class__ is not TextContext:
@@ -197,9 +205,15 @@ class PrefixChains:
             return False
         end = (ctx.end_idx - 1) // self.page_size
         hits = self._memo_hits(entry, ctx, req, 0, end)
-        if hits is not refusal.hits:
+        if hits is refusal.hits:
+            return refusal.num_fresh > self._room(entry, hits, refusal.num_fresh)
+        if hits is None:
             return False
-        return refusal.num_fresh > self._room(entry, hits, refusal.num_fresh)
+        need = req.reservation_size(ctx, len(hits), num_steps, self.page_size, self.max_seq_len)[1]
+        if need <= self._room(entry, hits, need):
+            return False
+        refusal.hits, refusal.num_fresh = hits, need  # as `note_refusal` after a plan
+        return True
 
     def _memo_hits(
         self,

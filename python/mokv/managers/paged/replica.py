@@ -62,7 +62,7 @@ from ...errors import (
 from ...params import KVCacheParams
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
-from ..base import check_request_id, sequence_too_long
+from ..base import check_request_id
 from .commit import ReplicaCommits
 from .inputs import PageTable, ReplicaInputs, ceil_div
 from .plans import RequestState, Reservation
@@ -98,7 +98,7 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         self.devices = devices
         self.pool = PagePool(num_pages)
         self.pool.undo = undo
-        self.chains = PrefixChains(params, self.pool, hash_fn, root_hash)
+        self.chains = PrefixChains(params, self.pool, hash_fn, root_hash, max_seq_len)
         self._prefix_caching = params.enable_prefix_caching
         self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
         shape = [
@@ -290,17 +290,11 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         hits: list[tuple[int, int]],
         loads: list[PendingLoad],
     ) -> Reservation:
-        """The reservation of `ctx` with these hits: where its cache ends and how many
-        fresh pages it takes (each step after the first adds one token). Raises
-        SequenceTooLongError past `max_seq_len`."""
-        num_hits = len(hits) + len(loads)
-        hit_tokens = (len(req.hashes) + num_hits) * self.page_size if num_hits else ctx.start_idx
-        # Where the window ends after a hit is the context's rule, not the manager's.
-        active_idx = ctx.active_idx_after_skip(hit_tokens) if num_hits else ctx.active_idx
-        needed = active_idx + num_steps - 1
-        if needed > self.max_seq_len:
-            raise sequence_too_long(ctx.request_id, needed, num_steps, self.max_seq_len)
-        num_new = max(ceil_div(needed, self.page_size) - len(req.pages) - num_hits, 0)
+        """The reservation of `ctx` with these hits (`RequestState.reservation_size`; a
+        load takes a fresh page)."""
+        hit_tokens, num_new = req.reservation_size(
+            ctx, len(hits) + len(loads), num_steps, self.page_size, self.max_seq_len
+        )
         parent = req.hashes[-1] if req.hashes else None
         return Reservation(ctx, req, hits, hit_tokens, num_new + len(loads), list(loads), parent)
 
