@@ -81,7 +81,7 @@ class Hits:
         costs a pass over a long prompt's run); or, when the pool no longer knows
         those hashes, the ones that still carry their hash and tokens."""
         n = len(self.hits)
-        if self.unindexed == pool.num_unindexed:
+        if not n or self.unindexed == pool.num_unindexed:  # none to lose (most waiting prompts)
             return n
         removed = pool.unindexed_since(self.unindexed)
         if removed is None:
