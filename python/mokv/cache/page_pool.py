@@ -237,8 +237,8 @@ class PagePool(PagePoolReadings, PagePoolUndo, PagePoolChecks):
         ref_count = self._ref_count
         for page_id in hits:
             ref_count[page_id] += 1
-        evicted_hashes = list(map(self._page_hash.__getitem__, evicted))
-        evicted_tokens = list(map(self._page_tokens.__getitem__, evicted))
+        evicted_hashes = list(map(self._page_hash.__getitem__, evicted)) if evicted else []
+        evicted_tokens = list(map(self._page_tokens.__getitem__, evicted)) if evicted else []
         if evicted:
             self._evict(evicted, evicted_hashes, num_unretained)
         pages = free[len(free) - from_free :][::-1] + evicted

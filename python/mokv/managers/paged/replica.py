@@ -257,7 +257,7 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         extend it (`PrefixChains.can_match`), or it has no page left to look for (a decode
         step onto a new page). Then `grow` does what `plan` and `apply` would."""
         last_page = (ctx.end_idx - 1) // self.page_size  # the last one a prefix may reach
-        return not self.chains.can_match(ctx, req) or last_page <= len(req.hashes)
+        return last_page <= len(req.hashes) or not self.chains.can_match(ctx, req)
 
     def grow(self, req: RequestState, num_pages: int) -> bool:
         """Takes `num_pages` fresh pages for a request that holds pages already and can
@@ -267,13 +267,15 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         The step that fills a page of every decoding request takes one such page each;
         planning it (a `Reservation`, its room, a batch of one) cost as much as taking it.
         """
-        if num_pages > self.pool.num_free:
-            return False
         if self.sessions is not None:  # sessions past their time-to-live, before evicting
+            if num_pages > self.pool.num_free:
+                return False
             self.sessions.apply(self.sessions.plan_expiry())
         pages = self.pool.take((), num_pages)
-        if pages is None:
-            raise InvariantError("fresh pages that fit could not be taken")
+        if pages is None:  # changing nothing: they do not fit (with sessions, known above)
+            if self.sessions is not None:
+                raise InvariantError("fresh pages that fit could not be taken")
+            return False
         held = len(req.pages)
         self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
         req.pages.extend(pages)
