@@ -224,7 +224,9 @@ class PagePool(PagePoolReadings, PagePoolUndo, PagePoolChecks):
             return None
         from_free = min(num_new, len(free))
         need = num_new - from_free
-        evicted = list(islice((p for p in cached if p not in revived), need)) if need else []
+        # The oldest cached pages, read unfiltered when none is revived (a decode step's).
+        unrevived = (p for p in cached if p not in revived) if revived else cached
+        evicted = list(islice(unrevived, need)) if need else []
         num_unretained = len(evicted)
         if need > num_unretained:  # the cached pages ran out: sessions lose kept pages
             evicted += islice((p for p in self._kept if p not in revived), need - num_unretained)
@@ -235,8 +237,8 @@ class PagePool(PagePoolReadings, PagePoolUndo, PagePoolChecks):
         ref_count = self._ref_count
         for page_id in hits:
             ref_count[page_id] += 1
-        evicted_hashes = list(map(self._page_hash.__getitem__, evicted))
-        evicted_tokens = list(map(self._page_tokens.__getitem__, evicted))
+        evicted_hashes = list(map(self._page_hash.__getitem__, evicted)) if evicted else []
+        evicted_tokens = list(map(self._page_tokens.__getitem__, evicted)) if evicted else []
         if evicted:
             self._evict(evicted, evicted_hashes, num_unretained)
         pages = free[len(free) - from_free :][::-1] + evicted

@@ -22,7 +22,7 @@ PS = 4  # small_params' page size
 def make_chains(num_pages=8, hash_fn=None, capacity=None):
     params = small_params()
     chains = PrefixChains(params, PagePool(num_pages), hash_fn or page_hash_fn("xxh3"),
-                          root_hash("xxh3", 0))
+                          root_hash("xxh3", 0), max_seq_len=64)
     if capacity is not None:
         chains.memo = ChainMemo(capacity)
     return chains
@@ -358,3 +358,63 @@ def test_a_refused_retry_is_answered_without_a_plan(session, monkeypatch):
     assert retry() is True and len(plans) == 5
     assert m.get_req_blocks("B")[:2] == [0, 1] and b.start_idx == 8
     m.check_invariants()
+
+
+@pytest.mark.parametrize("refused_between", [True, False])
+def test_a_refused_retry_whose_hits_were_evicted_is_answered_without_a_plan(
+    session, monkeypatch, refused_between
+):
+    """Cached hits of a waiting prompt evicted between its retries: the retry counts the
+    fresh pages its fewer hits take, as a plan would, and is still refused unplanned;
+    once exactly that many pages are free, it fits. Every answer, page and window is the
+    one of a twin manager without the memo."""
+    twins = [make_paged(session, num_pages=8, max_seq_len=32) for _ in range(2)]
+    twins[1].replicas[0].chains.memo = ChainMemo(0)
+    replica, plans = twins[0].replicas[0], []
+    real_plan = replica.plan
+    monkeypatch.setattr(
+        replica, "plan", lambda ctx, n: plans.append(ctx.request_id) or real_plan(ctx, n)
+    )
+
+    def admit(rid, tokens):
+        """Claims, tries and releases what does not fit, on both twins: the same answer
+        and pages; the twins' contexts."""
+        contexts = [TextContext(tokens, request_id=rid) for _ in twins]
+        fits = []
+        for m, ctx in zip(twins, contexts):
+            m.external_claim(rid)
+            fits.append(m.maybe_reserve(ctx))
+            if not fits[-1]:
+                m.release(rid)
+        assert fits[0] == fits[1]
+        if fits[0]:
+            assert twins[0].get_req_blocks(rid) == twins[1].get_req_blocks(rid)
+            assert contexts[0].start_idx == contexts[1].start_idx
+        return fits[0], contexts[0]
+
+    for m in twins:  # A: 5 pages, committed, then cached (pages 4, 3, 2, 1, 0 oldest first)
+        a = TextContext(np.arange(20), request_id="A")
+        m.external_claim("A")
+        m.fetch([a])
+        a.update(1)
+        m.step([a])
+        m.release("A")
+    assert admit("D", np.arange(200, 212))[0]  # the 3 free pages
+    b = np.concatenate([np.arange(12), np.arange(100, 116)])
+    assert admit("B", b)[0] is False and plans.count("B") == 1  # 3 hits, 4 fresh; room 5 - 3
+    assert admit("B", b)[0] is False and plans.count("B") == 1
+    assert admit("E", np.arange(300, 304))[0]
+    assert twins[0].get_req_blocks("E") == [4]  # evicted: not a hit of B's
+    assert admit("B", b)[0] is False and plans.count("B") == 1
+    assert admit("F", np.arange(400, 408))[0]
+    assert twins[0].get_req_blocks("F") == [3, 2]  # B's third hit evicted
+    if refused_between:
+        assert admit("B", b)[0] is False and plans.count("B") == 1  # 2 hits, 5 fresh; room 2 - 2
+    for m in twins:
+        m.release("D")
+        m.release("F")
+    fits, ctx = admit("B", b)
+    assert fits and plans.count("B") == 2  # room 7 - 2: 5 fresh pages fit
+    assert twins[0].get_req_blocks("B")[:2] == [0, 1] and ctx.start_idx == 8
+    for m in twins:
+        m.check_invariants()

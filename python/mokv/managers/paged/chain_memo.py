@@ -27,7 +27,8 @@ a range of it (`Hits`) and the room the pool had with them taken (`Room`):
   does not (`PrefixChains.room`);
 - and the last refusal of a waiting prompt (`Refusal`): with the same hits list and
   the same window, the reservation wants the same fresh pages, so a retry reads only
-  the hits and the room again (`PrefixChains.refused_again`).
+  the hits and the room again (`PrefixChains.refused_again`); with its hits cut by
+  evictions since, it counts the fresh pages again, without a plan.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Hits:
         costs a pass over a long prompt's run); or, when the pool no longer knows
         those hashes, the ones that still carry their hash and tokens."""
         n = len(self.hits)
-        if self.unindexed == pool.num_unindexed:
+        if not n or self.unindexed == pool.num_unindexed:  # none to lose (most waiting prompts)
             return n
         removed = pool.unindexed_since(self.unindexed)
         if removed is None:

@@ -263,7 +263,7 @@ class PagedKVCacheManager(
         self._after_change()
 
     def _grow(self, replica: PagedReplica, req: RequestState, needed: int) -> bool:
-        grown = replica.grow(req, ceil_div(needed, replica.page_size) - len(req.pages))
+        grown = replica.grow(req, -(-needed // replica.page_size) - len(req.pages))
         if grown:
             self._after_change()
         return grown

@@ -11,6 +11,7 @@ from ...context import TextGenerationContext
 from ...errors import StaleContextError
 from ...tiers.base import DeviceHit
 from ...tiers.stack import PendingLoad
+from ..base import sequence_too_long
 
 if TYPE_CHECKING:
     from .sessions import Session
@@ -48,6 +49,26 @@ class RequestState:
                 f"request {ctx.request_id!r} has start_idx={ctx.start_idx} but only "
                 f"{len(self.pages) * page_size} token slots were fetched for it"
             )
+
+    def reservation_size(
+        self,
+        ctx: TextGenerationContext,
+        num_hits: int,
+        num_steps: int,
+        page_size: int,
+        max_seq_len: int,
+    ) -> tuple[int, int]:
+        """Where `ctx`'s cache ends after `num_hits` hits (device pages and tier loads)
+        continue the request's committed pages, and the pages after them that reserving
+        it for `num_steps` steps takes (each step after the first adds one token).
+        SequenceTooLongError past `max_seq_len`."""
+        hit_tokens = (len(self.hashes) + num_hits) * page_size if num_hits else ctx.start_idx
+        # Where the window ends after a hit is the context's rule, not the manager's.
+        active_idx = ctx.active_idx_after_skip(hit_tokens) if num_hits else ctx.active_idx
+        needed = active_idx + num_steps - 1
+        if needed > max_seq_len:
+            raise sequence_too_long(ctx.request_id, needed, num_steps, max_seq_len)
+        return hit_tokens, max(-(-needed // page_size) - len(self.pages) - num_hits, 0)
 
 
 @dataclass(slots=True)

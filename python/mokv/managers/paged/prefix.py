@@ -37,15 +37,23 @@ the memo, not the keys."""
 CHAIN_MEMO_TOKENS = 1 << 17
 """Tokens of the chains a replica remembers (`ChainMemo`), about 16 bytes each."""
 
+_INT64 = np.dtype("<i8")  # the token bytes' type
+
 
 class PrefixChains:
     """Pure queries over one replica's device index (`pool`)."""
 
     def __init__(
-        self, params: KVCacheParams, pool: PagePool, hash_fn: PageHashFn, root_hash: int
+        self,
+        params: KVCacheParams,
+        pool: PagePool,
+        hash_fn: PageHashFn,
+        root_hash: int,
+        max_seq_len: int,
     ) -> None:
         self.params = params
         self.page_size = params.page_size
+        self.max_seq_len = max_seq_len  # what a refused retry may reserve (`refused_again`)
         self.pool = pool
         self._hash_fn = hash_fn
         self._root_hash = root_hash
@@ -87,12 +95,17 @@ class PrefixChains:
 
         Pages the request's memo entry holds for the same tokens and `hash_inputs` (its
         `ChainKey`) are taken from it; the rest are hashed. A chain from the first page
-        is remembered."""
+        is remembered; a single page after committed ones is hashed, not looked up."""
         first, ps = len(req.hashes), self.page_size
         tokens = integer_tokens(ctx)
         if end_page <= first:
             return [], None
         inputs = hash_inputs(ctx)
+        if end_page == first + 1 and first and inputs is None:
+            # The one page after committed ones that a decode step fills: hashed at once
+            # (with "xxh3" ~0.3 us), where reading it from the memo cost ~1 us.
+            data = np.ascontiguousarray(tokens[first * ps : end_page * ps], _INT64).tobytes()
+            return [(self._hash_fn(req.hashes[-1], data), data)], None
         parent = self.parent(req, inputs)
         entry = self.memo.get(ctx.request_id)
         held = entry.matching_pages(inputs, parent, tokens, ps, first, end_page) if entry else 0
@@ -177,9 +190,11 @@ class PrefixChains:
     def refused_again(self, ctx: TextGenerationContext, req: RequestState, num_steps: int) -> bool:
         """Whether reserving `ctx` for `num_steps` steps, on a request holding no page, is
         refused again as it was last (`note_refusal`); False when that is not known.
-        Planning it would find the same hits (`_memo_hits`, the very list) and so want
-        the same fresh pages: only the room is read again. A prompt waiting for pages
-        is retried at every step, and building its plan was most of each retry."""
+        Planning it would find the hits `_memo_hits` finds: the very list of the refusal
+        (the same fresh pages wanted), or another (cut by evictions since: the fresh
+        pages counted as a plan counts them, `RequestState.reservation_size`); the room
+        is read again. A prompt waiting for pages is retried at every step, and
+        building its plan was most of each retry."""
         entry = self.memo.get(ctx.request_id)
         refusal = entry.refusal if entry is not None else None
         if refusal is None or req.pages or ctx.__class__ is not TextContext:
@@ -190,9 +205,15 @@ class PrefixChains:
             return False
         end = (ctx.end_idx - 1) // self.page_size
         hits = self._memo_hits(entry, ctx, req, 0, end)
-        if hits is not refusal.hits:
+        if hits is refusal.hits:
+            return refusal.num_fresh > self._room(entry, hits, refusal.num_fresh)
+        if hits is None:
             return False
-        return refusal.num_fresh > self._room(entry, hits, refusal.num_fresh)
+        need = req.reservation_size(ctx, len(hits), num_steps, self.page_size, self.max_seq_len)[1]
+        if need <= self._room(entry, hits, need):
+            return False
+        refusal.hits, refusal.num_fresh = hits, need  # as `note_refusal` after a plan
+        return True
 
     def _memo_hits(
         self,

@@ -62,7 +62,7 @@ from ...errors import (
 from ...params import KVCacheParams
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
-from ..base import check_request_id, sequence_too_long
+from ..base import check_request_id
 from .commit import ReplicaCommits
 from .inputs import PageTable, ReplicaInputs, ceil_div
 from .plans import RequestState, Reservation
@@ -98,7 +98,7 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         self.devices = devices
         self.pool = PagePool(num_pages)
         self.pool.undo = undo
-        self.chains = PrefixChains(params, self.pool, hash_fn, root_hash)
+        self.chains = PrefixChains(params, self.pool, hash_fn, root_hash, max_seq_len)
         self._prefix_caching = params.enable_prefix_caching
         self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
         shape = [
@@ -257,7 +257,7 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         extend it (`PrefixChains.can_match`), or it has no page left to look for (a decode
         step onto a new page). Then `grow` does what `plan` and `apply` would."""
         last_page = (ctx.end_idx - 1) // self.page_size  # the last one a prefix may reach
-        return not self.chains.can_match(ctx, req) or last_page <= len(req.hashes)
+        return last_page <= len(req.hashes) or not self.chains.can_match(ctx, req)
 
     def grow(self, req: RequestState, num_pages: int) -> bool:
         """Takes `num_pages` fresh pages for a request that holds pages already and can
@@ -267,13 +267,15 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         The step that fills a page of every decoding request takes one such page each;
         planning it (a `Reservation`, its room, a batch of one) cost as much as taking it.
         """
-        if num_pages > self.pool.num_free:
-            return False
         if self.sessions is not None:  # sessions past their time-to-live, before evicting
+            if num_pages > self.pool.num_free:
+                return False
             self.sessions.apply(self.sessions.plan_expiry())
         pages = self.pool.take((), num_pages)
-        if pages is None:
-            raise InvariantError("fresh pages that fit could not be taken")
+        if pages is None:  # changing nothing: they do not fit (with sessions, known above)
+            if self.sessions is not None:
+                raise InvariantError("fresh pages that fit could not be taken")
+            return False
         held = len(req.pages)
         self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
         req.pages.extend(pages)
@@ -290,17 +292,11 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         hits: list[tuple[int, int]],
         loads: list[PendingLoad],
     ) -> Reservation:
-        """The reservation of `ctx` with these hits: where its cache ends and how many
-        fresh pages it takes (each step after the first adds one token). Raises
-        SequenceTooLongError past `max_seq_len`."""
-        num_hits = len(hits) + len(loads)
-        hit_tokens = (len(req.hashes) + num_hits) * self.page_size if num_hits else ctx.start_idx
-        # Where the window ends after a hit is the context's rule, not the manager's.
-        active_idx = ctx.active_idx_after_skip(hit_tokens) if num_hits else ctx.active_idx
-        needed = active_idx + num_steps - 1
-        if needed > self.max_seq_len:
-            raise sequence_too_long(ctx.request_id, needed, num_steps, self.max_seq_len)
-        num_new = max(ceil_div(needed, self.page_size) - len(req.pages) - num_hits, 0)
+        """The reservation of `ctx` with these hits (`RequestState.reservation_size`; a
+        load takes a fresh page)."""
+        hit_tokens, num_new = req.reservation_size(
+            ctx, len(hits) + len(loads), num_steps, self.page_size, self.max_seq_len
+        )
         parent = req.hashes[-1] if req.hashes else None
         return Reservation(ctx, req, hits, hit_tokens, num_new + len(loads), list(loads), parent)
 
