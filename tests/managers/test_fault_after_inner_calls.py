@@ -74,7 +74,7 @@ def test_no_page_leaks_after_take_returns(session, monkeypatch, call):
     all_back(m)
 
 
-@pytest.mark.parametrize("owner, name", [(PagePool, "take"), (PageTable, "set_row")])
+@pytest.mark.parametrize("owner, name", [(PagePool, "take_fresh"), (PageTable, "set_row")])
 def test_a_decode_step_onto_a_new_page_gives_it_back(session, monkeypatch, owner, name):
     m = manager(session)
     a = TextContext(np.arange(8), "A")
@@ -208,8 +208,12 @@ def test_a_failed_load_leaves_the_reservation_of_fetch_standing(session, monkeyp
     """With the host tier: the reservation stands once the context moved; the loads stay
     pending, and the next fetch runs them."""
     page_bytes = small_params().bytes_per_page(NUM_LAYERS)
-    m = make_paged(session, num_pages=6, max_seq_len=24,
-                   tiers=(mokv.HostTierConfig(swap_space_gb=10 * page_bytes / 2**30),))
+    m = make_paged(
+        session,
+        num_pages=6,
+        max_seq_len=24,
+        tiers=(mokv.HostTierConfig(swap_space_gb=10 * page_bytes / 2**30),),
+    )
     served(m, TextContext(PREFIX + [9], "A"))  # written through to the host
     m.release("A")
     served(m, TextContext(np.arange(100, 121), "C"))  # evicts A's pages from the device

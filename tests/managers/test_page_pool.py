@@ -148,6 +148,7 @@ def test_num_still_indexed_counts_the_leading_pages_that_keep_their_hash_and_tok
     assert pool.num_still_indexed([b, a], [2, 1], tokens[::-1]) == 0
     assert pool.num_still_indexed([a], [1], tokens[:1]) == 1
 
+
 def test_unindexed_since_names_every_entry_removed_until_the_log_or_a_reset_loses_them(
     monkeypatch,
 ):
@@ -182,3 +183,66 @@ def test_unindexed_since_names_every_entry_removed_until_the_log_or_a_reset_lose
     pool.reset_prefix_cache()
     assert pool.unindexed_since(reading) is None
     assert pool.unindexed_since(pool.num_unindexed) == []
+
+
+class _Heard:
+    """An event sink that records what it hears."""
+
+    def __init__(self):
+        self.heard = []
+
+    def stored(self, page_hash, parent_hash, token_bytes, keys):
+        self.heard.append(("stored", page_hash))
+
+    def removed(self, page_hash):
+        self.heard.append(("removed", page_hash))
+
+    def cleared(self):
+        self.heard.append(("cleared",))
+
+
+def _pool_state(pool):
+    return (
+        list(pool._ref_count),
+        list(pool._page_hash),
+        list(pool._page_tokens),
+        list(pool._free),
+        list(pool._cached),
+        list(pool._kept),
+        dict(pool._index),
+        (pool.num_freed, pool.num_unindexed, pool.num_evicted_retained),
+        list(pool._unindexed),
+        list(pool.events.heard),
+    )
+
+
+def _twin_pool(num_free, num_cached, num_kept):
+    """A pool of 8 pages: `num_free` free, `num_cached` cached, `num_kept` kept, the rest
+    owned (returned with it)."""
+    pool = PagePool(8)
+    pool.undo, pool.events = UndoLog(), _Heard()
+    pages = pool.allocate(8)
+    unowned = num_free + num_cached + num_kept
+    pool.commit_pages(
+        pages[num_free:unowned], [100 + p for p in pages], [bytes([p]) for p in pages]
+    )
+    pool.retain([100 + p for p in pages[num_free + num_cached : unowned]])
+    pool.release(pages[:unowned])
+    pool.undo.commit()
+    return pool, pages[unowned:]
+
+
+@pytest.mark.parametrize(
+    "num_free, num_cached, num_kept",
+    [(2, 2, 1), (1, 0, 0), (0, 3, 1), (0, 1, 0), (0, 0, 2), (0, 0, 0)],
+)
+@pytest.mark.parametrize("num_new", [1, 2])
+def test_take_fresh_does_what_take_without_hits_does(num_free, num_cached, num_kept, num_new):
+    fast, owned = _twin_pool(num_free, num_cached, num_kept)
+    full, _ = _twin_pool(num_free, num_cached, num_kept)
+    assert fast.take_fresh(num_new) == full.take((), num_new)
+    assert _pool_state(fast) == _pool_state(full)
+    fast.check_invariants([owned, *(fast._ref_count[p] * [p] for p in range(8) if p not in owned)])
+    fast.undo.rollback()
+    full.undo.rollback()
+    assert _pool_state(fast) == _pool_state(full)

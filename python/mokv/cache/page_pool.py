@@ -59,8 +59,7 @@ frees a page or removes an index entry must count it, undoing included (an undon
 `take` frees its pages, an undone `commit_pages` removes its entries). The hashes of the
 last entries removed are logged too (`page_pool_readings.py`).
 
-Everything here is plain integers in flat lists, so that the pool can move to Mojo
-without changing its shape.
+Everything here is plain integers in flat lists: the pool can move to Mojo as it is.
 """
 
 from __future__ import annotations
@@ -74,6 +73,7 @@ from typing import TYPE_CHECKING, Protocol
 from ..errors import InvariantError
 from ..undo import UndoLog
 from .page_pool_checks import PagePoolChecks
+from .page_pool_grow import PagePoolGrow
 from .page_pool_readings import PagePoolReadings
 from .page_pool_undo import PagePoolUndo
 from .retention import Retention
@@ -96,10 +96,10 @@ class PageEventSink(Protocol):
     def cleared(self) -> None: ...
 
 
-class PagePool(PagePoolReadings, PagePoolUndo, PagePoolChecks):
+class PagePool(PagePoolReadings, PagePoolUndo, PagePoolGrow, PagePoolChecks):
     """Reference-counted pages with an LRU of reusable cached pages (its undo records:
     `page_pool_undo.py`; its invariants' check: `page_pool_checks.py`; what a memo of
-    its answers reads: `page_pool_readings.py`)."""
+    its answers reads: `page_pool_readings.py`; a grow's one page: `page_pool_grow.py`)."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 1:

@@ -271,7 +271,7 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
             if num_pages > self.pool.num_free:
                 return False
             self.sessions.apply(self.sessions.plan_expiry())
-        pages = self.pool.take((), num_pages)
+        pages = self.pool.take_fresh(num_pages)
         if pages is None:  # changing nothing: they do not fit (with sessions, known above)
             if self.sessions is not None:
                 raise InvariantError("fresh pages that fit could not be taken")
