@@ -64,7 +64,10 @@ def _xxh3(parent: int, token_bytes) -> int:
     return xxh3_64_intdigest(token_bytes, parent)
 
 
-_INT64 = np.dtype("<i8")  # token ids' bytes (an object: a dtype string is parsed per call)
+TOKEN_BYTES = np.dtype("<i8")
+"""The type of the token ids' bytes that pages hash (little-endian int64). An object, not
+the string: numpy parses a dtype string at every call. A native int64 array's dtype is
+this very object, so `tokens.dtype is TOKEN_BYTES` tells that no conversion is needed."""
 
 # Copying an initialized hash object skips OpenSSL 3.0's per-constructor digest lookup
 # (about a third of the cost of a 1 KiB page here).
@@ -109,7 +112,7 @@ def _native_chain(function: str, tokens: np.ndarray, page_size: int, parent: int
     module = _native_hash_module()
     if module is None:
         raise RuntimeError("mokv_hash_ext is unavailable (see the warning above)")
-    data = np.ascontiguousarray(tokens, dtype="<i8")
+    data = np.ascontiguousarray(tokens, dtype=TOKEN_BYTES)
     num_pages = len(data) // page_size
     if num_pages == 0:
         return []
@@ -251,7 +254,7 @@ def salted_root(algorithm: str, seed: int, cache_salt: str | None) -> int:
 
 def token_bytes(tokens: np.ndarray) -> bytes:
     """The canonical byte form of token ids that page hashes are computed over."""
-    return np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+    return np.ascontiguousarray(tokens, dtype=TOKEN_BYTES).tobytes()
 
 
 def page_hashes(
@@ -270,7 +273,7 @@ def page_hashes(
         return [
             h for h, _ in iter_page_hashes(tokens, page_size, parent, hash_fn, 0, None, page_keys)
         ]
-    data = np.ascontiguousarray(tokens, dtype="<i8")
+    data = np.ascontiguousarray(tokens, dtype=TOKEN_BYTES)
     num_pages = len(data) // page_size
     chain = _chain_fn(hash_fn, num_pages)
     if chain is not None:
@@ -309,7 +312,7 @@ def iter_page_hashes(
     """
     if end_page is None:
         end_page = len(tokens) // page_size
-    pages = np.ascontiguousarray(tokens[first_page * page_size : end_page * page_size], _INT64)
+    pages = np.ascontiguousarray(tokens[first_page * page_size : end_page * page_size], TOKEN_BYTES)
     data = pages.tobytes()
     stride = page_size * 8
     if page_keys:

@@ -40,10 +40,9 @@ from itertools import repeat
 import numpy as np
 
 from ...cache.extra_keys import HashInputs
+from ...cache.hashing import TOKEN_BYTES
 from ...cache.page_pool import PagePool
 from ...context import RequestID
-
-_INT64 = np.dtype("<i8")  # the token bytes' type (a native int64 array's is this object)
 
 ChainKey = HashInputs | None
 """Everything besides the token ids and the parent hash that goes into a request's page
@@ -158,8 +157,8 @@ class ChainEntry:
         # Compared through the array's buffer: a copy of a long prompt's bytes cost as
         # much as the comparison. Only the buffer of a contiguous int64 array holds the
         # bytes the entry was made of (numpy refuses a strided one's: ValueError).
-        if want.dtype is not _INT64:
-            want = np.ascontiguousarray(want, dtype=_INT64)
+        if want.dtype is not TOKEN_BYTES:
+            want = np.ascontiguousarray(want, dtype=TOKEN_BYTES)
         offset = first * page_size * 8
         try:
             same = self.data.startswith(want, offset)  # type: ignore[arg-type]

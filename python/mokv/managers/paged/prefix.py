@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, page_keys
-from ...cache.hashing import PageHashFn, iter_page_hashes
+from ...cache.hashing import TOKEN_BYTES, PageHashFn, iter_page_hashes
 from ...cache.page_pool import PagePool
 from ...context import RequestID, TextContext, TextGenerationContext
 from ...params import KVCacheParams
@@ -36,8 +36,6 @@ the memo, not the keys."""
 
 CHAIN_MEMO_TOKENS = 1 << 17
 """Tokens of the chains a replica remembers (`ChainMemo`), about 16 bytes each."""
-
-_INT64 = np.dtype("<i8")  # the token bytes' type
 
 
 class PrefixChains:
@@ -104,7 +102,7 @@ class PrefixChains:
         if end_page == first + 1 and first and inputs is None:
             # The one page after committed ones that a decode step fills: hashed at once
             # (with "xxh3" ~0.3 us), where reading it from the memo cost ~1 us.
-            data = np.ascontiguousarray(tokens[first * ps : end_page * ps], _INT64).tobytes()
+            data = np.ascontiguousarray(tokens[first * ps : end_page * ps], TOKEN_BYTES).tobytes()
             return [(self._hash_fn(req.hashes[-1], data), data)], None
         parent = self.parent(req, inputs)
         entry = self.memo.get(ctx.request_id)
@@ -123,7 +121,7 @@ class PrefixChains:
         if first:
             return pages, None
         # The pages' bytes joined are the tokens' bytes (a copy, not a join of slices).
-        data = np.ascontiguousarray(tokens[: end_page * ps], dtype="<i8").tobytes()
+        data = np.ascontiguousarray(tokens[: end_page * ps], dtype=TOKEN_BYTES).tobytes()
         entry = ChainEntry(inputs, parent, data, pages)
         self.memo.put(ctx.request_id, entry)
         return pages, entry
