@@ -2,6 +2,7 @@
 #   make demo   installs mokv into .venv and runs the demo on the CPU
 #   make test   installs mokv and its test tools into .venv (and, as root on Debian, the
 #               redis-server package that tests/remote/ starts) and runs every test
+#               (PYTEST_ARGS="--cpu-target znver3": every CPU kernel compiled for AVX2)
 #   make test-remote  only the shared-tier tests (each starts its own redis-server)
 #   make test-consumers  installs vLLM's event classes and NVIDIA Dynamo's KV indexer (CPU
 #               builds) and runs tests/consumers/: routers others wrote read mokv's events
@@ -40,7 +41,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/generate.py
 
 test: $(VENV)/.installed redis-server
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-remote: $(VENV)/.installed redis-server
 	$(PY) -m pytest -q tests/remote tests/tiers/test_remote.py

@@ -16,6 +16,10 @@ Parts (each module's docstring says what it measures and why):
   qkv        bench_qkv.py       CPU QKV projection: mokv's fused_qkv_matmul vs MAX's matmul
   compile    bench_compile.py   cold and warm build+load of a graph with mokv's kernels
 
+--cpu-target NAME compiles every CPU kernel of the run, MAX's and mokv's, for the LLVM CPU NAME
+(MAX's `max.driver.set_virtual_cpu_target`) and runs it on this host: `--cpu-target znver3` on an
+AVX-512 machine times the AVX2 code (both sides) that an AMD Zen 3 host runs.
+
 --portable adds, to attention and qkv, mokv's kernels on the portable CPU paths (the
 paths of a host without AVX-512, forced with `mokv.ops.portable_cpu_paths`), timed
 beside the host's own paths and MAX's.
@@ -76,7 +80,10 @@ def _plan(parts: list[str], quick: bool, portable: bool) -> int:
 
 
 def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dict:
-    results: dict = {"machine": machine(), "quick": quick, "portable": portable, "seconds": {}}
+    from max.driver import get_virtual_cpu_target
+
+    results: dict = {"machine": {**machine(), "cpu_target": get_virtual_cpu_target() or "host"},
+                     "quick": quick, "portable": portable, "seconds": {}}
     previous = out / "results.json"
     if set(parts) != set(PARTS) and previous.is_file():  # a partial run updates the last one
         results = {**json.loads(previous.read_text()), **results, "seconds": {}}
@@ -190,7 +197,7 @@ def summary(r: dict) -> str:
     """Markdown tables of the headline numbers."""
     m = r["machine"]
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_GB']} GB, MAX {m['max']}, "
-             f"load average {m['loadavg_start'][0]:.2f} → {m['loadavg_end'][0]:.2f}", ""]
+             f"CPU kernels compiled for {m.get('cpu_target', 'host')}, load average {m['loadavg_start'][0]:.2f} → {m['loadavg_end'][0]:.2f}", ""]
     for key in ("compare", "compare_page16"):
         lines += _replay_table(r.get("managers", {}).get(key, {}))
     lines += _session_table(r.get("managers", {}).get("sessions", {}))
@@ -289,6 +296,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller traces and grids (~1-2 min warm)")
     ap.add_argument("--portable", action="store_true",
                     help="attention and qkv: also time mokv on the portable CPU paths")
+    ap.add_argument("--cpu-target", default="", metavar="NAME",
+                    help="compile every CPU kernel (MAX's and mokv's) for this LLVM CPU, e.g. znver3 "
+                         "(AVX2, no AVX-512), and run it here")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
     args = ap.parse_args()
@@ -296,6 +306,10 @@ def main() -> None:
     bad = set(parts) - set(PARTS)
     if bad:
         ap.error(f"unknown parts {sorted(bad)}")
+    if args.cpu_target:
+        from max.driver import set_virtual_cpu_target
+
+        set_virtual_cpu_target(args.cpu_target)  # before anything compiles
     results = run(parts, args.quick, args.out, args.portable)
     Console().print(summary(results))
     print(f"wrote {args.out}/results.json, summary.md, {', '.join(results['plots'])}")

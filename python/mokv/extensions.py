@@ -2,7 +2,8 @@
 
 Each module is one source file, `<name>.mojo`, built on first use and cached by
 content: `<cache>/ext/<key>/<name>.so`, where the key is a SHA-256 over the module's
-source, the CPU's feature flags (see `_host_cpu`), this interpreter's prefix (a `mojo
+source, the CPU it is built for (MAX's virtual CPU target where one is set, else this
+host's feature flags: see `_host_cpu`), this interpreter's prefix (a `mojo
 build` shared library carries an absolute RUNPATH into the environment that built it)
 and, for a module that imports the mokv kernel package, that precompiled package (whose
 directory name is the digest of mojo/mokv/). A module that does not import it
@@ -28,7 +29,7 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
-from .mojo_package import _clean_env, _mojo_binary, cache_dir, kernels_path
+from .mojo_package import _clean_env, _mojo_binary, cache_dir, kernels_path, mojo_target_flags
 
 
 def _ext_sources() -> Path:
@@ -54,7 +55,8 @@ def _host_cpu() -> bytes:
 
 
 def _key(source: Path, package: Path | None) -> str:
-    h = hashlib.sha256(source.read_bytes() + b"\0" + sys.prefix.encode() + b"\0" + _host_cpu())
+    cpu = " ".join(mojo_target_flags()).encode() or _host_cpu()
+    h = hashlib.sha256(source.read_bytes() + b"\0" + sys.prefix.encode() + b"\0" + cpu)
     if package is not None:
         h.update(b"\0" + str(package).encode())
     return h.hexdigest()
@@ -82,6 +84,7 @@ def build(name: str, imports_kernels: bool = False) -> Path:
                 str(source),
                 "--emit",
                 "shared-lib",
+                *mojo_target_flags(),
                 *include,
                 "-o",
                 str(tmp),

@@ -56,6 +56,19 @@ def _mojo_binary() -> str:
     return found
 
 
+def mojo_target_flags() -> list[str]:
+    """`mojo build`/`mojo run` flags for the CPU that MAX compiles graphs for.
+
+    MAX 26.7's `max.driver.set_virtual_cpu_target(name)` makes every CPU kernel of a graph,
+    MAX's and mokv's, compile for the LLVM CPU `name` instead of this host's; what mokv
+    compiles with `mojo` itself (its extension modules, the suite's Mojo tests) follows it,
+    so one setting moves everything. No flags while no virtual CPU target is set."""
+    from max.driver import get_virtual_cpu_target
+
+    target = get_virtual_cpu_target()
+    return ["--target-cpu", target] if target else []
+
+
 def _clean_env() -> dict[str, str]:
     """This process's environment, for the `mojo` driver (itself a Python script).
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from mokv.mojo_package import _mojo_binary
+from mokv.mojo_package import _mojo_binary, mojo_target_flags
 from mokv.ops import kernels_path
 from mokv.ops.cpu_paths import PORTABLE_DEFINE, host_cpu_flags, host_takes_portable_paths
 
@@ -49,9 +49,12 @@ def _skip_unrunnable(path_name: str) -> None:
 
 
 def _mojo(command: str, *args: str) -> subprocess.CompletedProcess:
-    """`mojo <command>` with the precompiled mokv package on the import path."""
+    """`mojo <command>` with the precompiled mokv package on the import path, for the CPU
+    that graphs compile for (MAX's virtual CPU target, if set) unless `args` name one."""
+    named = {"--target-cpu", "--target-triple"} & set(args)
     return subprocess.run(
-        [_mojo_binary(), command, "-I", str(kernels_path().parent), *args],
+        [_mojo_binary(), command, "-I", str(kernels_path().parent),
+         *([] if named else mojo_target_flags()), *args],
         capture_output=True,
         text=True,
         timeout=600,

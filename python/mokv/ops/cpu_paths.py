@@ -4,7 +4,9 @@ The kernels pick their paths by the build target's features when MAX compiles a 
 16-lane AVX-512 forms where the CPU has AVX-512F, the portable 8-lane forms elsewhere
 (x86-64 with AVX2, Arm). `portable_cpu_paths` makes graphs compile the portable
 forms on any host, so that an AVX-512 machine tests and measures the paths an AVX2 one
-runs; a server never needs it.
+runs; a server never needs it. MAX's `max.driver.set_virtual_cpu_target` goes further:
+every CPU kernel of a graph, MAX's too, compiles for the CPU it names (`znver3`: the AVX2
+code a Zen 3 host runs), and mokv's own `mojo` builds follow it (`mojo_target_flags`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from max.engine import InferenceSession
+
+from ..mojo_package import mojo_target_flags
 
 PORTABLE_DEFINE = "MOKV_CPU_PORTABLE"
 """The compile-time define the Mojo kernels read (`mojo run -D MOKV_CPU_PORTABLE=true`)."""
@@ -62,5 +66,6 @@ def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 
 def host_takes_portable_paths() -> bool:
-    """Whether graphs compiled on this host take the portable paths anyway (no AVX-512F)."""
-    return "avx512f" not in host_cpu_flags()
+    """Whether graphs compiled on this host take the portable paths anyway: it has no
+    AVX-512F and no virtual CPU target is set (whose features this cannot tell)."""
+    return not mojo_target_flags() and "avx512f" not in host_cpu_flags()
