@@ -3,6 +3,8 @@
 conftest.py puts this directory first on the suite's PYTHONPATH and NAME in
 `MOKV_TEST_CPU_TARGET`; Python imports `sitecustomize` at start-up, before the test's
 script runs, so each child sets MAX's virtual CPU target before it compiles anything.
+Only during such a run, and at the price of shadowing an interpreter's own
+`sitecustomize` (a plain venv has none).
 """
 
 import os
