@@ -231,3 +231,26 @@ def test_a_failed_load_leaves_the_reservation_of_fetch_standing(session, monkeyp
     m.release("B")
     m.check_invariants()
     assert m.num_free_blocks == 6
+
+
+def test_nothing_recorded_outlives_its_call(session, monkeypatch):
+    """Each public call closes its undo bracket, whether it returns or raises: the log
+    is empty after it (else the records of finished calls would pile up for ever)."""
+    m = manager(session)
+    a = TextContext(np.arange(9), "A")
+    m.external_claim("A")
+    assert len(m._undo) == 0
+    with pytest.raises(mokv.AlreadyClaimedError):
+        m.external_claim("A")
+    assert len(m._undo) == 0
+    m.fetch([a])
+    a.update(1)
+    m.step([a])
+    assert len(m._undo) == 0
+    fault(monkeypatch, PagedReplica, "release")
+    with pytest.raises(Injected):
+        m.release("A")
+    assert len(m._undo) == 0
+    m.release("A")
+    assert len(m._undo) == 0
+    all_back(m)

@@ -214,14 +214,27 @@ def synchronized(method: Method) -> Method:
 
 def atomic(method: Method) -> Method:
     """`synchronized`, and all or nothing: whatever the call changed is undone when it
-    raises anything (`self._undo.run`, see `mokv.undo`)."""
+    raises anything (`UndoLog.run`'s bracket, see `mokv.undo`).
+
+    The bracket is spelled out (`begin`, `rollback`, `end`) rather than passed through
+    `self._undo.run`, which would pack the call's arguments once more: ~0.1 µs of each
+    claim and release, and a scheduler claims and releases a waiting prompt that does
+    not fit at nearly every step."""
 
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         lock = self._lock
         lock.acquire()  # not `with`, as `synchronized`
         try:
-            return self._undo.run(method, self, *args, **kwargs)
+            undo = self._undo
+            mark = undo.begin()
+            try:
+                return method(self, *args, **kwargs)
+            except BaseException:
+                undo.rollback(mark)
+                raise
+            finally:
+                undo.end()
         finally:
             lock.release()
 

@@ -360,6 +360,48 @@ def test_a_refused_retry_is_answered_without_a_plan(session, monkeypatch):
     m.check_invariants()
 
 
+def test_a_refused_retry_that_nothing_changed_reads_only_the_pages_that_decide(
+    session, monkeypatch
+):
+    """A plain prompt retried while nothing it depends on changed is refused the short
+    way (`PrefixChains._hits_stand`): neither `_memo_hits` nor a plan runs. A changed
+    token of its hits or of the page after them, an index entry removed, or a salt
+    send it the long way; a changed token past that page decides nothing."""
+    m = make_paged(session, num_pages=8, max_seq_len=32)
+    a = TextContext(np.arange(20), request_id="A")  # 5 pages, committed and held
+    m.external_claim("A")
+    m.fetch([a])
+    a.update(1)
+    m.step([a])
+    chains, calls = m.replicas[0].chains, []
+    real = chains._memo_hits
+    monkeypatch.setattr(chains, "_memo_hits", lambda *args: calls.append(1) or real(*args))
+
+    def retried(ctx) -> int:
+        """`_memo_hits` calls of one refused retry (claim, try, release)."""
+        calls.clear()
+        m.external_claim(ctx.request_id)
+        assert m.maybe_reserve(ctx) is False
+        m.release(ctx.request_id)
+        return len(calls)
+
+    b = TextContext(np.concatenate([np.arange(8), np.arange(100, 116)]), request_id="B")
+    retried(b)  # planned: 2 hits on A's pages, 4 fresh pages, 3 free
+    assert retried(b) == 0
+    b.tokens[20] = 7  # past the page after the hits
+    assert retried(b) == 0
+    for position in (5, 9):  # in a hit; in the page after the hits
+        b.tokens[position] += 1000
+        assert retried(b)  # the long way, then a plan
+        b.tokens[position] -= 1000
+        retried(b)  # planned again, with the hits it had
+        assert retried(b) == 0
+    c = TextContext(b.tokens.copy(), request_id="C", cache_salt="s")  # no hits: own root
+    retried(c)
+    assert retried(c)
+    m.check_invariants()
+
+
 @pytest.mark.parametrize("refused_between", [True, False])
 def test_a_refused_retry_whose_hits_were_evicted_is_answered_without_a_plan(
     session, monkeypatch, refused_between

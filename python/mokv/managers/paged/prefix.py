@@ -192,17 +192,20 @@ class PrefixChains:
         (the same fresh pages wanted), or another (cut by evictions since: the fresh
         pages counted as a plan counts them, `RequestState.reservation_size`); the room
         is read again. A prompt waiting for pages is retried at every step, and
-        building its plan was most of each retry."""
+        building its plan was most of each retry; the hits are read the short way
+        (`_hits_stand`) while nothing they depend on changed."""
         entry = self.memo.get(ctx.request_id)
-        refusal = entry.refusal if entry is not None else None
-        if refusal is None or req.pages or ctx.__class__ is not TextContext:
+        if entry is None or entry.refusal is None or req.pages or ctx.__class__ is not TextContext:
             return False
+        refusal = entry.refusal
         # The same window on a request without pages (so without hashes) can match a
         # prefix (`can_match`) as it could when it was refused.
         if refusal.window != (ctx.start_idx, ctx.active_idx, ctx.end_idx, num_steps):
             return False
         end = (ctx.end_idx - 1) // self.page_size
-        hits = self._memo_hits(entry, ctx, req, 0, end)
+        hits: list[tuple[int, int]] | None = refusal.hits
+        if not self._hits_stand(entry, refusal.hits, ctx, end):
+            hits = self._memo_hits(entry, ctx, req, 0, end)
         if hits is refusal.hits:
             return refusal.num_fresh > self._room(entry, hits, refusal.num_fresh)
         if hits is None:
@@ -212,6 +215,35 @@ class PrefixChains:
             return False
         refusal.hits, refusal.num_fresh = hits, need  # as `note_refusal` after a plan
         return True
+
+    def _hits_stand(
+        self, entry: ChainEntry, hits: list[tuple[int, int]], ctx: TextContext, end: int
+    ) -> bool:
+        """Whether `_memo_hits(entry, ctx, req, 0, end)` would give `hits` (a refusal's,
+        on a request holding no page) back, read the short way: they are still the
+        memo's run over pages `[0, end)` and all of them hold (`Hits.num_holding`, asked
+        only when an index entry was removed since), the request is a plain one (no
+        salt, adapter or image: its chain starts at the replica's root), the bytes of its
+        tokens over the hit pages and the page after them are the memo's, and that page
+        still misses. That is what `_memo_hits` reads, less its generic steps: a
+        `TextContext`'s tokens are int64 ids (`integer_tokens`), a request without pages
+        chains from a root (`parent`), and the compare needs no copy
+        (`ChainEntry.matching_pages`). False: ask `_memo_hits`.
+
+        A prompt that does not fit is retried at every step; this is most of a retry."""
+        known, pool = entry.hits, self.pool
+        if known is None or known.hits is not hits or known.first or known.end != end:
+            return False
+        held = len(hits)
+        if held and known.unindexed != pool.num_unindexed and known.num_holding(pool) != held:
+            return False
+        if entry.key is not None or entry.root != self._root_hash or hash_inputs(ctx) is not None:
+            return False
+        decided = held + 1 if held < end else end
+        tokens = ctx.tokens[: decided * self.page_size]
+        if tokens.dtype is not TOKEN_BYTES or not entry.data.startswith(tokens):  # type: ignore[arg-type]
+            return False
+        return held == end or pool.lookup(*entry.pages[held]) is None
 
     def _memo_hits(
         self,
