@@ -2,8 +2,7 @@
 
 Each module is one source file, `<name>.mojo`, built on first use and cached by
 content: `<cache>/ext/<key>/<name>.so`, where the key is a SHA-256 over the module's
-source, the CPU it is built for (MAX's virtual CPU target where one is set, else this
-host's feature flags: see `_host_cpu`), this interpreter's prefix (a `mojo
+source, the CPU's feature flags (see `_host_cpu`), this interpreter's prefix (a `mojo
 build` shared library carries an absolute RUNPATH into the environment that built it)
 and, for a module that imports the mokv kernel package, that precompiled package (whose
 directory name is the digest of mojo/mokv/). A module that does not import it
@@ -29,7 +28,7 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
-from .mojo_package import _clean_env, _mojo_binary, cache_dir, kernels_path, mojo_target_flags
+from .mojo_package import _clean_env, _mojo_binary, cache_dir, kernels_path
 
 
 def _ext_sources() -> Path:
@@ -46,7 +45,9 @@ EXT_SOURCE_DIR = _ext_sources()
 def _host_cpu() -> bytes:
     """The CPU's feature flags: `mojo build` compiles for the building CPU (`mokv_hash_ext`
     uses the SHA instructions only if it has them), so a cache shared between machines
-    must not hand one CPU's build to another."""
+    must not hand one CPU's build to another. MAX's virtual CPU target is not followed:
+    these modules run in this process, on this CPU (as MAX's own compiles whose code
+    runs in the compiling process ignore it), and a build for a newer CPU would not."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
             return next((line for line in f if line.startswith(b"flags")), b"")
@@ -55,8 +56,7 @@ def _host_cpu() -> bytes:
 
 
 def _key(source: Path, package: Path | None) -> str:
-    cpu = " ".join(mojo_target_flags()).encode() or _host_cpu()
-    h = hashlib.sha256(source.read_bytes() + b"\0" + sys.prefix.encode() + b"\0" + cpu)
+    h = hashlib.sha256(source.read_bytes() + b"\0" + sys.prefix.encode() + b"\0" + _host_cpu())
     if package is not None:
         h.update(b"\0" + str(package).encode())
     return h.hexdigest()
@@ -84,7 +84,6 @@ def build(name: str, imports_kernels: bool = False) -> Path:
                 str(source),
                 "--emit",
                 "shared-lib",
-                *mojo_target_flags(),
                 *include,
                 "-o",
                 str(tmp),

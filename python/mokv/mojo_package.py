@@ -60,9 +60,10 @@ def mojo_target_flags() -> list[str]:
     """`mojo build`/`mojo run` flags for the CPU that MAX compiles graphs for.
 
     MAX 26.7's `max.driver.set_virtual_cpu_target(name)` makes every CPU kernel of a graph,
-    MAX's and mokv's, compile for the LLVM CPU `name` instead of this host's; what mokv
-    compiles with `mojo` itself (its extension modules, the suite's Mojo tests) follows it,
-    so one setting moves everything. No flags while no virtual CPU target is set."""
+    MAX's and mokv's, compile for the LLVM CPU `name` instead of this host's; a Mojo
+    program run with these flags (the suite's Mojo tests and the docs' Mojo blocks) is
+    compiled for the same CPU. No flags while no virtual CPU target is set. mokv's
+    extension modules do not take them: they run in this process (`extensions`)."""
     from max.driver import get_virtual_cpu_target
 
     target = get_virtual_cpu_target()

@@ -6,7 +6,7 @@ The kernels pick their paths by the build target's features when MAX compiles a 
 forms on any host, so that an AVX-512 machine tests and measures the paths an AVX2 one
 runs; a server never needs it. MAX's `max.driver.set_virtual_cpu_target` goes further:
 every CPU kernel of a graph, MAX's too, compiles for the CPU it names (`znver3`: the AVX2
-code a Zen 3 host runs), and mokv's own `mojo` builds follow it (`mojo_target_flags`).
+code a Zen 3 host runs), and the suite's Mojo programs follow it (`mojo_target_flags`).
 """
 
 from __future__ import annotations
