@@ -324,16 +324,22 @@ def test_a_failed_admission_fits_once_its_prefix_is_committed(session):
     m.check_invariants()
 
 
-def test_a_refused_retry_is_answered_without_a_plan(session, monkeypatch):
-    """A waiting prompt retried with the same hits and window is refused without a plan
-    (`PrefixChains.refused_again`); it is planned again when a token of a page that
-    decides its hits changes, when it asks for other steps, and once it may fit."""
+def _five_pages_held_by_a(session):
+    """A manager of 8 pages where request "A" holds 5 committed pages (20 + 1 tokens)."""
     m = make_paged(session, num_pages=8, max_seq_len=32)
-    a = TextContext(np.arange(20), request_id="A")  # 5 pages, committed and held
+    a = TextContext(np.arange(20), request_id="A")
     m.external_claim("A")
     m.fetch([a])
     a.update(1)
     m.step([a])
+    return m
+
+
+def test_a_refused_retry_is_answered_without_a_plan(session, monkeypatch):
+    """A waiting prompt retried with the same hits and window is refused without a plan
+    (`PrefixChains.refused_again`); it is planned again when a token of a page that
+    decides its hits changes, when it asks for other steps, and once it may fit."""
+    m = _five_pages_held_by_a(session)
     replica, plans = m.replicas[0], []
     real_plan = replica.plan
     monkeypatch.setattr(replica, "plan", lambda ctx, n: plans.append(n) or real_plan(ctx, n))
@@ -367,12 +373,7 @@ def test_a_refused_retry_that_nothing_changed_reads_only_the_pages_that_decide(
     way (`PrefixChains._hits_stand`): neither `_memo_hits` nor a plan runs. A changed
     token of its hits or of the page after them, an index entry removed, or a salt
     send it the long way; a changed token past that page decides nothing."""
-    m = make_paged(session, num_pages=8, max_seq_len=32)
-    a = TextContext(np.arange(20), request_id="A")  # 5 pages, committed and held
-    m.external_claim("A")
-    m.fetch([a])
-    a.update(1)
-    m.step([a])
+    m = _five_pages_held_by_a(session)
     chains, calls = m.replicas[0].chains, []
     real = chains._memo_hits
     monkeypatch.setattr(chains, "_memo_hits", lambda *args: calls.append(1) or real(*args))
