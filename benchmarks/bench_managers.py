@@ -232,7 +232,7 @@ def _session_run(name: str, trace: list[Request], budget: int, max_batch: int, h
     kw: dict = {}
     if name.startswith("mokv"):
         if host_pages:
-            page_bytes = mokv.KVCacheParams(mokv.params.DType.float32, SHAPE["n_kv_heads"],
+            page_bytes = mokv.KVCacheParams(mokv.config.base.CACHE_DTYPES[0], SHAPE["n_kv_heads"],
                                             SHAPE["head_dim"], page_size=PAGE_SIZE
                                             ).bytes_per_page(SHAPE["num_layers"])
             kw["tiers"] = (mokv.HostTierConfig(swap_space_gb=host_pages * page_bytes / 2**30),)
@@ -284,7 +284,7 @@ def session_compare(quick: bool, progress=None) -> dict:
 
 
 def mokv_default_share() -> float:
-    from mokv.sessions import DEFAULT_MAX_SHARE
+    from mokv.config.sessions import DEFAULT_MAX_SHARE
 
     return DEFAULT_MAX_SHARE
 

@@ -25,7 +25,7 @@ from max.graph import DeviceRef, Graph, TensorType, ops  # noqa: E402
 from mokv.compiler_output import filter_collection_warnings  # noqa: E402
 from mokv.layouts import CONTINUOUS, PAGED, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection  # noqa: E402
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv  # noqa: E402
-from mokv.params import KVCacheParams  # noqa: E402
+from mokv.config.params import KVCacheParams  # noqa: E402
 
 
 def main() -> None:

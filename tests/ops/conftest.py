@@ -30,7 +30,7 @@ from mokv.layouts import (
 from mokv.layouts.max_paged import lookup_table_width
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, portable_cpu_paths, store_kv
 from mokv.ops.cpu_paths import host_takes_portable_paths
-from mokv.params import KVCacheParams, KVCacheStrategy
+from mokv.config.params import KVCacheParams, KVCacheStrategy
 
 from ..mojo_defines import MAX_KERNELS_DEFINE
 from .graph_bundle import Bundle, Part, PartRunner

@@ -24,7 +24,7 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from mokv.layouts import CONTINUOUS, PAGED, FetchPagedKVCacheCollection
 from mokv.ops import flash_attention, fused_qkv_matmul, rope_freqs_cis, store_kv
-from mokv.params import KVCacheParams
+from mokv.config.params import KVCacheParams
 
 from .conftest import MAX_SEQ_LEN, NUM_LAYERS, Config, buffer, make_cache, plan_graphs, row_offsets
 from .test_fused_qkv import CASES as QKV_CASES

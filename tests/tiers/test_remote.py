@@ -379,7 +379,7 @@ def test_remote_tier_config_is_validated():
     with pytest.raises(ValueError, match="timeout_s must be finite and > 0, got 0"):
         mokv.RemoteTierConfig(url="redis://h/0", namespace="m", timeout_s=0)
     tier = mokv.RemoteTierConfig(url="redis://h/0", namespace="m")
-    dtype = mokv.params.CACHE_DTYPES[0]
+    dtype = mokv.config.base.CACHE_DTYPES[0]
     with pytest.raises(ValueError, match="RemoteTierConfig needs enable_prefix_caching"):
         mokv.KVCacheParams(dtype, 2, 8, tiers=(tier,))
     with pytest.raises(ValueError, match="stable prefix_hash.*'builtin'"):

@@ -26,11 +26,11 @@ from max.driver import Device
 from max.engine import InferenceSession
 from max.graph import DeviceRef
 
+from ..config.params import KVCacheParams
 from ..context import RequestID, TextGenerationContext
 from ..errors import SequenceTooLongError
 from ..layouts import CacheLayout
 from ..metrics import KVCacheMetrics
-from ..params import KVCacheParams
 from ..undo import UndoLog
 
 

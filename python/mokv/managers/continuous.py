@@ -24,6 +24,7 @@ from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
 from ..cache.cache_memory import cache_buffer
+from ..config.params import KVCacheParams
 from ..context import RequestID, TextGenerationContext
 from ..errors import (
     AlreadyClaimedError,
@@ -34,7 +35,6 @@ from ..errors import (
 )
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..metrics import KVCacheMetrics, prompt_tokens_in
-from ..params import KVCacheParams
 from .base import (
     ManagerFields,
     atomic,

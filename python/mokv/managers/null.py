@@ -19,6 +19,7 @@ import numpy as np
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
+from ..config.params import KVCacheParams
 from ..context import RequestID, TextGenerationContext
 from ..errors import (
     AlreadyClaimedError,
@@ -28,7 +29,6 @@ from ..errors import (
 )
 from ..layouts import layout_for
 from ..metrics import KVCacheMetrics
-from ..params import KVCacheParams
 from .base import (
     ManagerFields,
     check_distinct,

@@ -29,9 +29,9 @@ from typing import Any
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
+from ..config.params import KVCacheParams
 from ..errors import UnknownRequestError
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
-from ..params import KVCacheParams
 from .base import ManagerFields, atomic, synchronized
 from .continuous import ContinuousKVCacheManager
 from .sequence_checks import (

@@ -18,46 +18,23 @@ graph runs. The calls a tier gets, by manager call:
     enable_runtime_checks   check_invariants(pinned)
     sessions                retain(hashes), unretain(hashes, old_end)
 
-Adding a tier (a local disk, a peer server) is one file: a `TierConfig` subclass (a
-frozen dataclass whose `__post_init__` checks its fields) and a class that meets `Tier`.
+Adding a tier (a local disk, a peer server) is a `TierConfig` subclass (`mokv.config.tiers`:
+a frozen dataclass whose `__post_init__` checks its fields) and a module with a class
+that meets `Tier` and registers its builder for the config (`mokv.registry.BUILDERS`).
 Users list the config in `KVCacheParams.tiers`; nothing else names the tier.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from max.driver import Buffer
-
     from ..cache.extra_keys import EventKeys
-    from ..cache.page_pool import PagePool
     from ..events.publisher import EventRecorder
     from ..metrics import TierMetrics
-    from ..params import KVCacheParams
     from ..undo import UndoLog
-
-
-class TierConfig(ABC):
-    """The configuration of one cache tier: an entry of `KVCacheParams.tiers`."""
-
-    name: ClassVar[str]
-    """The tier's name in `KVCacheMetrics.tiers` (one tier of each name per params)."""
-
-    @abstractmethod
-    def check(self, params: KVCacheParams) -> None:
-        """ValueError naming the setting when `params` cannot carry this tier (called
-        by `KVCacheParams.__post_init__`)."""
-
-    @abstractmethod
-    def build(
-        self, params: KVCacheParams, num_layers: int, pool: PagePool, blocks: list[Buffer]
-    ) -> Tier:
-        """The tier of one replica, over its device page pool and its K/V buffers (one
-        per device shard). Raises before it starts anything that `close` must stop."""
 
 
 class TierHit(NamedTuple):

@@ -22,129 +22,28 @@ nothing is sent before the first request.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import ClassVar
-from urllib.parse import urlsplit
 
 import numpy as np
-import redis
 from max.driver import Buffer
 
-from ..cache.hashing import STABLE_ALGORITHMS
 from ..cache.page_copy import read_pages, write_pages
 from ..cache.page_pool import PageEventSink, PagePool
+from ..config.params import KVCacheParams
+from ..config.tiers import RemoteTierConfig
 from ..errors import InvariantError
 from ..events.format import MEDIUM_SHARED
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
-from ..params import KVCacheParams
+from ..registry import BUILDERS
 from ..remote import PageCodec, RemoteLayout, RemoteMetrics, RemotePageStore
-from ..remote.codec import mac_key_bytes
-from ..remote.layout import REMOTE_NAMESPACE
 from ..undo import UndoLog
-from .base import CommittedPages, DeviceHit, TierConfig, TierHit
-
-REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
-"""URL schemes of `RemoteTierConfig.url` (those of redis-py's `from_url`)."""
+from .base import CommittedPages, DeviceHit, TierHit
 
 REMOTE_QUEUE_BYTES = 256 * 2**20
 """Most value bytes one shard's store holds queued for its writer before it drops pages:
 a page count alone would let large pages (4 MiB at Llama-3.2-1B's bf16 page of 128)
 queue a GiB per shard behind a slow server."""
-
-
-@dataclass(frozen=True)
-class RemoteTierConfig(TierConfig):
-    """Share committed pages through a Redis server (paged strategy; needs
-    `enable_prefix_caching` and a stable `prefix_hash`).
-
-    Attributes:
-        url: `redis://host:port/db`, `rediss://` (TLS) or `unix://`.
-        namespace: the model's name in the store, 1-200 characters of
-            `[A-Za-z0-9._/@+-]`: only managers with the same namespace, page layout and
-            `prefix_hash_seed` share pages.
-        timeout_s: bound on each connect and each reply (a slower server is a miss).
-        mac_key: a secret the servers share (bytes, or a str; at least 16 bytes): every
-            value is sealed with an HMAC-SHA256 tag and served only if its tag is
-            right, so that whoever can write the Redis server but lacks the key cannot
-            plant pages (`mokv.remote.codec`). None (the default): no tag, and the
-            server must be trusted. Servers with different keys share nothing; it is
-            never shown in a repr or an error.
-    """
-
-    name: ClassVar[str] = "remote"
-    url: str
-    namespace: str
-    timeout_s: float = 0.25
-    mac_key: bytes | str | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        check_url(self.url)
-        if not isinstance(self.namespace, str) or not REMOTE_NAMESPACE.fullmatch(self.namespace):
-            raise ValueError(
-                "RemoteTierConfig.namespace must be 1-200 characters of [A-Za-z0-9._/@+-] "
-                f"(the model's name in the shared store), got {self.namespace!r}"
-            )
-        timeout = self.timeout_s
-        if timeout.__class__ not in (int, float) or not 0 < timeout < math.inf:
-            raise ValueError(f"RemoteTierConfig.timeout_s must be finite and > 0, got {timeout!r}")
-        mac_key_bytes(self.mac_key, "RemoteTierConfig.mac_key")
-
-    def check(self, params: KVCacheParams) -> None:
-        if not params.enable_prefix_caching:
-            raise ValueError(
-                "RemoteTierConfig needs enable_prefix_caching: the shared tier holds "
-                "committed prefix pages"
-            )
-        if params.prefix_hash not in STABLE_ALGORITHMS:
-            raise ValueError(
-                f"RemoteTierConfig needs a stable prefix_hash {STABLE_ALGORITHMS}: "
-                f"{params.prefix_hash!r} differs between processes, so nothing could be shared"
-            )
-
-    def build(
-        self, params: KVCacheParams, num_layers: int, pool: PagePool, blocks: list[Buffer]
-    ) -> RemoteTier:
-        layouts = [
-            RemoteLayout.from_params(params, num_layers, shard) for shard in range(len(blocks))
-        ]
-        return RemoteTier(self, layouts, blocks)
-
-
-def check_url(url: object) -> None:
-    """ValueError naming `url` unless it is a Redis URL that redis-py connects to as
-    written: `redis://` or `rediss://` with a host, a port in 1-65535 and a numeric
-    database, or `unix://` with the socket's path."""
-    if not isinstance(url, str) or url.partition("://")[0] not in REMOTE_URL_SCHEMES:
-        raise ValueError(
-            f"RemoteTierConfig.url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL, got {url!r}"
-        )
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = 0
-    db = parts.path.strip("/")
-    problem = None
-    if parts.scheme == "unix":
-        problem = None if parts.path else "a unix:// URL names the socket's path"
-    elif not parts.hostname:
-        problem = "no host"
-    elif port == 0:
-        problem = "the port is not a number in 1-65535"
-    elif db and not (db.isascii() and db.isdigit()):
-        problem = f"the database {db!r} is not a number"
-    if problem is None:
-        try:
-            redis.connection.parse_url(url)  # the query's options, as redis-py reads them
-        except ValueError as e:
-            problem = str(e)
-    if problem is not None:
-        if parts.password:  # an error message ends up in logs
-            url = url.replace(f":{parts.password}@", ":***@", 1)
-        raise ValueError(f"RemoteTierConfig.url={url!r}: {problem}")
 
 
 class RemoteTier:
@@ -274,3 +173,19 @@ class RemoteTier:
                     f"a pending remote load of page {hit.page_hash} carries "
                     f"{len(hit.handle)} shards for {len(self.stores)} stores"
                 )
+
+
+def build_remote_tier(
+    config: RemoteTierConfig,
+    params: KVCacheParams,
+    num_layers: int,
+    pool: PagePool,
+    blocks: list[Buffer],
+) -> RemoteTier:
+    """The shared tier of one replica (registered for `RemoteTierConfig`): one store
+    per device shard, each under its own layout."""
+    layouts = [RemoteLayout.from_params(params, num_layers, shard) for shard in range(len(blocks))]
+    return RemoteTier(config, layouts, blocks)
+
+
+BUILDERS.register(RemoteTierConfig, build_remote_tier)

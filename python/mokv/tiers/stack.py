@@ -14,11 +14,13 @@ from max.driver import Buffer
 
 from ..cache.extra_keys import EventKeys
 from ..cache.page_pool import PagePool
+from ..config.params import KVCacheParams
+from ..config.tiers import TierConfig
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
-from ..params import KVCacheParams
+from ..registry import BUILDERS
 from ..undo import UndoLog
-from .base import ChainTail, CommittedPages, DeviceHit, Tier, TierConfig, TierHit
+from .base import ChainTail, CommittedPages, DeviceHit, Tier, TierHit
 
 
 @dataclass(slots=True)
@@ -58,7 +60,7 @@ class TierStack:
         self.tiers: list[Tier] = []
         try:
             for config in configs:
-                self.tiers.append(config.build(params, num_layers, pool, blocks))
+                self.tiers.append(BUILDERS.build(config, params, num_layers, pool, blocks))
         except BaseException:
             self.close()  # a tier built before may run threads
             raise

@@ -29,6 +29,8 @@ from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
 from ...cache.hashing import page_hash_fn, root_hash
+from ...config.events import KVEventsConfig
+from ...config.params import KVCacheParams, with_manager_events
 from ...context import RequestID, TextGenerationContext
 from ...errors import (
     AlreadyClaimedError,
@@ -37,11 +39,8 @@ from ...errors import (
     InsufficientPagesError,
     InvalidReplicaError,
 )
-from ...events.config import KVEventsConfig
-from ...events.publisher import open_publishers
 from ...layouts import PAGED, RaggedKVCacheInputs
-from ...params import KVCacheParams
-from ...params_compat import with_manager_events
+from ...registry import BUILDERS
 from ..base import (
     ManagerFields,
     atomic,
@@ -148,7 +147,9 @@ class PagedKVCacheManager(
                 )
             # One publisher per replica (its own PUB socket), opened last so that nothing
             # after it can fail; the replica's pool and tiers tell it what changed.
-            self.kv_event_publishers = open_publishers(params.kv_events, params.page_size, dp)
+            self.kv_event_publishers = (
+                BUILDERS.build(params.kv_events, params.page_size, dp) if params.kv_events else []
+            )
         except BaseException:
             for replica in self.replicas:  # their tiers may run threads
                 replica.close()

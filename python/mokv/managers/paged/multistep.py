@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 from max.driver import Buffer
 
+from ...config.params import KVCacheParams
 from ...context import RequestID, TextGenerationContext
 from ...layouts import RaggedKVCacheInputs
-from ...params import KVCacheParams
 from ..base import synchronized
 from ..increment import CacheLengthIncrementer, row_offsets_for
 

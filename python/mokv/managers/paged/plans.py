@@ -3,8 +3,8 @@ anything changes (`PagedReplica.plan`, `plan_commit`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ...cache.extra_keys import EventKeys, request_keys
 from ...context import TextGenerationContext
@@ -13,8 +13,19 @@ from ...tiers.base import DeviceHit
 from ...tiers.stack import PendingLoad
 from ..base import sequence_too_long
 
-if TYPE_CHECKING:
-    from .sessions import Session
+
+@dataclass(eq=False, slots=True)
+class Session:
+    """One open session of a replica (`SessionTable`, sessions.py), which its requests
+    name."""
+
+    session_id: str
+    chain: tuple[int, ...] = ()
+    """The hash chain it retains, root first."""
+    deadline: float = math.inf
+    """When it ends unless a request of it runs (its last release + `ttl_s`)."""
+    running: int = 0
+    """Its requests the replica holds (reserved at least once, not released)."""
 
 
 @dataclass(slots=True)

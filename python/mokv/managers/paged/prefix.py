@@ -23,8 +23,8 @@ import numpy as np
 from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, page_keys
 from ...cache.hashing import TOKEN_BYTES, PageHashFn, iter_page_hashes
 from ...cache.page_pool import PagePool
+from ...config.params import KVCacheParams
 from ...context import RequestID, TextContext, TextGenerationContext
-from ...params import KVCacheParams
 from ...tiers.base import ChainTail
 from ..base import integer_tokens
 from .chain_memo import ChainEntry, ChainMemo, Hits, Page, Refusal, Room

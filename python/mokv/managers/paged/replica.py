@@ -52,6 +52,7 @@ from ...cache.cache_memory import cache_buffer
 from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
 from ...cache.page_pool import PagePool
+from ...config.params import KVCacheParams
 from ...context import RequestID, TextGenerationContext
 from ...errors import (
     AlreadyClaimedError,
@@ -59,7 +60,7 @@ from ...errors import (
     InvariantError,
     UnknownRequestError,
 )
-from ...params import KVCacheParams
+from ...registry import BUILDERS
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from ..base import check_request_id
@@ -117,8 +118,10 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         self.cache_tokens = 0
         self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)
         self._tiered = bool(self.tiers)  # read on every reservation
-        self.sessions = (
-            SessionTable(params.sessions, self.pool, self.tiers, undo) if params.sessions else None
+        self.sessions: SessionTable | None = (
+            BUILDERS.build(params.sessions, self.pool, self.tiers, undo)
+            if params.sessions
+            else None
         )
 
     # --- requests -------------------------------------------------------------------
@@ -271,7 +274,7 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
             if num_pages > self.pool.num_free:
                 return False
             self.sessions.apply(self.sessions.plan_expiry())
-        pages = self.pool.take_fresh(num_pages)
+        pages = self.pool.take((), num_pages)
         if pages is None:  # changing nothing: they do not fit (with sessions, known above)
             if self.sessions is not None:
                 raise InvariantError("fresh pages that fit could not be taken")

@@ -14,7 +14,7 @@ from typing import Any
 
 from max.driver import Device
 
-from ...params import KVCacheParams
+from ...config.params import KVCacheParams
 from .inputs import ceil_div
 
 

@@ -1,0 +1,211 @@
+"""Static configuration of a KV cache: its shape, its prefix cache, its tiers, sessions and
+events.
+
+One frozen `KVCacheParams` flows from the user into every manager, graph type and
+kernel wrapper; nothing else carries configuration. Its own fields are the cache's
+shape and the prefix cache; the lower tiers, sessions and the KV-cache events are nested
+frozen configs (`HostTierConfig`, `RemoteTierConfig`: `mokv.config.tiers`; `SessionConfig`:
+`mokv.config.sessions`; `KVEventsConfig`: `mokv.config.events`), each checked in its own
+`__post_init__` and then against the params it joins. Derived sizes are properties so
+that they cannot drift from the fields they come from.
+
+MAX's flat spellings (`enable_kvcache_swapping_to_host=True`, `remote_kvcache_url=...`)
+are still accepted, and mapped onto the nested configs in one place:
+`mokv.config.flat`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+from max.dtype import DType
+
+from .base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, STABLE_ALGORITHMS
+from .events import KVEventsConfig, check_endpoint
+from .flat import accepts_flat_spellings
+from .sessions import SessionConfig
+from .tiers import TierConfig
+
+
+class KVCacheStrategy(str, enum.Enum):
+    """How cache memory is handed to sequences.
+
+    CONTINUOUS: one contiguous `max_seq_len` slot per sequence.
+    PAGED: fixed-size pages from a shared pool, with an optional prefix cache.
+    """
+
+    CONTINUOUS = "continuous"
+    PAGED = "paged"
+
+
+@accepts_flat_spellings
+@dataclass(frozen=True)
+class KVCacheParams:
+    """The shape of the cache, its prefix cache, and the tiers and events it turns on.
+
+    Attributes:
+        dtype: element type of the cached keys and values.
+        n_kv_heads: key/value heads of the model (all devices together).
+        head_dim: size of one head's key or value vector.
+        page_size: tokens per page of the paged cache.
+        cache_strategy: `KVCacheStrategy.PAGED` or `KVCacheStrategy.CONTINUOUS`: the
+            manager `load_kv_manager` builds (a manager built directly is its own layout).
+        enable_prefix_caching: share full pages between requests whose token
+            prefixes are identical (paged strategy only).
+        data_parallel_degree: number of independent replicas of the cache, each
+            with its own page pool on its own group of devices.
+        n_devices: total devices; each replica gets `n_devices // data_parallel_degree`
+            of them and splits its KV heads across them (tensor parallelism).
+        prefix_hash: hash of a page's (parent hash, token ids) chain: "xxh3"
+            (default: seeded XXH3-64, fastest, stable across processes and machines),
+            "sha256" (vLLM's 64-bit form, stable) or, opt-in, "builtin" (Python's
+            `hash`, stable within one process only; refused with KV-cache events).
+        prefix_hash_seed: mixed into the root of every hash chain, so that two
+            caches with different seeds never share a page.
+        tiers: the tiers below the device pages, in lookup order (fastest first), at
+            most one of each kind: `HostTierConfig` (host memory), `RemoteTierConfig`
+            (a Redis server several managers share). Paged strategy only; each needs
+            `enable_prefix_caching` (README "Host tier", "Shared tier").
+        kv_events: publish the prefix cache's changes in vLLM's KV-event format
+            (paged strategy; needs a stable `prefix_hash`); None: no events.
+        sessions: retain the pages of requests that name a session (`ctx.session_id`)
+            after their release, until the session ends (`SessionConfig`; paged
+            strategy, needs `enable_prefix_caching`); None: a session id is ignored.
+    """
+
+    dtype: DType
+    n_kv_heads: int
+    head_dim: int
+    page_size: int = 128
+    cache_strategy: KVCacheStrategy = KVCacheStrategy.PAGED
+    enable_prefix_caching: bool = False
+    data_parallel_degree: int = 1
+    n_devices: int = 1
+    prefix_hash: str = "xxh3"
+    prefix_hash_seed: int = 0
+    tiers: tuple[TierConfig, ...] = ()
+    kv_events: KVEventsConfig | None = None
+    sessions: SessionConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, DType):
+            raise TypeError(f"dtype must be a max.dtype.DType, got {self.dtype!r}")
+        if self.dtype not in CACHE_DTYPES:
+            raise ValueError(
+                f"dtype={self.dtype} is not a supported cache dtype; use one of "
+                f"{[d.name for d in CACHE_DTYPES]}"
+            )
+        for name in ("n_kv_heads", "head_dim", "page_size", "data_parallel_degree", "n_devices"):
+            value = getattr(self, name)
+            if value.__class__ is not int or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        # Accept the enum's string value too ("paged"), as configs often come from text.
+        object.__setattr__(self, "cache_strategy", KVCacheStrategy(self.cache_strategy))
+        if self.n_devices % self.data_parallel_degree:
+            raise ValueError(
+                f"n_devices={self.n_devices} is not a multiple of "
+                f"data_parallel_degree={self.data_parallel_degree}"
+            )
+        if self.n_kv_heads % self.tensor_parallel_degree:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} cannot be split evenly across the "
+                f"{self.tensor_parallel_degree} devices of a replica"
+            )
+        if self.prefix_hash not in PREFIX_HASH_ALGORITHMS:
+            raise ValueError(
+                f"prefix_hash={self.prefix_hash!r} is not one of {PREFIX_HASH_ALGORITHMS}"
+            )
+        if self.enable_prefix_caching.__class__ is not bool:
+            raise TypeError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+        seed = self.prefix_hash_seed
+        if seed.__class__ is not int or not 0 <= seed < 2**64:
+            raise ValueError(f"prefix_hash_seed must be an int in [0, 2**64), got {seed!r}")
+        self._check_tiers()
+        if self.kv_events is not None:
+            if not isinstance(self.kv_events, KVEventsConfig):
+                raise TypeError(
+                    f"kv_events must be a mokv.KVEventsConfig or None, got {self.kv_events!r}"
+                )
+            if self.prefix_hash not in STABLE_ALGORITHMS:
+                raise ValueError(
+                    f"KV-cache events need a hash that is the same in every process; "
+                    f"prefix_hash={self.prefix_hash!r} is not one of {STABLE_ALGORITHMS}"
+                )
+            self.kv_events.check(self)
+        if self.sessions is not None:
+            if not isinstance(self.sessions, SessionConfig):
+                raise TypeError(
+                    f"sessions must be a mokv.SessionConfig or None, got {self.sessions!r}"
+                )
+            self.sessions.check(self)
+
+    def _check_tiers(self) -> None:
+        if not isinstance(self.tiers, (tuple, list)):
+            raise TypeError(f"tiers must be a tuple of tier configs, got {self.tiers!r}")
+        object.__setattr__(self, "tiers", tuple(self.tiers))  # a list is accepted, kept frozen
+        names: set[str] = set()
+        for tier in self.tiers:
+            if not isinstance(tier, TierConfig):
+                raise TypeError(
+                    f"tiers holds {tier!r}; a tier is a mokv.HostTierConfig or "
+                    "mokv.RemoteTierConfig (or another mokv.config.tiers.TierConfig)"
+                )
+            if tier.name in names:
+                raise ValueError(f"tiers holds two {tier.name!r} tiers: {self.tiers!r}")
+            names.add(tier.name)
+            tier.check(self)
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        """Devices per replica; the KV heads are split across them."""
+        return self.n_devices // self.data_parallel_degree
+
+    @property
+    def n_kv_heads_per_device(self) -> int:
+        """KV heads stored on each device of a replica."""
+        return self.n_kv_heads // self.tensor_parallel_degree
+
+    def bytes_per_token(self, num_layers: int) -> int:
+        """Bytes of K and V that one token occupies in one replica (all its devices).
+
+        `2 (K and V) * num_layers * n_kv_heads * head_dim * dtype size`.
+        """
+        return 2 * num_layers * self.n_kv_heads * self.head_dim * self.dtype.size_in_bytes
+
+    def bytes_per_page(self, num_layers: int) -> int:
+        """Bytes of one page in one replica: `page_size * bytes_per_token(num_layers)`."""
+        return self.page_size * self.bytes_per_token(num_layers)
+
+
+def with_manager_events(
+    params: KVCacheParams, zmq_endpoint_base: str | None, kv_events_config: KVEventsConfig | None
+) -> KVCacheParams:
+    """`params` with the events of a manager's keywords in `params.kv_events` (checked
+    against the params' replicas)."""
+    config = kv_events_config
+    if config is not None and not isinstance(config, KVEventsConfig):
+        raise TypeError(
+            f"kv_events_config must be a mokv.KVEventsConfig or None, got {config!r}"
+            + ("; for an address alone use zmq_endpoint_base" if isinstance(config, str) else "")
+        )
+    if zmq_endpoint_base is not None:
+        check_endpoint("zmq_endpoint_base", zmq_endpoint_base)
+        if config is None:
+            config = KVEventsConfig(endpoint=zmq_endpoint_base)
+        elif config.endpoint != zmq_endpoint_base:
+            raise ValueError(
+                f"zmq_endpoint_base={zmq_endpoint_base!r} disagrees with "
+                f"kv_events_config.endpoint={config.endpoint!r}; set one"
+            )
+    if config is None or config == params.kv_events:
+        return params
+    if params.kv_events is not None:
+        raise ValueError(
+            f"the manager's events {config!r} disagree with params.kv_events="
+            f"{params.kv_events!r}; set one"
+        )
+    return dataclasses.replace(params, kv_events=config)
