@@ -36,7 +36,7 @@ from ..errors import (
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..metrics import KVCacheMetrics, prompt_tokens_in
 from .base import (
-    ManagerFields,
+    MaxManagerAPI,
     atomic,
     check_distinct,
     check_fits,
@@ -47,12 +47,11 @@ from .base import (
     refuse_paged_features,
     synchronized,
 )
-from .compat import MaxManagerAPI
 from .increment import CacheLengthIncrementer, row_offsets_for
 from .sequence_checks import too_few_slots
 
 
-class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
+class ContinuousKVCacheManager(MaxManagerAPI):
     """A KV cache of `max_cache_batch_size` contiguous slots (tensor parallel over heads).
 
     Args:

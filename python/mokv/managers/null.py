@@ -30,7 +30,7 @@ from ..errors import (
 from ..layouts import layout_for
 from ..metrics import KVCacheMetrics
 from .base import (
-    ManagerFields,
+    MaxManagerAPI,
     check_distinct,
     check_fits,
     check_num_steps,
@@ -38,10 +38,9 @@ from .base import (
     check_window,
     synchronized,
 )
-from .compat import MaxManagerAPI
 
 
-class NullKVCacheManager(MaxManagerAPI, ManagerFields):
+class NullKVCacheManager(MaxManagerAPI):
     """A no-op KV cache manager for compile-only mode on virtual devices."""
 
     def __init__(

@@ -15,15 +15,16 @@ request of a batch is checked and planned before any replica changes, and every 
 that changes something runs under the manager's undo log (`mokv.undo`), shared by the
 replicas, their pools and tiers and the event recorders: a call that raises, from
 anywhere inside, is rolled back (docs/reliability.md says what stands). Memory sizing is
-`sizing.py`, the choice of a replica `routing.py`; the graph inputs are built by
-`inputs.py`. The tiers below the device pages (`params.tiers`: host memory, a shared
-Redis store) are `mokv.tiers`.
+`sizing.py`, the metrics `metrics.py`, MAX's multistep helpers `multistep.py` (functions
+its methods call); the graph inputs are built by `inputs.py`. The tiers below the device
+pages (`params.tiers`: host memory, a shared Redis store) are `mokv.tiers`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import attrgetter
+from typing import Any
 
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
@@ -38,11 +39,14 @@ from ...errors import (
     InsufficientMemoryError,
     InsufficientPagesError,
     InvalidReplicaError,
+    UnknownRequestError,
 )
 from ...layouts import PAGED, RaggedKVCacheInputs
+from ...metrics import KVCacheMetrics
 from ...registry import BUILDERS
+from ...remote import RemoteMetrics
 from ..base import (
-    ManagerFields,
+    MaxManagerAPI,
     atomic,
     check_distinct,
     check_num_steps,
@@ -50,22 +54,18 @@ from ..base import (
     check_window,
     synchronized,
 )
-from ..compat import MaxManagerAPI
 from ..increment import CacheLengthIncrementer
+from . import multistep, sizing
 from .inputs import ceil_div
-from .metrics import PagedMetrics
-from .multistep import PagedMultistep
+from .metrics import cache_metrics, num_free_pages, shared_tier_metrics
 from .plans import RequestState
 from .replica import PagedReplica, Reservation
-from .routing import PagedRouting
-from .sizing import PagedSizing, pages_per_replica
+from .sizing import pages_per_replica
 
 _request_id = attrgetter("request_id")  # of a context
 
 
-class PagedKVCacheManager(
-    PagedRouting, PagedMetrics, PagedSizing, PagedMultistep, MaxManagerAPI, ManagerFields
-):
+class PagedKVCacheManager(MaxManagerAPI):
     """Paged KV cache manager with data and tensor parallelism support.
 
     Args:
@@ -161,6 +161,57 @@ class PagedKVCacheManager(
         self.enable_runtime_checks = enable_runtime_checks
         self._replica_of: dict[RequestID, int] = {}
         self._increment = CacheLengthIncrementer(session, with_max_lengths=True)
+
+    # --- routing between replicas ---------------------------------------------------
+    # `_replica_of` maps each claimed request to its replica's index; a new request goes
+    # where its prompt's longest cached prefix is, among the replicas with a free request
+    # slot (`_recommend`).
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    def _replica(self, request_id: RequestID) -> PagedReplica:
+        return self.replicas[self._replica_index(request_id)]
+
+    def _replica_index(self, request_id: RequestID) -> int:
+        try:
+            return self._replica_of[request_id]  # only str ids are ever stored
+        except (KeyError, TypeError):
+            check_request_id(request_id)
+            raise UnknownRequestError(request_id) from None
+
+    @synchronized
+    def contains(self, request_id: RequestID) -> bool:
+        check_request_id(request_id)
+        return request_id in self._replica_of
+
+    @synchronized
+    def get_replica(self, context: TextGenerationContext) -> int:
+        return self._replica_index(context.request_id)
+
+    @synchronized
+    def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
+        """The request's replica if claimed; else the one `_recommend` picks for it."""
+        if context.request_id in self._replica_of:
+            return self._replica_of[context.request_id]
+        return self._recommend(context)
+
+    def _recommend(self, context: TextGenerationContext | None) -> int:
+        """The replica for a new request: one with a free request slot while any has one
+        (a full one would refuse the claim); among those the one holding the longest
+        cached prefix of `context`'s tokens (mokv's addition: MAX 25.7 ignores prefixes
+        here), then MAX's rule, the fewest requests, then the most free pages; the
+        lowest index on a tie."""
+        if self.num_replicas == 1:
+            return 0
+
+        def rank(r: int) -> tuple[bool, int, int, int]:
+            replica = self.replicas[r]
+            hits = replica.num_prefix_hit_pages(context) if context is not None else 0
+            return (replica.num_free_slots > 0, hits, -replica.num_requests, replica.pool.num_free)
+
+        return max(range(self.num_replicas), key=rank)
 
     # --- requests -------------------------------------------------------------------
 
@@ -400,3 +451,107 @@ class PagedKVCacheManager(
     def _after_change(self) -> None:
         if self.enable_runtime_checks:
             self.check_invariants()
+
+    # --- metrics (metrics.py) -------------------------------------------------------
+
+    @property
+    @synchronized
+    def num_free_blocks(self) -> int:
+        """Pages that can be handed out now (cached-free pages included), all replicas."""
+        return num_free_pages(self.replicas)
+
+    @property
+    def free_blocks_pct(self) -> float:
+        """Fraction (0.0-1.0) of all pages that are free or cached-free."""
+        return self.num_free_blocks / self.total_num_pages
+
+    @property
+    def used_blocks_pct(self) -> float:
+        """Fraction (0.0-1.0) of all pages owned by requests."""
+        return 1.0 - self.free_blocks_pct
+
+    @property
+    @synchronized
+    def metrics(self) -> KVCacheMetrics:
+        return cache_metrics(self.replicas)
+
+    @property
+    def remote_metrics(self) -> RemoteMetrics:
+        """`metrics.shared_tier_metrics`: the shared tier's own counters (not locked: the
+        stores count from their own threads)."""
+        return shared_tier_metrics(self.replicas)
+
+    @property
+    def total_num_host_pages(self) -> int:
+        """Pages of the host-memory tier, all replicas (0 with the tier off)."""
+        return self.metrics.host_total_pages
+
+    @property
+    def host_committed_block_pct(self) -> float:
+        """Fraction (0.0-1.0) of host pages holding a committed prefix."""
+        now = self.metrics
+        total = now.host_total_pages
+        return now.host_used_pages / total if total else 0.0
+
+    @synchronized
+    def reset_metrics(self) -> None:
+        for r in self.replicas:
+            r.reset_metrics()
+
+    # --- MAX's multistep, data-parallel and sizing calls (multistep.py, sizing.py) ---
+
+    @synchronized
+    def increment_cache_lengths(
+        self,
+        kv_cache_inputs: Sequence[RaggedKVCacheInputs[Buffer, Buffer]],
+        prev_model_inputs: Any,
+    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+        """`multistep.increment_cache_lengths`: the next step's inputs, on the device."""
+        return multistep.increment_cache_lengths(
+            self._increment, self.params, len(self.replicas), kv_cache_inputs, prev_model_inputs
+        )
+
+    @synchronized
+    def get_data_parallel_splits(self, context_batch: Sequence[TextGenerationContext]) -> Buffer:
+        """int64 `[num_replicas + 1]`: offsets of each replica's requests in the batch,
+        `[0, n_0, n_0 + n_1, ...]` (the batch must be ordered by replica)."""
+        replicas = [self._replica_index(ctx.request_id) for ctx in context_batch]
+        return multistep.data_parallel_splits(replicas, len(self.replicas))
+
+    @classmethod
+    def estimated_memory_size(
+        cls,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[Device],
+        **kwargs: Any,
+    ) -> int:
+        """`sizing.estimated_memory_size` (MAX's signature; `devices` is not read)."""
+        return sizing.estimated_memory_size(
+            params, max_batch_size, max_seq_len, num_layers, available_cache_memory
+        )
+
+    @classmethod
+    def infer_optimal_batch_size(
+        cls,
+        params: KVCacheParams,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[Device],
+        **kwargs: Any,
+    ) -> int:
+        """`sizing.infer_optimal_batch_size` (MAX's signature; `devices` is not read)."""
+        return sizing.infer_optimal_batch_size(
+            params, max_seq_len, num_layers, available_cache_memory
+        )
+
+    @classmethod
+    def max_supported_sequence_length(
+        cls, params: KVCacheParams, num_layers: int, memory_available: int
+    ) -> int:
+        """`sizing.max_supported_sequence_length`."""
+        return sizing.max_supported_sequence_length(params, num_layers, memory_available)
