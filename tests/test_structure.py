@@ -11,6 +11,7 @@ import pkgutil
 from pathlib import Path
 
 import mokv
+import pytest
 
 PACKAGE = Path(mokv.__file__).resolve().parent
 
@@ -117,8 +118,46 @@ def test_config_floor_imports_nothing_above_it():
     """`mokv.config` imports only itself and `mokv.errors`."""
     graph = import_graph()
     above = {
-        module: sorted(m for m in imported if not m.startswith("mokv.config") and m != "mokv.errors")
+        module: sorted(
+            m for m in imported if not m.startswith("mokv.config") and m != "mokv.errors"
+        )
         for module, imported in graph.items()
         if module.startswith("mokv.config")
     }
     assert not any(above.values()), above
+
+
+def test_no_class_spreads_over_more_than_two_files():
+    """A class keeps its state in its own file and at most one base's (no mixins that
+    redeclare a host's fields); Protocols, which hold no state, do not count."""
+    spread = {}
+    for info in pkgutil.walk_packages(mokv.__path__, "mokv."):
+        module = importlib.import_module(info.name)
+        for name, cls in vars(module).items():
+            if not inspect.isclass(cls) or cls.__module__ != module.__name__:
+                continue
+            files = {
+                inspect.getfile(base)
+                for base in cls.__mro__
+                if base.__module__.startswith("mokv") and not getattr(base, "_is_protocol", False)
+            }
+            if len(files) > 2:
+                spread[f"{module.__name__}.{name}"] = sorted(files)
+    assert not spread, spread
+
+
+def test_every_package_is_shipped():
+    """pyproject.toml lists its packages by hand: a new subpackage must be listed too, or
+    a wheel lacks it (an editable install would not tell)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = set(
+        tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "packages"
+        ]
+    )
+    found = {
+        ".".join(path.parent.relative_to(PACKAGE.parent).parts)
+        for path in PACKAGE.rglob("__init__.py")
+    }
+    assert found <= listed, sorted(found - listed)
