@@ -341,8 +341,10 @@ def test_a_refused_retry_is_answered_without_a_plan(session, monkeypatch):
     decides its hits changes, when it asks for other steps, and once it may fit."""
     m = _five_pages_held_by_a(session)
     replica, plans = m.replicas[0], []
-    real_plan = replica.plan
-    monkeypatch.setattr(replica, "plan", lambda ctx, n: plans.append(n) or real_plan(ctx, n))
+    real_plan = replica._plan_hits  # a plan that looks its hits up
+    monkeypatch.setattr(
+        replica, "_plan_hits", lambda ctx, req, n: plans.append(n) or real_plan(ctx, req, n)
+    )
     b = TextContext(np.concatenate([np.arange(8), np.arange(100, 116)]), request_id="B")
 
     def retry(num_steps=1):  # the scheduler's: claim, try, release
@@ -414,9 +416,11 @@ def test_a_refused_retry_whose_hits_were_evicted_is_answered_without_a_plan(
     twins = [make_paged(session, num_pages=8, max_seq_len=32) for _ in range(2)]
     twins[1].replicas[0].chains.memo = ChainMemo(0)
     replica, plans = twins[0].replicas[0], []
-    real_plan = replica.plan
+    real_plan = replica._plan_hits  # a plan that looks its hits up
     monkeypatch.setattr(
-        replica, "plan", lambda ctx, n: plans.append(ctx.request_id) or real_plan(ctx, n)
+        replica,
+        "_plan_hits",
+        lambda ctx, req, n: plans.append(ctx.request_id) or real_plan(ctx, req, n),
     )
 
     def admit(rid, tokens):

@@ -58,7 +58,7 @@ from ..increment import CacheLengthIncrementer
 from . import multistep, sizing
 from .inputs import ceil_div
 from .metrics import cache_metrics, num_free_pages, shared_tier_metrics
-from .plans import RequestState
+from .plans import HELD
 from .replica import PagedReplica, Reservation
 from .sizing import pages_per_replica
 
@@ -278,47 +278,23 @@ class PagedKVCacheManager(MaxManagerAPI):
         try:
             if num_steps.__class__ is not int or num_steps < 1:
                 check_num_steps(num_steps)  # raises
-            request_id = data.request_id
             try:  # `_replica`, inlined
-                replica = self.replicas[self._replica_of[request_id]]
+                replica = self.replicas[self._replica_of[data.request_id]]
             except (KeyError, TypeError):
-                replica = self._replica(request_id)  # raises the caller's error
-            # `replica.plan`'s first answer, inlined (one frame less for every running
-            # request at every step): a window the request holds already takes nothing.
-            # Anything else, a window to refuse included, is `plan`'s to answer.
-            req, ps = replica._requests[request_id], replica.page_size
-            start, held = data.start_idx, len(req.pages) * ps
-            needed = data.active_idx + num_steps - 1
-            if len(req.hashes) * ps <= start <= held and needed <= replica.max_seq_len:
-                if needed <= held:
-                    return True
-                # A decode step onto a fresh page (or a prompt's next chunk without a
-                # prefix to match): fresh pages only, without a plan (`grow`).
-                if req.pages:
-                    if replica.takes_fresh_only(data, req):
-                        return self._undo.run(self._grow, replica, req, needed)
-                # A waiting prompt retried as it was refused last, unplanned.
-                elif replica.chains.refused_again(data, req, num_steps):
-                    return False
+                replica = self._replica(data.request_id)  # raises the caller's error
             plan = replica.plan(data, num_steps)
-            if plan is None:
+            if plan is HELD:
                 return True
             if not plan.fits:  # asked of the pool once, by `plan`; nothing changed since
                 return False
-            self._undo.run(self._apply, replica, [plan])
+            self._undo.run(self._apply, replica, plan)
             return True
         finally:
             self._lock.release()
 
-    def _apply(self, replica: PagedReplica, plans: list[Reservation]) -> None:
-        replica.apply(plans)
+    def _apply(self, replica: PagedReplica, plan: Reservation) -> None:
+        replica.apply([plan])
         self._after_change()
-
-    def _grow(self, replica: PagedReplica, req: RequestState, needed: int) -> bool:
-        grown = replica.grow(req, -(-needed // replica.page_size) - len(req.pages))
-        if grown:
-            self._after_change()
-        return grown
 
     @atomic
     def fetch(
@@ -353,7 +329,7 @@ class PagedKVCacheManager(MaxManagerAPI):
             last = r
             groups[r].append(ctx)
             plan = self.replicas[r].plan(ctx, num_steps)
-            if plan is not None:
+            if plan is not HELD:
                 plans[r].append(plan)
         if len(set(map(_request_id, batch))) != len(batch):
             check_distinct(batch)

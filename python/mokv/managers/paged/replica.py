@@ -76,7 +76,7 @@ from ..base import check_request_id
 from .commit import plan_commit
 from .groups import CacheGroup, FullAttentionGroup
 from .inputs import ceil_div
-from .plans import CommitPlan, RequestState, Reservation
+from .plans import HELD, CommitPlan, Held, RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
 
@@ -217,11 +217,23 @@ class PagedReplica:
 
     # --- reservation ----------------------------------------------------------------
 
-    def plan(self, ctx: TextGenerationContext, num_steps: int) -> Reservation | None:
-        """What reserving `ctx` for `num_steps` steps takes; None when it holds them already.
+    def plan(self, ctx: TextGenerationContext, num_steps: int) -> Reservation | Held:
+        """What reserving `ctx` for `num_steps` steps takes, as a value: `HELD` when the
+        request holds those steps already, else a `Reservation` that `fits` when the pool
+        could take it alone now (`apply` takes it). Raises for a request that is
+        unknown, stale or too long. Pure, but for what the chain memo remembers of its
+        readings and the tiers' lookup counters.
 
-        Pure (but for the tiers' counters). Raises for a request that is unknown, stale
-        or too long.
+        The cases, cheapest first (a scheduler asks for every running request at every
+        step, and for a waiting prompt at every step until it fits):
+
+            held     the window is held already (most decode steps)        HELD
+            fresh    no prefix can extend the request, which holds pages    fresh pages
+                     (a decode step onto a new page; a prompt's next chunk   only, no
+                     without a prefix to match: `takes_fresh_only`)          lookup
+            refused  a waiting prompt retried as it was refused last          that refusal
+                     (`PrefixChains.refused_again`)                          (the memo's)
+            else     device hits, then each tier's                          a full plan
         """
         try:  # `_request` and `check_window`'s test, inlined: this runs on every step
             req = self._requests[ctx.request_id]
@@ -231,17 +243,33 @@ class PagedReplica:
         held = len(req.pages) * ps
         if start < len(req.hashes) * ps or start > held:
             req.check_window(ctx, ps)
-        # The common decode step: the window is already held, and then no prefix can
-        # match (`PrefixChains.can_match`). `active_idx > start_idx` holds between steps.
+        # `active_idx > start_idx` holds between steps; past `max_seq_len`, a plan raises.
         needed = ctx.active_idx + num_steps - 1
-        if needed <= held and needed <= self.max_seq_len:
-            return None
+        if needed <= self.max_seq_len:
+            if needed <= held:  # then no prefix can match either (`PrefixChains.can_match`)
+                return HELD
+            if req.pages:
+                if self.takes_fresh_only(ctx, req):
+                    plan = self._reservation(ctx, req, num_steps, (), [])
+                    plan.room = self.pool.num_free  # `pool.room(())`: no hit to revive
+                    return plan
+            else:
+                refused = self.chains.refused_again(ctx, req, num_steps)
+                if refused is not None:
+                    return refused
+        return self._plan_hits(ctx, req, num_steps)
+
+    def _plan_hits(
+        self, ctx: TextGenerationContext, req: RequestState, num_steps: int
+    ) -> Reservation:
+        """`plan`'s last case: the device hits that continue the request's chain, then,
+        while the plan fits, each tier's hits after them."""
         hits, tail = self.chains.device_hits(ctx, req, want_tail=self._tiered)
         plan = self._reservation(ctx, req, num_steps, hits, [])
         plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)
         if tail is None:
             if room < plan.num_fresh and not req.pages and not self._tiered:
-                self.chains.note_refusal(ctx, num_steps, hits, plan.num_fresh)
+                self.chains.note_refusal(ctx, num_steps, plan)
             return plan
         loads: list[PendingLoad] = []
         parent = hits[-1][1] if hits else plan.parent_hash
@@ -269,41 +297,16 @@ class PagedReplica:
     def takes_fresh_only(self, ctx: TextGenerationContext, req: RequestState) -> bool:
         """Whether reserving `ctx` can take fresh pages only, and no prefix: none may
         extend it (`PrefixChains.can_match`), or it has no page left to look for (a decode
-        step onto a new page). Then `grow` does what `plan` and `apply` would."""
+        step onto a new page). Then `plan` asks for no hit."""
         last_page = (ctx.end_idx - 1) // self.page_size  # the last one a prefix may reach
         return last_page <= len(req.hashes) or not self.chains.can_match(ctx, req)
-
-    def grow(self, req: RequestState, num_pages: int) -> bool:
-        """Takes `num_pages` fresh pages for a request that holds pages already and can
-        match no prefix now (`takes_fresh_only`): `apply` of a reservation without hits
-        or loads, unplanned. False, changing nothing, when they do not fit.
-
-        The step that fills a page of every decoding request takes one such page each;
-        planning it (a `Reservation`, its room, a batch of one) cost as much as taking it.
-        """
-        if self.sessions is not None:  # sessions past their time-to-live, before evicting
-            if num_pages > self.pool.num_free:
-                return False
-            self.sessions.apply(self.sessions.plan_expiry())
-        pages = self.pool.take((), num_pages)
-        if pages is None:  # changing nothing: they do not fit (with sessions, known above)
-            if self.sessions is not None:
-                raise InvariantError("fresh pages that fit could not be taken")
-            return False
-        held = len(req.pages)
-        self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
-        req.pages.extend(pages)
-        self.group.page_table.set_row(req.slot, req.pages, held)
-        if self._tiered:  # what it took (see `Tier.note_reserved`)
-            self.tiers.note_reserved(pages, [[]])
-        return True
 
     def _reservation(
         self,
         ctx: TextGenerationContext,
         req: RequestState,
         num_steps: int,
-        hits: list[tuple[int, int]],
+        hits: Sequence[tuple[int, int]],
         loads: list[PendingLoad],
     ) -> Reservation:
         """The reservation of `ctx` with these hits (`RequestState.reservation_size`; a
