@@ -263,7 +263,7 @@ def test_a_batch_that_does_not_fit_changes_nothing_with_remote_hits_planned(sess
 
 FAULT_TARGETS = [
     (RemotePageStore, "lookup"), (RemotePageStore, "put"), (RemoteTier, "lookup"),
-    (RemoteTier, "load"), (RemoteTier, "store"), (RemoteTier, "pin"), (RemoteTier, "unpin"),
+    (RemoteTier, "load"), (RemoteTier, "store"),
     (TierStack, "load"), (TierStack, "store"), (TierStack, "pin"), (TierStack, "unpin"),
     (TierStack, "count_served"), (TierStack, "note_reserved"), (PagedReplica, "plan"),
     (PagedReplica, "apply"), (PagedReplica, "fits"), (PagedReplica, "load_pending"),

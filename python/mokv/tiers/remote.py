@@ -37,8 +37,7 @@ from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
 from ..registry import BUILDERS
 from ..remote import PageCodec, RemoteLayout, RemoteMetrics, RemotePageStore
-from ..undo import UndoLog
-from .base import CommittedPages, DeviceHit, TierHit
+from .base import CommittedPages, TierHit
 
 REMOTE_QUEUE_BYTES = 256 * 2**20
 """Most value bytes one shard's store holds queued for its writer before it drops pages:
@@ -47,13 +46,13 @@ queue a GiB per shard behind a slow server."""
 
 
 class RemoteTier:
-    """One replica's view of the shared store: `stores[d]` holds device shard `d`."""
+    """One replica's view of the shared store: `stores[d]` holds device shard `d`. The
+    core of a tier, `publish_to` and `check_invariants`: nothing to pin (its hits carry
+    their bytes), refresh or retain (the server keeps its own LRU) or undo (stored pages
+    are the server's, valid pages, and its announcements the event recorder's)."""
 
     name = RemoteTierConfig.name
     shared = True
-    # Nothing of its own to undo: the hits carry their bytes, stored pages are the
-    # server's (valid pages), and its announcements are the event recorder's.
-    undo: UndoLog | None = None
 
     def __init__(
         self, config: RemoteTierConfig, layouts: list[RemoteLayout], blocks: list[Buffer]
@@ -98,21 +97,10 @@ class RemoteTier:
             for i, (page_hash, data) in enumerate(pages[:found])
         ]
 
-    def pin(self, hits: Sequence[TierHit]) -> None:
-        """Nothing to pin: the hits carry their bytes."""
-
-    def unpin(self, hits: Sequence[TierHit]) -> None:
-        """Nothing was pinned."""
-
     def load(self, hits: Sequence[TierHit], device_pages: Sequence[int]) -> None:
         for shard, block in enumerate(self._blocks):
             write_pages([hit.handle[shard] for hit in hits], block, device_pages, self._views)
         self._bytes_loaded += sum(page.nbytes for hit in hits for page in hit.handle)
-
-    def note_reserved(
-        self, fresh_pages: Sequence[int], device_hits: Sequence[Sequence[DeviceHit]]
-    ) -> None:
-        """Nothing to refresh: the server keeps its own LRU."""
 
     # --- writes ---------------------------------------------------------------------
 
@@ -159,12 +147,6 @@ class RemoteTier:
     def reset_metrics(self) -> None:
         """Zeroes the bytes loaded; the stores' own counters only grow."""
         self._bytes_loaded = 0
-
-    def retain(self, page_hashes: Sequence[int]) -> None:
-        """Nothing: the server evicts by itself (sessions cannot hold its pages)."""
-
-    def unretain(self, page_hashes: Sequence[int], old_end: bool) -> None:
-        """Nothing was retained."""
 
     def check_invariants(self, pinned: Sequence[TierHit]) -> None:
         for hit in pinned:
