@@ -34,33 +34,42 @@ def measure(shapes: list[str], kinds: list[str]) -> None:
     session = InferenceSession(devices=[CPU()])
     probe = ReadProbe(1 << 28)
     for spec in shapes:
-        hkv, dt, b, c = spec.split(":")
-        hkv, b, c = int(hkv), int(b), int(c)
+        hkv_text, dt, b_text, c_text = spec.split(":")
+        hkv, b, c = int(hkv_text), int(b_text), int(c_text)
         dtype = DType.bfloat16 if dt == "bf16" else DTYPE
         kv_bytes = b * (c + 1) * 2 * hkv * 128 * dtype.size_in_bytes
         for kind in kinds:
             side = MokvSide(session, kind, hkv, dtype, slots=b, max_ctx=c)
             cell = _decode_cells([side], probe, b, c, kv_bytes, 0.6)[side.name]
             print(json.dumps({"shape": spec, "kind": kind, **cell}), flush=True)
-            side.mgr = side.model = None
+            del side  # frees the cache before the next side
 
 
 def run_tree(tree: Path, shapes: list[str], kinds: list[str]) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(tree / "python")}
-    cmd = [sys.executable, str(HERE / "ab_decode.py"), "--child",
-           "--shapes", ",".join(shapes), "--kinds", ",".join(kinds)]
+    cmd = [
+        sys.executable,
+        str(HERE / "ab_decode.py"),
+        "--child",
+        "--shapes",
+        ",".join(shapes),
+        "--kinds",
+        ",".join(kinds),
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("trees", nargs="*", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default="paged")
-    ap.add_argument("--shapes",
-                    default="4:bf16:1:16384,4:f32:1:16384,8:bf16:1:16384,32:bf16:1:16384")
+    ap.add_argument(
+        "--shapes", default="4:bf16:1:16384,4:f32:1:16384,8:bf16:1:16384,32:bf16:1:16384"
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shapes, kinds = args.shapes.split(","), args.kinds.split(",")

@@ -18,7 +18,6 @@ and takes minutes, the first time).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -65,7 +64,8 @@ else:
     t0 = time.perf_counter(); side = MokvSide(session, "paged")
     t["build_and_load_s"] = time.perf_counter() - t0
     args = side.inputs([64], [1])
-    t0 = time.perf_counter(); side.model.execute(*args); t["first_step_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter(); side.model.execute(*args)
+    t["first_step_s"] = time.perf_counter() - t0
 print(json.dumps(t))
 """
 
@@ -75,8 +75,13 @@ def _child(env_over: dict) -> dict:
 
     env = {**child_env(), **env_over}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(Path(__file__).parent)], env=env,
-                          capture_output=True, text=True, timeout=590)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=590,
+    )
     if proc.returncode:
         return {"error": proc.stderr[-1500:]}
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -92,7 +97,10 @@ def run(quick: bool = False, progress=None) -> dict:
             progress()
         return out
     with tempfile.TemporaryDirectory(prefix="mokv-bench-") as tmp:
-        env = {"MODULAR_CACHE_DIR": str(Path(tmp, "modular")), "MOKV_CACHE_DIR": str(Path(tmp, "mokv"))}
+        env = {
+            "MODULAR_CACHE_DIR": str(Path(tmp, "modular")),
+            "MOKV_CACHE_DIR": str(Path(tmp, "mokv")),
+        }
         for name in ("cold", "warm"):
             out[name] = _child(env)
             if progress:

@@ -22,13 +22,12 @@ import threading
 import time
 from pathlib import Path
 
+import mokv
 from max.driver import CPU
 from max.dtype import DType
 from max.engine import InferenceSession
-
-import mokv
-from mokv.ops import kernels_path
 from mokv.mojo_package import _clean_env, _mojo_binary
+from mokv.ops import kernels_path
 
 MOJO_BENCH = Path(__file__).with_name("bench_mojo_manager.mojo")
 SLOTS = 64
@@ -39,8 +38,21 @@ def from_mojo(repeats: int) -> dict[str, float]:
     best: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "bench"
-        subprocess.run([_mojo_binary(), "build", "-I", str(kernels_path().parent), str(MOJO_BENCH),
-                        "-o", str(exe)], capture_output=True, env=_clean_env(), check=True, cwd=tmp)
+        subprocess.run(
+            [
+                _mojo_binary(),
+                "build",
+                "-I",
+                str(kernels_path().parent),
+                str(MOJO_BENCH),
+                "-o",
+                str(exe),
+            ],
+            capture_output=True,
+            env=_clean_env(),
+            check=True,
+            cwd=tmp,
+        )
         for _ in range(repeats):
             out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
             for k, v in (line.split() for line in out.splitlines() if line.strip()):
@@ -107,8 +119,12 @@ def threaded_lifecycles_per_s(manager, threads: int, rounds: int) -> float:
 def run(quick: bool = False) -> dict:
     reps = 2000 if quick else 20000
     repeats = 1 if quick else 3
-    params = mokv.KVCacheParams(dtype=DType.float32, n_kv_heads=1, head_dim=16,
-                                cache_strategy="continuous")
+    params = mokv.KVCacheParams(
+        dtype=DType.float32,
+        n_kv_heads=1,
+        head_dim=16,
+        cache_strategy=mokv.KVCacheStrategy.CONTINUOUS,
+    )
     session = InferenceSession(devices=[CPU()])
     args = (params, SLOTS, reps // 10 + 8, 1, [CPU()], session)  # one token per batch step
     mojo_py = mokv.MojoContinuousBatchingKVCacheManager(*args)
@@ -134,7 +150,9 @@ if __name__ == "__main__":
     for k in ("claim", "fetch", "step", "release", "fetch_step_batch32"):
         cells = (m[f"mojo_{k}_ns"], r["mojo_from_python"][k], r["python"][k])
         print(f"| {k} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
-    print(f"\nlifecycles/s (claim, fetch, step, release), 8 Mojo threads: "
-          f"{m['mojo_threads_lifecycles_per_s']:.0f}")
+    print(
+        f"\nlifecycles/s (claim, fetch, step, release), 8 Mojo threads: "
+        f"{m['mojo_threads_lifecycles_per_s']:.0f}"
+    )
     for n, v in r["mojo_from_python_threads"].items():
         print(f"lifecycles/s, {n} Python thread(s) on the Mojo manager: {v:.0f}")

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import time
 
+import mokv
+import mokv.ops  # noqa: F401
 import numpy as np
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, ops
-
-import mokv
-import mokv.ops  # noqa: F401
 
 HIDDEN, HKV, GROUP, D, PAGE = 4096, 8, 4, 128, 128
 N_Q = HKV * GROUP
@@ -35,8 +34,15 @@ def tokens(quick: bool) -> list[int]:
 
 def _mokv_graph(params, hidden_t, weight_t) -> Graph:
     cpu = DeviceRef.CPU()
-    with Graph("mokv_qkv", input_types=[*mokv.PAGED.input_symbols(params, 1, 0, cpu), hidden_t, weight_t,
-                                        TensorType(DType.uint32, ["batch_plus_1"], cpu)]) as g:
+    with Graph(
+        "mokv_qkv",
+        input_types=[
+            *mokv.PAGED.input_symbols(params, 1, 0, cpu),
+            hidden_t,
+            weight_t,
+            TensorType(DType.uint32, ["batch_plus_1"], cpu),
+        ],
+    ) as g:
         *kv, h, w, offsets = g.inputs
         coll = mokv.FetchPagedKVCacheCollection(params, num_layers=1)(*kv)
         g.output(mokv.ops.fused_qkv_matmul(coll, h, w, offsets, 0, N_Q))
@@ -60,7 +66,9 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
     hidden_t = TensorType(DType.float32, ["tokens", HIDDEN], cpu)
     weight_t = TensorType(DType.float32, [FEATURES, HIDDEN], cpu)
     mokv_model = _load(session, _mokv_graph(params, hidden_t, weight_t), portable=False)
-    portable_model = _load(session, _mokv_graph(params, hidden_t, weight_t), portable=True) if portable else None
+    portable_model = (
+        _load(session, _mokv_graph(params, hidden_t, weight_t), portable=True) if portable else None
+    )
     with Graph("max_qkv", input_types=[hidden_t, weight_t]) as g:
         h, w = g.inputs
         g.output(ops.matmul(h.tensor, ops.transpose(w.tensor, 0, 1)))
@@ -72,20 +80,26 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
     for t in tokens(quick):
         pages = -(-t // PAGE)
         hidden = Buffer.from_numpy(rng.standard_normal((t, HIDDEN)).astype(np.float32))
-        cache = [Buffer.from_numpy(np.zeros((pages + 1, 2, 1, PAGE, HKV, D), np.float32)),
-                 Buffer.from_numpy(np.zeros(1, np.uint32)),
-                 Buffer.from_numpy(np.arange(1, pages + 1, dtype=np.uint32).reshape(1, pages)),
-                 Buffer.from_numpy(np.array([[t, 0]], np.uint32))]
+        cache = [
+            Buffer.from_numpy(np.zeros((pages + 1, 2, 1, PAGE, HKV, D), np.float32)),
+            Buffer.from_numpy(np.zeros(1, np.uint32)),
+            Buffer.from_numpy(np.arange(1, pages + 1, dtype=np.uint32).reshape(1, pages)),
+            Buffer.from_numpy(np.array([[t, 0]], np.uint32)),
+        ]
         offsets = Buffer.from_numpy(np.array([0, t], np.uint32))
         reps = 15 if t < 64 else 7
         flops = 2 * t * HIDDEN * FEATURES
-        row = {"tokens": t}
-        fns = {"max-matmul": lambda: max_model.execute(hidden, weight),
-               "mokv-fused_qkv": lambda: mokv_model.execute(*cache, hidden, weight, offsets)}
+        row: dict = {"tokens": t}
+        fns = {
+            "max-matmul": lambda: max_model.execute(hidden, weight),
+            "mokv-fused_qkv": lambda: mokv_model.execute(*cache, hidden, weight, offsets),
+        }
         if portable_model is not None:
-            fns["mokv-fused_qkv-portable"] = lambda: portable_model.execute(*cache, hidden, weight, offsets)
-        times = {name: [] for name in fns}
-        cpu = {name: [] for name in fns}
+            fns["mokv-fused_qkv-portable"] = lambda: portable_model.execute(
+                *cache, hidden, weight, offsets
+            )
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        cpu_s: dict[str, list[float]] = {name: [] for name in fns}
         for fn in fns.values():
             fn()
         for _ in range(reps):  # interleaved, so that both sides see the same machine load
@@ -93,17 +107,29 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
                 c0, t0 = time.process_time(), time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
-                cpu[name].append(time.process_time() - c0)
+                cpu_s[name].append(time.process_time() - c0)
         for name, ts in times.items():
             s = float(np.median(ts))
-            row[name] = {"ms": s * 1e3, "min_ms": min(ts) * 1e3, "cpu_ms": float(np.median(cpu[name])) * 1e3,
-                         "GFLOPs": flops / s / 1e9,
-                         "weight_GBps": FEATURES * HIDDEN * 4 / s / 1e9}
+            row[name] = {
+                "ms": s * 1e3,
+                "min_ms": min(ts) * 1e3,
+                "cpu_ms": float(np.median(cpu_s[name])) * 1e3,
+                "GFLOPs": flops / s / 1e9,
+                "weight_GBps": FEATURES * HIDDEN * 4 / s / 1e9,
+            }
         rows.append(row)
         if progress:
             progress()
-    return {"shape": {"hidden": HIDDEN, "n_heads": N_Q, "n_kv_heads": HKV, "head_dim": D, "dtype": "float32"},
-            "rows": rows}
+    return {
+        "shape": {
+            "hidden": HIDDEN,
+            "n_heads": N_Q,
+            "n_kv_heads": HKV,
+            "head_dim": D,
+            "dtype": "float32",
+        },
+        "rows": rows,
+    }
 
 
 if __name__ == "__main__":

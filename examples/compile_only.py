@@ -18,11 +18,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import mokv
 import numpy as np
 from max import driver
 from max.engine import CompileOnlyExecutionError, InferenceSession
-
-import mokv
 from mokv_graphs import DecoderConfig, DecoderModel
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -37,18 +36,39 @@ driver.set_virtual_device_api("cuda")
 driver.set_virtual_device_target_arch(args.arch)
 driver.set_virtual_device_count(1)
 gpu = driver.Accelerator()
-print(f"virtual device: {gpu} (api={gpu.api}, arch={gpu.architecture_name}), "
-      f"virtual mode: {driver.is_virtual_device_mode()}")
+print(
+    f"virtual device: {gpu} (api={gpu.api}, arch={gpu.architecture_name}), "
+    f"virtual mode: {driver.is_virtual_device_mode()}"
+)
 
 config = DecoderConfig(num_layers=args.num_layers)
 params = config.kv_params(args.strategy, page_size=128)
 session = InferenceSession(devices=[driver.CPU(), gpu])
 manager = mokv.load_kv_manager(
-    params, max_batch_size=32, max_seq_len=config.max_seq_len, num_layers=config.num_layers,
-    devices=[gpu], session=session, available_cache_memory=1 << 30, page_size=128,
+    params,
+    max_batch_size=32,
+    max_seq_len=config.max_seq_len,
+    num_layers=config.num_layers,
+    devices=[gpu],
+    session=session,
+    available_cache_memory=1 << 30,
+    page_size=128,
 )
-print(f"cache manager: {type(manager).__name__}, {manager.layout.name} layout (estimated memory "
-      f"{manager.estimated_memory_size(params, 32, config.max_seq_len, config.num_layers, 1 << 30, [gpu])} bytes)")
+# MAX's sizing classmethods: the paged cache's takes the memory budget, the continuous
+# cache's holds every slot at max_seq_len.
+if isinstance(manager, mokv.PagedKVCacheManager):
+    estimated = manager.estimated_memory_size(
+        params, 32, config.max_seq_len, config.num_layers, 1 << 30, [gpu]
+    )
+else:
+    assert isinstance(manager, mokv.ContinuousKVCacheManager)
+    estimated = manager.estimated_memory_size(
+        params, 32, config.max_seq_len, config.num_layers, [gpu]
+    )
+print(
+    f"cache manager: {type(manager).__name__}, {manager.layout.name} layout (estimated memory "
+    f"{estimated} bytes)"
+)
 
 # The same model code as on the CPU. On a virtual device `session.load` compiles and
 # returns a stand-in (`CompileOnlyModel`) that carries the compiled artifact.
@@ -62,8 +82,10 @@ out = Path(args.out or Path(tempfile.mkdtemp()) / "mokv_decoder.mef")
 model.model.compiled.export_mef(out)
 blob = out.read_bytes()
 code_objects = blob.count(b"\x7fELF")
-print(f"wrote {out} ({len(blob) / 1e6:.1f} MB): {code_objects} embedded ELF code objects, "
-      f"{blob.count(args.arch.encode())} mentions of {args.arch}")
+print(
+    f"wrote {out} ({len(blob) / 1e6:.1f} MB): {code_objects} embedded ELF code objects, "
+    f"{blob.count(args.arch.encode())} mentions of {args.arch}"
+)
 
 # There is no device to run on: executing raises.
 ctx = mokv.TextContext(np.arange(8))

@@ -17,17 +17,23 @@ import argparse
 import time
 from pathlib import Path
 
+import mokv
 import numpy as np
 from max.driver import CPU
 from max.engine import InferenceSession
+from mokv_graphs import (
+    DecoderConfig,
+    DecoderModel,
+    Request,
+    Scheduler,
+    first_mismatch,
+    greedy,
+    init_weights,
+    load_checkpoint,
+    load_safetensors,
+)
 from rich.console import Console
 from rich.progress import Progress
-
-import mokv
-from mokv_graphs import (
-    DecoderConfig, DecoderModel, Request, Scheduler, first_mismatch, greedy, init_weights,
-    load_checkpoint, load_safetensors,
-)
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--strategy", choices=["paged", "continuous"], default="paged")
@@ -37,8 +43,11 @@ parser.add_argument("--page-size", type=int, default=16)
 parser.add_argument("--max-batch", type=int, default=8)
 parser.add_argument("--token-budget", type=int, default=128, help="rows per model call")
 parser.add_argument("--check", type=int, default=4, help="outputs checked against a recompute")
-parser.add_argument("--weights", help="Hugging Face checkpoint directory, or a safetensors file "
-                    "(Llama names, DecoderConfig() shapes)")
+parser.add_argument(
+    "--weights",
+    help="Hugging Face checkpoint directory, or a safetensors file "
+    "(Llama names, DecoderConfig() shapes)",
+)
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 console = Console()
@@ -52,8 +61,13 @@ else:
 params = config.kv_params(args.strategy, page_size=args.page_size)
 session = InferenceSession(devices=[CPU()])
 manager = mokv.load_kv_manager(
-    params, max_batch_size=args.max_batch, max_seq_len=384, num_layers=config.num_layers,
-    devices=[CPU()], session=session, page_size=args.page_size,
+    params,
+    max_batch_size=args.max_batch,
+    max_seq_len=384,
+    num_layers=config.num_layers,
+    devices=[CPU()],
+    session=session,
+    page_size=args.page_size,
     available_cache_memory=args.pages * params.bytes_per_page(config.num_layers),
 )
 with console.status("Compiling the decoder graph (once; cached on disk afterwards)..."):
@@ -70,8 +84,12 @@ def tokens(n_min: int, n_max: int) -> np.ndarray:
 system_prompts = [tokens(96, 160) for _ in range(3)]
 arrivals = np.cumsum(rng.exponential(1.5, args.requests)).astype(int)
 pending = [
-    (int(step), Request(mokv.TextContext(np.r_[system_prompts[i % 3], tokens(8, 40)]),
-                        int(rng.integers(16, 48))))
+    (
+        int(step),
+        Request(
+            mokv.TextContext(np.r_[system_prompts[i % 3], tokens(8, 40)]), int(rng.integers(16, 48))
+        ),
+    )
     for i, step in enumerate(arrivals)
 ]
 second_turn = {id(req): tokens(8, 24) for _, req in pending[::4]}
@@ -98,14 +116,20 @@ elapsed = time.perf_counter() - start
 
 stats, metrics = scheduler.stats, manager.metrics
 console.print(f"[bold]{len(done)} requests[/] in {elapsed:.1f} s, {stats.steps} model calls")
-console.print(f"  generated {stats.generated_tokens} tokens: "
-              f"{stats.generated_tokens / elapsed:.0f} tokens/s "
-              f"({stats.computed_tokens / elapsed:.0f} rows/s incl. prefill)")
-if args.strategy == "paged":
-    console.print(f"  prefix-cache hit rate {metrics.cache_hit_rate:.0%} of prompt tokens; "
-                  f"peak {peak_pages} of {manager.total_num_pages} pages in use")
+console.print(
+    f"  generated {stats.generated_tokens} tokens: "
+    f"{stats.generated_tokens / elapsed:.0f} tokens/s "
+    f"({stats.computed_tokens / elapsed:.0f} rows/s incl. prefill)"
+)
+if isinstance(manager, mokv.PagedKVCacheManager):
+    console.print(
+        f"  prefix-cache hit rate {metrics.cache_hit_rate:.0%} of prompt tokens; "
+        f"peak {peak_pages} of {manager.total_num_pages} pages in use"
+    )
 else:
-    console.print(f"  continuous slots: peak {peak_pages} of {args.max_batch} in use (no prefix reuse)")
+    console.print(
+        f"  continuous slots: peak {peak_pages} of {args.max_batch} in use (no prefix reuse)"
+    )
 console.print(f"  requests preempted: {stats.preemptions}")
 
 # Greedy decoding is deterministic: with the outputs fed back in, one reference forward
@@ -113,7 +137,9 @@ console.print(f"  requests preempted: {stats.preemptions}")
 sample = [done[int(i)] for i in rng.choice(len(done), min(args.check, len(done)), replace=False)]
 for req in sample:
     ok = first_mismatch(config, weights, req.ctx.tokens, req.prompt_len) is None
-    console.print(f"  check {req.ctx.request_id[:8]} ({req.prompt_len}+{req.output.size} tokens): "
-                  + ("[green]matches the uncached recompute[/]" if ok else "[red]MISMATCH[/]"))
+    console.print(
+        f"  check {req.ctx.request_id[:8]} ({req.prompt_len}+{req.output.size} tokens): "
+        + ("[green]matches the uncached recompute[/]" if ok else "[red]MISMATCH[/]")
+    )
     if not ok:
         raise SystemExit(1)

@@ -3,11 +3,10 @@ importing or using mokv patches nothing of MAX's."""
 
 import os
 
+import mokv
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph
-
-import mokv
 from mokv.compiler_output import drop_collection_warnings
 
 WARNING = (
@@ -54,5 +53,7 @@ def test_building_a_graph_with_collections_patches_nothing_of_max():
         mokv.FetchPagedKVCacheCollection(params, num_layers=2)(*graph.inputs)
         graph.output()
     assert dict(vars(InferenceSession)) == before
-    assert not any(hasattr(getattr(InferenceSession, name), "__wrapped__")
-                   for name in ("compile", "load", "load_all"))
+    assert not any(
+        hasattr(getattr(InferenceSession, name), "__wrapped__")
+        for name in ("compile", "load", "load_all")
+    )

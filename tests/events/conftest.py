@@ -57,10 +57,16 @@ def make_publishing(session, config: KVEventsConfig, num_pages=4, dp=1, **overri
     """A paged manager publishing events; returns once its startup batch (seq 0) is out."""
     params = small_params(data_parallel_degree=dp, n_devices=dp, **overrides)
     m = mokv.PagedKVCacheManager(
-        params, max_batch_size=4 * dp, max_seq_len=16, num_layers=NUM_LAYERS,
-        devices=[CPU()] * dp, session=session,
+        params,
+        max_batch_size=4 * dp,
+        max_seq_len=16,
+        num_layers=NUM_LAYERS,
+        devices=[CPU()] * dp,
+        session=session,
         available_cache_memory=dp * num_pages * params.bytes_per_page(NUM_LAYERS),
-        page_size=params.page_size, enable_runtime_checks=True, kv_events_config=config,
+        page_size=params.page_size,
+        enable_runtime_checks=True,
+        kv_events_config=config,
     )
     deadline = time.monotonic() + 5
     while any(p.num_published < 1 for p in m.kv_event_publishers) and time.monotonic() < deadline:
@@ -72,14 +78,15 @@ class Reader:
     """A SUB socket that collects raw [topic, seq, payload] messages."""
 
     def __init__(self, endpoint: str, bind: bool = False):
-        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         (self.sock.bind if bind else self.sock.connect)(endpoint)
         time.sleep(0.1)  # let the subscription reach the publisher
 
     def take(self, n: int, timeout: float = 5.0) -> list[list[bytes]]:
-        out, deadline = [], time.monotonic() + timeout
+        out: list[list[bytes]] = []
+        deadline = time.monotonic() + timeout
         while len(out) < n and self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
             out.append(self.sock.recv_multipart())
         assert len(out) == n, f"got {len(out)} of {n} messages"

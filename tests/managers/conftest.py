@@ -1,17 +1,17 @@
 """Small managers on the CPU device: few pages, short pages, so that tests see eviction."""
 
+import mokv
 import pytest
 from max.driver import CPU
 from max.dtype import DType
-
-import mokv
 
 NUM_LAYERS = 2
 
 
 def small_params(**overrides) -> mokv.KVCacheParams:
-    fields = dict(dtype=DType.float32, n_kv_heads=2, head_dim=8, page_size=4,
-                  enable_prefix_caching=True)
+    fields = dict(
+        dtype=DType.float32, n_kv_heads=2, head_dim=8, page_size=4, enable_prefix_caching=True
+    )
     fields.update(overrides)
     return mokv.KVCacheParams(**fields)
 

@@ -38,6 +38,7 @@ class Faults:
             if call == self.fault_at and self.mode == "after":
                 raise Injected(f"fault after call {call} ({fn.__qualname__})")
             return result
+
         return injected
 
     def arm(self, fault_at: int, mode: str = "instead") -> None:
@@ -52,8 +53,9 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
     public calls: (replicas, requests, windows, events).
 
     A replica is each page's (owners, hash, tokens, cached), its free request slots,
-    each tier's state and its sessions' (`session_state`); a request is its replica, pages, hash chain and pending loads;
-    the events are every record each publisher holds or handed over. The
+    each tier's state and its sessions' (`session_state`); a request is its replica,
+    pages, hash chain and pending loads; the events are every record each publisher
+    holds or handed over. The
     order of the free list and of the LRU is not read: a rolled-back call gives pages
     back to their young ends, which changes which page is handed out next, not who
     owns what.
@@ -61,20 +63,30 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
     replicas = []
     for r in m.replicas:
         pool = r.pool
-        pages = tuple((pool.ref_count(p), pool.page_hash(p), pool.page_tokens(p),
-                       pool.is_cached(p)) for p in range(pool.num_pages))
-        replicas.append((pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers),
-                         session_state(r)))
-    requests = []
+        pages = tuple(
+            (pool.ref_count(p), pool.page_hash(p), pool.page_tokens(p), pool.is_cached(p))
+            for p in range(pool.num_pages)
+        )
+        replicas.append(
+            (pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers), session_state(r))
+        )
+    requests: list[tuple] = []
     for ctx in contexts:
         rid = ctx.request_id
         if not m.contains(rid):
             requests.append((rid, None))
             continue
-        r = m.get_replica(ctx)
-        replica = m.replicas[r]
-        requests.append((rid, r, tuple(replica.pages_of(rid)),
-                         tuple(replica.committed_hashes(rid)), tuple(replica.pending_loads(rid))))
+        index = m.get_replica(ctx)
+        owner = m.replicas[index]
+        requests.append(
+            (
+                rid,
+                index,
+                tuple(owner.pages_of(rid)),
+                tuple(owner.committed_hashes(rid)),
+                tuple(owner.pending_loads(rid)),
+            )
+        )
     windows = tuple((c.start_idx, c.active_idx, c.end_idx) for c in contexts)
     events = tuple(recorded(p) for p in m.kv_event_publishers)
     return tuple(replicas), tuple(requests), windows, events
@@ -103,8 +115,12 @@ def session_state(replica) -> tuple:
     table = replica.sessions
     if table is None:
         return ()
-    return (tuple((sid, s.chain, s.running, s.deadline) for sid, s in table.sessions.items()),
-            table.retained_hashes, replica.pool.retained_hashes, replica.pool.num_kept)
+    return (
+        tuple((sid, s.chain, s.running, s.deadline) for sid, s in table.sessions.items()),
+        table.retained_hashes,
+        replica.pool.retained_hashes,
+        replica.pool.num_kept,
+    )
 
 
 def tier_state(tier) -> tuple:
@@ -113,6 +129,9 @@ def tier_state(tier) -> tuple:
     if not isinstance(tier, HostTier):
         return ()
     pool = tier.pool
-    return (tuple((pool.page_hash(p), pool.page_tokens(p)) for p in range(pool.num_pages)),
-            frozenset(pool.indexed_hashes()), tuple(sorted(tier.pinned.items())),
-            pool.retained_hashes)
+    return (
+        tuple((pool.page_hash(p), pool.page_tokens(p)) for p in range(pool.num_pages)),
+        frozenset(pool.indexed_hashes()),
+        tuple(sorted(tier.pinned.items())),
+        pool.retained_hashes,
+    )

@@ -7,10 +7,9 @@ context; and the two edges the rollback keeps (a moved context's reservation sta
 
 from __future__ import annotations
 
+import mokv
 import numpy as np
 import pytest
-
-import mokv
 from mokv import TextContext
 from mokv.cache.page_pool import PagePool
 from mokv.managers.paged.inputs import PageTable

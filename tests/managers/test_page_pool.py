@@ -1,7 +1,6 @@
 """PagePool: all-or-nothing allocation, eviction order, the hash index and its invariants."""
 
 import pytest
-
 from mokv import InvariantError
 from mokv.cache import unindexed_log
 from mokv.cache.page_pool import PagePool

@@ -9,12 +9,11 @@ large host pool, outputs contained other prompts' tokens).
 
 import dataclasses
 
+import mokv
 import mokv_graphs as mg
 import numpy as np
 import pytest
 from max.driver import CPU
-
-import mokv
 
 from .conftest import CONFIG, MAX_BATCH_SIZE, MAX_SEQ_LEN, PAGE_SIZE
 from .test_model_decode import ATOL
@@ -29,9 +28,14 @@ def host_tier_manager(session, dp: int = 1):
     host = mokv.HostTierConfig(swap_space_gb=dp * HOST_PAGES * bytes_per_page / 2**30)
     params = dataclasses.replace(params, data_parallel_degree=dp, n_devices=dp, tiers=(host,))
     return mokv.load_kv_manager(
-        params, max_batch_size=MAX_BATCH_SIZE, max_seq_len=MAX_SEQ_LEN,
-        num_layers=CONFIG.num_layers, devices=[CPU()] * dp, session=session,
-        available_cache_memory=dp * DEVICE_PAGES * bytes_per_page, page_size=PAGE_SIZE,
+        params,
+        max_batch_size=MAX_BATCH_SIZE,
+        max_seq_len=MAX_SEQ_LEN,
+        num_layers=CONFIG.num_layers,
+        devices=[CPU()] * dp,
+        session=session,
+        available_cache_memory=dp * DEVICE_PAGES * bytes_per_page,
+        page_size=PAGE_SIZE,
         enable_runtime_checks=True,
     )
 

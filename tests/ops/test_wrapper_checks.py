@@ -5,18 +5,20 @@ from __future__ import annotations
 import pytest
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType
-
+from mokv.config.params import KVCacheParams
 from mokv.layouts import PAGED, FetchPagedKVCacheCollection, PagedKVCacheCollectionType
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv
-from mokv.config.params import KVCacheParams
 
 PARAMS = KVCacheParams(dtype=DType.float32, n_kv_heads=2, head_dim=64, page_size=16)
 CPU = DeviceRef.CPU()
 
 
 def _graph(*extra: TensorType) -> Graph:
-    return Graph("checks", input_types=[*PAGED.input_symbols(PARAMS, 2, 0, CPU), *extra],
-                 custom_extensions=[kernels_path()])
+    return Graph(
+        "checks",
+        input_types=[*PAGED.input_symbols(PARAMS, 2, 0, CPU), *extra],
+        custom_extensions=[kernels_path()],
+    )
 
 
 def test_collection_type_names_the_mojo_struct() -> None:
@@ -77,4 +79,3 @@ def test_fused_qkv_and_attention_check_heads() -> None:
             flash_attention(kv, q, off, 0, 0.125)
         with pytest.raises(TypeError, match="collection must be a KV cache collection"):
             flash_attention(h, q, off, 0, 0.125)
-

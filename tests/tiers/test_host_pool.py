@@ -4,7 +4,6 @@ events."""
 from mokv.events.publisher import EventRecorder, build_events
 from mokv.tiers.host_pool import HostPagePool
 
-
 # --- the host pool --------------------------------------------------------------------
 
 
@@ -48,8 +47,12 @@ def test_host_events_carry_medium_cpu():
     stored(pool, [2, 3])  # evicts 1
     events = build_events(recorder.take(), 1, "GPU")
     kinds = [(type(e).__name__, e.medium) for e in events]
-    assert kinds == [("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "CPU"),
-                     ("BlockStored", "CPU")]
+    assert kinds == [
+        ("BlockStored", "GPU"),
+        ("BlockStored", "CPU"),
+        ("BlockRemoved", "CPU"),
+        ("BlockStored", "CPU"),
+    ]
     assert events[3].block_hashes == [2, 3]
 
 

@@ -4,7 +4,6 @@ it still holds. Every answer must equal the one a replica without the memo gives
 
 import numpy as np
 import pytest
-
 from mokv import MultimodalInput, TextContext
 from mokv.cache.extra_keys import HashInputs
 from mokv.cache.hashing import hash_pages, page_hash_fn, root_hash, salted_root
@@ -21,8 +20,13 @@ PS = 4  # small_params' page size
 
 def make_chains(num_pages=8, hash_fn=None, capacity=None):
     params = small_params()
-    chains = PrefixChains(params, PagePool(num_pages), hash_fn or page_hash_fn("xxh3"),
-                          root_hash("xxh3", 0), max_seq_len=64)
+    chains = PrefixChains(
+        params,
+        PagePool(num_pages),
+        hash_fn or page_hash_fn("xxh3"),
+        root_hash("xxh3", 0),
+        max_seq_len=64,
+    )
     if capacity is not None:
         chains.memo = ChainMemo(capacity)
     return chains
@@ -163,7 +167,9 @@ def test_equal_hashes_never_stand_for_different_tokens():
     pages_b, _ = chains.pages(b, RequestState(0), 2)
     assert [h for h, _ in pages_a] == [h for h, _ in pages_b] == [7, 7]
     assert [np.frombuffer(d, np.int64).tolist() for _, d in pages_b] == [
-        [100, 101, 102, 103], [104, 105, 106, 107]]
+        [100, 101, 102, 103],
+        [104, 105, 106, 107],
+    ]
     page_ids = chains.pool.take((), 2)
     chains.pool.commit_pages(page_ids[:1], [7], [pages_a[0][1]])
     assert chains.device_hits(a, RequestState(0), False)[0] == [(page_ids[0], 7)]
@@ -228,7 +234,9 @@ def test_memo_hits_compare_only_the_pages_that_decide_the_run(monkeypatch):
     assert len(hits) == 2
     lookups = []
     real_lookup_run = pool.lookup_run
-    monkeypatch.setattr(pool, "lookup_run", lambda pages: lookups.append(1) or real_lookup_run(pages))
+    monkeypatch.setattr(
+        pool, "lookup_run", lambda pages: lookups.append(1) or real_lookup_run(pages)
+    )
     ctx.tokens[13] = 99  # page 3, after the page that misses (2): decides nothing
     assert chains.device_hits(ctx, RequestState(0), False)[0] is hits and lookups == []
     ctx.tokens[9] = 99  # page 2, the first miss: compared, and the run is looked up

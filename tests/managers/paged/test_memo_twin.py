@@ -9,12 +9,10 @@ tries, request ids reused with other tokens or another salt, prefixes shared, pa
 committed, freed and evicted under a tight budget, preemptions and resets of the prefix
 cache."""
 
-import numpy as np
+import mokv
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-import mokv
 from mokv import TextContext
 from mokv.managers.paged.chain_memo import ChainMemo
 from mokv.managers.paged.prefix import PrefixChains
@@ -42,8 +40,10 @@ class TwinMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.twins = [make_paged(self.session, num_pages=9, max_batch_size=4,
-                                 max_seq_len=MAX_SEQ_LEN) for _ in range(2)]
+        self.twins = [
+            make_paged(self.session, num_pages=9, max_batch_size=4, max_seq_len=MAX_SEQ_LEN)
+            for _ in range(2)
+        ]
         for replica in self.twins[1].replicas:
             replica.chains.memo = ChainMemo(0)
         self.running: dict[str, list[TextContext]] = {}  # id -> the twins' contexts
