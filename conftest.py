@@ -32,11 +32,9 @@ CPU_TARGET_SITE = Path(__file__).resolve().parent / "tests" / "cpu_target_site"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--cpu-target",
-        default="",
-        metavar="NAME",
+        "--cpu-target", default="", metavar="NAME",
         help="compile every CPU kernel (MAX's and mokv's) for the LLVM CPU NAME, e.g. znver3 "
-        "(AVX2, no AVX-512), and run it here (max.driver.set_virtual_cpu_target)",
+             "(AVX2, no AVX-512), and run it here (max.driver.set_virtual_cpu_target)",
     )
 
 
@@ -67,18 +65,8 @@ def run_mojo(example) -> None:
         source = Path(tmp) / "example.mojo"
         source.write_text(example.parsed)
         proc = subprocess.run(
-            [
-                _mojo_binary(),
-                "run",
-                *mojo_target_flags(),
-                "-I",
-                str(kernels_path().parent),
-                str(source),
-            ],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=600,
+            [_mojo_binary(), "run", *mojo_target_flags(), "-I", str(kernels_path().parent), str(source)],
+            check=False, capture_output=True, text=True, timeout=600,
         )
     if proc.returncode != 0:
         raise AssertionError(

@@ -47,29 +47,20 @@ def measure(shapes: list[str], kinds: list[str]) -> None:
 
 def run_tree(tree: Path, shapes: list[str], kinds: list[str]) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(tree / "python")}
-    cmd = [
-        sys.executable,
-        str(HERE / "ab_decode.py"),
-        "--child",
-        "--shapes",
-        ",".join(shapes),
-        "--kinds",
-        ",".join(kinds),
-    ]
+    cmd = [sys.executable, str(HERE / "ab_decode.py"), "--child",
+           "--shapes", ",".join(shapes), "--kinds", ",".join(kinds)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trees", nargs="*", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default="paged")
-    ap.add_argument(
-        "--shapes", default="4:bf16:1:16384,4:f32:1:16384,8:bf16:1:16384,32:bf16:1:16384"
-    )
+    ap.add_argument("--shapes",
+                    default="4:bf16:1:16384,4:f32:1:16384,8:bf16:1:16384,32:bf16:1:16384")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shapes, kinds = args.shapes.split(","), args.kinds.split(",")

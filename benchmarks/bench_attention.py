@@ -52,9 +52,7 @@ def _fill(buf: Buffer) -> None:
     row = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32) * 0.1
     bf16 = buf.dtype == DType.bfloat16
     host = buf if buf.device.is_host else Buffer(buf.dtype, list(buf.shape), device=CPU())
-    (host.view(DType.uint16) if bf16 else host).to_numpy().reshape(-1, D)[...] = (
-        _bf16_bits(row) if bf16 else row
-    )
+    (host.view(DType.uint16) if bf16 else host).to_numpy().reshape(-1, D)[...] = _bf16_bits(row) if bf16 else row
     if host is not buf:
         buf.inplace_copy_from(host)
         buf.device.synchronize()
@@ -102,12 +100,8 @@ def copy_bandwidth(probe: ReadProbe, repeats: int = 5) -> dict:
     dst = np.empty_like(src)
     copy = min(_time(lambda: np.copyto(dst, src), 0) for _ in range(repeats))
     one = min(_time(lambda: np.maximum.reduce(src), 0) for _ in range(repeats))
-    return {
-        "numpy_copy_GBps": src.nbytes / copy / 1e9,
-        "read_2threads_GBps": probe(repeats),
-        "read_1thread_GBps": src.nbytes / one / 1e9,
-        "bytes": src.nbytes,
-    }
+    return {"numpy_copy_GBps": src.nbytes / copy / 1e9, "read_2threads_GBps": probe(repeats),
+            "read_1thread_GBps": src.nbytes / one / 1e9, "bytes": src.nbytes}
 
 
 def execute_floor_us(session) -> float:
@@ -125,10 +119,8 @@ def execute_floor_us(session) -> float:
 
 def _io_types(dtype: DType = DTYPE, device: Device = CPU()):
     ref = DeviceRef.from_device(device)
-    return [
-        TensorType(dtype, ["total_tokens", H, D], ref),
-        TensorType(DType.uint32, ["batch_plus_1"], ref),
-    ]
+    return [TensorType(dtype, ["total_tokens", H, D], ref),
+            TensorType(DType.uint32, ["batch_plus_1"], ref)]
 
 
 def _q_and_offsets(new: list[int], dtype: DType = DTYPE, device: Device = CPU()) -> list[Buffer]:
@@ -148,34 +140,21 @@ def _q_and_offsets(new: list[int], dtype: DType = DTYPE, device: Device = CPU())
 class MokvSide:
     """mokv's flash attention over one of its caches ("paged" or "continuous")."""
 
-    def __init__(
-        self,
-        session,
-        kind: str,
-        hkv: int = HKV,
-        dtype: DType = DTYPE,
-        slots: int = 64,
-        max_ctx: int = MAX_CTX,
-        device: Device = CPU(),
-        portable: bool = False,
-    ):
+    def __init__(self, session, kind: str, hkv: int = HKV, dtype: DType = DTYPE,
+                 slots: int = 64, max_ctx: int = MAX_CTX, device: Device = CPU(),
+                 portable: bool = False):
         self.session, self.kind, self.dtype = session, kind, dtype
         self.name = f"mokv-{kind}" + ("-portable" if portable else "")  # the portable CPU paths
         self.device = device
-        strategy = (
-            mokv.KVCacheStrategy.PAGED if kind == "paged" else mokv.KVCacheStrategy.CONTINUOUS
-        )
+        strategy = mokv.KVCacheStrategy.PAGED if kind == "paged" else mokv.KVCacheStrategy.CONTINUOUS
         self.params = mokv.KVCacheParams(dtype, hkv, D, page_size=PAGE, cache_strategy=strategy)
         if kind == "continuous":  # one cache for every case (its max_seq_len is a static dim)
-            self.mgr = mokv.ContinuousKVCacheManager(
-                self.params, slots, max_ctx + 1, 1, [device], session
-            )
+            self.mgr = mokv.ContinuousKVCacheManager(self.params, slots, max_ctx + 1, 1,
+                                                     [device], session)
         else:
             self.mgr = self._paged_manager(1, 2 * PAGE)
-        with Graph(
-            f"mokv_attention_{kind}",
-            input_types=[*_io_types(dtype, device), *self.mgr.input_symbols()[0]],
-        ) as g:
+        with Graph(f"mokv_attention_{kind}",
+                   input_types=[*_io_types(dtype, device), *self.mgr.input_symbols()[0]]) as g:
             q, offsets, *kv = g.inputs
             coll = self.mgr.layout.fetch(self.params, 1, *kv)
             out = mokv.ops.flash_attention(coll, q.tensor, offsets.tensor, 0, 1 / math.sqrt(D))
@@ -185,15 +164,8 @@ class MokvSide:
 
     def _paged_manager(self, batch: int, seq: int):
         pages = batch * -(-seq // PAGE) + 1
-        return mokv.PagedKVCacheManager(
-            self.params,
-            batch,
-            seq,
-            1,
-            [self.device],
-            self.session,
-            pages * self.params.bytes_per_page(1),
-        )
+        return mokv.PagedKVCacheManager(self.params, batch, seq, 1, [self.device], self.session,
+                                        pages * self.params.bytes_per_page(1))
 
     def inputs(self, cached: list[int], new: list[int]) -> list[Buffer]:
         if self.kind == "paged":
@@ -215,9 +187,7 @@ class MokvSide:
             bf16 = kv.blocks.dtype == DType.bfloat16
             blocks = (kv.blocks.view(DType.uint16) if bf16 else kv.blocks).to_numpy()
             for slot, c in enumerate(cached):
-                blocks[slot, :, :, : c + new[slot]] = (
-                    0x3D4D if bf16 else 0.05
-                )  # 0x3D4D: 0.05 in bf16
+                blocks[slot, :, :, : c + new[slot]] = 0x3D4D if bf16 else 0.05  # 0x3D4D: 0.05 in bf16
         return [*_q_and_offsets(new, self.dtype, self.device), *kv]
 
 
@@ -234,29 +204,16 @@ class MaxSide:
 
         self.Manager, _, self.Ctx, self.Tokens, self.RID, _ = load_max_pipelines()
         self.session, self.dtype, self.device = session, dtype, device
-        self.params = MHAKVCacheParams(
-            dtype=dtype,
-            head_dim=D,
-            num_layers=1,
-            devices=[DeviceRef.from_device(device)],
-            page_size=PAGE,
-            n_kv_heads=hkv,
-        )
-        with Graph(
-            "max_attention",
-            input_types=[*_io_types(dtype, device), *self.params.flattened_kv_inputs()],
-        ) as g:
+        self.params = MHAKVCacheParams(dtype=dtype, head_dim=D, num_layers=1,
+                                       devices=[DeviceRef.from_device(device)], page_size=PAGE,
+                                       n_kv_heads=hkv)
+        with Graph("max_attention",
+                   input_types=[*_io_types(dtype, device), *self.params.flattened_kv_inputs()]) as g:
             q, offsets, *kv = g.inputs
             coll = self.params.unflatten_kv_inputs(iter(kv))[0]
-            out = flash_attention_ragged(
-                self.params,
-                q.tensor,
-                offsets.tensor,
-                coll,
-                ops.constant(0, DType.uint32, DeviceRef.CPU()),
-                MHAMaskVariant.CAUSAL_MASK,
-                1 / math.sqrt(D),
-            )
+            out = flash_attention_ragged(self.params, q.tensor, offsets.tensor, coll,
+                                         ops.constant(0, DType.uint32, DeviceRef.CPU()),
+                                         MHAMaskVariant.CAUSAL_MASK, 1 / math.sqrt(D))
             g.output(out)
         with mokv.filter_collection_warnings():
             self.model = session.load(g)
@@ -265,19 +222,12 @@ class MaxSide:
         from max import tree
 
         pages = sum(-(-(c + n) // PAGE) for c, n in zip(cached, new)) + 1
-        mgr = self.Manager(
-            params=self.params,
-            session=self.session,
-            total_num_pages=pages,
-            max_batch_size=len(cached),
-        )
+        mgr = self.Manager(params=self.params, session=self.session, total_num_pages=pages,
+                           max_batch_size=len(cached))
         ctxs = []
         for i, (c, n) in enumerate(zip(cached, new)):
-            ctx = self.Ctx(
-                request_id=self.RID(f"a{i}"),
-                max_length=c + n + 8,
-                tokens=self.Tokens(np.zeros(c + n, dtype=np.int64)),
-            )
+            ctx = self.Ctx(request_id=self.RID(f"a{i}"), max_length=c + n + 8,
+                           tokens=self.Tokens(np.zeros(c + n, dtype=np.int64)))
             mgr.claim(ctx, 0)
             mgr.alloc(ctx)
             if c:
@@ -293,23 +243,16 @@ def cases(quick: bool) -> dict:
     """Decode (batch, context) pairs, capped at ~1.1 GB of K/V each, and prefill lengths;
     `shapes`: (KV heads, dtype) pairs (GQA 1, 4, 8 of 32 query heads) and their
     long-context decode (batch, context) pairs."""
-    batches, ctxs = (
-        ([1, 16], [512, 4096, 16384]) if quick else ([1, 4, 16, 64], [512, 2048, 8192, 16384])
-    )
+    batches, ctxs = ([1, 16], [512, 4096, 16384]) if quick else ([1, 4, 16, 64], [512, 2048, 8192, 16384])
     decode = [(b, c) for b in batches for c in ctxs if b * c * KV_BYTES_PER_TOKEN <= 1.1e9]
     shapes = [(hkv, dt) for hkv in (32, 8, 4) for dt in (DType.float32, DType.bfloat16)]
     shape_decode = [(1, 8192)] if quick else [(1, 4096), (1, 16384), (4, 8192)]
-    return {
-        "decode": decode,
-        "prefill": [512, 2048] if quick else [512, 1024, 2048],
-        "shapes": shapes,
-        "shape_decode": shape_decode,
-    }
+    return {"decode": decode, "prefill": [512, 2048] if quick else [512, 1024, 2048],
+            "shapes": shapes, "shape_decode": shape_decode}
 
 
-def _decode_cells(
-    sides: list, probe: ReadProbe, b: int, c: int, kv_bytes: int, min_time: float, rounds: int = 7
-) -> dict[str, dict]:
+def _decode_cells(sides: list, probe: ReadProbe, b: int, c: int, kv_bytes: int, min_time: float,
+                  rounds: int = 7) -> dict[str, dict]:
     """Decode timings of `sides` on one (batch, context), interleaved with read probes.
 
     Each of `rounds` rounds gives every side, in an order that rotates from round to round,
@@ -326,7 +269,7 @@ def _decode_cells(
     args = {side.name: side.inputs([c] * b, [1] * b) for side in sides}
     reads, times, shares = ({side.name: list[float]() for side in sides} for _ in range(3))
     for r in range(rounds):
-        for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+        for side in sides[r % len(sides):] + sides[:r % len(sides)]:
             read = probe(1)  # (`_time` warms the kernel up after it)
             t = _time(partial(side.model.execute, *args[side.name]), min_time / rounds)
             reads[side.name].append(read)
@@ -335,13 +278,10 @@ def _decode_cells(
     cells = {}
     for name in args:
         t, rd = float(np.median(times[name])), reads[name]
-        cells[name] = {
-            "ms": t * 1e3,
-            "GBps": kv_bytes / t / 1e9,
-            "read_2threads_GBps": float(np.median(rd)),
-            "read_range_GBps": [min(rd), max(rd)],
-            "share_of_read": float(np.median(shares[name])),
-        }
+        cells[name] = {"ms": t * 1e3, "GBps": kv_bytes / t / 1e9,
+                       "read_2threads_GBps": float(np.median(rd)),
+                       "read_range_GBps": [min(rd), max(rd)],
+                       "share_of_read": float(np.median(shares[name]))}
     return cells
 
 
@@ -350,9 +290,7 @@ def _portable_side(portable: bool, make):
     return [("mokv-paged-portable", make)] if portable else []
 
 
-def run_shapes(
-    session, probe: ReadProbe, quick: bool, progress=None, portable: bool = False
-) -> list[dict]:
+def run_shapes(session, probe: ReadProbe, quick: bool, progress=None, portable: bool = False) -> list[dict]:
     """Long-context decode for each (GQA group, dtype): mokv paged and continuous, MAX;
     with `portable`, mokv paged on the portable CPU paths too."""
     plan = cases(quick)
@@ -364,29 +302,19 @@ def run_shapes(
         sides, errors = [], {}
         max_b = max(b for b, _ in pairs)
         max_c = max(c for _, c in pairs)
-        for name, make in (
-            ("max-paged", lambda: MaxSide(session, hkv, dt)),
-            ("mokv-paged", lambda: MokvSide(session, "paged", hkv, dt)),
-            (
-                "mokv-continuous",
-                lambda: MokvSide(session, "continuous", hkv, dt, slots=max_b, max_ctx=max_c),
-            ),
-            *_portable_side(portable, lambda: MokvSide(session, "paged", hkv, dt, portable=True)),
-        ):
+        for name, make in (("max-paged", lambda: MaxSide(session, hkv, dt)),
+                           ("mokv-paged", lambda: MokvSide(session, "paged", hkv, dt)),
+                           ("mokv-continuous", lambda: MokvSide(session, "continuous", hkv, dt,
+                                                                slots=max_b, max_ctx=max_c)),
+                           *_portable_side(portable, lambda: MokvSide(session, "paged", hkv, dt,
+                                                                      portable=True))):
             try:
                 sides.append(make())
             except Exception as e:  # noqa: BLE001 - reported, not fatal
                 errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
         for b, c in pairs:
-            row = {
-                "group": H // hkv,
-                "n_kv_heads": hkv,
-                "dtype": str(dt).split(".")[-1],
-                "batch": b,
-                "context": c,
-                "kv_bytes": b * (c + 1) * kv_bytes_tok,
-                "errors": errors,
-            }
+            row = {"group": H // hkv, "n_kv_heads": hkv, "dtype": str(dt).split(".")[-1], "batch": b,
+                   "context": c, "kv_bytes": b * (c + 1) * kv_bytes_tok, "errors": errors}
             row.update(_decode_cells(sides, probe, b, c, row["kv_bytes"], min_time))
             rows.append(row)
         for side in sides:  # free the caches before the next shape
@@ -403,27 +331,15 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
 
     session = InferenceSession(devices=[CPU()])
     probe = ReadProbe(1 << (28 if quick else 29))
-    out: dict = {
-        "shape": {
-            "n_heads": H,
-            "n_kv_heads": HKV,
-            "head_dim": D,
-            "dtype": "float32",
-            "page_size": PAGE,
-        },
-        "sides": {},
-        "errors": {},
-        "decode": [],
-        "prefill": [],
-        "copy": copy_bandwidth(probe),
-    }
+    out: dict = {"shape": {"n_heads": H, "n_kv_heads": HKV, "head_dim": D, "dtype": "float32",
+                           "page_size": PAGE},
+                 "sides": {}, "errors": {},
+                 "decode": [], "prefill": [], "copy": copy_bandwidth(probe)}
     sides = []
-    for name, make in (
-        ("max-paged", lambda: MaxSide(session)),
-        ("mokv-paged", lambda: MokvSide(session, "paged")),
-        ("mokv-continuous", lambda: MokvSide(session, "continuous")),
-        *_portable_side(portable, lambda: MokvSide(session, "paged", portable=True)),
-    ):
+    for name, make in (("max-paged", lambda: MaxSide(session)),
+                       ("mokv-paged", lambda: MokvSide(session, "paged")),
+                       ("mokv-continuous", lambda: MokvSide(session, "continuous")),
+                       *_portable_side(portable, lambda: MokvSide(session, "paged", portable=True))):
         t0 = time.perf_counter()
         try:
             sides.append(make())
@@ -472,12 +388,8 @@ if __name__ == "__main__":
     if "--shapes" in sys.argv:  # only the GQA x dtype table
         from max.engine import InferenceSession
 
-        rows = run_shapes(
-            InferenceSession(devices=[CPU()]),
-            ReadProbe(1 << 28),
-            "--quick" in sys.argv,
-            portable=portable,
-        )
+        rows = run_shapes(InferenceSession(devices=[CPU()]), ReadProbe(1 << 28), "--quick" in sys.argv,
+                          portable=portable)
         print(json.dumps(rows, indent=1))
     else:
         print(json.dumps(run("--quick" in sys.argv, portable=portable), indent=1))

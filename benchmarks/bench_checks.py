@@ -52,7 +52,7 @@ def inputs(cache_lengths: list[int], new_tokens: list[int]) -> list[Buffer]:
     ids = rng.permutation(sum(pages)).astype(np.uint32)
     start = 0
     for b, n in enumerate(pages):
-        table[b, :n] = ids[start : start + n]
+        table[b, :n] = ids[start:start + n]
         start += n
     blocks = np.full((sum(pages), 2, 1, PAGE, HKV, D), 0.01, np.float32)
     total = sum(new_tokens)
@@ -72,10 +72,8 @@ def main() -> None:
     print("graph  case                  unchecked ms  checked ms  per check us (median, min)")
     for kind, n_checks in (("store", 1), ("layer", 2)):
         models = {flag: build(session, params, kind, flag) for flag in (False, True)}
-        for name, lengths, new in (
-            ("decode 32 x 2048 + 1", [2048] * 32, [1] * 32),
-            ("prefill 1 x 512", [0], [512]),
-        ):
+        for name, lengths, new in (("decode 32 x 2048 + 1", [2048] * 32, [1] * 32),
+                                   ("prefill 1 x 512", [0], [512])):
             args = inputs(lengths, new)
             times: dict[bool, list[float]] = {False: [], True: []}
             for i in range(reps + 2):
@@ -86,11 +84,8 @@ def main() -> None:
                         times[flag].append(time.perf_counter() - t0)
             plain, checked = (float(np.median(times[f])) for f in (False, True))
             by_min = (min(times[True]) - min(times[False])) / n_checks
-            print(
-                f"{kind:6s} {name:22s} {plain * 1e3:12.3f} {checked * 1e3:11.3f} "
-                f"{(checked - plain) / n_checks * 1e6:12.1f} {by_min * 1e6:7.1f}",
-                flush=True,
-            )
+            print(f"{kind:6s} {name:22s} {plain * 1e3:12.3f} {checked * 1e3:11.3f} "
+                  f"{(checked - plain) / n_checks * 1e6:12.1f} {by_min * 1e6:7.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -75,13 +75,8 @@ def _child(env_over: dict) -> dict:
 
     env = {**child_env(), **env_over}
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(Path(__file__).parent)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=590,
-    )
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=590)
     if proc.returncode:
         return {"error": proc.stderr[-1500:]}
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -97,10 +92,7 @@ def run(quick: bool = False, progress=None) -> dict:
             progress()
         return out
     with tempfile.TemporaryDirectory(prefix="mokv-bench-") as tmp:
-        env = {
-            "MODULAR_CACHE_DIR": str(Path(tmp, "modular")),
-            "MOKV_CACHE_DIR": str(Path(tmp, "mokv")),
-        }
+        env = {"MODULAR_CACHE_DIR": str(Path(tmp, "modular")), "MOKV_CACHE_DIR": str(Path(tmp, "mokv"))}
         for name in ("cold", "warm"):
             out[name] = _child(env)
             if progress:

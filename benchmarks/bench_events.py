@@ -40,9 +40,8 @@ def _one(trace, s, events: bool) -> dict:
     if events:
         name = f"inproc://bench-events-{next(_names)}"
         config = KVEventsConfig(name, replay_endpoint=name + "-replay")
-    adapter = MokvPaged(
-        s["budget"], s["max_batch"], MAX_SEQ_LEN, page_size=PAGE_SIZE, kv_events_config=config
-    )
+    adapter = MokvPaged(s["budget"], s["max_batch"], MAX_SEQ_LEN, page_size=PAGE_SIZE,
+                        kv_events_config=config)
     gc.collect()
     gc.freeze()
     out = replay(adapter, trace).summary()
@@ -61,15 +60,9 @@ def _direct_cost(trace, s) -> dict:
     what one call costs (timed alone, best of 5), per request-step."""
     counts = {"stored": 0, "removed": 0, "cleared": 0, "end_step": 0}
     name = f"inproc://bench-events-{next(_names)}"
-    adapter = MokvPaged(
-        s["budget"],
-        s["max_batch"],
-        MAX_SEQ_LEN,
-        page_size=PAGE_SIZE,
-        kv_events_config=KVEventsConfig(name),
-    )
+    adapter = MokvPaged(s["budget"], s["max_batch"], MAX_SEQ_LEN, page_size=PAGE_SIZE,
+                        kv_events_config=KVEventsConfig(name))
     pub = adapter.manager.kv_event_publishers[0]
-
     def counting(method: str):
         call = getattr(pub, method)
 
@@ -84,20 +77,11 @@ def _direct_cost(trace, s) -> dict:
     steps = replay(adapter, trace).summary()["request_steps"]
     adapter.manager.close()
     data, n = bytes(8 * PAGE_SIZE), 20_000
-    probe = MokvPaged(
-        s["budget"],
-        s["max_batch"],
-        MAX_SEQ_LEN,
-        page_size=PAGE_SIZE,
-        kv_events_config=KVEventsConfig(f"inproc://bench-events-{next(_names)}"),
-    )
+    probe = MokvPaged(s["budget"], s["max_batch"], MAX_SEQ_LEN, page_size=PAGE_SIZE,
+                      kv_events_config=KVEventsConfig(f"inproc://bench-events-{next(_names)}"))
     p = probe.manager.kv_event_publishers[0]
-    calls = {
-        "stored": lambda: p.stored(12345, 678, data, None),
-        "removed": lambda: p.removed(1),
-        "cleared": p.cleared,
-        "end_step": lambda: (p.removed(1), p.end_step()),
-    }
+    calls = {"stored": lambda: p.stored(12345, 678, data, None), "removed": lambda: p.removed(1),
+             "cleared": p.cleared, "end_step": lambda: (p.removed(1), p.end_step())}
     per_call = {}
     for method, call in calls.items():
         best = float("inf")
@@ -111,12 +95,8 @@ def _direct_cost(trace, s) -> dict:
     per_call["end_step"] -= per_call["removed"]
     probe.manager.close()
     total = sum(counts[m] * per_call[m] for m in counts)
-    return {
-        "calls": counts,
-        "us_per_call": {k: round(v, 3) for k, v in per_call.items()},
-        "request_steps": steps,
-        "us_per_request_step": round(total / steps, 4),
-    }
+    return {"calls": counts, "us_per_call": {k: round(v, 3) for k, v in per_call.items()},
+            "request_steps": steps, "us_per_request_step": round(total / steps, 4)}
 
 
 def run(quick: bool = False, progress=None) -> dict:
@@ -133,21 +113,17 @@ def run(quick: bool = False, progress=None) -> dict:
     out: dict = {}
     for key, rs in runs.items():
         best = min(rs, key=lambda r: r["us_per_request_step"]["median"])
-        out[key] = {
-            "median_us": best["us_per_request_step"]["median"],
-            "mean_us": best["us_per_request_step"]["mean"],
-            "repeat_medians_us": [r["us_per_request_step"]["median"] for r in rs],
-            "request_steps": best["request_steps"],
-        }
+        out[key] = {"median_us": best["us_per_request_step"]["median"],
+                    "mean_us": best["us_per_request_step"]["mean"],
+                    "repeat_medians_us": [r["us_per_request_step"]["median"] for r in rs],
+                    "request_steps": best["request_steps"]}
         for k in ("batches", "dropped"):
             if k in best:
                 out[key][k] = best[k]
     out["delta_median_us"] = round(out["on"]["median_us"] - out["off"]["median_us"], 3)
     # Paired: each repeat's on minus the off run just before it, the median over repeats.
-    pairs = sorted(
-        on["us_per_request_step"]["median"] - off["us_per_request_step"]["median"]
-        for off, on in zip(runs["off"], runs["on"])
-    )
+    pairs = sorted(on["us_per_request_step"]["median"] - off["us_per_request_step"]["median"]
+                   for off, on in zip(runs["off"], runs["on"]))
     out["delta_paired_median_us"] = round(pairs[len(pairs) // 2], 3)
     out["delta_mean_us"] = round(out["on"]["mean_us"] - out["off"]["mean_us"], 3)
     out["direct"] = _direct_cost(trace, s)

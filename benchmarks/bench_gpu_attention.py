@@ -47,8 +47,6 @@ from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession  # noqa: E402
 
 REPS = 10
-
-
 def _time_gpu(fn, device, reps: int = REPS, groups: int = 5) -> float:
     """Seconds per call of `fn` (issued `reps` times per synchronize), median of groups."""
     fn()
@@ -87,16 +85,8 @@ def qkv_rows(session, gpu, token_counts=(1, 512, 4096)) -> list[dict]:
     hidden_t = TensorType(bf16, ["tokens", hidden_size], dev)
     weight_t = TensorType(bf16, [features, hidden_size], dev)
     freqs_t = TensorType(DType.float32, [8192, D], dev)
-    with Graph(
-        "mokv_qkv",
-        input_types=[
-            *mokv.PAGED.input_symbols(params, 1, 0, dev),
-            hidden_t,
-            weight_t,
-            TensorType(DType.uint32, ["batch_plus_1"], dev),
-            freqs_t,
-        ],
-    ) as g:
+    with Graph("mokv_qkv", input_types=[*mokv.PAGED.input_symbols(params, 1, 0, dev), hidden_t, weight_t,
+                                        TensorType(DType.uint32, ["batch_plus_1"], dev), freqs_t]) as g:
         *kv, h, w, offsets, freqs = g.inputs
         coll = mokv.FetchPagedKVCacheCollection(params, num_layers=1)(*kv)
         g.output(mokv.ops.fused_qkv_matmul(coll, h, w, offsets, 0, n_q, freqs))
@@ -119,20 +109,16 @@ def qkv_rows(session, gpu, token_counts=(1, 512, 4096)) -> list[dict]:
     for t in token_counts:
         pages = -(-t // page)
         hidden = on_gpu(bits(rng.standard_normal((t, hidden_size))), bf16)
-        cache = [
-            on_gpu(np.zeros((pages + 1, 2, 1, page, hkv, D), np.uint16), bf16),
-            on_gpu(np.zeros(1, np.uint32)),
-            on_gpu(np.arange(1, pages + 1, dtype=np.uint32).reshape(1, pages)),
-            Buffer.from_numpy(np.array([[t, 0]], np.uint32)),
-        ]
+        cache = [on_gpu(np.zeros((pages + 1, 2, 1, page, hkv, D), np.uint16), bf16),
+                 on_gpu(np.zeros(1, np.uint32)),
+                 on_gpu(np.arange(1, pages + 1, dtype=np.uint32).reshape(1, pages)),
+                 Buffer.from_numpy(np.array([[t, 0]], np.uint32))]
         offsets = on_gpu(np.array([0, t], np.uint32))
         gpu.synchronize()
         flops = 2 * t * hidden_size * features
         row = {"tokens": t}
-        for name, fn in (
-            ("max-matmul", lambda: max_model.execute(hidden, weight)),
-            ("mokv-fused_qkv", lambda: mokv_model.execute(*cache, hidden, weight, offsets, freqs)),
-        ):
+        for name, fn in (("max-matmul", lambda: max_model.execute(hidden, weight)),
+                         ("mokv-fused_qkv", lambda: mokv_model.execute(*cache, hidden, weight, offsets, freqs))):
             sec = _time_gpu(fn, gpu)
             row[name] = {"ms": sec * 1e3, "TFLOPs": flops / sec / 1e12}
         rows.append(row)
@@ -161,12 +147,8 @@ def _exclusive(lock: str | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run(
-    quick: bool,
-    dtypes: list[DType] | None = None,
-    groups: list[int] | None = None,
-    lock: str | None = None,
-) -> dict:
+def run(quick: bool, dtypes: list[DType] | None = None, groups: list[int] | None = None,
+        lock: str | None = None) -> dict:
     gpu = Accelerator()
     session = InferenceSession(devices=[CPU(), gpu])
     out: dict = {"device": str(gpu), "copy_GBps": None, "decode": [], "prefill": [], "errors": {}}
@@ -214,28 +196,20 @@ def _time_shape(out: dict, sides: list, hkv: int, dt: DType, pairs, quick: bool,
     for b, c in pairs:
         if b * c * kv_tok > 8e9:
             continue
-        row = {
-            "group": H // hkv,
-            "dtype": str(dt).split(".")[-1],
-            "batch": b,
-            "context": c,
-            "kv_bytes": b * (c + 1) * kv_tok,
-        }
+        row = {"group": H // hkv, "dtype": str(dt).split(".")[-1], "batch": b, "context": c,
+               "kv_bytes": b * (c + 1) * kv_tok}
         for side in sides:
             try:
                 args = side.inputs([c] * b, [1] * b)
                 t = _time_gpu(lambda: side.model.execute(*args), gpu)
-                row[side.name] = {
-                    "ms": t * 1e3,
-                    "GBps": row["kv_bytes"] / t / 1e9,
-                    "share_of_copy": row["kv_bytes"] / t / 1e9 / out["copy_GBps"],
-                }
+                row[side.name] = {"ms": t * 1e3, "GBps": row["kv_bytes"] / t / 1e9,
+                                  "share_of_copy": row["kv_bytes"] / t / 1e9 / out["copy_GBps"]}
             except Exception as e:  # noqa: BLE001
                 row[side.name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         out["decode"].append(row)
         print(_decode_line(row), flush=True)
     if hkv == 8 and dt == DType.bfloat16:
-        for n in [2048] if quick else [1024, 4096]:
+        for n in ([2048] if quick else [1024, 4096]):
             flops = 4 * H * D * n * (n + 1) / 2
             row = {"group": H // hkv, "dtype": "bfloat16", "tokens": n}
             for side in sides:
@@ -255,17 +229,8 @@ def _decode_line(row: dict) -> str:
         if name not in row:
             continue
         r = row[name]
-        cells.append(
-            f"{name} "
-            + (
-                f"{r['ms']:.3f} ms {r['share_of_copy']:.0%}"
-                if "ms" in r
-                else r.get("error", "-")[:80]
-            )
-        )
-    return f"GQA {row['group']} {row['dtype']:8s} {row['batch']}x{row['context']}: " + " | ".join(
-        cells
-    )
+        cells.append(f"{name} " + (f"{r['ms']:.3f} ms {r['share_of_copy']:.0%}" if "ms" in r else r.get("error", "-")[:80]))
+    return f"GQA {row['group']} {row['dtype']:8s} {row['batch']}x{row['context']}: " + " | ".join(cells)
 
 
 if __name__ == "__main__":
@@ -274,12 +239,9 @@ if __name__ == "__main__":
     only = {"--bf16": [DType.bfloat16], "--f32": [DType.float32]}
     arg = lambda flag: sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None  # noqa: E731
     groups = arg("--groups")  # e.g. "1,4" (GQA groups to run), "none": no attention
-    result = run(
-        "--quick" in sys.argv,
-        next((v for k, v in only.items() if k in sys.argv), None),
-        None if groups is None else [int(g) for g in groups.split(",") if g != "none"],
-        arg("--lock"),
-    )
+    result = run("--quick" in sys.argv, next((v for k, v in only.items() if k in sys.argv), None),
+                 None if groups is None else [int(g) for g in groups.split(",") if g != "none"],
+                 arg("--lock"))
     if result["copy_GBps"]:
         print(f"device-to-device copy: {result['copy_GBps']:.0f} GB/s (read + written)")
     print(json.dumps(result["errors"], indent=1))

@@ -61,13 +61,9 @@ def host_tier(gpu, num_pages: int = 32, repeats: int = 5) -> dict:
     one_copy = best(lambda: target.inplace_copy_from(whole))
     offload = best(lambda: host.offload([device], dev_ids, host_ids))
     load = best(lambda: host.load(host_ids, [device], dev_ids))
-    return {
-        "MiB_per_batch": nbytes // 2**20,
-        "pinned": host.buffers[0].pinned,
-        "one_copy_GBps": round(one_copy, 2),
-        "offload_GBps": round(offload, 2),
-        "load_GBps": round(load, 2),
-    }
+    return {"MiB_per_batch": nbytes // 2**20, "pinned": host.buffers[0].pinned,
+            "one_copy_GBps": round(one_copy, 2), "offload_GBps": round(offload, 2),
+            "load_GBps": round(load, 2)}
 
 
 def _step(manager, model, ctxs) -> None:
@@ -80,22 +76,16 @@ def _step(manager, model, ctxs) -> None:
     manager.step(ctxs)
 
 
-def decoder(
-    gpu, session, lock: str | None, batches=(1, 32), prompt: int = 512, steps: int = 32
-) -> list[dict]:
+def decoder(gpu, session, lock: str | None, batches=(1, 32), prompt: int = 512,
+            steps: int = 32) -> list[dict]:
     """Decode tokens per second of the example decoder on a paged manager on the GPU."""
     config = mg.DecoderConfig()
     params = config.kv_params("paged", page_size=128)
     pages = max(batches) * -(-(prompt + steps + 1) // 128)
     manager = mokv.PagedKVCacheManager(
-        params,
-        max_batch_size=max(batches),
-        max_seq_len=config.max_seq_len,
-        num_layers=config.num_layers,
-        devices=[gpu],
-        session=session,
-        available_cache_memory=pages * params.bytes_per_page(config.num_layers),
-    )
+        params, max_batch_size=max(batches), max_seq_len=config.max_seq_len,
+        num_layers=config.num_layers, devices=[gpu], session=session,
+        available_cache_memory=pages * params.bytes_per_page(config.num_layers))
     model = mg.DecoderModel(config, manager, session, mg.init_weights(config))
     rng = np.random.default_rng(0)
     rows = []
@@ -110,14 +100,8 @@ def decoder(
             for _ in range(steps):
                 _step(manager, model, ctxs)
             sec = (time.perf_counter() - t0) / steps
-        rows.append(
-            {
-                "batch": batch,
-                "prompt": prompt,
-                "ms_per_step": round(sec * 1e3, 3),
-                "tokens_per_s": round(batch / sec, 1),
-            }
-        )
+        rows.append({"batch": batch, "prompt": prompt, "ms_per_step": round(sec * 1e3, 3),
+                     "tokens_per_s": round(batch / sec, 1)})
         print(json.dumps(rows[-1]), flush=True)
         for ctx in ctxs:
             manager.release(ctx.request_id)

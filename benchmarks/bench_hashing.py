@@ -45,12 +45,7 @@ def run(quick: bool = False, progress=None) -> dict:
     num_tokens = 1 << (18 if quick else 20)
     repeats = 3 if quick else 7
     tokens = np.random.default_rng(0).integers(0, 50_000, num_tokens, dtype=np.int64)
-    out: dict = {
-        "num_tokens": num_tokens,
-        "sha256_backend": sha256_backend(),
-        "mokv": {},
-        "max": {},
-    }
+    out: dict = {"num_tokens": num_tokens, "sha256_backend": sha256_backend(), "mokv": {}, "max": {}}
     for page_size in (16, 128):
         for algo in PREFIX_HASH_ALGORITHMS:
             fn, root = page_hash_fn(algo), root_hash(algo, 0)

@@ -33,25 +33,13 @@ def with_host_tier(budget_pages: int, host_pages: int, **kw) -> MokvPaged:
     if host_pages:  # rebuild the manager with the tier on (same device budget)
         p = adapter.params
         gb = host_pages * p.bytes_per_page(SHAPE["num_layers"]) / 2**30
-        params = mokv.KVCacheParams(
-            p.dtype,
-            p.n_kv_heads,
-            p.head_dim,
-            page_size=p.page_size,
-            enable_prefix_caching=True,
-            tiers=(mokv.HostTierConfig(swap_space_gb=gb),),
-        )
+        params = mokv.KVCacheParams(p.dtype, p.n_kv_heads, p.head_dim, page_size=p.page_size,
+                                    enable_prefix_caching=True,
+                                    tiers=(mokv.HostTierConfig(swap_space_gb=gb),))
         m = adapter.manager
         adapter.manager = mokv.PagedKVCacheManager(
-            params,
-            m.max_batch_size,
-            m.max_seq_len,
-            SHAPE["num_layers"],
-            [CPU()],
-            m.session,
-            m.total_num_pages * p.bytes_per_page(SHAPE["num_layers"]),
-            page_size=p.page_size,
-        )
+            params, m.max_batch_size, m.max_seq_len, SHAPE["num_layers"], [CPU()], m.session,
+            m.total_num_pages * p.bytes_per_page(SHAPE["num_layers"]), page_size=p.page_size)
         adapter.name = f"mokv-paged+host{host_pages}"
     return adapter
 
@@ -75,17 +63,14 @@ def hit_rates(sessions: int, device_pages: int, host_sizes: list[int], repeats: 
             del adapter  # frees the host tier before the next one
     for host_pages in host_sizes:
         s, metrics = min(runs[host_pages], key=lambda r: r[0]["us_per_request_step"]["mean"])
-        out["rows"].append(
-            {
-                "host_pages": host_pages,
-                "hit_rate": round(s["hit_rate"], 4),
-                "us_per_request_step": s["us_per_request_step"]["mean"],
-                "host_hit_tokens": metrics.host_cache_tokens,
-                "device_hit_tokens": metrics.device_cache_tokens,
-                "MB_to_host": round(metrics.bytes_to_host / 2**20, 1),
-                "MB_from_host": round(metrics.bytes_from_host / 2**20, 1),
-            }
-        )
+        out["rows"].append({
+            "host_pages": host_pages, "hit_rate": round(s["hit_rate"], 4),
+            "us_per_request_step": s["us_per_request_step"]["mean"],
+            "host_hit_tokens": metrics.host_cache_tokens,
+            "device_hit_tokens": metrics.device_cache_tokens,
+            "MB_to_host": round(metrics.bytes_to_host / 2**20, 1),
+            "MB_from_host": round(metrics.bytes_from_host / 2**20, 1),
+        })
     return out
 
 
@@ -114,14 +99,10 @@ def bandwidth(num_pages: int = 32, repeats: int = 5) -> dict:
     memcpy = best(lambda: np.copyto(dst, src))
     offload = best(lambda: host.offload([device], dev_ids, host_ids))
     load = best(lambda: host.load(host_ids, [device], dev_ids))
-    return {
-        "MiB_per_batch": nbytes // 2**20,
-        "memcpy_GBps": round(memcpy, 2),
-        "offload_GBps": round(offload, 2),
-        "load_GBps": round(load, 2),
-        "offload_vs_memcpy": round(offload / memcpy, 2),
-        "load_vs_memcpy": round(load / memcpy, 2),
-    }
+    return {"MiB_per_batch": nbytes // 2**20, "memcpy_GBps": round(memcpy, 2),
+            "offload_GBps": round(offload, 2), "load_GBps": round(load, 2),
+            "offload_vs_memcpy": round(offload / memcpy, 2),
+            "load_vs_memcpy": round(load / memcpy, 2)}
 
 
 def startup(gib: float = 4.0) -> dict:
@@ -140,13 +121,9 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--plot", type=Path, help="write the hit-rate plot to this PNG")
     a = ap.parse_args()
-    result = {
-        "replay": hit_rates(
-            a.sessions, a.device_pages, [int(x) for x in a.host_sizes.split(",")], a.repeats
-        ),
-        "copy": bandwidth(),
-        "startup": startup(),
-    }
+    result = {"replay": hit_rates(a.sessions, a.device_pages,
+                                  [int(x) for x in a.host_sizes.split(",")], a.repeats),
+              "copy": bandwidth(), "startup": startup()}
     print(json.dumps(result, indent=1))
     if a.plot:
         from plots import hit_rate_vs_host_pages  # matplotlib: the bench extra

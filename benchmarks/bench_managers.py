@@ -56,24 +56,18 @@ from serving_trace import (  # noqa: E402
 )
 
 MANAGERS = ("mokv-paged", "mokv-paged-nolock", "mokv-continuous", "max-paged") + (
-    ("vllm-paged",) if importlib.util.find_spec("vllm") is not None else ()
-)
+    ("vllm-paged",) if importlib.util.find_spec("vllm") is not None else ())
 MAX_SEQ_LEN = 16384
 PAGE_SIZE = 128
 BUDGET_TOKENS = 300 * 128  # the main trace's page budget, in tokens (300 pages of 128)
 
 
 def settings(quick: bool) -> dict:
-    return dict(
-        sessions=150 if quick else 400,
-        agent_sessions=8 if quick else 16,
-        budget=BUDGET_TOKENS // PAGE_SIZE,
-        max_batch=64,
-        repeats=2 if quick else 5,
-        sweep_sessions=80 if quick else 200,
-        budgets=[160, 300, 600, 1200] if quick else [160, 220, 300, 450, 600, 900, 1200, 2400],
-        batch_sizes=[1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128],
-    )
+    return dict(sessions=150 if quick else 400, agent_sessions=8 if quick else 16,
+                budget=BUDGET_TOKENS // PAGE_SIZE, max_batch=64,
+                repeats=2 if quick else 5, sweep_sessions=80 if quick else 200,
+                budgets=[160, 300, 600, 1200] if quick else [160, 220, 300, 450, 600, 900, 1200, 2400],
+                batch_sizes=[1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128])
 
 
 def child_env() -> dict:
@@ -98,14 +92,8 @@ def _kib(field: str) -> int:
     return int(found.group(1))
 
 
-def _one(
-    manager: str,
-    trace: list[Request],
-    budget: int,
-    max_batch: int,
-    page_size: int = PAGE_SIZE,
-    **kw,
-) -> dict:
+def _one(manager: str, trace: list[Request], budget: int, max_batch: int,
+         page_size: int = PAGE_SIZE, **kw) -> dict:
     from managers import ADAPTERS
     from replay import replay
 
@@ -149,15 +137,9 @@ def compare(quick: bool, progress=None, page_size: int = PAGE_SIZE) -> dict:
     s = settings(quick)
     budget = BUDGET_TOKENS // page_size
     trace = make_trace(TraceConfig(num_sessions=s["sessions"]))
-    out = {
-        "trace": summarize(trace),
-        "budget_pages": budget,
-        "max_batch": s["max_batch"],
-        "page_size": page_size,
-        "max_seq_len": MAX_SEQ_LEN,
-        "infinite_cache_bound": infinite_cache_bound(trace, page_size),
-        "managers": {},
-    }
+    out = {"trace": summarize(trace), "budget_pages": budget, "max_batch": s["max_batch"],
+           "page_size": page_size, "max_seq_len": MAX_SEQ_LEN,
+           "infinite_cache_bound": infinite_cache_bound(trace, page_size), "managers": {}}
     if "vllm-paged" in MANAGERS:
         from vllm_peer import HASH_ALGO, version
 
@@ -165,20 +147,10 @@ def compare(quick: bool, progress=None, page_size: int = PAGE_SIZE) -> dict:
     runs: dict[str, list[dict]] = {m: [] for m in MANAGERS}
     for _ in range(s["repeats"]):  # interleaved, so a burst of other load hits every manager
         for m in MANAGERS:
-            spec = dict(
-                manager=m,
-                sessions=s["sessions"],
-                budget=budget,
-                max_batch=s["max_batch"],
-                page_size=page_size,
-            )
-            proc = subprocess.run(
-                [sys.executable, __file__, "--worker", json.dumps(spec)],
-                capture_output=True,
-                text=True,
-                cwd=HERE,
-                env=child_env(),
-            )
+            spec = dict(manager=m, sessions=s["sessions"], budget=budget,
+                        max_batch=s["max_batch"], page_size=page_size)
+            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
+                                  capture_output=True, text=True, cwd=HERE, env=child_env())
             if proc.returncode:
                 out["managers"][m] = {"error": proc.stderr[-2000:]}
             else:
@@ -203,10 +175,8 @@ def _ratios(ms: dict, peer: str) -> dict:
     for m in COMPARED:
         if "error" in ms.get(m, {"error": 1}):
             continue
-        ratio = {
-            key: round(ms[m][key]["median"] / ms[peer][key]["median"], 3)
-            for key in ("us_per_request_step", "bookkeeping_us", "runtime_inputs_us")
-        }
+        ratio = {key: round(ms[m][key]["median"] / ms[peer][key]["median"], 3)
+                 for key in ("us_per_request_step", "bookkeeping_us", "runtime_inputs_us")}
         ratio["hit_rate"] = round(ms[m]["hit_rate"] / max(ms[peer]["hit_rate"], 1e-9), 3)
         out[m] = ratio
     return out
@@ -216,9 +186,8 @@ def batch_sweep(quick: bool, progress=None) -> dict:
     s, rng = settings(quick), np.random.default_rng(1)
     out: dict = {m: {} for m in MANAGERS}
     for b in s["batch_sizes"]:
-        trace = [
-            Request(i, "decode", rng.integers(0, 50_000, 1000), 65, i + 1, 0) for i in range(b)
-        ]
+        trace = [Request(i, "decode", rng.integers(0, 50_000, 1000), 65, i + 1, 0)
+                 for i in range(b)]
         pages = b * (MAX_SEQ_LEN // PAGE_SIZE + 2)  # room for b continuous slots too
         runs: dict[str, list[dict]] = {m: [] for m in MANAGERS}
         for _ in range(s["repeats"]):
@@ -226,10 +195,8 @@ def batch_sweep(quick: bool, progress=None) -> dict:
                 runs[m].append(_one(m, trace, pages, b, token_budget=1 << 30))
         for m in MANAGERS:
             best = _best(runs[m])
-            out[m][b] = {
-                k: best[k]["median"]
-                for k in ("us_per_request_step", "bookkeeping_us", "runtime_inputs_us")
-            }
+            out[m][b] = {k: best[k]["median"]
+                         for k in ("us_per_request_step", "bookkeeping_us", "runtime_inputs_us")}
         if progress:
             progress()
     return out
@@ -238,45 +205,25 @@ def batch_sweep(quick: bool, progress=None) -> dict:
 def budget_sweep(quick: bool, progress=None) -> dict:
     s = settings(quick)
     trace = make_trace(TraceConfig(num_sessions=s["sweep_sessions"], seed=1))
-    out = {
-        "bound": infinite_cache_bound(trace, PAGE_SIZE),
-        "budgets": s["budgets"],
-        "managers": {m: [] for m in MANAGERS},
-    }
+    out = {"bound": infinite_cache_bound(trace, PAGE_SIZE), "budgets": s["budgets"],
+           "managers": {m: [] for m in MANAGERS}}
     for budget in s["budgets"]:
         for m in MANAGERS:
             r = _one(m, trace, budget, s["max_batch"])
-            out["managers"][m].append(
-                {
-                    k: r[k]
-                    for k in ("hit_rate", "preemptions", "peak_pages", "prefill_tokens_computed")
-                }
-            )
+            out["managers"][m].append({k: r[k] for k in ("hit_rate", "preemptions", "peak_pages",
+                                                         "prefill_tokens_computed")})
         if progress:
             progress()
     return out
 
 
 SESSION_SHARES = (0.25, 0.5, 0.75, 1.0)
-SESSION_KEYS = (
-    "session_turn_hit_rate",
-    "session_turn_tokens_saved",
-    "no_session_hit_rate",
-    "hit_rate",
-    "prefill_tokens_computed",
-    "preemptions",
-    "session_working_set_pages",
-)
+SESSION_KEYS = ("session_turn_hit_rate", "session_turn_tokens_saved", "no_session_hit_rate",
+                "hit_rate", "prefill_tokens_computed", "preemptions", "session_working_set_pages")
 
 
-def _session_run(
-    name: str,
-    trace: list[Request],
-    budget: int,
-    max_batch: int,
-    host_pages: int,
-    share: float | None,
-) -> dict:
+def _session_run(name: str, trace: list[Request], budget: int, max_batch: int, host_pages: int,
+                 share: float | None) -> dict:
     """One replay of the agent trace; mokv with `host_pages` host pages (0: none) and
     sessions at `share` (None: plain LRU), or vLLM's manager (device pages only)."""
     import mokv
@@ -296,8 +243,7 @@ def _session_run(
         if share is not None:
             kw["sessions"] = mokv.SessionConfig(max_share=share)
     adapter = ADAPTERS["vllm-paged" if name == "vllm" else "mokv-paged"](
-        budget, max_batch, MAX_SEQ_LEN, page_size=PAGE_SIZE, **kw
-    )
+        budget, max_batch, MAX_SEQ_LEN, page_size=PAGE_SIZE, **kw)
     summary = replay(adapter, trace, page_size=PAGE_SIZE).summary()
     out = {k: summary[k] for k in SESSION_KEYS}
     if share is not None:
@@ -343,9 +289,8 @@ def session_compare(quick: bool, progress=None) -> dict:
     if "vllm-paged" in MANAGERS:
         rows.append(("vllm", 0, None))
     for name, host_pages, share in rows:
-        out["runs"][name] = (
-            lru if name == "mokv-lru" else run(name, host_pages=host_pages, share=share)
-        )
+        out["runs"][name] = lru if name == "mokv-lru" else run(name, host_pages=host_pages,
+                                                               share=share)
         if progress:
             progress()
     for share in SESSION_SHARES:
@@ -369,14 +314,8 @@ def profile_mokv(quick: bool, top: int = 15) -> list[dict]:
     rows = []
     for (file, line, fn), (_, calls, tottime, cumtime, _) in stats.items():
         if "mokv" in file and "benchmarks" not in file:
-            rows.append(
-                {
-                    "function": f"{Path(file).name}:{line}({fn})",
-                    "calls": calls,
-                    "tottime_s": round(tottime, 4),
-                    "cumtime_s": round(cumtime, 4),
-                }
-            )
+            rows.append({"function": f"{Path(file).name}:{line}({fn})", "calls": calls,
+                         "tottime_s": round(tottime, 4), "cumtime_s": round(cumtime, 4)})
     rows.sort(key=lambda r: -r["tottime_s"])
     return rows[:top]
 

@@ -38,21 +38,8 @@ def from_mojo(repeats: int) -> dict[str, float]:
     best: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "bench"
-        subprocess.run(
-            [
-                _mojo_binary(),
-                "build",
-                "-I",
-                str(kernels_path().parent),
-                str(MOJO_BENCH),
-                "-o",
-                str(exe),
-            ],
-            capture_output=True,
-            env=_clean_env(),
-            check=True,
-            cwd=tmp,
-        )
+        subprocess.run([_mojo_binary(), "build", "-I", str(kernels_path().parent), str(MOJO_BENCH),
+                        "-o", str(exe)], capture_output=True, env=_clean_env(), check=True, cwd=tmp)
         for _ in range(repeats):
             out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
             for k, v in (line.split() for line in out.splitlines() if line.strip()):
@@ -150,9 +137,7 @@ if __name__ == "__main__":
     for k in ("claim", "fetch", "step", "release", "fetch_step_batch32"):
         cells = (m[f"mojo_{k}_ns"], r["mojo_from_python"][k], r["python"][k])
         print(f"| {k} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
-    print(
-        f"\nlifecycles/s (claim, fetch, step, release), 8 Mojo threads: "
-        f"{m['mojo_threads_lifecycles_per_s']:.0f}"
-    )
+    print(f"\nlifecycles/s (claim, fetch, step, release), 8 Mojo threads: "
+          f"{m['mojo_threads_lifecycles_per_s']:.0f}")
     for n, v in r["mojo_from_python_threads"].items():
         print(f"lifecycles/s, {n} Python thread(s) on the Mojo manager: {v:.0f}")

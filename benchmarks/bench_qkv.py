@@ -34,15 +34,8 @@ def tokens(quick: bool) -> list[int]:
 
 def _mokv_graph(params, hidden_t, weight_t) -> Graph:
     cpu = DeviceRef.CPU()
-    with Graph(
-        "mokv_qkv",
-        input_types=[
-            *mokv.PAGED.input_symbols(params, 1, 0, cpu),
-            hidden_t,
-            weight_t,
-            TensorType(DType.uint32, ["batch_plus_1"], cpu),
-        ],
-    ) as g:
+    with Graph("mokv_qkv", input_types=[*mokv.PAGED.input_symbols(params, 1, 0, cpu), hidden_t, weight_t,
+                                        TensorType(DType.uint32, ["batch_plus_1"], cpu)]) as g:
         *kv, h, w, offsets = g.inputs
         coll = mokv.FetchPagedKVCacheCollection(params, num_layers=1)(*kv)
         g.output(mokv.ops.fused_qkv_matmul(coll, h, w, offsets, 0, N_Q))
@@ -66,9 +59,7 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
     hidden_t = TensorType(DType.float32, ["tokens", HIDDEN], cpu)
     weight_t = TensorType(DType.float32, [FEATURES, HIDDEN], cpu)
     mokv_model = _load(session, _mokv_graph(params, hidden_t, weight_t), portable=False)
-    portable_model = (
-        _load(session, _mokv_graph(params, hidden_t, weight_t), portable=True) if portable else None
-    )
+    portable_model = _load(session, _mokv_graph(params, hidden_t, weight_t), portable=True) if portable else None
     with Graph("max_qkv", input_types=[hidden_t, weight_t]) as g:
         h, w = g.inputs
         g.output(ops.matmul(h.tensor, ops.transpose(w.tensor, 0, 1)))
@@ -80,12 +71,10 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
     for t in tokens(quick):
         pages = -(-t // PAGE)
         hidden = Buffer.from_numpy(rng.standard_normal((t, HIDDEN)).astype(np.float32))
-        cache = [
-            Buffer.from_numpy(np.zeros((pages + 1, 2, 1, PAGE, HKV, D), np.float32)),
-            Buffer.from_numpy(np.zeros(1, np.uint32)),
-            Buffer.from_numpy(np.arange(1, pages + 1, dtype=np.uint32).reshape(1, pages)),
-            Buffer.from_numpy(np.array([[t, 0]], np.uint32)),
-        ]
+        cache = [Buffer.from_numpy(np.zeros((pages + 1, 2, 1, PAGE, HKV, D), np.float32)),
+                 Buffer.from_numpy(np.zeros(1, np.uint32)),
+                 Buffer.from_numpy(np.arange(1, pages + 1, dtype=np.uint32).reshape(1, pages)),
+                 Buffer.from_numpy(np.array([[t, 0]], np.uint32))]
         offsets = Buffer.from_numpy(np.array([0, t], np.uint32))
         reps = 15 if t < 64 else 7
         flops = 2 * t * HIDDEN * FEATURES
@@ -120,16 +109,8 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
         rows.append(row)
         if progress:
             progress()
-    return {
-        "shape": {
-            "hidden": HIDDEN,
-            "n_heads": N_Q,
-            "n_kv_heads": HKV,
-            "head_dim": D,
-            "dtype": "float32",
-        },
-        "rows": rows,
-    }
+    return {"shape": {"hidden": HIDDEN, "n_heads": N_Q, "n_kv_heads": HKV, "head_dim": D, "dtype": "float32"},
+            "rows": rows}
 
 
 if __name__ == "__main__":

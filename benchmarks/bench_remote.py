@@ -88,13 +88,11 @@ def start_server() -> tuple[subprocess.Popen, str]:
 def bench(url: str, name: str, layout: RemoteLayout, total_mb: int) -> None:
     n = max(32, total_mb * 2**20 // layout.page_nbytes)
     tokens = np.arange(n * layout.page_size)
-    links = list(
-        iter_page_hashes(tokens, layout.page_size, root_hash("xxh3", 0), page_hash_fn("xxh3"))
-    )
+    links = list(iter_page_hashes(tokens, layout.page_size, root_hash("xxh3", 0),
+                                  page_hash_fn("xxh3")))
     page = np.random.default_rng(0).bytes(layout.page_nbytes)
-    with RemotePageStore(
-        url, f"bench-{time.time_ns()}", layout, timeout_s=5, max_queued_pages=n
-    ) as store:
+    with RemotePageStore(url, f"bench-{time.time_ns()}", layout, timeout_s=5,
+                         max_queued_pages=n) as store:
         t0 = time.perf_counter()
         for page_hash, token_bytes in links:
             store.put(page_hash, token_bytes, page)
@@ -111,12 +109,10 @@ def bench(url: str, name: str, layout: RemoteLayout, total_mb: int) -> None:
             assert store.probe(links[:32]) == 32
             probes.append(time.perf_counter() - t0)
     gb = n * store.codec.value_nbytes / 1e9
-    print(
-        f"{name}: {n} pages | put {n / put:,.0f} pages/s {gb / put:.2f} GB/s "
-        f"(caller {caller / n * 1e6:.1f} us/page) | lookup {n / get:,.0f} pages/s "
-        f"{gb / get:.2f} GB/s | probe of 32 pages: median "
-        f"{statistics.median(probes) * 1e6:.0f} us"
-    )
+    print(f"{name}: {n} pages | put {n / put:,.0f} pages/s {gb / put:.2f} GB/s "
+          f"(caller {caller / n * 1e6:.1f} us/page) | lookup {n / get:,.0f} pages/s "
+          f"{gb / get:.2f} GB/s | probe of 32 pages: median "
+          f"{statistics.median(probes) * 1e6:.0f} us")
 
 
 def _row(name: str, runs: list, adapters: list) -> dict:
@@ -126,14 +122,12 @@ def _row(name: str, runs: list, adapters: list) -> dict:
     ns = sum(sum(r.bookkeeping_ns) + sum(r.runtime_ns) for r in runs)
     metrics = [a.manager.metrics for a in adapters]
     first = sum(r.first_prompt_tokens for r in runs)
-    return {
-        "setup": name,
-        "hit_rate": round(sum(r.tokens_skipped for r in runs) / admitted, 4),
-        "first_admission_hit_rate": round(sum(r.first_tokens_skipped for r in runs) / first, 4),
-        "remote_hit_tokens": sum(m.remote_cache_tokens for m in metrics),
-        "us_per_request_step": round(ns / request_steps / 1e3, 2),
-        "preemptions": sum(r.preemptions for r in runs),
-    }
+    return {"setup": name, "hit_rate": round(sum(r.tokens_skipped for r in runs) / admitted, 4),
+            "first_admission_hit_rate": round(
+                sum(r.first_tokens_skipped for r in runs) / first, 4),
+            "remote_hit_tokens": sum(m.remote_cache_tokens for m in metrics),
+            "us_per_request_step": round(ns / request_steps / 1e3, 2),
+            "preemptions": sum(r.preemptions for r in runs)}
 
 
 def trace_split(url: str, sessions: int, device_pages: int) -> dict:
@@ -144,51 +138,26 @@ def trace_split(url: str, sessions: int, device_pages: int) -> dict:
     rows = []
     for pages in (device_pages, 2 * device_pages):
         adapter = MokvPaged(pages, **size)
-        rows.append(
-            _row(f"one manager, {pages} pages, whole trace", [replay(adapter, trace)], [adapter])
-        )
+        rows.append(_row(f"one manager, {pages} pages, whole trace", [replay(adapter, trace)],
+                         [adapter]))
     pair = [MokvPaged(device_pages, **size) for _ in halves]
-    rows.append(
-        _row(
-            f"two managers, {device_pages} pages each, no shared tier",
-            replay_side_by_side(list(zip(pair, halves))),
-            pair,
-        )
-    )
+    rows.append(_row(f"two managers, {device_pages} pages each, no shared tier",
+                     replay_side_by_side(list(zip(pair, halves))), pair))
     namespace = f"bench-trace-{time.time_ns()}"
     tier = mokv.RemoteTierConfig(url=url, namespace=namespace, timeout_s=5.0)
     shared = [MokvPaged(device_pages, **size, tiers=(tier,)) for _ in halves]
-    rows.append(
-        _row(
-            f"two managers, {device_pages} pages each, sharing one Redis",
-            replay_side_by_side(list(zip(shared, halves))),
-            shared,
-        )
-    )
+    rows.append(_row(f"two managers, {device_pages} pages each, sharing one Redis",
+                     replay_side_by_side(list(zip(shared, halves))), shared))
     remote = [a.manager.remote_metrics for a in shared]
     for adapter in shared:
         adapter.manager.close()
-    return {
-        "sessions": sessions,
-        "requests": len(trace),
-        "bound": round(infinite_cache_bound(trace, 128), 4),
-        "rows": rows,
-        "MB_written_to_redis": round(sum(m.bytes_written for m in remote) / 2**20, 1),
-        "MB_read_from_redis": round(sum(m.bytes_read for m in remote) / 2**20, 1),
-        "remote_metrics": {
-            k: sum(m.as_dict()[k] for m in remote)
-            for k in (
-                "lookups",
-                "hits",
-                "misses",
-                "pages_written",
-                "pages_present",
-                "drops",
-                "errors",
-                "timeouts",
-            )
-        },
-    }
+    return {"sessions": sessions, "requests": len(trace),
+            "bound": round(infinite_cache_bound(trace, 128), 4), "rows": rows,
+            "MB_written_to_redis": round(sum(m.bytes_written for m in remote) / 2**20, 1),
+            "MB_read_from_redis": round(sum(m.bytes_read for m in remote) / 2**20, 1),
+            "remote_metrics": {k: sum(m.as_dict()[k] for m in remote)
+                               for k in ("lookups", "hits", "misses", "pages_written",
+                                         "pages_present", "drops", "errors", "timeouts")}}
 
 
 def main() -> None:

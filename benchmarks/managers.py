@@ -50,40 +50,19 @@ class _Mokv:
 class MokvPaged(_Mokv):
     name = "mokv-paged"
 
-    def __init__(
-        self,
-        budget_pages,
-        max_batch,
-        max_seq_len,
-        page_size=128,
-        prefix=True,
-        prefix_hash=None,
-        kv_events_config=None,
-        **params_kw,
-    ):
+    def __init__(self, budget_pages, max_batch, max_seq_len, page_size=128, prefix=True,
+                 prefix_hash=None, kv_events_config=None, **params_kw):
         """`params_kw`: further `KVCacheParams` fields (e.g. the shared tier's)."""
         if prefix_hash is not None:  # None: the default
             params_kw["prefix_hash"] = prefix_hash
-        self.params = mokv.KVCacheParams(
-            DType.float32,
-            SHAPE["n_kv_heads"],
-            SHAPE["head_dim"],
-            page_size=page_size,
-            enable_prefix_caching=prefix,
-            **params_kw,
-        )
+        self.params = mokv.KVCacheParams(DType.float32, SHAPE["n_kv_heads"], SHAPE["head_dim"],
+                                         page_size=page_size, enable_prefix_caching=prefix,
+                                         **params_kw)
         memory = budget_pages * self.params.bytes_per_page(SHAPE["num_layers"])
-        self.manager = mokv.PagedKVCacheManager(
-            self.params,
-            max_batch,
-            max_seq_len,
-            SHAPE["num_layers"],
-            [CPU()],
-            session(),
-            memory,
-            page_size=page_size,
-            kv_events_config=kv_events_config,
-        )
+        self.manager = mokv.PagedKVCacheManager(self.params, max_batch, max_seq_len,
+                                                SHAPE["num_layers"], [CPU()], session(), memory,
+                                                page_size=page_size,
+                                                kv_events_config=kv_events_config)
         self.total_pages = self.manager.total_num_pages
         self.kv_bytes = self.total_pages * self.params.bytes_per_page(SHAPE["num_layers"])
 
@@ -135,18 +114,13 @@ class MokvContinuous(_Mokv):
     name = "mokv-continuous"
 
     def __init__(self, budget_pages, max_batch, max_seq_len, page_size=128, **_):
-        self.params = mokv.KVCacheParams(
-            DType.float32,
-            SHAPE["n_kv_heads"],
-            SHAPE["head_dim"],
-            page_size=page_size,
-            cache_strategy=mokv.KVCacheStrategy.CONTINUOUS,
-        )
+        self.params = mokv.KVCacheParams(DType.float32, SHAPE["n_kv_heads"], SHAPE["head_dim"],
+                                         page_size=page_size,
+                                         cache_strategy=mokv.KVCacheStrategy.CONTINUOUS)
         slots = max(1, min(max_batch, budget_pages * page_size // max_seq_len))
         self.pages_per_slot = -(-max_seq_len // page_size)
         self.manager = mokv.ContinuousKVCacheManager(
-            self.params, slots, max_seq_len, SHAPE["num_layers"], [CPU()], session()
-        )
+            self.params, slots, max_seq_len, SHAPE["num_layers"], [CPU()], session())
         self.total_pages = slots * self.pages_per_slot
         self.kv_bytes = slots * max_seq_len * self.params.bytes_per_token(SHAPE["num_layers"])
 
@@ -190,41 +164,25 @@ class MaxPaged:
         from maxcompat import load_max_pipelines
 
         Manager, Params, self._Ctx, self._Tokens, self._RID, self._Err = load_max_pipelines()
-        params = Params(
-            dtype=DType.float32,
-            head_dim=SHAPE["head_dim"],
-            num_layers=SHAPE["num_layers"],
-            devices=[DeviceRef.CPU()],
-            enable_prefix_caching=prefix,
-            page_size=page_size,
-            n_kv_heads=SHAPE["n_kv_heads"],
-        )
-        self.m = Manager(
-            params=params, session=session(), total_num_pages=budget_pages, max_batch_size=max_batch
-        )
+        params = Params(dtype=DType.float32, head_dim=SHAPE["head_dim"],
+                        num_layers=SHAPE["num_layers"], devices=[DeviceRef.CPU()],
+                        enable_prefix_caching=prefix, page_size=page_size,
+                        n_kv_heads=SHAPE["n_kv_heads"])
+        self.m = Manager(params=params, session=session(), total_num_pages=budget_pages,
+                         max_batch_size=max_batch)
         self.manager = self
         self.max_batch_size = max_batch
         self.max_seq_len = max_seq_len
         self.total_pages = budget_pages
-        self.kv_bytes = (
-            (budget_pages + 1)
-            * page_size
-            * 2
-            * SHAPE["num_layers"]
-            * SHAPE["n_kv_heads"]
-            * SHAPE["head_dim"]
-            * 4
-        )
+        self.kv_bytes = (budget_pages + 1) * page_size * 2 * SHAPE["num_layers"] * \
+            SHAPE["n_kv_heads"] * SHAPE["head_dim"] * 4
         # MAX's claim and release take the context where mokv's take its id. Weak values:
         # a finished request's context (and its tokens) is freed when the replay drops it.
         self._contexts = weakref.WeakValueDictionary()
 
     def new_context(self, req):
-        ctx = self._Ctx(
-            request_id=self._RID(f"r{req.rid}"),
-            max_length=self.max_seq_len,
-            tokens=self._Tokens(req.prompt.copy()),
-        )
+        ctx = self._Ctx(request_id=self._RID(f"r{req.rid}"), max_length=self.max_seq_len,
+                        tokens=self._Tokens(req.prompt.copy()))
         self._contexts[ctx.request_id] = ctx
         return _MaxContext(ctx)
 

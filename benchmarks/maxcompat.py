@@ -33,11 +33,4 @@ def load_max_pipelines():
     from max.pipelines.kv_cache import InsufficientBlocksError, PagedKVCacheManager
     from max.pipelines.request import RequestID
 
-    return (
-        PagedKVCacheManager,
-        MHAKVCacheParams,
-        TextContext,
-        TokenBuffer,
-        RequestID,
-        InsufficientBlocksError,
-    )
+    return PagedKVCacheManager, MHAKVCacheParams, TextContext, TokenBuffer, RequestID, InsufficientBlocksError

@@ -66,26 +66,14 @@ class ReplayStats:
             "manager": self.manager,
             "request_steps": int(n),
             "steps": self.steps,
-            "us_per_request_step": {
-                "median": pct(total, 50),
-                "p99": pct(total, 99),
-                "mean": round(
-                    float((np.sum(self.bookkeeping_ns) + np.sum(self.runtime_ns)) / n / 1e3), 3
-                ),
-            },
-            "bookkeeping_us": {
-                "median": pct(bk, 50),
-                "p99": pct(bk, 99),
-                "mean": round(float(np.sum(self.bookkeeping_ns) / n / 1e3), 3),
-            },
-            "runtime_inputs_us": {
-                "median": pct(rt, 50),
-                "p99": pct(rt, 99),
-                "mean": round(float(np.sum(self.runtime_ns) / n / 1e3), 3),
-            },
+            "us_per_request_step": {"median": pct(total, 50), "p99": pct(total, 99),
+                                    "mean": round(float((np.sum(self.bookkeeping_ns) + np.sum(self.runtime_ns)) / n / 1e3), 3)},
+            "bookkeeping_us": {"median": pct(bk, 50), "p99": pct(bk, 99),
+                               "mean": round(float(np.sum(self.bookkeeping_ns) / n / 1e3), 3)},
+            "runtime_inputs_us": {"median": pct(rt, 50), "p99": pct(rt, 99),
+                                  "mean": round(float(np.sum(self.runtime_ns) / n / 1e3), 3)},
             "hit_rate": self.tokens_skipped / max(self.prompt_tokens_admitted, 1),
-            "first_admission_hit_rate": self.first_tokens_skipped
-            / max(self.first_prompt_tokens, 1),
+            "first_admission_hit_rate": self.first_tokens_skipped / max(self.first_prompt_tokens, 1),
             "session_turn_hit_rate": self.turn_tokens_skipped / max(self.turn_prompt_tokens, 1),
             "session_turn_prompt_tokens": self.turn_prompt_tokens,
             "session_turn_tokens_saved": self.turn_tokens_skipped,
@@ -176,17 +164,15 @@ class _Replay(Scheduler):
         self.measured.peak_pages = max(self.measured.peak_pages, self.adapter.used_pages())
 
 
-def replay(
-    adapter, trace: list[TraceRequest], token_budget: int = 4096, page_size: int = 128
-) -> ReplayStats:
+def replay(adapter, trace: list[TraceRequest], token_budget: int = 4096,
+           page_size: int = 128) -> ReplayStats:
     """Runs `trace` through `adapter` (see `managers.py`) and returns what it measured
     (`page_size`: the pages the sessions' working set is counted in)."""
     return replay_side_by_side([(adapter, trace)], token_budget, page_size)[0]
 
 
-def replay_side_by_side(
-    runs: list[tuple], token_budget: int = 4096, page_size: int = 128
-) -> list[ReplayStats]:
+def replay_side_by_side(runs: list[tuple], token_budget: int = 4096,
+                        page_size: int = 128) -> list[ReplayStats]:
     """Runs each `(adapter, trace)` with its own scheduler, step by step side by side
     (step s of every run before step s + 1 of any), as servers that serve at the same
     time: what one run's manager writes to a shared tier, another can find in the
@@ -204,9 +190,8 @@ def replay_side_by_side(
 class _TraceRun:
     """One trace's arrivals and scheduler: `advance` runs one scheduler step."""
 
-    def __init__(
-        self, adapter, trace: list[TraceRequest], token_budget: int, page_size: int
-    ) -> None:
+    def __init__(self, adapter, trace: list[TraceRequest], token_budget: int,
+                 page_size: int) -> None:
         self.scheduler = _Replay(adapter, token_budget)
         self.page_size = page_size
         self.session_pages: dict[str, int] = {}  # open session -> its context's pages
@@ -230,10 +215,10 @@ class _TraceRun:
             r = heapq.heappop(arrivals)[2]
             scheduler.submit(r)
             if r.session is not None:  # its context: the prompt and the answer to come
-                self.session_pages[r.session] = -(-(len(r.prompt) + r.output_len) // self.page_size)
-                stats.session_working_set_pages = max(
-                    stats.session_working_set_pages, sum(self.session_pages.values())
-                )
+                self.session_pages[r.session] = -(-(len(r.prompt) + r.output_len)
+                                                  // self.page_size)
+                stats.session_working_set_pages = max(stats.session_working_set_pages,
+                                                      sum(self.session_pages.values()))
         model_calls = scheduler.stats.steps
         finished = scheduler.step()
         bookkeeping, runtime = scheduler.timed.take()

@@ -53,10 +53,8 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 PARTS = ("hashing", "events", "managers", "attention", "qkv", "compile")
-SHARE = (
-    "share of the two-thread read: median over seven rounds, each a probe read then "
-    "the kernel's calls with the three sides taking turns, of kernel GB/s / probe GB/s"
-)
+SHARE = ("share of the two-thread read: median over seven rounds, each a probe read then "
+         "the kernel's calls with the three sides taking turns, of kernel GB/s / probe GB/s")
 
 
 def machine() -> dict:
@@ -65,56 +63,32 @@ def machine() -> dict:
     get = lambda k: info.get(k, "?").strip()  # noqa: E731
     from importlib.metadata import version
 
-    return {
-        "cpu": get("Model name"),
-        "cores": os.cpu_count(),
-        "threads_per_core": get("Thread(s) per core"),
-        "l2": get("L2 cache"),
-        "l3": get("L3 cache"),
-        "mem_GB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
-        "python": platform.python_version(),
-        "max": version("max"),
-        "mojo": version("mojo"),
-        "loadavg_start": os.getloadavg(),
-    }
+    return {"cpu": get("Model name"), "cores": os.cpu_count(), "threads_per_core": get("Thread(s) per core"),
+            "l2": get("L2 cache"), "l3": get("L3 cache"), "mem_GB": round(os.sysconf("SC_PAGE_SIZE") *
+            os.sysconf("SC_PHYS_PAGES") / 1e9, 1), "python": platform.python_version(),
+            "max": version("max"), "mojo": version("mojo"), "loadavg_start": os.getloadavg()}
 
 
 def _plan(parts: list[str], quick: bool, portable: bool) -> int:
     s = bench_managers.settings(quick)
-    sizes = {
-        "hashing": 2,
-        "events": 10 if quick else 20,
-        "attention": bench_attention.plan_size(quick, portable),
-        "qkv": len(bench_qkv.tokens(quick)),
-        "compile": bench_compile.plan_size(quick),
-        "managers": 2 * len(bench_managers.MANAGERS) * s["repeats"]
-        + len(s["batch_sizes"])
-        + len(s["budgets"])
-        + 1
-        + 5,
-    }
+    sizes = {"hashing": 2, "events": 10 if quick else 20, "attention": bench_attention.plan_size(quick, portable),
+             "qkv": len(bench_qkv.tokens(quick)),
+             "compile": bench_compile.plan_size(quick),
+             "managers": 2 * len(bench_managers.MANAGERS) * s["repeats"] + len(s["batch_sizes"])
+             + len(s["budgets"]) + 1 + 5}
     return sum(sizes[p] for p in parts)
 
 
 def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dict:
     from max.driver import get_virtual_cpu_target
 
-    results: dict = {
-        "machine": {**machine(), "cpu_target": get_virtual_cpu_target() or "host"},
-        "quick": quick,
-        "portable": portable,
-        "seconds": {},
-    }
+    results: dict = {"machine": {**machine(), "cpu_target": get_virtual_cpu_target() or "host"},
+                     "quick": quick, "portable": portable, "seconds": {}}
     previous = out / "results.json"
     if set(parts) != set(PARTS) and previous.is_file():  # a partial run updates the last one
         results = {**json.loads(previous.read_text()), **results, "seconds": {}}
-    with Progress(
-        TextColumn("{task.description:<34}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        transient=False,
-    ) as bar:
+    with Progress(TextColumn("{task.description:<34}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), transient=False) as bar:
         task = bar.add_task("starting", total=_plan(parts, quick, portable))
         tick = lambda: bar.advance(task)  # noqa: E731
 
@@ -129,56 +103,33 @@ def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dic
             return value
 
         if "hashing" in parts:
-            results["hashing"] = part(
-                "hashing", "prefix hashing", lambda: bench_hashing.run(quick, tick)
-            )
+            results["hashing"] = part("hashing", "prefix hashing", lambda: bench_hashing.run(quick, tick))
         if "events" in parts:
-            results["events"] = part(
-                "events", "events on vs off (replay)", lambda: bench_events.run(quick, tick)
-            )
+            results["events"] = part("events", "events on vs off (replay)",
+                                     lambda: bench_events.run(quick, tick))
         if "managers" in parts:
             man = results["managers"] = {}
-            man["compare"] = part(
-                "compare", "trace replay, pages of 128", lambda: bench_managers.compare(quick, tick)
-            )
-            man["compare_page16"] = part(
-                "compare_page16",
-                "trace replay, pages of 16",
-                lambda: bench_managers.compare(quick, tick, 16),
-            )
-            man["batch_sweep"] = part(
-                "batch_sweep",
-                "decode batch-size sweep",
-                lambda: bench_managers.batch_sweep(quick, tick),
-            )
-            man["budget_sweep"] = part(
-                "budget_sweep",
-                "page-budget sweep",
-                lambda: bench_managers.budget_sweep(quick, tick),
-            )
-            man["sessions"] = part(
-                "sessions",
-                "agent sessions that pause",
-                lambda: bench_managers.session_compare(quick, tick),
-            )
-            man["mokv_profile"] = part(
-                "profile", "cProfile of mokv-paged", lambda: bench_managers.profile_mokv(quick)
-            )
+            man["compare"] = part("compare", "trace replay, pages of 128",
+                                  lambda: bench_managers.compare(quick, tick))
+            man["compare_page16"] = part("compare_page16", "trace replay, pages of 16",
+                                         lambda: bench_managers.compare(quick, tick, 16))
+            man["batch_sweep"] = part("batch_sweep", "decode batch-size sweep",
+                                      lambda: bench_managers.batch_sweep(quick, tick))
+            man["budget_sweep"] = part("budget_sweep", "page-budget sweep",
+                                       lambda: bench_managers.budget_sweep(quick, tick))
+            man["sessions"] = part("sessions", "agent sessions that pause",
+                                   lambda: bench_managers.session_compare(quick, tick))
+            man["mokv_profile"] = part("profile", "cProfile of mokv-paged",
+                                       lambda: bench_managers.profile_mokv(quick))
             tick()
         if "attention" in parts:
-            results["attention"] = part(
-                "attention",
-                "attention kernels (CPU)",
-                lambda: bench_attention.run(quick, tick, portable),
-            )
+            results["attention"] = part("attention", "attention kernels (CPU)",
+                                        lambda: bench_attention.run(quick, tick, portable))
         if "qkv" in parts:
-            results["qkv"] = part(
-                "qkv", "QKV projection (CPU)", lambda: bench_qkv.run(quick, tick, portable)
-            )
+            results["qkv"] = part("qkv", "QKV projection (CPU)", lambda: bench_qkv.run(quick, tick, portable))
         if "compile" in parts:
-            results["compile"] = part(
-                "compile", "compile cost (subprocesses)", lambda: bench_compile.run(quick, tick)
-            )
+            results["compile"] = part("compile", "compile cost (subprocesses)",
+                                      lambda: bench_compile.run(quick, tick))
         bar.update(task, description="done")
     results["machine"]["loadavg_end"] = os.getloadavg()
     out.mkdir(parents=True, exist_ok=True)
@@ -197,12 +148,9 @@ def _replay_table(cmp: dict) -> list[str]:
     if not cmp.get("managers"):
         return []
     vllm = cmp.get("vllm")
-    lines = [
-        f"### Trace replay ({cmp['trace']['requests']} requests, {cmp['budget_pages']} pages "
-        f"of {cmp['page_size']}, batch ≤ {cmp['max_batch']}; infinite-cache bound "
-        f"{cmp['infinite_cache_bound']:.3f})",
-        "",
-    ]
+    lines = [f"### Trace replay ({cmp['trace']['requests']} requests, {cmp['budget_pages']} pages "
+             f"of {cmp['page_size']}, batch ≤ {cmp['max_batch']}; infinite-cache bound "
+             f"{cmp['infinite_cache_bound']:.3f})", ""]
     if vllm:
         lines += [
             f"vLLM {vllm['version']}, "
@@ -227,11 +175,9 @@ def _replay_table(cmp: dict) -> list[str]:
         )
     for peer in ("max", "vllm"):
         for name, ratio in cmp.get(f"ratio_vs_{peer}", {}).items():
-            lines.append(
-                f"\n{name} / {peer}-paged: all-in ×{ratio['us_per_request_step']}, bookkeeping "
-                f"×{ratio['bookkeeping_us']}, runtime inputs ×{ratio['runtime_inputs_us']}, "
-                f"hit rate ×{ratio['hit_rate']}"
-            )
+            lines.append(f"\n{name} / {peer}-paged: all-in ×{ratio['us_per_request_step']}, bookkeeping "
+                         f"×{ratio['bookkeeping_us']}, runtime inputs ×{ratio['runtime_inputs_us']}, "
+                         f"hit rate ×{ratio['hit_rate']}")
     return lines + [""]
 
 
@@ -240,26 +186,19 @@ def _session_table(ses: dict) -> list[str]:
     if not ses.get("runs"):
         return []
     bound, tokens = ses["session_turn_bound"], ses["session_turn_prompt_tokens"]
-    lines = [
-        f"### Agent sessions that pause ({ses['trace']['requests']} requests, "
-        f"{ses['session_turns']} session turns of {tokens} prompt tokens; "
-        f"{ses['budget_pages']} device pages of {ses['page_size']}, host tier "
-        f"{ses['host_pages']} pages; session turns' infinite-cache bound {bound:.3f})",
-        "",
-        "| run | session-turn hit rate | of the bound | turn tokens saved | no-session hit "
-        "rate | prefill tokens computed | preemptions |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    rows = list(ses["runs"].items()) + [
-        (f"mokv-sessions+host, max_share={k}", v) for k, v in ses["shares"].items()
-    ]
+    lines = [f"### Agent sessions that pause ({ses['trace']['requests']} requests, "
+             f"{ses['session_turns']} session turns of {tokens} prompt tokens; "
+             f"{ses['budget_pages']} device pages of {ses['page_size']}, host tier "
+             f"{ses['host_pages']} pages; session turns' infinite-cache bound {bound:.3f})", "",
+             "| run | session-turn hit rate | of the bound | turn tokens saved | no-session hit "
+             "rate | prefill tokens computed | preemptions |", "|---|---|---|---|---|---|---|"]
+    rows = list(ses["runs"].items()) + [(f"mokv-sessions+host, max_share={k}", v)
+                                        for k, v in ses["shares"].items()]
     for name, s in rows:
-        lines.append(
-            f"| {name} | {s['session_turn_hit_rate']:.3f} | "
-            f"{s['session_turn_hit_rate'] / bound:.1%} | {s['session_turn_tokens_saved']} | "
-            f"{s['no_session_hit_rate']:.3f} | {s['prefill_tokens_computed']} | "
-            f"{s['preemptions']} |"
-        )
+        lines.append(f"| {name} | {s['session_turn_hit_rate']:.3f} | "
+                     f"{s['session_turn_hit_rate'] / bound:.1%} | {s['session_turn_tokens_saved']} | "
+                     f"{s['no_session_hit_rate']:.3f} | {s['prefill_tokens_computed']} | "
+                     f"{s['preemptions']} |")
     working_set = ses["runs"]["mokv-lru"]["session_working_set_pages"]
     return lines + ["", f"Sessions' peak working set: {working_set} pages.", ""]
 
@@ -279,12 +218,8 @@ def summary(r: dict) -> str:
     sweep = r.get("managers", {}).get("batch_sweep", {})
     if isinstance(sweep, dict) and "error" not in sweep and sweep:
         names = list(sweep)
-        lines += [
-            "### Steady decode, µs per request-step (all-in / bookkeeping)",
-            "",
-            "| batch | " + " | ".join(names) + " |",
-            "|---" * (len(names) + 1) + "|",
-        ]
+        lines += ["### Steady decode, µs per request-step (all-in / bookkeeping)", "",
+                  "| batch | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for b in sweep[names[0]]:
             cells = [
                 f"{_f(sweep[n][b]['us_per_request_step'], 2)} / "
@@ -302,83 +237,46 @@ def summary(r: dict) -> str:
     ev = r.get("events", {})
     if ev.get("on"):
         d = ev["direct"]
-        lines += [
-            "### KV-cache events: host µs per request-step, trace replay",
-            "",
-            "| events | median (least disturbed repeat) | mean |",
-            "|---|---|---|",
-            f"| off | {_f(ev['off']['median_us'], 2)} | {_f(ev['off']['mean_us'], 2)} |",
-            f"| on | {_f(ev['on']['median_us'], 2)} | {_f(ev['on']['mean_us'], 2)} |",
-            "",
-            f"Difference: {ev['delta_median_us']:+.2f} (least disturbed), "
-            f"{ev['delta_paired_median_us']:+.2f} (median of paired repeats); the "
-            f"scheduling thread's own added work: {d['us_per_request_step']:.3f} "
-            f"µs per request-step ({d['calls']}).",
-            "",
-        ]
+        lines += ["### KV-cache events: host µs per request-step, trace replay", "",
+                  "| events | median (least disturbed repeat) | mean |", "|---|---|---|",
+                  f"| off | {_f(ev['off']['median_us'], 2)} | {_f(ev['off']['mean_us'], 2)} |",
+                  f"| on | {_f(ev['on']['median_us'], 2)} | {_f(ev['on']['mean_us'], 2)} |", "",
+                  f"Difference: {ev['delta_median_us']:+.2f} (least disturbed), "
+                  f"{ev['delta_paired_median_us']:+.2f} (median of paired repeats); the "
+                  f"scheduling thread's own added work: {d['us_per_request_step']:.3f} "
+                  f"µs per request-step ({d['calls']}).", ""]
     a = r.get("attention", {})
     if a.get("decode"):
         sides = list(a["sides"])
         c = a["copy"]
-        floor = (
-            f", MAX's execute floor {a['execute_floor_us']:.0f} µs"
-            if "execute_floor_us" in a
-            else ""
-        )
-        lines += [
-            f"### CPU attention (copy {c['numpy_copy_GBps']:.1f} GB/s, two-thread read "
-            f"{c['read_2threads_GBps']:.1f} GB/s{floor})",
-            "",
-            f"Decode cells: ms (GB/s of K/V read, {SHARE}).",
-            "",
-            "| decode B × ctx | " + " | ".join(f"{s} ms (GB/s, share)" for s in sides) + " |",
-            "|---" * (len(sides) + 1) + "|",
-        ]
+        floor = f", MAX's execute floor {a['execute_floor_us']:.0f} µs" if "execute_floor_us" in a else ""
+        lines += [f"### CPU attention (copy {c['numpy_copy_GBps']:.1f} GB/s, two-thread read "
+                  f"{c['read_2threads_GBps']:.1f} GB/s{floor})", "",
+                  f"Decode cells: ms (GB/s of K/V read, {SHARE}).", "",
+                  "| decode B × ctx | " + " | ".join(f"{s} ms (GB/s, share)" for s in sides) + " |",
+                  "|---" * (len(sides) + 1) + "|"]
         for row in a["decode"]:
-            cells = [
-                f"{row[s]['ms']:.2f} ({row[s]['GBps']:.1f}, {row[s]['share_of_read']:.0%})"
-                if s in row
-                else "-"
-                for s in sides
-            ]
+            cells = [f"{row[s]['ms']:.2f} ({row[s]['GBps']:.1f}, {row[s]['share_of_read']:.0%})" if s in row
+                     else "-" for s in sides]
             lines.append(f"| {row['batch']} × {row['context']} | " + " | ".join(cells) + " |")
         for row in a["prefill"]:
-            cells = [
-                f"{row[s]['ms']:.1f} ({row[s]['GFLOPs']:.0f} GFLOP/s)" if s in row else "-"
-                for s in sides
-            ]
+            cells = [f"{row[s]['ms']:.1f} ({row[s]['GFLOPs']:.0f} GFLOP/s)" if s in row else "-" for s in sides]
             lines.append(f"| prefill {row['tokens']} | " + " | ".join(cells) + " |")
         for name, err in a.get("errors", {}).items():
             lines.append(f"\n{name} skipped: {err[:300]}")
         lines.append("")
     if a.get("shapes"):
-        sides = [
-            s
-            for s in ("max-paged", "mokv-paged", "mokv-continuous", "mokv-paged-portable")
-            if any(s in row for row in a["shapes"])
-        ]
-        lines += [
-            "### CPU decode attention by GQA group and dtype (32 query heads, head_dim 128)",
-            "",
-            f"Cells: ms (GB/s of K/V read, {SHARE}).",
-            "",
-            "| group (kv heads) | dtype | B × ctx | "
-            + " | ".join(sides)
-            + " | MAX / mokv-paged time |",
-            "|---" * (len(sides) + 4) + "|",
-        ]
+        sides = [s for s in ("max-paged", "mokv-paged", "mokv-continuous", "mokv-paged-portable")
+                 if any(s in row for row in a["shapes"])]
+        lines += ["### CPU decode attention by GQA group and dtype (32 query heads, head_dim 128)", "",
+                  f"Cells: ms (GB/s of K/V read, {SHARE}).", "",
+                  "| group (kv heads) | dtype | B × ctx | " + " | ".join(sides) + " | MAX / mokv-paged time |",
+                  "|---" * (len(sides) + 4) + "|"]
         for row in a["shapes"]:
-            cells = [
-                f"{row[s]['ms']:.2f} ({row[s]['GBps']:.1f}, {row[s]['share_of_read']:.0%})"
-                if s in row
-                else "-"
-                for s in sides
-            ]
-            ratio = (
-                f"×{row['max-paged']['ms'] / row['mokv-paged']['ms']:.1f}"
-                if "max-paged" in row and "mokv-paged" in row
-                else "-"
-            )
+            cells = [f"{row[s]['ms']:.2f} ({row[s]['GBps']:.1f}, {row[s]['share_of_read']:.0%})" if s in row
+                     else "-" for s in sides]
+            ratio = (f"×{row['max-paged']['ms'] / row['mokv-paged']['ms']:.1f}"
+                     if "max-paged" in row and "mokv-paged" in row else "-")
             if "mokv-paged-portable" in row and "max-paged" in row:
                 ratio += (
                     f" (portable ×{row['max-paged']['ms'] / row['mokv-paged-portable']['ms']:.1f})"
@@ -414,43 +312,24 @@ def summary(r: dict) -> str:
         lines.append("")
     comp = r.get("compile", {})
     if comp and "error" not in comp:
-        lines += [
-            "### Compile (s)",
-            "",
-            "| run | kernels | graph build | build + load | first step | subprocess total |",
-            "|---|---|---|---|---|---|",
-        ]
+        lines += ["### Compile (s)", "", "| run | kernels | graph build | build + load | first step | subprocess total |",
+                  "|---|---|---|---|---|---|"]
         for name, c in comp.items():
-            lines.append(
-                f"| {name} | "
-                + " | ".join(
-                    _f(c.get(k), 2)
-                    for k in ("kernels_s", "build_s", "build_and_load_s", "first_step_s", "total_s")
-                )
-                + " |"
-            )
+            lines.append(f"| {name} | " + " | ".join(_f(c.get(k), 2) for k in
+                         ("kernels_s", "build_s", "build_and_load_s", "first_step_s", "total_s")) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller traces and grids (~1-2 min warm)")
-    ap.add_argument(
-        "--portable",
-        action="store_true",
-        help="attention and qkv: also time mokv on the portable CPU paths",
-    )
-    ap.add_argument(
-        "--cpu-target",
-        default="",
-        metavar="NAME",
-        help="compile every CPU kernel (MAX's and mokv's) for this LLVM CPU, e.g. znver3 "
-        "(AVX2, no AVX-512), and run it here",
-    )
+    ap.add_argument("--portable", action="store_true",
+                    help="attention and qkv: also time mokv on the portable CPU paths")
+    ap.add_argument("--cpu-target", default="", metavar="NAME",
+                    help="compile every CPU kernel (MAX's and mokv's) for this LLVM CPU, e.g. znver3 "
+                         "(AVX2, no AVX-512), and run it here")
     ap.add_argument("--out", type=Path, default=HERE / "results")
-    ap.add_argument(
-        "--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS)
-    )
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]
     bad = set(parts) - set(PARTS)

@@ -122,14 +122,8 @@ def make_trace(cfg: TraceConfig = TraceConfig()) -> list[Request]:
         for turn in range(turns):
             if len(prompt) + out[1] > cfg.max_context:
                 break
-            r = add(
-                kind,
-                prompt,
-                rng.integers(*out),
-                seed,
-                t if turn == 0 else rng.integers(0, 20),
-                parent,
-            )
+            r = add(kind, prompt, rng.integers(*out), seed, t if turn == 0 else rng.integers(0, 20),
+                    parent)
             parent = r.rid
             answer = model_tokens(seed, len(prompt), r.output_len)
             prompt = np.concatenate([prompt, answer, rand(int(rng.integers(*user)))])
@@ -161,16 +155,8 @@ def add_agent_sessions(reqs: list[Request], cfg: TraceConfig, span: float) -> No
                 break
             lo, hi = TOOL_PAUSES[int(rng.choice(len(TOOL_PAUSES), p=p))][1]
             wait = arrival if turn == 0 else int(rng.integers(lo, hi))
-            r = Request(
-                len(reqs),
-                "session",
-                prompt,
-                int(rng.integers(32, 161)),
-                seed,
-                int(wait),
-                parent,
-                session,
-            )
+            r = Request(len(reqs), "session", prompt, int(rng.integers(32, 161)), seed,
+                        int(wait), parent, session)
             reqs.append(r)
             parent = r.rid
             answer = model_tokens(seed, len(prompt), r.output_len)
@@ -220,11 +206,8 @@ def summarize(trace: list[Request]) -> dict:
     kinds = [r.kind for r in trace]
     return {
         "requests": len(trace),
-        "fraction": {
-            k: round(kinds.count(k) / len(trace), 3)
-            for k in ("shared", "chat", "agent", "session")
-            if k in kinds
-        },
+        "fraction": {k: round(kinds.count(k) / len(trace), 3)
+                     for k in ("shared", "chat", "agent", "session") if k in kinds},
         "multi_turn_fraction": round(sum(r.parent is not None for r in trace) / len(trace), 3),
         "prompt_tokens": int(sum(len(r.prompt) for r in trace)),
         "output_tokens": int(sum(r.output_len for r in trace)),

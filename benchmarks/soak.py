@@ -29,16 +29,8 @@ args = parser.parse_args()
 
 PAGES, PAGE, MAX_LEN = 24, 4, 40
 params = mokv.KVCacheParams(DType.float32, 1, 16, page_size=PAGE, enable_prefix_caching=True)
-m = mokv.PagedKVCacheManager(
-    params,
-    8,
-    MAX_LEN,
-    1,
-    [CPU()],
-    InferenceSession(devices=[CPU()]),
-    PAGES * params.bytes_per_page(1),
-    page_size=PAGE,
-)
+m = mokv.PagedKVCacheManager(params, 8, MAX_LEN, 1, [CPU()], InferenceSession(devices=[CPU()]),
+                             PAGES * params.bytes_per_page(1), page_size=PAGE)
 rng = random.Random(args.seed)
 prefixes = [[1, 2, 3, 4, 5, 6, 7, 8], [9] * 6, [1, 2, 3, 4], []]
 running: dict[mokv.RequestID, mokv.TextContext] = {}
@@ -67,10 +59,8 @@ for op in range(args.ops):
         running[ctx.request_id] = ctx
         counts["claim"] += 1
     elif kind < 0.55:
-        batch = sorted(
-            rng.sample(list(running.values()), rng.randrange(1, len(running) + 1)),
-            key=lambda c: c.request_id,
-        )
+        batch = sorted(rng.sample(list(running.values()), rng.randrange(1, len(running) + 1)),
+                       key=lambda c: c.request_id)
         batch = [c for c in batch if c.end_idx + 2 <= MAX_LEN]
         for c in batch:
             if rng.random() < 0.3:
@@ -124,8 +114,6 @@ for rid in list(running):
 m.check_invariants()
 assert m.num_free_blocks == PAGES, "pages were lost"
 elapsed = time.perf_counter() - start
-print(
-    f"{args.ops} operations in {elapsed:.1f} s ({args.ops / elapsed / 1e3:.0f} k ops/s); "
-    f"invariants held, every page came back"
-)
+print(f"{args.ops} operations in {elapsed:.1f} s ({args.ops / elapsed / 1e3:.0f} k ops/s); "
+      f"invariants held, every page came back")
 print(dict(sorted(counts.items())))

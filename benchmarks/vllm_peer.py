@@ -66,18 +66,8 @@ def _imports():
     from vllm.v1.request import Request, RequestStatus
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    return (
-        torch,
-        SamplingParams,
-        get_hash_fn_by_name,
-        kv_cache_utils,
-        KVCacheManager,
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        Request,
-        RequestStatus,
-    )
+    return (torch, SamplingParams, get_hash_fn_by_name, kv_cache_utils, KVCacheManager,
+            FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, Request, RequestStatus)
 
 
 def version() -> str:
@@ -107,9 +97,8 @@ class _VllmContext:
     start_idx = property(lambda self: self.req.num_computed_tokens)
     end_idx = property(lambda self: self.req.num_tokens)
     active_length = property(lambda self: self.window)
-    is_chunked = property(
-        lambda self: self.req.num_computed_tokens + self.window < self.req.num_tokens
-    )
+    is_chunked = property(lambda self: self.req.num_computed_tokens + self.window
+                          < self.req.num_tokens)
 
     def chunk(self, max_tokens: int) -> None:
         self.window = min(self.window, max_tokens)
@@ -137,48 +126,22 @@ class VllmPaged:
 
     name = "vllm-paged"
 
-    def __init__(
-        self,
-        budget_pages,
-        max_batch,
-        max_seq_len,
-        page_size=128,
-        prefix=True,
-        hash_algo=HASH_ALGO,
-        **_,
-    ):
-        (
-            torch,
-            self._SamplingParams,
-            get_hash_fn_by_name,
-            kv_cache_utils,
-            KVCacheManager,
-            FullAttentionSpec,
-            KVCacheConfig,
-            KVCacheGroupSpec,
-            self._Request,
-            self._Status,
-        ) = _imports()
+    def __init__(self, budget_pages, max_batch, max_seq_len, page_size=128, prefix=True,
+                 hash_algo=HASH_ALGO, **_):
+        (torch, self._SamplingParams, get_hash_fn_by_name, kv_cache_utils, KVCacheManager,
+         FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, self._Request,
+         self._Status) = _imports()
         hash_fn = get_hash_fn_by_name(hash_algo)
         kv_cache_utils.init_none_hash(hash_fn)  # what EngineCore does at startup
         self._hasher = kv_cache_utils.get_request_block_hasher(page_size, hash_fn)
-        spec = FullAttentionSpec(
-            block_size=page_size, num_kv_heads=1, head_size=16, dtype=torch.float32
-        )
+        spec = FullAttentionSpec(block_size=page_size, num_kv_heads=1, head_size=16,
+                                 dtype=torch.float32)
         # vLLM holds back block 0 as its null block: one more gives the same usable pages.
-        config = KVCacheConfig(
-            num_blocks=budget_pages + 1,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
-        )
-        self.m = KVCacheManager(
-            config,
-            max_model_len=max_seq_len,
-            scheduler_block_size=page_size,
-            hash_block_size=page_size,
-            enable_caching=prefix,
-            log_stats=True,
-        )
+        config = KVCacheConfig(num_blocks=budget_pages + 1, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+        self.m = KVCacheManager(config, max_model_len=max_seq_len,
+                                scheduler_block_size=page_size, hash_block_size=page_size,
+                                enable_caching=prefix, log_stats=True)
         self.manager = self
         self.max_batch_size = max_batch
         self.total_pages = budget_pages
@@ -187,12 +150,8 @@ class VllmPaged:
         self._num_running = 0
 
     def new_context(self, req):
-        request = self._Request(
-            f"r{req.rid}",
-            req.prompt.tolist(),
-            self._SamplingParams(max_tokens=req.output_len),
-            None,
-        )
+        request = self._Request(f"r{req.rid}", req.prompt.tolist(),
+                                self._SamplingParams(max_tokens=req.output_len), None)
         ctx = _VllmContext(request)
         self._contexts[request.request_id] = ctx
         return ctx
@@ -209,14 +168,9 @@ class VllmPaged:
             ctx.new_blocks = m.allocate_slots(req, ctx.window, delay_cache_blocks=True)
             return ctx.new_blocks is not None
         blocks, hits, _ = m.get_computed_blocks(req)
-        new = m.allocate_slots(
-            req,
-            req.num_tokens - hits,
-            num_new_computed_tokens=hits,
-            new_computed_blocks=blocks,
-            delay_cache_blocks=True,
-            has_scheduled_reqs=self._num_running > 0,
-        )
+        new = m.allocate_slots(req, req.num_tokens - hits, num_new_computed_tokens=hits,
+                               new_computed_blocks=blocks, delay_cache_blocks=True,
+                               has_scheduled_reqs=self._num_running > 0)
         if new is None:
             return False
         req.status = self._Status.RUNNING
@@ -256,3 +210,4 @@ def check_version() -> str:
     """The installed vLLM version, with a note when it is not the one this was written for."""
     v = version()
     return v if v == VLLM_VERSION_WANTED else f"{v} (written for {VLLM_VERSION_WANTED})"
+

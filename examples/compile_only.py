@@ -36,10 +36,8 @@ driver.set_virtual_device_api("cuda")
 driver.set_virtual_device_target_arch(args.arch)
 driver.set_virtual_device_count(1)
 gpu = driver.Accelerator()
-print(
-    f"virtual device: {gpu} (api={gpu.api}, arch={gpu.architecture_name}), "
-    f"virtual mode: {driver.is_virtual_device_mode()}"
-)
+print(f"virtual device: {gpu} (api={gpu.api}, arch={gpu.architecture_name}), "
+      f"virtual mode: {driver.is_virtual_device_mode()}")
 
 config = DecoderConfig(num_layers=args.num_layers)
 params = config.kv_params(args.strategy, page_size=128)
@@ -82,10 +80,8 @@ out = Path(args.out or Path(tempfile.mkdtemp()) / "mokv_decoder.mef")
 model.model.compiled.export_mef(out)
 blob = out.read_bytes()
 code_objects = blob.count(b"\x7fELF")
-print(
-    f"wrote {out} ({len(blob) / 1e6:.1f} MB): {code_objects} embedded ELF code objects, "
-    f"{blob.count(args.arch.encode())} mentions of {args.arch}"
-)
+print(f"wrote {out} ({len(blob) / 1e6:.1f} MB): {code_objects} embedded ELF code objects, "
+      f"{blob.count(args.arch.encode())} mentions of {args.arch}")
 
 # There is no device to run on: executing raises.
 ctx = mokv.TextContext(np.arange(8))

@@ -43,11 +43,8 @@ parser.add_argument("--page-size", type=int, default=16)
 parser.add_argument("--max-batch", type=int, default=8)
 parser.add_argument("--token-budget", type=int, default=128, help="rows per model call")
 parser.add_argument("--check", type=int, default=4, help="outputs checked against a recompute")
-parser.add_argument(
-    "--weights",
-    help="Hugging Face checkpoint directory, or a safetensors file "
-    "(Llama names, DecoderConfig() shapes)",
-)
+parser.add_argument("--weights", help="Hugging Face checkpoint directory, or a safetensors file "
+                    "(Llama names, DecoderConfig() shapes)")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 console = Console()
@@ -61,13 +58,8 @@ else:
 params = config.kv_params(args.strategy, page_size=args.page_size)
 session = InferenceSession(devices=[CPU()])
 manager = mokv.load_kv_manager(
-    params,
-    max_batch_size=args.max_batch,
-    max_seq_len=384,
-    num_layers=config.num_layers,
-    devices=[CPU()],
-    session=session,
-    page_size=args.page_size,
+    params, max_batch_size=args.max_batch, max_seq_len=384, num_layers=config.num_layers,
+    devices=[CPU()], session=session, page_size=args.page_size,
     available_cache_memory=args.pages * params.bytes_per_page(config.num_layers),
 )
 with console.status("Compiling the decoder graph (once; cached on disk afterwards)..."):
@@ -84,12 +76,8 @@ def tokens(n_min: int, n_max: int) -> np.ndarray:
 system_prompts = [tokens(96, 160) for _ in range(3)]
 arrivals = np.cumsum(rng.exponential(1.5, args.requests)).astype(int)
 pending = [
-    (
-        int(step),
-        Request(
-            mokv.TextContext(np.r_[system_prompts[i % 3], tokens(8, 40)]), int(rng.integers(16, 48))
-        ),
-    )
+    (int(step), Request(mokv.TextContext(np.r_[system_prompts[i % 3], tokens(8, 40)]),
+                        int(rng.integers(16, 48))))
     for i, step in enumerate(arrivals)
 ]
 second_turn = {id(req): tokens(8, 24) for _, req in pending[::4]}
@@ -127,9 +115,7 @@ if isinstance(manager, mokv.PagedKVCacheManager):
         f"peak {peak_pages} of {manager.total_num_pages} pages in use"
     )
 else:
-    console.print(
-        f"  continuous slots: peak {peak_pages} of {args.max_batch} in use (no prefix reuse)"
-    )
+    console.print(f"  continuous slots: peak {peak_pages} of {args.max_batch} in use (no prefix reuse)")
 console.print(f"  requests preempted: {stats.preemptions}")
 
 # Greedy decoding is deterministic: with the outputs fed back in, one reference forward
@@ -137,9 +123,7 @@ console.print(f"  requests preempted: {stats.preemptions}")
 sample = [done[int(i)] for i in rng.choice(len(done), min(args.check, len(done)), replace=False)]
 for req in sample:
     ok = first_mismatch(config, weights, req.ctx.tokens, req.prompt_len) is None
-    console.print(
-        f"  check {req.ctx.request_id[:8]} ({req.prompt_len}+{req.output.size} tokens): "
-        + ("[green]matches the uncached recompute[/]" if ok else "[red]MISMATCH[/]")
-    )
+    console.print(f"  check {req.ctx.request_id[:8]} ({req.prompt_len}+{req.output.size} tokens): "
+                  + ("[green]matches the uncached recompute[/]" if ok else "[red]MISMATCH[/]"))
     if not ok:
         raise SystemExit(1)

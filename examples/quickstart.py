@@ -26,29 +26,18 @@ def show(title, kv_cache_inputs):
             table = f"{table[:, :used].tolist()} (+ padding to {table.shape[1]} columns)"
         else:
             table = table.tolist()
-        print(
-            f"    device {device_idx}: blocks {tuple(inputs.blocks.shape)}, "
-            f"cache_lengths {inputs.cache_lengths.to_numpy().tolist()}, lookup_table {table}"
-        )
+        print(f"    device {device_idx}: blocks {tuple(inputs.blocks.shape)}, "
+              f"cache_lengths {inputs.cache_lengths.to_numpy().tolist()}, lookup_table {table}")
 
 
 print("1. PagedKVCacheManager: 2 replicas, 16-token pages, prefix caching on")
 params = mokv.KVCacheParams(
-    dtype=DType.float32,
-    n_kv_heads=2,
-    head_dim=64,
-    page_size=16,
-    enable_prefix_caching=True,
-    data_parallel_degree=2,
-    n_devices=2,
+    dtype=DType.float32, n_kv_heads=2, head_dim=64, page_size=16,
+    enable_prefix_caching=True, data_parallel_degree=2, n_devices=2,
 )
 kv_manager = mokv.PagedKVCacheManager(
-    params,
-    max_batch_size=4,
-    max_seq_len=256,
-    num_layers=NUM_LAYERS,
-    devices=[CPU(), CPU()],
-    session=session,
+    params, max_batch_size=4, max_seq_len=256, num_layers=NUM_LAYERS,
+    devices=[CPU(), CPU()], session=session,
     available_cache_memory=64 * params.bytes_per_page(NUM_LAYERS),
 )
 print(f"  {kv_manager.num_free_blocks} free pages of {params.bytes_per_page(NUM_LAYERS)} bytes")
@@ -79,24 +68,17 @@ ctx3 = TextContext(np.concatenate([system_prompt, [2000]]))
 replica = kv_manager.get_or_recommend_replica(ctx3)
 kv_manager.external_claim(ctx3.request_id, replica_idx=replica)
 kv_manager.maybe_reserve(ctx3)
-print(
-    f"  ctx3 shares the system prompt: replica {replica}, start_idx={ctx3.start_idx} "
-    f"(tokens reused), pages {kv_manager.get_req_blocks(ctx3.request_id)}"
-)
+print(f"  ctx3 shares the system prompt: replica {replica}, start_idx={ctx3.start_idx} "
+      f"(tokens reused), pages {kv_manager.get_req_blocks(ctx3.request_id)}")
 print(f"  hit rate so far: {kv_manager.metrics.cache_hit_rate:.2f}")
 kv_manager.release(ctx3.request_id)
 
 print("\n2. ContinuousBatchingKVCacheManager: one 256-token slot per sequence")
-cont_params = mokv.KVCacheParams(
-    dtype=DType.float32, n_kv_heads=2, head_dim=64, cache_strategy=mokv.KVCacheStrategy.CONTINUOUS
-)
+cont_params = mokv.KVCacheParams(dtype=DType.float32, n_kv_heads=2, head_dim=64,
+                                 cache_strategy=mokv.KVCacheStrategy.CONTINUOUS)
 cb_manager = mokv.ContinuousBatchingKVCacheManager(
-    cont_params,
-    max_cache_batch_size=4,
-    max_seq_len=256,
-    num_layers=NUM_LAYERS,
-    devices=[CPU()],
-    session=session,
+    cont_params, max_cache_batch_size=4, max_seq_len=256, num_layers=NUM_LAYERS,
+    devices=[CPU()], session=session,
 )
 print(f"  block_shape(4) = {cb_manager.block_shape(4)}")
 seq_ids = cb_manager.claim(2)

@@ -50,14 +50,8 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "n_heads",
-            "n_kv_heads",
-            "head_dim",
-            "intermediate_size",
-            "max_seq_len",
+            "vocab_size", "hidden_size", "num_layers", "n_heads", "n_kv_heads",
+            "head_dim", "intermediate_size", "max_seq_len",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -89,9 +83,7 @@ class DecoderConfig:
         return 1.0 / float(np.sqrt(self.head_dim))
 
     def kv_params(
-        self,
-        strategy: str | mokv.KVCacheStrategy = "paged",
-        page_size: int = 16,
+        self, strategy: str | mokv.KVCacheStrategy = "paged", page_size: int = 16,
         enable_prefix_caching: bool = True,
     ) -> mokv.KVCacheParams:
         """The `mokv.KVCacheParams` of this model's cache (float32, one device).

@@ -62,10 +62,7 @@ class DecoderModel:
         self.device = device or manager.devices[0]
         (symbols,) = manager.input_symbols()  # one device: the model is not sharded
         self.graph = build_decoder_graph(
-            config,
-            manager.params,
-            symbols,
-            DeviceRef.from_device(self.device),
+            config, manager.params, symbols, DeviceRef.from_device(self.device),
             name=f"mokv_decoder_{manager.layout.name}",
         )
         registry = graph_weights(config, weights if weights is not None else init_weights(config))
@@ -75,7 +72,9 @@ class DecoderModel:
         with mokv.filter_collection_warnings():  # MAX's generated code moves them needlessly
             self.model = session.load(self.graph, weights_registry=registry)
 
-    def execute(self, batch: Sequence[mokv.TextContext], cache_inputs: Sequence[Any]) -> np.ndarray:
+    def execute(
+        self, batch: Sequence[mokv.TextContext], cache_inputs: Sequence[Any]
+    ) -> np.ndarray:
         """Logits float32 `[len(batch), vocab]` of each context's last active token.
 
         Writes the active tokens' K and V into the cache; `cache_inputs` is what

@@ -74,7 +74,7 @@ def reference_generate(
     tokens = list(np.asarray(prompt, dtype=np.int64))
     for _ in range(num_new_tokens):
         tokens.append(int(np.argmax(reference_logits(config, weights, np.array(tokens))[-1])))
-    return np.array(tokens[len(prompt) :], dtype=np.int64)
+    return np.array(tokens[len(prompt):], dtype=np.int64)
 
 
 def first_mismatch(

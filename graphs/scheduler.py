@@ -92,10 +92,7 @@ class Scheduler:
     """
 
     def __init__(
-        self,
-        manager: Any,
-        model: ModelFn,
-        token_budget: int = 256,
+        self, manager: Any, model: ModelFn, token_budget: int = 256,
         max_batch_size: int | None = None,
     ) -> None:
         self.manager = manager

@@ -40,9 +40,7 @@ from the config when it loads them (as mokv does, `config.rope_table`)."""
 def checkpoint_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor name with its shape (`[out_features, in_features]`)."""
     c = config
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size)
-    }
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         shapes |= {

@@ -53,7 +53,5 @@ def test_building_a_graph_with_collections_patches_nothing_of_max():
         mokv.FetchPagedKVCacheCollection(params, num_layers=2)(*graph.inputs)
         graph.output()
     assert dict(vars(InferenceSession)) == before
-    assert not any(
-        hasattr(getattr(InferenceSession, name), "__wrapped__")
-        for name in ("compile", "load", "load_all")
-    )
+    assert not any(hasattr(getattr(InferenceSession, name), "__wrapped__")
+                   for name in ("compile", "load", "load_all"))

@@ -28,54 +28,33 @@ def session():
     return InferenceSession(devices=[CPU()])
 
 
-@pytest.mark.parametrize(
-    "fields,error,match",
-    [
-        (dict(enable_prefix_caching="yes"), TypeError, "enable_prefix_caching.*'yes'"),
-        (dict(enable_prefix_caching=1), TypeError, "enable_prefix_caching.*1"),
-        (dict(prefix_hash_seed=1.5), ValueError, r"prefix_hash_seed.*1\.5"),
-        (dict(prefix_hash_seed=-1), ValueError, "prefix_hash_seed.*-1"),
-        (dict(prefix_hash_seed=2**64), ValueError, "prefix_hash_seed.*18446744073709551616"),
-        (dict(kv_events="tcp://*:5557"), TypeError, "kv_events.*'tcp://\\*:5557'"),
-        (
-            dict(
-                kv_events=mokv.KVEventsConfig(endpoint="tcp://*:65535"),
-                data_parallel_degree=2,
-                n_devices=2,
-            ),
-            ValueError,
-            "replica 1 port 65536",
-        ),
-        (
-            dict(
-                kv_events=mokv.KVEventsConfig(
-                    endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558"
-                ),
-                data_parallel_degree=2,
-                n_devices=2,
-            ),
-            ValueError,
-            "'tcp://\\*:5558'",
-        ),
-    ],
-)
+@pytest.mark.parametrize("fields,error,match", [
+    (dict(enable_prefix_caching="yes"), TypeError, "enable_prefix_caching.*'yes'"),
+    (dict(enable_prefix_caching=1), TypeError, "enable_prefix_caching.*1"),
+    (dict(prefix_hash_seed=1.5), ValueError, r"prefix_hash_seed.*1\.5"),
+    (dict(prefix_hash_seed=-1), ValueError, "prefix_hash_seed.*-1"),
+    (dict(prefix_hash_seed=2**64), ValueError, "prefix_hash_seed.*18446744073709551616"),
+    (dict(kv_events="tcp://*:5557"), TypeError, "kv_events.*'tcp://\\*:5557'"),
+    (dict(kv_events=mokv.KVEventsConfig(endpoint="tcp://*:65535"), data_parallel_degree=2,
+          n_devices=2), ValueError, "replica 1 port 65536"),
+    (dict(kv_events=mokv.KVEventsConfig(endpoint="tcp://*:5557",
+                                        replay_endpoint="tcp://*:5558"),
+          data_parallel_degree=2, n_devices=2), ValueError, "'tcp://\\*:5558'"),
+])
 def test_kv_cache_params_refuse(fields, error, match):
     with pytest.raises(error, match=match):
         params(**fields)
 
 
-@pytest.mark.parametrize(
-    "endpoint,match",
-    [
-        ("tcp://*:99999", "port 99999 is past 65535"),
-        ("tcp://*:abc", "tcp://host:port"),
-        ("tcp://*", "tcp://host:port"),
-        ("tcp://:5557", "tcp://host:port"),
-        ("udp://*:5557", "is not a ZMQ address"),
-        ("inproc://", "is not a ZMQ address"),
-        ("*:5557", "is not a ZMQ address"),
-    ],
-)
+@pytest.mark.parametrize("endpoint,match", [
+    ("tcp://*:99999", "port 99999 is past 65535"),
+    ("tcp://*:abc", "tcp://host:port"),
+    ("tcp://*", "tcp://host:port"),
+    ("tcp://:5557", "tcp://host:port"),
+    ("udp://*:5557", "is not a ZMQ address"),
+    ("inproc://", "is not a ZMQ address"),
+    ("*:5557", "is not a ZMQ address"),
+])
 def test_events_endpoints_are_zmq_addresses_with_real_ports(endpoint, match):
     with pytest.raises(ValueError, match=re.escape(repr(endpoint)) + ".*" + match):
         mokv.KVEventsConfig(endpoint=endpoint)
@@ -93,16 +72,13 @@ def test_events_config_refuses_what_zmq_would_refuse_later():
     mokv.KVEventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
 
 
-@pytest.mark.parametrize(
-    "gb,error,match",
-    [
-        (math.inf, ValueError, "finite number of GiB > 0, got inf"),
-        (math.nan, ValueError, "got nan"),
-        (-1, ValueError, "got -1"),
-        (True, ValueError, "got True"),
-        (1e6, mokv.InsufficientMemoryError, "swap_space_gb=1000000.0 is more than any machine's"),
-    ],
-)
+@pytest.mark.parametrize("gb,error,match", [
+    (math.inf, ValueError, "finite number of GiB > 0, got inf"),
+    (math.nan, ValueError, "got nan"),
+    (-1, ValueError, "got -1"),
+    (True, ValueError, "got True"),
+    (1e6, mokv.InsufficientMemoryError, "swap_space_gb=1000000.0 is more than any machine's"),
+])
 def test_host_tier_size_is_finite_and_below_any_machines_memory(gb, error, match):
     with pytest.raises(error, match=match):
         mokv.HostTierConfig(swap_space_gb=gb)
@@ -115,24 +91,20 @@ def test_a_manager_refuses_a_host_tier_larger_than_its_machine(session):
     assert memory > 2**20
     gb = 2 * memory / 2**30
     p = params(tiers=(mokv.HostTierConfig(swap_space_gb=gb),))  # a config for a bigger machine
-    with pytest.raises(
-        mokv.InsufficientMemoryError, match=f"swap_space_gb={gb!r} is more than this machine's"
-    ):
+    with pytest.raises(mokv.InsufficientMemoryError, match=f"swap_space_gb={gb!r} is more than "
+                       "this machine's"):
         _paged(session, p)
 
 
-@pytest.mark.parametrize(
-    "url,match",
-    [
-        ("redis://h:abc/0", "port is not a number in 1-65535"),
-        ("redis://h:99999/0", "port is not a number in 1-65535"),
-        ("redis://h:0/0", "port is not a number in 1-65535"),
-        ("redis://:6379/0", "no host"),
-        ("redis://h:6379/x", "database 'x' is not a number"),
-        ("unix://", "socket's path"),
-        ("unix:///run/redis.sock?db=a", "Invalid value for 'db'"),
-    ],
-)
+@pytest.mark.parametrize("url,match", [
+    ("redis://h:abc/0", "port is not a number in 1-65535"),
+    ("redis://h:99999/0", "port is not a number in 1-65535"),
+    ("redis://h:0/0", "port is not a number in 1-65535"),
+    ("redis://:6379/0", "no host"),
+    ("redis://h:6379/x", "database 'x' is not a number"),
+    ("unix://", "socket's path"),
+    ("unix:///run/redis.sock?db=a", "Invalid value for 'db'"),
+])
 def test_remote_urls_are_ones_redis_connects_to_as_written(url, match):
     with pytest.raises(ValueError, match=re.escape(repr(url)) + ".*" + match):
         mokv.RemoteTierConfig(url=url, namespace="m")
@@ -151,17 +123,13 @@ def test_remote_timeouts_are_finite_and_positive(timeout):
     with pytest.raises(ValueError, match=f"timeout_s must be finite and > 0, got {timeout!r}"):
         mokv.RemoteTierConfig(url="redis://h/0", namespace="m", timeout_s=timeout)
     with pytest.raises(ValueError, match="timeout_s"):
-        params(
-            remote_kvcache_url="redis://h/0",
-            remote_kvcache_namespace="m",
-            remote_kvcache_timeout_s=timeout,
-        )
+        params(remote_kvcache_url="redis://h/0", remote_kvcache_namespace="m",
+               remote_kvcache_timeout_s=timeout)
 
 
 def _paged(session, p, **keywords):
-    return mokv.PagedKVCacheManager(
-        p, 2, 16, 2, [CPU()], session, 16 * p.bytes_per_page(2), **keywords
-    )
+    return mokv.PagedKVCacheManager(p, 2, 16, 2, [CPU()], session,
+                                    16 * p.bytes_per_page(2), **keywords)
 
 
 def test_the_managers_event_keywords_are_checked(session):
@@ -173,26 +141,19 @@ def test_the_managers_event_keywords_are_checked(session):
         _paged(session, params(), zmq_endpoint_base=5557)
 
 
-CONTINUOUS = [
-    mokv.ContinuousKVCacheManager,
-    mokv.ContinuousBatchingKVCacheManager,
-    mokv.MojoContinuousBatchingKVCacheManager,
-]
+CONTINUOUS = [mokv.ContinuousKVCacheManager, mokv.ContinuousBatchingKVCacheManager,
+              mokv.MojoContinuousBatchingKVCacheManager]
 
 
 @pytest.mark.parametrize("manager", CONTINUOUS, ids=lambda m: m.__name__)
-@pytest.mark.parametrize(
-    "setting,match",
-    [
-        (dict(tiers=(mokv.HostTierConfig(swap_space_gb=0.001),)), "cannot honour tiers=.*HostTier"),
-        (
-            dict(remote_kvcache_url="redis://h/0", remote_kvcache_namespace="m"),
-            "cannot honour tiers=.*RemoteTier",
-        ),
-        (dict(kv_events=mokv.KVEventsConfig(endpoint="inproc://c")), "cannot honour kv_events="),
-    ],
-)
-def test_the_continuous_managers_refuse_what_they_cannot_honour(session, manager, setting, match):
+@pytest.mark.parametrize("setting,match", [
+    (dict(tiers=(mokv.HostTierConfig(swap_space_gb=0.001),)), "cannot honour tiers=.*HostTier"),
+    (dict(remote_kvcache_url="redis://h/0", remote_kvcache_namespace="m"),
+     "cannot honour tiers=.*RemoteTier"),
+    (dict(kv_events=mokv.KVEventsConfig(endpoint="inproc://c")), "cannot honour kv_events="),
+])
+def test_the_continuous_managers_refuse_what_they_cannot_honour(session, manager, setting,
+                                                                 match):
     p = params(cache_strategy="continuous", **setting)
     with pytest.raises(ValueError, match=match):
         manager(p, 2, 16, 2, [CPU()], session)
@@ -200,12 +161,5 @@ def test_the_continuous_managers_refuse_what_they_cannot_honour(session, manager
 
 def test_load_kv_manager_refuses_events_for_the_continuous_strategy(session):
     with pytest.raises(ValueError, match="kv_events_config=.*continuous cache strategy"):
-        mokv.load_kv_manager(
-            params(cache_strategy="continuous"),
-            2,
-            16,
-            2,
-            [CPU()],
-            session,
-            kv_events_config=mokv.KVEventsConfig(endpoint="inproc://l"),
-        )
+        mokv.load_kv_manager(params(cache_strategy="continuous"), 2, 16, 2, [CPU()], session,
+                             kv_events_config=mokv.KVEventsConfig(endpoint="inproc://l"))

@@ -1,8 +1,8 @@
-"""The repository's lint, format and types: `ruff check`, `ruff format --check` and `mypy`
-over the package, the tests, the benchmarks, the graphs and the examples, configured in
-pyproject.toml (mypy reads every body of the package, and the rest where it is
-annotated). They run in the suite so that a change that breaks them fails `make test`
-like any other."""
+"""The repository's lint and types: `ruff check` and `mypy` over the package, the tests,
+the benchmarks, the graphs and the examples, and `ruff format --check` over the package,
+configured in pyproject.toml (mypy reads every body of the package, and the rest where
+it is annotated). They run in the suite so that a change that breaks them fails `make
+test` like any other."""
 
 from __future__ import annotations
 
@@ -18,15 +18,11 @@ TOOLS = Path(sys.executable).parent
 
 @pytest.mark.parametrize(
     "command",
-    [["ruff", "check", "."], ["ruff", "format", "--check", "."], ["mypy"]],
+    [["ruff", "check", "."], ["ruff", "format", "--check", "python/"], ["mypy"]],
     ids=["ruff-check", "ruff-format", "mypy"],
 )
 def test_repository_is_clean(command: list[str]) -> None:
     proc = subprocess.run(
-        [str(TOOLS / command[0]), *command[1:]],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
+        [str(TOOLS / command[0]), *command[1:]], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

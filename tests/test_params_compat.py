@@ -12,39 +12,30 @@ from max.dtype import DType
 from mokv.config.flat import FLAT_SPELLINGS
 from mokv.config.params import with_manager_events
 
-SHAPE = dict(dtype=DType.float32, n_kv_heads=2, head_dim=8, page_size=4, enable_prefix_caching=True)
-HOST = dict(
-    enable_kvcache_swapping_to_host=True, host_kvcache_swap_space_gb=0.5, host_kvcache_min_hits=2
-)
-REMOTE = dict(
-    remote_kvcache_url="redis://10.0.0.5:6379/0",
-    remote_kvcache_namespace="llama",
-    remote_kvcache_timeout_s=1.5,
-)
+SHAPE = dict(dtype=DType.float32, n_kv_heads=2, head_dim=8, page_size=4,
+             enable_prefix_caching=True)
+HOST = dict(enable_kvcache_swapping_to_host=True, host_kvcache_swap_space_gb=0.5,
+            host_kvcache_min_hits=2)
+REMOTE = dict(remote_kvcache_url="redis://10.0.0.5:6379/0", remote_kvcache_namespace="llama",
+              remote_kvcache_timeout_s=1.5)
 HOST_TIER = mokv.HostTierConfig(swap_space_gb=0.5, min_hits=2)
-REMOTE_TIER = mokv.RemoteTierConfig(url="redis://10.0.0.5:6379/0", namespace="llama", timeout_s=1.5)
+REMOTE_TIER = mokv.RemoteTierConfig(url="redis://10.0.0.5:6379/0", namespace="llama",
+                                    timeout_s=1.5)
 
 
-@pytest.mark.parametrize(
-    "flat,tiers",
-    [
-        (HOST, (HOST_TIER,)),
-        (REMOTE, (REMOTE_TIER,)),
-        ({**REMOTE, **HOST}, (HOST_TIER, REMOTE_TIER)),  # the host tier first, as always
-        (
-            dict(enable_kvcache_swapping_to_host=True, host_kvcache_swap_space_gb=3),
-            (mokv.HostTierConfig(swap_space_gb=3),),
-        ),
-        (
-            dict(remote_kvcache_url="unix:///run/redis.sock", remote_kvcache_namespace="m"),
-            (mokv.RemoteTierConfig(url="unix:///run/redis.sock", namespace="m"),),
-        ),
-        # As before: the host settings mean nothing with the tier off, nor the remote ones
-        # without a URL.
-        (dict(enable_kvcache_swapping_to_host=False, host_kvcache_swap_space_gb=3), ()),
-        (dict(remote_kvcache_url=None, remote_kvcache_namespace="m"), ()),
-    ],
-)
+@pytest.mark.parametrize("flat,tiers", [
+    (HOST, (HOST_TIER,)),
+    (REMOTE, (REMOTE_TIER,)),
+    ({**REMOTE, **HOST}, (HOST_TIER, REMOTE_TIER)),  # the host tier first, as always
+    (dict(enable_kvcache_swapping_to_host=True, host_kvcache_swap_space_gb=3),
+     (mokv.HostTierConfig(swap_space_gb=3),)),
+    (dict(remote_kvcache_url="unix:///run/redis.sock", remote_kvcache_namespace="m"),
+     (mokv.RemoteTierConfig(url="unix:///run/redis.sock", namespace="m"),)),
+    # As before: the host settings mean nothing with the tier off, nor the remote ones
+    # without a URL.
+    (dict(enable_kvcache_swapping_to_host=False, host_kvcache_swap_space_gb=3), ()),
+    (dict(remote_kvcache_url=None, remote_kvcache_namespace="m"), ()),
+])
 def test_flat_and_nested_spellings_give_equal_params(flat, tiers):
     params = mokv.KVCacheParams(**SHAPE, **flat)
     assert params == mokv.KVCacheParams(**SHAPE, tiers=tiers)
@@ -61,13 +52,10 @@ def test_flat_spellings_through_dataclasses_replace():
 
 
 def test_errors_name_the_flat_spelling():
-    with pytest.raises(
-        ValueError,
-        match=r"swap_space_gb must be a finite number of GiB > 0, "
-        r"got None "
-        r"\(flat spellings given: enable_kvcache_swapping_to_"
-        r"host=True; .*host_kvcache_swap_space_gb -> swap_space",
-    ):
+    with pytest.raises(ValueError, match=r"swap_space_gb must be a finite number of GiB > 0, "
+                                         r"got None "
+                                         r"\(flat spellings given: enable_kvcache_swapping_to_"
+                                         r"host=True; .*host_kvcache_swap_space_gb -> swap_space"):
         mokv.KVCacheParams(**SHAPE, enable_kvcache_swapping_to_host=True)
     with pytest.raises(ValueError, match="namespace.*got None.*remote_kvcache_namespace -> "):
         mokv.KVCacheParams(**SHAPE, remote_kvcache_url="redis://h/0")
@@ -97,9 +85,8 @@ def test_manager_keywords_give_params_kv_events(session):
     with pytest.raises(ValueError, match="prefix_hash='builtin'"):
         with_manager_events(dataclasses.replace(base, prefix_hash="builtin"), None, events)
     memory = 16 * base.bytes_per_page(2)
-    m = mokv.PagedKVCacheManager(
-        base, 2, 16, 2, [CPU()], session, memory, zmq_endpoint_base="inproc://mokv-compat"
-    )
+    m = mokv.PagedKVCacheManager(base, 2, 16, 2, [CPU()], session, memory,
+                                 zmq_endpoint_base="inproc://mokv-compat")
     try:
         assert m.params == nested and len(m.kv_event_publishers) == 1
     finally:

@@ -23,7 +23,6 @@ def test_round_trip_is_bit_exact_with_split_heads(dtype, path, monkeypatch):
         def driver_only(src, src_ids, dst, dst_ids, views=None):
             for s, t in zip(src, dst):
                 page_copy._copy_driver(s, src_ids, t, dst_ids)
-
         monkeypatch.setattr(page_copy, "copy_pages", driver_only)
         assert real is not driver_only
     page_shape = [2, NUM_LAYERS, 4, 1, 8]  # [2, layers, page_size, heads per device, head_dim]
@@ -72,9 +71,8 @@ def test_page_bytes_round_trip_bit_exact(dtype, path, monkeypatch):
     shape = [6, 2, 2, 4, 1, 8]
     src, dst = (Buffer(dtype, shape, device=CPU()) for _ in range(2))
     bits = page_copy.numpy_view(src)
-    bits[:] = np.random.default_rng(0).integers(
-        0, np.iinfo(bits.dtype).max, bits.shape, dtype=bits.dtype
-    )
+    bits[:] = np.random.default_rng(0).integers(0, np.iinfo(bits.dtype).max, bits.shape,
+                                                dtype=bits.dtype)
     page_copy.numpy_view(dst)[:] = 0
     pages = [bytes(p) for p in page_copy.read_pages(src, [4, 1, 2])]  # as the store keeps them
     page_copy.write_pages([memoryview(p) for p in pages], dst, [0, 5, 3])

@@ -44,21 +44,14 @@ class Server:
         self.endpoint, self.replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
         page_bytes = small_params().bytes_per_page(NUM_LAYERS)
         params = small_params(
-            kv_events=KVEventsConfig(
-                f"tcp://*:{pub}", replay_endpoint=f"tcp://*:{replay}", salt_format=salt_format
-            ),
+            kv_events=KVEventsConfig(f"tcp://*:{pub}", replay_endpoint=f"tcp://*:{replay}",
+                                     salt_format=salt_format),
             tiers=(mokv.HostTierConfig(swap_space_gb=16 * page_bytes / 2**30),),
         )
         self.m = mokv.PagedKVCacheManager(
-            params,
-            max_batch_size=4,
-            max_seq_len=32,
-            num_layers=NUM_LAYERS,
-            devices=[CPU()],
-            session=session,
-            available_cache_memory=num_pages * page_bytes,
-            page_size=PAGE_SIZE,
-            enable_runtime_checks=True,
+            params, max_batch_size=4, max_seq_len=32, num_layers=NUM_LAYERS, devices=[CPU()],
+            session=session, available_cache_memory=num_pages * page_bytes,
+            page_size=PAGE_SIZE, enable_runtime_checks=True,
         )
 
     def start(self, tokens, salt=None) -> mokv.TextContext:
@@ -105,8 +98,7 @@ class DynamoIndexer:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+            stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30
         while True:
@@ -121,8 +113,7 @@ class DynamoIndexer:
 
     def post(self, path: str, body: dict) -> dict:
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}",
-            data=json.dumps(body).encode(),
+            f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=5) as reply:

@@ -31,16 +31,9 @@ def register(indexer, server, worker: int, timeout=15.0) -> None:
     """Registers `server` as `worker` and waits until Dynamo's listener hears it: Dynamo
     replays a gap it sees, but not what a PUB socket sent before it connected. Then
     resets the server, so both indexes start from one AllBlocksCleared."""
-    indexer.post(
-        "/register",
-        {
-            "instance_id": worker,
-            "endpoint": server.endpoint,
-            "replay_endpoint": server.replay,
-            "model_name": "mokv",
-            "block_size": PAGE_SIZE,
-        },
-    )
+    indexer.post("/register", {
+        "instance_id": worker, "endpoint": server.endpoint, "replay_endpoint": server.replay,
+        "model_name": "mokv", "block_size": PAGE_SIZE})
     deadline = time.monotonic() + timeout
     for probe in range(10_000):
         tokens = [50_000 + 1000 * worker + 5 * probe + k for k in range(5)]
@@ -76,7 +69,9 @@ def mokv_view(index, tokens, salt, names) -> dict:
     device = index.match(tokens, salt, tiers=("device",))
     near = index.match(tokens, salt, tiers=("device", "host"))
     held = index.match(tokens, salt)
-    return {n: tuple(PAGE_SIZE * c.get((n, 0), 0) for c in (device, near, held)) for n in names}
+    return {
+        n: tuple(PAGE_SIZE * c.get((n, 0), 0) for c in (device, near, held)) for n in names
+    }
 
 
 def assert_agree(indexer, index, queries, workers, timeout=15.0):
@@ -93,22 +88,15 @@ def assert_agree(indexer, index, queries, workers, timeout=15.0):
 
 
 def test_dynamo_indexes_mokv_servers_as_mokv_does(session, dynamo_indexer):
-    servers = {
-        "a": Server(session, num_pages=8, salt_format="dynamo"),
-        "b": Server(session, num_pages=8, salt_format="dynamo"),
-    }
+    servers = {"a": Server(session, num_pages=8, salt_format="dynamo"),
+               "b": Server(session, num_pages=8, salt_format="dynamo")}
     workers = {"a": 1, "b": 2}
     index, subscriber = follow(servers)
     for name, server in servers.items():
         register(dynamo_indexer, server, workers[name])
     a, b = servers["a"], servers["b"]
-    queries = [
-        (tuple(P), None),
-        (tuple(S), "t"),
-        (tuple(S), None),
-        (tuple(R), None),
-        (tuple(STORM), None),
-    ]
+    queries = [(tuple(P), None), (tuple(S), "t"), (tuple(S), None), (tuple(R), None),
+               (tuple(STORM), None)]
 
     a.serve(P)
     b.serve(P)

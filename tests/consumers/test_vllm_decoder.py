@@ -35,22 +35,14 @@ WEIGHTS = {MEDIUM_GPU: 1.0, MEDIUM_CPU: 0.75}  # PrefixRouterIndex's defaults
 
 
 def test_mokv_declares_the_events_as_vllm_does():
-    pairs = (
-        (BlockStored, kv_events.BlockStored),
-        (BlockRemoved, kv_events.BlockRemoved),
-        (AllBlocksCleared, kv_events.AllBlocksCleared),
-        (KVEventBatch, kv_events.KVEventBatch),
-    )
+    pairs = ((BlockStored, kv_events.BlockStored), (BlockRemoved, kv_events.BlockRemoved),
+             (AllBlocksCleared, kv_events.AllBlocksCleared), (KVEventBatch, kv_events.KVEventBatch))
     for mine, theirs in pairs:
         assert mine.__struct_fields__ == theirs.__struct_fields__, theirs.__name__
         assert mine.__struct_defaults__ == theirs.__struct_defaults__, theirs.__name__
         ours, vllms = mine.__struct_config__, theirs.__struct_config__
         assert (ours.tag, ours.tag_field, ours.array_like, ours.omit_defaults) == (
-            vllms.tag,
-            vllms.tag_field,
-            vllms.array_like,
-            vllms.omit_defaults,
-        ), theirs.__name__
+            vllms.tag, vllms.tag_field, vllms.array_like, vllms.omit_defaults), theirs.__name__
     assert (kv_events.MEDIUM_GPU, kv_events.MEDIUM_CPU) == (MEDIUM_GPU, MEDIUM_CPU)
 
 
@@ -122,17 +114,10 @@ def test_extra_keys_are_those_vllm_publishes_for_the_same_request(session):
 
     prompt = [1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 7, 7, 9, 9, 9, 9, 8]
     images = [("img-a", 6, 6), ("img-b", 13, 2)]  # pages 1-2, and page 3
-    theirs = Request(
-        "r",
-        prompt,
-        SamplingParams(max_tokens=1),
-        None,
-        mm_features=[
-            MultiModalFeatureSpec(None, "image", i, PlaceholderRange(o, n)) for i, o, n in images
-        ],
-        lora_request=LoRARequest("math", 3, "/adapters/math"),
-        cache_salt="tenant-a",
-    )
+    theirs = Request("r", prompt, SamplingParams(max_tokens=1), None,
+                     mm_features=[MultiModalFeatureSpec(None, "image", i, PlaceholderRange(o, n))
+                                  for i, o, n in images],
+                     lora_request=LoRARequest("math", 3, "/adapters/math"), cache_salt="tenant-a")
     keys, mm_idx = [], 0
     for start in range(0, 16, PAGE_SIZE):
         page_keys, mm_idx = generate_block_hash_extra_keys(theirs, start, start + PAGE_SIZE, mm_idx)
@@ -140,13 +125,8 @@ def test_extra_keys_are_those_vllm_publishes_for_the_same_request(session):
     m = make_paged(session, num_pages=8, max_seq_len=24)
     recorder = EventRecorder()
     m.replicas[0].pool.events = recorder
-    ctx = mokv.TextContext(
-        prompt,
-        cache_salt="tenant-a",
-        lora_name="math",
-        lora_id=3,
-        mm_inputs=[mokv.MultimodalInput(*image) for image in images],
-    )
+    ctx = mokv.TextContext(prompt, cache_salt="tenant-a", lora_name="math", lora_id=3,
+                           mm_inputs=[mokv.MultimodalInput(*image) for image in images])
     m.external_claim(ctx.request_id)
     m.fetch([ctx])
     ctx.update(1)
@@ -155,7 +135,6 @@ def test_extra_keys_are_those_vllm_publishes_for_the_same_request(session):
     (event,) = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode(payload).events
     # On the wire (msgpack has arrays only: vLLM decodes an image's pair back as a list).
     assert msgspec.msgpack.encode(event.extra_keys) == msgspec.msgpack.encode(
-        to_event_extra_keys(keys)
-    )
+        to_event_extra_keys(keys))
     assert event.extra_keys[0] == ("math", "tenant-a") and event.extra_keys[3][1] == ["img-b", 1]
     assert (event.lora_id, event.lora_name) == (theirs.lora_request.adapter_id, "math")

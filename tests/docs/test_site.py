@@ -23,11 +23,7 @@ def test_docs_site_builds_strict(tmp_path: Path) -> None:
         pytest.fail("mkdocs is missing: install the test extra (pip install -e '.[test]')")
     proc = subprocess.run(
         [mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # mkdocs-material's banner
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -40,15 +40,10 @@ while time.monotonic() < deadline and any(
     sub.poll(20)
     if any(sub.last_seq(s) is None for s in sources):
         sub.sync()
-print(
-    json.dumps(
-        {
-            "last_seq": {f"{s}/{r}": sub.last_seq((s, r)) for s, r in sources},
-            "hashes": {f"{s}/{r}": sorted(index.hashes((s, r))) for s, r in sources},
-            "num_restarts": sub.num_restarts,
-            "num_lost_gaps": sub.num_lost_gaps,
-        }
-    ),
-    flush=True,
-)
+print(json.dumps({
+    "last_seq": {f"{s}/{r}": sub.last_seq((s, r)) for s, r in sources},
+    "hashes": {f"{s}/{r}": sorted(index.hashes((s, r))) for s, r in sources},
+    "num_restarts": sub.num_restarts,
+    "num_lost_gaps": sub.num_lost_gaps,
+}), flush=True)
 sub.close()

@@ -57,16 +57,10 @@ def make_publishing(session, config: KVEventsConfig, num_pages=4, dp=1, **overri
     """A paged manager publishing events; returns once its startup batch (seq 0) is out."""
     params = small_params(data_parallel_degree=dp, n_devices=dp, **overrides)
     m = mokv.PagedKVCacheManager(
-        params,
-        max_batch_size=4 * dp,
-        max_seq_len=16,
-        num_layers=NUM_LAYERS,
-        devices=[CPU()] * dp,
-        session=session,
+        params, max_batch_size=4 * dp, max_seq_len=16, num_layers=NUM_LAYERS,
+        devices=[CPU()] * dp, session=session,
         available_cache_memory=dp * num_pages * params.bytes_per_page(NUM_LAYERS),
-        page_size=params.page_size,
-        enable_runtime_checks=True,
-        kv_events_config=config,
+        page_size=params.page_size, enable_runtime_checks=True, kv_events_config=config,
     )
     deadline = time.monotonic() + 5
     while any(p.num_published < 1 for p in m.kv_event_publishers) and time.monotonic() < deadline:

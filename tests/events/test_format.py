@@ -14,65 +14,22 @@ from mokv.events.format import (
 )
 
 GOLDEN = bytes.fromhex(
-    "93cb3ff8000000000000"
-    "93"
-    "de000b"
-    "a4"
-    + b"type".hex()
-    + "ab"
-    + b"BlockStored".hex()
-    + "ac"
-    + b"block_hashes".hex()
-    + "91cfffffffffffffffff"
-    + "b1"
-    + b"parent_block_hash".hex()
-    + "c0"
-    + "a9"
-    + b"token_ids".hex()
-    + "9401020304"
-    + "aa"
-    + b"block_size".hex()
-    + "04"
-    + "a7"
-    + b"lora_id".hex()
-    + "c0"
-    + "a6"
-    + b"medium".hex()
-    + "a3"
-    + b"GPU".hex()
-    + "a9"
-    + b"lora_name".hex()
-    + "c0"
-    + "aa"
-    + b"extra_keys".hex()
-    + "91c0"
-    + "a9"
-    + b"group_idx".hex()
-    + "00"
-    + "b2"
-    + b"kv_cache_spec_kind".hex()
-    + "ae"
-    + b"full_attention".hex()
-    + "84"
-    + "a4"
-    + b"type".hex()
-    + "ac"
-    + b"BlockRemoved".hex()
-    + "ac"
-    + b"block_hashes".hex()
-    + "9107"
-    + "a6"
-    + b"medium".hex()
-    + "a3"
-    + b"GPU".hex()
-    + "a9"
-    + b"group_idx".hex()
-    + "00"
-    + "81"
-    + "a4"
-    + b"type".hex()
-    + "b0"
-    + b"AllBlocksCleared".hex()
+    "93cb3ff8000000000000" "93" "de000b"
+    "a4" + b"type".hex() + "ab" + b"BlockStored".hex()
+    + "ac" + b"block_hashes".hex() + "91cfffffffffffffffff"
+    + "b1" + b"parent_block_hash".hex() + "c0"
+    + "a9" + b"token_ids".hex() + "9401020304"
+    + "aa" + b"block_size".hex() + "04"
+    + "a7" + b"lora_id".hex() + "c0"
+    + "a6" + b"medium".hex() + "a3" + b"GPU".hex()
+    + "a9" + b"lora_name".hex() + "c0"
+    + "aa" + b"extra_keys".hex() + "91c0"
+    + "a9" + b"group_idx".hex() + "00"
+    + "b2" + b"kv_cache_spec_kind".hex() + "ae" + b"full_attention".hex()
+    + "84" + "a4" + b"type".hex() + "ac" + b"BlockRemoved".hex()
+    + "ac" + b"block_hashes".hex() + "9107" + "a6" + b"medium".hex() + "a3" + b"GPU".hex()
+    + "a9" + b"group_idx".hex() + "00"
+    + "81" + "a4" + b"type".hex() + "b0" + b"AllBlocksCleared".hex()
     + "00"
 )
 
@@ -81,18 +38,8 @@ def golden_batch():
     return KVEventBatch(
         ts=1.5,
         events=[
-            BlockStored(
-                [2**64 - 1],
-                None,
-                [1, 2, 3, 4],
-                4,
-                None,
-                "GPU",
-                None,
-                extra_keys=[None],
-                group_idx=0,
-                kv_cache_spec_kind="full_attention",
-            ),
+            BlockStored([2**64 - 1], None, [1, 2, 3, 4], 4, None, "GPU", None,
+                        extra_keys=[None], group_idx=0, kv_cache_spec_kind="full_attention"),
             BlockRemoved([7], "GPU", group_idx=0),
             AllBlocksCleared(),
         ],
@@ -109,13 +56,8 @@ def test_golden_vector_array_form():
     encoded = msgspec.msgpack.encode(to_array_form(golden_batch()))
     assert encoded.hex() == (
         "93cb3ff800000000000093"
-        "dc0010ab"
-        + b"BlockStored".hex()
-        + "91cfffffffffffffffffc0940102030404c0a3"
-        + b"GPU".hex()
-        + "c091c000ae"
-        + b"full_attention".hex()
-        + "c0c0c0c0c0"
+        "dc0010ab" + b"BlockStored".hex() + "91cfffffffffffffffffc0940102030404c0a3"
+        + b"GPU".hex() + "c091c000ae" + b"full_attention".hex() + "c0c0c0c0c0"
         "96ac" + b"BlockRemoved".hex() + "9107a3" + b"GPU".hex() + "00c0c0"
         "91b0" + b"AllBlocksCleared".hex() + "00"
     )
@@ -192,11 +134,8 @@ def test_vllm_structs_decode_the_golden_vector():
 
 def test_events_are_declared_as_vllm_033_declares_them():
     # Names, order and tags: the 15th BlockStored field is lookahead_token_ids.
-    for mine, theirs in (
-        (BlockStored, VBlockStored),
-        (BlockRemoved, VBlockRemoved),
-        (AllBlocksCleared, VAllBlocksCleared),
-    ):
+    for mine, theirs in ((BlockStored, VBlockStored), (BlockRemoved, VBlockRemoved),
+                         (AllBlocksCleared, VAllBlocksCleared)):
         assert mine.__struct_fields__ == theirs.__struct_fields__
         assert mine.__struct_config__.tag == theirs.__struct_config__.tag
     assert BlockStored.__struct_fields__[14] == "lookahead_token_ids"
@@ -210,12 +149,8 @@ def test_lookahead_token_ids_decode_in_both_forms():
     # vLLM 0.33 with lookahead hashing publishes one token list per block in the 15th
     # field: in the array form that position is read positionally, so a decoder that
     # declares another field there rejects the batch.
-    fields = dict(
-        extra_keys=[None],
-        group_idx=0,
-        kv_cache_spec_kind="full_attention",
-        lookahead_token_ids=[[5, 6]],
-    )
+    fields = dict(extra_keys=[None], group_idx=0, kv_cache_spec_kind="full_attention",
+                  lookahead_token_ids=[[5, 6]])
     stored = VBlockStored([9], None, [1, 2, 3, 4], 4, None, "GPU", None, **fields)
     array = VArrayBlockStored([9], None, [1, 2, 3, 4], 4, None, "GPU", None, **fields)
     for event in (stored, array):

@@ -42,25 +42,13 @@ def test_each_page_weighs_what_its_best_tier_is_worth():
     # two pages on the device, the next two only in host memory; a page in both is a
     # device page
     index.apply(("mixed", 0), batch(stored(H[:2], "GPU"), stored(H, "CPU")))
-    assert index.match(TOKENS) == {
-        ("device", 0): 4,
-        ("host", 0): 4,
-        ("shared", 0): 4,
-        ("mixed", 0): 4,
-    }
-    assert index.scores(TOKENS) == {
-        ("device", 0): 4.0,
-        ("host", 0): 3.0,
-        ("shared", 0): 1.0,
-        ("mixed", 0): 2 + 2 * 0.75,
-    }
+    assert index.match(TOKENS) == {("device", 0): 4, ("host", 0): 4, ("shared", 0): 4,
+                                   ("mixed", 0): 4}
+    assert index.scores(TOKENS) == {("device", 0): 4.0, ("host", 0): 3.0, ("shared", 0): 1.0,
+                                    ("mixed", 0): 2 + 2 * 0.75}
     assert index.best(TOKENS) == (("device", 0), 4.0)
-    assert index.match(TOKENS, tiers=("device",)) == {
-        ("device", 0): 4,
-        ("host", 0): 0,
-        ("shared", 0): 0,
-        ("mixed", 0): 2,
-    }
+    assert index.match(TOKENS, tiers=("device",)) == {("device", 0): 4, ("host", 0): 0,
+                                                       ("shared", 0): 0, ("mixed", 0): 2}
     assert index.match(TOKENS, tiers=("device", "host"))[("shared", 0)] == 0
     with pytest.raises(ValueError, match="tiers=\\('gpu',\\)"):
         index.match(TOKENS, tiers=("gpu",))
@@ -83,28 +71,19 @@ def test_removal_and_clear_follow_the_medium():
 
 def test_other_media_and_page_sizes_are_ignored_and_counted():
     index = PrefixRouterIndex(page_size=4)
-    index.apply(
-        ("s", 0),
-        batch(
-            stored(H, "STORAGE"),
-            stored(H, "TAPE"),
-            BlockStored(H, None, [0] * 32, 8, None, "GPU", None),
-        ),
-    )
+    index.apply(("s", 0), batch(stored(H, "STORAGE"), stored(H, "TAPE"),
+                                BlockStored(H, None, [0] * 32, 8, None, "GPU", None)))
     assert index.num_ignored == 2  # an unknown medium, another page size
     assert index.hashes(("s", 0), "shared") == set(H)  # vLLM's "STORAGE": a lower tier
     assert index.scores(TOKENS) == {("s", 0): 1.0}
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        (dict(host_weight=1.5), "host_weight must be a number in \\[0, 1\\], got 1.5"),
-        (dict(shared_weight=-0.1), "shared_weight must be a number in \\[0, 1\\], got -0.1"),
-        (dict(host_weight="0.8"), "got '0.8'"),
-        (dict(host_weight=0.2, shared_weight=0.3), "shared_weight=0.3 is above host_weight=0.2"),
-    ],
-)
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(host_weight=1.5), "host_weight must be a number in \\[0, 1\\], got 1.5"),
+    (dict(shared_weight=-0.1), "shared_weight must be a number in \\[0, 1\\], got -0.1"),
+    (dict(host_weight="0.8"), "got '0.8'"),
+    (dict(host_weight=0.2, shared_weight=0.3), "shared_weight=0.3 is above host_weight=0.2"),
+])
 def test_bad_weights_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PrefixRouterIndex(page_size=4, **kwargs)
@@ -119,9 +98,8 @@ def test_router_prefers_the_replica_holding_the_prefix_on_its_device(session):
     page_bytes = small_params().bytes_per_page(NUM_LAYERS)
     host = mokv.HostTierConfig(swap_space_gb=2 * 16 * page_bytes / 2**30)  # 16 per replica
     endpoint, replay = inproc_name(), inproc_name()
-    m = make_publishing(
-        session, KVEventsConfig(endpoint, replay_endpoint=replay), dp=2, tiers=(host,)
-    )
+    m = make_publishing(session, KVEventsConfig(endpoint, replay_endpoint=replay), dp=2,
+                        tiers=(host,))
     for replica in (0, 1):
         m.release(run_request(m, TOKENS[:9], replica).request_id)
     m.release(run_request(m, range(100, 116), 0).request_id)  # fills replica 0's device

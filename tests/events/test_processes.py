@@ -28,13 +28,8 @@ def child_env(**extra) -> dict:
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(HERE / script), *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-    )
+    return subprocess.Popen([sys.executable, str(HERE / script), *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=child_env())
 
 
 def _send(p: subprocess.Popen, line: str) -> None:
@@ -46,12 +41,8 @@ def _send(p: subprocess.Popen, line: str) -> None:
 def _read_lines(procs: dict, timeout: float) -> dict:
     """One stdout line of each process in `procs` (name -> Popen), read concurrently."""
     out: dict = {}
-    threads = [
-        threading.Thread(
-            target=lambda n=n, p=p: out.__setitem__(n, p.stdout.readline()), daemon=True
-        )
-        for n, p in procs.items()
-    ]
+    threads = [threading.Thread(target=lambda n=n, p=p: out.__setitem__(n, p.stdout.readline()),
+                                daemon=True) for n, p in procs.items()]
     for t in threads:
         t.start()
     for t in threads:
@@ -64,16 +55,11 @@ def test_two_manager_processes_rebuild_exactly():
     # Per manager 4 ports: its 2 replicas' PUB sockets, then their 2 replay sockets.
     ports = {name: (base, base + 2) for name, base in zip(("m0", "m1"), free_port_runs(2, 4))}
     router = _start("_subscriber_process.py")
-    managers = {
-        name: _start("_manager_process.py", str(port), str(replay), str(seed), "3000")
-        for seed, (name, (port, replay)) in enumerate(ports.items(), start=1)
-    }
+    managers = {name: _start("_manager_process.py", str(port), str(replay), str(seed), "3000")
+                for seed, (name, (port, replay)) in enumerate(ports.items(), start=1)}
     try:
-        sources = [
-            [name, f"tcp://127.0.0.1:{port + r}", f"tcp://127.0.0.1:{replay + r}"]
-            for name, (port, replay) in ports.items()
-            for r in range(2)
-        ]
+        sources = [[name, f"tcp://127.0.0.1:{port + r}", f"tcp://127.0.0.1:{replay + r}"]
+                   for name, (port, replay) in ports.items() for r in range(2)]
         _send(router, json.dumps({"page_size": 4, "sources": sources}))
         assert _read_lines({"router": router}, 60)["router"].strip() == "ready"
         time.sleep(1.0)  # let the SUB sockets finish connecting before the first batches
@@ -111,13 +97,8 @@ def test_hashes_are_the_same_in_another_process():
         "    out[algo] = [i.page_hashes(np.arange(12), s) for s in (None, 'tenant-a')]\n"
         "print(json.dumps(out))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=child_env(PYTHONHASHSEED="12345"),
-        check=True,
-    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=child_env(PYTHONHASHSEED="12345"), check=True)
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])
     for algo in ("xxh3", "sha256"):
         i = PrefixRouterIndex(4, algo, 7)

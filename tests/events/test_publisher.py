@@ -32,18 +32,9 @@ def run_request(m, tokens, replica=None, salt=None):
 
 
 def stored(hs, parent, tokens, extra=None):
-    return VBlockStored(
-        hs,
-        parent,
-        list(tokens),
-        4,
-        None,
-        "GPU",
-        None,
-        extra_keys=extra or [None] * len(hs),
-        group_idx=0,
-        kv_cache_spec_kind="full_attention",
-    )
+    return VBlockStored(hs, parent, list(tokens), 4, None, "GPU", None,
+                        extra_keys=extra or [None] * len(hs), group_idx=0,
+                        kv_cache_spec_kind="full_attention")
 
 
 def removed(h):
@@ -83,21 +74,11 @@ def test_one_replica_publishes_the_scripted_sequence(session, reader_factory, fo
     for (_, _, payload), events in zip(msgs, expected[1:]):
         batch = decode(payload)
         assert batch.data_parallel_rank == 0
-        got = [
-            (
-                type(e).__name__.lstrip("V"),
-                *[
-                    getattr(e, f)
-                    for f in e.__struct_fields__
-                    if f in VBlockStored.__struct_fields__
-                ],
-            )
-            for e in batch.events
-        ]
-        want = [
-            (type(e).__name__.lstrip("V"), *[getattr(e, f) for f in e.__struct_fields__])
-            for e in events
-        ]
+        got = [(type(e).__name__.lstrip("V"), *[getattr(e, f) for f in e.__struct_fields__
+                                                 if f in VBlockStored.__struct_fields__])
+               for e in batch.events]
+        want = [(type(e).__name__.lstrip("V"), *[getattr(e, f) for f in e.__struct_fields__])
+                for e in events]
         assert got == want
     m.close()
 
@@ -124,9 +105,7 @@ def test_two_replicas_publish_on_their_own_endpoints(session, reader_factory):
     config = KVEventsConfig(f"tcp://*:{port}")
     m = make_publishing(session, config, dp=2)
     assert [p.endpoint for p in m.kv_event_publishers] == [
-        f"tcp://0.0.0.0:{port}",
-        f"tcp://0.0.0.0:{port + 1}",
-    ]
+        f"tcp://0.0.0.0:{port}", f"tcp://0.0.0.0:{port + 1}"]
     readers = [reader_factory(f"tcp://127.0.0.1:{port + r}") for r in range(2)]
     expected = {r: scripted(m, replica=r) for r in range(2)}
     for r, reader in enumerate(readers):
@@ -167,17 +146,13 @@ def test_salted_first_page_carries_its_salt(session, reader_factory):
     m.close()
 
 
-@pytest.mark.parametrize(
-    ("salt_format", "extra", "top_level"),
-    [
-        ("vllm", ("tenant-a",), None),
-        ("dynamo", ("dynamo-cache-salt:tenant-a",), None),  # the only salt Dynamo's router reads
-        ("sglang", ("tenant-a",), "tenant-a"),  # SGLang's router reads a top-level cache_salt
-    ],
-)
-def test_salt_format_writes_the_salt_a_router_reads(
-    session, reader_factory, salt_format, extra, top_level
-):
+@pytest.mark.parametrize(("salt_format", "extra", "top_level"), [
+    ("vllm", ("tenant-a",), None),
+    ("dynamo", ("dynamo-cache-salt:tenant-a",), None),  # the only salt Dynamo's router reads
+    ("sglang", ("tenant-a",), "tenant-a"),  # SGLang's router reads a top-level cache_salt
+])
+def test_salt_format_writes_the_salt_a_router_reads(session, reader_factory, salt_format,
+                                                     extra, top_level):
     endpoint = inproc_name()
     m = make_publishing(session, KVEventsConfig(endpoint, salt_format=salt_format), num_pages=8)
     reader = reader_factory(endpoint)
@@ -254,16 +229,9 @@ def test_endpoint_offsets():
     assert offset_endpoint("inproc://x", 2) == "inproc://x_dp2"
     assert offset_endpoint("ipc:///tmp/x", 1) == "ipc:///tmp/x_dp1"
     c = KVEventsConfig()
-    assert (
-        c.endpoint,
-        c.replay_endpoint,
-        c.buffer_steps,
-        c.hwm,
-        c.max_queue_size,
-        c.topic,
-        c.payload_format,
-        c.salt_format,
-    ) == ("tcp://*:5557", None, 10_000, 100_000, 100_000, "", "map", "vllm")
+    assert (c.endpoint, c.replay_endpoint, c.buffer_steps, c.hwm, c.max_queue_size, c.topic,
+            c.payload_format, c.salt_format) == (
+        "tcp://*:5557", None, 10_000, 100_000, 100_000, "", "map", "vllm")
     with pytest.raises(ValueError, match="payload_format"):
         KVEventsConfig(payload_format="json")
     with pytest.raises(ValueError, match="'trtllm'"):
@@ -292,14 +260,8 @@ def test_adapter_images_salt_and_session_travel_as_vllm_publishes_them(session, 
     m = make_publishing(session, KVEventsConfig(endpoint), num_pages=8)
     reader = reader_factory(endpoint)
     prompt, image = [1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 9, 9, 8], mokv.MultimodalInput("img-a", 6, 4)
-    ctx = mokv.TextContext(
-        prompt,
-        cache_salt="tenant-a",
-        lora_name="math",
-        lora_id=3,
-        mm_inputs=[image],
-        session_id="agent-1",
-    )
+    ctx = mokv.TextContext(prompt, cache_salt="tenant-a", lora_name="math", lora_id=3,
+                           mm_inputs=[image], session_id="agent-1")
     m.external_claim(ctx.request_id)
     m.fetch([ctx])
     ctx.update(100)
@@ -307,11 +269,8 @@ def test_adapter_images_salt_and_session_travel_as_vllm_publishes_them(session, 
     payload = reader.take(1)[0][2]
     (event,) = decode_like_vllm(payload).events
     assert (event.lora_id, event.lora_name, event.session_id) == (3, "math", "agent-1")
-    assert event.extra_keys == [
-        ("math", "tenant-a"),
-        ("math", ["img-a", 2]),
-        ("math", ["img-a", -2]),
-    ]
+    assert event.extra_keys == [("math", "tenant-a"), ("math", ["img-a", 2]),
+                                ("math", ["img-a", -2])]
     assert event.block_hashes == m.replicas[0].committed_hashes(ctx.request_id)
     index = PrefixRouterIndex(page_size=4)
     index.apply(("server", 0), BatchDecoder().decode(payload))

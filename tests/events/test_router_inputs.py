@@ -14,17 +14,10 @@ from mokv.events.publisher import EventRecorder
 from tests.events.test_publisher import hashes
 
 
-@pytest.mark.parametrize(
-    "page_size,match",
-    [
-        (0, "page_size must be a positive int, got 0"),
-        (-4, "got -4"),
-        (4.0, "got 4.0"),
-        (True, "got True"),
-        ("4", "got '4'"),
-        (None, "got None"),
-    ],
-)
+@pytest.mark.parametrize("page_size,match", [
+    (0, "page_size must be a positive int, got 0"), (-4, "got -4"), (4.0, "got 4.0"),
+    (True, "got True"), ("4", "got '4'"), (None, "got None"),
+])
 def test_page_size_is_a_positive_int(page_size, match):
     with pytest.raises(ValueError, match=match):
         PrefixRouterIndex(page_size=page_size)
@@ -32,9 +25,7 @@ def test_page_size_is_a_positive_int(page_size, match):
 
 @pytest.mark.parametrize("seed", [-1, 2**64, 1.5, None])
 def test_the_seed_is_a_64_bit_int(seed):
-    with pytest.raises(
-        ValueError, match=f"prefix_hash_seed must be an int in \\[0, 2\\*\\*64\\), got {seed!r}"
-    ):
+    with pytest.raises(ValueError, match=f"prefix_hash_seed must be an int in \\[0, 2\\*\\*64\\), got {seed!r}"):
         PrefixRouterIndex(page_size=4, prefix_hash_seed=seed)
 
 
@@ -50,17 +41,14 @@ def an_index_holding_the_first_two_pages():
     return index
 
 
-@pytest.mark.parametrize(
-    "tokens,error,match",
-    [
-        (np.arange(9, dtype=np.float64), TypeError, "integer token ids, got dtype float64"),
-        ([0.0, 1.0, 2.0, 3.0, 4.0], TypeError, "dtype float64"),
-        (np.arange(8).reshape(2, 4), ValueError, "one-dimensional, got shape \\(2, 4\\)"),
-        ([0, 1, 2, -3, 4], ValueError, "\\[-3\\]"),
-        ([0, 1, 2, 2**64], ValueError, "18446744073709551616"),
-        (np.array([0, 1, 2**63], dtype=np.uint64), ValueError, "9223372036854775808"),
-    ],
-)
+@pytest.mark.parametrize("tokens,error,match", [
+    (np.arange(9, dtype=np.float64), TypeError, "integer token ids, got dtype float64"),
+    ([0.0, 1.0, 2.0, 3.0, 4.0], TypeError, "dtype float64"),
+    (np.arange(8).reshape(2, 4), ValueError, "one-dimensional, got shape \\(2, 4\\)"),
+    ([0, 1, 2, -3, 4], ValueError, "\\[-3\\]"),
+    ([0, 1, 2, 2**64], ValueError, "18446744073709551616"),
+    (np.array([0, 1, 2**63], dtype=np.uint64), ValueError, "9223372036854775808"),
+])
 @pytest.mark.parametrize("query", ["match", "scores", "best", "page_hashes"])
 def test_queries_take_integer_token_ids_only(tokens, error, match, query):
     index = an_index_holding_the_first_two_pages()
@@ -75,16 +63,13 @@ def test_a_query_names_a_salt_that_is_not_a_str():
     assert index.match([]) == {("s", 0): 0}  # an empty query holds no page
 
 
-@pytest.mark.parametrize(
-    "kwargs,error,match",
-    [
-        (dict(endpoint="tcp://127.0.0.1:99999"), ValueError, "port 99999 is past 65535"),
-        (dict(endpoint="udp://x:1"), ValueError, "not a ZMQ address"),
-        (dict(endpoint="inproc://x", replay_endpoint="tcp://*"), ValueError, "replay_endpoint="),
-        (dict(endpoint="inproc://x", topic=b"kv"), TypeError, "topic must be a str, got b'kv'"),
-        (dict(endpoint="inproc://x", bind="yes"), TypeError, "bind must be a bool, got 'yes'"),
-    ],
-)
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(endpoint="tcp://127.0.0.1:99999"), ValueError, "port 99999 is past 65535"),
+    (dict(endpoint="udp://x:1"), ValueError, "not a ZMQ address"),
+    (dict(endpoint="inproc://x", replay_endpoint="tcp://*"), ValueError, "replay_endpoint="),
+    (dict(endpoint="inproc://x", topic=b"kv"), TypeError, "topic must be a str, got b'kv'"),
+    (dict(endpoint="inproc://x", bind="yes"), TypeError, "bind must be a bool, got 'yes'"),
+])
 def test_a_subscribers_sources_are_checked(kwargs, error, match):
     subscriber = EventSubscriber(PrefixRouterIndex(page_size=4))
     with pytest.raises(error, match=match):

@@ -126,17 +126,12 @@ def test_index_counts_leading_pages_per_source():
 
     idx = PrefixRouterIndex(4)
     a = hashes(range(16))
-    idx.apply(
-        ("x", 0), KVEventBatch(0.0, [BlockStored(a, None, list(range(16)), 4, None, "GPU", None)])
-    )
-    idx.apply(
-        ("x", 1),
-        KVEventBatch(0.0, [BlockStored(a[:2], None, list(range(8)), 4, None, "GPU", None)]),
-    )
-    idx.apply(
-        ("y", 0),
-        KVEventBatch(0.0, [BlockStored(a[1:], a[0], list(range(4, 16)), 4, None, "GPU", None)]),
-    )
+    idx.apply(("x", 0), KVEventBatch(0.0, [BlockStored(a, None, list(range(16)), 4, None,
+                                                       "GPU", None)]))
+    idx.apply(("x", 1), KVEventBatch(0.0, [BlockStored(a[:2], None, list(range(8)), 4, None,
+                                                       "GPU", None)]))
+    idx.apply(("y", 0), KVEventBatch(0.0, [BlockStored(a[1:], a[0], list(range(4, 16)), 4,
+                                                       None, "GPU", None)]))
     assert idx.match(np.arange(18)) == {("x", 0): 4, ("x", 1): 2, ("y", 0): 0}
     assert idx.best(np.arange(18)) == (("x", 0), 4)
     idx.apply(("x", 0), KVEventBatch(0.0, [BlockRemoved([a[2]], "GPU")]))

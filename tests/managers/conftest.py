@@ -9,9 +9,8 @@ NUM_LAYERS = 2
 
 
 def small_params(**overrides) -> mokv.KVCacheParams:
-    fields = dict(
-        dtype=DType.float32, n_kv_heads=2, head_dim=8, page_size=4, enable_prefix_caching=True
-    )
+    fields = dict(dtype=DType.float32, n_kv_heads=2, head_dim=8, page_size=4,
+                  enable_prefix_caching=True)
     fields.update(overrides)
     return mokv.KVCacheParams(**fields)
 

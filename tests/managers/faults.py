@@ -38,7 +38,6 @@ class Faults:
             if call == self.fault_at and self.mode == "after":
                 raise Injected(f"fault after call {call} ({fn.__qualname__})")
             return result
-
         return injected
 
     def arm(self, fault_at: int, mode: str = "instead") -> None:
@@ -115,12 +114,8 @@ def session_state(replica) -> tuple:
     table = replica.sessions
     if table is None:
         return ()
-    return (
-        tuple((sid, s.chain, s.running, s.deadline) for sid, s in table.sessions.items()),
-        table.retained_hashes,
-        replica.pool.retained_hashes,
-        replica.pool.num_kept,
-    )
+    return (tuple((sid, s.chain, s.running, s.deadline) for sid, s in table.sessions.items()),
+            table.retained_hashes, replica.pool.retained_hashes, replica.pool.num_kept)
 
 
 def tier_state(tier) -> tuple:
@@ -129,9 +124,6 @@ def tier_state(tier) -> tuple:
     if not isinstance(tier, HostTier):
         return ()
     pool = tier.pool
-    return (
-        tuple((pool.page_hash(p), pool.page_tokens(p)) for p in range(pool.num_pages)),
-        frozenset(pool.indexed_hashes()),
-        tuple(sorted(tier.pinned.items())),
-        pool.retained_hashes,
-    )
+    return (tuple((pool.page_hash(p), pool.page_tokens(p)) for p in range(pool.num_pages)),
+            frozenset(pool.indexed_hashes()), tuple(sorted(tier.pinned.items())),
+            pool.retained_hashes)

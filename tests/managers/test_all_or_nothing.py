@@ -90,8 +90,7 @@ class EventsMixin(World):
         assert index.hashes(("m", 0), "device") == replica.pool.indexed_hashes()
         host = replica.tiers.named("host")
         assert index.hashes(("m", 0), "host") == (
-            host.pool.indexed_hashes() if host is not None else set()
-        )
+            host.pool.indexed_hashes() if host is not None else set())
 
 
 class EventsWorld(EventsMixin, World):
@@ -124,23 +123,16 @@ class SessionWorld(EventsMixin, HostWorld):
         self.A = TextContext(prefix + [9, 9], request_id="A", session_id="s")
         self.B = TextContext(prefix + [9, 9, 11, 7], request_id="B", session_id="s")
         self.C = TextContext(np.arange(100, 113), request_id="C")
-        self.D = TextContext(
-            [1, 2, 3, 4, 0, 0, 0, 0, 5],
-            request_id="D",
-            cache_salt="t",
-            lora_name="math",
-            lora_id=1,
-            mm_inputs=[mokv.MultimodalInput("img", 4, 4)],
-        )
+        self.D = TextContext([1, 2, 3, 4, 0, 0, 0, 0, 5], request_id="D", cache_salt="t",
+                             lora_name="math", lora_id=1,
+                             mm_inputs=[mokv.MultimodalInput("img", 4, 4)])
         self.E = TextContext(np.arange(200, 209), request_id="E", session_id="u")
         self.F = TextContext(np.arange(300, 305), request_id="F", session_id="t")
         self.contexts = [self.A, self.B, self.C, self.D, self.E, self.F]
 
     def options(self) -> dict:
-        return dict(
-            super().options(),
-            sessions=mokv.SessionConfig(ttl_s=10.0, max_share=0.25, clock=self.clock),
-        )
+        return dict(super().options(),
+                    sessions=mokv.SessionConfig(ttl_s=10.0, max_share=0.25, clock=self.clock))
 
 
 def _expire(w: SessionWorld) -> None:
@@ -238,76 +230,31 @@ def _fault_targets():
     """Every public call below the manager's, the event sinks', the sessions' and the
     extra keys' functions."""
     return [
-        (PagePool, "room"),
-        (PagePool, "can_take"),
-        (PagePool, "take"),
-        (PagePool, "release"),
-        (PagePool, "commit_pages"),
-        (PagePool, "lookup"),
-        (PagePool, "reset_prefix_cache"),
-        (PagedReplica, "plan"),
-        (PagedReplica, "fits"),
-        (PagedReplica, "apply"),
-        (PagedReplica, "commit"),
-        (PagedReplica, "plan_commit"),
-        (PagedReplica, "claim"),
-        (PagedReplica, "release"),
-        (PagedReplica, "runtime_inputs"),
-        (PagedReplica, "check_tables"),
-        (PagedReplica, "load_pending"),
-        (PagedReplica, "check_loads"),
-        (PagedReplica, "reset_prefix_cache"),
-        (PageTable, "set_row"),
-        (PrefixChains, "device_hits"),
-        (prefix, "iter_page_hashes"),
-        (TextContext, "skip_cached_prefix"),
-        (TextContext, "active_idx_after_skip"),
-        (TierStack, "load"),
-        (TierStack, "store"),
-        (TierStack, "note_reserved"),
-        (TierStack, "reset"),
-        (TierStack, "pin"),
-        (TierStack, "unpin"),
-        (TierStack, "count_served"),
-        (HostTier, "lookup"),
-        (HostTier, "load"),
-        (HostTier, "store"),
-        (HostTier, "note_reserved"),
-        (HostTier, "reset"),
-        (HostTier, "check_invariants"),
-        (HostTier, "pin"),
-        (HostTier, "unpin"),
-        (HostPagePool, "lookup"),
-        (HostPagePool, "plan_store"),
-        (HostPagePool, "evict"),
-        (HostPagePool, "insert"),
-        (HostPagePool, "touch"),
-        (HostPagePool, "touch_hashes"),
-        (HostPagePool, "mark_loaded"),
-        (HostPagePool, "reset_prefix_cache"),
-        (HostPages, "offload"),
-        (HostPages, "load"),
-        (page_copy, "copy_pages"),
-        (EventRecorder, "stored"),
-        (EventRecorder, "removed"),
-        (EventRecorder, "cleared"),
-        (MediumSink, "stored"),
-        (MediumSink, "removed"),
-        (EventPublisher, "end_step"),
-        (PagePool, "retain"),
-        (PagePool, "unretain"),
-        (HostPagePool, "retain"),
-        (HostPagePool, "unretain"),
-        (prefix, "hash_inputs"),
-        (prefix, "page_keys"),
-        (commit, "request_keys"),
-        (replica, "request_keys"),
-        (SessionTable, "plan_release"),
-        (SessionTable, "plan_end"),
-        (SessionTable, "plan_expiry"),
-        (SessionTable, "apply"),
-        (SessionTable, "start_requests"),
-        (SessionTable, "clear"),
+        (PagePool, "room"), (PagePool, "can_take"), (PagePool, "take"), (PagePool, "release"),
+        (PagePool, "commit_pages"), (PagePool, "lookup"), (PagePool, "reset_prefix_cache"),
+        (PagedReplica, "plan"), (PagedReplica, "fits"), (PagedReplica, "apply"),
+        (PagedReplica, "commit"), (PagedReplica, "plan_commit"), (PagedReplica, "claim"),
+        (PagedReplica, "release"), (PagedReplica, "runtime_inputs"),
+        (PagedReplica, "check_tables"), (PagedReplica, "load_pending"),
+        (PagedReplica, "check_loads"), (PagedReplica, "reset_prefix_cache"),
+        (PageTable, "set_row"), (PrefixChains, "device_hits"), (prefix, "iter_page_hashes"),
+        (TextContext, "skip_cached_prefix"), (TextContext, "active_idx_after_skip"),
+        (TierStack, "load"), (TierStack, "store"), (TierStack, "note_reserved"),
+        (TierStack, "reset"), (TierStack, "pin"), (TierStack, "unpin"),
+        (TierStack, "count_served"), (HostTier, "lookup"), (HostTier, "load"),
+        (HostTier, "store"), (HostTier, "note_reserved"), (HostTier, "reset"),
+        (HostTier, "check_invariants"), (HostTier, "pin"), (HostTier, "unpin"),
+        (HostPagePool, "lookup"), (HostPagePool, "plan_store"), (HostPagePool, "evict"),
+        (HostPagePool, "insert"), (HostPagePool, "touch"), (HostPagePool, "touch_hashes"),
+        (HostPagePool, "mark_loaded"), (HostPagePool, "reset_prefix_cache"),
+        (HostPages, "offload"), (HostPages, "load"), (page_copy, "copy_pages"),
+        (EventRecorder, "stored"), (EventRecorder, "removed"), (EventRecorder, "cleared"),
+        (MediumSink, "stored"), (MediumSink, "removed"), (EventPublisher, "end_step"),
+        (PagePool, "retain"), (PagePool, "unretain"), (HostPagePool, "retain"),
+        (HostPagePool, "unretain"), (prefix, "hash_inputs"), (prefix, "page_keys"),
+        (commit, "request_keys"), (replica, "request_keys"), (SessionTable, "plan_release"),
+        (SessionTable, "plan_end"), (SessionTable, "plan_expiry"), (SessionTable, "apply"),
+        (SessionTable, "start_requests"), (SessionTable, "clear"),
     ]
 
 
@@ -379,30 +326,25 @@ def _lost_host_entries_only(state, old) -> bool:
         return False
     lost = set()
     for (pages, slots, tiers, sessions), (old_pages, old_slots, old_tiers, old_sessions) in zip(
-        state[0], old[0]
-    ):
+            state[0], old[0]):
         if (pages, slots, sessions) != (old_pages, old_slots, old_sessions):
             return False
-        (
-            (host_pages, hashes, pins, retained),
-            (old_host_pages, old_hashes, old_pins, old_retained),
-        ) = (tiers[0], old_tiers[0])
+        (host_pages, hashes, pins, retained), (old_host_pages, old_hashes, old_pins, old_retained) = (
+            tiers[0], old_tiers[0])
         if (pins, retained) != (old_pins, old_retained) or not hashes < old_hashes:
             return False
         if any(p not in (o, (None, None)) for p, o in zip(host_pages, old_host_pages)):
             return False
         lost |= old_hashes - hashes
     removed = {(_REMOVED, page_hash, "CPU") for page_hash in lost}
-    return all(
-        records[: len(old_records)] == old_records and set(records[len(old_records) :]) <= removed
-        for records, old_records in zip(state[3], old[3])
-    )
+    return all(records[:len(old_records)] == old_records
+               and set(records[len(old_records):]) <= removed
+               for records, old_records in zip(state[3], old[3]))
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(
-    "world,op", [(name, op) for name, (_, sc) in SCENARIOS.items() for op in range(len(sc))]
-)
+@pytest.mark.parametrize("world,op", [(name, op) for name, (_, sc) in SCENARIOS.items()
+                                      for op in range(len(sc))])
 def test_an_exception_anywhere_leaves_old_or_new_state(session, monkeypatch, world, op, mode):
     """Each fault leaves the old state (then the call, retried, gives the new one) or
     the new one; then the rest of the scenario runs, every request is released, and
@@ -436,7 +378,7 @@ def test_an_exception_anywhere_leaves_old_or_new_state(session, monkeypatch, wor
                 call(w)  # the retry succeeds
                 if state == old_state:
                     assert snapshot(w.m, w.contexts) == new_state, where
-            _run(w, scenario[op + 1 :])
+            _run(w, scenario[op + 1:])
             _release_all_and_check(w)
         else:
             num_calls = faults.calls
@@ -489,9 +431,7 @@ def test_shared_pages_are_never_handed_out_for_rewriting(session):
     assert m.maybe_reserve(e) and e.start_idx == 8  # E shares them
     a.reset()  # without releasing A: its window would start inside the shared pages
     state = snapshot(m, [a, e])
-    with pytest.raises(
-        mokv.StaleContextError, match=r"'A'\) has start_idx=0, inside its 8 committed"
-    ):
+    with pytest.raises(mokv.StaleContextError, match=r"'A'\) has start_idx=0, inside its 8 committed"):
         m.fetch([a])
     with pytest.raises(mokv.StaleContextError):
         m.maybe_reserve(a)
@@ -546,7 +486,6 @@ def test_construction_checks_name_the_argument(session):
     with pytest.raises(TypeError, match="available_cache_memory.*1000000.0"):
         mokv.PagedKVCacheManager(params, 2, 16, NUM_LAYERS, [CPU()], session, 1e6)
     from max.dtype import DType
-
     with pytest.raises(ValueError, match="int8 is not a supported cache dtype"):
         small_params(dtype=DType.int8)
 

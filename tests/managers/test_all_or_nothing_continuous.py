@@ -18,8 +18,7 @@ class World:
 
     def __init__(self, session):
         self.cont = mokv.ContinuousBatchingKVCacheManager(
-            small_params(cache_strategy="continuous"), 3, 16, NUM_LAYERS, [CPU()], session
-        )
+            small_params(cache_strategy="continuous"), 3, 16, NUM_LAYERS, [CPU()], session)
         self.requests = self.cont.requests
         self.A = TextContext([1, 2, 3], "A")
         self.B = TextContext([4, 5], "B")
@@ -28,17 +27,11 @@ class World:
     def state(self) -> tuple:
         requests = tuple(
             tuple(self.requests.get_req_blocks(c.request_id))
-            if self.requests.contains(c.request_id)
-            else None
+            if self.requests.contains(c.request_id) else None
             for c in (self.A, self.B)
         )
-        return (
-            self.requests.free_slots(),
-            requests,
-            dict(self.cont.cache_lengths),
-            tuple(self.seqs),
-            self.requests.metrics.input_tokens,
-        )
+        return (self.requests.free_slots(), requests, dict(self.cont.cache_lengths),
+                tuple(self.seqs), self.requests.metrics.input_tokens)
 
 
 def _claim(w: World, n: int) -> None:
@@ -67,10 +60,8 @@ SCENARIO = [
     lambda w: w.requests.release(w.B.request_id),
 ]
 
-TARGETS = [
-    (mokv.ContinuousKVCacheManager, name)
-    for name in ("take_slots", "give_back_slots", "slot_inputs", "free_slots")
-]
+TARGETS = [(mokv.ContinuousKVCacheManager, name)
+           for name in ("take_slots", "give_back_slots", "slot_inputs", "free_slots")]
 
 
 def test_scenario_runs_clean(session):
@@ -106,7 +97,7 @@ def test_an_exception_anywhere_leaves_old_or_new_state(session, monkeypatch, op,
             if state == old_state:
                 SCENARIO[op](w)  # the retry succeeds
             assert w.state() == new_state
-            for call in SCENARIO[op + 1 :]:
+            for call in SCENARIO[op + 1:]:
                 call(w)
             assert w.state() == ({0, 1}, (None, None), {2: 0}, (2,), 5)  # no slot lost
         else:

@@ -38,12 +38,10 @@ def _big_params(strategy: str) -> mokv.KVCacheParams:
 
 
 def test_paged_and_continuous_caches_are_advised(session):
-    paged = mokv.PagedKVCacheManager(
-        _big_params("paged"), 2, 1024, 1, [CPU()], session, available_cache_memory=12 << 20
-    )
-    continuous = mokv.ContinuousKVCacheManager(
-        _big_params("continuous"), 4, 1024, 1, [CPU()], session
-    )
+    paged = mokv.PagedKVCacheManager(_big_params("paged"), 2, 1024, 1, [CPU()], session,
+                                     available_cache_memory=12 << 20)
+    continuous = mokv.ContinuousKVCacheManager(_big_params("continuous"), 4, 1024, 1,
+                                               [CPU()], session)
     for blocks in (paged.replicas[0].blocks[0], continuous.blocks[0]):
         lo, hi = aligned_interior(blocks)
         assert hi - lo >= 4 * HUGE_PAGE

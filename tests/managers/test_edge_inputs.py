@@ -51,12 +51,12 @@ class HandMade:
 
 def continuous(session, max_seq_len=16):
     return mokv.ContinuousKVCacheManager(
-        small_params(cache_strategy="continuous"), 3, max_seq_len, NUM_LAYERS, [CPU()], session
-    )
+        small_params(cache_strategy="continuous"), 3, max_seq_len, NUM_LAYERS, [CPU()], session)
 
 
 def null(session, **kwargs):
-    return mokv.NullKVCacheManager(small_params(), 2, 16, NUM_LAYERS, [CPU()], session, 0, **kwargs)
+    return mokv.NullKVCacheManager(small_params(), 2, 16, NUM_LAYERS, [CPU()], session, 0,
+                                   **kwargs)
 
 
 def claimed(m, *contexts):
@@ -82,11 +82,9 @@ def test_a_fetch_the_pool_cannot_hold_names_its_requests(session):
     m = make_paged(session, num_pages=8)
     a, c = claimed(m, TextContext(np.arange(20), "A"), TextContext(np.arange(100, 113), "C"))
     m.fetch([a])  # 5 of the 8 pages
-    with pytest.raises(
-        mokv.InsufficientPagesError,
-        match=r"requests \[RequestID\('C'\)\] need 4 fresh pages of replica 0, "
-        r"which has 3 free",
-    ):
+    with pytest.raises(mokv.InsufficientPagesError,
+                       match=r"requests \[RequestID\('C'\)\] need 4 fresh pages of replica 0, "
+                             r"which has 3 free"):
         m.fetch([c])
     assert m.get_req_blocks("C") == [] and m.num_free_blocks == 3
 
@@ -98,9 +96,8 @@ def test_increment_cache_lengths_names_what_it_got(session, make):
     inputs = m.fetch([a], num_steps=2)
     with pytest.raises(TypeError, match="input_row_offsets .*got NoneType None"):
         m.increment_cache_lengths(inputs, None)
-    with pytest.raises(
-        TypeError, match="kv_cache_inputs must be the list fetch returned, got NoneType"
-    ):
+    with pytest.raises(TypeError, match="kv_cache_inputs must be the list fetch returned, "
+                                        "got NoneType"):
         m.increment_cache_lengths(None, np.array([0, 3], dtype=np.uint32))
 
 
@@ -123,11 +120,8 @@ def test_a_window_a_step_cannot_process_is_refused(session, make, start, active)
     m = make(session)
     ctx = HandMade(mokv.RequestID("W"), np.arange(6), start_idx=start, active_idx=active)
     claimed(m, ctx)
-    with pytest.raises(
-        ValueError,
-        match=f"start_idx={start}, active_idx={active}, end_idx=6: "
-        "a step needs 0 <= start_idx < active_idx",
-    ):
+    with pytest.raises(ValueError, match=f"start_idx={start}, active_idx={active}, end_idx=6: "
+                                         "a step needs 0 <= start_idx < active_idx"):
         m.fetch([ctx])
     if make is not make_paged:  # the paged maybe_reserve holds such a window already, or
         with pytest.raises(ValueError, match=f"start_idx={start}"):  # finds it stale
@@ -136,9 +130,8 @@ def test_a_window_a_step_cannot_process_is_refused(session, make, start, active)
 
 def test_the_continuous_manager_refuses_what_the_paged_one_refuses(session):
     m = continuous(session)
-    a, floats = claimed(
-        m, TextContext([1, 2, 3], "A"), HandMade(mokv.RequestID("F"), np.array([1.5, 2.5]))
-    )
+    a, floats = claimed(m, TextContext([1, 2, 3], "A"),
+                        HandMade(mokv.RequestID("F"), np.array([1.5, 2.5])))
     with pytest.raises(mokv.UnknownRequestError, match="'nobody'"):
         m.get_data_parallel_splits([a, TextContext([1], "nobody")])
     with pytest.raises(TypeError, match="RequestID\\('F'\\) has tokens of dtype float64"):
@@ -146,9 +139,8 @@ def test_the_continuous_manager_refuses_what_the_paged_one_refuses(session):
     with pytest.raises(TypeError, match="dtype float64"):
         m.maybe_reserve(floats)
     a.update(7)  # a step the manager never reserved
-    with pytest.raises(
-        mokv.StaleContextError, match="start_idx=3 but only 0 tokens of cache were reserved"
-    ):
+    with pytest.raises(mokv.StaleContextError, match="start_idx=3 but only 0 tokens of cache "
+                                                     "were reserved"):
         m.step([a])
     b = TextContext([4, 5], "B")
     m.external_claim("B")

@@ -88,9 +88,8 @@ def test_native_sha256_chain_is_hashlibs(page_size, portable):
     parents = (0, 2**64 - 1, 2**63, int(rng.integers(0, 2**63)))
     for parent, num_pages in zip(parents, (1, 2, 7, int(rng.integers(8, 40)))):
         # num_pages, then a partial page that is not hashed
-        tokens = rng.integers(
-            -(2**63), 2**63 - 1, num_pages * page_size + page_size // 2, dtype=np.int64
-        )
+        tokens = rng.integers(-(2**63), 2**63 - 1, num_pages * page_size + page_size // 2,
+                              dtype=np.int64)
         expected = _reference_chain("sha256", tokens, page_size, parent)
         assert len(expected) == num_pages
         assert sha256_chain(tokens, page_size, parent, portable) == expected
@@ -117,9 +116,8 @@ def test_native_xxh3_chain_is_xxhashs(page_size):
     parents = (0, 1, 2**63, 2**64 - 1, int(rng.integers(0, 2**63)))
     for parent, num_pages in zip(parents, (1, 2, 7, 8, int(rng.integers(9, 40)))):
         # num_pages, then a partial page that is not hashed
-        tokens = rng.integers(
-            -(2**63), 2**63 - 1, num_pages * page_size + page_size // 2, dtype=np.int64
-        )
+        tokens = rng.integers(-(2**63), 2**63 - 1, num_pages * page_size + page_size // 2,
+                              dtype=np.int64)
         expected = _reference_chain("xxh3", tokens, page_size, parent)
         assert len(expected) == num_pages
         assert xxh3_chain(tokens, page_size, parent) == expected

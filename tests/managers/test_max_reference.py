@@ -204,11 +204,8 @@ def test_the_sequence_id_flow_of_seeds_002_and_003(session):
     assert inputs.cache_lengths.to_numpy().tolist() == [3, 5]
     with pytest.raises(TypeError):
         seqs.cache_lengths[0] = 9  # a read-only view
-    for call in (
-        lambda: seqs.fetch(seq_ids=[2]),
-        lambda: seqs.release(7),
-        lambda: seqs.step({2: 1}),
-    ):
+    for call in (lambda: seqs.fetch(seq_ids=[2]), lambda: seqs.release(7),
+                 lambda: seqs.step({2: 1})):
         with pytest.raises(ValueError, match="not claimed"):
             call()
     seqs.release(seq_ids[0])
@@ -222,6 +219,7 @@ def test_null_get_req_blocks_is_empty_for_any_request(session):
     assert not null.contains("never claimed")  # and it did not claim it
 
 
+
 def test_each_replica_has_its_own_graph_dims(session):
     # MAX 25.7 names each replica's per-batch dims apart (replica_0_batch_size, ...), so
     # one graph takes both replicas' inputs with batches of different sizes; mokv named
@@ -231,9 +229,7 @@ def test_each_replica_has_its_own_graph_dims(session):
     m = dp2(session)
     symbols = m.input_symbols()
     assert [str(s.cache_lengths.shape[0]) for s in symbols] == [
-        "replica_0_batch_size",
-        "replica_1_batch_size",
-    ]
+        "replica_0_batch_size", "replica_1_batch_size"]
     a, b, c = (TextContext(np.arange(n)) for n in (3, 4, 5))
     m.external_claim(a.request_id, replica_idx=0)
     for ctx in (b, c):

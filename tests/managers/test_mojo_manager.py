@@ -48,11 +48,8 @@ def _state(m: Any) -> tuple:
 
 def _fetched(inputs: Any) -> tuple:
     (x,) = inputs
-    return (
-        x.cache_lengths.to_numpy().tolist(),
-        x.lookup_table.to_numpy().tolist(),
-        bool(x.is_cache_empty.to_numpy()[0]),
-    )
+    return (x.cache_lengths.to_numpy().tolist(), x.lookup_table.to_numpy().tolist(),
+            bool(x.is_cache_empty.to_numpy()[0]))
 
 
 def _random_ids(rng: random.Random, claimed: list[int], released: list[int]) -> list[int]:

@@ -56,14 +56,8 @@ def test_runtime_inputs_are_empty_but_typed(null):
 def test_load_kv_manager_follows_the_strategy(session):
     paged = mokv.load_kv_manager(small_params(), 2, 16, NUM_LAYERS, [CPU()], session, 10**5)
     assert type(paged) is mokv.PagedKVCacheManager
-    cont = mokv.load_kv_manager(
-        small_params(cache_strategy=mokv.KVCacheStrategy.CONTINUOUS),
-        2,
-        16,
-        NUM_LAYERS,
-        [CPU()],
-        session,
-    )
+    cont = mokv.load_kv_manager(small_params(cache_strategy=mokv.KVCacheStrategy.CONTINUOUS),
+                                2, 16, NUM_LAYERS, [CPU()], session)
     assert type(cont) is mokv.ContinuousKVCacheManager
     with pytest.raises(ValueError, match="available_cache_memory is required"):
         mokv.load_kv_manager(small_params(), 2, 16, NUM_LAYERS, [CPU()], session)
@@ -88,8 +82,6 @@ def test_load_kv_manager_returns_the_null_manager_on_virtual_devices():
         import os
         os._exit(0)  # MAX can abort at shutdown after virtual-device use; all is printed
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
-    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["NullKVCacheManager", "gpu:0"]

@@ -21,18 +21,9 @@ MAX_SEQ = 24
 def managers():
     """Both managers, each holding sequence 0 (20 tokens) and sequence 1 (empty); slot 2
     is free. Every test leaves them so."""
-    args = (
-        small_params(cache_strategy="continuous"),
-        MAX_BATCH,
-        MAX_SEQ,
-        NUM_LAYERS,
-        [CPU()],
-        InferenceSession(devices=[CPU()]),
-    )
-    pair = (
-        mokv.ContinuousBatchingKVCacheManager(*args),
-        mokv.MojoContinuousBatchingKVCacheManager(*args),
-    )
+    args = (small_params(cache_strategy="continuous"), MAX_BATCH, MAX_SEQ, NUM_LAYERS, [CPU()],
+            InferenceSession(devices=[CPU()]))
+    pair = mokv.ContinuousBatchingKVCacheManager(*args), mokv.MojoContinuousBatchingKVCacheManager(*args)
     for m in pair:
         assert m.claim(2) == [0, 1]
         m.step({0: 20})
@@ -45,48 +36,19 @@ def _state(m: Any) -> tuple:
 
 
 BAD_CALLS = [
-    ("release", (1.0,)),
-    ("release", (True,)),
-    ("release", ("a",)),
-    ("release", (None,)),
-    ("release", (2**64,)),
-    ("release", (-1,)),
-    ("release", (2,)),
-    ("release", (MAX_BATCH,)),
-    ("cache_length", (0.0,)),
-    ("cache_length", (2**70,)),
-    ("cache_length", (2,)),
-    ("fetch", ([0.0],)),
-    ("fetch", (["a"],)),
-    ("fetch", ([True],)),
-    ("fetch", ([2**64],)),
-    ("fetch", ([0, 0],)),
-    ("fetch", ([0, 1, 1, 2],)),
-    ("fetch", ([1], 0)),
-    ("fetch", ([1], 1.0)),
-    ("fetch", ([1], MAX_SEQ + 1)),
-    ("fetch", ([0], 5)),
+    ("release", (1.0,)), ("release", (True,)), ("release", ("a",)), ("release", (None,)),
+    ("release", (2**64,)), ("release", (-1,)), ("release", (2,)), ("release", (MAX_BATCH,)),
+    ("cache_length", (0.0,)), ("cache_length", (2**70,)), ("cache_length", (2,)),
+    ("fetch", ([0.0],)), ("fetch", (["a"],)), ("fetch", ([True],)), ("fetch", ([2**64],)),
+    ("fetch", ([0, 0],)), ("fetch", ([0, 1, 1, 2],)), ("fetch", ([1], 0)),
+    ("fetch", ([1], 1.0)), ("fetch", ([1], MAX_SEQ + 1)), ("fetch", ([0], 5)),
     ("fetch", ([1, 2],)),
-    ("step", ({0: 1.5},)),
-    ("step", ({0: True},)),
-    ("step", ({0: -1},)),
-    ("step", ({0: 2**63},)),
-    ("step", ({0: 2**70},)),
-    ("step", ({0: 5},)),
-    ("step", ({1.0: 1},)),
-    ("step", ({2**64: 1},)),
-    ("step", ({2: 1},)),
-    ("step", ([0],)),
-    ("step", ((0, 1),)),
-    ("step", ({1: 1, 0: "a"},)),
-    ("step", ({1: -2, 2: 1},)),
-    ("claim", (0,)),
-    ("claim", (-1,)),
-    ("claim", (1.0,)),
-    ("claim", (True,)),
-    ("claim", ("1",)),
-    ("claim", (2,)),
-    ("claim", (2**64,)),
+    ("step", ({0: 1.5},)), ("step", ({0: True},)), ("step", ({0: -1},)),
+    ("step", ({0: 2**63},)), ("step", ({0: 2**70},)), ("step", ({0: 5},)),
+    ("step", ({1.0: 1},)), ("step", ({2**64: 1},)), ("step", ({2: 1},)), ("step", ([0],)),
+    ("step", ((0, 1),)), ("step", ({1: 1, 0: "a"},)), ("step", ({1: -2, 2: 1},)),
+    ("claim", (0,)), ("claim", (-1,)), ("claim", (1.0,)), ("claim", (True,)),
+    ("claim", ("1",)), ("claim", (2,)), ("claim", (2**64,)),
 ]
 
 
@@ -118,14 +80,11 @@ def test_contains_is_false_for_anything_but_a_claimed_id(managers, value):
 def test_the_messages_name_the_value(managers):
     py, _ = managers
     for name, args, match in [
-        ("release", (1.0,), "float 1.0"),
-        ("release", (True,), "bool True"),
-        ("fetch", ([0.0],), "float 0.0"),
-        ("step", ({0: 1.5},), "wrote 1.5 tokens"),
+        ("release", (1.0,), "float 1.0"), ("release", (True,), "bool True"),
+        ("fetch", ([0.0],), "float 0.0"), ("step", ({0: 1.5},), "wrote 1.5 tokens"),
         ("step", ({0: 2**63},), f"would hold {20 + 2**63} tokens"),
         ("fetch", ([0], 5), "sequence 0 holds 20 tokens: 5 more step"),
-        ("step", ([0],), "mapping .*list \\[0\\]"),
-        ("release", (2**64,), str(2**64)),
+        ("step", ([0],), "mapping .*list \\[0\\]"), ("release", (2**64,), str(2**64)),
     ]:
         with pytest.raises(Exception, match=match):
             getattr(py, name)(*args)

@@ -20,10 +20,8 @@ def _worker(manager, seed: int, errors: list, prefixes: list[list[int]]) -> None
     rng = random.Random(seed)
     try:
         for i in range(ROUNDS):
-            ctx = TextContext(
-                rng.choice(prefixes) + [rng.randrange(3) for _ in range(rng.randrange(1, 6))],
-                request_id=f"t{seed}-{i}",
-            )
+            ctx = TextContext(rng.choice(prefixes) + [rng.randrange(3) for _ in range(rng.randrange(1, 6))],
+                              request_id=f"t{seed}-{i}")
             try:
                 manager.external_claim(ctx.request_id)
             except mokv.BatchTooLargeError:
@@ -56,10 +54,8 @@ def test_threads_share_a_manager(session, kind):
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
     try:
-        threads = [
-            threading.Thread(target=_worker, args=(manager, s, errors, prefixes))
-            for s in range(NUM_THREADS)
-        ]
+        threads = [threading.Thread(target=_worker, args=(manager, s, errors, prefixes))
+                   for s in range(NUM_THREADS)]
         for t in threads:
             t.start()
         for t in threads:

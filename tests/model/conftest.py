@@ -14,14 +14,8 @@ import pytest
 from max.driver import CPU
 
 CONFIG = mg.DecoderConfig(
-    vocab_size=128,
-    hidden_size=64,
-    num_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    max_seq_len=256,
+    vocab_size=128, hidden_size=64, num_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+    intermediate_size=128, max_seq_len=256,
 )
 """A smaller decoder than the default: same code paths, faster numpy reference."""
 

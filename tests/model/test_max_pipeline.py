@@ -56,11 +56,8 @@ def write_checkpoint(out: Path, seed: int = 0) -> Path:
 
     hidden, head_dim, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
     ones = np.ones(hidden, np.float32)
-    weights = {
-        "model.embed_tokens.weight": w(c["vocab_size"], hidden),
-        "model.norm.weight": ones,
-        "lm_head.weight": w(c["vocab_size"], hidden),
-    }
+    weights = {"model.embed_tokens.weight": w(c["vocab_size"], hidden), "model.norm.weight": ones,
+               "lm_head.weight": w(c["vocab_size"], hidden)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights |= {
@@ -68,28 +65,18 @@ def write_checkpoint(out: Path, seed: int = 0) -> Path:
             p + "self_attn.k_proj.weight": w(c["num_key_value_heads"] * head_dim, hidden),
             p + "self_attn.v_proj.weight": w(c["num_key_value_heads"] * head_dim, hidden),
             p + "self_attn.o_proj.weight": w(hidden, c["num_attention_heads"] * head_dim),
-            p + "mlp.gate_proj.weight": w(inter, hidden),
-            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
             p + "mlp.down_proj.weight": w(hidden, inter),
-            p + "input_layernorm.weight": ones,
-            p + "post_attention_layernorm.weight": ones,
+            p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones,
         }
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer = Tokenizer(
-        models.WordLevel({f"t{i}": i for i in range(c["vocab_size"])}, unk_token="t0")
-    )
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(c["vocab_size"])},
+                                           unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "t1",
-                "eos_token": "t2",
-                "unk_token": "t0",
-            }
-        )
-    )
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t1", "eos_token": "t2",
+        "unk_token": "t0"}))
     return out / "model.safetensors"
 
 
@@ -105,18 +92,11 @@ def test_a_max_llama_pipeline_generates_the_same_tokens_on_a_mokv_manager(tmp_pa
 
     weights = write_checkpoint(tmp_path)
     config = PipelineConfig(
-        models={
-            "main": MAXModelConfig(
-                model_path=str(tmp_path),
-                weight_path=[weights],
-                device_specs=[DeviceSpec.cpu()],
-                quantization_encoding="float32",
-                max_length=512,
-                kv_cache=KVCacheConfig(kv_cache_page_size=PAGE_SIZE),
-            )
-        },
-        runtime=PipelineRuntimeConfig(max_batch_size=2),
-    )
+        models={"main": MAXModelConfig(
+            model_path=str(tmp_path), weight_path=[weights], device_specs=[DeviceSpec.cpu()],
+            quantization_encoding="float32", max_length=512,
+            kv_cache=KVCacheConfig(kv_cache_page_size=PAGE_SIZE))},
+        runtime=PipelineRuntimeConfig(max_batch_size=2))
     _, pipeline = PIPELINE_REGISTRY.retrieve(config)
     system = [int(t) for t in np.random.default_rng(1).integers(3, 256, 140)]  # > 1 page
     prompts = [system + [60, 61, 62], system + [70, 71]]
@@ -126,9 +106,7 @@ def test_a_max_llama_pipeline_generates_the_same_tokens_on_a_mokv_manager(tmp_pa
 
     theirs = run()  # MAX's own manager
     assert [len(s) for s in theirs] == [len(p) + 8 for p in prompts]
-    mokv_manager = MaxPipelineKVCacheManager.for_pipeline(
-        pipeline, InferenceSession(devices=[CPU()])
-    )
+    mokv_manager = MaxPipelineKVCacheManager.for_pipeline(pipeline, InferenceSession(devices=[CPU()]))
     pipeline._kv_manager = mokv_manager
     ours = run()
     assert ours == theirs

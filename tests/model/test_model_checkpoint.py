@@ -9,35 +9,21 @@ import mokv_graphs as mg
 import numpy as np
 import pytest
 
-LLAMA3 = {
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
 
 
 def hf_config(config, **overrides):
     """The config.json transformers 4 writes for `config` (a LlamaForCausalLM)."""
     hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_dim,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim,
         "intermediate_size": config.intermediate_size,
-        "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
+        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta, "rope_scaling": None, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
     }
     return hf | overrides
 
@@ -135,11 +121,8 @@ def test_tied_embeddings(tmp_path, config, weights):
 
 def test_bias_and_other_unused_tensors_are_named(tmp_path, config, weights):
     """A Qwen2-style file mislabelled as Llama would otherwise lose its biases silently."""
-    biases = {
-        f"model.layers.{i}.self_attn.{x}_proj.bias": np.ones(16, np.float32)
-        for i in range(2)
-        for x in "qkv"
-    }
+    biases = {f"model.layers.{i}.self_attn.{x}_proj.bias": np.ones(16, np.float32)
+              for i in range(2) for x in "qkv"}
     write_checkpoint(tmp_path / "bias", hf_config(config), weights | biases, 2)
     with pytest.raises(ValueError, match=r"6 checkpoint .*'model.layers.0.self_attn.k_proj.bias'"):
         mg.load_checkpoint(tmp_path / "bias")
@@ -172,9 +155,8 @@ def test_missing_files_and_tensors_are_named(tmp_path, config, weights):
         mg.load_checkpoint(tmp_path / "empty")
 
 
-def test_llama3_checkpoint_decodes_like_the_reference(
-    tmp_path, config, weights, session, make_kv_manager
-):
+def test_llama3_checkpoint_decodes_like_the_reference(tmp_path, config, weights, session,
+                                                       make_kv_manager):
     """The two-line load, then cached decoding with scaled RoPE equals the numpy decoder.
 
     Only the RoPE table (a weight) differs from the shared models' graph, so the

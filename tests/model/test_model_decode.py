@@ -89,9 +89,7 @@ def test_prefix_hits_and_shared_pages(config, weights, paged_model, make_kv_mana
     second = new_request(manager, np.r_[system, [4, 5, 6, 7]])
     logits = run(paged_model, manager, [second])
     assert second.start_idx == 40 and manager.metrics.cache_tokens == 40  # 5 pages reused
-    shared = set(manager.get_req_blocks(first.request_id)) & set(
-        manager.get_req_blocks(second.request_id)
-    )
+    shared = set(manager.get_req_blocks(first.request_id)) & set(manager.get_req_blocks(second.request_id))
     assert len(shared) == 5
     assert_matches_reference(config, weights, second, logits[0])
     finish_step(manager, [second], logits)
@@ -126,17 +124,13 @@ def workload(config, seed, n=8):
     rng = np.random.default_rng(seed)
     systems = [rng.integers(0, config.vocab_size, 30) for _ in range(2)]
     return [
-        mg.Request(
-            mokv.TextContext(np.r_[systems[i % 2], rng.integers(0, config.vocab_size, 5 + 3 * i)]),
-            int(rng.integers(6, 14)),
-        )
+        mg.Request(mokv.TextContext(np.r_[systems[i % 2], rng.integers(0, config.vocab_size, 5 + 3 * i)]),
+                   int(rng.integers(6, 14)))
         for i in range(n)
     ]
 
 
-def test_served_outputs_after_page_reuse_and_preemption(
-    config, weights, paged_model, make_kv_manager
-):
+def test_served_outputs_after_page_reuse_and_preemption(config, weights, paged_model, make_kv_manager):
     """A pool of 14 pages for 8 requests: pages are evicted, reused, requests preempted."""
     manager = make_kv_manager("paged", num_pages=14)
     requests = workload(config, seed=3)

@@ -15,18 +15,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_compile_only_example(tmp_path, strategy):
     """Cross-compiles the decoder for a virtual H100 and refuses to execute it."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "examples" / "compile_only.py"),
-            "--strategy",
-            strategy,
-            "--out",
-            str(tmp_path / "decoder.mef"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO_ROOT,
+        [sys.executable, str(REPO_ROOT / "examples" / "compile_only.py"),
+         "--strategy", strategy, "--out", str(tmp_path / "decoder.mef")],
+        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"NullKVCacheManager, {strategy} layout" in proc.stdout
@@ -39,10 +30,7 @@ def test_compile_only_example(tmp_path, strategy):
 def test_generate_example(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / "generate.py"), "--requests", "6"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO_ROOT,
+        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "matches the uncached recompute" in proc.stdout
@@ -53,11 +41,7 @@ def test_quickstart_example():
     with sequence ids) run and leave the state they print."""
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / "quickstart.py")],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO_ROOT,
+        check=False, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ctx3 shares the system prompt" in proc.stdout and "start_idx=32" in proc.stdout

@@ -28,14 +28,9 @@ def host_tier_manager(session, dp: int = 1):
     host = mokv.HostTierConfig(swap_space_gb=dp * HOST_PAGES * bytes_per_page / 2**30)
     params = dataclasses.replace(params, data_parallel_degree=dp, n_devices=dp, tiers=(host,))
     return mokv.load_kv_manager(
-        params,
-        max_batch_size=MAX_BATCH_SIZE,
-        max_seq_len=MAX_SEQ_LEN,
-        num_layers=CONFIG.num_layers,
-        devices=[CPU()] * dp,
-        session=session,
-        available_cache_memory=dp * DEVICE_PAGES * bytes_per_page,
-        page_size=PAGE_SIZE,
+        params, max_batch_size=MAX_BATCH_SIZE, max_seq_len=MAX_SEQ_LEN,
+        num_layers=CONFIG.num_layers, devices=[CPU()] * dp, session=session,
+        available_cache_memory=dp * DEVICE_PAGES * bytes_per_page, page_size=PAGE_SIZE,
         enable_runtime_checks=True,
     )
 

@@ -35,13 +35,8 @@ multiple (the CPU tests use pages of 8)."""
 def gpu_manager(session, gpu, strategy: str):
     params = CONFIG.kv_params(strategy, page_size=PAGE_SIZE, enable_prefix_caching=True)
     return mokv.load_kv_manager(
-        params,
-        max_batch_size=MAX_BATCH_SIZE,
-        max_seq_len=CONFIG.max_seq_len,
-        num_layers=CONFIG.num_layers,
-        devices=[gpu],
-        session=session,
-        page_size=PAGE_SIZE,
+        params, max_batch_size=MAX_BATCH_SIZE, max_seq_len=CONFIG.max_seq_len,
+        num_layers=CONFIG.num_layers, devices=[gpu], session=session, page_size=PAGE_SIZE,
         available_cache_memory=8 * params.bytes_per_page(CONFIG.num_layers),
     )
 

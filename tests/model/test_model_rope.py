@@ -45,15 +45,8 @@ def test_llama3_scaled_table_follows_the_definition(config):
 def test_llama31_frequencies():
     """Llama 3.1 8B's numbers: head_dim 128, theta 5e5, factor 8 beyond 8192 / 1 positions."""
     scaling = mg.Llama3RopeScaling(8.0, 1.0, 4.0, 8192)
-    config = mg.DecoderConfig(
-        hidden_size=4096,
-        n_heads=32,
-        n_kv_heads=8,
-        head_dim=128,
-        rope_theta=500000.0,
-        rope_scaling=scaling,
-        max_seq_len=4,
-    )
+    config = mg.DecoderConfig(hidden_size=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+                              rope_theta=500000.0, rope_scaling=scaling, max_seq_len=4)
     inv = inverse_frequencies(128, 500000.0, scaling)
     plain = 500000.0 ** (-np.arange(64) * 2 / 128)
     for i in range(64):

@@ -25,7 +25,7 @@ def expected_output(prompt, n):
     tokens = list(prompt)
     for _ in range(n):
         tokens.append(next_token(tokens))
-    return tokens[len(prompt) :]
+    return tokens[len(prompt):]
 
 
 class TokenCacheModel:
@@ -63,9 +63,7 @@ def workload(rng, num_requests, system_len=40, user_len=(3, 20), max_new=(4, 12)
     systems = [rng.integers(0, VOCAB, system_len) for _ in range(2)]
     return [
         mg.Request(
-            mokv.TextContext(
-                np.r_[systems[i % 2], rng.integers(0, VOCAB, rng.integers(*user_len))]
-            ),
+            mokv.TextContext(np.r_[systems[i % 2], rng.integers(0, VOCAB, rng.integers(*user_len))]),
             int(rng.integers(*max_new)),
         )
         for i in range(num_requests)
@@ -91,9 +89,7 @@ def test_outputs_and_cache_contents(make_kv_manager, strategy):
     finished = run_all(scheduler, requests)
     assert len(finished) == len(requests) and not scheduler.has_work
     for req in requests:
-        assert list(req.output) == expected_output(
-            req.ctx.tokens[: req.prompt_len], req.max_new_tokens
-        )
+        assert list(req.output) == expected_output(req.ctx.tokens[: req.prompt_len], req.max_new_tokens)
     assert max(model.batch_sizes) > 1  # requests really were batched together
     assert scheduler.stats.preemptions == 0
     if strategy == "paged":
@@ -108,15 +104,12 @@ def test_preemption_under_page_pressure(make_kv_manager):
     tokens each then decodes: the newest are preempted and recomputed."""
     manager = make_kv_manager("paged", num_pages=12)
     scheduler = mg.Scheduler(manager, TokenCacheModel(manager), token_budget=32)
-    requests = workload(
-        np.random.default_rng(1), 8, system_len=24, user_len=(3, 12), max_new=(20, 30)
-    )
+    requests = workload(np.random.default_rng(1), 8, system_len=24, user_len=(3, 12),
+                        max_new=(20, 30))
     run_all(scheduler, requests, arrive_per_step=8)
     assert scheduler.stats.preemptions > 0
     for req in requests:
-        assert list(req.output) == expected_output(
-            req.ctx.tokens[: req.prompt_len], req.max_new_tokens
-        )
+        assert list(req.output) == expected_output(req.ctx.tokens[: req.prompt_len], req.max_new_tokens)
     manager.check_invariants()
     assert manager.metrics.used_pages == 0
 
@@ -132,6 +125,7 @@ def test_multi_turn_reuses_the_conversation(make_kv_manager):
     run_all(scheduler, [second])
     assert manager.metrics.cache_tokens - hits_before >= 56  # 7 of 8 full pages reused
     assert list(second.output) == expected_output(second.ctx.tokens[: second.prompt_len], 5)
+
 
 
 def test_hooks_see_admissions_and_steps(make_kv_manager):

@@ -32,11 +32,8 @@ def test_bfloat16_checkpoint_with_tied_embeddings(tmp_path, config, weights):
     header, blobs, offset = {}, [], 0
     for name, arr in sorted(tensors.items()):
         bits = (arr.view(np.uint32) >> 16).astype("<u2")  # truncate float32 to bf16
-        header[name] = {
-            "dtype": "BF16",
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + bits.nbytes],
-        }
+        header[name] = {"dtype": "BF16", "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + bits.nbytes]}
         blobs.append(bits.tobytes())
         offset += bits.nbytes
     head = json.dumps(header).encode()
@@ -64,13 +61,11 @@ def test_graph_layout(config, weights):
     c = config
     wqkv = g["layers.0.wqkv"]
     assert wqkv.shape == (c.q_size + 2 * c.kv_size, c.hidden_size)
-    np.testing.assert_array_equal(
-        wqkv[c.q_size : c.q_size + c.kv_size], weights["model.layers.0.self_attn.k_proj.weight"]
-    )
+    np.testing.assert_array_equal(wqkv[c.q_size : c.q_size + c.kv_size],
+                                  weights["model.layers.0.self_attn.k_proj.weight"])
     gate_up = g["layers.1.w_gate_up"]
     assert gate_up.shape == (c.hidden_size, 2 * c.intermediate_size)
-    np.testing.assert_array_equal(
-        gate_up[:, c.intermediate_size :], weights["model.layers.1.mlp.up_proj.weight"].T
-    )
+    np.testing.assert_array_equal(gate_up[:, c.intermediate_size :],
+                                  weights["model.layers.1.mlp.up_proj.weight"].T)
     assert g["lm_head"].shape == (c.hidden_size, c.vocab_size)
     assert all(w.flags.c_contiguous for w in g.values())

@@ -35,14 +35,11 @@ class Dims:
     dtype: DType = DType.float32
 
     def kv_params(self, **overrides) -> mokv.KVCacheParams:
-        return mokv.KVCacheParams(
-            self.dtype, self.n_kv_heads, self.head_dim, page_size=self.page_size, **overrides
-        )
+        return mokv.KVCacheParams(self.dtype, self.n_kv_heads, self.head_dim,
+                                  page_size=self.page_size, **overrides)
 
     def inverse_frequencies(self) -> np.ndarray:
-        return self.theta ** (
-            -np.arange(0, self.head_dim // 2, dtype=np.float64) * 2 / self.head_dim
-        )
+        return self.theta ** (-np.arange(0, self.head_dim // 2, dtype=np.float64) * 2 / self.head_dim)
 
     def max_freqs_cis(self) -> np.ndarray:
         """MAX's RoPE table: per position, (cos, sin) of each frequency, interleaved."""
@@ -59,43 +56,26 @@ def build_layers(dims: Dims, params: mokv.KVCacheParams, device: DeviceRef):
     from max.nn.rotary_embedding import RotaryEmbedding
 
     # Only `interleaved` is read from it: the table itself is a graph input.
-    rope = RotaryEmbedding(
-        dims.hidden,
-        dims.n_heads,
-        dims.theta,
-        dims.max_seq_len,
-        head_dim=dims.head_dim,
-        interleaved=False,
-    )
+    rope = RotaryEmbedding(dims.hidden, dims.n_heads, dims.theta, dims.max_seq_len,
+                           head_dim=dims.head_dim, interleaved=False)
     kv_params = mokv.max_kv_params(params, dims.num_layers, [device])
-    return LayerList(
-        [
-            AttentionWithRope(
-                rope=rope,
-                num_attention_heads=dims.n_heads,
-                num_key_value_heads=dims.n_kv_heads,
-                hidden_size=dims.hidden,
-                kv_params=kv_params,
-                devices=[device],
-                dtype=dims.dtype,
-            )
-            for _ in range(dims.num_layers)
-        ]
-    )
+    return LayerList([
+        AttentionWithRope(rope=rope, num_attention_heads=dims.n_heads,
+                          num_key_value_heads=dims.n_kv_heads, hidden_size=dims.hidden,
+                          kv_params=kv_params, devices=[device], dtype=dims.dtype)
+        for _ in range(dims.num_layers)
+    ])
 
 
 def build_graph(dims: Dims, manager, layers, device: DeviceRef) -> Graph:
     (symbols,) = manager.max_input_symbols()
     cache_types = tree.leaves(symbols)
-    input_types = [
-        *cache_types,
-        TensorType(dims.dtype, ["tokens", dims.hidden], device=device),
-        TensorType(DType.uint32, ["batch_plus_1"], device=device),
-        TensorType(DType.float32, [dims.max_seq_len, dims.head_dim], device=device),
-    ]
+    input_types = [*cache_types, TensorType(dims.dtype, ["tokens", dims.hidden], device=device),
+                   TensorType(DType.uint32, ["batch_plus_1"], device=device),
+                   TensorType(DType.float32, [dims.max_seq_len, dims.head_dim], device=device)]
     with Graph("max_attention_on_mokv", input_types=input_types) as graph:
         kv = mokv.max_cache_values(graph.inputs[: len(cache_types)])
-        h, offsets, freqs_cis = (v.tensor for v in graph.inputs[len(cache_types) :])
+        h, offsets, freqs_cis = (v.tensor for v in graph.inputs[len(cache_types):])
         for i, layer in enumerate(layers):
             layer_idx = ops.constant(i, DType.uint32, device=DeviceRef.CPU())
             h = h + layer(layer_idx, h, kv, freqs_cis, offsets)

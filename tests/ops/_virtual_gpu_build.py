@@ -45,16 +45,12 @@ def main() -> None:
     ot = TensorType(DType.uint32, ["num_offsets"], device=dev)
     ft = TensorType(DType.float32, [64, 128], device=dev)
     with Graph(
-        "virtual_gpu",
-        input_types=[*paged, *cont, ht, wt, kt, ot, ft],
-        custom_extensions=[kernels_path()],
+        "virtual_gpu", input_types=[*paged, *cont, ht, wt, kt, ot, ft], custom_extensions=[kernels_path()]
     ) as g:
         p_in, c_in, (h, w, k, off, freqs) = g.inputs[:4], g.inputs[4:8], g.inputs[8:]
         outs = []
-        for kv in (
-            FetchPagedKVCacheCollection(params, layers)(*p_in),
-            FetchContinuousBatchingKVCacheCollection(params, layers)(*c_in),
-        ):
+        for kv in (FetchPagedKVCacheCollection(params, layers)(*p_in),
+                   FetchContinuousBatchingKVCacheCollection(params, layers)(*c_in)):
             store_kv(kv, k, k, off, 0)
             q = fused_qkv_matmul(kv, h, w, off, 1, n_q)
             q = fused_qkv_matmul(kv, h, w, off, 1, n_q, freqs_cis=freqs)
@@ -65,9 +61,7 @@ def main() -> None:
     # 16 ops, so the collection crosses a region boundary while ops of its own region
     # still read it. That fails to compile ("use of uninitialized value") unless the
     # collection type is TrivialRegisterPassable (mokv/types.mojo, KVCollectionT).
-    with Graph(
-        "virtual_gpu_split", input_types=[*paged, kt, ot], custom_extensions=[kernels_path()]
-    ) as g2:
+    with Graph("virtual_gpu_split", input_types=[*paged, kt, ot], custom_extensions=[kernels_path()]) as g2:
         kv = FetchPagedKVCacheCollection(params, layers)(*g2.inputs[:4])
         for i in range(16):
             store_kv(kv, g2.inputs[4], g2.inputs[4], g2.inputs[5], i % layers)

@@ -33,24 +33,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 # tests/ops/_max_layers.py, found through sys.path above (this runs as a script)
 from _max_layers import Dims, build_graph, build_layers  # type: ignore[import-not-found]  # noqa: E402
 
-DIMS = Dims(
-    hidden=256,
-    n_heads=8,
-    n_kv_heads=2,
-    head_dim=128,
-    page_size=128,
-    max_seq_len=256,
-    dtype=DType.bfloat16,
-)
+DIMS = Dims(hidden=256, n_heads=8, n_kv_heads=2, head_dim=128, page_size=128, max_seq_len=256,
+            dtype=DType.bfloat16)
 
 
 def main() -> None:
     gpu = Accelerator()
     params = DIMS.kv_params()
     session = InferenceSession(devices=[CPU(), gpu])
-    manager = mokv.NullKVCacheManager(
-        params, 4, DIMS.max_seq_len, DIMS.num_layers, [gpu], session, available_cache_memory=0
-    )
+    manager = mokv.NullKVCacheManager(params, 4, DIMS.max_seq_len, DIMS.num_layers, [gpu],
+                                      session, available_cache_memory=0)
     layers = build_layers(DIMS, params, DeviceRef.GPU())
     weights = layers.state_dict()  # zeros: the weights' values do not matter here
     graph = build_graph(DIMS, manager, layers, DeviceRef.GPU())

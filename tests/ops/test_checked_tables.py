@@ -60,10 +60,8 @@ def test_layer_idx_past_num_layers_fails_at_graph_build() -> None:
     with _graph(params, kt, ht, wt, qt, ot) as g:
         k, h, w, q, off = g.inputs[4:]
         # num_layers from the fetcher, or else from the static dim 2 of blocks
-        for fetch in (
-            FetchPagedKVCacheCollection(params, num_layers=NUM_LAYERS),
-            FetchPagedKVCacheCollection(params),
-        ):
+        for fetch in (FetchPagedKVCacheCollection(params, num_layers=NUM_LAYERS),
+                      FetchPagedKVCacheCollection(params)):
             kv = fetch(*g.inputs[:4])
             assert kv.num_layers == NUM_LAYERS
             match = f"layer_idx={NUM_LAYERS} is out of range: the collection has num_layers=2"
@@ -126,9 +124,7 @@ def test_gpu_attention_refuses_pages_that_are_not_a_multiple_of_128() -> None:
     qt = TensorType(DType.bfloat16, ["t", 4, 128], device=gpu)
     ot = TensorType(DType.uint32, ["n"], device=gpu)
     for page_size, refused in ((16, True), (64, True), (128, False), (256, False)):
-        params = KVCacheParams(
-            dtype=DType.bfloat16, n_kv_heads=2, head_dim=128, page_size=page_size
-        )
+        params = KVCacheParams(dtype=DType.bfloat16, n_kv_heads=2, head_dim=128, page_size=page_size)
         with _graph(params, qt, ot, device=gpu) as g:
             kv = FetchPagedKVCacheCollection(params)(*g.inputs[:4])
             if refused:
@@ -199,13 +195,8 @@ def test_paged_bad_tables_raise_naming_the_entry(compiled) -> None:
     # A page id far past the blocks buffer (unchecked: SIGSEGV in store_kv).
     cache, args, offsets = _store_attention_inputs(cfg, [20, 3], [1, 5])
     cache.lookup_table[1, 0] = 10**6
-    _raises_before_the_kernel(
-        model,
-        cache,
-        args,
-        offsets,
-        r"lookup_table\[1, 0\] = 1000000 >= num_pages = \d+ \(blocks dim 0\)",
-    )
+    _raises_before_the_kernel(model, cache, args, offsets,
+                              r"lookup_table\[1, 0\] = 1000000 >= num_pages = \d+ \(blocks dim 0\)")
     # A cache length past the lookup row: 32 + 1 positions need 3 pages, the row has 2
     # (unchecked: store_kv writes into the page the next row names, another sequence's).
     # The row is cut to its pages: the check bounds positions by the table's width, and
@@ -213,15 +204,13 @@ def test_paged_bad_tables_raise_naming_the_entry(compiled) -> None:
     cache, args, offsets = _store_attention_inputs(cfg, [20, 3], [1, 5])
     cache.lookup_table = cache.lookup_table[:, :2].copy()
     cache.cache_lengths[0] = 32
-    _raises_before_the_kernel(
-        model, cache, args, offsets, r"cache_lengths\[0\] = 32 \+ 1 new tokens = 33 positions > 32"
-    )
+    _raises_before_the_kernel(model, cache, args, offsets,
+                              r"cache_lengths\[0\] = 32 \+ 1 new tokens = 33 positions > 32")
     # Row offsets past the queries (unchecked: reads past k, v and q).
     cache, args, offsets = _store_attention_inputs(cfg, [20, 3], [1, 5])
     offsets[2] = 9
-    _raises_before_the_kernel(
-        model, cache, args, offsets, r"input_row_offsets\[2\] = 9, expected total_tokens = 6"
-    )
+    _raises_before_the_kernel(model, cache, args, offsets,
+                              r"input_row_offsets\[2\] = 9, expected total_tokens = 6")
     # The compiled model still works after the errors.
     cache, args, offsets = _store_attention_inputs(cfg, [20, 3], [1, 5])
     model.execute(*cache.buffers(), *args, buffer(offsets))
@@ -235,13 +224,8 @@ def test_continuous_bad_slot_raises_and_valid_tables_match(compiled) -> None:
     cfg = checked(CONT_F32_MHA)
     cache, args, offsets = _store_attention_inputs(cfg, [0, 17], [12, 1])
     cache.lookup_table[1] = cache.blocks.shape[0]  # one slot past the buffer
-    _raises_before_the_kernel(
-        compiled("store_attention", cfg),
-        cache,
-        args,
-        offsets,
-        r"lookup_table\[1\] = 3 >= max_batch_size = 3 \(blocks dim 0\)",
-    )
+    _raises_before_the_kernel(compiled("store_attention", cfg), cache, args, offsets,
+                              r"lookup_table\[1\] = 3 >= max_batch_size = 3 \(blocks dim 0\)")
     _bit_identical(compiled, CONT_F32_MHA, [0, 17, 70], [12, 1, 4])
 
 
@@ -251,12 +235,8 @@ def test_rope_positions_past_the_freqs_table_raise(compiled) -> None:
     rng = np.random.default_rng(3)
     hidden = rng.standard_normal((sum(new_tokens), cfg.hidden)).astype(np.float32)
     wqkv = rng.standard_normal(((cfg.n_q + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.hidden))
-    args = [
-        buffer(hidden),
-        buffer(wqkv.astype(np.float32)),
-        buffer(row_offsets(new_tokens)),
-        buffer(rope_freqs_cis(cfg.head_dim, MAX_SEQ_LEN)),
-    ]
+    args = [buffer(hidden), buffer(wqkv.astype(np.float32)), buffer(row_offsets(new_tokens)),
+            buffer(rope_freqs_cis(cfg.head_dim, MAX_SEQ_LEN))]
 
     def run(cfg: Config, cache_lengths: list[int]):
         cache = make_cache(cfg.params, cache_lengths, new_tokens, np.random.default_rng(4))

@@ -23,29 +23,11 @@ from .conftest import (
 
 CASES = [
     # paged, f32, RoPE, GQA 4, head 64
-    Config(
-        "paged",
-        DType.float32,
-        n_kv_heads=2,
-        head_dim=64,
-        group=4,
-        page_size=16,
-        hidden=96,
-        rope=True,
-    ),
+    Config("paged", DType.float32, n_kv_heads=2, head_dim=64, group=4, page_size=16, hidden=96, rope=True),
     # continuous, bf16, no RoPE, GQA 8... head 128
     Config("continuous", DType.bfloat16, n_kv_heads=1, head_dim=128, group=8, hidden=64),
     # paged, bf16, RoPE, MHA, head 128
-    Config(
-        "paged",
-        DType.bfloat16,
-        n_kv_heads=2,
-        head_dim=128,
-        group=1,
-        page_size=8,
-        hidden=128,
-        rope=True,
-    ),
+    Config("paged", DType.bfloat16, n_kv_heads=2, head_dim=128, group=1, page_size=8, hidden=128, rope=True),
     # hidden 600: two K chunks (512 + 88), each with a tail that is not a multiple of 16
     Config("paged", DType.float32, n_kv_heads=1, head_dim=64, group=2, page_size=16, hidden=600),
     # hidden 600 in bf16: the packed path widens the weights into an f32 strip per K
@@ -66,14 +48,10 @@ LAYOUTS = {
     "packed-537": ([0, 3], [530, 7]),  # two units: 512 tokens (48-blocks + 32), then 25
 }
 TAIL_CASES = [
-    (CASES[3], "stream-8"),
-    (CASES[3], "packed-54"),
-    (CASES[3], "packed-537"),  # hidden 600
-    (CASES[2], "stream-8"),
-    (CASES[2], "packed-54"),  # bf16, RoPE
+    (CASES[3], "stream-8"), (CASES[3], "packed-54"), (CASES[3], "packed-537"),  # hidden 600
+    (CASES[2], "stream-8"), (CASES[2], "packed-54"),  # bf16, RoPE
     (CASES[0], "stream-8"),  # f32, RoPE, head 64
-    (CASES[4], "stream-8"),
-    (CASES[4], "packed-537"),  # bf16, hidden 600
+    (CASES[4], "stream-8"), (CASES[4], "packed-537"),  # bf16, hidden 600
 ]
 plan_graphs("qkv_attention", CASES)
 plan_graphs("qkv_attention", [cfg for cfg, _ in TAIL_CASES], paths=("portable",))
@@ -88,45 +66,30 @@ def test_fused_qkv_then_attention(compiled, cfg):
     _check(compiled, cfg, *LAYOUTS["packed-22"])  # prefill | decode | prefill on a prefix
 
 
-@pytest.mark.parametrize(
-    "cfg,layout", TAIL_CASES, ids=lambda x: x if isinstance(x, str) else _ids(x)
-)
+@pytest.mark.parametrize("cfg,layout", TAIL_CASES, ids=lambda x: x if isinstance(x, str) else _ids(x))
 def test_fused_qkv_token_tails(compiled_each_path, cfg, layout):
     _check(compiled_each_path, cfg, *LAYOUTS[layout])
 
 
-def _check(
-    compiled,
-    cfg: Config,
-    cache_lengths: list[int],
-    new_tokens: list[int],
-    attn_tol: float | None = None,
-) -> None:
+def _check(compiled, cfg: Config, cache_lengths: list[int], new_tokens: list[int],
+           attn_tol: float | None = None) -> None:
     rng = np.random.default_rng(7)
     cache = make_cache(cfg.params, cache_lengths, new_tokens, rng)
     total, d = sum(new_tokens), cfg.head_dim
     hidden = storage(rng.standard_normal((total, cfg.hidden)).astype(np.float32) * 0.5, cfg.dtype)
     rows = (cfg.n_q + 2 * cfg.n_kv_heads) * d
-    wqkv = storage(
-        rng.standard_normal((rows, cfg.hidden)).astype(np.float32) / np.sqrt(cfg.hidden), cfg.dtype
-    )
+    wqkv = storage(rng.standard_normal((rows, cfg.hidden)).astype(np.float32) / np.sqrt(cfg.hidden), cfg.dtype)
     offsets = row_offsets(new_tokens)
     freqs = rope_freqs_cis(d, MAX_SEQ_LEN)
     extra = [buffer(freqs)] if cfg.rope else []
     q_buf, attn_buf = compiled("qkv_attention", cfg).execute(
-        *cache.buffers(),
-        buffer(hidden, cfg.dtype),
-        buffer(wqkv, cfg.dtype),
-        buffer(offsets),
-        *extra,
+        *cache.buffers(), buffer(hidden, cfg.dtype), buffer(wqkv, cfg.dtype), buffer(offsets), *extra
     )
     as_np = lambda b: (b.view(DType.uint16) if cfg.dtype == DType.bfloat16 else b).to_numpy()  # noqa: E731
     q, attn = values(as_np(q_buf), cfg.dtype), values(as_np(attn_buf), cfg.dtype)
 
     # Reference projection in float64 from the (already rounded) inputs.
-    proj = (
-        values(hidden, cfg.dtype).astype(np.float64) @ values(wqkv, cfg.dtype).astype(np.float64).T
-    )
+    proj = values(hidden, cfg.dtype).astype(np.float64) @ values(wqkv, cfg.dtype).astype(np.float64).T
     ref_q = proj[:, : cfg.n_q * d].reshape(total, cfg.n_q, d)
     ref_k = proj[:, cfg.n_q * d : (cfg.n_q + cfg.n_kv_heads) * d].reshape(total, cfg.n_kv_heads, d)
     ref_v = proj[:, (cfg.n_q + cfg.n_kv_heads) * d :].reshape(total, cfg.n_kv_heads, d)
@@ -136,12 +99,8 @@ def _check(
             pos = cache_lengths[b] + i
             if cfg.rope:
                 ref_q[t], ref_k[t] = ref_rope(ref_q[t], pos, freqs), ref_rope(ref_k[t], pos, freqs)
-            np.testing.assert_allclose(
-                cache.rows(b, LAYER, 0, pos, pos + 1)[0], ref_k[t], atol=tol, rtol=tol
-            )
-            np.testing.assert_allclose(
-                cache.rows(b, LAYER, 1, pos, pos + 1)[0], ref_v[t], atol=tol, rtol=tol
-            )
+            np.testing.assert_allclose(cache.rows(b, LAYER, 0, pos, pos + 1)[0], ref_k[t], atol=tol, rtol=tol)
+            np.testing.assert_allclose(cache.rows(b, LAYER, 1, pos, pos + 1)[0], ref_v[t], atol=tol, rtol=tol)
     np.testing.assert_allclose(q.reshape(total, cfg.n_q, d), ref_q, atol=tol, rtol=tol)
     ref = ref_attention(q.reshape(total, cfg.n_q, d), cache, offsets, LAYER, 1.0 / np.sqrt(d))
     np.testing.assert_allclose(attn, ref, atol=attn_tol or tol, rtol=attn_tol or tol)

@@ -18,9 +18,7 @@ from .test_store_attention import (
     run_store_attention,
 )
 
-plan_graphs(
-    "store_attention", [PAGED_F32_GQA4, PAGED_BF16_GQA8_P32, CONT_F32_MHA], paths=("max-kernels",)
-)
+plan_graphs("store_attention", [PAGED_F32_GQA4, PAGED_BF16_GQA8_P32, CONT_F32_MHA], paths=("max-kernels",))
 
 
 @pytest.mark.parametrize(

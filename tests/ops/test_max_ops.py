@@ -36,24 +36,19 @@ def build_mokv_graph(manager) -> Graph:
     `wqkv.<i>` (Q, K, V rows) and `wo_t.<i>` (o_proj transposed)."""
     (symbols,) = manager.input_symbols()
     cpu = DeviceRef.CPU()
-    input_types = [
-        *symbols,
-        TensorType(DType.float32, ["tokens", HIDDEN], device=cpu),
-        TensorType(DType.uint32, ["batch_plus_1"], device=cpu),
-        TensorType(DType.float32, [MAX_SEQ_LEN, HEAD_DIM], device=cpu),
-    ]
+    input_types = [*symbols, TensorType(DType.float32, ["tokens", HIDDEN], device=cpu),
+                   TensorType(DType.uint32, ["batch_plus_1"], device=cpu),
+                   TensorType(DType.float32, [MAX_SEQ_LEN, HEAD_DIM], device=cpu)]
     with Graph("mokv_attention", input_types=input_types) as graph:
         kv = manager.layout.fetch(manager.params, NUM_LAYERS, *graph.inputs[:4])
         h, offsets, freqs_cis = (v.tensor for v in graph.inputs[4:])
         q_size = N_HEADS * HEAD_DIM
         for i in range(NUM_LAYERS):
-            wqkv = Weight(
-                f"wqkv.{i}", DType.float32, [q_size + 2 * N_KV_HEADS * HEAD_DIM, HIDDEN], device=cpu
-            )
+            wqkv = Weight(f"wqkv.{i}", DType.float32, [q_size + 2 * N_KV_HEADS * HEAD_DIM, HIDDEN],
+                          device=cpu)
             q = fused_qkv_matmul(kv, h, wqkv, offsets, i, N_HEADS, freqs_cis=freqs_cis)
-            attn = flash_attention(
-                kv, ops.reshape(q, [-1, N_HEADS, HEAD_DIM]), offsets, i, scale=HEAD_DIM**-0.5
-            )
+            attn = flash_attention(kv, ops.reshape(q, [-1, N_HEADS, HEAD_DIM]), offsets, i,
+                                   scale=HEAD_DIM**-0.5)
             wo_t = Weight(f"wo_t.{i}", DType.float32, [q_size, HIDDEN], device=cpu)
             h = h + ops.reshape(attn, [-1, q_size]) @ wo_t
         graph.output(h)
@@ -64,7 +59,7 @@ def rope(x: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Rotate-half RoPE of `x [tokens, heads, head_dim]` at `positions`."""
     angles = positions[:, None] * DIMS.inverse_frequencies()[None, :]
     cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
-    lo, hi = x[..., : HEAD_DIM // 2], x[..., HEAD_DIM // 2 :]
+    lo, hi = x[..., : HEAD_DIM // 2], x[..., HEAD_DIM // 2:]
     return np.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
 
 
@@ -74,10 +69,7 @@ def reference(tokens: np.ndarray, embed: np.ndarray, weights: dict) -> np.ndarra
     positions = np.arange(len(tokens))
     group = N_HEADS // N_KV_HEADS
     for i in range(NUM_LAYERS):
-        w = {
-            k: weights[f"{i}.{k}.weight"].astype(np.float64)
-            for k in ("q_proj", "k_proj", "v_proj", "o_proj")
-        }
+        w = {k: weights[f"{i}.{k}.weight"].astype(np.float64) for k in ("q_proj", "k_proj", "v_proj", "o_proj")}
         q = rope((h @ w["q_proj"].T).reshape(-1, N_HEADS, HEAD_DIM), positions)
         k = rope((h @ w["k_proj"].T).reshape(-1, N_KV_HEADS, HEAD_DIM), positions)
         v = (h @ w["v_proj"].T).reshape(-1, N_KV_HEADS, HEAD_DIM)
@@ -93,15 +85,8 @@ def reference(tokens: np.ndarray, embed: np.ndarray, weights: dict) -> np.ndarra
 
 def make_manager(session, params: mokv.KVCacheParams) -> mokv.PagedKVCacheManager:
     return mokv.PagedKVCacheManager(
-        params,
-        4,
-        MAX_SEQ_LEN,
-        NUM_LAYERS,
-        [CPU()],
-        session,
-        available_cache_memory=24 * params.bytes_per_page(NUM_LAYERS),
-        enable_runtime_checks=True,
-    )
+        params, 4, MAX_SEQ_LEN, NUM_LAYERS, [CPU()], session,
+        available_cache_memory=24 * params.bytes_per_page(NUM_LAYERS), enable_runtime_checks=True)
 
 
 def test_max_attention_layers_on_a_mokv_manager(session):
@@ -109,20 +94,17 @@ def test_max_attention_layers_on_a_mokv_manager(session):
     manager, twin = make_manager(session, params), make_manager(session, params)
     rng = np.random.default_rng(0)
     layers = build_layers(DIMS, params, DeviceRef.CPU())
-    layers.load_state_dict(
-        {
-            name: (0.1 * rng.standard_normal([int(d) for d in w.shape])).astype(np.float32)
-            for name, w in layers.raw_state_dict().items()
-        }
-    )
+    layers.load_state_dict({
+        name: (0.1 * rng.standard_normal([int(d) for d in w.shape])).astype(np.float32)
+        for name, w in layers.raw_state_dict().items()
+    })
     weights = {k: np.asarray(v) for k, v in layers.state_dict().items()}
     graph = build_graph(DIMS, manager, layers, DeviceRef.CPU())
     model = session.load(graph, weights_registry=layers.state_dict())
     mokv_weights = {}
     for i in range(NUM_LAYERS):
         mokv_weights[f"wqkv.{i}"] = np.concatenate(
-            [weights[f"{i}.{k}.weight"] for k in ("q_proj", "k_proj", "v_proj")]
-        )
+            [weights[f"{i}.{k}.weight"] for k in ("q_proj", "k_proj", "v_proj")])
         mokv_weights[f"wo_t.{i}"] = np.ascontiguousarray(weights[f"{i}.o_proj.weight"].T)
     with mokv.filter_collection_warnings():
         mokv_model = session.load(build_mokv_graph(twin), weights_registry=mokv_weights)
@@ -146,10 +128,8 @@ def test_max_attention_layers_on_a_mokv_manager(session):
         mokv_out = mokv_model.execute(*twin_inputs, *step_inputs, mokv_freqs)[0].to_numpy()
         np.testing.assert_allclose(out, mokv_out, rtol=1e-4, atol=1e-4)
         for b, ctx in enumerate(batch):
-            expected = reference(ctx.tokens[: ctx.active_idx], embed, weights)[ctx.start_idx :]
-            np.testing.assert_allclose(
-                out[offsets[b] : offsets[b + 1]], expected, rtol=2e-4, atol=2e-4
-            )
+            expected = reference(ctx.tokens[: ctx.active_idx], embed, weights)[ctx.start_idx:]
+            np.testing.assert_allclose(out[offsets[b]:offsets[b + 1]], expected, rtol=2e-4, atol=2e-4)
         for ctx, twin_ctx in zip(batch, twin_batch):
             token = int(rng.integers(0, 1000))
             ctx.update(token)
@@ -183,9 +163,7 @@ def test_max_attention_layers_on_a_mokv_manager(session):
 def test_the_extra_inputs_are_the_ones_maxs_manager_builds(session):
     from max.nn.kv_cache import MHAKVCacheParams, build_max_lengths_tensors, padded_lut_cols
 
-    assert [lookup_table_width(n) for n in range(1, 300)] == [
-        padded_lut_cols(n) for n in range(1, 300)
-    ]
+    assert [lookup_table_width(n) for n in range(1, 300)] == [padded_lut_cols(n) for n in range(1, 300)]
     manager = make_manager(session, DIMS.kv_params())
     a, b = TextContext(np.arange(40)), TextContext(np.arange(3))
     for ctx in (a, b):
@@ -197,14 +175,9 @@ def test_the_extra_inputs_are_the_ones_maxs_manager_builds(session):
     max_prompt, max_cache = build_max_lengths_tensors(40, 40)
     assert inputs.max_prompt_length.to_numpy().tolist() == max_prompt.to_numpy().tolist() == [40]
     assert inputs.max_cache_length.to_numpy().tolist() == max_cache.to_numpy().tolist() == [40]
-    max_params = MHAKVCacheParams(
-        dtype=DType.float32,
-        head_dim=HEAD_DIM,
-        num_layers=NUM_LAYERS,
-        devices=[DeviceRef.CPU()],
-        n_kv_heads=N_KV_HEADS,
-        page_size=DIMS.page_size,
-    )
+    max_params = MHAKVCacheParams(dtype=DType.float32, head_dim=HEAD_DIM, num_layers=NUM_LAYERS,
+                                  devices=[DeviceRef.CPU()], n_kv_heads=N_KV_HEADS,
+                                  page_size=DIMS.page_size)
     metadata = np.zeros(4, np.int64)
     max_params.resolve_attn_key(2, 40, 40).pack_into(metadata, 40)
     assert inputs.attention_dispatch_metadata.to_numpy().tolist() == metadata.tolist()
@@ -213,15 +186,9 @@ def test_the_extra_inputs_are_the_ones_maxs_manager_builds(session):
     assert inputs.kv_blocks is manager.replicas[0].blocks[0]
     (symbols,) = manager.max_input_symbols()
     assert [(t.dtype, t.rank) for t in tree.leaves(symbols)] == [
-        (b.dtype, b.rank) for b in tree.leaves(inputs)
-    ]
+        (b.dtype, b.rank) for b in tree.leaves(inputs)]
     with pytest.raises(TypeError, match="paged"):
         cont = mokv.ContinuousKVCacheManager(
             mokv.KVCacheParams(DType.float32, N_KV_HEADS, HEAD_DIM, cache_strategy="continuous"),
-            2,
-            32,
-            NUM_LAYERS,
-            [CPU()],
-            session,
-        )
+            2, 32, NUM_LAYERS, [CPU()], session)
         cont.max_input_symbols()

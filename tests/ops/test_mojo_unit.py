@@ -25,12 +25,7 @@ from mokv.ops.cpu_paths import PORTABLE_DEFINE, host_cpu_flags, host_takes_porta
 
 ROOT = Path(__file__).resolve().parents[2]
 MOJO_TESTS = sorted((ROOT / "tests" / "mojo").glob("test_*.mojo"))
-KERNEL_TESTS = {
-    "test_exp2.mojo",
-    "test_decode_forms.mojo",
-    "test_fused_qkv.mojo",
-    "test_manager_kernels.mojo",
-}
+KERNEL_TESTS = {"test_exp2.mojo", "test_decode_forms.mojo", "test_fused_qkv.mojo", "test_manager_kernels.mojo"}
 DECODE_DIRECT = ROOT / "benchmarks" / "decode_direct.mojo"
 
 CPU_PATHS = {
@@ -48,9 +43,7 @@ CROSS_TARGETS = {
 def _skip_unrunnable(path_name: str) -> None:
     if path_name == "portable" and host_takes_portable_paths():
         pytest.skip("this host's native CPU paths are the portable ones")
-    if path_name == "x86-64-v3" and (
-        platform.machine() != "x86_64" or "avx2" not in host_cpu_flags()
-    ):
+    if path_name == "x86-64-v3" and (platform.machine() != "x86_64" or "avx2" not in host_cpu_flags()):
         pytest.skip("x86-64-v3 code runs on an x86-64 host with AVX2 only")
 
 
@@ -59,14 +52,8 @@ def _mojo(command: str, *args: str) -> subprocess.CompletedProcess:
     that graphs compile for (MAX's virtual CPU target, if set) unless `args` name one."""
     named = {"--target-cpu", "--target-triple"} & set(args)
     return subprocess.run(
-        [
-            _mojo_binary(),
-            command,
-            "-I",
-            str(kernels_path().parent),
-            *([] if named else mojo_target_flags()),
-            *args,
-        ],
+        [_mojo_binary(), command, "-I", str(kernels_path().parent),
+         *([] if named else mojo_target_flags()), *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -113,14 +100,5 @@ def test_kernels_build_for_other_cpus(tmp_path: Path, target: str) -> None:
     ]
     for i, (source, defines) in enumerate(builds):
         out = tmp_path / f"{i}.o"
-        proc = _mojo(
-            "build",
-            *CROSS_TARGETS[target],
-            *defines,
-            "--emit",
-            "object",
-            "-o",
-            str(out),
-            str(source),
-        )
+        proc = _mojo("build", *CROSS_TARGETS[target], *defines, "--emit", "object", "-o", str(out), str(source))
         assert proc.returncode == 0 and out.stat().st_size > 0, (proc.stdout + proc.stderr)[-4000:]

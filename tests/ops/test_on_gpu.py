@@ -61,16 +61,9 @@ mantissa bits): on an H200 its outputs were 3.5e-4 to 2.8e-3 from the float64 re
 
 def gpu_tol(cfg: Config) -> float | None:
     return GPU_F32_TOL if cfg.dtype == DType.float32 else None
-
-
 GPU_CONFIGS = {
-    "store_attention": [
-        PAGED_F32_GQA4_GPU,
-        PAGED_BF16_GQA8_GPU,
-        CONT_F32_MHA,
-        PAGED_BF16_GQA1_GPU,
-        PAGED_BF16_GQA4_GPU,
-    ],
+    "store_attention": [PAGED_F32_GQA4_GPU, PAGED_BF16_GQA8_GPU, CONT_F32_MHA, PAGED_BF16_GQA1_GPU,
+                        PAGED_BF16_GQA4_GPU],
     "qkv_attention": QKV_CASES,
 }
 """Every configuration these tests run, per graph kind: one model per kind, as on the CPU."""
@@ -128,11 +121,8 @@ def test_split_keys_on_gpu(gpu_compiled, cache_lengths, new_tokens):
     check(cfg, *run_store_attention(gpu_compiled, cfg, cache_lengths, new_tokens), tol=gpu_tol(cfg))
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [PAGED_BF16_GQA1_GPU, PAGED_BF16_GQA4_GPU, PAGED_BF16_GQA8_GPU],
-    ids=["gqa1", "gqa4", "gqa8"],
-)
+@pytest.mark.parametrize("cfg", [PAGED_BF16_GQA1_GPU, PAGED_BF16_GQA4_GPU, PAGED_BF16_GQA8_GPU],
+                         ids=["gqa1", "gqa4", "gqa8"])
 def test_bf16_long_decode_on_gpu(gpu_compiled, cfg):
     cpu_tests.test_paged_bf16_long_decode(gpu_compiled, cfg)
 

@@ -20,9 +20,7 @@ from .conftest import (
 
 PAGED_F32_GQA4 = Config("paged", DType.float32, n_kv_heads=2, head_dim=64, group=4, page_size=16)
 PAGED_BF16_GQA8 = Config("paged", DType.bfloat16, n_kv_heads=1, head_dim=128, group=8, page_size=8)
-PAGED_BF16_GQA8_P32 = Config(
-    "paged", DType.bfloat16, n_kv_heads=2, head_dim=128, group=8, page_size=32
-)
+PAGED_BF16_GQA8_P32 = Config("paged", DType.bfloat16, n_kv_heads=2, head_dim=128, group=8, page_size=32)
 CONT_F32_MHA = Config("continuous", DType.float32, n_kv_heads=4, head_dim=128, group=1)
 PAGED_BF16_GQA1 = Config("paged", DType.bfloat16, n_kv_heads=4, head_dim=128, group=1)
 PAGED_BF16_GQA4 = Config("paged", DType.bfloat16, n_kv_heads=2, head_dim=128, group=4)
@@ -31,15 +29,8 @@ PAGED_F32_MHA20 = Config("paged", DType.float32, n_kv_heads=20, head_dim=64, gro
 
 TOL = {DType.float32: 2e-5, DType.bfloat16: 2e-2}
 
-EACH_PATH = [
-    PAGED_F32_GQA4,
-    PAGED_BF16_GQA1,
-    PAGED_BF16_GQA4,
-    PAGED_BF16_GQA8,
-    PAGED_BF16_GQA8_P32,
-    PAGED_F32_GQA8,
-    PAGED_F32_MHA20,
-]  # the tests that take `compiled_each_path`
+EACH_PATH = [PAGED_F32_GQA4, PAGED_BF16_GQA1, PAGED_BF16_GQA4, PAGED_BF16_GQA8, PAGED_BF16_GQA8_P32,
+             PAGED_F32_GQA8, PAGED_F32_MHA20]  # the tests that take `compiled_each_path`
 plan_graphs("store_attention", EACH_PATH, paths=("native", "portable"))
 plan_graphs("store_attention", [CONT_F32_MHA])
 
@@ -67,11 +58,7 @@ def run_store_attention(
     offsets = row_offsets(new_tokens)
     model = compiled("store_attention", cfg)
     (out,) = model.execute(
-        *cache.buffers(),
-        buffer(k, cfg.dtype),
-        buffer(v, cfg.dtype),
-        buffer(q, cfg.dtype),
-        buffer(offsets),
+        *cache.buffers(), buffer(k, cfg.dtype), buffer(v, cfg.dtype), buffer(q, cfg.dtype), buffer(offsets)
     )
     # numpy has no bf16: read the output's bits as uint16.
     out = out.view(DType.uint16) if cfg.dtype == DType.bfloat16 else out
@@ -82,12 +69,8 @@ def check(cfg, cache, before, k, v, q, offsets, out, tol=None):
     # 1. Every new token landed at cache_lengths[b] + i, in K and V of LAYER only.
     for b in range(len(offsets) - 1):
         c, lo, hi = int(cache.cache_lengths[b]), int(offsets[b]), int(offsets[b + 1])
-        np.testing.assert_array_equal(
-            cache.rows(b, LAYER, 0, c, c + hi - lo), values(k[lo:hi], cfg.dtype)
-        )
-        np.testing.assert_array_equal(
-            cache.rows(b, LAYER, 1, c, c + hi - lo), values(v[lo:hi], cfg.dtype)
-        )
+        np.testing.assert_array_equal(cache.rows(b, LAYER, 0, c, c + hi - lo), values(k[lo:hi], cfg.dtype))
+        np.testing.assert_array_equal(cache.rows(b, LAYER, 1, c, c + hi - lo), values(v[lo:hi], cfg.dtype))
     np.testing.assert_array_equal(cache.blocks[:, :, 0], before[:, :, 0])  # layer 0 untouched
     # 2. Nothing else changed: restore the written rows' old bytes and compare.
     changed = (cache.blocks != before).any(axis=(-1, -2))
@@ -117,9 +100,7 @@ def check(cfg, cache, before, k, v, q, offsets, out, tol=None):
     ],
 )
 def test_paged_f32_gqa4(compiled_each_path, cache_lengths, new_tokens):
-    cache, before, k, v, q, offsets, out = run_store_attention(
-        compiled_each_path, PAGED_F32_GQA4, cache_lengths, new_tokens
-    )
+    cache, before, k, v, q, offsets, out = run_store_attention(compiled_each_path, PAGED_F32_GQA4, cache_lengths, new_tokens)
     check(PAGED_F32_GQA4, cache, before, k, v, q, offsets, out)
 
 

@@ -42,9 +42,7 @@ def test_ops_compile_for_virtual_gpu(api: str, arch: str) -> None:
 @pytest.mark.max_virtual_gpu
 def test_max_layers_on_a_mokv_cache_compile_for_virtual_sm90() -> None:
     proc = subprocess.run(
-        [sys.executable, str(MAX_SCRIPT), "cuda", "sm_90"],
-        capture_output=True,
-        text=True,
+        [sys.executable, str(MAX_SCRIPT), "cuda", "sm_90"], capture_output=True, text=True,
         timeout=1800,
     )
     out = proc.stdout + proc.stderr

@@ -29,35 +29,25 @@ class Run:
         cfg = self.cfg
         new = [ctx.active_length for ctx in batch]
         offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
-        k, v, q = (
-            self.rng.standard_normal((int(offsets[-1]), h, cfg.head_dim)).astype(np.float32)
-            for h in (cfg.n_kv_heads, cfg.n_kv_heads, cfg.n_q)
-        )
+        k, v, q = (self.rng.standard_normal((int(offsets[-1]), h, cfg.head_dim)).astype(np.float32)
+                   for h in (cfg.n_kv_heads, cfg.n_kv_heads, cfg.n_q))
         for b, ctx in enumerate(batch):
             for i, pos in enumerate(range(ctx.start_idx, ctx.active_idx)):
-                self.rows[(ctx.tokens[: pos + 1].tobytes(), pos)] = (
-                    k[offsets[b] + i],
-                    v[offsets[b] + i],
-                )
+                self.rows[(ctx.tokens[: pos + 1].tobytes(), pos)] = (k[offsets[b] + i], v[offsets[b] + i])
         (inputs,) = manager.fetch(batch)
         (out,) = self.model.execute(*inputs, *(Buffer.from_numpy(a) for a in (k, v, q, offsets)))
         out = out.to_numpy()
         group = cfg.group
         for b, ctx in enumerate(batch):
             for i, pos in enumerate(range(ctx.start_idx, ctx.active_idx)):
-                keys = np.stack(
-                    [self.rows[(ctx.tokens[: t + 1].tobytes(), t)][0] for t in range(pos + 1)]
-                )
-                vals = np.stack(
-                    [self.rows[(ctx.tokens[: t + 1].tobytes(), t)][1] for t in range(pos + 1)]
-                )
+                keys = np.stack([self.rows[(ctx.tokens[: t + 1].tobytes(), t)][0] for t in range(pos + 1)])
+                vals = np.stack([self.rows[(ctx.tokens[: t + 1].tobytes(), t)][1] for t in range(pos + 1)])
                 row = offsets[b] + i
                 for h in range(cfg.n_q):
                     s = keys[:, h // group] @ q[row, h] / np.sqrt(cfg.head_dim)
                     p = np.exp(s - s.max())
-                    np.testing.assert_allclose(
-                        out[row, h], p @ vals[:, h // group] / p.sum(), rtol=2e-4, atol=2e-5
-                    )
+                    np.testing.assert_allclose(out[row, h], p @ vals[:, h // group] / p.sum(),
+                                               rtol=2e-4, atol=2e-5)
         for ctx in batch:
             ctx.update(int(self.rng.integers(0, 50)))
         manager.step(batch)
@@ -65,20 +55,11 @@ class Run:
 
 def test_paged_manager_inputs_with_prefix_hits(session, compiled):
     cfg = PAGED_F32_GQA4
-    params = mokv.KVCacheParams(
-        cfg.dtype, cfg.n_kv_heads, cfg.head_dim, page_size=cfg.page_size, enable_prefix_caching=True
-    )
-    manager = mokv.PagedKVCacheManager(
-        params,
-        4,
-        MAX_SEQ_LEN,
-        NUM_LAYERS,
-        [CPU()],
-        session,
-        available_cache_memory=24 * params.bytes_per_page(NUM_LAYERS),
-        page_size=cfg.page_size,
-        enable_runtime_checks=True,
-    )
+    params = mokv.KVCacheParams(cfg.dtype, cfg.n_kv_heads, cfg.head_dim, page_size=cfg.page_size,
+                                enable_prefix_caching=True)
+    manager = mokv.PagedKVCacheManager(params, 4, MAX_SEQ_LEN, NUM_LAYERS, [CPU()], session,
+                                       available_cache_memory=24 * params.bytes_per_page(NUM_LAYERS),
+                                       page_size=cfg.page_size, enable_runtime_checks=True)
     run = Run(compiled("store_attention", cfg), cfg, np.random.default_rng(0))
     system = np.arange(100, 140)  # 40 tokens: pages 0 and 1 full
     a = TextContext(system)
@@ -103,9 +84,8 @@ def test_paged_manager_inputs_with_prefix_hits(session, compiled):
 
 def test_continuous_manager_inputs(session, compiled):
     cfg = CONT_F32_MHA
-    params = mokv.KVCacheParams(
-        cfg.dtype, cfg.n_kv_heads, cfg.head_dim, cache_strategy=mokv.KVCacheStrategy.CONTINUOUS
-    )
+    params = mokv.KVCacheParams(cfg.dtype, cfg.n_kv_heads, cfg.head_dim,
+                                cache_strategy=mokv.KVCacheStrategy.CONTINUOUS)
     manager = mokv.ContinuousKVCacheManager(params, 3, MAX_SEQ_LEN, NUM_LAYERS, [CPU()], session)
     run = Run(compiled("store_attention", cfg), cfg, np.random.default_rng(1))
     a, b = TextContext(np.arange(9)), TextContext(np.arange(50, 53))

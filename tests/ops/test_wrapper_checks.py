@@ -14,11 +14,8 @@ CPU = DeviceRef.CPU()
 
 
 def _graph(*extra: TensorType) -> Graph:
-    return Graph(
-        "checks",
-        input_types=[*PAGED.input_symbols(PARAMS, 2, 0, CPU), *extra],
-        custom_extensions=[kernels_path()],
-    )
+    return Graph("checks", input_types=[*PAGED.input_symbols(PARAMS, 2, 0, CPU), *extra],
+                 custom_extensions=[kernels_path()])
 
 
 def test_collection_type_names_the_mojo_struct() -> None:
@@ -79,3 +76,4 @@ def test_fused_qkv_and_attention_check_heads() -> None:
             flash_attention(kv, q, off, 0, 0.125)
         with pytest.raises(TypeError, match="collection must be a KV cache collection"):
             flash_attention(h, q, off, 0, 0.125)
+

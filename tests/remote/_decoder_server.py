@@ -33,15 +33,10 @@ params = dataclasses.replace(
 session = InferenceSession(devices=[CPU()])
 set_default_mokv_defines(session)  # the suite's compiled decoder, from MAX's cache
 manager = mokv.load_kv_manager(
-    params,
-    max_batch_size=MAX_BATCH_SIZE,
-    max_seq_len=MAX_SEQ_LEN,
-    num_layers=CONFIG.num_layers,
-    devices=[CPU()],
-    session=session,
+    params, max_batch_size=MAX_BATCH_SIZE, max_seq_len=MAX_SEQ_LEN,
+    num_layers=CONFIG.num_layers, devices=[CPU()], session=session,
     available_cache_memory=DEVICE_PAGES * params.bytes_per_page(CONFIG.num_layers),
-    page_size=PAGE_SIZE,
-    enable_runtime_checks=True,
+    page_size=PAGE_SIZE, enable_runtime_checks=True,
 )
 assert isinstance(manager, mokv.PagedKVCacheManager)  # a paged cache with a shared tier
 tiers = [replica.tiers.named("remote") for replica in manager.replicas]
@@ -52,7 +47,8 @@ model = mg.DecoderModel(CONFIG, manager, session, mg.init_weights(CONFIG, seed=1
 print("ready", flush=True)
 for line in sys.stdin:
     work = json.loads(line)
-    requests = [mg.Request(mokv.TextContext(np.array(p)), work["max_new"]) for p in work["prompts"]]
+    requests = [mg.Request(mokv.TextContext(np.array(p)), work["max_new"])
+                for p in work["prompts"]]
     scheduler = mg.Scheduler(manager, mg.greedy(model.step), token_budget=64)
     for request in requests:
         scheduler.add(request)
@@ -61,14 +57,9 @@ for line in sys.stdin:
     for store in stores:
         store.flush(10)
     manager.check_invariants()
-    print(
-        json.dumps(
-            {
-                "tokens": [r.ctx.tokens[: r.ctx.end_idx].tolist() for r in requests],
-                "remote_cache_tokens": manager.metrics.remote_cache_tokens,
-                "remote": manager.remote_metrics.as_dict(),
-            }
-        ),
-        flush=True,
-    )
+    print(json.dumps({
+        "tokens": [r.ctx.tokens[: r.ctx.end_idx].tolist() for r in requests],
+        "remote_cache_tokens": manager.metrics.remote_cache_tokens,
+        "remote": manager.remote_metrics.as_dict(),
+    }), flush=True)
 manager.close()

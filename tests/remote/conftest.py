@@ -26,9 +26,8 @@ INSTALL_HINT = (
     "redis-server not found: install it (Debian/Ubuntu: `sudo apt-get install redis-server`, "
     "macOS: `brew install redis`) to run the shared-tier tests"
 )
-SMALL = RemoteLayout(
-    DType.float32, page_size=4, num_layers=2, n_kv_heads_per_device=2, head_dim=8
-)  # 1 KiB pages
+SMALL = RemoteLayout(DType.float32, page_size=4, num_layers=2, n_kv_heads_per_device=2,
+                     head_dim=8)  # 1 KiB pages
 _namespaces = itertools.count()
 
 
@@ -51,25 +50,10 @@ class RedisServer:
     def start(self) -> None:
         with open(os.path.join(self.workdir, f"redis-{self.port}.log"), "ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    REDIS_SERVER,
-                    "--port",
-                    str(self.port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--maxmemory",
-                    self.maxmemory,
-                    "--maxmemory-policy",
-                    "allkeys-lru",
-                    "--dir",
-                    str(self.workdir),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--maxmemory", self.maxmemory,
+                 "--maxmemory-policy", "allkeys-lru", "--dir", str(self.workdir)],
+                stdout=log, stderr=subprocess.STDOUT,
             )
         client = self.client()
         deadline = time.monotonic() + 10
@@ -158,9 +142,8 @@ def make_store():
 def chain(num_pages: int, page_size: int = 4, seed: int = 0, salt: str | None = None):
     """(page hash, token bytes) of `num_pages` pages of random tokens: mokv's own xxh3 chain."""
     tokens = np.random.default_rng(seed).integers(0, 32000, num_pages * page_size)
-    return list(
-        iter_page_hashes(tokens, page_size, salted_root("xxh3", 0, salt), page_hash_fn("xxh3"))
-    )
+    return list(iter_page_hashes(tokens, page_size, salted_root("xxh3", 0, salt),
+                                 page_hash_fn("xxh3")))
 
 
 def pages(num_pages: int, layout: RemoteLayout = SMALL, seed: int = 0) -> list[np.ndarray]:

@@ -23,10 +23,7 @@ class Server:
     def __init__(self, url: str, namespace: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.remote._decoder_server", url, namespace],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
 
     def wait_ready(self) -> None:

@@ -47,14 +47,8 @@ def test_failed_trial_reopens_for_a_whole_cooldown(own_redis_server, make_store)
 
 def test_slow_server_times_out_and_a_full_queue_drops(own_redis_server, make_store):
     # A long timeout, so that all the puts below happen while the writer waits on its first.
-    store = make_store(
-        own_redis_server,
-        timeout_s=1.0,
-        failure_threshold=2,
-        cooldown_s=30,
-        max_queued_pages=8,
-        max_batch_pages=4,
-    )
+    store = make_store(own_redis_server, timeout_s=1.0, failure_threshold=2, cooldown_s=30,
+                       max_queued_pages=8, max_batch_pages=4)
     links, datas = chain(100), pages(100)
     put_all(store, links[:2], datas[:2])
     own_redis_server.pause()

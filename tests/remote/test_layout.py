@@ -37,15 +37,8 @@ def test_a_mac_key_gets_a_key_space_of_its_own():
 
 
 def test_layout_from_params_is_one_device_shard():
-    params = KVCacheParams(
-        DType.float16,
-        n_kv_heads=8,
-        head_dim=64,
-        page_size=16,
-        n_devices=4,
-        data_parallel_degree=2,
-        prefix_hash="sha256",
-    )
+    params = KVCacheParams(DType.float16, n_kv_heads=8, head_dim=64, page_size=16,
+                           n_devices=4, data_parallel_degree=2, prefix_hash="sha256")
     layout = RemoteLayout.from_params(params, num_layers=3, tp_rank=1)
     assert layout == RemoteLayout(DType.float16, 16, 3, 4, 64, 1, 2, "sha256")
     with pytest.raises(ValueError, match="stable hash"):
@@ -57,7 +50,7 @@ def test_layout_from_params_is_one_device_shard():
 @pytest.mark.parametrize("mac_key", [None, KEY], ids=["plain", "mac"])
 def test_encode_decode_round_trip_is_bit_exact(mac_key):
     codec = PageCodec(SMALL, "m", mac_key)
-    ((page_hash, tokens),) = chain(1)
+    (page_hash, tokens), = chain(1)
     page = pages(1)[0]
     value = codec.encode(page_hash, tokens, page)
     tag = TAG_SIZE if mac_key else 0
@@ -70,7 +63,7 @@ def test_encode_decode_round_trip_is_bit_exact(mac_key):
 @pytest.mark.parametrize("mac_key", [None, KEY], ids=["plain", "mac"])
 def test_every_flipped_byte_is_rejected(mac_key):
     codec = PageCodec(SMALL, "m", mac_key)
-    ((page_hash, tokens),) = chain(1)
+    (page_hash, tokens), = chain(1)
     value = codec.encode(page_hash, tokens, pages(1)[0].tobytes())
     for i in range(len(value)):
         bad = bytearray(value)
@@ -98,7 +91,7 @@ def test_other_layout_or_other_page_is_rejected():
 def test_a_value_of_another_namespace_is_refused():
     """The value names its key space: copied under another namespace's key, it is a miss
     (before, its header did not say, and it was served)."""
-    ((page_hash, tokens),) = chain(1)
+    (page_hash, tokens), = chain(1)
     value = PageCodec(SMALL, "model-a").encode(page_hash, tokens, pages(1)[0].tobytes())
     assert PageCodec(SMALL, "model-b").decode(value, page_hash, tokens) is Rejection.KEYSPACE
     assert PageCodec(SMALL, "model-a", KEY).decode(value, page_hash, tokens) is Rejection.CORRUPT
@@ -127,14 +120,10 @@ def test_a_mac_refuses_planted_and_moved_values():
     assert PageCodec(SMALL, "other", KEY).decode(good, h0, t0) is Rejection.KEYSPACE
 
 
-@pytest.mark.parametrize(
-    "mac_key,error,match",
-    [
-        (b"short", ValueError, "at least 16 bytes .*got 5"),
-        (12345, TypeError, "got int"),
-        ("", ValueError, "got 0"),
-    ],
-)
+@pytest.mark.parametrize("mac_key,error,match", [
+    (b"short", ValueError, "at least 16 bytes .*got 5"), (12345, TypeError, "got int"),
+    ("", ValueError, "got 0"),
+])
 def test_mac_keys_are_checked_and_never_shown(mac_key, error, match):
     with pytest.raises(error, match=match) as raised:
         PageCodec(SMALL, "m", mac_key)
@@ -147,7 +136,7 @@ def test_mac_keys_are_checked_and_never_shown(mac_key, error, match):
 
 def test_new_value_refuses_what_does_not_fit_and_copies_the_page():
     codec = PageCodec(SMALL, "m")
-    ((page_hash, tokens),) = chain(1)
+    (page_hash, tokens), = chain(1)
     page = pages(1)[0]
     with pytest.raises(ValueError, match="shape"):
         codec.new_value(page_hash, tokens, page[:, :1])

@@ -14,22 +14,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def run(url, namespace, mode, seed, num_pages, hash_seed):
     env = dict(os.environ, PYTHONHASHSEED=str(hash_seed))
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.remote._store_process",
-            url,
-            namespace,
-            mode,
-            str(seed),
-            str(num_pages),
-        ],
-        check=False,
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, "-m", "tests.remote._store_process", url, namespace, mode,
+         str(seed), str(num_pages)],
+        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])

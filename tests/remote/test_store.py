@@ -85,7 +85,7 @@ def test_another_layouts_value_is_a_miss(redis_server, make_store):
     store = make_store(redis_server)
     other = RemoteLayout(DType.float16, 4, 2, 2, 16)  # the same number of bytes per page
     assert other.page_nbytes == SMALL.page_nbytes
-    ((page_hash, tokens),) = links = chain(1)
+    (page_hash, tokens), = links = chain(1)
     client = redis_server.client()
     other_codec = PageCodec(other, store.namespace)
     client.set(store.key(page_hash), other_codec.encode(page_hash, tokens, pages(1)[0].tobytes()))
@@ -97,12 +97,11 @@ def test_another_layouts_value_is_a_miss(redis_server, make_store):
 
 def test_other_tokens_under_the_same_hash_are_a_miss(redis_server, make_store):
     store = make_store(redis_server)
-    ((page_hash, _),) = links = chain(1)
-    ((_, other_tokens),) = chain(1, seed=7)
+    (page_hash, _), = links = chain(1)
+    (_, other_tokens), = chain(1, seed=7)
     client = redis_server.client()
-    client.set(
-        store.key(page_hash), store.codec.encode(page_hash, other_tokens, pages(1)[0].tobytes())
-    )
+    client.set(store.key(page_hash),
+               store.codec.encode(page_hash, other_tokens, pages(1)[0].tobytes()))
     assert store.lookup(links) == [] and store.metrics.rejected_tokens == 1
 
 
@@ -113,7 +112,7 @@ def test_eviction_makes_misses_never_errors(small_redis_server, make_store):
     rng = np.random.default_rng(0)
     datas = [rng.bytes(layout.page_nbytes) for _ in links]
     for start in range(0, 96, 32):  # 6 MB in all
-        put_all(store, links[start : start + 32], datas[start : start + 32])
+        put_all(store, links[start:start + 32], datas[start:start + 32])
     assert small_redis_server.client().info("stats")["evicted_keys"] > 0
     assert store.probe(links) < 96 and len(store.lookup(links)) < 96
     # Page by page (LRU is sampled, so which pages survive varies): each is either
@@ -159,7 +158,7 @@ def test_with_a_mac_key_a_planted_page_is_a_miss(redis_server, make_store):
     """A writer with Redis access plants a page under the servers' key: right hash,
     tokens, layout, key space digest and checksum, but a tag made without the key."""
     plain, store = make_store(redis_server), make_store(redis_server, mac_key=KEY)
-    ((page_hash, tokens),) = links = chain(1)
+    (page_hash, tokens), = links = chain(1)
     for victim in (plain, store):
         value = forged_value(victim.codec, page_hash, tokens, pages(1)[0].tobytes())
         redis_server.client().set(victim.key(page_hash), value)

@@ -12,8 +12,7 @@ from mokv.tiers.remote import RemoteTier
 
 def protocol_members(protocol: type) -> set[str]:
     return {name for name in vars(protocol) if not name.startswith("_")} | set(
-        protocol.__annotations__
-    )
+        protocol.__annotations__)
 
 
 @pytest.mark.parametrize("tier", [HostTier, RemoteTier])
@@ -44,13 +43,13 @@ def test_the_chain_tail_reads_each_page_once():
 
 
 def test_metrics_sum_by_tier_and_name_the_host_and_remote_tiers():
-    host = TierMetrics(cache_tokens=8, used_pages=3, total_pages=10, bytes_stored=5, bytes_loaded=7)
+    host = TierMetrics(cache_tokens=8, used_pages=3, total_pages=10, bytes_stored=5,
+                       bytes_loaded=7)
     assert host + host == TierMetrics(16, 6, 20, 10, 14)
     remote = TierMetrics(cache_tokens=4, bytes_loaded=9)
     disk = TierMetrics(cache_tokens=2)
-    m = KVCacheMetrics(
-        input_tokens=40, cache_tokens=20, tiers={"host": host, "remote": remote, "disk": disk}
-    )
+    m = KVCacheMetrics(input_tokens=40, cache_tokens=20,
+                       tiers={"host": host, "remote": remote, "disk": disk})
     assert (m.host_cache_tokens, m.host_used_pages, m.host_total_pages) == (8, 3, 10)
     assert (m.bytes_to_host, m.bytes_from_host) == (5, 7)
     assert (m.remote_cache_tokens, m.bytes_from_remote) == (4, 9)

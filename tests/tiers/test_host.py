@@ -20,9 +20,8 @@ def host_options(num_host_pages: int, min_hits: int = 0, **overrides) -> dict:
 
 
 def make_host(session, num_pages=6, num_host_pages=10, **overrides):
-    return make_paged(
-        session, num_pages=num_pages, max_seq_len=24, **host_options(num_host_pages, **overrides)
-    )
+    return make_paged(session, num_pages=num_pages, max_seq_len=24,
+                      **host_options(num_host_pages, **overrides))
 
 
 def host_tier(m, replica=0):
@@ -61,8 +60,7 @@ def test_host_hits_are_pinned_and_loaded_by_fetch(session):
     pinned = tier.pinned
     assert len(pinned) == 2
     assert [(name, h) for name, _, h in m.replicas[0].pending_loads("B")] == [
-        ("host", tier.pool.page_hash(p)) for p in sorted(pinned)
-    ]
+        ("host", tier.pool.page_hash(p)) for p in sorted(pinned)]
     hashes = {tier.pool.page_hash(p) for p in pinned}
     evict_from_device(m, range(200, 211), "Y")  # 2 more pages: the host tier evicts
     assert {tier.pool.page_hash(p) for p in pinned} == hashes  # A's (oldest) pages stayed

@@ -47,12 +47,8 @@ def test_host_events_carry_medium_cpu():
     stored(pool, [2, 3])  # evicts 1
     events = build_events(recorder.take(), 1, "GPU")
     kinds = [(type(e).__name__, e.medium) for e in events]
-    assert kinds == [
-        ("BlockStored", "GPU"),
-        ("BlockStored", "CPU"),
-        ("BlockRemoved", "CPU"),
-        ("BlockStored", "CPU"),
-    ]
+    assert kinds == [("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "CPU"),
+                     ("BlockStored", "CPU")]
     assert events[3].block_hashes == [2, 3]
 
 

@@ -28,13 +28,9 @@ PREFIX = np.arange(8)  # two full pages of 4 tokens
 
 
 def remote_manager(session, server, namespace, num_pages=6, **overrides):
-    return make_paged(
-        session,
-        num_pages=num_pages,
-        max_seq_len=24,
-        tiers=(mokv.RemoteTierConfig(url=server.url, namespace=namespace),),
-        **overrides,
-    )
+    return make_paged(session, num_pages=num_pages, max_seq_len=24,
+                      tiers=(mokv.RemoteTierConfig(url=server.url, namespace=namespace),),
+                      **overrides)
 
 
 def stores(m, replica=0) -> list[RemotePageStore]:
@@ -57,7 +53,7 @@ def serve(m, ctx, fill_seed=None):
         rng = np.random.default_rng(fill_seed)
         for block in r.blocks:
             view = page_copy.numpy_view(block)
-            for page in pages[ctx.start_idx // m.page_size :]:
+            for page in pages[ctx.start_idx // m.page_size:]:
                 view[page] = rng.integers(0, 2**32, view[page].shape, dtype=view.dtype)
     ctx.update(1)
     m.step([ctx])
@@ -135,8 +131,7 @@ def test_pages_queued_to_the_store_are_announced_as_external(session, redis_serv
     events = build_events(recorder.take(), 4)
     assert [(e.medium, e.block_hashes) for e in events] == [
         ("GPU", a.replicas[0].committed_hashes("A")),
-        ("EXTERNAL", a.replicas[0].committed_hashes("A")),
-    ]
+        ("EXTERNAL", a.replicas[0].committed_hashes("A"))]
     assert all(e.parent_block_hash is None and e.extra_keys == [("t",), None] for e in events)
     for store in stores(a):  # a full queue drops the page: nothing announced
         store._max_queued = 0
@@ -228,7 +223,8 @@ def b_with_a_hog(session, server, hog_tokens: int):
     return a, b, reserved(b, np.arange(300, 300 + hog_tokens), "H")
 
 
-def test_false_from_maybe_reserve_changes_nothing_and_does_not_ask_redis(session, redis_server):
+def test_false_from_maybe_reserve_changes_nothing_and_does_not_ask_redis(session,
+                                                                         redis_server):
     a, b, hog = b_with_a_hog(session, redis_server, 17)  # 5 of the 6 device pages
     ctx = TextContext(np.r_[PREFIX, np.arange(50, 60)], "B")  # 2 remote hits + 3 pages
     b.external_claim("B")
@@ -244,7 +240,8 @@ def test_false_from_maybe_reserve_changes_nothing_and_does_not_ask_redis(session
     b.close()
 
 
-def test_a_batch_that_does_not_fit_changes_nothing_with_remote_hits_planned(session, redis_server):
+def test_a_batch_that_does_not_fit_changes_nothing_with_remote_hits_planned(session,
+                                                                            redis_server):
     a, b, hog = b_with_a_hog(session, redis_server, 10)  # 3 of the 6 device pages
     # Each fits alone (2 remote hits + 1 fresh page), not both.
     batch = [TextContext(np.r_[PREFIX, [5, 6, 7]], "B"), TextContext(np.r_[PREFIX, [8]], "C")]
@@ -298,9 +295,8 @@ FAULT_TARGETS = [
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("op", ["maybe_reserve", "fetch", "step"])
-def test_an_exception_anywhere_leaves_old_or_new_state(
-    session, redis_server, monkeypatch, op, mode
-):
+def test_an_exception_anywhere_leaves_old_or_new_state(session, redis_server, monkeypatch, op,
+                                                       mode):
     """B, publishing events, reserves two remote hits (maybe_reserve), loads them (fetch)
     and commits a page it computed, queued to the store (step); a fault instead of, and
     right after, every inner call in turn leaves the state before the call (and the
@@ -405,14 +401,12 @@ def test_remote_tier_config_is_validated():
     with pytest.raises(ValueError, match="RemoteTierConfig needs enable_prefix_caching"):
         mokv.KVCacheParams(dtype, 2, 8, tiers=(tier,))
     with pytest.raises(ValueError, match="stable prefix_hash.*'builtin'"):
-        mokv.KVCacheParams(
-            dtype, 2, 8, enable_prefix_caching=True, prefix_hash="builtin", tiers=(tier,)
-        )
+        mokv.KVCacheParams(dtype, 2, 8, enable_prefix_caching=True, prefix_hash="builtin",
+                           tiers=(tier,))
 
 
 def test_one_plan_walks_the_host_then_the_shared_tier_and_asks_the_pool_once(
-    session, redis_server, monkeypatch
-):
+        session, redis_server, monkeypatch):
     """B computed page 0 (written through to its host tier and the store), A then page 1
     (to the store), and B's device forgot both: one `maybe_reserve` plans page 0 from the
     host tier and page 1 from the store, asking the pool once how much room it has
@@ -420,12 +414,8 @@ def test_one_plan_walks_the_host_then_the_shared_tier_and_asks_the_pool_once(
     ns = fresh_namespace()
     page_bytes = small_params().bytes_per_page(2)
     host = mokv.HostTierConfig(swap_space_gb=10 * page_bytes / 2**30)
-    b = make_paged(
-        session,
-        num_pages=6,
-        max_seq_len=24,
-        tiers=(host, mokv.RemoteTierConfig(url=redis_server.url, namespace=ns)),
-    )
+    b = make_paged(session, num_pages=6, max_seq_len=24, tiers=(
+        host, mokv.RemoteTierConfig(url=redis_server.url, namespace=ns)))
     serve(b, TextContext(np.r_[PREFIX[:4], [1]], "X"))
     b.release("X")
     flush(b)
@@ -441,7 +431,6 @@ def test_one_plan_walks_the_host_then_the_shared_tier_and_asks_the_pool_once(
         def count(*args, **kwargs):
             calls[name] += 1
             return real(*args, **kwargs)
-
         monkeypatch.setattr(owner, name, count)
 
     counted(PagePool, "room")
@@ -471,10 +460,8 @@ def test_a_planted_page_is_served_only_without_a_mac_key(session, redis_server, 
     store = stores(a)[0]
     page_hash = a.replicas[0].committed_hashes("A")[0]
     poison = np.full(store.layout.page_shape, 7.0, dtype=np.float32)
-    redis_server.client().set(
-        store.key(page_hash),
-        forged_value(store.codec, page_hash, PREFIX[:4].astype("<i8").tobytes(), poison),
-    )
+    redis_server.client().set(store.key(page_hash), forged_value(
+        store.codec, page_hash, PREFIX[:4].astype("<i8").tobytes(), poison))
     b = make_paged(session, num_pages=6, max_seq_len=24, tiers=tiers)
     ctx = reserved(b, np.r_[PREFIX, [5]], "B")
     if mac_key is None:

@@ -355,6 +355,28 @@ class MaxManagerAPI(ManagerFields):
         heads = self.params.n_kv_heads_per_device
         return [max_runtime_inputs(inputs, heads) for inputs in fetched]
 
+    @classmethod
+    def infer_optimal_batch_size(
+        cls,
+        params: KVCacheParams,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[Device],
+        **kwargs: Any,
+    ) -> int:
+        """MAX's classmethod: the most requests of `max_seq_len` tokens that fit
+        `available_cache_memory` at once, at least 1 (`batch_size_for`; `devices` and the
+        rest are not read)."""
+        return cls.batch_size_for(params, max_seq_len, num_layers, available_cache_memory)
+
+    @classmethod
+    def batch_size_for(
+        cls, params: KVCacheParams, max_seq_len: int, num_layers: int, memory: int
+    ) -> int:
+        """The manager's own answer to `infer_optimal_batch_size`: 1 unless it overrides."""
+        return 1
+
     @property
     def total_num_host_pages(self) -> int:
         """Pages of the host-memory tier: 0 (the paged manager overrides this)."""

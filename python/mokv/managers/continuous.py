@@ -121,17 +121,11 @@ class ContinuousKVCacheManager(MaxManagerAPI):
         return max_cache_batch_size * max_seq_len * params.bytes_per_token(num_layers)
 
     @classmethod
-    def infer_optimal_batch_size(
-        cls,
-        params: KVCacheParams,
-        max_seq_len: int,
-        num_layers: int,
-        available_cache_memory: int,
-        devices: Sequence[Device],
-        **kwargs: Any,
+    def batch_size_for(
+        cls, params: KVCacheParams, max_seq_len: int, num_layers: int, memory: int
     ) -> int:
         """Slots that fit the budget: `max(1, floor(memory / (max_seq_len * bytes_per_token)))`."""
-        return max(1, available_cache_memory // (max_seq_len * params.bytes_per_token(num_layers)))
+        return max(1, memory // (max_seq_len * params.bytes_per_token(num_layers)))
 
     # --- slots (the requests', and the sequence ids' of sequences.py) ----------------
 

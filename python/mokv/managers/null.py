@@ -72,11 +72,6 @@ class NullKVCacheManager(MaxManagerAPI):
         """Always 0: nothing is allocated."""
         return 0
 
-    @classmethod
-    def infer_optimal_batch_size(cls, *args: Any, **kwargs: Any) -> int:
-        """Always 1."""
-        return 1
-
     def _check_claimed(self, request_id: RequestID) -> None:
         check_request_id(request_id)
         if request_id not in self._claimed:

@@ -19,12 +19,8 @@ from tests.managers.conftest import make_paged
 from tests.managers.paged.test_extra_keys import keyed
 
 url, namespace = sys.argv[1:3]
-m = make_paged(
-    InferenceSession(devices=[CPU()]),
-    num_pages=16,
-    max_seq_len=24,
-    tiers=(mokv.RemoteTierConfig(url=url, namespace=namespace),),
-)
+m = make_paged(InferenceSession(devices=[CPU()]), num_pages=16, max_seq_len=24,
+               tiers=(mokv.RemoteTierConfig(url=url, namespace=namespace),))
 chains = {}
 for request_id, lora, images in json.loads(sys.stdin.readline()):
     ctx = keyed(request_id, lora, images)

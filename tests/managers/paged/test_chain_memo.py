@@ -20,13 +20,8 @@ PS = 4  # small_params' page size
 
 def make_chains(num_pages=8, hash_fn=None, capacity=None):
     params = small_params()
-    chains = PrefixChains(
-        params,
-        PagePool(num_pages),
-        hash_fn or page_hash_fn("xxh3"),
-        root_hash("xxh3", 0),
-        max_seq_len=64,
-    )
+    chains = PrefixChains(params, PagePool(num_pages), hash_fn or page_hash_fn("xxh3"),
+                          root_hash("xxh3", 0), max_seq_len=64)
     if capacity is not None:
         chains.memo = ChainMemo(capacity)
     return chains
@@ -234,9 +229,7 @@ def test_memo_hits_compare_only_the_pages_that_decide_the_run(monkeypatch):
     assert len(hits) == 2
     lookups = []
     real_lookup_run = pool.lookup_run
-    monkeypatch.setattr(
-        pool, "lookup_run", lambda pages: lookups.append(1) or real_lookup_run(pages)
-    )
+    monkeypatch.setattr(pool, "lookup_run", lambda pages: lookups.append(1) or real_lookup_run(pages))
     ctx.tokens[13] = 99  # page 3, after the page that misses (2): decides nothing
     assert chains.device_hits(ctx, RequestState(0), False)[0] is hits and lookups == []
     ctx.tokens[9] = 99  # page 2, the first miss: compared, and the run is looked up

@@ -30,13 +30,8 @@ FN = page_hash_fn("xxh3")
 def keyed(request_id, lora=None, images=(), salt=None) -> TextContext:
     """A request of PROMPT under adapter `lora` with `images` ([identifier, offset,
     length] each)."""
-    return TextContext(
-        PROMPT,
-        request_id,
-        cache_salt=salt,
-        lora_name=lora,
-        mm_inputs=[MultimodalInput(*image) for image in images],
-    )
+    return TextContext(PROMPT, request_id, cache_salt=salt, lora_name=lora,
+                       mm_inputs=[MultimodalInput(*image) for image in images])
 
 
 def serve(m, ctx) -> list[int]:
@@ -110,12 +105,8 @@ def test_a_salt_alone_keeps_its_hashes_and_the_router_hashes_alike(session):
     assert root == chain_root("xxh3", 0, "tenant-a", None)
     assert salted == [h for h, _ in iter_page_hashes(np.asarray(PROMPT), 4, root, FN, 0, 4)]
     index = PrefixRouterIndex(page_size=4)
-    for rid, lora, images, salt in [
-        ("a", "math", [IMAGE], "tenant-a"),
-        ("b", "math", [], None),
-        ("c", None, [IMAGE], None),
-        ("d", None, [], "tenant-a"),
-    ]:
+    for rid, lora, images, salt in [("a", "math", [IMAGE], "tenant-a"), ("b", "math", [], None),
+                                    ("c", None, [IMAGE], None), ("d", None, [], "tenant-a")]:
         chain = serve(m, keyed(rid, lora, images, salt))
         inputs = [MultimodalInput(*image) for image in images]
         assert index.page_hashes(PROMPT, salt, lora, inputs) == chain, rid
@@ -129,22 +120,15 @@ def test_contexts_check_their_keys():
         (dict(lora_id=2), ValueError, "lora_id=2 needs a lora_name"),
         (dict(mm_inputs=[("img", 0, 4)]), TypeError, r"\('img', 0, 4\)"),
         (dict(mm_inputs=MultimodalInput("img", 0, 4)), TypeError, "sequence"),
-        (
-            dict(mm_inputs=[MultimodalInput("a", 4, 4), MultimodalInput("b", 6, 2)]),
-            ValueError,
-            "ordered by offset and not overlap",
-        ),
+        (dict(mm_inputs=[MultimodalInput("a", 4, 4), MultimodalInput("b", 6, 2)]), ValueError,
+         "ordered by offset and not overlap"),
         (dict(mm_inputs=[MultimodalInput("a", 14, 4)]), ValueError, "past the prompt's 17"),
         (dict(session_id=""), TypeError, "session_id"),
     ]:
         with pytest.raises(error, match=match):
             TextContext(PROMPT, **kwargs)
-    for args, match in [
-        (("", 0, 1), "identifier"),
-        (("a", -1, 1), "offset"),
-        (("a", 0, 0), "length"),
-        (("a", 0, 1.0), "length"),
-    ]:
+    for args, match in [(("", 0, 1), "identifier"), (("a", -1, 1), "offset"),
+                        (("a", 0, 0), "length"), (("a", 0, 1.0), "length")]:
         with pytest.raises((TypeError, ValueError), match=match):
             MultimodalInput(*args)
 
@@ -160,26 +144,16 @@ def test_two_processes_share_pages_of_equal_keys_only(session, redis_server):  #
     requests = [["math-image", "math", [IMAGE]], ["text", None, []]]
     proc = subprocess.run(
         [sys.executable, "-m", "tests.managers.paged._keyed_process", redis_server.url, namespace],
-        input=json.dumps(requests) + "\n",
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
+        input=json.dumps(requests) + "\n", capture_output=True, text=True, cwd=ROOT, timeout=300,
         env=child_env(PYTHONHASHSEED="4321"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])
     index = PrefixRouterIndex(page_size=4)
-    assert theirs["math-image"] == index.page_hashes(
-        PROMPT, None, "math", [MultimodalInput(*IMAGE)]
-    )
+    assert theirs["math-image"] == index.page_hashes(PROMPT, None, "math", [MultimodalInput(*IMAGE)])
     assert theirs["text"] == index.page_hashes(PROMPT)
-    m = make_paged(
-        session,
-        num_pages=16,
-        max_seq_len=24,
-        tiers=(mokv.RemoteTierConfig(url=redis_server.url, namespace=namespace),),
-    )
+    m = make_paged(session, num_pages=16, max_seq_len=24,
+                   tiers=(mokv.RemoteTierConfig(url=redis_server.url, namespace=namespace),))
     for rid, lora, images, expected in [
         ("same", "math", [IMAGE], 16),  # every page from the other process
         ("other-image", "math", [["img-b", 6, 6]], 4),

@@ -15,11 +15,8 @@ def state(manager, contexts):
     return (
         manager.num_free_blocks,
         manager.metrics,
-        {
-            c.request_id: manager.get_req_blocks(c.request_id)
-            for c in contexts
-            if manager.contains(c.request_id)
-        },
+        {c.request_id: manager.get_req_blocks(c.request_id) for c in contexts
+         if manager.contains(c.request_id)},
         [[r.pool.page_hash(p) for p in range(r.pool.num_pages)] for r in manager.replicas],
     )
 
@@ -134,9 +131,7 @@ def test_no_prefix_caching_shares_nothing(session):
     a.update(1)
     m.step([a])
     m.alloc(b)
-    assert b.start_idx == 0 and not set(m.get_req_blocks(a.request_id)) & set(
-        m.get_req_blocks(b.request_id)
-    )
+    assert b.start_idx == 0 and not set(m.get_req_blocks(a.request_id)) & set(m.get_req_blocks(b.request_id))
 
 
 def test_maybe_reserve_false_changes_nothing(session):
@@ -249,9 +244,7 @@ def test_bad_input_raises_named_errors_and_changes_nothing(session, paged):
 
 def test_bad_configuration_is_rejected(session):
     with pytest.raises(ValueError, match="page_size=16 disagrees"):
-        mokv.PagedKVCacheManager(
-            small_params(), 2, 32, NUM_LAYERS, [CPU()], session, 10**6, page_size=16
-        )
+        mokv.PagedKVCacheManager(small_params(), 2, 32, NUM_LAYERS, [CPU()], session, 10**6, page_size=16)
     with pytest.raises(mokv.InsufficientMemoryError, match="needs 8"):
         make_paged(session, num_pages=7)
     with pytest.raises(ValueError, match="2 device"):
@@ -269,16 +262,8 @@ def test_bad_configuration_is_rejected(session):
     with pytest.raises(mokv.InsufficientMemoryError, match="swap_space_gb=1e-09 holds no page"):
         make_paged(session, tiers=(mokv.HostTierConfig(swap_space_gb=1e-9),))
     with pytest.raises(ValueError, match="prefix_hash='builtin'"):
-        mokv.PagedKVCacheManager(
-            small_params(prefix_hash="builtin"),
-            2,
-            32,
-            NUM_LAYERS,
-            [CPU()],
-            session,
-            10**6,
-            zmq_endpoint_base="inproc://mokv-refused",
-        )
+        mokv.PagedKVCacheManager(small_params(prefix_hash="builtin"), 2, 32, NUM_LAYERS, [CPU()],
+                                 session, 10**6, zmq_endpoint_base="inproc://mokv-refused")
 
 
 def test_data_parallel_replicas_have_their_own_pools(session):
@@ -320,9 +305,7 @@ def test_tensor_parallel_splits_kv_heads_across_devices(session):
 def test_sizing_formulas_match_hand_computed_numbers():
     # bf16, 8 kv heads, head_dim 128, 32 layers, page 128:
     # bytes per token = 2 * 32 * 8 * 128 * 2 = 131072; per page = 16 MiB.
-    p = mokv.KVCacheParams(
-        DType.bfloat16, 8, 128, page_size=128, data_parallel_degree=2, n_devices=2
-    )
+    p = mokv.KVCacheParams(DType.bfloat16, 8, 128, page_size=128, data_parallel_degree=2, n_devices=2)
     assert p.bytes_per_page(32) == 16 * 2**20
     memory = 10 * 2**30 + 5  # 5 GiB per replica -> 320 pages each
     cls = mokv.PagedKVCacheManager

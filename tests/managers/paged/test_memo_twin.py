@@ -40,10 +40,8 @@ class TwinMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.twins = [
-            make_paged(self.session, num_pages=9, max_batch_size=4, max_seq_len=MAX_SEQ_LEN)
-            for _ in range(2)
-        ]
+        self.twins = [make_paged(self.session, num_pages=9, max_batch_size=4,
+                                 max_seq_len=MAX_SEQ_LEN) for _ in range(2)]
         for replica in self.twins[1].replicas:
             replica.chains.memo = ChainMemo(0)
         self.running: dict[str, list[TextContext]] = {}  # id -> the twins' contexts

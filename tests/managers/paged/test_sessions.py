@@ -84,12 +84,8 @@ def test_unretained_pages_are_evicted_first_and_retention_never_fails_a_reservat
     pool = m.replicas[0].pool
     turn(m, np.arange(9), "s")  # its 2 full pages are retained (the third page was free)
     turn(m, np.arange(50, 59))  # 2 more cached pages, not retained, younger
-    kept = {
-        h: pool.lookup(h, b)
-        for h, b in zip(
-            sessions(m).retained("s"), [np.arange(4).tobytes(), np.arange(4, 8).tobytes()]
-        )
-    }
+    kept = {h: pool.lookup(h, b) for h, b in
+            zip(sessions(m).retained("s"), [np.arange(4).tobytes(), np.arange(4, 8).tobytes()])}
     assert pool.num_kept == 2 and pool.num_cached == 4
     ctx = TextContext(np.arange(200, 221))  # 6 pages: 4 free, then 2 evicted
     m.external_claim(ctx.request_id)
@@ -151,9 +147,8 @@ def test_an_ended_sessions_pages_go_before_any_other_cached_page(session):
 
 def test_time_to_live(session):
     clock = Clock()
-    m = make_paged(
-        session, num_pages=16, max_seq_len=24, sessions=SessionConfig(ttl_s=10.0, clock=clock)
-    )
+    m = make_paged(session, num_pages=16, max_seq_len=24,
+                   sessions=SessionConfig(ttl_s=10.0, clock=clock))
     turn(m, np.arange(9), "s")
     clock.now = 9.5
     turn(m, np.arange(100, 105))  # a reservation: the session is not due yet
@@ -254,14 +249,8 @@ def test_reset_prefix_cache_ends_every_session(session):
 
 
 def test_sessions_over_two_replicas(session):
-    m = make_paged(
-        session,
-        num_pages=8,
-        max_seq_len=24,
-        data_parallel_degree=2,
-        n_devices=2,
-        sessions=SessionConfig(),
-    )
+    m = make_paged(session, num_pages=8, max_seq_len=24, data_parallel_degree=2, n_devices=2,
+                   sessions=SessionConfig())
     for replica in (0, 1):
         ctx = TextContext(np.arange(9) + 10 * replica, session_id="s")
         m.external_claim(ctx.request_id, replica)
@@ -290,8 +279,7 @@ def test_config_is_checked():
     with pytest.raises(TypeError, match="sessions must be a mokv.SessionConfig or None, got 'x'"):
         small_params(sessions="x")
     assert small_params(sessions=SessionConfig(clock=Clock())) == small_params(
-        sessions=SessionConfig()
-    )
+        sessions=SessionConfig())
 
 
 def test_a_dropped_session_falls_back_to_plain_lru_as_if_just_released(session):

@@ -47,13 +47,8 @@ class PagedManagerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.m = make_paged(
-            SESSION,
-            num_pages=self.num_pages,
-            max_batch_size=4,
-            max_seq_len=MAX_SEQ_LEN,
-            **self.options(),
-        )
+        self.m = make_paged(SESSION, num_pages=self.num_pages, max_batch_size=4,
+                            max_seq_len=MAX_SEQ_LEN, **self.options())
         self.blocks = self.m.replicas[0].blocks[0].to_numpy()  # aliases the device buffer
         self.running: dict[mokv.RequestID, TextContext] = {}
         self.preempted: list[TextContext] = []
@@ -69,11 +64,8 @@ class PagedManagerMachine(RuleBasedStateMachine):
     def claim(self, prompt, resume):
         # Request ids in claim order, so that sorted choices replay alike (hypothesis).
         self.claims = getattr(self, "claims", 0) + 1
-        ctx = (
-            self.preempted.pop()
-            if resume and self.preempted
-            else TextContext(prompt, request_id=f"r{self.claims:04d}")
-        )
+        ctx = (self.preempted.pop() if resume and self.preempted
+               else TextContext(prompt, request_id=f"r{self.claims:04d}"))
         self.m.claim(ctx.request_id)
         self.running[ctx.request_id] = ctx
 
@@ -166,11 +158,8 @@ class PagedManagerMachine(RuleBasedStateMachine):
 
     def held(self):
         """Free pages, each running request's pages and window."""
-        return (
-            self.m.num_free_blocks,
-            {r: self.m.get_req_blocks(r) for r in self.running},
-            [(c.start_idx, c.active_idx) for c in self.running.values()],
-        )
+        return (self.m.num_free_blocks, {r: self.m.get_req_blocks(r) for r in self.running},
+                [(c.start_idx, c.active_idx) for c in self.running.values()])
 
     def assert_rejected(self, call, error):
         before = self.held()
@@ -323,7 +312,8 @@ class SessionMachine(HostTierMachine):
         return self.m.replicas[0].sessions
 
     @precondition(lambda self: len(self.running) < 4)
-    @rule(sid=st.sampled_from(SESSION_IDS), new=st.lists(st.integers(0, 2), min_size=1, max_size=6))
+    @rule(sid=st.sampled_from(SESSION_IDS), new=st.lists(st.integers(0, 2), min_size=1,
+                                                         max_size=6))
     def session_turn(self, sid, new):
         """The session's next turn: its context so far plus new tokens (a tool's output),
         as one whole request; released after one token (the session pauses)."""
@@ -335,18 +325,15 @@ class SessionMachine(HostTierMachine):
         host = replica.tiers.named("host").pool.indexed_hashes()
         present = all(h in replica.pool.indexed_hashes() or h in host for h in chain)
         self.turns = getattr(self, "turns", 0) + 1
-        ctx = TextContext(
-            np.array(context + new), request_id=f"{sid}-t{self.turns}", session_id=sid
-        )
+        ctx = TextContext(np.array(context + new), request_id=f"{sid}-t{self.turns}",
+                          session_id=sid)
 
         def finds_the_retained_pages(ctx):
             # The leading pages of the prompt that the session retains (all, unless the
             # conversation started over: then a prefix of the retained chain may match).
             ours = PrefixRouterIndex(page_size=4).page_hashes(ctx.tokens)
-            n = next(
-                (i for i, (a, b) in enumerate(zip(ours, chain)) if a != b),
-                min(len(ours), len(chain)),
-            )
+            n = next((i for i, (a, b) in enumerate(zip(ours, chain)) if a != b),
+                     min(len(ours), len(chain)))
             if present and n:
                 assert ctx.start_idx >= min(n, (ctx.end_idx - 1) // 4) * 4
                 SessionMachine.session_turns_hit += 1
@@ -357,14 +344,10 @@ class SessionMachine(HostTierMachine):
     @rule(sid=st.sampled_from(SESSION_IDS))
     def end_session(self, sid):
         """Ends `sid` (and, first, the sessions past their time-to-live)."""
-        due = {
-            o
-            for o, s in self.table.sessions.items()
-            if not s.running and s.deadline <= self.clock.now
-        }
-        others = set().union(
-            *(self.table.retained(o) for o in SESSION_IDS if o != sid and o not in due)
-        )
+        due = {o for o, s in self.table.sessions.items()
+               if not s.running and s.deadline <= self.clock.now}
+        others = set().union(*(self.table.retained(o) for o in SESSION_IDS
+                               if o != sid and o not in due))
         ending = set().union(*(self.table.retained(o) for o in due | {sid}))
         before = self.held()
         assert self.m.end_session(sid) == len(ending - others)
@@ -378,11 +361,8 @@ class SessionMachine(HostTierMachine):
     def pause(self, seconds):
         """Time passes (a tool runs); then a reservation ends the sessions past their TTL."""
         self.clock.now += seconds
-        due = [
-            sid
-            for sid, s in self.table.sessions.items()
-            if not s.running and s.deadline <= self.clock.now
-        ]
+        due = [sid for sid, s in self.table.sessions.items()
+               if not s.running and s.deadline <= self.clock.now]
         self.pauses = getattr(self, "pauses", 0) + 1
         ctx = TextContext(np.array([2, 1, 0, 2, 1]), request_id=f"pause{self.pauses}")
         self.m.claim(ctx.request_id)

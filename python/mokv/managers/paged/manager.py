@@ -511,19 +511,12 @@ class PagedKVCacheManager(MaxManagerAPI):
         )
 
     @classmethod
-    def infer_optimal_batch_size(
-        cls,
-        params: KVCacheParams,
-        max_seq_len: int,
-        num_layers: int,
-        available_cache_memory: int,
-        devices: Sequence[Device],
-        **kwargs: Any,
+    def batch_size_for(
+        cls, params: KVCacheParams, max_seq_len: int, num_layers: int, memory: int
     ) -> int:
-        """`sizing.infer_optimal_batch_size` (MAX's signature; `devices` is not read)."""
-        return sizing.infer_optimal_batch_size(
-            params, max_seq_len, num_layers, available_cache_memory
-        )
+        """`sizing.infer_optimal_batch_size` (MAX's classmethod, `infer_optimal_batch_size`,
+        is the base class's)."""
+        return sizing.infer_optimal_batch_size(params, max_seq_len, num_layers, memory)
 
     @classmethod
     def max_supported_sequence_length(

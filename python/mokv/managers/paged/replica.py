@@ -406,9 +406,7 @@ class PagedReplica:
         a tier's failure can only leave that tier with fewer pages)."""
         indexed: list[bool] = []
         if plan.page_ids:
-            indexed = self.group.commit_pages(
-                plan.owners, plan.page_ids, plan.hashes, plan.datas, plan.parents, plan.keys
-            )
+            indexed = self.group.commit_pages(plan)
         for req, new_hashes in plan.requests:
             self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
             req.hashes.extend(new_hashes)
@@ -443,12 +441,15 @@ class PagedReplica:
         # is shared as a duplicate commit is (`FullAttentionGroup.commit_pages`).
         owner = {page: (req, idx) for req in reqs for idx, page in enumerate(req.pages)}
         self.group.commit_pages(
-            [owner[ld.page] for ld in loads],
-            [ld.page for ld in loads],
-            hashes,
-            datas,
-            [ld.parent_hash for ld in loads],
-            [ld.keys for ld in loads],
+            CommitPlan(
+                [],
+                [owner[ld.page] for ld in loads],
+                [ld.page for ld in loads],
+                hashes,
+                datas,
+                [ld.parent_hash for ld in loads],
+                [ld.keys for ld in loads],
+            )
         )
         for req in reqs:
             if req.loads:
@@ -505,7 +506,7 @@ class PagedReplica:
         slots = [req.slot for req in reqs]
         starts = [ctx.start_idx for ctx in batch]
         actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
-        inputs = self.group.runtime_inputs(self.devices, slots, starts, actives, num_steps)
+        inputs = self.group.runtime_inputs(slots, starts, actives, num_steps)
         self.undo.push(setattr, self, "input_tokens", self.input_tokens)
         for req, ctx, start, active in zip(reqs, batch, starts, actives):
             if req.prompt_end < 0:

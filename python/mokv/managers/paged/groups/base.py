@@ -38,13 +38,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import ClassVar, Protocol
 
-from max.driver import Buffer, Device
+from max.driver import Buffer
 
-from ....cache.extra_keys import EventKeys
 from ....cache.page_pool import PagePool
 from ....layouts import RaggedKVCacheInputs
 from ..inputs import PageTable
-from ..plans import RequestState
+from ..plans import CommitPlan
 
 
 class CacheGroup(Protocol):
@@ -71,29 +70,16 @@ class CacheGroup(Protocol):
         """Pages a request whose cache reaches `num_tokens` tokens holds in the group."""
         ...
 
-    def commit_pages(
-        self,
-        owners: list[tuple[RequestState, int]],
-        page_ids: list[int],
-        hashes: list[int],
-        datas: list[bytes],
-        parents: list[int | None],
-        keys: list[EventKeys | None],
-    ) -> list[bool]:
-        """Indexes full pages under their chain hashes, all or nothing; a page whose
-        hash another page holds already moves its owner onto that one. True where a
-        page was indexed."""
+    def commit_pages(self, pages: CommitPlan) -> list[bool]:
+        """Indexes full pages (`pages`' columns) under their chain hashes, all or
+        nothing; a page whose hash another page holds already moves its owner onto that
+        one. True where a page was indexed."""
         ...
 
     def runtime_inputs(
-        self,
-        devices: Sequence[Device],
-        slots: Sequence[int],
-        starts: Sequence[int],
-        actives: Sequence[int],
-        num_steps: int,
+        self, slots: Sequence[int], starts: Sequence[int], actives: Sequence[int], num_steps: int
     ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
-        """The group's graph inputs for a batch, one per device."""
+        """The group's graph inputs for a batch, one per device of the replica."""
         ...
 
     def check_write_windows(

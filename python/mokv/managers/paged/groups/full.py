@@ -20,14 +20,13 @@ from typing import ClassVar
 from max.driver import Buffer, Device
 
 from ....cache.cache_memory import cache_buffer
-from ....cache.extra_keys import EventKeys
 from ....cache.page_pool import PagePool
 from ....config.params import KVCacheParams
 from ....errors import InvariantError
 from ....layouts import RaggedKVCacheInputs
 from ....undo import UndoLog
 from ..inputs import PageTable, ceil_div
-from ..plans import RequestState
+from ..plans import CommitPlan, RequestState
 
 
 class FullAttentionGroup:
@@ -46,6 +45,7 @@ class FullAttentionGroup:
         undo: UndoLog,
     ) -> None:
         self.layers = layers
+        self.devices = devices
         self.page_size = params.page_size
         self.pool = PagePool(num_pages)
         self.pool.undo = undo
@@ -68,21 +68,16 @@ class FullAttentionGroup:
     def pages_for(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self.page_size)
 
-    def commit_pages(
-        self,
-        owners: list[tuple[RequestState, int]],
-        page_ids: list[int],
-        hashes: list[int],
-        datas: list[bytes],
-        parents: list[int | None],
-        keys: list[EventKeys | None],
-    ) -> list[bool]:
-        """Indexes the pages in one all-or-nothing pool call (each owned by `owners[i]`:
-        a request and the page's index in its pages), then moves each request off the
-        pages that duplicate an indexed one. True where a page was indexed."""
-        indexed = self.pool.commit_pages(page_ids, hashes, datas, parents, keys)
+    def commit_pages(self, pages: CommitPlan) -> list[bool]:
+        """Indexes `pages` (their columns: each page owned by `pages.owners[i]`, a request
+        and the page's index in its pages) in one all-or-nothing pool call, then moves
+        each request off the pages that duplicate an indexed one. True where a page was
+        indexed."""
+        indexed = self.pool.commit_pages(
+            pages.page_ids, pages.hashes, pages.datas, pages.parents, pages.keys
+        )
         if not all(indexed):  # some request computed a page another committed first
-            self._share_duplicates(owners, hashes, datas, indexed)
+            self._share_duplicates(pages.owners, pages.hashes, pages.datas, indexed)
         return indexed
 
     def _share_duplicates(
@@ -118,17 +113,12 @@ class FullAttentionGroup:
         self.page_table.set_row(req.slot, req.pages)
 
     def runtime_inputs(
-        self,
-        devices: Sequence[Device],
-        slots: Sequence[int],
-        starts: Sequence[int],
-        actives: Sequence[int],
-        num_steps: int,
+        self, slots: Sequence[int], starts: Sequence[int], actives: Sequence[int], num_steps: int
     ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
         """The batch's lookup table, cache lengths and max lengths on each device
         (`PageTable.inputs`)."""
         return self.page_table.inputs(
-            self.blocks, devices, slots, starts, actives, num_steps, self.page_size
+            self.blocks, self.devices, slots, starts, actives, num_steps, self.page_size
         )
 
     def check_write_windows(
