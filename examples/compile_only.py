@@ -52,17 +52,12 @@ manager = mokv.load_kv_manager(
     available_cache_memory=1 << 30,
     page_size=128,
 )
-# MAX's sizing classmethods: the paged cache's takes the memory budget, the continuous
-# cache's holds every slot at max_seq_len.
-if isinstance(manager, mokv.PagedKVCacheManager):
-    estimated = manager.estimated_memory_size(
-        params, 32, config.max_seq_len, config.num_layers, 1 << 30, [gpu]
-    )
-else:
-    assert isinstance(manager, mokv.ContinuousKVCacheManager)
-    estimated = manager.estimated_memory_size(
-        params, 32, config.max_seq_len, config.num_layers, [gpu]
-    )
+# On a virtual device load_kv_manager builds the compile-only manager: no memory, the
+# strategy's layout.
+assert isinstance(manager, mokv.NullKVCacheManager)
+estimated = manager.estimated_memory_size(
+    params, 32, config.max_seq_len, config.num_layers, 1 << 30, [gpu]
+)
 print(
     f"cache manager: {type(manager).__name__}, {manager.layout.name} layout (estimated memory "
     f"{estimated} bytes)"
