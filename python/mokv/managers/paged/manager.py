@@ -79,7 +79,7 @@ class PagedKVCacheManager(MaxManagerAPI):
             `increment_cache_lengths`).
         available_cache_memory: bytes for KV pages over all devices.
         zmq_endpoint_base: MAX's spelling of `params.kv_events =
-            KVEventsConfig(endpoint=zmq_endpoint_base)` (see `mokv.params_compat`).
+            KVEventsConfig(endpoint=zmq_endpoint_base)` (`with_manager_events`).
         kv_events_config: the same for a whole `KVEventsConfig`; `self.params` carries
             the events either gives.
         page_size: kept for signature compatibility; must equal `params.page_size`
@@ -191,6 +191,13 @@ class PagedKVCacheManager(MaxManagerAPI):
         return self._replica_index(context.request_id)
 
     @synchronized
+    def prefix_hit_pages(self, context: TextGenerationContext) -> list[tuple[int, int]]:
+        """Per replica, the pages of `context`'s prompt it could serve: from its device
+        pages, and from its own tiers after them (MAX's `get_prefix_cache_hit_counts`;
+        a shared tier is not asked). Changes nothing."""
+        return [replica.prefix_hit_pages(context) for replica in self.replicas]
+
+    @synchronized
     def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
         """The request's replica if claimed; else the one `_recommend` picks for it."""
         if context.request_id in self._replica_of:
@@ -208,7 +215,7 @@ class PagedKVCacheManager(MaxManagerAPI):
 
         def rank(r: int) -> tuple[bool, int, int, int]:
             replica = self.replicas[r]
-            hits = replica.num_prefix_hit_pages(context) if context is not None else 0
+            hits = sum(replica.prefix_hit_pages(context)) if context is not None else 0
             return (replica.num_free_slots > 0, hits, -replica.num_requests, replica.pool.num_free)
 
         return max(range(self.num_replicas), key=rank)
@@ -222,10 +229,7 @@ class PagedKVCacheManager(MaxManagerAPI):
         check_request_id(request_id)
         if replica_idx is None:
             replica_idx = self._recommend(None) if len(self.replicas) > 1 else 0
-        if replica_idx.__class__ is not int or not 0 <= replica_idx < len(self.replicas):
-            raise InvalidReplicaError(
-                f"replica_idx={replica_idx!r} is out of range for {self.num_replicas} replica(s)"
-            )
+        replica_index(replica_idx, len(self.replicas))
         if request_id in self._replica_of:
             raise AlreadyClaimedError(request_id)
         self.replicas[replica_idx].claim(request_id)
@@ -436,6 +440,18 @@ class PagedKVCacheManager(MaxManagerAPI):
         """Pages that can be handed out now (cached-free pages included), all replicas."""
         return num_free_pages(self.replicas)
 
+    @synchronized
+    def page_counts(self, replica_idx: int) -> tuple[int, int]:
+        """(free, total) pages of one replica: free counts cached-free pages too."""
+        pool = self.replicas[replica_index(replica_idx, len(self.replicas))].pool
+        return pool.num_free, pool.num_pages
+
+    @synchronized
+    def device_buffers(self, replica_idx: int) -> list[Buffer]:
+        """One replica's page buffers, one per device (`[pages, 2, layers, page_size,
+        kv_heads_per_device, head_dim]`): what `fetch` hands the graph as `blocks`."""
+        return list(self.replicas[replica_index(replica_idx, len(self.replicas))].blocks)
+
     @property
     def free_blocks_pct(self) -> float:
         """Fraction (0.0-1.0) of all pages that are free or cached-free."""
@@ -524,3 +540,12 @@ class PagedKVCacheManager(MaxManagerAPI):
     ) -> int:
         """`sizing.max_supported_sequence_length`."""
         return sizing.max_supported_sequence_length(params, num_layers, memory_available)
+
+
+def replica_index(replica_idx: int, num_replicas: int) -> int:
+    """`replica_idx`, checked: InvalidReplicaError unless an int in [0, num_replicas)."""
+    if replica_idx.__class__ is not int or not 0 <= replica_idx < num_replicas:
+        raise InvalidReplicaError(
+            f"replica_idx={replica_idx!r} is out of range for {num_replicas} replica(s)"
+        )
+    return replica_idx
