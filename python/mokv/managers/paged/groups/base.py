@@ -10,20 +10,24 @@ chain hash whatever group holds it: MAX and vLLM hash once per request as well).
 
 What a reservation does, per group (`PagedReplica.plan` / `apply`):
 
-    the joint prefix hit     the longest prefix every group can serve, where a group
-                             answers for a run of hashes with `hit_pages` (how many of
-                             them it must hold) - the full group all of them; a
-                             sliding-window group only the window before the end of the
-                             hit, so the joint hit is found by iterating until the groups
-                             agree, not by a minimum (MAX 26.7's
-                             `longest_joint_prefix_hit`, vLLM's hybrid coordinator)
-    fresh pages              `pages_for(num_tokens)` pages per request, less those held
+    the joint prefix hit     the longest prefix every group can serve: the full group
+                             needs every page of it, a sliding-window group only the
+                             window before its end, so the joint hit is found by
+                             iterating until the groups agree, not by a minimum (MAX
+                             26.7's `longest_joint_prefix_hit`, vLLM's hybrid
+                             coordinator); with one group it is that group's run of
+                             device hits (`PrefixChains.device_hits`)
+    fresh pages              the pages a request's window needs, less those it holds
     apply                    `pool.take(hits, n)` on each group's pool, all or nothing
     commit (`step`)          `commit_pages`: full pages indexed under their chain hash
     release                  `release(pages)`, tail first
 
-Today a replica has one group, of kind "full"; the kinds after it add a module here
-and a branch nowhere else. mokv differs from MAX 26.7 on purpose in two places:
+Today a replica has one group, of kind "full", and the replica asks it directly; the
+kind after it (sliding window, issue 52) adds a module here, the members the joint hit
+needs (how many pages of a hit the group holds, which pages leave its window) and the
+per-group page rows of a request (`RequestState.pages` is the full group's).
+
+mokv differs from MAX 26.7 on purpose in two places:
 - one coordinator per group, not per leaf: MAX 26.7 keeps one per leaf (K, V, scales)
   and ANDs their residency in the manager; mokv's leaves of a group share one page id
   (the layout of `blocks`: `[pages, 2, layers, page_size, heads, head_dim]`), so a
@@ -60,15 +64,6 @@ class CacheGroup(Protocol):
     """One buffer per device of the replica (its shard of the heads)."""
     page_table: PageTable
     """Each request's row of page ids, by request slot."""
-
-    def hit_pages(self, num_hit_pages: int) -> int:
-        """How many pages of a prefix hit `num_hit_pages` long the group must hold for
-        it (the last ones): all of them for a group that reads its whole history."""
-        ...
-
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages a request whose cache reaches `num_tokens` tokens holds in the group."""
-        ...
 
     def commit_pages(self, pages: CommitPlan) -> list[bool]:
         """Indexes full pages (`pages`' columns) under their chain hashes, all or

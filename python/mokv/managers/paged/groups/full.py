@@ -3,7 +3,7 @@
 Its pages hold K and V of every layer of the group (`blocks`, one buffer per device:
 `[num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]`), so a page is
 found, shared, evicted and loaded for all of them at once. A prefix hit is a run from
-the root: the group holds every page of it (`hit_pages`), and keeps every page a
+the root: the group holds every page of it, and keeps every page a
 request wrote until the request is released.
 
 Duplicates. When two requests computed the same page at once, the pool indexes the
@@ -60,13 +60,6 @@ class FullAttentionGroup:
         ]
         self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
         self.page_table = PageTable(max_requests, max_pages_per_seq)
-
-    def hit_pages(self, num_hit_pages: int) -> int:
-        """All of them: the group reads its whole history."""
-        return num_hit_pages
-
-    def pages_for(self, num_tokens: int) -> int:
-        return ceil_div(num_tokens, self.page_size)
 
     def commit_pages(self, pages: CommitPlan) -> list[bool]:
         """Indexes `pages` (their columns: each page owned by `pages.owners[i]`, a request
