@@ -226,7 +226,7 @@ def save_checkpoint(
     missing; returns the directory. ValueError naming a tensor that does not fit
     `config` (`check_weights`). The tokenizer needs the `tokenizers` package (the serve
     extra)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     check_weights(config, weights)
     out = Path(directory)
@@ -236,6 +236,9 @@ def save_checkpoint(
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Words joined by spaces; a tokenizer.json without a decoder makes the grammar
+    # engine of MAX's server warn at every start.
+    tokenizer.decoder = decoders.WordPiece()
     tokenizer.save(str(out / "tokenizer.json"))
     special = {"bos_token": "t1", "eos_token": "t2", "unk_token": "t0"}
     (out / "tokenizer_config.json").write_text(

@@ -197,6 +197,7 @@ def test_save_checkpoint_writes_what_load_checkpoint_and_a_tokenizer_read(
         np.testing.assert_array_equal(loaded[name], array)
     tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     assert tokenizer.encode("t1 t17 t42").ids == [1, 17, 42]
+    assert tokenizer.decode([1, 17, 42]) == "t1 t17 t42"
 
 
 def test_the_tiny_llama_is_written_once(tmp_path):

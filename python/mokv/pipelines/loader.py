@@ -98,10 +98,12 @@ def check_supported(params: Any, is_di_enabled: bool = False) -> None:
         )
 
 
-def mokv_params(params: Any, options: MokvOptions | None = None) -> KVCacheParams:
+def mokv_params(
+    params: Any, options: MokvOptions | None = None, is_di_enabled: bool = False
+) -> KVCacheParams:
     """mokv's `KVCacheParams` of MAX's `params` (checked: `check_supported`), with the
     tiers, events and sessions of `options`."""
-    check_supported(params)
+    check_supported(params, is_di_enabled)
     options = options or MokvOptions()
     if params.kv_hash_algo == "sha256":
         seed = params.kv_hash_seed or b""
@@ -147,7 +149,7 @@ def load_kv_manager(
     them: mokv's pool takes all of it, as MAX's own does. UnsupportedMaxParamsError for
     what mokv does not hold (module docstring); ValueError for a missing budget.
     """
-    check_supported(params, is_di_enabled)
+    kv_params = mokv_params(params, options, is_di_enabled)
     if is_virtual_device_mode():
         raise _refuse(
             "a cache on virtual (compile-only) devices: build the graph on "
@@ -162,7 +164,7 @@ def load_kv_manager(
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size!r}")
     return KVCacheManager.create(
         params,
-        mokv_params(params, options),
+        kv_params,
         max_batch_size=max_batch_size * params.data_parallel_degree,
         max_seq_len=max_seq_len,
         session=session,

@@ -152,7 +152,8 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         MAX's InsufficientBlocksError, nothing changed, when the pages do not fit."""
         view = self._view(ctx)
         first_admission = view.start_idx == 0
-        tier_tokens = self._tier_cache_tokens() if first_admission else 0
+        tiered = first_admission and bool(self.manager.params.tiers)
+        tier_tokens = self._tier_cache_tokens() if tiered else 0
         if not self.manager.maybe_reserve(view):
             raise InsufficientBlocksError(
                 f"not enough free pages for request {view.request_id}: "
@@ -161,16 +162,13 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         if first_admission:  # MAX's rule: the cached prefix is reported once per request
             ctx.cached_prefix_length = view.start_idx
             ctx.cached_prefix_external_length = (
-                self._tier_cache_tokens() - tier_tokens if tier_tokens >= 0 else 0
+                self._tier_cache_tokens() - tier_tokens if tiered else 0
             )
         return CompletedTransfer()
 
     def _tier_cache_tokens(self) -> int:
-        """Prompt tokens the tiers supplied so far (-1 without tiers: nothing to read)."""
-        if not self.manager.params.tiers:
-            return -1
-        metrics = self.manager.metrics
-        return metrics.cache_tokens - metrics.device_cache_tokens
+        """Prompt tokens the tiers have supplied so far."""
+        return sum(tier.cache_tokens for tier in self.manager.metrics.tiers.values())
 
     def alloc_dummy(self, ctx: Any, replica_idx: int = 0) -> None:
         """Claims a padding request on `replica_idx` and gives it one page of its own
