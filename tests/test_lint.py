@@ -6,6 +6,7 @@ test` like any other."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,15 @@ TOOLS = Path(sys.executable).parent
     ids=["ruff-check", "ruff-format", "mypy"],
 )
 def test_repository_is_clean(command: list[str]) -> None:
+    # Python's view of the environment: MAX's native code, once a test loaded it, leaves
+    # PYTHONEXECUTABLE in the C one, which would start the tools outside this venv.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONEXECUTABLE", "PYTHONPATH")}
     proc = subprocess.run(
-        [str(TOOLS / command[0]), *command[1:]], cwd=ROOT, capture_output=True, text=True, timeout=900
+        [str(TOOLS / command[0]), *command[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
 import pkgutil
 from pathlib import Path
 
@@ -161,3 +162,24 @@ def test_every_package_is_shipped():
         for path in PACKAGE.rglob("__init__.py")
     }
     assert found <= listed, sorted(found - listed)
+
+
+def test_every_config_has_its_builder_in_a_fresh_process():
+    """A process that imports only the paged manager (as MAX's model worker does, through
+    mokv.pipelines) finds a builder for every config a manager builds from."""
+    import subprocess
+    import sys
+
+    code = (
+        "from mokv.managers.paged import PagedKVCacheManager\n"
+        "from mokv.config import HostTierConfig, KVEventsConfig, RemoteTierConfig, SessionConfig\n"
+        "from mokv.registry import BUILDERS\n"
+        "missing = [c.__name__ for c in (HostTierConfig, RemoteTierConfig, KVEventsConfig,"
+        " SessionConfig) if not BUILDERS.knows(c)]\n"
+        "assert not missing, missing\n"
+    )
+    # Python's view of the environment: MAX's native code, once loaded (the walk above),
+    # leaves PYTHONEXECUTABLE in the C one, which would start the child outside this venv.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONEXECUTABLE", "PYTHONPATH")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]

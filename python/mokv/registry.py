@@ -4,8 +4,12 @@ The configs (`mokv.config`) sit on the ground floor and name no implementation; 
 implementation registers the function that builds it from its config type, in its own
 module (`mokv.tiers.host`: the host tier; `mokv.tiers.remote`: the shared tier;
 `mokv.events.publisher`: an event stream; `mokv.managers.paged.sessions`: a session
-table), and whoever needs the object asks `BUILDERS.build(config, ...)`. A new tier is a
-config class and a module that registers its builder; nothing else names it.
+table), and whoever needs the object asks `BUILDERS.build(config, ...)`. The package
+that builds objects imports the modules that register them (`mokv.tiers` imports its
+tiers; the paged replica imports the publisher and the session table), so a process
+that imports only what it uses still finds every builder (tests/test_structure.py
+checks it in a fresh interpreter). A new tier is a config class and a module that
+registers its builder, imported by `mokv.tiers`; nothing else names it.
 
 mini-sglang's `utils/registry.py` is the model (a name that is not registered is refused
 with the ones that are); here the key is the config's type.
@@ -30,6 +34,10 @@ class Registry:
         if known is not None and known is not builder:
             raise ValueError(f"{config_type.__name__} is registered already (to {known!r})")
         self._builders[config_type] = builder
+
+    def knows(self, config_type: type) -> bool:
+        """Whether a builder is registered for `config_type`."""
+        return config_type in self._builders
 
     def build(self, config: object, *args: Any) -> Any:
         """`config`'s object, built by the builder registered for its type; TypeError

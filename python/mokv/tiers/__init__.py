@@ -7,5 +7,11 @@
     remote.py     RemoteTier: a Redis server that managers share, over `mokv.remote`
 
 The configs (`HostTierConfig`, `RemoteTierConfig`) are `mokv.config.tiers`; each tier
-module registers its builder for its config (`mokv.registry`).
+module registers its builder for its config (`mokv.registry`), and this package imports
+them, so that whoever builds tiers (`stack.py`, a module of this package) finds every
+builder registered whatever else its process imported.
 """
+
+from . import host, remote
+
+__all__ = ["host", "remote"]
