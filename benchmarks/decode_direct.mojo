@@ -116,7 +116,7 @@ def main() raises:
     var times = List[Float64](capacity=calls)
     for _ in range(calls):
         var t0 = perf_counter_ns()
-        flash_attention[target="cpu"](coll, op, qp, offp, batch, NQ, 0, scale, cpu)
+        flash_attention[target="cpu"](coll, op, qp, offp, batch, NQ, 0, scale, 0, cpu)
         times.append(Float64(perf_counter_ns() - t0) / 1e6)
     sort(times)
 

@@ -344,6 +344,7 @@ def _attention[Coll: KVCollectionT, target: StaticString](
     collection: Coll,
     layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],  # [1], host
     scale: InputTensor[dtype=DType.float32, rank=1, ...],  # [1], host
+    window_size: Int,  # 0: causal; else a sliding window of that many keys
     ctx: DeviceContext,
 ) raises:
     """mokv's own attention (the CPU's)."""
@@ -356,18 +357,21 @@ def _attention[Coll: KVCollectionT, target: StaticString](
         q.dim_size(1),
         Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
         scale.unsafe_ptr()[unsafe_offset=0],
+        window_size,
         ctx,
     )
 
 
 # On a GPU both ops run MAX's attention kernel on a MAX view of the collection
-# (kernels/max_kernels.mojo); on the CPU, mokv's.
+# (kernels/max_kernels.mojo); on the CPU, mokv's. `window_size` (a parameter: MAX's
+# kernel takes its mask as one) is 0 for causal attention, else the keys a query reads
+# of a sliding window, its own included (MAX's `sliding_window_causal` mask).
 
 
 @register("mokv.flash_attention.ragged.continuous")
 struct FlashAttentionContinuous:
     @staticmethod
-    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString, num_q_heads: Int](
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, //, target: StaticString, num_q_heads: Int, window_size: Int](
         output: OutputTensor[rank=3, ...],
         q: InputTensor[dtype=output.dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -377,7 +381,7 @@ struct FlashAttentionContinuous:
         ctx: DeviceContext,
     ) raises:
         comptime if uses_max_attention[target]():
-            continuous_attention_with_max[n_q=num_q_heads, target=target](
+            continuous_attention_with_max[n_q=num_q_heads, window=window_size, target=target](
                 collection,
                 _elems(output.unsafe_ptr()),
                 _elems(q.unsafe_ptr()),
@@ -388,13 +392,13 @@ struct FlashAttentionContinuous:
                 ctx,
             )
         else:
-            _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, ctx)
+            _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, window_size, ctx)
 
 
 @register("mokv.flash_attention.ragged.paged")
 struct FlashAttentionPaged:
     @staticmethod
-    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString, num_q_heads: Int](
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, //, target: StaticString, num_q_heads: Int, window_size: Int](
         output: OutputTensor[rank=3, ...],
         q: InputTensor[dtype=output.dtype, rank=3, ...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
@@ -404,7 +408,7 @@ struct FlashAttentionPaged:
         ctx: DeviceContext,
     ) raises:
         comptime if uses_max_attention[target]():
-            paged_attention_with_max[n_q=num_q_heads, target=target](
+            paged_attention_with_max[n_q=num_q_heads, window=window_size, target=target](
                 collection,
                 _elems(output.unsafe_ptr()),
                 _elems(q.unsafe_ptr()),
@@ -415,7 +419,7 @@ struct FlashAttentionPaged:
                 ctx,
             )
         else:
-            _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, ctx)
+            _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, window_size, ctx)
 
 
 # ===----------------------------------------------------------------------=== #

@@ -180,17 +180,20 @@ def row_offsets(new_tokens: list[int]) -> np.ndarray:
 
 
 def ref_attention(
-    q: np.ndarray, cache: Cache, offsets: np.ndarray, layer: int, scale: float
+    q: np.ndarray, cache: Cache, offsets: np.ndarray, layer: int, scale: float,
+    window: int | None = None,
 ) -> np.ndarray:
-    """float64 causal GQA attention: [T, n_q, D] queries over the cache (after the store)."""
+    """float64 causal GQA attention: [T, n_q, D] queries over the cache (after the store);
+    with `window`, the query at position p reads keys [p - window + 1, p] only."""
     out = np.zeros(q.shape, np.float64)
     n_q = q.shape[1]
     group = n_q // cache.params.n_kv_heads_per_device
     for b in range(len(offsets) - 1):
         c = int(cache.cache_lengths[b])
         for i, t in enumerate(range(offsets[b], offsets[b + 1])):
-            k = cache.rows(b, layer, 0, 0, c + i + 1).astype(np.float64)
-            v = cache.rows(b, layer, 1, 0, c + i + 1).astype(np.float64)
+            lo = max(0, c + i + 1 - window) if window else 0
+            k = cache.rows(b, layer, 0, lo, c + i + 1).astype(np.float64)
+            v = cache.rows(b, layer, 1, lo, c + i + 1).astype(np.float64)
             for qh in range(n_q):
                 s = k[:, qh // group] @ q[t, qh].astype(np.float64) * scale
                 p = np.exp(s - s.max())
@@ -222,6 +225,7 @@ class Config:
     hidden: int = 64
     rope: bool = False
     checked: bool = False  # the fetcher's checked mode (mokv.check_tables before each kernel)
+    window: int | None = None  # flash_attention's window_size (a sliding window)
 
     @property
     def params(self) -> KVCacheParams:
@@ -277,7 +281,8 @@ def store_attention(cfg: Config, device: DeviceRef) -> Part:
         *cache_in, k, v, q, offsets = inputs
         kv = fetch(cfg)(*cache_in)
         store_kv(kv, k, v, offsets, LAYER)
-        return [flash_attention(kv, q, offsets, LAYER, 1.0 / np.sqrt(cfg.head_dim))]
+        scale = 1.0 / np.sqrt(cfg.head_dim)
+        return [flash_attention(kv, q, offsets, LAYER, scale, window_size=cfg.window)]
 
     def idle() -> list[Buffer]:
         k, q = (Buffer(cfg.dtype, (0, h, cfg.head_dim)) for h in (cfg.n_kv_heads, cfg.n_q))

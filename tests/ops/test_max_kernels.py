@@ -6,9 +6,12 @@ keys. A GPU runs the same code with MAX's GPU kernels (tests/ops/test_on_gpu.py)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from . import test_store_attention as cpu_tests  # a module: its tests are not collected twice
+from . import test_window_attention
 from .conftest import plan_graphs
 from .test_store_attention import (
     CONT_F32_MHA,
@@ -18,7 +21,10 @@ from .test_store_attention import (
     run_store_attention,
 )
 
-plan_graphs("store_attention", [PAGED_F32_GQA4, PAGED_BF16_GQA8_P32, CONT_F32_MHA], paths=("max-kernels",))
+# MAX's CPU mask needs a window of at least its SIMD width (16 f32 lanes with AVX-512).
+F32_GQA4_WINDOW = dataclasses.replace(PAGED_F32_GQA4, window=37)
+plan_graphs("store_attention", [PAGED_F32_GQA4, PAGED_BF16_GQA8_P32, CONT_F32_MHA, F32_GQA4_WINDOW],
+            paths=("max-kernels",))
 
 
 @pytest.mark.parametrize(
@@ -39,3 +45,13 @@ def test_continuous_view(compiled_max_kernels):
         compiled_max_kernels, CONT_F32_MHA, [0, 17, 70], [12, 1, 4], seed=2
     )
     check(CONT_F32_MHA, cache, before, k, v, q, offsets, out)
+
+
+@pytest.mark.parametrize("cache_lengths,new_tokens", test_window_attention.CASES[:3])
+def test_paged_view_with_a_sliding_window(compiled_max_kernels, cache_lengths, new_tokens):
+    """MAX's `sliding_window_causal` mask through the view (its keys before the windows
+    are NaN, as in test_window_attention.py)."""
+    cache, before, k, v, q, offsets, out = run_store_attention(
+        compiled_max_kernels, F32_GQA4_WINDOW, cache_lengths, new_tokens, seed=5
+    )
+    check(F32_GQA4_WINDOW, cache, before, k, v, q, offsets, out)

@@ -41,13 +41,20 @@ def run_store_attention(
     """Runs the graph on a random batch; returns (cache before, cache after, k, v, q, out).
     Scores have standard deviation `q_std` (K and Q entries are standard normal). With
     `rise`, cached key j of c gets rise * j / c added to every element and the queries
-    0.5, so scores climb along the context by about rise * 0.5 * sqrt(head_dim)."""
+    0.5, so scores climb along the context by about rise * 0.5 * sqrt(head_dim). With a
+    window (`cfg.window`), the keys and values before each sequence's first window are
+    NaN: read by the kernel, masked or not, they would poison its output."""
     rng = np.random.default_rng(seed)
     cache = make_cache(cfg.params, cache_lengths, new_tokens, rng, share_prefix_pages=share)
     if rise:
         for b, c in enumerate(cache_lengths):
             ramp = rise * np.arange(c, dtype=np.float32)[:, None, None] / c
             cache.write(b, LAYER, 0, 0, cache.rows(b, LAYER, 0, 0, c) + ramp)
+    for b, c in enumerate(cache_lengths if cfg.window else []):
+        unread = max(0, c - cfg.window + 1)  # positions before the first new token's window
+        for kv in (0, 1):
+            cache.write(b, LAYER, kv, 0, np.full((unread, cfg.n_kv_heads, cfg.head_dim), np.nan,
+                                                  np.float32))
     before = cache.blocks.copy()
     total = sum(new_tokens)
     h, d = cfg.n_kv_heads, cfg.head_dim
@@ -73,10 +80,12 @@ def check(cfg, cache, before, k, v, q, offsets, out, tol=None):
         np.testing.assert_array_equal(cache.rows(b, LAYER, 1, c, c + hi - lo), values(v[lo:hi], cfg.dtype))
     np.testing.assert_array_equal(cache.blocks[:, :, 0], before[:, :, 0])  # layer 0 untouched
     # 2. Nothing else changed: restore the written rows' old bytes and compare.
-    changed = (cache.blocks != before).any(axis=(-1, -2))
+    bits = f"u{before.itemsize}"  # compared as bits: a window's NaN rows equal themselves
+    changed = (cache.blocks.view(bits) != before.view(bits)).any(axis=(-1, -2))
     assert changed.sum() <= 2 * int(offsets[-1]), "store_kv wrote outside the new tokens' rows"
-    # 3. Attention over prefix + new tokens.
-    ref = ref_attention(values(q, cfg.dtype), cache, offsets, LAYER, 1.0 / np.sqrt(cfg.head_dim))
+    # 3. Attention over prefix + new tokens (a window's keys only).
+    scale = 1.0 / np.sqrt(cfg.head_dim)
+    ref = ref_attention(values(q, cfg.dtype), cache, offsets, LAYER, scale, window=cfg.window)
     tol = tol or TOL[cfg.dtype]
     np.testing.assert_allclose(values(out, cfg.dtype), ref, atol=tol, rtol=tol)
 

@@ -50,7 +50,7 @@ def uses_max_attention[target: StaticString]() -> Bool:
     return not is_cpu[target]() or MAX_KERNELS_ON_CPU
 
 
-def _max_attention[Coll: MaxKVCollectionT, q_dtype: DType, n_q: Int, target: StaticString](
+def _max_attention[Coll: MaxKVCollectionT, q_dtype: DType, n_q: Int, window: Int, target: StaticString](
     collection: Coll,
     output: Ptr[q_dtype],  # [total_tokens, n_q, D]
     q: Ptr[q_dtype],  # [total_tokens, n_q, D]
@@ -63,8 +63,10 @@ def _max_attention[Coll: MaxKVCollectionT, q_dtype: DType, n_q: Int, target: Sta
     max_cache_length: Int,  # cache + new tokens, or an upper bound
     ctx: DeviceContext,
 ) raises:
-    """MAX's ragged causal flash attention over a MAX collection. Its query heads are a
-    parameter: MAX's kernel takes them from q's static shape."""
+    """MAX's ragged causal flash attention over a MAX collection, with its
+    `sliding_window_causal` mask of `window` keys when `window` > 0. Its query heads
+    and the window are parameters: MAX's kernel takes the heads from q's static shape
+    and the window as its mask's parameter."""
     comptime D = Coll.kv_params.head_size
     var partitions = 1
     comptime if not is_cpu[target]():
@@ -73,19 +75,18 @@ def _max_attention[Coll: MaxKVCollectionT, q_dtype: DType, n_q: Int, target: Sta
     var q_view = TileTensor(q.unsafe_origin_cast[MutAnyOrigin](), shape)
     var out_view = TileTensor(output.unsafe_origin_cast[MutAnyOrigin](), shape)
     var offsets_view = TileTensor(offsets.unsafe_origin_cast[MutAnyOrigin](), row_major(Coord(batch_size + 1))).as_imm()
-    generic_flash_attention_kv_cache_ragged[target=target, mask_str="causal"](
-        q_view,
-        offsets_view,
-        collection,
-        UInt32(layer_idx),
-        scale,
-        out_view,
-        ctx,
-        MHADecodeDispatchMetadata(batch_size, max_new_tokens, partitions, max_cache_length),
-    )
+    var metadata = MHADecodeDispatchMetadata(batch_size, max_new_tokens, partitions, max_cache_length)
+    comptime if window > 0:
+        generic_flash_attention_kv_cache_ragged[
+            target=target, mask_str="sliding_window_causal", local_window_size=window
+        ](q_view, offsets_view, collection, UInt32(layer_idx), scale, out_view, ctx, metadata)
+    else:
+        generic_flash_attention_kv_cache_ragged[target=target, mask_str="causal"](
+            q_view, offsets_view, collection, UInt32(layer_idx), scale, out_view, ctx, metadata
+        )
 
 
-def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_dtype: DType, n_q: Int, target: StaticString](
+def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_dtype: DType, n_q: Int, window: Int, target: StaticString](
     coll: PagedKVCacheCollection[dtype_code, H, D, page_size],
     output: Ptr[q_dtype],
     q: Ptr[q_dtype],
@@ -110,12 +111,12 @@ def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_
     var view = MaxPagedCollection[
         dtype, MaxKVCacheStaticParams(num_heads=H, head_size=D), page_size, MutAnyOrigin, ImmutAnyOrigin, ImmutAnyOrigin, MutAnyOrigin
     ](blocks, lengths, table, UInt32(coll.max_new_tokens), UInt32(max_cache))
-    _max_attention[n_q=n_q, target=target](
+    _max_attention[n_q=n_q, window=window, target=target](
         view, output, q, offsets, coll.batch_size(), total_tokens, layer_idx, scale, coll.max_new_tokens, max_cache, ctx
     )
 
 
-def continuous_attention_with_max[dtype_code: Int, H: Int, D: Int, q_dtype: DType, n_q: Int, target: StaticString](
+def continuous_attention_with_max[dtype_code: Int, H: Int, D: Int, q_dtype: DType, n_q: Int, window: Int, target: StaticString](
     coll: ContinuousBatchingKVCacheCollection[dtype_code, H, D],
     output: Ptr[q_dtype],
     q: Ptr[q_dtype],
@@ -139,6 +140,6 @@ def continuous_attention_with_max[dtype_code: Int, H: Int, D: Int, q_dtype: DTyp
     var view = MaxContinuousCollection[dtype, MaxKVCacheStaticParams(num_heads=H, head_size=D)](
         blocks, lengths, slots, UInt32(max_new), UInt32(coll.max_seq_len)
     )
-    _max_attention[n_q=n_q, target=target](
+    _max_attention[n_q=n_q, window=window, target=target](
         view, output, q, offsets, batch_size, total_tokens, layer_idx, scale, max_new, coll.max_seq_len, ctx
     )

@@ -28,6 +28,7 @@ def flash_attention(
     layer_idx: int | TensorValue,
     scale: float | TensorValue,
     checked: bool | None = None,
+    window_size: int | None = None,
 ) -> TensorValue:
     """Causal grouped-query attention of this step's queries over the cached K and V.
 
@@ -35,6 +36,12 @@ def flash_attention(
     so its own K/V (and those of earlier new tokens) must already be in the cache
     (`store_kv` or `fused_qkv_matmul` first). A batch may mix prefill and decode rows.
     Query head `qh` reads KV head `qh // (n_heads // n_kv_heads)`.
+
+    With `window_size` W (a sliding-window layer: Gemma 3's local layers, a
+    sliding-window cache group's), the token at position p reads only [p - W + 1, p]
+    (MAX's `sliding_window_causal` mask: W counts the query's own key), and the kernel
+    reads no key before the batch's windows: a sliding-window group has released the
+    pages there (`mokv.CacheGroupConfig`), so its layers must pass their window.
 
     Args:
         collection: a `PagedKVCacheCollection` or `ContinuousBatchingKVCacheCollection`.
@@ -45,6 +52,8 @@ def flash_attention(
         scale: softmax scale, usually 1 / sqrt(head_dim) (float, or float32 host scalar).
         checked: check the runtime tables first (`mokv.check_tables`); None: the
             collection's `checked` (see `FetchKVCacheCollection`).
+        window_size: keys a query reads, its own included (an int >= 1); None: every
+            key before it.
 
     On the CPU this is mokv's kernel; on a GPU, MAX's own attention kernel on a MAX
     view of the same cache (`kernels/max_kernels.mojo`). The CPU kernel needs head_dim
@@ -71,6 +80,9 @@ def flash_attention(
     check_gpu_page_size("flash_attention", info, q.device)
     offsets = check_row_offsets(input_row_offsets, q.device)
     layer = layer_index(layer_idx, info.num_layers)
+    window = window_size if window_size is not None else 0
+    if window.__class__ is not int or (window_size is not None and window < 1):
+        raise ValueError(f"window_size must be an int >= 1 or None, got {window_size!r}")
     if wants_check(info, checked):
         collection = emit_table_check(collection, info, offsets, q, layer)
     out_type = TensorType(q.dtype, q.shape, device=q.device)
@@ -79,6 +91,7 @@ def flash_attention(
         q.device,
         [q, offsets, collection, layer, host_scalar("scale", scale, DType.float32)],
         out_types=[out_type],
-        # MAX's GPU kernel takes the query heads from q's static shape: a parameter.
-        parameters={"num_q_heads": int(n_heads)},
+        # MAX's GPU kernel takes the query heads from q's static shape, and its mask's
+        # window: parameters (0: the causal mask).
+        parameters={"num_q_heads": int(n_heads), "window_size": window},
     )[0].tensor

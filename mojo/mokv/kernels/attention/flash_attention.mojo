@@ -59,6 +59,11 @@ lanes and accumulators per register block alike:
     grows with the scores' size). GQA 8 bf16 at 16k context: ~2.9 -> ~2.0 ms.
   * Causality: the key loop stops at the unit's last visible position, so tiles the
     mask hides entirely are never read; only the diagonal tile applies a mask.
+  * A sliding window (`window` keys, the query's own included; Gemma 3's local layers)
+    starts a unit's key loop at its first token's window, so a decode step reads
+    `window` keys whatever the sequence's length; the tiles before a later token's
+    window are masked for its rows (`softmax_key_major`), whose reference stays finite
+    (`NO_KEY`) until their first key.
   * Units run in parallel on the op's device context (`parallel_units`).
 On a GPU the ops run MAX's attention kernel on a MAX view of the cache instead
 (kernels/max_kernels.mojo).
@@ -85,6 +90,7 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
     n_q: Int,
     layer_idx: Int,
     scale: Float32,
+    window: Int,  # keys a query reads, itself included (a sliding window); 0: every key before it
     ctx: DeviceContext,
 ) raises:
     """Generic body of `mokv.flash_attention.ragged.*` on the CPU (a GPU runs MAX's
@@ -100,7 +106,7 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
 
     var units = List[Unit]()
     var merges = List[Merge]()
-    var n_parts = plan_units(kc, offsets, batch_size, group, units, merges)
+    var n_parts = plan_units(kc, offsets, batch_size, group, window, units, merges)
     # Partial slots are written by their split before the merge reads them: no fill.
     var scratch = List[Float32](capacity=max(n_parts, 1) * PART_SLOT[D])
     var parts = scratch.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
@@ -118,10 +124,10 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
     # makes the other splits' slots visible to the merging one.
     def body(i: Int) {
         imm kc, imm vc, imm q, imm output, imm unit_ptr, imm merge_ptr, imm pending_ptr,
-        imm group, imm n_q, imm scale, imm parts
+        imm group, imm n_q, imm scale, imm window, imm parts
     }:
         var u = unit_ptr[unsafe_offset=i]
-        attend_unit(kc, vc, q, output, u, group, n_q, scale, parts)
+        attend_unit(kc, vc, q, output, u, group, n_q, scale, window, parts)
         if u.merge >= 0 and Atomic[Int64].fetch_add(pending_ptr.unsafe_offset(u.merge), -1) == 1:
             merge_parts[q_dtype, D](merge_ptr[unsafe_offset=u.merge], parts, output, group, n_q)
 

@@ -23,7 +23,13 @@ def _nearest_tile(keys: Int) -> Int:
 
 
 def plan_units[Cache: KVCacheT](
-    kc: Cache, offsets: U32Ptr, batch_size: Int, group: Int, mut units: List[Unit], mut merges: List[Merge]
+    kc: Cache,
+    offsets: U32Ptr,
+    batch_size: Int,
+    group: Int,
+    window: Int,
+    mut units: List[Unit],
+    mut merges: List[Merge],
 ) raises -> Int:
     """Cuts the batch into units and returns the number of partial slots they use.
 
@@ -33,6 +39,10 @@ def plan_units[Cache: KVCacheT](
     heads in address order. When that leaves too few units to keep every core busy
     (a few long decodes), the keys each unit's rows all see are split, at least
     MIN_SPLIT_KEYS apiece, and the last split of each to finish merges them.
+
+    With a sliding window (`window` > 0 keys a query reads, itself included) a unit's
+    keys start at its first token's window, so a long sequence's tiles before it are
+    never read, and its splits share out only those keys.
     """
     comptime H = Cache.kv_params.num_heads
     if group > MAX_ROWS:
@@ -49,16 +59,19 @@ def plan_units[Cache: KVCacheT](
             while nh * head_rows(ntok, group) > MAX_ROWS or H % nh != 0:
                 nh -= 1
             var first_pos = kc.cache_length(b) + t - start
+            var k_lo = max(0, first_pos - window + 1) if window else 0
             for h0 in range(0, H, nh):
-                whole.append(Unit(b, t, t - start, ntok, h0, nh, 0, first_pos + ntok, -1, -1))
+                whole.append(Unit(b, t, t - start, ntok, h0, nh, k_lo, first_pos + ntok, -1, -1))
             t += ntok
 
     var want = ceildiv(SPLIT_UNITS_PER_CORE * num_physical_cores(), max(len(whole), 1))
     var n_parts = 0
     for u in whole:
-        # Keys [0, shared) are visible to every row, so every split has a visible key.
+        # Keys [k_lo, shared) are visible to the unit's first row; every split has some
+        # (with a window, a later row may see none of a split's: the merge weighs its
+        # empty state 0).
         var shared = u.k_hi - u.ntok + 1
-        var splits = min(want, shared // MIN_SPLIT_KEYS)
+        var splits = min(want, (shared - u.k_lo) // MIN_SPLIT_KEYS)
         if splits <= 1:
             units.append(u)
             continue
@@ -66,11 +79,11 @@ def plan_units[Cache: KVCacheT](
         # splits differ by at most a tile. (A step rounded up to whole tiles left fewer,
         # longer splits and a short last one: 13 at 1 x 4096, so one core ran 7 of them and
         # the other 6, idle for the last ~40 us of a ~470 us call in a graph.)
-        var lo = 0
+        var lo = u.k_lo
         for i in range(splits):
-            var hi = u.k_hi if i == splits - 1 else _nearest_tile(((i + 1) * shared) // splits)
+            var hi = u.k_hi if i == splits - 1 else _nearest_tile(u.k_lo + ((i + 1) * (shared - u.k_lo)) // splits)
             units.append(Unit(u.b, u.tok0, u.i0, u.ntok, u.h0, u.nh, lo, hi, n_parts + i, len(merges)))
             lo = hi
-        merges.append(Merge(Unit(u.b, u.tok0, u.i0, u.ntok, u.h0, u.nh, 0, u.k_hi, n_parts, -1), splits))
+        merges.append(Merge(Unit(u.b, u.tok0, u.i0, u.ntok, u.h0, u.nh, u.k_lo, u.k_hi, n_parts, -1), splits))
         n_parts += splits
     return n_parts

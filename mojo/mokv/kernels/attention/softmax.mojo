@@ -8,6 +8,11 @@ comptime LAZY_MAX: Float32 = 8
 """How far (log2 units) a row's scores may rise above its softmax reference before
 the reference is raised and O rescaled (`softmax_key_major`)."""
 comptime LOG2E: Float32 = 1.4426950408889634
+comptime NO_KEY: Float32 = -1e30
+"""A row's softmax reference before its first visible key: finite, so that a masked
+score (`Float32.MIN`) in a tile of none of its keys (a sliding window's first tiles
+for its later tokens) gives P = 2^(MIN - NO_KEY) = 0, where against a reference of MIN
+it would give 2^0 = 1; and 2^(NO_KEY - m) = 0 against any real reference m."""
 
 
 @always_inline
@@ -24,6 +29,7 @@ def softmax_key_major[D: Int, PAIRS: Bool](
     l: F32Ptr,  # [MAX_ROWS] running sums
     o: F32Ptr,  # [MAX_ROWS, D] output accumulators
     last: I32Ptr,  # [MAX_ROWS] each row's last visible position
+    first: I32Ptr,  # [MAX_ROWS] each row's first visible position (a sliding window's)
     rows: Int,
     n: Int,
     k_tok: Int,  # position of the tile's first key
@@ -35,7 +41,8 @@ def softmax_key_major[D: Int, PAIRS: Bool](
     the scores in s or, with PAIRS (`pv_block`'s BF16_DOT input), goes to pb rounded
     to bf16 pairs (P[r, j], P[r, j+1]) in 32-bit slots (j // 2) * MAX_ROWS + r, with
     P[r, n] = 0 for an odd n (rows up to a multiple of W: padding rows hold junk, never
-    used). Rounding in the exp pass saves a pass over P; the maximum runs in four
+    used). A masked tile (the diagonal, or a sliding window's first tiles) hides the
+    keys past a row's `last` and before its `first`. Rounding in the exp pass saves a pass over P; the maximum runs in four
     chains, where one was bound by the latency of a NaN-aware `max` (bf16 GQA 8, one
     thread: 16.4 -> 16.9 GB/s with the cache in L2, 2.27 -> 2.08 ms at 16k).
 
@@ -55,9 +62,11 @@ def softmax_key_major[D: Int, PAIRS: Bool](
         var m_old = m.unsafe_load[width=W](r0)
         if masked:
             var last_v = last.unsafe_load[width=W](r0)
+            var first_v = first.unsafe_load[width=W](r0)
             for j in range(n):
                 var v = s.unsafe_load[width=W](j * MAX_ROWS + r0)
-                v = SIMD[DType.int32, W](k_tok + j).gt(last_v).select(SIMD[DType.float32, W](Float32.MIN), v)
+                var pos = SIMD[DType.int32, W](k_tok + j)
+                v = (pos.gt(last_v) | pos.lt(first_v)).select(SIMD[DType.float32, W](Float32.MIN), v)
                 s.unsafe_store(j * MAX_ROWS + r0, v)
         var mx4 = Array[SIMD[DType.float32, W], 4](fill=m_old)
         var j = 0

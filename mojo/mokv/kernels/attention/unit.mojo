@@ -12,7 +12,7 @@ from .forms import BF16_DOT, BF16_PV_DOT, BK, DECODE_O_ORDER, KB, MAX_ROWS, PART
 from .pv import o_natural, pv_block
 from .scores import qk_block, qk_heads, qk_key_major
 from .scores_group import group_keys, qk_group, store_group_q
-from .softmax import LOG2E, softmax_key_major
+from .softmax import LOG2E, NO_KEY, softmax_key_major
 from .tiles import prefetch_rows, stage_tile
 
 
@@ -86,9 +86,13 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
     group: Int,
     n_q: Int,
     scale: Float32,
+    window: Int,  # keys a query reads, itself included (a sliding window); 0: all before it
     parts: F32Ptr,  # partial slots, PART_SLOT[D] floats each
 ):
     """Online-softmax attention of one unit: all its rows share one pass over its keys.
+    With a window, a row at position p reads [p - window + 1, p] and the unit's keys
+    start at its first row's window (`plan_units`); the tiles before a later row's
+    window are masked for it.
 
     Each key tile takes three steps: the scores S^T [keys, rows] (prefill units, with
     at least W rows per head, from f32-staged tiles; decode units from K as stored, in
@@ -114,6 +118,7 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
     var m = stack_allocation[MAX_ROWS, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var l = stack_allocation[MAX_ROWS, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var last = stack_allocation[MAX_ROWS, Int32]().unsafe_origin_cast[MutUntrackedOrigin]()
+    var first = stack_allocation[MAX_ROWS, Int32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var first_pos = kc.cache_length(u.b) + u.i0  # position of the unit's first token
     var scale_log2 = scale * LOG2E  # scores in log2 units: the softmax takes powers of 2
     for r in range(rows_p):
@@ -137,16 +142,19 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
                 else:
                     qs.unsafe_store(r * D + c, qv)
             o.unsafe_store(r * D + c, SIMD[DType.float32, W](0))
-        m.unsafe_store(r, Float32.MIN)
+        m.unsafe_store(r, NO_KEY)
         l.unsafe_store(r, 0)
-        last.unsafe_store(r, Int32(first_pos + (r % rows_hp) // group))
+        var pos = first_pos + (r % rows_hp) // group
+        last.unsafe_store(r, Int32(pos))
+        first.unsafe_store(r, Int32(pos - window + 1 if window else 0))
     # The key-major softmax takes W rows at a time: give padding rows a finite state.
     for r in range(rows_p, ceildiv(rows_p, W) * W):
         comptime for c in range(0, D, W):
             o.unsafe_store(r * D + c, SIMD[DType.float32, W](0))
-        m.unsafe_store(r, Float32.MIN)
+        m.unsafe_store(r, NO_KEY)
         l.unsafe_store(r, 0)
         last.unsafe_store(r, Int32(first_pos))
+        first.unsafe_store(r, 0)
         for j in range(BK):
             s.unsafe_store(j * MAX_ROWS + r, 0)
 
@@ -158,6 +166,9 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
     var width = u.nh * D  # elements of one token's rows for the unit's heads: contiguous
     var kv_end = min(u.k_hi, first_pos + u.ntok)
     var k_tok = u.k_lo
+    # Every row's window starts at or before this key (the last row's window start; 0
+    # without a window): a tile that starts before it is masked.
+    var all_see = first_pos + u.ntok - window if window else 0
     prefetch_rows[Cache](kc.row_ptr(u.b, u.h0, k_tok), min(tile_keys, kc.contiguous_tokens(k_tok), kv_end - k_tok), width)
     while k_tok < kv_end:
         var n = min(tile_keys, kc.contiguous_tokens(k_tok), kv_end - k_tok)
@@ -169,7 +180,8 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
         # Prefetches are spread over the tile's work, so that the memory system always
         # has misses in flight: V rows while K rows are read (scores), each head's next
         # K rows while its V rows are read (P V).
-        var masked = k_tok + n - 1 > first_pos  # the diagonal tile: some keys are in the future
+        # The diagonal tile (some keys in some row's future), or a tile before some row's window.
+        var masked = k_tok + n - 1 > first_pos or k_tok < all_see
         if key_major:
             for hh in range(u.nh):
                 prefetch_rows[Cache](vp.unsafe_offset(hh * D), n, D)
@@ -217,9 +229,9 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
                     for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
                         qk_block[Cache](qs, s, r0, kp.unsafe_offset(hh * D), j0, n)
         if paired:
-            softmax_key_major[D, True](s, m, l, o, last, rows_p, n, k_tok, masked, pb)
+            softmax_key_major[D, True](s, m, l, o, last, first, rows_p, n, k_tok, masked, pb)
         else:
-            softmax_key_major[D, False](s, m, l, o, last, rows_p, n, k_tok, masked, pb)
+            softmax_key_major[D, False](s, m, l, o, last, first, rows_p, n, k_tok, masked, pb)
 
         if key_major:
             for hh in range(u.nh):
