@@ -83,7 +83,7 @@ def test_the_messages_name_the_value(managers):
     for name, args, match in [
         ("release", (1.0,), "float 1.0"), ("release", (True,), "bool True"),
         ("fetch", ([0.0],), "float 0.0"), ("step", ({0: 1.5},), "wrote 1.5 tokens"),
-        ("step", ({0: 2**63},), f"would hold {20 + 2**63} tokens"),
+        ("step", ({0: 2**63},), f"sequence 0 holds 20 tokens: {2**63} new tokens"),
         ("fetch", ([0], 5), "sequence 0 holds 20 tokens: 5 more step"),
         ("step", ([0],), "mapping .*list \\[0\\]"), ("release", (2**64,), str(2**64)),
     ]:

@@ -62,7 +62,7 @@ def test_bad_input_is_rejected_and_changes_nothing(seqs):
         seqs.fetch([2])
     with pytest.raises(mokv.BatchTooLargeError, match="2 sequences: 1 of 3"):
         seqs.claim(2)
-    with pytest.raises(mokv.SequenceTooLongError, match="sequence 0 would hold 17"):
+    with pytest.raises(mokv.SequenceTooLongError, match="sequence 0 holds 10 tokens: 7 new tokens"):
         seqs.step({seq_ids[1]: 1, seq_ids[0]: 7})
     with pytest.raises(ValueError, match="a token count"):
         seqs.step({seq_ids[0]: -5})

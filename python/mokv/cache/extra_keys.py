@@ -36,7 +36,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..context import MultimodalInput
+from ..context import (
+    MultimodalInput,
+    check_cache_salt,
+    check_lora_id,
+    check_name,
+    multimodal_inputs,
+)
 from .hashing import encode_extra_keys, keyed_root
 
 LORA_TAG = "lora"
@@ -54,13 +60,28 @@ class HashInputs(NamedTuple):
 
 def hash_inputs(ctx: object) -> HashInputs | None:
     """What keys `ctx`'s pages besides its tokens, or None for an unsalted, adapter-free,
-    text-only request. The empty salt is no salt (as in vLLM)."""
-    salt = getattr(ctx, "cache_salt", None) or None
-    lora = getattr(ctx, "lora_name", None) or None
-    images = getattr(ctx, "mm_inputs", None) or ()
-    if salt is None and lora is None and not images:
+    text-only request. The empty salt is no salt (as in vLLM).
+
+    Each key is checked here, where every manager reads it, whatever the context's type
+    (TypeError / ValueError naming it; `mokv.context`'s checks): a salt or an adapter of
+    another type, a falsy one included (`0`, `b""`), never means "no tenant", and image
+    spans lie in order within the context's tokens."""
+    salt = getattr(ctx, "cache_salt", None)
+    lora = getattr(ctx, "lora_name", None)
+    images = getattr(ctx, "mm_inputs", ())
+    if (
+        salt is None
+        and lora is None
+        and (images is None or images.__class__ is tuple and not images)
+    ):
+        return None  # most requests: three reads, no check
+    check_cache_salt(salt)
+    check_name("lora_name", lora)
+    if images is not None:
+        images = multimodal_inputs(images, ctx.end_idx)  # type: ignore[attr-defined]
+    if not salt and lora is None and not images:
         return None
-    return HashInputs(salt, lora, tuple(images))
+    return HashInputs(salt or None, lora, images or ())
 
 
 def chain_root(algorithm: str, seed: int, cache_salt: str | None, lora_name: str | None) -> int:
@@ -149,9 +170,14 @@ class RequestKeys(NamedTuple):
 
 def request_keys(ctx: object) -> RequestKeys | None:
     """`ctx`'s keys for events (None when it has none): `hash_inputs(ctx)`, its adapter's
-    id and its `session_id` (vLLM 0.33 publishes the request's session on its stores)."""
+    id and its `session_id` (vLLM 0.33 publishes the request's session on its stores),
+    each checked as `hash_inputs` checks its keys: a manager calls it before it first
+    reserves a request, so that a bad key changes nothing."""
     inputs = hash_inputs(ctx)
-    session_id = getattr(ctx, "session_id", None)
+    session_id = check_name("session_id", getattr(ctx, "session_id", None))
+    lora_id = getattr(ctx, "lora_id", None)
+    if lora_id is not None:
+        check_lora_id(lora_id, inputs.lora_name if inputs is not None else None)
     if inputs is None and session_id is None:
         return None
-    return RequestKeys(inputs, getattr(ctx, "lora_id", None), session_id)
+    return RequestKeys(inputs, lora_id, session_id)

@@ -175,5 +175,5 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
         grown = {s: self._lengths[s] + n for s, n in new_tokens.items()}
         for seq_id, length in grown.items():
             if length > self.max_seq_len:
-                raise too_long(seq_id, length, self.max_seq_len)
+                raise too_long(seq_id, self._lengths[seq_id], new_tokens[seq_id], self.max_seq_len)
         self._lengths.update(grown)

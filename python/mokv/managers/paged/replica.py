@@ -222,6 +222,8 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         needed = ctx.active_idx + num_steps - 1
         if needed <= held and needed <= self.max_seq_len:
             return None
+        if not req.pages:  # a first reservation: every key is checked before any is used
+            request_keys(ctx)
         hits, tail = self.chains.device_hits(ctx, req, want_tail=self._tiered)
         plan = self._reservation(ctx, req, num_steps, hits, [])
         plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)
