@@ -108,6 +108,12 @@ _REJECTION_COUNTER = {
     Rejection.TOKENS: "rejected_tokens",
     Rejection.MAC: "rejected_mac",
 }
+MAX_TIMEOUT_S = 60.0
+"""Longest `timeout_s` of a store (and of `RemoteTierConfig`): the shared tier is asked
+inside `maybe_reserve`, so a slower reply stalls every request of the step, and a miss
+only costs a recompute. (Python's sockets refuse timeouts past ~2**63 ns: 1e12 s broke
+every lookup with an OverflowError.)"""
+
 _NETWORK_ERRORS = (redis.RedisError, OSError)
 logger = logging.getLogger(__name__)
 
@@ -139,8 +145,11 @@ class RemotePageStore:
         ):
             if value.__class__ is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if timeout_s.__class__ not in (int, float) or not 0 < timeout_s < float("inf"):
-            raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s!r}")
+        if timeout_s.__class__ not in (int, float) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                f"got {timeout_s!r}"
+            )
         self.layout = layout
         self.namespace = namespace
         self.metrics = RemoteMetrics()

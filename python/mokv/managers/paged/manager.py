@@ -59,7 +59,7 @@ from .multistep import PagedMultistep
 from .plans import RequestState
 from .replica import PagedReplica, Reservation
 from .routing import PagedRouting
-from .sizing import PagedSizing, pages_per_replica
+from .sizing import PagedSizing, check_devices_hold, pages_per_replica
 
 _request_id = attrgetter("request_id")  # of a context
 
@@ -114,6 +114,7 @@ class PagedKVCacheManager(
                 f"available_cache_memory must be a number of bytes (an int >= 0), "
                 f"got {available_cache_memory!r}"
             )
+        check_devices_hold(params, available_cache_memory, self.devices)
         dp = params.data_parallel_degree
         num_pages = pages_per_replica(params, num_layers, available_cache_memory)
         pages_per_seq = ceil_div(max_seq_len, params.page_size)
@@ -149,9 +150,15 @@ class PagedKVCacheManager(
             # One publisher per replica (its own PUB socket), opened last so that nothing
             # after it can fail; the replica's pool and tiers tell it what changed.
             self.kv_event_publishers = open_publishers(params.kv_events, params.page_size, dp)
-        except BaseException:
+        except BaseException as e:
             for replica in self.replicas:  # their tiers may run threads
                 replica.close()
+            if isinstance(e, MemoryError):  # the page table and pool lists, in host memory
+                raise InsufficientMemoryError(
+                    f"max_batch_size={max_batch_size}, max_seq_len={max_seq_len} and "
+                    f"{num_pages} pages per replica: the manager's tables do not fit in host "
+                    f"memory ({e})"
+                ) from None
             raise
         for replica, publisher in zip(self.replicas, self.kv_event_publishers):
             replica.publish_to(publisher)
