@@ -87,8 +87,9 @@ def test_b_loads_the_pages_a_committed_bit_exact_and_indexes_them(session, redis
     ns = fresh_namespace()
     a, a_pages = committed_by_a(session, redis_server, ns)
     assert a.remote_metrics.pages_written == 2
-    # Queued writes are bounded by bytes: a value is 64 + 4 * 8 + 1024 page bytes here.
-    assert stores(a)[0].max_queued_pages == 256 * 2**20 // (64 + 32 + 1024)
+    # Queued writes are bounded by bytes: a value is 64 + 4 * 8 + 32 (the keys digest) +
+    # 1024 page bytes here.
+    assert stores(a)[0].max_queued_pages == 256 * 2**20 // (64 + 32 + 32 + 1024)
     b = remote_manager(session, redis_server, ns)
     recorder = EventRecorder()
     b.replicas[0].pool.events = recorder
