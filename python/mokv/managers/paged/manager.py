@@ -281,8 +281,10 @@ class PagedKVCacheManager(
     ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
         """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device.
 
-        The batch must be ordered by replica (as `get_data_parallel_splits` expects);
-        devices come replica by replica. Requests not yet reserved are reserved here.
+        The batch may mix replicas in any order: each replica's inputs describe its own
+        requests in batch order (as MAX regroups a batch), and devices come replica by
+        replica, so a model's rows go in that order (`get_data_parallel_splits` gives
+        each replica's count). Requests not yet reserved are reserved here.
         All or nothing: every request is checked and every reservation planned before
         anything changes; `InsufficientPagesError` (and no change) if the pages of the
         batch do not fit. A reservation whose context moved its window (a prefix hit)
@@ -296,16 +298,9 @@ class PagedKVCacheManager(
             )
         groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
         plans: list[list[Reservation]] = [[] for _ in self.replicas]
-        last = 0
         for ctx in batch:
             r = self._replica_index(ctx.request_id)
             check_window(ctx)
-            if r < last:
-                raise ValueError(
-                    f"batch is not ordered by replica: {ctx.request_id!r} (replica {r}) "
-                    f"comes after a request of replica {last}"
-                )
-            last = r
             groups[r].append(ctx)
             plan = self.replicas[r].plan(ctx, num_steps)
             if plan is not None:

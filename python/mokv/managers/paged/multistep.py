@@ -55,7 +55,8 @@ class PagedMultistep:
     @synchronized
     def get_data_parallel_splits(self, context_batch: Sequence[TextGenerationContext]) -> Buffer:
         """int64 `[num_replicas + 1]`: offsets of each replica's requests in the batch,
-        `[0, n_0, n_0 + n_1, ...]` (the batch must be ordered by replica)."""
+        `[0, n_0, n_0 + n_1, ...]`, in the order `fetch` groups them (replica by
+        replica, whatever the batch's order)."""
         counts = np.zeros(len(self.replicas) + 1, dtype=np.int64)
         for ctx in context_batch:
             counts[self._replica_index(ctx.request_id) + 1] += 1
