@@ -1,5 +1,7 @@
 # Two entry points for a fresh machine (no pixi needed):
 #   make demo   installs mokv into .venv and runs the demo on the CPU
+#   make serve  MAX's own OpenAI server with a mokv KV cache (`mokv serve`), serving a
+#               tiny local Llama on 127.0.0.1:8000 (SERVE_PORT=...); Ctrl-C stops it
 #   make test   installs mokv and its test tools into .venv (and, as root on Debian, the
 #               redis-server package that tests/remote/ starts) and runs every test
 #               (PYTEST_ARGS="--cpu-target znver3": every CPU kernel compiled for AVX2)
@@ -8,8 +10,8 @@
 #               builds) and runs tests/consumers/: routers others wrote read mokv's events
 #   make test-virtual-gpu  MAX's own layers on a mokv cache, compiled for a virtual sm_90
 #               (minutes: outside make test)
-#   make test-max-pipeline  MAX's own Llama pipeline generating on a mokv manager (installs
-#               MAX's pipeline dependencies, the max-pipeline extra; minutes: outside make test)
+#   make test-max-pipeline  MAX's own Llama pipeline generating on a mokv cache, against
+#               MAX's own manager (minutes: outside make test)
 #   make bench  runs the benchmark suite (make bench-quick: a shorter run), with vLLM's
 #               KV cache manager beside mokv's and MAX's (make bench-vllm installs it)
 #   make docs   builds the docs site (docs/, mkdocs.yml) into site/, warnings as errors
@@ -17,7 +19,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-remote test-consumers test-virtual-gpu test-max-pipeline bench bench-quick bench-vllm docs install redis-server
+.PHONY: demo serve test test-remote test-consumers test-virtual-gpu test-max-pipeline bench bench-quick bench-vllm docs install redis-server
 
 # The shared-tier tests start their own redis-server (only the binary is used; a service
 # the package may start is never contacted). Under CI=true they fail without it.
@@ -39,6 +41,10 @@ install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) examples/generate.py
+
+SERVE_PORT ?= 8000
+serve: $(VENV)/.installed
+	$(PY) examples/serve.py --port $(SERVE_PORT)
 
 test: $(VENV)/.installed redis-server
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -63,12 +69,8 @@ test-consumers: $(VENV)/.consumers
 test-virtual-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m max_virtual_gpu tests/ops/test_virtual_gpu.py
 
-$(VENV)/.max-pipeline: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[max-pipeline]"
-	touch $@
-
 # Marked max_pipeline (pyproject.toml): deselected by make test, selected here.
-test-max-pipeline: $(VENV)/.max-pipeline
+test-max-pipeline: $(VENV)/.installed
 	$(PY) -m pytest -q -m max_pipeline tests/model/test_max_pipeline.py
 
 # The test extra includes the docs extra (mkdocs-material); tests/docs/ builds it too.

@@ -1,6 +1,6 @@
 """Runs the whole mokv benchmark suite and writes JSON, PNG plots and a markdown summary.
 
-    python benchmarks/run.py [--quick] [--portable] [--out DIR] [--parts hashing,events,managers,attention,qkv,compile]
+    python benchmarks/run.py [--quick] [--portable] [--out DIR] [--parts hashing,events,managers,attention,qkv,compile,serving]
 
 Parts (each module's docstring says what it measures and why):
   hashing    bench_hashing.py   prefix-hash throughput per algorithm, beside MAX's
@@ -15,6 +15,8 @@ Parts (each module's docstring says what it measures and why):
   attention  bench_attention.py CPU ragged flash attention, mokv vs MAX, vs copy bandwidth
   qkv        bench_qkv.py       CPU QKV projection: mokv's fused_qkv_matmul vs MAX's matmul
   compile    bench_compile.py   cold and warm build+load of a graph with mokv's kernels
+  serving    bench_serving.py   an agent trace over HTTP: `mokv serve` (plain, sessions,
+                                host tier) beside `max serve`: TTFT, tokens/s, cached share
 
 --cpu-target NAME compiles every CPU kernel of the run, MAX's and mokv's, for the LLVM CPU NAME
 (MAX's `max.driver.set_virtual_cpu_target`) and runs it on this host: `--cpu-target znver3` on an
@@ -50,9 +52,10 @@ import bench_events  # noqa: E402
 import bench_hashing  # noqa: E402
 import bench_managers  # noqa: E402
 import bench_qkv  # noqa: E402
+import bench_serving  # noqa: E402
 import plots  # noqa: E402
 
-PARTS = ("hashing", "events", "managers", "attention", "qkv", "compile")
+PARTS = ("hashing", "events", "managers", "attention", "qkv", "compile", "serving")
 SHARE = ("share of the two-thread read: median over seven rounds, each a probe read then "
          "the kernel's calls with the three sides taking turns, of kernel GB/s / probe GB/s")
 
@@ -73,7 +76,7 @@ def _plan(parts: list[str], quick: bool, portable: bool) -> int:
     s = bench_managers.settings(quick)
     sizes = {"hashing": 2, "events": 10 if quick else 20, "attention": bench_attention.plan_size(quick, portable),
              "qkv": len(bench_qkv.tokens(quick)),
-             "compile": bench_compile.plan_size(quick),
+             "compile": bench_compile.plan_size(quick), "serving": len(bench_serving.SERVERS),
              "managers": 2 * len(bench_managers.MANAGERS) * s["repeats"] + len(s["batch_sizes"])
              + len(s["budgets"]) + 1 + 5}
     return sum(sizes[p] for p in parts)
@@ -130,6 +133,9 @@ def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dic
         if "compile" in parts:
             results["compile"] = part("compile", "compile cost (subprocesses)",
                                       lambda: bench_compile.run(quick, tick))
+        if "serving" in parts:
+            results["serving"] = part("serving", "agent trace over HTTP (servers)",
+                                      lambda: bench_serving.run(quick, tick))
         bar.update(task, description="done")
     results["machine"]["loadavg_end"] = os.getloadavg()
     out.mkdir(parents=True, exist_ok=True)
@@ -201,6 +207,8 @@ def summary(r: dict) -> str:
     for key in ("compare", "compare_page16"):
         lines += _replay_table(r.get("managers", {}).get(key, {}))
     lines += _session_table(r.get("managers", {}).get("sessions", {}))
+    if r.get("serving", {}).get("servers"):
+        lines += bench_serving.table(r["serving"])
     sweep = r.get("managers", {}).get("batch_sweep", {})
     if isinstance(sweep, dict) and "error" not in sweep and sweep:
         names = list(sweep)

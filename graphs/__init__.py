@@ -14,8 +14,14 @@ truth), and `Scheduler` serves a stream of requests with continuous batching
 (`Scheduler(manager, greedy(model.step))`).
 """
 
-from .checkpoint import config_from_hf, load_checkpoint
-from .config import DecoderConfig, rope_table
+from .checkpoint import (
+    config_from_hf,
+    hf_config,
+    load_checkpoint,
+    save_checkpoint,
+    tiny_llama_checkpoint,
+)
+from .config import TINY_LLAMA, DecoderConfig, rope_table
 from .decoder import build_decoder_graph
 from .model import DecoderModel, ragged_inputs
 from .reference import first_mismatch, reference_generate, reference_logits
@@ -32,6 +38,7 @@ from .weights import (
 )
 
 __all__ = [
+    "TINY_LLAMA",
     "DecoderConfig",
     "DecoderModel",
     "Llama3RopeScaling",
@@ -44,6 +51,7 @@ __all__ = [
     "config_from_hf",
     "first_mismatch",
     "greedy",
+    "hf_config",
     "graph_weights",
     "init_weights",
     "load_checkpoint",
@@ -53,5 +61,7 @@ __all__ = [
     "read_safetensors",
     "reference_logits",
     "rope_table",
+    "save_checkpoint",
     "save_safetensors",
+    "tiny_llama_checkpoint",
 ]

@@ -2,6 +2,11 @@
 
     config, weights = load_checkpoint("Llama-3.2-1B/")
     model = DecoderModel(config, manager, session, weights)
+    save_checkpoint("tiny/", config, weights)   # the inverse, with a word-level tokenizer
+
+`save_checkpoint` writes a directory that MAX's own pipelines and `max serve` load as a
+`LlamaForCausalLM` (float32 weights run on MAX's CPU path): how the tests and `make
+serve` get a model with no model hub.
 
 A directory holds `config.json` and either `model.safetensors` or shards
 `model-0000k-of-0000n.safetensors` listed by `model.safetensors.index.json`.
@@ -22,6 +27,7 @@ transformers 4 writes `rope_theta` at the top level and the scaling as `rope_sca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from os import PathLike
@@ -30,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from .config import DecoderConfig
+from .config import TINY_LLAMA, DecoderConfig
 from .rope import Llama3RopeScaling
-from .weights import Weights, check_weights, read_safetensors
+from .weights import Weights, check_weights, init_weights, read_safetensors, save_safetensors
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
@@ -183,3 +189,68 @@ def load_checkpoint(directory: str | PathLike[str]) -> tuple[DecoderConfig, Weig
         weights["lm_head.weight"] = embedding
     check_weights(config, weights)
     return config, weights
+
+
+def hf_config(config: DecoderConfig) -> dict[str, Any]:
+    """The `config.json` of a `LlamaForCausalLM` with `config`'s sizes (float32 weights,
+    token 1 as BOS and 2 as EOS); `config_from_hf` reads it back to `config`."""
+    hf: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if config.rope_scaling is not None:
+        hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
+    return hf
+
+
+def save_checkpoint(
+    directory: str | PathLike[str], config: DecoderConfig, weights: Weights
+) -> Path:
+    """Writes `config.json`, `model.safetensors` and a word-level tokenizer (token `i` is
+    the word `t{i}`; `tokenizer.json`, `tokenizer_config.json`) into `directory`, made if
+    missing; returns the directory. ValueError naming a tensor that does not fit
+    `config` (`check_weights`). The tokenizer needs the `tokenizers` package (the serve
+    extra)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    check_weights(config, weights)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(config), indent=2))
+    save_safetensors(out / _SINGLE_FILE, weights)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Words joined by spaces; a tokenizer.json without a decoder makes the grammar
+    # engine of MAX's server warn at every start.
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.save(str(out / "tokenizer.json"))
+    special = {"bos_token": "t1", "eos_token": "t2", "unk_token": "t0"}
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special})
+    )
+    return out
+
+
+def tiny_llama_checkpoint(directory: str | PathLike[str]) -> Path:
+    """`TINY_LLAMA` with `init_weights(seed=0)` saved in `directory`, unless a checkpoint
+    of it is there already; returns the directory."""
+    out = Path(directory)
+    if (out / "config.json").exists() and config_from_hf(out) == TINY_LLAMA:
+        return out
+    return save_checkpoint(out, TINY_LLAMA, init_weights(TINY_LLAMA, seed=0))

@@ -103,6 +103,15 @@ class DecoderConfig:
         )
 
 
+TINY_LLAMA = DecoderConfig(
+    vocab_size=256, hidden_size=64, num_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+    intermediate_size=128, max_seq_len=1024,
+)
+"""The model `make serve`, the server tests and the serving benchmark run through MAX's own
+pipeline on the CPU (`checkpoint.tiny_llama_checkpoint`): one shape everywhere, so that
+MAX compiles it once per machine."""
+
+
 def rope_table(config: DecoderConfig) -> np.ndarray:
     """float32 `[max_seq_len, head_dim]`: `(cos θ_0..θ_{d/2-1}, sin θ_0..θ_{d/2-1})` per position.
 

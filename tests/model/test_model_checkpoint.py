@@ -181,3 +181,29 @@ def test_llama3_checkpoint_decodes_like_the_reference(tmp_path, config, weights,
         ctx.update(int(np.argmax(row)))
         manager.step([ctx])
     manager.release(ctx.request_id)
+
+
+@pytest.mark.parametrize("scaling", [None, mg.Llama3RopeScaling(**LLAMA3)])
+def test_save_checkpoint_writes_what_load_checkpoint_and_a_tokenizer_read(
+    tmp_path, config, weights, scaling
+):
+    from tokenizers import Tokenizer
+
+    config = dataclasses.replace(config, rope_scaling=scaling)
+    mg.save_checkpoint(tmp_path, config, weights)
+    loaded_config, loaded = mg.load_checkpoint(tmp_path)
+    assert loaded_config == config
+    assert loaded.keys() == weights.keys()
+    for name, array in weights.items():
+        np.testing.assert_array_equal(loaded[name], array)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.encode("t1 t17 t42").ids == [1, 17, 42]
+    assert tokenizer.decode([1, 17, 42]) == "t1 t17 t42"
+
+
+def test_the_tiny_llama_is_written_once(tmp_path):
+    directory = mg.tiny_llama_checkpoint(tmp_path)
+    written = (directory / "model.safetensors").stat().st_mtime_ns
+    assert mg.tiny_llama_checkpoint(tmp_path) == directory
+    assert (directory / "model.safetensors").stat().st_mtime_ns == written
+    assert mg.config_from_hf(directory) == mg.TINY_LLAMA

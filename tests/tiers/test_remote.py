@@ -276,6 +276,11 @@ FAULT_TARGETS = [
 ]
 
 
+FAULT_ENDPOINTS = itertools.count()
+"""One counter for every case: a publisher of an earlier case that the garbage collector
+has not closed yet still holds its inproc address."""
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("op", ["maybe_reserve", "fetch", "step"])
 def test_an_exception_anywhere_leaves_old_or_new_state(session, redis_server, monkeypatch, op,
@@ -285,14 +290,13 @@ def test_an_exception_anywhere_leaves_old_or_new_state(session, redis_server, mo
     right after, every inner call in turn leaves the state before the call (and the
     call, retried, succeeds) or after it."""
     keep_handed_over(monkeypatch)
-    endpoints = itertools.count()
 
     def world():
         """A fresh namespace each time: B's step stores a page there."""
         ns = fresh_namespace()
         a, _ = committed_by_a(session, redis_server, ns)
         a.close()
-        events = mokv.KVEventsConfig(endpoint=f"inproc://remote-faults-{next(endpoints)}")
+        events = mokv.KVEventsConfig(endpoint=f"inproc://remote-faults-{next(FAULT_ENDPOINTS)}")
         b = remote_manager(session, redis_server, ns, kv_events=events)
         ctx = TextContext(np.r_[PREFIX, [5, 6, 7, 8, 9]], "B")
         b.external_claim("B")

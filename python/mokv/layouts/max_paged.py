@@ -39,10 +39,10 @@ every use of them is in this module.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-from max.driver import Buffer, Device
+from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.graph import BufferType, BufferValue, DeviceRef, TensorType, TensorValue, Value
 
@@ -116,11 +116,28 @@ def max_input_symbols(
     )
 
 
+class DispatchShape(NamedTuple):
+    """The batch shape MAX resolves its attention dispatch for (MAX's
+    `BatchCharacteristics`): under graph capture an upper bound of the real batch's."""
+
+    batch_size: int
+    max_prompt_length: int
+    max_cache_length: int
+
+
 def max_runtime_inputs(
-    inputs: RaggedKVCacheInputs[Buffer, Buffer], n_kv_heads_per_device: int
+    inputs: RaggedKVCacheInputs[Buffer, Buffer],
+    n_kv_heads_per_device: int,
+    lookup_pages: int | None = None,
+    dispatch_shape: DispatchShape | None = None,
 ) -> KVCacheInputsPerDevice[Buffer, Buffer]:
     """One device's `fetch` output in MAX's form (the same cache buffers, plus host
-    scalars from `max_lengths` row 0; nothing is read from the device)."""
+    scalars from `max_lengths` row 0; nothing is read from the device).
+
+    Graph capture replays a graph built for an upper bound: `lookup_pages` widens the
+    lookup table to that many pages (padded as MAX pads, `lookup_table_width`), and
+    `dispatch_shape` replaces the batch's own lengths and size in the scalars and the
+    dispatch metadata. ValueError if the real batch exceeds either."""
     if not isinstance(inputs, RaggedKVCacheInputs) or not isinstance(inputs.blocks, Buffer):
         raise TypeError(
             "max_runtime_inputs takes one device's paged fetch() entry "
@@ -131,20 +148,57 @@ def max_runtime_inputs(
     max_lengths = inputs.max_lengths.to_numpy()
     if max_lengths.shape[0] < 1:
         raise ValueError("max_lengths has no step left: fetch again for the next step")
-    max_prompt, max_cache = (int(n) for n in max_lengths[0])
-    batch_size = int(inputs.cache_lengths.shape[0])
-    partitions = num_partitions(batch_size, max_cache, n_kv_heads_per_device, inputs.blocks.device)
+    real = DispatchShape(int(inputs.cache_lengths.shape[0]), *(int(n) for n in max_lengths[0]))
+    shape = real
+    if dispatch_shape is not None:
+        if any(r > d for r, d in zip(real, dispatch_shape)):
+            raise ValueError(
+                f"the batch {real} exceeds the capture's dispatch shape {dispatch_shape}"
+            )
+        shape = dispatch_shape
+    lookup_table = inputs.lookup_table
+    if lookup_pages is not None:
+        lookup_table = _widened(
+            lookup_table, lookup_table_width(lookup_pages), real.max_cache_length
+        )
+    partitions = num_partitions(
+        shape.batch_size, shape.max_cache_length, n_kv_heads_per_device, inputs.blocks.device
+    )
     return KVCacheInputsPerDevice(
         kv_blocks=inputs.blocks,
         cache_lengths=inputs.cache_lengths,
-        lookup_table=inputs.lookup_table,
-        max_prompt_length=Buffer.from_numpy(np.array([max_prompt], np.uint32)),
-        max_cache_length=Buffer.from_numpy(np.array([max_cache], np.uint32)),
+        lookup_table=lookup_table,
+        max_prompt_length=Buffer.from_numpy(np.array([shape.max_prompt_length], np.uint32)),
+        max_cache_length=Buffer.from_numpy(np.array([shape.max_cache_length], np.uint32)),
         page_stride=Buffer.from_numpy(np.array([PACKED_PAGE_STRIDE], np.int64)),
         attention_dispatch_metadata=Buffer.from_numpy(
-            dispatch_metadata(batch_size, max_prompt, max_cache, partitions)
+            dispatch_metadata(
+                shape.batch_size, shape.max_prompt_length, shape.max_cache_length, partitions
+            )
         ),
     )
+
+
+def _widened(lookup_table: Buffer, width: int, max_cache_length: int) -> Buffer:
+    """The table padded to `width` columns with `LOOKUP_PAD_PAGE` (on its own device);
+    ValueError if that is narrower than it (the batch reaches `max_cache_length`)."""
+    have = int(lookup_table.shape[1])
+    if width < have:
+        raise ValueError(
+            f"the capture's lookup table of {width} columns is narrower than the batch's "
+            f"{have} (it reaches {max_cache_length} tokens)"
+        )
+    if width == have:
+        return lookup_table
+    host = (
+        lookup_table.to_numpy()
+        if lookup_table.device.is_host
+        else lookup_table.to(CPU()).to_numpy()
+    )
+    wide = np.full((host.shape[0], width), LOOKUP_PAD_PAGE, dtype=host.dtype)
+    wide[:, :have] = host
+    out = Buffer.from_numpy(wide)
+    return out if lookup_table.device.is_host else out.to(lookup_table.device)
 
 
 def max_cache_values(values: Sequence[Value[Any]]) -> KVCacheInputsPerDevice[TensorValue, Any]:

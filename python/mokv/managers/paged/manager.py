@@ -35,7 +35,6 @@ from ...errors import (
     BatchTooLargeError,
     InsufficientMemoryError,
     InsufficientPagesError,
-    InvalidReplicaError,
 )
 from ...events.config import KVEventsConfig
 from ...events.publisher import open_publishers
@@ -58,7 +57,7 @@ from .metrics import PagedMetrics
 from .multistep import PagedMultistep
 from .plans import RequestState
 from .replica import PagedReplica, Reservation
-from .routing import PagedRouting
+from .routing import PagedRouting, replica_index
 from .sizing import PagedSizing, check_devices_hold, pages_per_replica
 
 _request_id = attrgetter("request_id")  # of a context
@@ -177,10 +176,7 @@ class PagedKVCacheManager(
         check_request_id(request_id)
         if replica_idx is None:
             replica_idx = self._recommend(None) if len(self.replicas) > 1 else 0
-        if replica_idx.__class__ is not int or not 0 <= replica_idx < len(self.replicas):
-            raise InvalidReplicaError(
-                f"replica_idx={replica_idx!r} is out of range for {self.num_replicas} replica(s)"
-            )
+        replica_index(replica_idx, len(self.replicas))
         if request_id in self._replica_of:
             raise AlreadyClaimedError(request_id)
         self.replicas[replica_idx].claim(request_id)

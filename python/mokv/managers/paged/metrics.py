@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import threading
 
+from max.driver import Buffer
+
 from ...metrics import KVCacheMetrics, SessionMetrics, TierMetrics
 from ...remote import RemoteMetrics
 from ...tiers.remote import RemoteTier
 from ..base import synchronized
 from .replica import PagedReplica
+from .routing import replica_index
 
 
 class PagedMetrics:
@@ -29,6 +32,18 @@ class PagedMetrics:
     def num_free_blocks(self) -> int:
         """Pages that can be handed out now (cached-free pages included), all replicas."""
         return sum(r.pool.num_free for r in self.replicas)
+
+    @synchronized
+    def page_counts(self, replica_idx: int) -> tuple[int, int]:
+        """(free, total) pages of one replica: free counts cached-free pages too."""
+        pool = self.replicas[replica_index(replica_idx, len(self.replicas))].pool
+        return pool.num_free, pool.num_pages
+
+    @synchronized
+    def device_buffers(self, replica_idx: int) -> list[Buffer]:
+        """One replica's page buffers, one per device (`[pages, 2, layers, page_size,
+        kv_heads_per_device, head_dim]`): what `fetch` hands the graph as `blocks`."""
+        return list(self.replicas[replica_index(replica_idx, len(self.replicas))].blocks)
 
     @property
     def free_blocks_pct(self) -> float:

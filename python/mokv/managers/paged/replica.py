@@ -194,12 +194,13 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
 
     # --- prefix cache ---------------------------------------------------------------
 
-    def num_prefix_hit_pages(self, ctx: TextGenerationContext) -> int:
-        """Pages of `ctx`'s tokens this replica could serve from its device pages and
-        its own tiers (a shared tier serves every replica alike, and is not asked)."""
+    def prefix_hit_pages(self, ctx: TextGenerationContext) -> tuple[int, int]:
+        """Pages of `ctx`'s tokens this replica could serve from its device pages, and
+        from its own tiers after them (a shared tier serves every replica alike, and is
+        not asked)."""
         req = self._requests.get(ctx.request_id) or RequestState(-1)
         hits, tail = self.chains.device_hits(ctx, req, want_tail=bool(self.tiers))
-        return len(hits) + (self.tiers.local_hits(tail) if tail is not None else 0)
+        return len(hits), (self.tiers.local_hits(tail) if tail is not None else 0)
 
     # --- reservation ----------------------------------------------------------------
 

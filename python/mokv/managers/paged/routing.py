@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from ...context import RequestID, TextGenerationContext
-from ...errors import UnknownRequestError
+from ...errors import InvalidReplicaError, UnknownRequestError
 from ..base import check_request_id, synchronized
 from .replica import PagedReplica
 
@@ -46,6 +46,13 @@ class PagedRouting:
         return self._replica_index(context.request_id)
 
     @synchronized
+    def prefix_hit_pages(self, context: TextGenerationContext) -> list[tuple[int, int]]:
+        """Per replica, the pages of `context`'s prompt it could serve: from its device
+        pages, and from its own tiers after them (MAX's `get_prefix_cache_hit_counts`;
+        a shared tier is not asked). Changes nothing."""
+        return [replica.prefix_hit_pages(context) for replica in self.replicas]
+
+    @synchronized
     def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
         """The request's replica if claimed; else the one `_recommend` picks for it."""
         if context.request_id in self._replica_of:
@@ -63,7 +70,16 @@ class PagedRouting:
 
         def rank(r: int) -> tuple[bool, int, int, int]:
             replica = self.replicas[r]
-            hits = replica.num_prefix_hit_pages(context) if context is not None else 0
+            hits = sum(replica.prefix_hit_pages(context)) if context is not None else 0
             return (replica.num_free_slots > 0, hits, -replica.num_requests, replica.pool.num_free)
 
         return max(range(self.num_replicas), key=rank)
+
+
+def replica_index(replica_idx: int, num_replicas: int) -> int:
+    """`replica_idx`, checked: InvalidReplicaError unless an int in [0, num_replicas)."""
+    if replica_idx.__class__ is not int or not 0 <= replica_idx < num_replicas:
+        raise InvalidReplicaError(
+            f"replica_idx={replica_idx!r} is out of range for {num_replicas} replica(s)"
+        )
+    return replica_idx

@@ -1,0 +1,96 @@
+"""The three places where mokv reaches into MAX 26.7 without a public seam
+(`mokv.pipelines.seams`): if a MAX release moves one, this fails naming it."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from max.pipelines.context import TokenBuffer
+
+from mokv.pipelines import MaxSeamError, MokvOptions, check_seams, seams
+from mokv.pipelines.serve import MokvLoader, MokvPipelineFactory, split_mokv_args
+
+
+def test_every_seam_is_where_mokv_expects_it():
+    check_seams()
+
+
+def test_the_loader_mokv_installs_is_the_one_max_s_pipelines_call(monkeypatch):
+    loader = MokvLoader(MokvOptions())
+    for name in seams.PIPELINE_MODULES:
+        monkeypatch.setattr(importlib.import_module(name), seams.LOADER_NAME, object())
+    with pytest.raises(MaxSeamError, match="neither MAX's nor mokv's"):
+        seams.install_kv_manager_loader(loader)
+    monkeypatch.undo()
+    seams.install_kv_manager_loader(loader)
+    try:
+        for name in seams.PIPELINE_MODULES:
+            assert getattr(importlib.import_module(name), seams.LOADER_NAME) is loader
+        check_seams()  # a loader mokv installed passes too
+    finally:
+        from max.pipelines.kv_cache import load_kv_manager
+
+        for name in seams.PIPELINE_MODULES:
+            setattr(importlib.import_module(name), seams.LOADER_NAME, load_kv_manager)
+
+
+def test_a_factory_whose_pipeline_holds_max_s_own_cache_fails_at_startup():
+    class Pipeline:
+        kv_manager = object()  # what a MAX that stopped calling the global would build
+
+    try:
+        with pytest.raises(MaxSeamError, match="not mokv's cache"):
+            MokvPipelineFactory(Pipeline, MokvOptions())()
+    finally:
+        from max.pipelines.kv_cache import load_kv_manager
+
+        for name in seams.PIPELINE_MODULES:
+            setattr(importlib.import_module(name), seams.LOADER_NAME, load_kv_manager)
+
+
+def test_unchunk_gives_a_chunked_window_back_its_end():
+    tokens = TokenBuffer(np.arange(10, dtype=np.int64))
+    tokens.chunk(4)
+    seams.unchunk(tokens)
+    assert (tokens.processed_length, tokens.current_position, tokens.actively_chunked) == (
+        0,
+        10,
+        False,
+    )
+
+
+def test_mokv_config_is_taken_out_of_max_serve_s_arguments(tmp_path):
+    config = tmp_path / "mokv.yaml"
+    config.write_text("sessions:\n  ttl_s: 60\n")
+    for argv in (
+        ["--model", "m", "--mokv-config", str(config), "--port", "1"],
+        ["--model", "m", f"--mokv-config={config}", "--port", "1"],
+    ):
+        options, rest = split_mokv_args(argv)
+        assert rest == ["--model", "m", "--port", "1"]
+        assert options.sessions is not None and options.sessions.ttl_s == 60
+
+
+def test_prompts_outside_the_vocabulary_are_refused_before_the_model_worker():
+    import asyncio
+
+    from max.pipelines.context import TextContext
+    from max.pipelines.context.exceptions import InputError
+
+    from mokv.pipelines.serve import PromptCheckingTokenizer
+
+    class WordTokenizer:  # what MAX's TextTokenizer does with a token-id prompt
+        eos = 2
+
+        async def new_context(self, prompt):
+            tokens = TokenBuffer(np.array(prompt, np.int64))
+            return TextContext(max_length=64, tokens=tokens, vocab_size=256)
+
+    checked = PromptCheckingTokenizer(WordTokenizer())
+    assert checked.eos == 2
+    assert asyncio.run(checked.new_context([1, 255])).vocab_size == 256
+    for bad in ([1, 256], [300, 1]):
+        with pytest.raises(InputError, match=f"token id {max(bad)}, outside"):
+            asyncio.run(checked.new_context(bad))
