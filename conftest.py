@@ -26,7 +26,6 @@ from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser
 
 from tests.mojo_defines import set_default_mokv_defines
 
-
 CPU_TARGET_SITE = Path(__file__).resolve().parent / "tests" / "cpu_target_site"
 """Its sitecustomize.py sets the target in the Python processes that tests start."""
 

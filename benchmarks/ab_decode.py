@@ -34,15 +34,15 @@ def measure(shapes: list[str], kinds: list[str]) -> None:
     session = InferenceSession(devices=[CPU()])
     probe = ReadProbe(1 << 28)
     for spec in shapes:
-        hkv, dt, b, c = spec.split(":")
-        hkv, b, c = int(hkv), int(b), int(c)
+        hkv_text, dt, b_text, c_text = spec.split(":")
+        hkv, b, c = int(hkv_text), int(b_text), int(c_text)
         dtype = DType.bfloat16 if dt == "bf16" else DTYPE
         kv_bytes = b * (c + 1) * 2 * hkv * 128 * dtype.size_in_bytes
         for kind in kinds:
             side = MokvSide(session, kind, hkv, dtype, slots=b, max_ctx=c)
             cell = _decode_cells([side], probe, b, c, kv_bytes, 0.6)[side.name]
             print(json.dumps({"shape": spec, "kind": kind, **cell}), flush=True)
-            side.mgr = side.model = None
+            del side  # frees the cache before the next side
 
 
 def run_tree(tree: Path, shapes: list[str], kinds: list[str]) -> list[dict]:

@@ -25,16 +25,15 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
+import mokv
+import mokv.ops  # noqa: F401
 import numpy as np
 from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, ops
-
-import mokv
-import mokv.ops  # noqa: F401
 
 H, HKV, D = 32, 8, 128
 DTYPE, PAGE = DType.float32, 128
@@ -61,7 +60,8 @@ def _fill(buf: Buffer) -> None:
 
 def _time(fn: Callable[[], object], min_time: float, max_reps: int = 200) -> float:
     fn()
-    times, t_end = [], time.perf_counter() + min_time
+    times: list[float] = []
+    t_end = time.perf_counter() + min_time
     while len(times) < 3 or (time.perf_counter() < t_end and len(times) < max_reps):
         t0 = time.perf_counter()
         fn()
@@ -197,10 +197,9 @@ class MaxSide:
     name = "max-paged"
 
     def __init__(self, session, hkv: int = HKV, dtype: DType = DTYPE, device: Device = CPU()):
+        from max.nn.attention.mask_config import MHAMaskVariant
         from max.nn.kernels import flash_attention_ragged
         from max.nn.kv_cache import MHAKVCacheParams
-        from max.nn.attention.mask_config import MHAMaskVariant
-
         from maxcompat import load_max_pipelines
 
         self.Manager, _, self.Ctx, self.Tokens, self.RID, _ = load_max_pipelines()
@@ -268,7 +267,7 @@ def _decode_cells(sides: list, probe: ReadProbe, b: int, c: int, kv_bytes: int, 
     kernel bound by arithmetic (GQA 8) cannot follow them, so a cell timed inside one read
     68-83% of the probe where the same cell read 90-105% in other runs."""
     args = {side.name: side.inputs([c] * b, [1] * b) for side in sides}
-    reads, times, shares = ({side.name: [] for side in sides} for _ in range(3))
+    reads, times, shares = ({side.name: list[float]() for side in sides} for _ in range(3))
     for r in range(rounds):
         for side in sides[r % len(sides):] + sides[:r % len(sides)]:
             read = probe(1)  # (`_time` warms the kernel up after it)

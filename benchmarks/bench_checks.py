@@ -19,13 +19,12 @@ from __future__ import annotations
 import sys
 import time
 
+import mokv
 import numpy as np
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType
-
-import mokv
 from mokv.ops import flash_attention, store_kv
 
 H, HKV, D, PAGE = 32, 8, 128, 128

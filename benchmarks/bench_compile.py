@@ -18,7 +18,6 @@ and takes minutes, the first time).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -65,7 +64,8 @@ else:
     t0 = time.perf_counter(); side = MokvSide(session, "paged")
     t["build_and_load_s"] = time.perf_counter() - t0
     args = side.inputs([64], [1])
-    t0 = time.perf_counter(); side.model.execute(*args); t["first_step_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter(); side.model.execute(*args)
+    t["first_step_s"] = time.perf_counter() - t0
 print(json.dumps(t))
 """
 

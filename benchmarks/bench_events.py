@@ -25,12 +25,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from trace import TraceConfig, make_trace
-
-from bench_managers import MAX_SEQ_LEN, PAGE_SIZE, settings
-from managers import MokvPaged
-from mokv.events import KVEventsConfig
-from replay import replay
+# The benchmarks' own modules, found through sys.path above.
+from bench_managers import MAX_SEQ_LEN, PAGE_SIZE, settings  # noqa: E402
+from managers import MokvPaged  # noqa: E402
+from mokv.events import KVEventsConfig  # noqa: E402
+from replay import replay  # noqa: E402
+from serving_trace import TraceConfig, make_trace  # noqa: E402
 
 _names = itertools.count()
 

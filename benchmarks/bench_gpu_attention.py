@@ -41,11 +41,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
+from bench_attention import D, H, MaxSide, MokvSide  # noqa: E402
 from max.driver import CPU, Accelerator, Buffer, accelerator_count  # noqa: E402
 from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession  # noqa: E402
-
-from bench_attention import D, H, MaxSide, MokvSide  # noqa: E402
 
 REPS = 10
 def _time_gpu(fn, device, reps: int = REPS, groups: int = 5) -> float:
@@ -164,11 +163,17 @@ def run(quick: bool, dtypes: list[DType] | None = None, groups: list[int] | None
         if (dtypes and dt not in dtypes) or (groups is not None and H // hkv not in groups):
             continue
         max_b, max_c = max(b for b, _ in pairs), max(c for _, c in pairs)
-        sides = []
-        makers = [("max-paged", lambda: MaxSide(session, hkv, dt, gpu)),
-                  ("mokv-paged", lambda: MokvSide(session, "paged", hkv, dt, device=gpu)),
-                  ("mokv-continuous", lambda: MokvSide(session, "continuous", hkv, dt, slots=max_b,
-                                                       max_ctx=max_c, device=gpu))]
+        sides: list = []
+        makers = [
+            ("max-paged", lambda: MaxSide(session, hkv, dt, gpu)),
+            ("mokv-paged", lambda: MokvSide(session, "paged", hkv, dt, device=gpu)),
+            (
+                "mokv-continuous",
+                lambda: MokvSide(
+                    session, "continuous", hkv, dt, slots=max_b, max_ctx=max_c, device=gpu
+                ),
+            ),
+        ]
         for name, make in makers:
             try:
                 sides.append(make())
@@ -241,4 +246,4 @@ if __name__ == "__main__":
         print(f"device-to-device copy: {result['copy_GBps']:.0f} GB/s (read + written)")
     print(json.dumps(result["errors"], indent=1))
     if "--json" in sys.argv:
-        Path(arg("--json")).write_text(json.dumps(result, indent=1))
+        Path(str(arg("--json"))).write_text(json.dumps(result, indent=1))

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 from mokv.cache.hashing import page_hash_fn, page_hashes, root_hash, sha256_backend
-from mokv.params import PREFIX_HASH_ALGORITHMS
+from mokv.config.base import PREFIX_HASH_ALGORITHMS
 
 
 def _best_time(fn, repeats: int) -> float:

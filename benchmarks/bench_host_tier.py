@@ -2,7 +2,7 @@
 
     python benchmarks/bench_host_tier.py [--sessions 150] [--device-pages 128]
 
-1. Trace replay (trace.py, page_size 128) at one small device budget, with host tiers
+1. Trace replay (serving_trace.py, page_size 128) at one small device budget, with host tiers
    of 0 (device only) to many pages: prefix-hit rate against the infinite-cache bound,
    and host µs per request-step (manager calls only, replay.py's timer).
 2. Copy bandwidth of the batched offload and load (`HostPages`) on pages of a real
@@ -18,15 +18,14 @@ import json
 import time
 from pathlib import Path
 
+import mokv
 import numpy as np
+from managers import SHAPE, MokvPaged
 from max.driver import CPU, Buffer
 from max.dtype import DType
-
-import mokv
-from managers import SHAPE, MokvPaged
 from mokv.cache.page_copy import HostPages, numpy_view
 from replay import replay
-from trace import TraceConfig, infinite_cache_bound, make_trace
+from serving_trace import TraceConfig, infinite_cache_bound, make_trace
 
 
 def with_host_tier(budget_pages: int, host_pages: int, **kw) -> MokvPaged:
@@ -49,8 +48,12 @@ def hit_rates(sessions: int, device_pages: int, host_sizes: list[int], repeats: 
     """One replay per host size and repeat (interleaved); host µs: the best repeat (the
     machine is shared, the minimum is the least disturbed)."""
     trace = make_trace(TraceConfig(num_sessions=sessions))
-    out = {"bound": round(infinite_cache_bound(trace, 128), 4), "device_pages": device_pages,
-           "sessions": sessions, "rows": []}
+    out: dict = {
+        "bound": round(infinite_cache_bound(trace, 128), 4),
+        "device_pages": device_pages,
+        "sessions": sessions,
+        "rows": [],
+    }
     runs: dict[int, list] = {h: [] for h in host_sizes}
     for _ in range(repeats):
         for host_pages in host_sizes:

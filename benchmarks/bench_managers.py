@@ -46,7 +46,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from trace import (  # noqa: E402
+from serving_trace import (  # noqa: E402
     Request,
     TraceConfig,
     infinite_cache_bound,
@@ -87,7 +87,9 @@ def child_env() -> dict:
 
 
 def _kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+    found = re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text())
+    assert found is not None, f"/proc/self/status has no {field}"
+    return int(found.group(1))
 
 
 def _one(manager: str, trace: list[Request], budget: int, max_batch: int,
@@ -224,17 +226,19 @@ def _session_run(name: str, trace: list[Request], budget: int, max_batch: int, h
                  share: float | None) -> dict:
     """One replay of the agent trace; mokv with `host_pages` host pages (0: none) and
     sessions at `share` (None: plain LRU), or vLLM's manager (device pages only)."""
+    import mokv
     from managers import ADAPTERS, SHAPE
     from replay import replay
-
-    import mokv
 
     kw: dict = {}
     if name.startswith("mokv"):
         if host_pages:
-            page_bytes = mokv.KVCacheParams(mokv.params.DType.float32, SHAPE["n_kv_heads"],
-                                            SHAPE["head_dim"], page_size=PAGE_SIZE
-                                            ).bytes_per_page(SHAPE["num_layers"])
+            page_bytes = mokv.KVCacheParams(
+                mokv.config.base.CACHE_DTYPES[0],
+                SHAPE["n_kv_heads"],
+                SHAPE["head_dim"],
+                page_size=PAGE_SIZE,
+            ).bytes_per_page(SHAPE["num_layers"])
             kw["tiers"] = (mokv.HostTierConfig(swap_space_gb=host_pages * page_bytes / 2**30),)
         if share is not None:
             kw["sessions"] = mokv.SessionConfig(max_share=share)
@@ -264,13 +268,24 @@ def session_compare(quick: bool, progress=None) -> dict:
     lru = run("mokv-lru", host_pages=0, share=None)
     working_set = lru["session_working_set_pages"]
     host = -(-max(int(1.1 * working_set) - budget, 0) // 100) * 100
-    out = {"trace": summarize(trace), "budget_pages": budget, "page_size": PAGE_SIZE,
-           "host_pages": host, "session_turns": len(turns),
-           "session_turn_prompt_tokens": sum(len(trace[i].prompt) for i in turns),
-           "session_turn_bound": bound, "session_turn_tokens_bound": sum(hits[i] for i in turns),
-           "runs": {}, "shares": {}}
-    rows = [("mokv-sessions+host", host, mokv_default_share()), ("mokv-lru+host", host, None),
-            ("mokv-sessions", 0, mokv_default_share()), ("mokv-lru", 0, None)]
+    out: dict = {
+        "trace": summarize(trace),
+        "budget_pages": budget,
+        "page_size": PAGE_SIZE,
+        "host_pages": host,
+        "session_turns": len(turns),
+        "session_turn_prompt_tokens": sum(len(trace[i].prompt) for i in turns),
+        "session_turn_bound": bound,
+        "session_turn_tokens_bound": sum(hits[i] for i in turns),
+        "runs": {},
+        "shares": {},
+    }
+    rows = [
+        ("mokv-sessions+host", host, mokv_default_share()),
+        ("mokv-lru+host", host, None),
+        ("mokv-sessions", 0, mokv_default_share()),
+        ("mokv-lru", 0, None),
+    ]
     if "vllm-paged" in MANAGERS:
         rows.append(("vllm", 0, None))
     for name, host_pages, share in rows:
@@ -284,7 +299,7 @@ def session_compare(quick: bool, progress=None) -> dict:
 
 
 def mokv_default_share() -> float:
-    from mokv.sessions import DEFAULT_MAX_SHARE
+    from mokv.config.sessions import DEFAULT_MAX_SHARE
 
     return DEFAULT_MAX_SHARE
 
@@ -295,7 +310,7 @@ def profile_mokv(quick: bool, top: int = 15) -> list[dict]:
     trace = make_trace(TraceConfig(num_sessions=s["sessions"]))
     prof = cProfile.Profile()
     prof.runcall(_one, "mokv-paged", trace, s["budget"], s["max_batch"])
-    stats = pstats.Stats(prof).stats
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]  # the raw table
     rows = []
     for (file, line, fn), (_, calls, tottime, cumtime, _) in stats.items():
         if "mokv" in file and "benchmarks" not in file:

@@ -22,13 +22,12 @@ import threading
 import time
 from pathlib import Path
 
+import mokv
 from max.driver import CPU
 from max.dtype import DType
 from max.engine import InferenceSession
-
-import mokv
-from mokv.ops import kernels_path
 from mokv.mojo_package import _clean_env, _mojo_binary
+from mokv.ops import kernels_path
 
 MOJO_BENCH = Path(__file__).with_name("bench_mojo_manager.mojo")
 SLOTS = 64
@@ -107,8 +106,12 @@ def threaded_lifecycles_per_s(manager, threads: int, rounds: int) -> float:
 def run(quick: bool = False) -> dict:
     reps = 2000 if quick else 20000
     repeats = 1 if quick else 3
-    params = mokv.KVCacheParams(dtype=DType.float32, n_kv_heads=1, head_dim=16,
-                                cache_strategy="continuous")
+    params = mokv.KVCacheParams(
+        dtype=DType.float32,
+        n_kv_heads=1,
+        head_dim=16,
+        cache_strategy=mokv.KVCacheStrategy.CONTINUOUS,
+    )
     session = InferenceSession(devices=[CPU()])
     args = (params, SLOTS, reps // 10 + 8, 1, [CPU()], session)  # one token per batch step
     mojo_py = mokv.MojoContinuousBatchingKVCacheManager(*args)

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import time
 
+import mokv
+import mokv.ops  # noqa: F401
 import numpy as np
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, ops
-
-import mokv
-import mokv.ops  # noqa: F401
 
 HIDDEN, HKV, GROUP, D, PAGE = 4096, 8, 4, 128, 128
 N_Q = HKV * GROUP
@@ -79,13 +78,17 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
         offsets = Buffer.from_numpy(np.array([0, t], np.uint32))
         reps = 15 if t < 64 else 7
         flops = 2 * t * HIDDEN * FEATURES
-        row = {"tokens": t}
-        fns = {"max-matmul": lambda: max_model.execute(hidden, weight),
-               "mokv-fused_qkv": lambda: mokv_model.execute(*cache, hidden, weight, offsets)}
+        row: dict = {"tokens": t}
+        fns = {
+            "max-matmul": lambda: max_model.execute(hidden, weight),
+            "mokv-fused_qkv": lambda: mokv_model.execute(*cache, hidden, weight, offsets),
+        }
         if portable_model is not None:
-            fns["mokv-fused_qkv-portable"] = lambda: portable_model.execute(*cache, hidden, weight, offsets)
-        times = {name: [] for name in fns}
-        cpu = {name: [] for name in fns}
+            fns["mokv-fused_qkv-portable"] = lambda: portable_model.execute(
+                *cache, hidden, weight, offsets
+            )
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        cpu_s: dict[str, list[float]] = {name: [] for name in fns}
         for fn in fns.values():
             fn()
         for _ in range(reps):  # interleaved, so that both sides see the same machine load
@@ -93,12 +96,16 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
                 c0, t0 = time.process_time(), time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
-                cpu[name].append(time.process_time() - c0)
+                cpu_s[name].append(time.process_time() - c0)
         for name, ts in times.items():
             s = float(np.median(ts))
-            row[name] = {"ms": s * 1e3, "min_ms": min(ts) * 1e3, "cpu_ms": float(np.median(cpu[name])) * 1e3,
-                         "GFLOPs": flops / s / 1e9,
-                         "weight_GBps": FEATURES * HIDDEN * 4 / s / 1e9}
+            row[name] = {
+                "ms": s * 1e3,
+                "min_ms": min(ts) * 1e3,
+                "cpu_ms": float(np.median(cpu_s[name])) * 1e3,
+                "GFLOPs": flops / s / 1e9,
+                "weight_GBps": FEATURES * HIDDEN * 4 / s / 1e9,
+            }
         rows.append(row)
         if progress:
             progress()

@@ -9,7 +9,7 @@ median. Pages of two layouts: the demo decoder's (f32, page 16, 4 layers, 2 KV h
 head_dim 64: 64 KiB) and Llama-3.2-1B's (bf16, page 128, 16 layers, 8 KV heads, head_dim
 64: 4 MiB).
 
-Trace replay (trace.py, page_size 128, replay.py's scheduler): the trace's sessions split
+Trace replay (serving_trace.py, page_size 128, replay.py's scheduler): the trace's sessions split
 between two managers by session (a conversation stays on its server; system prompts
 and documents are seen by both), replayed side by side, each manager with
 `--device-pages` pages. Rows: one manager serving the whole trace with the same
@@ -37,17 +37,15 @@ import subprocess
 import sys
 import time
 
+import mokv
 import numpy as np
 import redis
+from managers import MokvPaged
 from max.dtype import DType
-
-import mokv
 from mokv.cache.hashing import iter_page_hashes, page_hash_fn, root_hash
 from mokv.remote import RemoteLayout, RemotePageStore
-
-from managers import MokvPaged
 from replay import replay, replay_side_by_side
-from trace import TraceConfig, infinite_cache_bound, make_trace
+from serving_trace import TraceConfig, infinite_cache_bound, make_trace
 
 LAYOUTS = {
     "decoder f32 p16 (64 KiB)": RemoteLayout(DType.float32, 16, 4, 2, 64),
@@ -59,10 +57,24 @@ def start_server() -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind",
-                             "127.0.0.1", "--save", "", "--appendonly", "no", "--maxmemory",
-                             "1gb", "--maxmemory-policy", "allkeys-lru"],
-                            stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            shutil.which("redis-server") or "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            "1gb",
+            "--maxmemory-policy",
+            "allkeys-lru",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     client = redis.Redis(port=port)
     for _ in range(500):
         try:

@@ -84,6 +84,7 @@ def _agent(client, model: str, system: list[int], agent: dict, session: str, out
             if chunk.usage is not None:
                 usage = chunk.usage
         reply = [int(t) for t in WORD.findall(text)]
+        assert usage is not None, "the stream ended without its usage chunk"
         out.append({
             "ttft_s": (first or time.perf_counter()) - t0,
             "prompt_tokens": usage.prompt_tokens,
@@ -129,7 +130,6 @@ def serve_trace(server, tr: dict) -> dict:
 def run(quick: bool, tick=lambda: None) -> dict:
     """The trace against every server in SERVERS, one at a time (each owns the CPU)."""
     import mokv_graphs as mg
-
     from mokv.pipelines.server_process import ServerProcess
 
     work = Path(tempfile.mkdtemp(prefix="mokv-bench-serving-"))

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import weakref
 
+import mokv
 from max.driver import CPU
 from max.dtype import DType
 from max.engine import InferenceSession
-
-import mokv
 from vllm_peer import VllmPaged
 
 SHAPE = dict(n_kv_heads=1, head_dim=16, num_layers=1)
@@ -94,7 +93,7 @@ def _without_lock(manager_class: type) -> type:
     members = {}
     for name, attr in vars(manager_class).items():
         if isinstance(attr, property) and hasattr(attr.fget, "__wrapped__"):
-            members[name] = property(attr.fget.__wrapped__)
+            members[name] = property(attr.fget.__wrapped__)  # type: ignore[union-attr]
         elif hasattr(attr, "__wrapped__"):
             members[name] = attr.__wrapped__
     return type(f"Unlocked{manager_class.__name__}", (manager_class,), members)
@@ -162,7 +161,6 @@ class MaxPaged:
 
     def __init__(self, budget_pages, max_batch, max_seq_len, page_size=128, prefix=True, **_):
         from max.graph import DeviceRef
-
         from maxcompat import load_max_pipelines
 
         Manager, Params, self._Ctx, self._Tokens, self._RID, self._Err = load_max_pipelines()

@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+
 def _save(fig, ax, path: Path, **legend) -> None:
     """Grid, legend, layout, PNG file; then frees the figure."""
     ax.grid(True, which="both", alpha=0.3)

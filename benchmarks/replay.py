@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from mokv_graphs import Request, Scheduler
-
-from trace import Request as TraceRequest
-from trace import model_token
+from serving_trace import Request as TraceRequest
+from serving_trace import model_token
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Runs the whole mokv benchmark suite and writes JSON, PNG plots and a markdown summary.
 
-    python benchmarks/run.py [--quick] [--portable] [--out DIR] [--parts hashing,events,managers,attention,qkv,compile,serving]
+    python benchmarks/run.py [--quick] [--portable] [--out DIR]
+                             [--parts hashing,events,managers,attention,qkv,compile,serving]
 
 Parts (each module's docstring says what it measures and why):
   hashing    bench_hashing.py   prefix-hash throughput per algorithm, beside MAX's
@@ -43,9 +44,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-
 import bench_attention  # noqa: E402
 import bench_compile  # noqa: E402
 import bench_events  # noqa: E402
@@ -54,6 +52,8 @@ import bench_managers  # noqa: E402
 import bench_qkv  # noqa: E402
 import bench_serving  # noqa: E402
 import plots  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 PARTS = ("hashing", "events", "managers", "attention", "qkv", "compile", "serving")
 SHARE = ("share of the two-thread read: median over seven rounds, each a probe read then "
@@ -158,17 +158,27 @@ def _replay_table(cmp: dict) -> list[str]:
              f"of {cmp['page_size']}, batch ≤ {cmp['max_batch']}; infinite-cache bound "
              f"{cmp['infinite_cache_bound']:.3f})", ""]
     if vllm:
-        lines += [f"vLLM {vllm['version']}, prefix_caching_hash_algo={vllm['prefix_caching_hash_algo']!r}.", ""]
-    lines += ["| manager | µs/req-step median | p99 | bookkeeping med | runtime inputs med | hit rate | "
-              "peak pages | preemptions | peak RSS growth MB |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"vLLM {vllm['version']}, "
+            f"prefix_caching_hash_algo={vllm['prefix_caching_hash_algo']!r}.",
+            "",
+        ]
+    lines += [
+        "| manager | µs/req-step median | p99 | bookkeeping med | runtime inputs med | hit rate | "
+        "peak pages | preemptions | peak RSS growth MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, s in cmp["managers"].items():
         if "error" in s:
             lines.append(f"| {name} | error: {s['error'][-120:]!r} |")
             continue
-        lines.append(f"| {name} | {_f(s['us_per_request_step']['median'], 2)} | "
-                     f"{_f(s['us_per_request_step']['p99'], 1)} | {_f(s['bookkeeping_us']['median'], 2)} | "
-                     f"{_f(s['runtime_inputs_us']['median'], 2)} | {s['hit_rate']:.3f} | {s['peak_pages']} | "
-                     f"{s['preemptions']} | {s['peak_rss_growth_bytes'] / 1e6:.1f} |")
+        lines.append(
+            f"| {name} | {_f(s['us_per_request_step']['median'], 2)} | "
+            f"{_f(s['us_per_request_step']['p99'], 1)} | {_f(s['bookkeeping_us']['median'], 2)} | "
+            f"{_f(s['runtime_inputs_us']['median'], 2)} | {s['hit_rate']:.3f} | "
+            f"{s['peak_pages']} | "
+            f"{s['preemptions']} | {s['peak_rss_growth_bytes'] / 1e6:.1f} |"
+        )
     for peer in ("max", "vllm"):
         for name, ratio in cmp.get(f"ratio_vs_{peer}", {}).items():
             lines.append(f"\n{name} / {peer}-paged: all-in ×{ratio['us_per_request_step']}, bookkeeping "
@@ -202,8 +212,12 @@ def _session_table(ses: dict) -> list[str]:
 def summary(r: dict) -> str:
     """Markdown tables of the headline numbers."""
     m = r["machine"]
-    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_GB']} GB, MAX {m['max']}, "
-             f"CPU kernels compiled for {m.get('cpu_target', 'host')}, load average {m['loadavg_start'][0]:.2f} → {m['loadavg_end'][0]:.2f}", ""]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_GB']} GB, MAX {m['max']}, "
+        f"CPU kernels compiled for {m.get('cpu_target', 'host')}, "
+        f"load average {m['loadavg_start'][0]:.2f} → {m['loadavg_end'][0]:.2f}",
+        "",
+    ]
     for key in ("compare", "compare_page16"):
         lines += _replay_table(r.get("managers", {}).get(key, {}))
     lines += _session_table(r.get("managers", {}).get("sessions", {}))
@@ -215,8 +229,11 @@ def summary(r: dict) -> str:
         lines += ["### Steady decode, µs per request-step (all-in / bookkeeping)", "",
                   "| batch | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for b in sweep[names[0]]:
-            cells = [f"{_f(sweep[n][b]['us_per_request_step'], 2)} / {_f(sweep[n][b]['bookkeeping_us'], 2)}"
-                     for n in names]
+            cells = [
+                f"{_f(sweep[n][b]['us_per_request_step'], 2)} / "
+                f"{_f(sweep[n][b]['bookkeeping_us'], 2)}"
+                for n in names
+            ]
             lines.append(f"| {b} | " + " | ".join(cells) + " |")
         lines.append("")
     h = r.get("hashing", {})
@@ -269,9 +286,13 @@ def summary(r: dict) -> str:
             ratio = (f"×{row['max-paged']['ms'] / row['mokv-paged']['ms']:.1f}"
                      if "max-paged" in row and "mokv-paged" in row else "-")
             if "mokv-paged-portable" in row and "max-paged" in row:
-                ratio += f" (portable ×{row['max-paged']['ms'] / row['mokv-paged-portable']['ms']:.1f})"
-            lines.append(f"| {row['group']} ({row['n_kv_heads']}) | {row['dtype']} | {row['batch']} × {row['context']} | "
-                         + " | ".join(cells) + f" | {ratio} |")
+                ratio += (
+                    f" (portable ×{row['max-paged']['ms'] / row['mokv-paged-portable']['ms']:.1f})"
+                )
+            lines.append(
+                f"| {row['group']} ({row['n_kv_heads']}) | {row['dtype']} | "
+                f"{row['batch']} × {row['context']} | " + " | ".join(cells) + f" | {ratio} |"
+            )
         errs = {k: v for row in a["shapes"] for k, v in row.get("errors", {}).items()}
         for name, err in errs.items():
             lines.append(f"\n{name} skipped for some shapes: {err[:300]}")
@@ -279,11 +300,19 @@ def summary(r: dict) -> str:
     qkv = r.get("qkv", {})
     if qkv.get("rows"):
         sh = qkv["shape"]
-        sides = [s for s in ("max-matmul", "mokv-fused_qkv", "mokv-fused_qkv-portable") if s in qkv["rows"][0]]
-        lines += [f"### CPU QKV projection (hidden {sh['hidden']} → {sh['n_heads']} q + 2 × {sh['n_kv_heads']} kv "
-                  f"heads of {sh['head_dim']}, {sh['dtype']})", "",
-                  "| tokens | " + " | ".join(f"{s} ms (GFLOP/s)" for s in sides) + " | MAX / mokv time |",
-                  "|---" * (len(sides) + 2) + "|"]
+        sides = [
+            s
+            for s in ("max-matmul", "mokv-fused_qkv", "mokv-fused_qkv-portable")
+            if s in qkv["rows"][0]
+        ]
+        lines += [
+            f"### CPU QKV projection (hidden {sh['hidden']} → {sh['n_heads']} q + "
+            f"2 × {sh['n_kv_heads']} kv "
+            f"heads of {sh['head_dim']}, {sh['dtype']})",
+            "",
+            "| tokens | " + " | ".join(f"{s} ms (GFLOP/s)" for s in sides) + " | MAX / mokv time |",
+            "|---" * (len(sides) + 2) + "|",
+        ]
         for row in qkv["rows"]:
             cells = [f"{row[s]['ms']:.2f} ({row[s]['GFLOPs']:.0f})" for s in sides]
             ratio = " / ".join(f"×{row['max-matmul']['ms'] / row[s]['ms']:.2f}" for s in sides[1:])

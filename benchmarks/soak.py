@@ -15,12 +15,11 @@ import random
 import time
 from collections import Counter
 
+import mokv
 import numpy as np
 from max.driver import CPU
 from max.dtype import DType
 from max.engine import InferenceSession
-
-import mokv
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--ops", type=int, default=1_000_000)
@@ -34,7 +33,7 @@ m = mokv.PagedKVCacheManager(params, 8, MAX_LEN, 1, [CPU()], InferenceSession(de
                              PAGES * params.bytes_per_page(1), page_size=PAGE)
 rng = random.Random(args.seed)
 prefixes = [[1, 2, 3, 4, 5, 6, 7, 8], [9] * 6, [1, 2, 3, 4], []]
-running: dict[str, mokv.TextContext] = {}
+running: dict[mokv.RequestID, mokv.TextContext] = {}
 counts: Counter = Counter()
 
 
@@ -107,7 +106,7 @@ for op in range(args.ops):
         elif bad == 3:
             expect(ValueError, lambda: m.maybe_reserve(ctx, 0))
         else:
-            expect(mokv.UnknownRequestError, lambda: m.release("stranger"))
+            expect(mokv.UnknownRequestError, lambda: m.release(mokv.RequestID("stranger")))
     if op % args.check_every == 0:
         m.check_invariants()
 for rid in list(running):

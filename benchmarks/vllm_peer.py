@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from typing import Any
 
 VLLM_VERSION_WANTED = "0.33.0"
 HASH_ALGO = "xxhash"  # vLLM's XXH3-128 option; its default is "sha256"
@@ -90,7 +91,7 @@ class _VllmContext:
     def __init__(self, req) -> None:
         self.req = req
         self.window = req.num_tokens
-        self.new_blocks = None
+        self.new_blocks: Any = None  # vLLM's KVCacheBlocks, once reserved
 
     request_id = property(lambda self: self.req.request_id)
     start_idx = property(lambda self: self.req.num_computed_tokens)

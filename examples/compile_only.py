@@ -18,11 +18,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import mokv
 import numpy as np
 from max import driver
 from max.engine import CompileOnlyExecutionError, InferenceSession
-
-import mokv
 from mokv_graphs import DecoderConfig, DecoderModel
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -44,11 +43,25 @@ config = DecoderConfig(num_layers=args.num_layers)
 params = config.kv_params(args.strategy, page_size=128)
 session = InferenceSession(devices=[driver.CPU(), gpu])
 manager = mokv.load_kv_manager(
-    params, max_batch_size=32, max_seq_len=config.max_seq_len, num_layers=config.num_layers,
-    devices=[gpu], session=session, available_cache_memory=1 << 30, page_size=128,
+    params,
+    max_batch_size=32,
+    max_seq_len=config.max_seq_len,
+    num_layers=config.num_layers,
+    devices=[gpu],
+    session=session,
+    available_cache_memory=1 << 30,
+    page_size=128,
 )
-print(f"cache manager: {type(manager).__name__}, {manager.layout.name} layout (estimated memory "
-      f"{manager.estimated_memory_size(params, 32, config.max_seq_len, config.num_layers, 1 << 30, [gpu])} bytes)")
+# On a virtual device load_kv_manager builds the compile-only manager: no memory, the
+# strategy's layout.
+assert isinstance(manager, mokv.NullKVCacheManager)
+estimated = manager.estimated_memory_size(
+    params, 32, config.max_seq_len, config.num_layers, 1 << 30, [gpu]
+)
+print(
+    f"cache manager: {type(manager).__name__}, {manager.layout.name} layout (estimated memory "
+    f"{estimated} bytes)"
+)
 
 # The same model code as on the CPU. On a virtual device `session.load` compiles and
 # returns a stand-in (`CompileOnlyModel`) that carries the compiled artifact.

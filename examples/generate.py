@@ -17,17 +17,23 @@ import argparse
 import time
 from pathlib import Path
 
+import mokv
 import numpy as np
 from max.driver import CPU
 from max.engine import InferenceSession
+from mokv_graphs import (
+    DecoderConfig,
+    DecoderModel,
+    Request,
+    Scheduler,
+    first_mismatch,
+    greedy,
+    init_weights,
+    load_checkpoint,
+    load_safetensors,
+)
 from rich.console import Console
 from rich.progress import Progress
-
-import mokv
-from mokv_graphs import (
-    DecoderConfig, DecoderModel, Request, Scheduler, first_mismatch, greedy, init_weights,
-    load_checkpoint, load_safetensors,
-)
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--strategy", choices=["paged", "continuous"], default="paged")
@@ -98,12 +104,16 @@ elapsed = time.perf_counter() - start
 
 stats, metrics = scheduler.stats, manager.metrics
 console.print(f"[bold]{len(done)} requests[/] in {elapsed:.1f} s, {stats.steps} model calls")
-console.print(f"  generated {stats.generated_tokens} tokens: "
-              f"{stats.generated_tokens / elapsed:.0f} tokens/s "
-              f"({stats.computed_tokens / elapsed:.0f} rows/s incl. prefill)")
-if args.strategy == "paged":
-    console.print(f"  prefix-cache hit rate {metrics.cache_hit_rate:.0%} of prompt tokens; "
-                  f"peak {peak_pages} of {manager.total_num_pages} pages in use")
+console.print(
+    f"  generated {stats.generated_tokens} tokens: "
+    f"{stats.generated_tokens / elapsed:.0f} tokens/s "
+    f"({stats.computed_tokens / elapsed:.0f} rows/s incl. prefill)"
+)
+if isinstance(manager, mokv.PagedKVCacheManager):
+    console.print(
+        f"  prefix-cache hit rate {metrics.cache_hit_rate:.0%} of prompt tokens; "
+        f"peak {peak_pages} of {manager.total_num_pages} pages in use"
+    )
 else:
     console.print(f"  continuous slots: peak {peak_pages} of {args.max_batch} in use (no prefix reuse)")
 console.print(f"  requests preempted: {stats.preemptions}")

@@ -5,12 +5,11 @@
 2. Continuous-batching cache, MAX's sequence-id flow: claim sequence ids, fetch, step, release.
 """
 
+import mokv
 import numpy as np
 from max.driver import CPU
 from max.dtype import DType
 from max.engine import InferenceSession
-
-import mokv
 from mokv import TextContext
 
 NUM_LAYERS = 2

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mokv
 import numpy as np
 from max.dtype import DType
-
-import mokv
 from mokv.ops import rope_freqs_cis
 
 from .rope import Llama3RopeScaling, inverse_frequencies

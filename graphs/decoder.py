@@ -22,10 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import mokv
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
-
-import mokv
 from mokv import ops as mokv_ops
 
 from .config import DecoderConfig

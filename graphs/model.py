@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import mokv
 import numpy as np
 from max.driver import CPU, Buffer, Device
 from max.engine import InferenceSession
 from max.graph import DeviceRef
-
-import mokv
 
 from .config import DecoderConfig, rope_table
 from .decoder import build_decoder_graph

@@ -38,9 +38,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 import mokv
+import numpy as np
 
 ModelFn = Callable[[Sequence[mokv.TextContext]], Sequence[int]]
 """Runs one batch (fetching its cache inputs) and returns each context's next token id."""

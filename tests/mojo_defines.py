@@ -8,7 +8,6 @@ the docs' decoder twice, ~65 s). Every compiling process sets them to "false" fi
 """
 
 from max.engine import InferenceSession
-
 from mokv.ops.cpu_paths import PORTABLE_DEFINE
 
 MAX_KERNELS_DEFINE = "MOKV_MAX_KERNELS"

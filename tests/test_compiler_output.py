@@ -3,11 +3,10 @@ importing or using mokv patches nothing of MAX's."""
 
 import os
 
+import mokv
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph
-
-import mokv
 from mokv.compiler_output import drop_collection_warnings
 
 WARNING = (

@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 import re
 
+import mokv
 import pytest
 from max.driver import CPU
 from max.dtype import DType
 from max.engine import InferenceSession
-
-import mokv
 from mokv.tiers.host import host_memory_bytes
 
 SHAPE = dict(dtype=DType.float32, n_kv_heads=2, head_dim=8, page_size=4)

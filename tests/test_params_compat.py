@@ -1,16 +1,16 @@
-"""MAX's flat configuration spellings (mokv/params_compat.py) give exactly the nested
+"""MAX's flat configuration spellings (mokv/config/flat.py) give exactly the nested
 params, and nothing else in mokv reads them."""
 
 import dataclasses
 import re
 from pathlib import Path
 
+import mokv
 import pytest
 from max.driver import CPU
 from max.dtype import DType
-
-import mokv
-from mokv.params_compat import FLAT_SPELLINGS, with_manager_events
+from mokv.config.flat import FLAT_SPELLINGS
+from mokv.config.params import with_manager_events
 
 SHAPE = dict(dtype=DType.float32, n_kv_heads=2, head_dim=8, page_size=4,
              enable_prefix_caching=True)
@@ -96,7 +96,10 @@ def test_manager_keywords_give_params_kv_events(session):
 def test_only_the_compat_module_reads_flat_spellings():
     """Internal code reads the nested form: no attribute of a flat name anywhere else."""
     package = Path(mokv.__file__).parent
-    flat = re.compile(r"\.(%s)\b" % "|".join(sorted(FLAT_SPELLINGS)))
-    readers = [str(path.relative_to(package)) for path in package.rglob("*.py")
-               if path.name != "params_compat.py" and flat.search(path.read_text())]
+    flat = re.compile(r"\.({})\b".format("|".join(sorted(FLAT_SPELLINGS))))
+    readers = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name != "flat.py" and flat.search(path.read_text())
+    ]
     assert readers == []

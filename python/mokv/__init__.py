@@ -2,6 +2,7 @@
 
 The layers, top to bottom:
 
+    configuration (`mokv.config`: the ground floor, importing nothing above it)
     a scheduler / model runner
       -> the manager contract (`KVCacheManager`: managers/base.py)
       -> a manager (paged: one `PagedReplica` per data-parallel replica -> `PagePool`,
@@ -13,6 +14,14 @@ The layers, top to bottom:
 """
 
 from .compiler_output import filter_collection_warnings
+from .config import (
+    HostTierConfig,
+    KVCacheParams,
+    KVCacheStrategy,
+    KVEventsConfig,
+    RemoteTierConfig,
+    SessionConfig,
+)
 from .context import MultimodalInput, RequestID, TextContext, TextGenerationContext
 from .errors import (
     AlreadyClaimedError,
@@ -26,7 +35,6 @@ from .errors import (
     StaleContextError,
     UnknownRequestError,
 )
-from .events.config import KVEventsConfig
 from .layouts import (
     CONTINUOUS,
     PAGED,
@@ -48,10 +56,6 @@ from .managers.null import NullKVCacheManager
 from .managers.paged import PagedKVCacheManager
 from .managers.sequences import ContinuousBatchingKVCacheManager
 from .metrics import KVCacheMetrics, SessionMetrics, TierMetrics
-from .params import KVCacheParams, KVCacheStrategy
-from .sessions import SessionConfig
-from .tiers.host import HostTierConfig
-from .tiers.remote import RemoteTierConfig
 
 __all__ = [
     "CONTINUOUS",

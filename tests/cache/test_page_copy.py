@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from max.driver import CPU, Accelerator, Buffer, accelerator_count
 from max.dtype import DType
-
 from mokv.cache import page_copy
 from mokv.cache.page_copy import HostPages
 

@@ -108,7 +108,7 @@ class DynamoIndexer:
             except (urllib.error.URLError, ConnectionError):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.close()
-                    raise RuntimeError(f"dynamo.indexer did not start (see {log_path})")
+                    raise RuntimeError(f"dynamo.indexer did not start (see {log_path})") from None
                 time.sleep(0.1)
 
     def post(self, path: str, body: dict) -> dict:

@@ -27,7 +27,7 @@ sys.stdin.readline()
 rng = np.random.default_rng(seed)
 shared = [list(rng.integers(0, 5, 10)) for _ in range(3)]
 running: list = []
-for step in range(steps):
+for _step in range(steps):
     if len(running) < 6 and rng.random() < 0.6:
         prompt = shared[rng.integers(3)][: rng.integers(1, 11)] + list(rng.integers(0, 5, rng.integers(1, 9)))
         ctx = mokv.TextContext(prompt, cache_salt=[None, "tenant-a"][rng.integers(2)])

@@ -72,14 +72,15 @@ class Reader:
     """A SUB socket that collects raw [topic, seq, payload] messages."""
 
     def __init__(self, endpoint: str, bind: bool = False):
-        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         (self.sock.bind if bind else self.sock.connect)(endpoint)
         time.sleep(0.1)  # let the subscription reach the publisher
 
     def take(self, n: int, timeout: float = 5.0) -> list[list[bytes]]:
-        out, deadline = [], time.monotonic() + timeout
+        out: list[list[bytes]] = []
+        deadline = time.monotonic() + timeout
         while len(out) < n and self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
             out.append(self.sock.recv_multipart())
         assert len(out) == n, f"got {len(out)} of {n} messages"

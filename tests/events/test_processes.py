@@ -33,6 +33,7 @@ def _start(script: str, *args: str) -> subprocess.Popen:
 
 
 def _send(p: subprocess.Popen, line: str) -> None:
+    assert p.stdin is not None  # `_start` opens a pipe
     p.stdin.write(line + "\n")
     p.stdin.flush()
 

@@ -6,8 +6,8 @@ import msgspec
 import numpy as np
 import pytest
 from mokv.cache.hashing import page_hash_fn, page_hashes, root_hash, salted_root
+from mokv.config.events import offset_endpoint
 from mokv.events import KVEventsConfig, PrefixRouterIndex
-from mokv.events.config import offset_endpoint
 from mokv.events.format import BatchDecoder
 
 from .conftest import free_port, inproc_name, make_publishing

@@ -1,10 +1,9 @@
 """Small managers on the CPU device: few pages, short pages, so that tests see eviction."""
 
+import mokv
 import pytest
 from max.driver import CPU
 from max.dtype import DType
-
-import mokv
 
 NUM_LAYERS = 2
 

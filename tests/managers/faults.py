@@ -52,8 +52,9 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
     public calls: (replicas, requests, windows, events).
 
     A replica is each page's (owners, hash, tokens, cached), its free request slots,
-    each tier's state and its sessions' (`session_state`); a request is its replica, pages, hash chain and pending loads;
-    the events are every record each publisher holds or handed over. The
+    each tier's state and its sessions' (`session_state`); a request is its replica,
+    pages, hash chain and pending loads; the events are every record each publisher
+    holds or handed over. The
     order of the free list and of the LRU is not read: a rolled-back call gives pages
     back to their young ends, which changes which page is handed out next, not who
     owns what.
@@ -61,20 +62,30 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
     replicas = []
     for r in m.replicas:
         pool = r.pool
-        pages = tuple((pool.ref_count(p), pool.page_hash(p), pool.page_tokens(p),
-                       pool.is_cached(p)) for p in range(pool.num_pages))
-        replicas.append((pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers),
-                         session_state(r)))
-    requests = []
+        pages = tuple(
+            (pool.ref_count(p), pool.page_hash(p), pool.page_tokens(p), pool.is_cached(p))
+            for p in range(pool.num_pages)
+        )
+        replicas.append(
+            (pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers), session_state(r))
+        )
+    requests: list[tuple] = []
     for ctx in contexts:
         rid = ctx.request_id
         if not m.contains(rid):
             requests.append((rid, None))
             continue
-        r = m.get_replica(ctx)
-        replica = m.replicas[r]
-        requests.append((rid, r, tuple(replica.pages_of(rid)),
-                         tuple(replica.committed_hashes(rid)), tuple(replica.pending_loads(rid))))
+        index = m.get_replica(ctx)
+        owner = m.replicas[index]
+        requests.append(
+            (
+                rid,
+                index,
+                tuple(owner.pages_of(rid)),
+                tuple(owner.committed_hashes(rid)),
+                tuple(owner.pending_loads(rid)),
+            )
+        )
     windows = tuple((c.start_idx, c.active_idx, c.end_idx) for c in contexts)
     events = tuple(recorded(p) for p in m.kv_event_publishers)
     return tuple(replicas), tuple(requests), windows, events

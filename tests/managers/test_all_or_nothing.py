@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import itertools
 
+import mokv
 import numpy as np
 import pytest
 from max.driver import CPU
-
-import mokv
 from mokv import TextContext
 from mokv.cache import page_copy
 from mokv.cache.page_copy import HostPages
@@ -22,7 +21,6 @@ from mokv.managers.paged import commit, prefix, replica
 from mokv.managers.paged.inputs import PageTable
 from mokv.managers.paged.prefix import PrefixChains
 from mokv.managers.paged.replica import PagedReplica
-from mokv.managers.paged.sessions import SessionTable
 from mokv.managers.paged.sessions import SessionTable
 from mokv.tiers.host import HostTier
 from mokv.tiers.host_pool import HostPagePool
@@ -74,7 +72,7 @@ class HostWorld(World):
         return dict(tiers=(mokv.HostTierConfig(swap_space_gb=10 * bytes_per_page / 2**30),))
 
 
-class EventsMixin:
+class EventsMixin(World):
     """Publishes events (a real publisher on an in-process socket); every batch handed to
     the publisher thread is kept, and with the records still pending must rebuild the
     device and host indexes exactly."""
@@ -143,10 +141,6 @@ def _expire(w: SessionWorld) -> None:
 
 def _step(w: World, batch: list[TextContext]) -> None:
     w.m.step(batch)
-
-
-def _expire(w: SessionWorld) -> None:
-    w.clock.now += 11.0
 
 
 # (what the caller does first, without faults; the one manager call under test)

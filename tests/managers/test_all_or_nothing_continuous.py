@@ -4,10 +4,9 @@ right after, every inner call of every call in turn."""
 
 from __future__ import annotations
 
+import mokv
 import pytest
 from max.driver import CPU
-
-import mokv
 from mokv import TextContext
 
 from .conftest import NUM_LAYERS, small_params

@@ -3,11 +3,10 @@
 import sys
 from pathlib import Path
 
+import mokv
 import pytest
 from max.driver import CPU, Buffer
 from max.dtype import DType
-
-import mokv
 from mokv.cache.cache_memory import HUGE_PAGE, advise_huge_pages, aligned_interior
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -33,7 +32,9 @@ def _thp_eligible(address: int) -> bool:
 
 def _big_params(strategy: str) -> mokv.KVCacheParams:
     # One page of 128 tokens x 8 heads x 128 dims, K and V, float32: 1 MiB per layer.
-    return mokv.KVCacheParams(DType.float32, 8, 128, page_size=128, cache_strategy=strategy)
+    return mokv.KVCacheParams(
+        DType.float32, 8, 128, page_size=128, cache_strategy=mokv.KVCacheStrategy(strategy)
+    )
 
 
 def test_paged_and_continuous_caches_are_advised(session):

@@ -1,10 +1,9 @@
 """ContinuousKVCacheManager: the request contract over one contiguous slot per request."""
 
+import mokv
 import numpy as np
 import pytest
 from max.driver import CPU
-
-import mokv
 from mokv import TextContext
 
 from .conftest import NUM_LAYERS, small_params

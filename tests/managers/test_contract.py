@@ -1,11 +1,10 @@
 """The manager contract: every manager implements it, and takes only string request ids.
 (Sequence ids are another class's: test_sequences.py.)"""
 
+import mokv
 import numpy as np
 import pytest
 from max.driver import CPU
-
-import mokv
 from mokv import TextContext
 
 from .conftest import NUM_LAYERS, make_paged, small_params

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import mokv
 import numpy as np
 import pytest
 from max.driver import CPU
-
-import mokv
 from mokv import TextContext
 
 from .conftest import NUM_LAYERS, make_paged, small_params

@@ -7,10 +7,9 @@ context; and the two edges the rollback keeps (a moved context's reservation sta
 
 from __future__ import annotations
 
+import mokv
 import numpy as np
 import pytest
-
-import mokv
 from mokv import TextContext
 from mokv.cache.page_pool import PagePool
 from mokv.managers.paged.inputs import PageTable
@@ -74,7 +73,7 @@ def test_no_page_leaks_after_take_returns(session, monkeypatch, call):
     all_back(m)
 
 
-@pytest.mark.parametrize("owner, name", [(PagePool, "take_fresh"), (PageTable, "set_row")])
+@pytest.mark.parametrize("owner, name", [(PagePool, "take"), (PageTable, "set_row")])
 def test_a_decode_step_onto_a_new_page_gives_it_back(session, monkeypatch, owner, name):
     m = manager(session)
     a = TextContext(np.arange(8), "A")

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import xxhash
-
 from mokv import TextContext, extensions
 from mokv.cache import hashing
 from mokv.cache.hashing import (
@@ -27,7 +25,6 @@ from mokv.cache.hashing import (
 )
 
 from .conftest import make_paged
-
 
 ALGORITHMS = ["xxh3", "sha256", "builtin"]
 

@@ -7,11 +7,10 @@ test. Where mokv differs on purpose, the test says so and asserts mokv's choice;
 list is in docs/max.md.
 """
 
+import mokv
 import numpy as np
 import pytest
 from max.driver import CPU, Buffer
-
-import mokv
 from mokv import TextContext
 
 from .conftest import NUM_LAYERS, make_paged, small_params

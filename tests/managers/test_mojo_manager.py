@@ -14,11 +14,10 @@ import random
 import threading
 from typing import Any
 
+import mokv
 import numpy as np
 import pytest
 from max.driver import CPU
-
-import mokv
 
 from .conftest import NUM_LAYERS, small_params
 

@@ -4,11 +4,10 @@ import subprocess
 import sys
 import textwrap
 
+import mokv
 import numpy as np
 import pytest
 from max.driver import CPU
-
-import mokv
 from mokv import TextContext
 
 from .conftest import NUM_LAYERS, make_paged, small_params

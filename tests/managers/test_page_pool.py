@@ -1,49 +1,48 @@
 """PagePool: all-or-nothing allocation, eviction order, the hash index and its invariants."""
 
 import pytest
-
 from mokv import InvariantError
-from mokv.cache import page_pool_readings
+from mokv.cache import unindexed_log
 from mokv.cache.page_pool import PagePool
 from mokv.undo import UndoLog
 
 
 def test_allocate_is_all_or_nothing():
     pool = PagePool(4)
-    assert pool.allocate(5) is None
+    assert pool.take((), 5) is None
     assert pool.num_free == 4 and pool.num_used == 0
-    pages = pool.allocate(3)
+    pages = pool.take((), 3)
     assert sorted(pages) == [0, 1, 2] and pool.num_free == 1
     pool.check_invariants([pages])
 
 
 def test_free_pages_are_used_before_cached_ones_are_evicted():
     pool = PagePool(3)
-    a, b, c = pool.allocate(3)
+    a, b, c = pool.take((), 3)
     assert pool.commit(a, 111, b"a")
     pool.release([a, b])  # a becomes cached, b free
     assert pool.is_cached(a) and pool.num_cached == 1
-    (page,) = pool.allocate(1)
+    (page,) = pool.take((), 1)
     assert page == b and pool.lookup(111, b"a") == a
-    (page,) = pool.allocate(1)  # no free page left: evicts a
+    (page,) = pool.take((), 1)  # no free page left: evicts a
     assert page == a and pool.lookup(111, b"a") is None
     pool.check_invariants([[b, c, a]])
 
 
 def test_cached_pages_are_evicted_in_release_order():
     pool = PagePool(3)
-    pages = pool.allocate(3)
+    pages = pool.take((), 3)
     for i, p in enumerate(pages):
         pool.commit(p, 100 + i, bytes([i]))
     pool.release(reversed(pages))  # tail first, as managers do
-    assert pool.allocate(1) == [pages[2]]
-    assert pool.allocate(1) == [pages[1]]
+    assert pool.take((), 1) == [pages[2]]
+    assert pool.take((), 1) == [pages[1]]
     assert pool.lookup(100, bytes([0])) == pages[0]  # the head outlived its suffixes
 
 
 def test_acquire_takes_a_cached_page_out_of_the_lru():
     pool = PagePool(2)
-    (p,) = pool.allocate(1)
+    (p,) = pool.take((), 1)
     pool.commit(p, 5, b"x")
     pool.release([p])
     pool.acquire(p)
@@ -55,7 +54,7 @@ def test_acquire_takes_a_cached_page_out_of_the_lru():
 
 def test_lookup_guards_against_hash_collisions():
     pool = PagePool(2)
-    (p,) = pool.allocate(1)
+    (p,) = pool.take((), 1)
     pool.commit(p, 7, b"tokens-a")
     assert pool.lookup(7, b"tokens-a") == p
     assert pool.lookup(7, b"tokens-b") is None
@@ -63,7 +62,7 @@ def test_lookup_guards_against_hash_collisions():
 
 def test_second_copy_of_a_prefix_is_not_indexed():
     pool = PagePool(2)
-    p, q = pool.allocate(2)
+    p, q = pool.take((), 2)
     assert pool.commit(p, 9, b"t")
     assert not pool.commit(q, 9, b"t")
     assert pool.page_hash(q) is None
@@ -73,7 +72,7 @@ def test_second_copy_of_a_prefix_is_not_indexed():
 
 def test_reset_prefix_cache_frees_cached_pages_and_forgets_hashes():
     pool = PagePool(3)
-    p, q = pool.allocate(2)
+    p, q = pool.take((), 2)
     pool.commit(p, 1, b"p")
     pool.commit(q, 2, b"q")
     pool.release([p])
@@ -85,7 +84,7 @@ def test_reset_prefix_cache_frees_cached_pages_and_forgets_hashes():
 
 def test_check_invariants_reports_broken_ref_counts():
     pool = PagePool(2)
-    pages = pool.allocate(1)
+    pages = pool.take((), 1)
     with pytest.raises(InvariantError, match="ref count 1 but 0 owners"):
         pool.check_invariants([])
     with pytest.raises(InvariantError, match="released more often"):
@@ -99,13 +98,13 @@ def test_pool_needs_a_page():
 
 def test_counters_count_freed_pages_and_removed_index_entries():
     pool = PagePool(4)
-    a, b, c = pool.allocate(3)
+    a, b, c = pool.take((), 3)
     pool.acquire(a)  # two owners
     assert pool.commit_pages([a, b], [1, 2], [b"a", b"b"]) == [True, True]
     assert (pool.num_freed, pool.num_unindexed) == (0, 0)
     pool.release([a, b, c])  # a keeps an owner; b is cached, c free
     assert (pool.num_freed, pool.num_unindexed) == (2, 0)
-    pool.allocate(3)  # the free pages 3 and c, then b evicted
+    pool.take((), 3)  # the free pages 3 and c, then b evicted
     assert (pool.num_freed, pool.num_unindexed) == (2, 1)
     pool.release([a])
     pool.reset_prefix_cache()  # a's entry removed
@@ -118,12 +117,12 @@ def test_undone_changes_count_what_they_free_and_unindex():
     read again (`chain_memo`)."""
     pool = PagePool(2)
     pool.undo = UndoLog()
-    a, b = pool.allocate(2)
+    a, b = pool.take((), 2)
     pool.commit_pages([a], [1], [b"a"])
     pool.release([a])
     pool.undo.commit()
     freed = pool.num_freed
-    pool.allocate(1)  # evicts a
+    pool.take((), 1)  # evicts a
     pool.undo.rollback()
     assert pool.num_freed > freed and pool.lookup(1, b"a") == a
     unindexed = pool.num_unindexed
@@ -134,7 +133,7 @@ def test_undone_changes_count_what_they_free_and_unindex():
 
 def test_num_still_indexed_counts_the_leading_pages_that_keep_their_hash_and_tokens():
     pool = PagePool(3)
-    a, b, c = pool.allocate(3)
+    a, b, c = pool.take((), 3)
     pool.commit_pages([a, b], [1, 2], [b"a", b"b"])
     tokens = [pool.page_tokens(a), pool.page_tokens(b)]
     assert pool.num_still_indexed([a, b], [1, 2], tokens) == 2
@@ -143,7 +142,7 @@ def test_num_still_indexed_counts_the_leading_pages_that_keep_their_hash_and_tok
     assert pool.num_still_indexed([a, b], [1, 2], [b"a", b"x"]) == 1
     assert pool.num_still_indexed([a, b], [5, 2], tokens) == 0
     pool.release([b, c])
-    pool.allocate(2)  # c, then b evicted
+    pool.take((), 2)  # c, then b evicted
     assert pool.num_still_indexed([a, b], [1, 2], tokens) == 1
     assert pool.num_still_indexed([b, a], [2, 1], tokens[::-1]) == 0
     assert pool.num_still_indexed([a], [1], tokens[:1]) == 1
@@ -152,23 +151,23 @@ def test_num_still_indexed_counts_the_leading_pages_that_keep_their_hash_and_tok
 def test_unindexed_since_names_every_entry_removed_until_the_log_or_a_reset_loses_them(
     monkeypatch,
 ):
-    monkeypatch.setattr(page_pool_readings, "UNINDEXED_LOG", 4)
+    monkeypatch.setattr(unindexed_log, "UNINDEXED_LOG", 4)
     pool = PagePool(4)
     pool.undo = UndoLog()
-    pages = pool.allocate(4)
+    pages = pool.take((), 4)
     pool.commit_pages(pages, [1, 2, 3, 4], [b"a", b"b", b"c", b"d"])
     pool.release(pages)  # cached, oldest first: 1, 2, 3, 4
     start = pool.num_unindexed
     assert pool.unindexed_since(start) == []
-    pool.allocate(2)  # evicts 1 and 2
+    pool.take((), 2)  # evicts 1 and 2
     assert pool.unindexed_since(start) == [1, 2]
     mark = pool.undo.begin()
-    pool.allocate(1)  # evicts 3
+    pool.take((), 1)  # evicts 3
     assert pool.unindexed_since(start) == [1, 2, 3]
     pool.undo.rollback(mark)  # 3 is indexed again; its removal stays counted and logged
     pool.undo.end()
     assert pool.lookup(3, b"c") is not None and pool.unindexed_since(start) == [1, 2, 3]
-    owned = pool.allocate(2)  # evicts 3 and 4: the log keeps the last 2 once past 4
+    owned = pool.take((), 2)  # evicts 3 and 4: the log keeps the last 2 once past 4
     assert pool.unindexed_since(start) is None
     assert pool.unindexed_since(pool.num_unindexed - 2) == [3, 4]
     pool.commit_pages(owned, [5, 6], [b"e", b"f"])
@@ -183,66 +182,3 @@ def test_unindexed_since_names_every_entry_removed_until_the_log_or_a_reset_lose
     pool.reset_prefix_cache()
     assert pool.unindexed_since(reading) is None
     assert pool.unindexed_since(pool.num_unindexed) == []
-
-
-class _Heard:
-    """An event sink that records what it hears."""
-
-    def __init__(self):
-        self.heard = []
-
-    def stored(self, page_hash, parent_hash, token_bytes, keys):
-        self.heard.append(("stored", page_hash))
-
-    def removed(self, page_hash):
-        self.heard.append(("removed", page_hash))
-
-    def cleared(self):
-        self.heard.append(("cleared",))
-
-
-def _pool_state(pool):
-    return (
-        list(pool._ref_count),
-        list(pool._page_hash),
-        list(pool._page_tokens),
-        list(pool._free),
-        list(pool._cached),
-        list(pool._kept),
-        dict(pool._index),
-        (pool.num_freed, pool.num_unindexed, pool.num_evicted_retained),
-        list(pool._unindexed),
-        list(pool.events.heard),
-    )
-
-
-def _twin_pool(num_free, num_cached, num_kept):
-    """A pool of 8 pages: `num_free` free, `num_cached` cached, `num_kept` kept, the rest
-    owned (returned with it)."""
-    pool = PagePool(8)
-    pool.undo, pool.events = UndoLog(), _Heard()
-    pages = pool.allocate(8)
-    unowned = num_free + num_cached + num_kept
-    pool.commit_pages(
-        pages[num_free:unowned], [100 + p for p in pages], [bytes([p]) for p in pages]
-    )
-    pool.retain([100 + p for p in pages[num_free + num_cached : unowned]])
-    pool.release(pages[:unowned])
-    pool.undo.commit()
-    return pool, pages[unowned:]
-
-
-@pytest.mark.parametrize(
-    "num_free, num_cached, num_kept",
-    [(2, 2, 1), (1, 0, 0), (0, 3, 1), (0, 1, 0), (0, 0, 2), (0, 0, 0)],
-)
-@pytest.mark.parametrize("num_new", [1, 2])
-def test_take_fresh_does_what_take_without_hits_does(num_free, num_cached, num_kept, num_new):
-    fast, owned = _twin_pool(num_free, num_cached, num_kept)
-    full, _ = _twin_pool(num_free, num_cached, num_kept)
-    assert fast.take_fresh(num_new) == full.take((), num_new)
-    assert _pool_state(fast) == _pool_state(full)
-    fast.check_invariants([owned, *(fast._ref_count[p] * [p] for p in range(8) if p not in owned)])
-    fast.undo.rollback()
-    full.undo.rollback()
-    assert _pool_state(fast) == _pool_state(full)

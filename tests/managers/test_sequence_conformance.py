@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import mokv
 import pytest
 from max.driver import CPU
 from max.engine import InferenceSession
-
-import mokv
 
 from .conftest import NUM_LAYERS, small_params
 

@@ -1,12 +1,11 @@
 """ContinuousBatchingKVCacheManager: MAX's sequence-id flow (seed 002), over the slots of a
 request-contract manager that it shares and never mixes ids with."""
 
+import mokv
 import numpy as np
 import pytest
 from max.driver import CPU, Buffer
 from max.dtype import DType
-
-import mokv
 from mokv import TextContext
 
 from .conftest import NUM_LAYERS, small_params

@@ -6,11 +6,9 @@ import random
 import sys
 import threading
 
-import numpy as np
+import mokv
 import pytest
 from max.driver import CPU
-
-import mokv
 from mokv import TextContext
 
 from .conftest import NUM_LAYERS, make_paged, small_params

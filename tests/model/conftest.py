@@ -8,11 +8,10 @@ requests and release them afterwards.
 
 from __future__ import annotations
 
+import mokv
 import mokv_graphs as mg
 import pytest
 from max.driver import CPU
-
-import mokv
 
 CONFIG = mg.DecoderConfig(
     vocab_size=128, hidden_size=64, num_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -28,7 +28,6 @@ def test_a_max_llama_pipeline_generates_the_same_tokens_on_a_mokv_cache(tmp_path
     from max.pipelines.lib.config.model_config import MAXModelConfig
     from max.pipelines.lib.generate import generate
     from max.pipelines.lib.pipeline_runtime_config import PipelineRuntimeConfig
-
     from mokv.pipelines import KVCacheManager, MokvOptions, seams
     from mokv.pipelines.serve import MokvLoader
 

@@ -4,11 +4,10 @@ safetensors, and refusal (naming the key or tensor) of what the decoder cannot h
 import dataclasses
 import json
 
-import numpy as np
-import pytest
-
 import mokv
 import mokv_graphs as mg
+import numpy as np
+import pytest
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}

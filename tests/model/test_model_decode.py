@@ -5,11 +5,10 @@ only the config and the checkpoint with the graph. One compiled decoder per cach
 serves every test (compiles are slow here); each test brings fresh managers.
 """
 
-import numpy as np
-import pytest
-
 import mokv
 import mokv_graphs as mg
+import numpy as np
+import pytest
 
 ATOL = 2e-4  # float32 kernels vs the float64 reference, logits of scale ~4
 
@@ -55,7 +54,7 @@ def test_prefill_then_decode(config, weights, strategy, model, make_kv_manager):
     rng = np.random.default_rng(0)
     a = new_request(manager, rng.integers(0, config.vocab_size, 21))
     b = new_request(manager, rng.integers(0, config.vocab_size, 3))
-    for step in range(8):  # step 0 prefills both, then both decode together
+    for _step in range(8):  # step 0 prefills both, then both decode together
         logits = run(model, manager, [a, b])
         for ctx, row in zip([a, b], logits):
             assert_matches_reference(config, weights, ctx, row)

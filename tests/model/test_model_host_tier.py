@@ -9,12 +9,11 @@ large host pool, outputs contained other prompts' tokens).
 
 import dataclasses
 
+import mokv
 import mokv_graphs as mg
 import numpy as np
 import pytest
 from max.driver import CPU
-
-import mokv
 
 from .conftest import CONFIG, MAX_BATCH_SIZE, MAX_SEQ_LEN, PAGE_SIZE
 from .test_model_decode import ATOL

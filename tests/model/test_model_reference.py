@@ -1,8 +1,7 @@
 """The numpy reference decoder is itself a sound ground truth."""
 
-import numpy as np
-
 import mokv_graphs as mg
+import numpy as np
 
 
 def test_reference_is_causal(config, weights):

@@ -3,10 +3,9 @@
 import dataclasses
 import math
 
+import mokv_graphs as mg
 import numpy as np
 import pytest
-
-import mokv_graphs as mg
 from mokv_graphs.rope import inverse_frequencies
 
 SCALING = mg.Llama3RopeScaling(

@@ -8,11 +8,10 @@ a wrong page, a page reused too early, or a missed reset after preemption fails 
 Its "next token" is a hash of the tokens it read, so outputs are checkable too.
 """
 
-import numpy as np
-import pytest
-
 import mokv
 import mokv_graphs as mg
+import numpy as np
+import pytest
 
 VOCAB = 128
 

@@ -3,10 +3,9 @@
 import json
 import struct
 
+import mokv_graphs as mg
 import numpy as np
 import pytest
-
-import mokv_graphs as mg
 
 
 def test_init_is_deterministic_and_seeded(config):

@@ -5,11 +5,10 @@ fed the Mojo manager's `fetch`: its blocks are the Mojo-owned memory, so the gra
 K/V writes land in the Mojo manager's cache; `step` then commits them by sequence id.
 """
 
-import numpy as np
-from max.driver import CPU
-
 import mokv
 import mokv_graphs as mg
+import numpy as np
+from max.driver import CPU
 
 from .conftest import CONFIG, MAX_BATCH_SIZE, MAX_SEQ_LEN, PAGE_SIZE
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mokv
 import numpy as np
 from max import tree
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, ops
-
-import mokv
 
 
 @dataclass(frozen=True)

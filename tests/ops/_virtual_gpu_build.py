@@ -21,11 +21,15 @@ from max.driver import CPU, Accelerator, Buffer  # noqa: E402
 from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession  # noqa: E402
 from max.graph import DeviceRef, Graph, TensorType, ops  # noqa: E402
-
 from mokv.compiler_output import filter_collection_warnings  # noqa: E402
-from mokv.layouts import CONTINUOUS, PAGED, FetchContinuousBatchingKVCacheCollection, FetchPagedKVCacheCollection  # noqa: E402
+from mokv.config.params import KVCacheParams  # noqa: E402
+from mokv.layouts import (  # noqa: E402
+    CONTINUOUS,
+    PAGED,
+    FetchContinuousBatchingKVCacheCollection,
+    FetchPagedKVCacheCollection,
+)
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv  # noqa: E402
-from mokv.params import KVCacheParams  # noqa: E402
 
 
 def main() -> None:

@@ -22,16 +22,16 @@ driver.set_virtual_device_api(sys.argv[1])
 driver.set_virtual_device_target_arch(sys.argv[2])
 driver.set_virtual_device_count(1)
 
+import mokv  # noqa: E402
 import numpy as np  # noqa: E402
 from max.driver import CPU, Accelerator, Buffer  # noqa: E402
 from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession  # noqa: E402
 from max.graph import DeviceRef  # noqa: E402
 
-import mokv  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).parent))
-from _max_layers import Dims, build_graph, build_layers  # noqa: E402
+# tests/ops/_max_layers.py, found through sys.path above (this runs as a script)
+from _max_layers import Dims, build_graph, build_layers  # type: ignore[import-not-found]  # noqa: E402
 
 DIMS = Dims(hidden=256, n_heads=8, n_kv_heads=2, head_dim=128, page_size=128, max_seq_len=256,
             dtype=DType.bfloat16)

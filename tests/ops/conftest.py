@@ -21,6 +21,7 @@ from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, TensorType, Value, ops
+from mokv.config.params import KVCacheParams, KVCacheStrategy
 from mokv.layouts import (
     CONTINUOUS,
     PAGED,
@@ -30,7 +31,6 @@ from mokv.layouts import (
 from mokv.layouts.max_paged import lookup_table_width
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, portable_cpu_paths, store_kv
 from mokv.ops.cpu_paths import host_takes_portable_paths
-from mokv.params import KVCacheParams, KVCacheStrategy
 
 from ..mojo_defines import MAX_KERNELS_DEFINE
 from .graph_bundle import Bundle, Part, PartRunner
@@ -230,7 +230,7 @@ class Config:
             n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim,
             page_size=self.page_size,
-            cache_strategy=self.strategy,
+            cache_strategy=self.strategy,  # type: ignore[arg-type]  # "paged" is accepted
         )
 
     @property

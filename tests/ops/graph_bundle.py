@@ -36,8 +36,8 @@ def _own_dims(t: Type, suffix: str) -> Type:
     """`t` with every symbolic dim renamed: parts must not tie each other's dims."""
     shape = [
         SymbolicDim(f"{d.name}_{suffix}") if isinstance(d, SymbolicDim) else d for d in t.shape
-    ]  # type: ignore[attr-defined]
-    return dataclasses.replace(t, shape=shape)  # type: ignore[type-var]
+    ]
+    return dataclasses.replace(t, shape=shape)
 
 
 class PartRunner:
@@ -57,7 +57,7 @@ def bundle_graph(
     types = [_own_dims(t, str(i)) for i, p in enumerate(parts) for t in p.input_types]
     slices: list[slice] = []
     with Graph(name, input_types=types, custom_extensions=custom_extensions) as graph:
-        inputs, outputs = list(graph.inputs), []
+        inputs, outputs = list(graph.inputs), []  # type: list[Any], list[Any]
         for part in parts:
             n = len(part.input_types)
             part_outputs = part.body(inputs[:n])

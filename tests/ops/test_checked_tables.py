@@ -21,10 +21,9 @@ import numpy as np
 import pytest
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType
-
+from mokv.config.params import KVCacheParams
 from mokv.layouts import CONTINUOUS, PAGED, FetchPagedKVCacheCollection
 from mokv.ops import flash_attention, fused_qkv_matmul, rope_freqs_cis, store_kv
-from mokv.params import KVCacheParams
 
 from .conftest import MAX_SEQ_LEN, NUM_LAYERS, Config, buffer, make_cache, plan_graphs, row_offsets
 from .test_fused_qkv import CASES as QKV_CASES
@@ -262,7 +261,10 @@ def test_rope_positions_past_the_freqs_table_raise(compiled) -> None:
 def test_continuous_symbols_have_a_static_layer_dim() -> None:
     """The fetcher reads num_layers from blocks dim 2 of either layout's input symbols."""
     params = KVCacheParams(
-        dtype=DType.float32, n_kv_heads=2, head_dim=64, cache_strategy="continuous"
+        dtype=DType.float32,
+        n_kv_heads=2,
+        head_dim=64,
+        cache_strategy="continuous",  # type: ignore[arg-type]  # the string form is accepted
     )
     with Graph("layers", input_types=list(CONTINUOUS.input_symbols(params, 3, 32, CPU))) as g:
         assert CONTINUOUS.fetch(params, None, *g.inputs).num_layers == 3

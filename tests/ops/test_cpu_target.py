@@ -12,7 +12,6 @@ import platform
 
 import pytest
 from max.driver import get_virtual_cpu_target, set_virtual_cpu_target
-
 from mokv import extensions
 from mokv.mojo_package import mojo_target_flags
 

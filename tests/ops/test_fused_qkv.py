@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from max.dtype import DType
-
 from mokv.ops import rope_freqs_cis
 
 from .conftest import (
@@ -13,8 +12,8 @@ from .conftest import (
     MAX_SEQ_LEN,
     Config,
     buffer,
-    plan_graphs,
     make_cache,
+    plan_graphs,
     ref_attention,
     ref_rope,
     row_offsets,

@@ -10,7 +10,13 @@ import pytest
 
 from . import test_store_attention as cpu_tests  # a module: its tests are not collected twice
 from .conftest import plan_graphs
-from .test_store_attention import CONT_F32_MHA, PAGED_BF16_GQA8_P32, PAGED_F32_GQA4, check, run_store_attention
+from .test_store_attention import (
+    CONT_F32_MHA,
+    PAGED_BF16_GQA8_P32,
+    PAGED_F32_GQA4,
+    check,
+    run_store_attention,
+)
 
 plan_graphs("store_attention", [PAGED_F32_GQA4, PAGED_BF16_GQA8_P32, CONT_F32_MHA], paths=("max-kernels",))
 

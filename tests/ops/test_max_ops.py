@@ -13,14 +13,13 @@ The extra inputs are checked against the helpers MAX's own manager builds them w
 
 from __future__ import annotations
 
+import mokv
 import numpy as np
 import pytest
 from max import tree
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, Weight, ops
-
-import mokv
 from mokv import TextContext
 from mokv.layouts.max_paged import lookup_table_width
 from mokv.ops import flash_attention, fused_qkv_matmul, rope_freqs_cis

@@ -19,7 +19,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from mokv.mojo_package import _mojo_binary, mojo_target_flags
 from mokv.ops import kernels_path
 from mokv.ops.cpu_paths import PORTABLE_DEFINE, host_cpu_flags, host_takes_portable_paths

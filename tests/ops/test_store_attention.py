@@ -10,8 +10,8 @@ from .conftest import (
     LAYER,
     Config,
     buffer,
-    plan_graphs,
     make_cache,
+    plan_graphs,
     ref_attention,
     row_offsets,
     storage,
@@ -84,7 +84,8 @@ def check(cfg, cache, before, k, v, q, offsets, out, tol=None):
 @pytest.mark.parametrize(
     "cache_lengths,new_tokens",
     [
-        # decode | prefill crossing pages | prefill after a cached prefix | decode opening a new page
+        # decode | prefill crossing pages | prefill after a cached prefix |
+        # decode opening a new page
         ([20, 0, 30, 16], [1, 35, 5, 1]),
         # decode only, a different batch size through the same compiled graph
         ([5, 47, 63], [1, 1, 1]),

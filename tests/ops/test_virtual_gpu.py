@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from mokv.ops import kernels_path
 
 SCRIPT = Path(__file__).with_name("_virtual_gpu_build.py")

@@ -9,10 +9,9 @@ prefix they belong to, so the requests here diverge at page boundaries or not at
 
 from __future__ import annotations
 
+import mokv
 import numpy as np
 from max.driver import CPU, Buffer
-
-import mokv
 from mokv import TextContext
 
 from .conftest import MAX_SEQ_LEN, NUM_LAYERS
@@ -24,7 +23,7 @@ class Run:
 
     def __init__(self, model, cfg, rng):
         self.model, self.cfg, self.rng = model, cfg, rng
-        self.rows: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.rows: dict[tuple[bytes, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def step(self, manager, batch: list[TextContext]) -> None:
         cfg = self.cfg

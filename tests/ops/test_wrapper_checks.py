@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType
-
+from mokv.config.params import KVCacheParams
 from mokv.layouts import PAGED, FetchPagedKVCacheCollection, PagedKVCacheCollectionType
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv
-from mokv.params import KVCacheParams
 
 PARAMS = KVCacheParams(dtype=DType.float32, n_kv_heads=2, head_dim=64, page_size=16)
 CPU = DeviceRef.CPU()

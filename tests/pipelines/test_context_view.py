@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from max.pipelines.context import TextAndVisionContext, TextContext, TokenBuffer
 from max.pipelines.context.tokens import ImageMetadata
-
 from mokv import MultimodalInput
 from mokv.pipelines import MaxContextView
 

@@ -16,10 +16,9 @@ from max.nn.kv_cache import (
 )
 from max.pipelines.context import TextContext, TokenBuffer
 from max.pipelines.kv_cache import InsufficientBlocksError, PagedKVCacheManagerInterface
-
+from mokv import HostTierConfig
 from mokv.pipelines import KVCacheManager, MokvOptions, UnsupportedMaxParamsError
 from mokv.pipelines import load_kv_manager as mokv_loader
-from mokv import HostTierConfig
 
 from .conftest import PAGE_BYTES, PAGE_SIZE, SYSTEM, loader_args, max_context, max_params
 

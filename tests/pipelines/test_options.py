@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from mokv import HostTierConfig, KVEventsConfig, RemoteTierConfig, SessionConfig
 from mokv.pipelines import MokvConfigError, MokvOptions
 

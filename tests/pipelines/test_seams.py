@@ -8,7 +8,6 @@ import importlib
 import numpy as np
 import pytest
 from max.pipelines.context import TokenBuffer
-
 from mokv.pipelines import MaxSeamError, MokvOptions, check_seams, seams
 from mokv.pipelines.serve import MokvLoader, MokvPipelineFactory, split_mokv_args
 
@@ -78,7 +77,6 @@ def test_prompts_outside_the_vocabulary_are_refused_before_the_model_worker():
 
     from max.pipelines.context import TextContext
     from max.pipelines.context.exceptions import InputError
-
     from mokv.pipelines.serve import PromptCheckingTokenizer
 
     class WordTokenizer:  # what MAX's TextTokenizer does with a token-id prompt

@@ -18,7 +18,6 @@ import mokv_graphs as mg
 import numpy as np
 import pytest
 import zmq
-
 from mokv.events.format import BatchDecoder
 from mokv.pipelines.server_process import ServerProcess, free_port
 

@@ -12,12 +12,13 @@ import dataclasses
 import json
 import sys
 
+import mokv
 import mokv_graphs as mg
 import numpy as np
 from max.driver import CPU
 from max.engine import InferenceSession
+from mokv.tiers.remote import RemoteTier
 
-import mokv
 from tests.model.conftest import CONFIG, MAX_BATCH_SIZE, MAX_SEQ_LEN, PAGE_SIZE
 from tests.mojo_defines import set_default_mokv_defines
 
@@ -37,7 +38,9 @@ manager = mokv.load_kv_manager(
     available_cache_memory=DEVICE_PAGES * params.bytes_per_page(CONFIG.num_layers),
     page_size=PAGE_SIZE, enable_runtime_checks=True,
 )
-stores = [store for replica in manager.replicas for store in replica.tiers.named("remote").stores]
+assert isinstance(manager, mokv.PagedKVCacheManager)  # a paged cache with a shared tier
+tiers = [replica.tiers.named("remote") for replica in manager.replicas]
+stores = [store for tier in tiers if isinstance(tier, RemoteTier) for store in tier.stores]
 for store in stores:
     store.breaker.cooldown_s = BREAKER_COOLDOWN_S
 model = mg.DecoderModel(CONFIG, manager, session, mg.init_weights(CONFIG, seed=1))

@@ -21,7 +21,7 @@ from mokv.cache.hashing import iter_page_hashes, page_hash_fn, salted_root
 from mokv.remote import PageCodec, RemoteLayout, RemotePageStore
 from xxhash import xxh3_64
 
-REDIS_SERVER = shutil.which("redis-server")
+REDIS_SERVER = shutil.which("redis-server") or "redis-server"
 INSTALL_HINT = (
     "redis-server not found: install it (Debian/Ubuntu: `sudo apt-get install redis-server`, "
     "macOS: `brew install redis`) to run the shared-tier tests"
@@ -44,7 +44,7 @@ class RedisServer:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.workdir, self.maxmemory = workdir, maxmemory
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen = None  # type: ignore[assignment]  # `start` sets it
         self.start()
 
     def start(self) -> None:
@@ -63,7 +63,7 @@ class RedisServer:
                 break
             except redis.ConnectionError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {self.port} did not start")
+                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
                 time.sleep(0.02)
         client.close()
 

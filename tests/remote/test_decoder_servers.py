@@ -27,12 +27,15 @@ class Server:
         )
 
     def wait_ready(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # pipes
         line = self.proc.stdout.readline()
         assert line.strip() == "ready", f"server did not start (rc {self.proc.poll()})"
 
     def serve(self, prompts: list[np.ndarray]) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": [p.tolist() for p in prompts],
-                                          "max_new": MAX_NEW}) + "\n")
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # pipes
+        self.proc.stdin.write(
+            json.dumps({"prompts": [p.tolist() for p in prompts], "max_new": MAX_NEW}) + "\n"
+        )
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         assert line, f"server died (rc {self.proc.poll()})"
@@ -40,6 +43,7 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            assert self.proc.stdin is not None  # a pipe
             self.proc.stdin.close()
             try:
                 self.proc.wait(30)

@@ -4,7 +4,6 @@ once however many tiers read it."""
 import inspect
 
 import pytest
-
 from mokv.metrics import KVCacheMetrics, TierMetrics
 from mokv.tiers.base import ChainTail, Tier
 from mokv.tiers.host import HostTier

@@ -2,11 +2,10 @@
 changes nothing in either tier; after True, fetch cannot fail), write-through,
 min_hits, metrics, and bit-exact round trips on two TP shards."""
 
+import mokv
 import numpy as np
 import pytest
 from max.dtype import DType
-
-import mokv
 from mokv import TextContext
 from mokv.cache import page_copy
 from mokv.cache.hashing import page_hash_fn, page_hashes, root_hash

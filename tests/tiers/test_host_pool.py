@@ -4,7 +4,6 @@ events."""
 from mokv.events.publisher import EventRecorder, build_events
 from mokv.tiers.host_pool import HostPagePool
 
-
 # --- the host pool --------------------------------------------------------------------
 
 

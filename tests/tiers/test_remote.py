@@ -7,10 +7,9 @@ import itertools
 import os
 import time
 
+import mokv
 import numpy as np
 import pytest
-
-import mokv
 from mokv import TextContext
 from mokv.cache import page_copy
 from mokv.cache.page_pool import PagePool
@@ -21,8 +20,8 @@ from mokv.tiers.remote import RemoteTier
 from mokv.tiers.stack import TierStack
 
 from ..managers.conftest import make_paged, small_params
-from ..remote.conftest import forged_value
 from ..managers.faults import MODES, Faults, Injected, keep_handed_over, snapshot
+from ..remote.conftest import forged_value
 
 _namespaces = itertools.count()
 PREFIX = np.arange(8)  # two full pages of 4 tokens
@@ -263,16 +262,35 @@ def test_a_batch_that_does_not_fit_changes_nothing_with_remote_hits_planned(sess
 
 
 FAULT_TARGETS = [
-    (RemotePageStore, "lookup"), (RemotePageStore, "put"), (RemoteTier, "lookup"),
-    (RemoteTier, "load"), (RemoteTier, "store"), (RemoteTier, "pin"), (RemoteTier, "unpin"),
-    (TierStack, "load"), (TierStack, "store"), (TierStack, "pin"), (TierStack, "unpin"),
-    (TierStack, "count_served"), (TierStack, "note_reserved"), (PagedReplica, "plan"),
-    (PagedReplica, "apply"), (PagedReplica, "fits"), (PagedReplica, "load_pending"),
-    (PagedReplica, "commit"), (PagedReplica, "plan_commit"), (page_copy, "write_pages"),
-    (page_copy, "read_pages"), (PagePool, "room"), (PagePool, "take"),
-    (PagePool, "commit_pages"), (PagePool, "lookup"), (TextContext, "skip_cached_prefix"),
-    (TextContext, "active_idx_after_skip"), (PagedReplica, "runtime_inputs"),
-    (EventRecorder, "stored"), (MediumSink, "stored"), (EventPublisher, "end_step"),
+    (RemotePageStore, "lookup"),
+    (RemotePageStore, "put"),
+    (RemoteTier, "lookup"),
+    (RemoteTier, "load"),
+    (RemoteTier, "store"),
+    (TierStack, "load"),
+    (TierStack, "store"),
+    (TierStack, "pin"),
+    (TierStack, "unpin"),
+    (TierStack, "count_served"),
+    (TierStack, "note_reserved"),
+    (PagedReplica, "plan"),
+    (PagedReplica, "apply"),
+    (PagedReplica, "fits"),
+    (PagedReplica, "load_pending"),
+    (PagedReplica, "commit"),
+    (PagedReplica, "plan_commit"),
+    (page_copy, "write_pages"),
+    (page_copy, "read_pages"),
+    (PagePool, "room"),
+    (PagePool, "take"),
+    (PagePool, "commit_pages"),
+    (PagePool, "lookup"),
+    (TextContext, "skip_cached_prefix"),
+    (TextContext, "active_idx_after_skip"),
+    (PagedReplica, "runtime_inputs"),
+    (EventRecorder, "stored"),
+    (MediumSink, "stored"),
+    (EventPublisher, "end_step"),
 ]
 
 
@@ -384,7 +402,7 @@ def test_remote_tier_config_is_validated():
     with pytest.raises(ValueError, match=r"timeout_s must be a number of seconds in \(0, 60\], got 0"):
         mokv.RemoteTierConfig(url="redis://h/0", namespace="m", timeout_s=0)
     tier = mokv.RemoteTierConfig(url="redis://h/0", namespace="m")
-    dtype = mokv.params.CACHE_DTYPES[0]
+    dtype = mokv.config.base.CACHE_DTYPES[0]
     with pytest.raises(ValueError, match="RemoteTierConfig needs enable_prefix_caching"):
         mokv.KVCacheParams(dtype, 2, 8, tiers=(tier,))
     with pytest.raises(ValueError, match="stable prefix_hash.*'builtin'"):

@@ -49,6 +49,7 @@ import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from .. import extensions
+from ..config.base import STABLE_ALGORITHMS
 
 PageHashFn = Callable[[int, "bytes | memoryview | np.ndarray"], int]
 """(parent hash, the page's token ids as little-endian int64 bytes) -> page hash."""
@@ -180,8 +181,6 @@ def _builtin(parent: int, token_bytes) -> int:
 
 
 _ALGORITHMS: dict[str, PageHashFn] = {"xxh3": _xxh3, "sha256": _sha256, "builtin": _builtin}
-STABLE_ALGORITHMS = ("xxh3", "sha256")
-"""Algorithms whose hashes are the same in every process (required for events)."""
 
 
 def page_hash_fn(algorithm: str) -> PageHashFn:

@@ -1,7 +1,7 @@
-"""KV-cache events in vLLM's wire format: publisher, subscriber and a router's prefix index.
+"""KV-cache events in vLLM's wire format: publisher, subscriber and a router's prefix index
+(their config, `KVEventsConfig`, is `mokv.config.events`).
 
 format.py      vLLM's msgspec structs (map and legacy array forms), the batch decoder
-config.py      KVEventsConfig (defaults as vLLM's), endpoint offsets per replica
 publisher.py   EventRecorder (a page pool's sink), build_events, EventPublisher (a
                recorder with a PUB socket, a publisher thread and a replay ROUTER)
 subscriber.py  EventSubscriber: SUB + DEALER replay, gap and restart detection
@@ -10,7 +10,7 @@ index.py       PrefixRouterIndex: per source (server x replica) and tier, the ca
                their score by tier (device 1.0, host 0.75, shared 0.25)
 """
 
-from .config import KVEventsConfig
+from ..config.events import KVEventsConfig
 from .format import (
     AllBlocksCleared,
     BatchDecoder,

@@ -41,7 +41,6 @@ from typing import Any, Literal
 import msgspec
 
 PayloadFormat = Literal["map", "array"]
-PAYLOAD_FORMATS = ("map", "array")
 
 MEDIUM_GPU = "GPU"
 """The primary cache's pages, on every device (vLLM's `MEDIUM_GPU`, which vLLM publishes

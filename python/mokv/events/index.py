@@ -37,7 +37,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..cache.extra_keys import chain_root, page_keys
-from ..cache.hashing import STABLE_ALGORITHMS, page_hash_fn, page_hashes
+from ..cache.hashing import page_hash_fn, page_hashes
+from ..config.base import STABLE_ALGORITHMS
 from ..context import (
     MultimodalInput,
     check_cache_salt,

@@ -48,8 +48,9 @@ import numpy as np
 import zmq
 
 from ..cache.extra_keys import EventKeys
+from ..config.events import DYNAMO_SALT_PREFIX, KVEventsConfig, binds
+from ..registry import BUILDERS
 from ..undo import UndoLog
-from .config import DYNAMO_SALT_PREFIX, KVEventsConfig, binds
 from .format import (
     END_SEQ,
     KV_CACHE_SPEC_KIND,
@@ -365,12 +366,12 @@ class EventPublisher(EventRecorder):
         sock.send_multipart((identity, b"", b"", END_SEQ, b""))
 
 
-def open_publishers(config: KVEventsConfig | None, block_size: int, num_replicas: int) -> list:
-    """One `EventPublisher` per replica, or none without a config. All or nothing: if one
-    cannot bind, those opened are closed."""
+def open_publishers(
+    config: KVEventsConfig, block_size: int, num_replicas: int
+) -> list[EventPublisher]:
+    """One `EventPublisher` per replica (registered for `KVEventsConfig`). All or
+    nothing: if one cannot bind, those opened are closed."""
     publishers: list[EventPublisher] = []
-    if config is None:
-        return publishers
     try:
         for r in range(num_replicas):
             publishers.append(EventPublisher(config, r, block_size))
@@ -379,3 +380,6 @@ def open_publishers(config: KVEventsConfig | None, block_size: int, num_replicas
             p.close()
         raise
     return publishers
+
+
+BUILDERS.register(KVEventsConfig, open_publishers)

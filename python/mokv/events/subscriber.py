@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from .config import check_endpoint
+from ..config.events import check_endpoint
 from .format import END_SEQ, BatchDecoder
 from .index import PrefixRouterIndex, Source
 

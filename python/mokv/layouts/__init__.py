@@ -11,7 +11,7 @@ from typing import Any
 
 from max.graph.value import _OpaqueValue
 
-from ..params import KVCacheParams, KVCacheStrategy
+from ..config.params import KVCacheParams, KVCacheStrategy
 from .base import DTYPE_CODES, CacheLayout, CollectionInfo, FetchKVCacheCollection, dtype_code
 from .continuous import (
     CONTINUOUS,

@@ -36,8 +36,8 @@ from max.graph.type import _OpaqueType
 from max.graph.value import _OpaqueValue
 
 from ..checks import check_dtype, check_rank, check_static_dim
+from ..config.params import KVCacheParams
 from ..mojo_package import kernels_path
-from ..params import KVCacheParams
 
 DTYPE_CODES: dict[DType, int] = {DType.float32: 0, DType.bfloat16: 1, DType.float16: 2}
 """Cache dtypes the kernels support, and their codes (`dtype_of` in mojo/mokv/types.mojo)."""

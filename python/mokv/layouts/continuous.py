@@ -25,7 +25,7 @@ from max.graph import BufferType, DeviceRef, TensorType
 from max.graph.type import _OpaqueType
 from max.graph.value import _OpaqueValue
 
-from ..params import KVCacheParams
+from ..config.params import KVCacheParams
 from .base import CacheLayout, FetchKVCacheCollection, KVCollectionValue, TensorSpec
 
 T = TypeVar("T")

@@ -46,7 +46,7 @@ from max.driver import CPU, Buffer, Device
 from max.dtype import DType
 from max.graph import BufferType, BufferValue, DeviceRef, TensorType, TensorValue, Value
 
-from ..params import KVCacheParams
+from ..config.params import KVCacheParams
 from .paged import RaggedKVCacheInputs
 
 if TYPE_CHECKING:  # `max.nn` takes ~0.25 s to import: loaded on first use, not with mokv

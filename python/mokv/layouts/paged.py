@@ -33,7 +33,7 @@ from max.graph import BufferType, BufferValue, DeviceRef, TensorType
 from max.graph.type import _OpaqueType
 
 from ..checks import check_static_dim
-from ..params import KVCacheParams
+from ..config.params import KVCacheParams
 from .base import CacheLayout, FetchKVCacheCollection, KVCollectionValue, TensorSpec
 
 T = TypeVar("T")

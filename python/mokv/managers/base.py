@@ -10,8 +10,10 @@ A scheduler, a model runner or a benchmark uses a manager only through `KVCacheM
     manager.release(ctx.request_id)
 
 MAX's other spellings of the same operations (`claim`, `alloc`, `get_runtime_inputs`,
-`get_symbolic_inputs`) are in `compat.py`; MAX's sequence-id flow of the continuous
-cache is its own class, `ContinuousBatchingKVCacheManager` (sequences.py).
+`get_symbolic_inputs`) are `MaxManagerAPI`, the base of the managers that take MAX's
+calls; MAX's sequence-id flow of the continuous cache is its own class,
+`ContinuousBatchingKVCacheManager` (sequences.py), and MAX's flat configuration
+spellings are mapped in `mokv.config.flat`.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from max.driver import Device
 from max.engine import InferenceSession
 from max.graph import DeviceRef
 
+from ..config.params import KVCacheParams
 from ..context import RequestID, TextGenerationContext
-from ..errors import SequenceTooLongError
+from ..errors import InsufficientPagesError, SequenceTooLongError
 from ..layouts import CacheLayout
 from ..metrics import KVCacheMetrics
-from ..params import KVCacheParams
 from ..undo import UndoLog
 
 
@@ -304,3 +306,97 @@ class ManagerFields:
             )
             for i, d in enumerate(devices or self.devices)
         ]
+
+
+class MaxManagerAPI(ManagerFields):
+    """`ManagerFields`, and the MAX names of `external_claim`, `maybe_reserve`, `fetch` and
+    `input_symbols` and the host-tier counters (0 for a manager without a host tier):
+    MAX renamed parts of its manager interface between releases, and mokv answers to
+    both. Each is a thin alias of a `KVCacheManager` member, so a manager implements
+    the contract and gets these for free."""
+
+    def claim(self: KVCacheManager, request_id: RequestID, replica_idx: int | None = None) -> Any:
+        """Same as `external_claim`."""
+        return self.external_claim(request_id, replica_idx)
+
+    def alloc(self: KVCacheManager, data: TextGenerationContext, num_steps: int = 1) -> None:
+        """`maybe_reserve`, raising `InsufficientPagesError` instead of returning False."""
+        if not self.maybe_reserve(data, num_steps):
+            raise InsufficientPagesError(
+                f"not enough free pages to hold request {data.request_id!r} for {num_steps} step(s)"
+            )
+
+    def get_runtime_inputs(
+        self: KVCacheManager, batch: Sequence[TextGenerationContext], num_steps: int = 1
+    ) -> list[Any]:
+        """Same as `fetch`."""
+        return self.fetch(batch, num_steps)
+
+    def get_symbolic_inputs(
+        self: KVCacheManager, devices: Sequence[Device] | None = None, num_layers: int | None = None
+    ) -> list[Any]:
+        """Same as `input_symbols`."""
+        return self.input_symbols(devices, num_layers)
+
+    def max_input_symbols(
+        self: KVCacheManager, devices: Sequence[Device] | None = None, num_layers: int | None = None
+    ) -> list[Any]:
+        """`input_symbols` in the form MAX's own paged graph ops take: one
+        `max.nn.kv_cache.KVCacheInputsPerDevice` of graph types per device (its
+        `max.tree.leaves` are the graph's cache inputs; `mokv.max_cache_values` turns
+        those values back into MAX's `PagedCacheValues`). Paged caches only."""
+        from ..layouts.max_paged import max_input_symbols
+
+        _check_paged(self)
+        return [max_input_symbols(s) for s in self.input_symbols(devices, num_layers)]
+
+    def max_inputs(self: KVCacheManager, fetched: Sequence[Any]) -> list[Any]:
+        """A `fetch` result in the form MAX's own paged graph ops take, to match
+        `max_input_symbols` (the same cache buffers, plus host scalars; nothing is read
+        back from a device). Paged caches only."""
+        from ..layouts.max_paged import max_runtime_inputs
+
+        _check_paged(self)
+        heads = self.params.n_kv_heads_per_device
+        return [max_runtime_inputs(inputs, heads) for inputs in fetched]
+
+    @classmethod
+    def infer_optimal_batch_size(
+        cls,
+        params: KVCacheParams,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[Device],
+        **kwargs: Any,
+    ) -> int:
+        """MAX's classmethod: the most requests of `max_seq_len` tokens that fit
+        `available_cache_memory` at once, at least 1 (`batch_size_for`; `devices` and the
+        rest are not read)."""
+        return cls.batch_size_for(params, max_seq_len, num_layers, available_cache_memory)
+
+    @classmethod
+    def batch_size_for(
+        cls, params: KVCacheParams, max_seq_len: int, num_layers: int, memory: int
+    ) -> int:
+        """The manager's own answer to `infer_optimal_batch_size`: 1 unless it overrides."""
+        return 1
+
+    @property
+    def total_num_host_pages(self) -> int:
+        """Pages of the host-memory tier: 0 (the paged manager overrides this)."""
+        return 0
+
+    @property
+    def host_committed_block_pct(self) -> float:
+        """Fraction of host pages holding committed prefixes: 0.0 (no host tier)."""
+        return 0.0
+
+
+def _check_paged(manager: KVCacheManager) -> None:
+    """TypeError unless the manager's cache is paged (MAX 26.7's graph ops have no
+    continuous-batching attention)."""
+    if manager.layout.name != "paged":
+        raise TypeError(
+            f"MAX's graph ops take a paged cache; this manager's layout is {manager.layout.name!r}"
+        )

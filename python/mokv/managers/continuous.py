@@ -24,6 +24,7 @@ from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
 from ..cache.cache_memory import cache_buffer
+from ..config.params import KVCacheParams
 from ..context import RequestID, TextGenerationContext
 from ..errors import (
     AlreadyClaimedError,
@@ -34,9 +35,8 @@ from ..errors import (
 )
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..metrics import KVCacheMetrics, prompt_tokens_in
-from ..params import KVCacheParams
 from .base import (
-    ManagerFields,
+    MaxManagerAPI,
     atomic,
     check_distinct,
     check_fits,
@@ -47,12 +47,11 @@ from .base import (
     refuse_paged_features,
     synchronized,
 )
-from .compat import MaxManagerAPI
 from .increment import CacheLengthIncrementer, row_offsets_for
 from .sequence_checks import too_few_slots
 
 
-class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
+class ContinuousKVCacheManager(MaxManagerAPI):
     """A KV cache of `max_cache_batch_size` contiguous slots (tensor parallel over heads).
 
     Args:
@@ -122,17 +121,11 @@ class ContinuousKVCacheManager(MaxManagerAPI, ManagerFields):
         return max_cache_batch_size * max_seq_len * params.bytes_per_token(num_layers)
 
     @classmethod
-    def infer_optimal_batch_size(
-        cls,
-        params: KVCacheParams,
-        max_seq_len: int,
-        num_layers: int,
-        available_cache_memory: int,
-        devices: Sequence[Device],
-        **kwargs: Any,
+    def batch_size_for(
+        cls, params: KVCacheParams, max_seq_len: int, num_layers: int, memory: int
     ) -> int:
         """Slots that fit the budget: `max(1, floor(memory / (max_seq_len * bytes_per_token)))`."""
-        return max(1, available_cache_memory // (max_seq_len * params.bytes_per_token(num_layers)))
+        return max(1, memory // (max_seq_len * params.bytes_per_token(num_layers)))
 
     # --- slots (the requests', and the sequence ids' of sequences.py) ----------------
 

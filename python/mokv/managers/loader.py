@@ -16,8 +16,8 @@ from max import driver
 from max.driver import Device
 from max.engine import InferenceSession
 
-from ..events.config import KVEventsConfig
-from ..params import KVCacheParams, KVCacheStrategy
+from ..config.events import KVEventsConfig
+from ..config.params import KVCacheParams, KVCacheStrategy
 from .base import KVCacheManager
 from .null import NullKVCacheManager
 from .paged import PagedKVCacheManager

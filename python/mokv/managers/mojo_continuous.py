@@ -36,9 +36,9 @@ from max.dtype import DType
 from max.engine import InferenceSession
 
 from .. import extensions
+from ..config.params import KVCacheParams
 from ..errors import BatchTooLargeError, SequenceTooLongError, UnknownRequestError
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
-from ..params import KVCacheParams
 from . import sequence_checks as checks
 from .base import ManagerFields, refuse_paged_features
 

@@ -25,13 +25,13 @@ import numpy as np
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
+from ..config.params import KVCacheParams
 from ..context import RequestID, TextGenerationContext
 from ..errors import BatchTooLargeError, InvalidReplicaError
 from ..layouts import layout_for
 from ..metrics import KVCacheMetrics
-from ..params import KVCacheParams
 from .base import (
-    ManagerFields,
+    MaxManagerAPI,
     check_distinct,
     check_fits,
     check_num_steps,
@@ -39,10 +39,9 @@ from .base import (
     check_window,
     synchronized,
 )
-from .compat import MaxManagerAPI
 
 
-class NullKVCacheManager(MaxManagerAPI, ManagerFields):
+class NullKVCacheManager(MaxManagerAPI):
     """A no-op KV cache manager for compile-only mode on virtual devices."""
 
     def __init__(
@@ -73,11 +72,6 @@ class NullKVCacheManager(MaxManagerAPI, ManagerFields):
     def estimated_memory_size(cls, *args: Any, **kwargs: Any) -> int:
         """Always 0: nothing is allocated."""
         return 0
-
-    @classmethod
-    def infer_optimal_batch_size(cls, *args: Any, **kwargs: Any) -> int:
-        """Always 1."""
-        return 1
 
     @synchronized
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:

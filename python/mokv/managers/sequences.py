@@ -32,18 +32,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, overload
 
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
+from ..config.params import KVCacheParams
 from ..context import RequestID, TextGenerationContext
 from ..errors import UnknownRequestError
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
 from ..metrics import KVCacheMetrics
-from ..params import KVCacheParams
-from .base import ManagerFields, atomic, synchronized
-from .compat import MaxManagerAPI
+from .base import MaxManagerAPI, atomic, synchronized
 from .continuous import ContinuousKVCacheManager
 from .sequence_checks import (
     check_claim,
@@ -56,7 +55,7 @@ from .sequence_checks import (
 )
 
 
-class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
+class ContinuousBatchingKVCacheManager(MaxManagerAPI):
     """A continuous-batching KV cache driven by sequence ids (`max_cache_batch_size`
     contiguous slots of `max_seq_len` tokens, tensor parallel over heads).
 
@@ -122,6 +121,12 @@ class ContinuousBatchingKVCacheManager(MaxManagerAPI, ManagerFields):
         return MappingProxyType(self._lengths)
 
     # --- sequence ids ---------------------------------------------------------------
+
+    @overload
+    def claim(self, n: int, replica_idx: None = None) -> list[int]: ...
+
+    @overload
+    def claim(self, n: RequestID, replica_idx: int | None = None) -> None: ...
 
     def claim(self, n: int | RequestID, replica_idx: int | None = None) -> list[int] | None:
         """`n` new sequence ids bound to free slots (lowest first), each with length 0;

@@ -33,8 +33,9 @@ from typing import Any
 from max.driver import is_virtual_device_mode
 from max.engine import InferenceSession
 
+from ..config.base import CACHE_DTYPES
+from ..config.params import KVCacheParams
 from ..errors import MokvError
-from ..params import CACHE_DTYPES, KVCacheParams
 from .manager import KVCacheManager
 from .options import MokvOptions
 

@@ -51,10 +51,10 @@ from max.pipelines.kv_cache import (
 from max.pipelines.kv_cache.kv_connector import CompletedTransfer, KVTransfer
 from max.pipelines.kv_cache.paged_kv_cache import PrefixCacheHits
 
+from ..config.params import KVCacheParams
 from ..layouts.max_paged import DispatchShape, max_runtime_inputs
 from ..managers.paged import PagedKVCacheManager
 from ..metrics import KVCacheMetrics
-from ..params import KVCacheParams
 from .context_view import MaxContextView
 
 logger = logging.getLogger("mokv.pipelines")

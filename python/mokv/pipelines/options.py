@@ -27,12 +27,10 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
+from ..config.events import KVEventsConfig
+from ..config.sessions import SessionConfig
+from ..config.tiers import HostTierConfig, RemoteTierConfig, TierConfig
 from ..errors import MokvError
-from ..events.config import KVEventsConfig
-from ..sessions import SessionConfig
-from ..tiers.base import TierConfig
-from ..tiers.host import HostTierConfig
-from ..tiers.remote import RemoteTierConfig
 
 SECTIONS: dict[str, type] = {
     "host_tier": HostTierConfig,

@@ -49,6 +49,7 @@ from functools import cached_property
 
 from xxhash import xxh3_64, xxh3_64_intdigest
 
+from ..config.tiers import mac_key_bytes
 from .layout import DTYPE_CODES, RemoteLayout
 
 MAGIC = b"MKVP"
@@ -59,7 +60,6 @@ TAG_SIZE = 32
 KEYS_DIGEST_SIZE = 32
 NO_KEYS = bytes(KEYS_DIGEST_SIZE)
 """The keys digest of a page without extra keys."""
-MIN_MAC_KEY_BYTES = 16
 assert HEADER_SIZE == 64
 
 
@@ -71,23 +71,6 @@ class Rejection(enum.Enum):
     KEYSPACE = "keyspace"  # sealed for another namespace, layout fingerprint or MAC key
     TOKENS = "tokens"  # another page hash, other token ids or other extra keys than asked for
     MAC = "mac"  # a tag that the MAC key did not make: a planted or altered value
-
-
-def mac_key_bytes(mac_key: bytes | str | None, name: str = "mac_key") -> bytes | None:
-    """`mac_key` as bytes (a str is UTF-8), or None. TypeError / ValueError naming the
-    setting, never the secret: at least 16 bytes."""
-    if mac_key is None:
-        return None
-    if isinstance(mac_key, str):
-        mac_key = mac_key.encode()
-    if not isinstance(mac_key, bytes):
-        raise TypeError(f"{name} must be bytes, a str or None, got {type(mac_key).__name__}")
-    if len(mac_key) < MIN_MAC_KEY_BYTES:
-        raise ValueError(
-            f"{name} must be at least {MIN_MAC_KEY_BYTES} bytes (a secret the servers "
-            f"share), got {len(mac_key)}"
-        )
-    return mac_key
 
 
 def mac_key_id(mac_key: bytes) -> str:

@@ -19,16 +19,14 @@ space, issue 41).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import cached_property
 
 from max.dtype import DType
 
-from ..params import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, KVCacheParams
-
-REMOTE_NAMESPACE = re.compile(r"[A-Za-z0-9._/@+-]{1,200}")
-"""A namespace of the store: no ':' or spaces, so that no two keys are ambiguous."""
+from ..config.base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS
+from ..config.params import KVCacheParams
+from ..config.tiers import REMOTE_NAMESPACE
 
 KEY_PREFIX = "mokv:v3"  # v3: values carry their keys digest (codec VERSION 3)
 DTYPE_CODES = {DType.float32: 1, DType.bfloat16: 2, DType.float16: 3}

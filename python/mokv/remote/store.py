@@ -46,6 +46,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from ..config.tiers import MAX_TIMEOUT_S
 from .breaker import CircuitBreaker
 from .codec import PageCodec, Rejection
 from .layout import RemoteLayout
@@ -108,12 +109,6 @@ _REJECTION_COUNTER = {
     Rejection.TOKENS: "rejected_tokens",
     Rejection.MAC: "rejected_mac",
 }
-MAX_TIMEOUT_S = 60.0
-"""Longest `timeout_s` of a store (and of `RemoteTierConfig`): the shared tier is asked
-inside `maybe_reserve`, so a slower reply stalls every request of the step, and a miss
-only costs a recompute. (Python's sockets refuse timeouts past ~2**63 ns: 1e12 s broke
-every lookup with an OverflowError.)"""
-
 _NETWORK_ERRORS = (redis.RedisError, OSError)
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,17 @@
 """The cache tiers below a paged replica's device pages.
 
-    base.py       the protocol (`Tier`), a tier's config (`TierConfig`), the chain tail
-    host.py       HostTierConfig, HostTier: host memory, written through at commit
+    base.py       the protocol (`Tier`), the hits and pages it trades, the chain tail
+    stack.py      TierStack: one replica's tiers in lookup order, driven as one
+    host.py       HostTier: host memory, written through at commit
     host_pool.py  HostPagePool: the host tier's index and LRU over leaves
-    remote.py     RemoteTierConfig, RemoteTier: a Redis server that managers share,
-                  over `mokv.remote`
+    remote.py     RemoteTier: a Redis server that managers share, over `mokv.remote`
 
-Kept free of imports: `mokv.params` reads `base.TierConfig`, and the tiers import
-`mokv.params`.
+The configs (`HostTierConfig`, `RemoteTierConfig`) are `mokv.config.tiers`; each tier
+module registers its builder for its config (`mokv.registry`), and this package imports
+them, so that whoever builds tiers (`stack.py`, a module of this package) finds every
+builder registered whatever else its process imported.
 """
+
+from . import host, remote
+
+__all__ = ["host", "remote"]

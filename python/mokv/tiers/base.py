@@ -4,60 +4,45 @@ A replica finds a request's prefix in its device pages first, then asks each tie
 `params.tiers`, in that order, to continue the same hash chain (host.py: host memory;
 remote.py: a Redis server that several servers share). A tier hit needs a fresh device
 page, as a miss does, and becomes a pending load that `fetch` copies in before the
-graph runs. The calls a tier gets, by manager call:
+graph runs. The calls a tier gets, by manager call (the core, `Tier`, and in brackets
+the optional capabilities a tier may add, each its own Protocol below):
 
     maybe_reserve / fetch   lookup(chain) -> hits      pure, but for the tier's counters
-                            pin(hits)                  the hits stay loadable until unpin
-                            note_reserved(...)         what the device pool handed out
-    fetch                   load(hits, device_pages)   then unpin(hits)
-    release                 unpin(hits)                a reservation dropped unloaded
+                            [pin(hits)]                the hits stay loadable until unpin
+                            [note_reserved(...)]       what the device pool handed out
+    fetch                   load(hits, device_pages)   then [unpin(hits)]
+    release                 [unpin(hits)]              a reservation dropped unloaded
     step                    store(pages)               pages newly committed on the device
     reset_prefix_cache      reset()
     close                   close()
     metrics                 metrics(), reset_metrics()
-    enable_runtime_checks   check_invariants(pinned)
-    sessions                retain(hashes), unretain(hashes, old_end)
+    sessions                [retain(hashes), unretain(hashes, old_end)]
+    events                  [publish_to(recorder)]
+    enable_runtime_checks   [check_invariants(pinned)]
+    undo                    [undo: the manager's log]
 
-Adding a tier (a local disk, a peer server) is one file: a `TierConfig` subclass (a
-frozen dataclass whose `__post_init__` checks its fields) and a class that meets `Tier`.
+MAX 26.7's `KVConnector` is the model of the narrow core (lookup, load, offload, touch,
+poll, shutdown); mokv differs on purpose in making the reservation's side (pins,
+notices) a capability rather than a stub every tier must write, so that a tier that
+evicts nothing (the shared tier) implements nothing for it.
+
+Adding a tier (a local disk, a peer server) is a `TierConfig` subclass (`mokv.config.tiers`:
+a frozen dataclass whose `__post_init__` checks its fields) and a module with a class
+that meets `Tier` and registers its builder for the config (`mokv.registry.BUILDERS`).
 Users list the config in `KVCacheParams.tiers`; nothing else names the tier.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from max.driver import Buffer
-
     from ..cache.extra_keys import EventKeys
-    from ..cache.page_pool import PagePool
     from ..events.publisher import EventRecorder
     from ..metrics import TierMetrics
-    from ..params import KVCacheParams
     from ..undo import UndoLog
-
-
-class TierConfig(ABC):
-    """The configuration of one cache tier: an entry of `KVCacheParams.tiers`."""
-
-    name: ClassVar[str]
-    """The tier's name in `KVCacheMetrics.tiers` (one tier of each name per params)."""
-
-    @abstractmethod
-    def check(self, params: KVCacheParams) -> None:
-        """ValueError naming the setting when `params` cannot carry this tier (called
-        by `KVCacheParams.__post_init__`)."""
-
-    @abstractmethod
-    def build(
-        self, params: KVCacheParams, num_layers: int, pool: PagePool, blocks: list[Buffer]
-    ) -> Tier:
-        """The tier of one replica, over its device page pool and its K/V buffers (one
-        per device shard). Raises before it starts anything that `close` must stop."""
 
 
 class TierHit(NamedTuple):
@@ -93,20 +78,16 @@ class CommittedPages:
 
 
 class Tier(Protocol):
-    """One replica's tier. Every call is all or nothing for the tier's own state, and
-    no call raises for a page the tier lacks or a backend that fails: that is a miss."""
+    """The core every tier implements: one replica's view of it. Every call is all or
+    nothing for the tier's own state, and no call raises for a page the tier lacks or a
+    backend that fails: that is a miss. What a tier may do besides is a capability of
+    its own (below), which the stack checks once, when it is built (`TierStack`)."""
 
     name: str
     """The config's name (`TierConfig.name`)."""
     shared: bool
     """True when other replicas and servers see the same pages (the Redis tier): a
     replica's own prefix is then no reason to route a request to it."""
-    undo: UndoLog | None
-    """The manager's undo log (`mokv.undo`, set by `TierStack`): every call that changes
-    the tier's state records there how to undo it, before it returns, so that a manager
-    call that raises afterwards can roll the tier back. What cannot be undone (bytes
-    sent to a server, a page overwritten) must leave a state the tier accepts: fewer
-    pages, never a hash over other bytes."""
 
     def lookup(self, chain: Iterator[tuple[int, bytes]]) -> list[TierHit]:
         """The leading pages of `chain` ((page hash, token bytes) in chain order) that
@@ -114,25 +95,10 @@ class Tier(Protocol):
         the whole chain. Changes nothing but the tier's counters."""
         ...
 
-    def pin(self, hits: Sequence[TierHit]) -> None:
-        """A reservation holding `hits` was applied: until `unpin`, `load` of them must
-        find their bytes (nothing evicts or overwrites them). Cannot fail half-way."""
-        ...
-
-    def unpin(self, hits: Sequence[TierHit]) -> None:
-        """The reservation of `hits` was loaded or dropped. Cannot fail half-way."""
-        ...
-
     def load(self, hits: Sequence[TierHit], device_pages: Sequence[int]) -> None:
-        """Copies each pinned hit into its device page (owned by the request, not yet
-        indexed); writes nothing else, so a failure leaves the loads to run again."""
-        ...
-
-    def note_reserved(
-        self, fresh_pages: Sequence[int], device_hits: Sequence[Sequence[DeviceHit]]
-    ) -> None:
-        """After a reservation: the pool handed out `fresh_pages`, and each request took
-        its run of `device_hits` (chain order). Refreshes or counts; changes no page."""
+        """Copies each hit (pinned, if the tier pins) into its device page (owned by the
+        request, not yet indexed); writes nothing else, so a failure leaves the loads to
+        run again."""
         ...
 
     def store(self, pages: CommittedPages) -> None:
@@ -150,10 +116,6 @@ class Tier(Protocol):
         """Sends what is queued (a bounded wait) and releases connections and threads."""
         ...
 
-    def publish_to(self, events: EventRecorder) -> None:
-        """Reports the tier's stores and evictions to the replica's event recorder."""
-        ...
-
     def metrics(self) -> TierMetrics:
         """The tier's pages and bytes (`cache_tokens` is the replica's count)."""
         ...
@@ -162,23 +124,83 @@ class Tier(Protocol):
         """Zeroes the counters `metrics` reports."""
         ...
 
-    def check_invariants(self, pinned: Sequence[TierHit]) -> None:
-        """InvariantError unless the tier is consistent and `pinned` (the replica's
-        pending loads from this tier) is exactly what it holds pinned, each hit still
-        holding its own tokens."""
+
+@runtime_checkable
+class Undoable(Protocol):
+    """A tier with state of its own to undo (the host tier; the shared tier's stored
+    pages are the server's, and its hits carry their bytes)."""
+
+    undo: UndoLog | None
+    """The manager's undo log (`mokv.undo`, set by `TierStack`): every call that changes
+    the tier's state records there how to undo it, before it returns, so that a manager
+    call that raises afterwards can roll the tier back. What cannot be undone (bytes
+    sent to a server, a page overwritten) must leave a state the tier accepts: fewer
+    pages, never a hash over other bytes."""
+
+
+@runtime_checkable
+class Pinning(Protocol):
+    """A tier whose hits must be held from the reservation to the load (the host tier
+    evicts; the shared tier's hits carry their bytes)."""
+
+    def pin(self, hits: Sequence[TierHit]) -> None:
+        """A reservation holding `hits` was applied: until `unpin`, `load` of them must
+        find their bytes (nothing evicts or overwrites them). Cannot fail half-way."""
         ...
+
+    def unpin(self, hits: Sequence[TierHit]) -> None:
+        """The reservation of `hits` was loaded or dropped. Cannot fail half-way."""
+        ...
+
+
+@runtime_checkable
+class Retaining(Protocol):
+    """A tier that keeps the pages of open sessions longest (`mokv.SessionConfig`; the
+    shared tier's server evicts by itself)."""
 
     def retain(self, page_hashes: Sequence[int]) -> None:
         """Open sessions retain these hashes (none retained them before): the tier evicts
-        their pages, held now or stored later, only after every page not retained
-        (`mokv.SessionConfig`); a tier that evicts by itself ignores it. Cannot fail
-        half-way."""
+        their pages, held now or stored later, only after every page not retained.
+        Cannot fail half-way."""
         ...
 
     def unretain(self, page_hashes: Sequence[int], old_end: bool) -> None:
         """No open session retains these hashes any more: their pages become ordinary
         cached pages, the first evicted (`old_end`: their sessions ended) or the last
         (the share cap dropped them). Cannot fail half-way."""
+        ...
+
+
+@runtime_checkable
+class ReservationNoticed(Protocol):
+    """A tier told what each reservation took on the device (the host tier refreshes
+    its copies of device hits and counts hits for `min_hits`)."""
+
+    def note_reserved(
+        self, fresh_pages: Sequence[int], device_hits: Sequence[Sequence[DeviceHit]]
+    ) -> None:
+        """After a reservation: the pool handed out `fresh_pages`, and each request took
+        its run of `device_hits` (chain order). Refreshes or counts; changes no page."""
+        ...
+
+
+@runtime_checkable
+class Publishing(Protocol):
+    """A tier whose stores (and evictions) the replica's KV-cache events announce."""
+
+    def publish_to(self, events: EventRecorder) -> None:
+        """Reports the tier's stores and evictions to the replica's event recorder."""
+        ...
+
+
+@runtime_checkable
+class Checked(Protocol):
+    """A tier with invariants of its own (`enable_runtime_checks`)."""
+
+    def check_invariants(self, pinned: Sequence[TierHit]) -> None:
+        """InvariantError unless the tier is consistent and `pinned` (the replica's
+        pending loads from this tier) is exactly what it holds pinned, each hit still
+        holding its own tokens."""
         ...
 
 

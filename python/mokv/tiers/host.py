@@ -21,98 +21,25 @@ indexed by `HostPagePool` (host_pool.py: the index and the LRU over leaves).
 
 from __future__ import annotations
 
-import math
 import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import ClassVar
 
 from max.driver import Buffer
 
 from ..cache.extra_keys import EventKeys
 from ..cache.page_copy import HostPages
 from ..cache.page_pool import PagePool
+from ..config.params import KVCacheParams
+from ..config.tiers import HostTierConfig
 from ..errors import InsufficientMemoryError, InvariantError
 from ..events.format import MEDIUM_CPU
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
-from ..params import KVCacheParams
+from ..registry import BUILDERS
 from ..undo import UndoLog
-from .base import CommittedPages, DeviceHit, TierConfig, TierHit
+from .base import CommittedPages, DeviceHit, TierHit
 from .host_pool import HostPagePool
-
-MAX_SWAP_SPACE_GB = 2**16
-"""64 TiB: more host memory than any one machine has (the largest hold tens of TiB)."""
-
-
-@dataclass(frozen=True)
-class HostTierConfig(TierConfig):
-    """Keep copies of committed pages in host memory (paged strategy; needs
-    `enable_prefix_caching`).
-
-    Attributes:
-        swap_space_gb: GiB of host memory for the tier, all replicas together (> 0 and
-            at most `MAX_SWAP_SPACE_GB`; a manager also refuses more than its machine's
-            memory).
-        min_hits: write a page through only once it was hit this many times on the
-            device (0, the default: every committed page at once).
-    """
-
-    name: ClassVar[str] = "host"
-    swap_space_gb: float
-    min_hits: int = 0
-
-    def __post_init__(self) -> None:
-        gb = self.swap_space_gb
-        if gb.__class__ not in (int, float) or not 0 < gb < math.inf:
-            raise ValueError(
-                f"HostTierConfig.swap_space_gb must be a finite number of GiB > 0, got {gb!r}"
-            )
-        if gb > MAX_SWAP_SPACE_GB:
-            raise InsufficientMemoryError(
-                f"HostTierConfig.swap_space_gb={gb!r} is more than any machine's memory "
-                f"(at most {MAX_SWAP_SPACE_GB} GiB)"
-            )
-        if self.min_hits.__class__ is not int or self.min_hits < 0:
-            raise ValueError(f"HostTierConfig.min_hits must be an int >= 0, got {self.min_hits!r}")
-
-    def check(self, params: KVCacheParams) -> None:
-        if not params.enable_prefix_caching:
-            raise ValueError(
-                "HostTierConfig needs enable_prefix_caching: the host tier holds committed "
-                "prefix pages"
-            )
-
-    def num_pages(self, params: KVCacheParams, num_layers: int) -> int:
-        """Host pages of one replica; InsufficientMemoryError if that is none."""
-        page_bytes = params.bytes_per_page(num_layers)
-        num = int(self.swap_space_gb * 2**30) // params.data_parallel_degree // page_bytes
-        if num < 1:
-            raise InsufficientMemoryError(
-                f"HostTierConfig.swap_space_gb={self.swap_space_gb} holds no page of "
-                f"{page_bytes} bytes per replica"
-            )
-        return num
-
-    def build(
-        self, params: KVCacheParams, num_layers: int, pool: PagePool, blocks: list[Buffer]
-    ) -> HostTier:
-        num_pages = self.num_pages(params, num_layers)
-        memory = host_memory_bytes()
-        if memory is not None and self.swap_space_gb * 2**30 > memory:
-            raise InsufficientMemoryError(
-                f"HostTierConfig.swap_space_gb={self.swap_space_gb!r} is more than this "
-                f"machine's {memory / 2**30:.1f} GiB of memory"
-            )
-        try:
-            return HostTier(self, num_pages, pool, blocks)
-        except MemoryError:  # a bare MemoryError would not say which setting asked
-            raise InsufficientMemoryError(
-                f"HostTierConfig.swap_space_gb={self.swap_space_gb!r}: {num_pages} host "
-                f"pages of {params.bytes_per_page(num_layers)} bytes per replica could not "
-                "be allocated"
-            ) from None
 
 
 def host_memory_bytes() -> int | None:
@@ -121,6 +48,32 @@ def host_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def build_host_tier(
+    config: HostTierConfig,
+    params: KVCacheParams,
+    num_layers: int,
+    pool: PagePool,
+    blocks: list[Buffer],
+) -> HostTier:
+    """The host tier of one replica (registered for `HostTierConfig`);
+    InsufficientMemoryError when the machine cannot hold it."""
+    num_pages = config.num_pages(params, num_layers)
+    memory = host_memory_bytes()
+    if memory is not None and config.swap_space_gb * 2**30 > memory:
+        raise InsufficientMemoryError(
+            f"HostTierConfig.swap_space_gb={config.swap_space_gb!r} is more than this "
+            f"machine's {memory / 2**30:.1f} GiB of memory"
+        )
+    try:
+        return HostTier(config, num_pages, pool, blocks)
+    except MemoryError:  # a bare MemoryError would not say which setting asked
+        raise InsufficientMemoryError(
+            f"HostTierConfig.swap_space_gb={config.swap_space_gb!r}: {num_pages} host "
+            f"pages of {params.bytes_per_page(num_layers)} bytes per replica could not "
+            "be allocated"
+        ) from None
 
 
 class HostTier:
@@ -332,3 +285,6 @@ class HostTier:
                 )
         if pins != self._pinned:
             raise InvariantError(f"host pins {dict(self._pinned)} but pending loads {dict(pins)}")
+
+
+BUILDERS.register(HostTierConfig, build_host_tier)

@@ -14,11 +14,25 @@ from max.driver import Buffer
 
 from ..cache.extra_keys import EventKeys
 from ..cache.page_pool import PagePool
+from ..config.params import KVCacheParams
+from ..config.tiers import TierConfig
 from ..events.publisher import EventRecorder
 from ..metrics import TierMetrics
-from ..params import KVCacheParams
+from ..registry import BUILDERS
 from ..undo import UndoLog
-from .base import ChainTail, CommittedPages, DeviceHit, Tier, TierConfig, TierHit
+from .base import (
+    ChainTail,
+    Checked,
+    CommittedPages,
+    DeviceHit,
+    Pinning,
+    Publishing,
+    ReservationNoticed,
+    Retaining,
+    Tier,
+    TierHit,
+    Undoable,
+)
 
 
 @dataclass(slots=True)
@@ -58,13 +72,21 @@ class TierStack:
         self.tiers: list[Tier] = []
         try:
             for config in configs:
-                self.tiers.append(config.build(params, num_layers, pool, blocks))
+                self.tiers.append(BUILDERS.build(config, params, num_layers, pool, blocks))
         except BaseException:
             self.close()  # a tier built before may run threads
             raise
         self.undo = undo
+        # The optional capabilities (tiers/base.py), asked once: the calls below go only
+        # to the tiers that have them.
+        self._pinning = [tier if isinstance(tier, Pinning) else None for tier in self.tiers]
+        self._retaining = [tier for tier in self.tiers if isinstance(tier, Retaining)]
+        self._noticed = [tier for tier in self.tiers if isinstance(tier, ReservationNoticed)]
+        self._publishing = [tier for tier in self.tiers if isinstance(tier, Publishing)]
+        self._checked = [tier if isinstance(tier, Checked) else None for tier in self.tiers]
         for tier in self.tiers:
-            tier.undo = undo
+            if isinstance(tier, Undoable):
+                tier.undo = undo
         self._cache_tokens = [0] * len(self.tiers)  # prompt tokens each tier supplied
 
     def __iter__(self) -> Iterator[Tier]:
@@ -87,24 +109,29 @@ class TierStack:
             found += len(tier.lookup(tail.pages(found)))
         return found
 
-    def by_tier(self, loads: Sequence[PendingLoad]) -> list[tuple[Tier, list[PendingLoad]]]:
-        """`loads` grouped by tier, in tier order (each group in the order given)."""
+    def _by_index(self, loads: Sequence[PendingLoad]) -> list[tuple[int, list[PendingLoad]]]:
+        """`loads` grouped by tier index, in tier order (each group in the order given)."""
         if not loads:  # a request without tier hits: its release, every reservation
             return []
         groups: list[list[PendingLoad]] = [[] for _ in self.tiers]
         for load in loads:
             groups[load.tier].append(load)
-        return [(tier, group) for tier, group in zip(self.tiers, groups) if group]
+        return [(index, group) for index, group in enumerate(groups) if group]
 
     # --- a reservation's hits -------------------------------------------------------
 
     def pin(self, loads: Sequence[PendingLoad]) -> None:
-        for tier, group in self.by_tier(loads):
-            tier.pin([load.hit for load in group])
+        """The loads' hits stay loadable, in the tiers that pin (`Pinning`)."""
+        for index, group in self._by_index(loads):
+            pinning = self._pinning[index]
+            if pinning is not None:
+                pinning.pin([load.hit for load in group])
 
     def unpin(self, loads: Sequence[PendingLoad]) -> None:
-        for tier, group in self.by_tier(loads):
-            tier.unpin([load.hit for load in group])
+        for index, group in self._by_index(loads):
+            pinning = self._pinning[index]
+            if pinning is not None:
+                pinning.unpin([load.hit for load in group])
 
     def count_served(self, loads: Sequence[PendingLoad], page_size: int) -> None:
         """The loads' tokens count as supplied by their tiers (`metrics`)."""
@@ -116,15 +143,15 @@ class TierStack:
     def note_reserved(
         self, fresh_pages: Sequence[int], device_hits: Sequence[Sequence[DeviceHit]]
     ) -> None:
-        for tier in self.tiers:
+        for tier in self._noticed:
             tier.note_reserved(fresh_pages, device_hits)
 
     def load(self, loads: Sequence[PendingLoad]) -> list[PendingLoad]:
         """Copies `loads` into their device pages, one batch per tier; returns them in
         the order they were copied (tier by tier). They stay pinned."""
-        groups = self.by_tier(loads)
-        for tier, group in groups:
-            tier.load([load.hit for load in group], [load.page for load in group])
+        groups = self._by_index(loads)
+        for index, group in groups:
+            self.tiers[index].load([load.hit for load in group], [load.page for load in group])
         return [load for _, group in groups for load in group]
 
     # --- sessions ---------------------------------------------------------------------
@@ -145,11 +172,12 @@ class TierStack:
         return sum(tier.metrics().evicted_retained_pages for tier in self.tiers)
 
     def retain(self, page_hashes: Sequence[int]) -> None:
-        for tier in self.tiers:
+        """Open sessions retain these hashes, in the tiers that retain (`Retaining`)."""
+        for tier in self._retaining:
             tier.retain(page_hashes)
 
     def unretain(self, page_hashes: Sequence[int], old_end: bool = True) -> None:
-        for tier in self.tiers:
+        for tier in self._retaining:
             tier.unretain(page_hashes, old_end)
 
     # --- the rest, tier by tier -----------------------------------------------------
@@ -167,7 +195,7 @@ class TierStack:
             tier.close()
 
     def publish_to(self, events: EventRecorder) -> None:
-        for tier in self.tiers:
+        for tier in self._publishing:
             tier.publish_to(events)
 
     def metrics(self) -> list[tuple[str, TierMetrics]]:
@@ -187,5 +215,6 @@ class TierStack:
         groups: list[list[TierHit]] = [[] for _ in self.tiers]
         for load in pending:
             groups[load.tier].append(load.hit)
-        for tier, hits in zip(self.tiers, groups):
-            tier.check_invariants(hits)
+        for checked, hits in zip(self._checked, groups):
+            if checked is not None:
+                checked.check_invariants(hits)

@@ -11,10 +11,10 @@ hash chain.
 import json
 import sys
 
+import mokv
 from max.driver import CPU
 from max.engine import InferenceSession
 
-import mokv
 from tests.managers.conftest import make_paged
 from tests.managers.paged.test_extra_keys import keyed
 

@@ -4,7 +4,6 @@ it still holds. Every answer must equal the one a replica without the memo gives
 
 import numpy as np
 import pytest
-
 from mokv import MultimodalInput, TextContext
 from mokv.cache.extra_keys import HashInputs
 from mokv.cache.hashing import hash_pages, page_hash_fn, root_hash, salted_root
@@ -37,7 +36,7 @@ def expected(tokens, salt=None, first=0, end=None):
 def commit(chains, tokens, num_pages):
     """Indexes the first `num_pages` pages of `tokens` on fresh pool pages, owned."""
     pages = expected(tokens, end=num_pages)
-    page_ids = chains.pool.allocate(num_pages)
+    page_ids = chains.pool.take((), num_pages)
     chains.pool.commit_pages(page_ids, [h for h, _ in pages], [d for _, d in pages])
     return page_ids
 
@@ -163,8 +162,10 @@ def test_equal_hashes_never_stand_for_different_tokens():
     pages_b, _ = chains.pages(b, RequestState(0), 2)
     assert [h for h, _ in pages_a] == [h for h, _ in pages_b] == [7, 7]
     assert [np.frombuffer(d, np.int64).tolist() for _, d in pages_b] == [
-        [100, 101, 102, 103], [104, 105, 106, 107]]
-    page_ids = chains.pool.allocate(2)
+        [100, 101, 102, 103],
+        [104, 105, 106, 107],
+    ]
+    page_ids = chains.pool.take((), 2)
     chains.pool.commit_pages(page_ids[:1], [7], [pages_a[0][1]])
     assert chains.device_hits(a, RequestState(0), False)[0] == [(page_ids[0], 7)]
     assert chains.device_hits(b, RequestState(0), False)[0] == []
@@ -181,7 +182,7 @@ def test_hits_are_reused_only_while_every_page_still_holds():
     assert hits == [(page_ids[0], expected(tokens)[0][0]), (page_ids[1], expected(tokens)[1][0])]
     assert chains.device_hits(ctx, RequestState(1), False)[0] is hits  # nothing changed
     # Evicting a hit: the second page is gone, and is not reported again.
-    taken = pool.allocate(pool.num_free - 1)  # every free page, then the oldest cached
+    taken = pool.take((), pool.num_free - 1)  # every free page, then the oldest cached
     assert page_ids[1] in taken and pool.page_hash(page_ids[1]) is None
     assert chains.device_hits(ctx, RequestState(2), False)[0] == hits[:1]
     # The page that missed is committed again (owned, on another page): found.
@@ -207,7 +208,7 @@ def test_hits_cut_by_evictions_are_not_looked_up_again(monkeypatch):
     lookups = []
     monkeypatch.setattr(pool, "lookup_run", lambda pages: lookups.append(pages))
     for n in (3, 2):  # each allocation evicts the oldest cached page: the run's last
-        pool.allocate(pool.num_free - n)
+        pool.take((), pool.num_free - n)
         cut, _ = chains.device_hits(ctx, RequestState(0), False)
         assert cut == hits[:n] and lookups == []
         assert chains.room("a", cut, 1) == pool.room([p for p, _ in cut]) == pool.num_free - n
@@ -249,10 +250,10 @@ def test_room_is_read_again_once_a_page_is_freed():
     ctx = TextContext(tokens, request_id="a")
     pool = chains.pool
     pool.release(commit(chains, tokens, 2))  # cached hits: taking them revives them
-    held = pool.allocate(4)  # 2 free pages and the 2 cached hits left
+    held = pool.take((), 4)  # 2 free pages and the 2 cached hits left
     hits, _ = chains.device_hits(ctx, RequestState(0), False)
     assert len(hits) == 2 and chains.room("a", hits, 1) == 2  # read
-    other = pool.allocate(1)  # the room is 1 now
+    other = pool.take((), 1)  # the room is 1 now
     hits, _ = chains.device_hits(ctx, RequestState(0), False)
     assert chains.room("a", hits, 3) == 2  # the earlier reading bounds it: not read again
     assert chains.room("a", hits, 4) == pool.num_free == 3  # more than the free pages
@@ -341,8 +342,10 @@ def test_a_refused_retry_is_answered_without_a_plan(session, monkeypatch):
     decides its hits changes, when it asks for other steps, and once it may fit."""
     m = _five_pages_held_by_a(session)
     replica, plans = m.replicas[0], []
-    real_plan = replica.plan
-    monkeypatch.setattr(replica, "plan", lambda ctx, n: plans.append(n) or real_plan(ctx, n))
+    real_plan = replica._plan_hits  # a plan that looks its hits up
+    monkeypatch.setattr(
+        replica, "_plan_hits", lambda ctx, req, n: plans.append(n) or real_plan(ctx, req, n)
+    )
     b = TextContext(np.concatenate([np.arange(8), np.arange(100, 116)]), request_id="B")
 
     def retry(num_steps=1):  # the scheduler's: claim, try, release
@@ -414,9 +417,11 @@ def test_a_refused_retry_whose_hits_were_evicted_is_answered_without_a_plan(
     twins = [make_paged(session, num_pages=8, max_seq_len=32) for _ in range(2)]
     twins[1].replicas[0].chains.memo = ChainMemo(0)
     replica, plans = twins[0].replicas[0], []
-    real_plan = replica.plan
+    real_plan = replica._plan_hits  # a plan that looks its hits up
     monkeypatch.setattr(
-        replica, "plan", lambda ctx, n: plans.append(ctx.request_id) or real_plan(ctx, n)
+        replica,
+        "_plan_hits",
+        lambda ctx, req, n: plans.append(ctx.request_id) or real_plan(ctx, req, n),
     )
 
     def admit(rid, tokens):

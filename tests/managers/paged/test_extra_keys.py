@@ -9,10 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mokv
 import numpy as np
 import pytest
-
-import mokv
 from mokv import MultimodalInput, TextContext
 from mokv.cache.extra_keys import chain_root
 from mokv.cache.hashing import encode_extra_keys, iter_page_hashes, page_hash_fn, salted_root

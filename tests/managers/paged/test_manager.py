@@ -1,11 +1,10 @@
 """PagedKVCacheManager on the CPU device: MAX's documented example and every member."""
 
+import mokv
 import numpy as np
 import pytest
 from max.driver import CPU, Buffer
 from max.dtype import DType
-
-import mokv
 from mokv import TextContext
 
 from ..conftest import NUM_LAYERS, make_paged, small_params

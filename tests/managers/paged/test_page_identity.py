@@ -8,16 +8,15 @@ shared tier, while the same tenant still hits."""
 import itertools
 import os
 
+import mokv
 import numpy as np
 import pytest
-from xxhash import xxh3_64_intdigest
-
-import mokv
 from mokv import MultimodalInput, TextContext
 from mokv.cache import hashing
 from mokv.cache.extra_keys import KeyedTokens, request_identity
 from mokv.remote.codec import PageCodec, Rejection
 from mokv.remote.layout import RemoteLayout
+from xxhash import xxh3_64_intdigest
 
 from ...remote.conftest import redis_server  # noqa: F401 (fixture)
 from ...tiers.test_host import evict_from_device, make_host

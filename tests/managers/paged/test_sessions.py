@@ -3,10 +3,9 @@ session, evicted only after every unretained page, on the device and in the host
 until `end_session`, the time-to-live or the share cap; retention never makes a
 reservation fail."""
 
+import mokv
 import numpy as np
 import pytest
-
-import mokv
 from mokv import SessionConfig, TextContext
 from mokv.events import PrefixRouterIndex
 

@@ -8,12 +8,11 @@ writes into another's pages. The manager runs with `enable_runtime_checks`, so t
 invariants are verified after every operation.
 """
 
+import mokv
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-import mokv
 from mokv import TextContext
 from mokv.events import PrefixRouterIndex
 
@@ -302,9 +301,11 @@ class SessionMachine(HostTierMachine):
 
     def options(self) -> dict:
         self.clock = Clock()
-        self.context = {sid: [] for sid in SESSION_IDS}
-        return dict(super().options(),
-                    sessions=mokv.SessionConfig(ttl_s=TTL_S, max_share=0.15, clock=self.clock))
+        self.context: dict[str, list] = {sid: [] for sid in SESSION_IDS}
+        return dict(
+            super().options(),
+            sessions=mokv.SessionConfig(ttl_s=TTL_S, max_share=0.15, clock=self.clock),
+        )
 
     @property
     def table(self):

@@ -1,15 +1,18 @@
 """The paged KV cache manager: fixed-size pages, a prefix cache, tiers, replicas.
 
 manager.py  PagedKVCacheManager: routing between data-parallel replicas, the contract
-replica.py  PagedReplica: one replica's pool, buffers and requests; plan once, fits
-            once, apply, commit
+replica.py  PagedReplica: one replica's requests, cache groups and tiers; plan, apply,
+            commit
+groups/     the cache groups: the protocol (base.py) and one module per kind (full.py)
 plans.py    what a replica holds per request, and its calls' plans
+commit.py   plan_commit: the pages a step filled, with their hashes
 prefix.py   PrefixChains: where a request's hash chain is rooted, its device hits
 chain_memo.py  each request's hash chain kept across its calls, with its last hits
 sessions.py SessionTable: the hash chains open sessions retain, until when
-inputs.py   the graph inputs: the page table and the per-device tuples
-sizing.py   memory sizing (MAX's classmethods)
-metrics.py  occupancy and counters (MAX's metric members)
+inputs.py   the page table, and the per-device graph inputs it gives
+sizing.py   memory sizing (MAX's classmethods call it)
+metrics.py  occupancy and counters (MAX's metric members read them)
+multistep.py  MAX's multistep and data-parallel helpers
 """
 
 from .manager import PagedKVCacheManager

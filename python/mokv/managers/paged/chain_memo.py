@@ -25,15 +25,17 @@ a range of it (`Hits`) and the room the pool had with them taken (`Room`):
 - with the same hits and no page freed since (`PagePool.num_freed`), the room with
   those hits taken cannot have grown, so a reservation that did not fit then still
   does not (`PrefixChains.room`);
-- and the last refusal of a waiting prompt (`Refusal`): with the same hits list and
-  the same window, the reservation wants the same fresh pages, so a retry reads only
-  the hits and the room again (`PrefixChains.refused_again`); with its hits cut by
-  evictions since, it counts the fresh pages again, without a plan.
+- and the last refusal of a waiting prompt (`Refusal`, the refused plan itself): with
+  the same hits list and the same window, the reservation wants the same fresh pages,
+  so a retry reads only the hits and the room again and hands the same plan out
+  (`PrefixChains.refused_again`); with its hits cut by evictions since, it counts the
+  fresh pages again and plans no lookup.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -43,6 +45,7 @@ from ...cache.extra_keys import HashInputs
 from ...cache.hashing import TOKEN_BYTES
 from ...cache.page_pool import PagePool
 from ...context import RequestID
+from .plans import Reservation
 
 ChainKey = HashInputs | None
 """Everything besides the token ids and the parent hash that goes into a request's page
@@ -113,20 +116,19 @@ class Room:
     """`PagePool.room` of `hits` (the same list object as `Hits.hits`), read when the
     pool had freed `freed` pages (`PagePool.num_freed`)."""
 
-    hits: list[tuple[int, int]]
+    hits: Sequence[tuple[int, int]]
     freed: int
     room: int
 
 
 @dataclass(slots=True)
 class Refusal:
-    """A reservation of the request refused with these `hits` (the same list object as
-    `Hits.hits`), for the context's `window` (its start, active and end indices and the
-    steps asked) on a request holding no page: it wanted `num_fresh` fresh pages."""
+    """The refused `plan` of the request (its hits the same list object as `Hits.hits`)
+    for the context's `window` (its start, active and end indices and the steps asked)
+    on a request holding no page."""
 
-    hits: list[tuple[int, int]]
+    plan: Reservation
     window: tuple[int, int, int, int]
-    num_fresh: int
 
 
 @dataclass(slots=True)

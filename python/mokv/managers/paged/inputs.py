@@ -19,19 +19,13 @@ padded as MAX pads it (`mokv.layouts.max_paged`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from max.driver import Buffer, Device
 
-from ...cache.page_pool import PagePool
-from ...context import RequestID, TextGenerationContext
-from ...errors import InvariantError
 from ...layouts import RaggedKVCacheInputs
 from ...layouts.max_paged import LOOKUP_PAD_PAGE, lookup_table_width
-from ...metrics import prompt_tokens_in
-from ...undo import UndoLog
-from .plans import RequestState
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -92,78 +86,3 @@ class PageTable:
             RaggedKVCacheInputs(b, lengths, table, max_lengths_buf)
             for b, (lengths, table) in zip(blocks, tables)
         ]
-
-
-def check_write_windows(
-    pool: PagePool, page_size: int, windows: Iterable[tuple[object, Sequence[int], int, int]]
-) -> None:
-    """InvariantError unless each `(request_id, pages, start_idx, end)` is safe to hand
-    to the graph: its pages cover `end` tokens, and every page of the write window
-    `[start_idx, end)` is in range, unhashed and owned by that request alone
-    (`enable_runtime_checks`)."""
-    for request_id, pages, start, end in windows:
-        if end > len(pages) * page_size:
-            raise InvariantError(
-                f"request {request_id!r} writes up to token {end} but holds "
-                f"{len(pages) * page_size} token slots"
-            )
-        for page_idx in range(start // page_size, ceil_div(end, page_size)):
-            page_id = pages[page_idx]
-            if not 0 <= page_id < pool.num_pages:
-                raise InvariantError(f"request {request_id!r} holds page id {page_id}")
-            if pool.page_hash(page_id) is not None or pool.ref_count(page_id) != 1:
-                raise InvariantError(
-                    f"request {request_id!r} would write page {page_id}, which is "
-                    f"committed or shared (ref count {pool.ref_count(page_id)})"
-                )
-
-
-class ReplicaInputs:
-    """The graph inputs of a `PagedReplica`'s batch (a base class of the replica: these
-    read its requests and page table, and count the prompt tokens a batch processes)."""
-
-    pool: PagePool
-    page_size: int
-    blocks: list[Buffer]
-    devices: list[Device]
-    undo: UndoLog
-    input_tokens: int
-    _page_table: PageTable
-    _requests: dict[RequestID, RequestState]
-
-    def runtime_inputs(
-        self, batch: list[TextGenerationContext], num_steps: int
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
-        """The batch's lookup table, cache lengths and max lengths on each device
-        (`inputs.PageTable.inputs`). Every request must already hold its pages."""
-        reqs = [self._requests[ctx.request_id] for ctx in batch]
-        slots = [req.slot for req in reqs]
-        starts = [ctx.start_idx for ctx in batch]
-        actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
-        inputs = self._page_table.inputs(
-            self.blocks, self.devices, slots, starts, actives, num_steps, self.page_size
-        )
-        self.undo.push(setattr, self, "input_tokens", self.input_tokens)
-        for req, ctx, start, active in zip(reqs, batch, starts, actives):
-            if req.prompt_end < 0:
-                self.undo.push(setattr, req, "prompt_end", -1)
-                req.prompt_end = ctx.end_idx
-            self.input_tokens += prompt_tokens_in(start, start + active, req.prompt_end)
-        return inputs
-
-    def check_tables(self, batch: list[TextGenerationContext], num_steps: int) -> None:
-        """InvariantError unless the tables `runtime_inputs` hands out for `batch` are safe
-        (`inputs.check_write_windows`; `enable_runtime_checks`)."""
-        check_write_windows(
-            self.pool,
-            self.page_size,
-            (
-                (
-                    ctx.request_id,
-                    self._requests[ctx.request_id].pages,
-                    ctx.start_idx,
-                    ctx.active_idx + num_steps - 1,
-                )
-                for ctx in batch
-            ),
-        )

@@ -15,34 +15,38 @@ request of a batch is checked and planned before any replica changes, and every 
 that changes something runs under the manager's undo log (`mokv.undo`), shared by the
 replicas, their pools and tiers and the event recorders: a call that raises, from
 anywhere inside, is rolled back (docs/reliability.md says what stands). Memory sizing is
-`sizing.py`, the choice of a replica `routing.py`; the graph inputs are built by
-`inputs.py`. The tiers below the device pages (`params.tiers`: host memory, a shared
-Redis store) are `mokv.tiers`.
+`sizing.py`, the metrics `metrics.py`, MAX's multistep helpers `multistep.py` (functions
+its methods call); the graph inputs are built by `inputs.py`. The tiers below the device
+pages (`params.tiers`: host memory, a shared Redis store) are `mokv.tiers`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import attrgetter
+from typing import Any
 
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
 from ...cache.hashing import page_hash_fn, root_hash
+from ...config.events import KVEventsConfig
+from ...config.params import KVCacheParams, with_manager_events
 from ...context import RequestID, TextGenerationContext
 from ...errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
     InsufficientMemoryError,
     InsufficientPagesError,
+    InvalidReplicaError,
+    UnknownRequestError,
 )
-from ...events.config import KVEventsConfig
-from ...events.publisher import open_publishers
 from ...layouts import PAGED, RaggedKVCacheInputs
-from ...params import KVCacheParams
-from ...params_compat import with_manager_events
+from ...metrics import KVCacheMetrics
+from ...registry import BUILDERS
+from ...remote import RemoteMetrics
 from ..base import (
-    ManagerFields,
+    MaxManagerAPI,
     atomic,
     check_distinct,
     check_num_steps,
@@ -50,22 +54,18 @@ from ..base import (
     check_window,
     synchronized,
 )
-from ..compat import MaxManagerAPI
 from ..increment import CacheLengthIncrementer
+from . import multistep, sizing
 from .inputs import ceil_div
-from .metrics import PagedMetrics
-from .multistep import PagedMultistep
-from .plans import RequestState
+from .metrics import cache_metrics, num_free_pages, shared_tier_metrics
+from .plans import HELD
 from .replica import PagedReplica, Reservation
-from .routing import PagedRouting, replica_index
-from .sizing import PagedSizing, check_devices_hold, pages_per_replica
+from .sizing import check_devices_hold, pages_per_replica
 
 _request_id = attrgetter("request_id")  # of a context
 
 
-class PagedKVCacheManager(
-    PagedRouting, PagedMetrics, PagedSizing, PagedMultistep, MaxManagerAPI, ManagerFields
-):
+class PagedKVCacheManager(MaxManagerAPI):
     """Paged KV cache manager with data and tensor parallelism support.
 
     Args:
@@ -79,7 +79,7 @@ class PagedKVCacheManager(
             `increment_cache_lengths`).
         available_cache_memory: bytes for KV pages over all devices.
         zmq_endpoint_base: MAX's spelling of `params.kv_events =
-            KVEventsConfig(endpoint=zmq_endpoint_base)` (see `mokv.params_compat`).
+            KVEventsConfig(endpoint=zmq_endpoint_base)` (`with_manager_events`).
         kv_events_config: the same for a whole `KVEventsConfig`; `self.params` carries
             the events either gives.
         page_size: kept for signature compatibility; must equal `params.page_size`
@@ -148,7 +148,9 @@ class PagedKVCacheManager(
                 )
             # One publisher per replica (its own PUB socket), opened last so that nothing
             # after it can fail; the replica's pool and tiers tell it what changed.
-            self.kv_event_publishers = open_publishers(params.kv_events, params.page_size, dp)
+            self.kv_event_publishers = (
+                BUILDERS.build(params.kv_events, params.page_size, dp) if params.kv_events else []
+            )
         except BaseException as e:
             for replica in self.replicas:  # their tiers may run threads
                 replica.close()
@@ -166,6 +168,64 @@ class PagedKVCacheManager(
         self.enable_runtime_checks = enable_runtime_checks
         self._replica_of: dict[RequestID, int] = {}
         self._increment = CacheLengthIncrementer(session, with_max_lengths=True)
+
+    # --- routing between replicas ---------------------------------------------------
+    # `_replica_of` maps each claimed request to its replica's index; a new request goes
+    # where its prompt's longest cached prefix is, among the replicas with a free request
+    # slot (`_recommend`).
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    def _replica(self, request_id: RequestID) -> PagedReplica:
+        return self.replicas[self._replica_index(request_id)]
+
+    def _replica_index(self, request_id: RequestID) -> int:
+        try:
+            return self._replica_of[request_id]  # only str ids are ever stored
+        except (KeyError, TypeError):
+            check_request_id(request_id)
+            raise UnknownRequestError(request_id) from None
+
+    @synchronized
+    def contains(self, request_id: RequestID) -> bool:
+        check_request_id(request_id)
+        return request_id in self._replica_of
+
+    @synchronized
+    def get_replica(self, context: TextGenerationContext) -> int:
+        return self._replica_index(context.request_id)
+
+    @synchronized
+    def prefix_hit_pages(self, context: TextGenerationContext) -> list[tuple[int, int]]:
+        """Per replica, the pages of `context`'s prompt it could serve: from its device
+        pages, and from its own tiers after them (MAX's `get_prefix_cache_hit_counts`;
+        a shared tier is not asked). Changes nothing."""
+        return [replica.prefix_hit_pages(context) for replica in self.replicas]
+
+    @synchronized
+    def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
+        """The request's replica if claimed; else the one `_recommend` picks for it."""
+        if context.request_id in self._replica_of:
+            return self._replica_of[context.request_id]
+        return self._recommend(context)
+
+    def _recommend(self, context: TextGenerationContext | None) -> int:
+        """The replica for a new request: one with a free request slot while any has one
+        (a full one would refuse the claim); among those the one holding the longest
+        cached prefix of `context`'s tokens (mokv's addition: MAX 25.7 ignores prefixes
+        here), then MAX's rule, the fewest requests, then the most free pages; the
+        lowest index on a tie."""
+        if self.num_replicas == 1:
+            return 0
+
+        def rank(r: int) -> tuple[bool, int, int, int]:
+            replica = self.replicas[r]
+            hits = sum(replica.prefix_hit_pages(context)) if context is not None else 0
+            return (replica.num_free_slots > 0, hits, -replica.num_requests, replica.pool.num_free)
+
+        return max(range(self.num_replicas), key=rank)
 
     # --- requests -------------------------------------------------------------------
 
@@ -229,47 +289,23 @@ class PagedKVCacheManager(
         try:
             if num_steps.__class__ is not int or num_steps < 1:
                 check_num_steps(num_steps)  # raises
-            request_id = data.request_id
             try:  # `_replica`, inlined
-                replica = self.replicas[self._replica_of[request_id]]
+                replica = self.replicas[self._replica_of[data.request_id]]
             except (KeyError, TypeError):
-                replica = self._replica(request_id)  # raises the caller's error
-            # `replica.plan`'s first answer, inlined (one frame less for every running
-            # request at every step): a window the request holds already takes nothing.
-            # Anything else, a window to refuse included, is `plan`'s to answer.
-            req, ps = replica._requests[request_id], replica.page_size
-            start, held = data.start_idx, len(req.pages) * ps
-            needed = data.active_idx + num_steps - 1
-            if len(req.hashes) * ps <= start <= held and needed <= replica.max_seq_len:
-                if needed <= held:
-                    return True
-                # A decode step onto a fresh page (or a prompt's next chunk without a
-                # prefix to match): fresh pages only, without a plan (`grow`).
-                if req.pages:
-                    if replica.takes_fresh_only(data, req):
-                        return self._undo.run(self._grow, replica, req, needed)
-                # A waiting prompt retried as it was refused last, unplanned.
-                elif replica.chains.refused_again(data, req, num_steps):
-                    return False
+                replica = self._replica(data.request_id)  # raises the caller's error
             plan = replica.plan(data, num_steps)
-            if plan is None:
+            if plan is HELD:
                 return True
             if not plan.fits:  # asked of the pool once, by `plan`; nothing changed since
                 return False
-            self._undo.run(self._apply, replica, [plan])
+            self._undo.run(self._apply, replica, plan)
             return True
         finally:
             self._lock.release()
 
-    def _apply(self, replica: PagedReplica, plans: list[Reservation]) -> None:
-        replica.apply(plans)
+    def _apply(self, replica: PagedReplica, plan: Reservation) -> None:
+        replica.apply([plan])
         self._after_change()
-
-    def _grow(self, replica: PagedReplica, req: RequestState, needed: int) -> bool:
-        grown = replica.grow(req, -(-needed // replica.page_size) - len(req.pages))
-        if grown:
-            self._after_change()
-        return grown
 
     @atomic
     def fetch(
@@ -299,7 +335,7 @@ class PagedKVCacheManager(
             check_window(ctx)
             groups[r].append(ctx)
             plan = self.replicas[r].plan(ctx, num_steps)
-            if plan is not None:
+            if plan is not HELD:
                 plans[r].append(plan)
         if len(set(map(_request_id, batch))) != len(batch):
             check_distinct(batch)
@@ -397,3 +433,121 @@ class PagedKVCacheManager(
     def _after_change(self) -> None:
         if self.enable_runtime_checks:
             self.check_invariants()
+
+    # --- metrics (metrics.py) -------------------------------------------------------
+
+    @property
+    @synchronized
+    def num_free_blocks(self) -> int:
+        """Pages that can be handed out now (cached-free pages included), all replicas."""
+        return num_free_pages(self.replicas)
+
+    @synchronized
+    def page_counts(self, replica_idx: int) -> tuple[int, int]:
+        """(free, total) pages of one replica: free counts cached-free pages too."""
+        pool = self.replicas[replica_index(replica_idx, len(self.replicas))].pool
+        return pool.num_free, pool.num_pages
+
+    @synchronized
+    def device_buffers(self, replica_idx: int) -> list[Buffer]:
+        """One replica's page buffers, one per device (`[pages, 2, layers, page_size,
+        kv_heads_per_device, head_dim]`): what `fetch` hands the graph as `blocks`."""
+        return list(self.replicas[replica_index(replica_idx, len(self.replicas))].blocks)
+
+    @property
+    def free_blocks_pct(self) -> float:
+        """Fraction (0.0-1.0) of all pages that are free or cached-free."""
+        return self.num_free_blocks / self.total_num_pages
+
+    @property
+    def used_blocks_pct(self) -> float:
+        """Fraction (0.0-1.0) of all pages owned by requests."""
+        return 1.0 - self.free_blocks_pct
+
+    @property
+    @synchronized
+    def metrics(self) -> KVCacheMetrics:
+        return cache_metrics(self.replicas)
+
+    @property
+    def remote_metrics(self) -> RemoteMetrics:
+        """`metrics.shared_tier_metrics`: the shared tier's own counters (not locked: the
+        stores count from their own threads)."""
+        return shared_tier_metrics(self.replicas)
+
+    @property
+    def total_num_host_pages(self) -> int:
+        """Pages of the host-memory tier, all replicas (0 with the tier off)."""
+        return self.metrics.host_total_pages
+
+    @property
+    def host_committed_block_pct(self) -> float:
+        """Fraction (0.0-1.0) of host pages holding a committed prefix."""
+        now = self.metrics
+        total = now.host_total_pages
+        return now.host_used_pages / total if total else 0.0
+
+    @synchronized
+    def reset_metrics(self) -> None:
+        for r in self.replicas:
+            r.reset_metrics()
+
+    # --- MAX's multistep, data-parallel and sizing calls (multistep.py, sizing.py) ---
+
+    @synchronized
+    def increment_cache_lengths(
+        self,
+        kv_cache_inputs: Sequence[RaggedKVCacheInputs[Buffer, Buffer]],
+        prev_model_inputs: Any,
+    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+        """`multistep.increment_cache_lengths`: the next step's inputs, on the device."""
+        return multistep.increment_cache_lengths(
+            self._increment, self.params, len(self.replicas), kv_cache_inputs, prev_model_inputs
+        )
+
+    @synchronized
+    def get_data_parallel_splits(self, context_batch: Sequence[TextGenerationContext]) -> Buffer:
+        """int64 `[num_replicas + 1]`: offsets of each replica's requests in the batch,
+        `[0, n_0, n_0 + n_1, ...]` (the batch must be ordered by replica)."""
+        replicas = [self._replica_index(ctx.request_id) for ctx in context_batch]
+        return multistep.data_parallel_splits(replicas, len(self.replicas))
+
+    @classmethod
+    def estimated_memory_size(
+        cls,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[Device],
+        **kwargs: Any,
+    ) -> int:
+        """`sizing.estimated_memory_size` (MAX's signature; `devices` is not read)."""
+        return sizing.estimated_memory_size(
+            params, max_batch_size, max_seq_len, num_layers, available_cache_memory
+        )
+
+    @classmethod
+    def batch_size_for(
+        cls, params: KVCacheParams, max_seq_len: int, num_layers: int, memory: int
+    ) -> int:
+        """`sizing.infer_optimal_batch_size` (MAX's classmethod, `infer_optimal_batch_size`,
+        is the base class's)."""
+        return sizing.infer_optimal_batch_size(params, max_seq_len, num_layers, memory)
+
+    @classmethod
+    def max_supported_sequence_length(
+        cls, params: KVCacheParams, num_layers: int, memory_available: int
+    ) -> int:
+        """`sizing.max_supported_sequence_length`."""
+        return sizing.max_supported_sequence_length(params, num_layers, memory_available)
+
+
+def replica_index(replica_idx: int, num_replicas: int) -> int:
+    """`replica_idx`, checked: InvalidReplicaError unless an int in [0, num_replicas)."""
+    if replica_idx.__class__ is not int or not 0 <= replica_idx < num_replicas:
+        raise InvalidReplicaError(
+            f"replica_idx={replica_idx!r} is out of range for {num_replicas} replica(s)"
+        )
+    return replica_idx

@@ -3,8 +3,11 @@ anything changes (`PagedReplica.plan`, `plan_commit`)."""
 
 from __future__ import annotations
 
+import enum
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Final
 
 from ...cache.extra_keys import EventKeys, request_keys
 from ...context import TextGenerationContext
@@ -13,8 +16,19 @@ from ...tiers.base import DeviceHit
 from ...tiers.stack import PendingLoad
 from ..base import sequence_too_long
 
-if TYPE_CHECKING:
-    from .sessions import Session
+
+@dataclass(eq=False, slots=True)
+class Session:
+    """One open session of a replica (`SessionTable`, sessions.py), which its requests
+    name."""
+
+    session_id: str
+    chain: tuple[int, ...] = ()
+    """The hash chain it retains, root first."""
+    deadline: float = math.inf
+    """When it ends unless a request of it runs (its last release + `ttl_s`)."""
+    running: int = 0
+    """Its requests the replica holds (reserved at least once, not released)."""
 
 
 @dataclass(slots=True)
@@ -71,13 +85,29 @@ class RequestState:
         return hit_tokens, max(-(-needed // page_size) - len(self.pages) - num_hits, 0)
 
 
+class Held(enum.Enum):
+    """The plan of a request that holds the steps asked already: nothing to take."""
+
+    HELD = "held"
+
+
+HELD: Final = Held.HELD
+"""`PagedReplica.plan`'s answer for a window held already (most decode steps)."""
+
+
 @dataclass(slots=True)
 class Reservation:
-    """What reserving one request will do."""
+    """What reserving one request will do, worked out before anything changes
+    (`PagedReplica.plan`); `PagedReplica.apply` does it. vLLM's `KVCacheBlocks` and
+    mini-sglang's `MatchResult` are the models: a value the scheduler-facing call
+    hands from the planning half to the changing half.
+
+    A refused plan of a waiting prompt may be the chain memo's own, handed out again
+    at its retries (`PrefixChains.refused_again`): read it, never keep it."""
 
     ctx: TextGenerationContext
     req: RequestState
-    hits: list[tuple[int, int]]
+    hits: Sequence[tuple[int, int]]
     """(page id, hash) of device pages that continue its chain."""
     hit_tokens: int
     """Where its cache ends after every hit (device and tiers)."""

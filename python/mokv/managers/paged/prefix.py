@@ -19,17 +19,19 @@ it once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, keyed_pages, page_keys
 from ...cache.hashing import TOKEN_BYTES, PageHashFn, iter_page_hashes
 from ...cache.page_pool import PagePool
+from ...config.params import KVCacheParams
 from ...context import RequestID, TextContext, TextGenerationContext
-from ...params import KVCacheParams
 from ...tiers.base import ChainTail
 from ..base import integer_tokens
 from .chain_memo import ChainEntry, ChainMemo, Hits, Page, Refusal, Room
-from .plans import RequestState
+from .plans import RequestState, Reservation
 
 KEYED_ROOTS_MEMO = 65536
 """(salt, adapter) pairs whose roots are remembered (then forgotten all at once): bounds
@@ -170,57 +172,63 @@ class PrefixChains:
             return hits, None
         return hits, ChainTail(pages[n], iter(pages[n + 1 :]))
 
-    def note_refusal(
-        self,
-        ctx: TextGenerationContext,
-        num_steps: int,
-        hits: list[tuple[int, int]],
-        num_fresh: int,
-    ) -> None:
-        """Remembers that a reservation of `ctx`, on a request holding no page, was
-        refused with these hits (the memo's list, `device_hits`) wanting `num_fresh`
-        fresh pages (`refused_again`). Only a `TextContext`'s: its window after a hit
-        (`active_idx_after_skip`) is a function of its indices, and so is `num_fresh`."""
+    def note_refusal(self, ctx: TextGenerationContext, num_steps: int, plan: Reservation) -> None:
+        """Remembers that `plan`, a reservation of `ctx` on a request holding no page, was
+        refused with its hits (the memo's list, `device_hits`), for `refused_again`. Only
+        a `TextContext`'s: its window after a hit (`active_idx_after_skip`) is a function
+        of its indices, and so are the fresh pages it wants."""
         entry = self.memo.get(ctx.request_id)
-        if entry is None or entry.hits is None or entry.hits.hits is not hits:
+        if entry is None or entry.hits is None or entry.hits.hits is not plan.hits:
             return
         if ctx.__class__ is TextContext:
             window = (ctx.start_idx, ctx.active_idx, ctx.end_idx, num_steps)
-            entry.refusal = Refusal(hits, window, num_fresh)
+            entry.refusal = Refusal(plan, window)
 
-    def refused_again(self, ctx: TextGenerationContext, req: RequestState, num_steps: int) -> bool:
-        """Whether reserving `ctx` for `num_steps` steps, on a request holding no page, is
-        refused again as it was last (`note_refusal`); False when that is not known.
-        Planning it would find the hits `_memo_hits` finds: the very list of the refusal
-        (the same fresh pages wanted), or another (cut by evictions since: the fresh
-        pages counted as a plan counts them, `RequestState.reservation_size`); the room
-        is read again. A prompt waiting for pages is retried at every step, and
-        building its plan was most of each retry; the hits are read the short way
-        (`_hits_stand`) while nothing they depend on changed."""
+    def refused_again(
+        self, ctx: TextGenerationContext, req: RequestState, num_steps: int
+    ) -> Reservation | None:
+        """The refused plan of reserving `ctx` for `num_steps` steps, on a request holding
+        no page, when it is refused again as it was last (`note_refusal`); None when that
+        is not known. Planning it would find the hits `_memo_hits` finds: the very list
+        of the refusal (the same fresh pages wanted: the same plan, read for this
+        context and room), or another (cut by evictions since: the fresh pages counted
+        as a plan counts them, `RequestState.reservation_size`, in a plan without a
+        lookup); the room is read again. A prompt waiting for pages is retried at every
+        step, and building its plan was most of each retry; the hits are read the short
+        way (`_hits_stand`) while nothing they depend on changed."""
         entry = self.memo.get(ctx.request_id)
         if entry is None or entry.refusal is None or req.pages or ctx.__class__ is not TextContext:
-            return False
+            return None
         refusal = entry.refusal
         # The same window on a request without pages (so without hashes) can match a
         # prefix (`can_match`) as it could when it was refused.
         if refusal.window != (ctx.start_idx, ctx.active_idx, ctx.end_idx, num_steps):
-            return False
+            return None
+        plan = refusal.plan
         end = (ctx.end_idx - 1) // self.page_size
-        hits: list[tuple[int, int]] | None = refusal.hits
-        if not self._hits_stand(entry, refusal.hits, ctx, end):
+        known = plan.hits
+        hits: Sequence[tuple[int, int]] | None = known
+        if not self._hits_stand(entry, known, ctx, end):
             hits = self._memo_hits(entry, ctx, req, 0, end)
-        if hits is refusal.hits:
-            return refusal.num_fresh > self._room(entry, hits, refusal.num_fresh)
         if hits is None:
-            return False
-        need = req.reservation_size(ctx, len(hits), num_steps, self.page_size, self.max_seq_len)[1]
-        if need <= self._room(entry, hits, need):
-            return False
-        refusal.hits, refusal.num_fresh = hits, need  # as `note_refusal` after a plan
-        return True
+            return None
+        if hits is known:
+            room = self._room(entry, hits, plan.num_fresh)
+            if plan.num_fresh <= room:
+                return None
+            plan.ctx, plan.req, plan.room = ctx, req, room  # this retry's
+            return plan
+        hit_tokens, need = req.reservation_size(
+            ctx, len(hits), num_steps, self.page_size, self.max_seq_len
+        )
+        room = self._room(entry, hits, need)
+        if need <= room:
+            return None
+        refusal.plan = Reservation(ctx, req, hits, hit_tokens, need, [], None, room)
+        return refusal.plan
 
     def _hits_stand(
-        self, entry: ChainEntry, hits: list[tuple[int, int]], ctx: TextContext, end: int
+        self, entry: ChainEntry, hits: Sequence[tuple[int, int]], ctx: TextContext, end: int
     ) -> bool:
         """Whether `_memo_hits(entry, ctx, req, 0, end)` would give `hits` (a refusal's,
         on a request holding no page) back, read the short way: they are still the
@@ -306,7 +314,7 @@ class PrefixChains:
             return self.pool.room(())
         return self._room(self.memo.get(request_id), hits, need)
 
-    def _room(self, entry: ChainEntry | None, hits: list[tuple[int, int]], need: int) -> int:
+    def _room(self, entry: ChainEntry | None, hits: Sequence[tuple[int, int]], need: int) -> int:
         """`room` with the request's memo entry."""
         pool = self.pool
         free = pool.num_free

@@ -1,5 +1,10 @@
-"""One data-parallel replica of the paged cache: a page pool, its device buffers, its
-requests and its tiers.
+"""One data-parallel replica of the paged cache: its cache groups, its requests and its
+tiers.
+
+The replica holds the requests (their slots, hash chains, pending loads, sessions) and
+drives its cache groups (`groups/`: each a set of layers with its own page pool,
+buffers and page table); today that is one group of full-attention layers
+(`self.group`, whose `pool` and `blocks` the replica names too).
 
 A request's pages, drawn as token regions (page_size 4 here):
 
@@ -18,7 +23,8 @@ A request's pages, drawn as token regions (page_size 4 here):
 Prefix matching (prefix.py) extends a request with the longest run of pages that
 continues its hash chain: device pages first, then each tier in order.
 
-Committing the pages a step filled (`step`) is `commit.py`, a mixin of this class.
+Committing the pages a step filled (`step`) is planned by `commit.plan_commit` and
+applied by `commit` through the group.
 Sessions (`params.sessions`) are `sessions.py`: a request's first reservation starts
 its session, its release makes the session retain its chain.
 
@@ -35,7 +41,7 @@ stands, and so does everything before it in the call).
 
 Tiers (`params.tiers`, `mokv.tiers`). A tier hit takes a fresh device page and becomes
 a pending load on its request, pinned in its tier from `apply` on; `fetch` runs the
-pending loads of its batch (`load_pending`, a mixin in tier_loads.py) before the graph
+pending loads of its batch (`load_pending`) before the graph
 runs and then indexes the loaded pages, so later requests find them on the device.
 `commit` hands the pages it newly indexed to every tier (`store`). Releasing a request
 drops its pending loads.
@@ -43,15 +49,15 @@ drops its pending loads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from operator import attrgetter, itemgetter
 
-from max.driver import Device
+from max.driver import Buffer, Device
 
-from ...cache.cache_memory import cache_buffer
 from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
-from ...cache.page_pool import PagePool
+from ...config.params import KVCacheParams
 from ...context import RequestID, TextGenerationContext
 from ...errors import (
     AlreadyClaimedError,
@@ -59,22 +65,26 @@ from ...errors import (
     InvariantError,
     UnknownRequestError,
 )
-from ...params import KVCacheParams
+from ...events.publisher import EventRecorder
+from ...layouts import RaggedKVCacheInputs
+from ...metrics import prompt_tokens_in
+from ...registry import BUILDERS
+from ...tiers.base import CommittedPages
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from ..base import check_request_id
-from .commit import ReplicaCommits
-from .inputs import PageTable, ReplicaInputs, ceil_div
-from .plans import RequestState, Reservation
+from .commit import plan_commit
+from .groups import CacheGroup, FullAttentionGroup
+from .inputs import ceil_div
+from .plans import HELD, CommitPlan, Held, RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
-from .tier_loads import ReplicaTiers
 
 _page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
 _num_fresh = attrgetter("num_fresh")  # of a `Reservation`
 
 
-class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
+class PagedReplica:
     """The pages, buffers, requests and tiers of one replica (its devices split the KV
     heads)."""
 
@@ -96,29 +106,33 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         self.max_seq_len = max_seq_len
         self.max_requests = max_requests
         self.devices = devices
-        self.pool = PagePool(num_pages)
-        self.pool.undo = undo
+        self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
+        # Today's cache is one group of full-attention layers (groups/base.py says what
+        # another kind adds); `pool` and `blocks` are its own.
+        self.group = FullAttentionGroup(
+            params,
+            range(num_layers),
+            num_pages,
+            devices,
+            max_requests,
+            self.max_pages_per_seq,
+            undo,
+        )
+        self.groups: list[CacheGroup] = [self.group]
+        self.pool = self.group.pool
+        self.blocks = self.group.blocks
         self.chains = PrefixChains(params, self.pool, hash_fn, root_hash, max_seq_len)
         self._prefix_caching = params.enable_prefix_caching
-        self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
-        shape = [
-            num_pages,
-            2,
-            num_layers,
-            params.page_size,
-            params.n_kv_heads_per_device,
-            params.head_dim,
-        ]
-        self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
-        self._page_table = PageTable(max_requests, self.max_pages_per_seq)
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}
         self.input_tokens = 0
         self.cache_tokens = 0
         self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)
         self._tiered = bool(self.tiers)  # read on every reservation
-        self.sessions = (
-            SessionTable(params.sessions, self.pool, self.tiers, undo) if params.sessions else None
+        self.sessions: SessionTable | None = (
+            BUILDERS.build(params.sessions, self.pool, self.tiers, undo)
+            if params.sessions
+            else None
         )
 
     # --- requests -------------------------------------------------------------------
@@ -204,11 +218,23 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
 
     # --- reservation ----------------------------------------------------------------
 
-    def plan(self, ctx: TextGenerationContext, num_steps: int) -> Reservation | None:
-        """What reserving `ctx` for `num_steps` steps takes; None when it holds them already.
+    def plan(self, ctx: TextGenerationContext, num_steps: int) -> Reservation | Held:
+        """What reserving `ctx` for `num_steps` steps takes, as a value: `HELD` when the
+        request holds those steps already, else a `Reservation` that `fits` when the pool
+        could take it alone now (`apply` takes it). Raises for a request that is
+        unknown, stale or too long. Pure, but for what the chain memo remembers of its
+        readings and the tiers' lookup counters.
 
-        Pure (but for the tiers' counters). Raises for a request that is unknown, stale
-        or too long.
+        The cases, cheapest first (a scheduler asks for every running request at every
+        step, and for a waiting prompt at every step until it fits):
+
+            held     the window is held already (most decode steps)        HELD
+            fresh    no prefix can extend the request, which holds pages    fresh pages
+                     (a decode step onto a new page; a prompt's next chunk   only, no
+                     without a prefix to match: `takes_fresh_only`)          lookup
+            refused  a waiting prompt retried as it was refused last          that refusal
+                     (`PrefixChains.refused_again`)                          (the memo's)
+            else     device hits, then each tier's                          a full plan
         """
         try:  # `_request` and `check_window`'s test, inlined: this runs on every step
             req = self._requests[ctx.request_id]
@@ -218,11 +244,27 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         held = len(req.pages) * ps
         if start < len(req.hashes) * ps or start > held:
             req.check_window(ctx, ps)
-        # The common decode step: the window is already held, and then no prefix can
-        # match (`PrefixChains.can_match`). `active_idx > start_idx` holds between steps.
+        # `active_idx > start_idx` holds between steps; past `max_seq_len`, a plan raises.
         needed = ctx.active_idx + num_steps - 1
-        if needed <= held and needed <= self.max_seq_len:
-            return None
+        if needed <= self.max_seq_len:
+            if needed <= held:  # then no prefix can match either (`PrefixChains.can_match`)
+                return HELD
+            if req.pages:
+                if self.takes_fresh_only(ctx, req):
+                    plan = self._reservation(ctx, req, num_steps, (), [])
+                    plan.room = self.pool.num_free  # `pool.room(())`: no hit to revive
+                    return plan
+            else:
+                refused = self.chains.refused_again(ctx, req, num_steps)
+                if refused is not None:
+                    return refused
+        return self._plan_hits(ctx, req, num_steps)
+
+    def _plan_hits(
+        self, ctx: TextGenerationContext, req: RequestState, num_steps: int
+    ) -> Reservation:
+        """`plan`'s last case: the device hits that continue the request's chain, then,
+        while the plan fits, each tier's hits after them."""
         if not req.pages:  # a first reservation: every key is checked before any is used
             request_keys(ctx)
         hits, tail = self.chains.device_hits(ctx, req, want_tail=self._tiered)
@@ -230,7 +272,7 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
         plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)
         if tail is None:
             if room < plan.num_fresh and not req.pages and not self._tiered:
-                self.chains.note_refusal(ctx, num_steps, hits, plan.num_fresh)
+                self.chains.note_refusal(ctx, num_steps, plan)
             return plan
         loads: list[PendingLoad] = []
         parent = hits[-1][1] if hits else plan.parent_hash
@@ -258,41 +300,16 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
     def takes_fresh_only(self, ctx: TextGenerationContext, req: RequestState) -> bool:
         """Whether reserving `ctx` can take fresh pages only, and no prefix: none may
         extend it (`PrefixChains.can_match`), or it has no page left to look for (a decode
-        step onto a new page). Then `grow` does what `plan` and `apply` would."""
+        step onto a new page). Then `plan` asks for no hit."""
         last_page = (ctx.end_idx - 1) // self.page_size  # the last one a prefix may reach
         return last_page <= len(req.hashes) or not self.chains.can_match(ctx, req)
-
-    def grow(self, req: RequestState, num_pages: int) -> bool:
-        """Takes `num_pages` fresh pages for a request that holds pages already and can
-        match no prefix now (`takes_fresh_only`): `apply` of a reservation without hits
-        or loads, unplanned. False, changing nothing, when they do not fit.
-
-        The step that fills a page of every decoding request takes one such page each;
-        planning it (a `Reservation`, its room, a batch of one) cost as much as taking it.
-        """
-        if self.sessions is not None:  # sessions past their time-to-live, before evicting
-            if num_pages > self.pool.num_free:
-                return False
-            self.sessions.apply(self.sessions.plan_expiry())
-        pages = self.pool.take_fresh(num_pages)
-        if pages is None:  # changing nothing: they do not fit (with sessions, known above)
-            if self.sessions is not None:
-                raise InvariantError("fresh pages that fit could not be taken")
-            return False
-        held = len(req.pages)
-        self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
-        req.pages.extend(pages)
-        self._page_table.set_row(req.slot, req.pages, held)
-        if self._tiered:  # what it took (see `Tier.note_reserved`)
-            self.tiers.note_reserved(pages, [[]])
-        return True
 
     def _reservation(
         self,
         ctx: TextGenerationContext,
         req: RequestState,
         num_steps: int,
-        hits: list[tuple[int, int]],
+        hits: Sequence[tuple[int, int]],
         loads: list[PendingLoad],
     ) -> Reservation:
         """The reservation of `ctx` with these hits (`RequestState.reservation_size`; a
@@ -360,7 +377,7 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
                 req.loads.extend(loads)
                 self.tiers.pin(loads)
                 self.tiers.count_served(plan.loads, self.page_size)
-            self._page_table.set_row(req.slot, req.pages, held)
+            self.group.page_table.set_row(req.slot, req.pages, held)
         if sessions is not None:  # a request's first reservation starts its session
             sessions.start_requests(plans, firsts)
         if self._tiered:  # what the plans took (see `Tier.note_reserved`)
@@ -377,6 +394,151 @@ class PagedReplica(ReplicaCommits, ReplicaTiers, ReplicaInputs):
                 self._take(moved)
         if moved:
             self.undo.commit()
+
+    # --- commits (`step`) -----------------------------------------------------------
+
+    def plan_commit(self, batch: Sequence[TextGenerationContext]) -> CommitPlan:
+        """`commit.plan_commit` over this replica's requests (pure)."""
+        keyed = self.pool.events is not None or self._tiered  # what events and tiers read
+        return plan_commit(batch, self._requests, self._request, self.chains, keyed)
+
+    def commit(self, plan: CommitPlan) -> None:
+        """Indexes the planned pages in one all-or-nothing pool call, moves each request
+        off the pages that duplicate an indexed one (`FullAttentionGroup.commit_pages`),
+        then hands the newly indexed pages to every tier (`Tier.store`: after the device commit, so
+        a tier's failure can only leave that tier with fewer pages)."""
+        indexed: list[bool] = []
+        if plan.page_ids:
+            indexed = self.group.commit_pages(plan)
+        for req, new_hashes in plan.requests:
+            self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
+            req.hashes.extend(new_hashes)
+        if not self._tiered:
+            return
+        new = [i for i, ok in enumerate(indexed) if ok]
+        self.tiers.store(
+            CommittedPages(
+                [plan.page_ids[i] for i in new],
+                [plan.hashes[i] for i in new],
+                [plan.datas[i] for i in new],
+                [plan.parents[i] for i in new],
+                [plan.keys[i] for i in new],
+            )
+        )
+
+    # --- tiers ----------------------------------------------------------------------
+
+    def load_pending(self, batch: list[TextGenerationContext]) -> None:
+        """Copies the tier hits of `batch`'s requests into their device pages (one batch
+        per tier and device), then indexes those pages on the device and unpins the
+        hits. All or nothing: the copies only write pages the requests own, so a failure
+        before the index changes leaves the loads pending, to run again."""
+        reqs = [self._requests[ctx.request_id] for ctx in batch]
+        pending = [load for req in reqs for load in req.loads]
+        if not pending:
+            return
+        loads = self.tiers.load(pending)
+        hashes = [ld.hit.page_hash for ld in loads]
+        datas = [ld.hit.token_bytes for ld in loads]
+        # A page loaded while another request committed the same prefix on the device
+        # is shared as a duplicate commit is (`FullAttentionGroup.commit_pages`).
+        owner = {page: (req, idx) for req in reqs for idx, page in enumerate(req.pages)}
+        self.group.commit_pages(
+            CommitPlan(
+                [],
+                [owner[ld.page] for ld in loads],
+                [ld.page for ld in loads],
+                hashes,
+                datas,
+                [ld.parent_hash for ld in loads],
+                [ld.keys for ld in loads],
+            )
+        )
+        for req in reqs:
+            if req.loads:
+                self.undo.push(req.loads.extend, list(req.loads))  # onto the emptied list
+                req.loads.clear()
+        self.tiers.unpin(loads)
+
+    def reset_metrics(self) -> None:
+        self.input_tokens = self.cache_tokens = self.pool.num_evicted_retained = 0
+        self.tiers.reset_metrics()
+        if self.sessions is not None:
+            self.sessions.reset_metrics()
+
+    def publish_to(self, events: EventRecorder) -> None:
+        """Reports the pool's and the tiers' changes to `events` (the replica's stream)."""
+        events.undo = self.undo
+        self.pool.events = events
+        self.tiers.publish_to(events)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix in the pool and the tiers (pending loads still
+        complete)."""
+        self.pool.reset_prefix_cache()
+        self.tiers.reset()
+        if self.sessions is not None:
+            self.sessions.clear()
+
+    def close(self) -> None:
+        """Closes the tiers (they send what they queued, a bounded wait)."""
+        self.tiers.close()
+
+    def check_loads(self) -> None:
+        """InvariantError unless every pending load writes a page its request owns
+        without a hash, and each tier holds exactly the pending loads' hits pinned, each
+        still holding its tokens (`Tier.check_invariants`)."""
+        for request_id, req in self._requests.items():
+            for load in req.loads:
+                page = load.page
+                if page not in req.pages or self.pool.page_hash(page) is not None:
+                    raise InvariantError(
+                        f"request {request_id!r} loads into device page {page}, which it "
+                        "does not own or which is hashed"
+                    )
+        self.tiers.check_invariants([ld for req in self._requests.values() for ld in req.loads])
+
+    # --- graph inputs ---------------------------------------------------------------
+
+    def runtime_inputs(
+        self, batch: list[TextGenerationContext], num_steps: int
+    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+        """The batch's lookup table, cache lengths and max lengths on each device
+        (`PageTable.inputs`). Every request must already hold its pages."""
+        reqs = [self._requests[ctx.request_id] for ctx in batch]
+        slots = [req.slot for req in reqs]
+        starts = [ctx.start_idx for ctx in batch]
+        actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
+        inputs = self.group.runtime_inputs(slots, starts, actives, num_steps)
+        self.undo.push(setattr, self, "input_tokens", self.input_tokens)
+        for req, ctx, start, active in zip(reqs, batch, starts, actives):
+            if req.prompt_end < 0:
+                self.undo.push(setattr, req, "prompt_end", -1)
+                req.prompt_end = ctx.end_idx
+            self.input_tokens += prompt_tokens_in(start, start + active, req.prompt_end)
+        return inputs
+
+    def check_tables(self, batch: list[TextGenerationContext], num_steps: int) -> None:
+        """InvariantError unless the tables `runtime_inputs` hands out for `batch` are safe
+        (`FullAttentionGroup.check_write_windows`; `enable_runtime_checks`)."""
+        self.group.check_write_windows(
+            (
+                (
+                    ctx.request_id,
+                    self._requests[ctx.request_id].pages,
+                    ctx.start_idx,
+                    ctx.active_idx + num_steps - 1,
+                )
+                for ctx in batch
+            ),
+        )
+
+    def _truncate(self, req: RequestState, num_pages: int, num_hashes: int, num_loads: int) -> None:
+        """Undoes what a request's pages, hashes and loads gained (idempotent)."""
+        del req.pages[num_pages:]
+        del req.hashes[num_hashes:]
+        del req.loads[num_loads:]
+        self.group.page_table.set_row(req.slot, req.pages)
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(req.pages for req in self._requests.values())

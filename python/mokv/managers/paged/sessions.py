@@ -36,31 +36,18 @@ to undo them in the manager's undo log (`mokv.undo`), as the pools do.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ...cache.page_pool import PagePool
+from ...config.sessions import SessionConfig
 from ...errors import InvariantError
 from ...metrics import SessionMetrics
-from ...sessions import SessionConfig
+from ...registry import BUILDERS
 from ...tiers.stack import TierStack
 from ...undo import UndoLog
-from .plans import RequestState, Reservation
-
-
-@dataclass(eq=False, slots=True)
-class Session:
-    """One open session of a replica."""
-
-    session_id: str
-    chain: tuple[int, ...] = ()
-    """The hash chain it retains, root first."""
-    deadline: float = math.inf
-    """When it ends unless a request of it runs (its last release + `ttl_s`)."""
-    running: int = 0
-    """Its requests the replica holds (reserved at least once, not released)."""
+from .plans import RequestState, Reservation, Session
 
 
 @dataclass(slots=True)
@@ -389,3 +376,6 @@ class SessionTable:
             )
         if len(self._count) > self.cap:
             raise InvariantError(f"sessions retain {len(self._count)} pages, past {self.cap}")
+
+
+BUILDERS.register(SessionConfig, SessionTable)

@@ -1,4 +1,5 @@
-"""MAX's flat configuration spellings, mapped onto mokv's nested configs in this one place.
+"""MAX's flat configuration spellings, mapped onto mokv's nested configs in this one place
+(the manager's two event keywords: `mokv.config.params.with_manager_events`).
 
 `KVCacheParams` holds the cache's shape and prefix cache; its tiers and events are
 nested configs. The flat keywords of MAX's `KVCacheParams` and of its manager are still
@@ -23,14 +24,11 @@ tier both ways is a ValueError; so are events given twice with different setting
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+from dataclasses import fields
 from typing import Any
 
-from .events.config import KVEventsConfig, check_endpoint
-from .params import KVCacheParams
-from .tiers.base import TierConfig
-from .tiers.host import HostTierConfig
-from .tiers.remote import RemoteTierConfig, redacted_url
+from .tiers import HostTierConfig, RemoteTierConfig, TierConfig, redacted_url
 
 HOST_SPELLINGS = {
     "host_kvcache_swap_space_gb": "swap_space_gb",
@@ -93,31 +91,17 @@ def _shown(name: str, value: Any) -> str:
     return repr(redacted_url(value)) if name == "remote_kvcache_url" else repr(value)
 
 
-def with_manager_events(
-    params: KVCacheParams, zmq_endpoint_base: str | None, kv_events_config: KVEventsConfig | None
-) -> KVCacheParams:
-    """`params` with the events of a manager's keywords in `params.kv_events` (checked
-    against the params' replicas)."""
-    config = kv_events_config
-    if config is not None and not isinstance(config, KVEventsConfig):
-        raise TypeError(
-            f"kv_events_config must be a mokv.KVEventsConfig or None, got {config!r}"
-            + ("; for an address alone use zmq_endpoint_base" if isinstance(config, str) else "")
-        )
-    if zmq_endpoint_base is not None:
-        check_endpoint("zmq_endpoint_base", zmq_endpoint_base)
-        if config is None:
-            config = KVEventsConfig(endpoint=zmq_endpoint_base)
-        elif config.endpoint != zmq_endpoint_base:
-            raise ValueError(
-                f"zmq_endpoint_base={zmq_endpoint_base!r} disagrees with "
-                f"kv_events_config.endpoint={config.endpoint!r}; set one"
-            )
-    if config is None or config == params.kv_events:
-        return params
-    if params.kv_events is not None:
-        raise ValueError(
-            f"the manager's events {config!r} disagree with params.kv_events="
-            f"{params.kv_events!r}; set one"
-        )
-    return dataclasses.replace(params, kv_events=config)
+def accepts_flat_spellings(cls: type) -> type:
+    """Lets `cls(...)` take MAX's flat keywords, which `nest_flat_spellings` maps onto
+    the nested fields before the dataclass's own `__init__` sees them."""
+    names = {f.name for f in fields(cls)}
+    dataclass_init = cls.__init__  # type: ignore[misc]
+
+    @functools.wraps(dataclass_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not names.issuperset(kwargs):
+            kwargs = nest_flat_spellings(kwargs)
+        dataclass_init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls

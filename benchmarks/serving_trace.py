@@ -89,7 +89,10 @@ def _zipf_choice(rng: np.random.Generator, n: int, s: float) -> int:
 def make_trace(cfg: TraceConfig = TraceConfig()) -> list[Request]:
     """A reproducible trace for `cfg` (same seed, same trace)."""
     rng = np.random.default_rng(cfg.seed)
-    rand = lambda n: rng.integers(0, VOCAB, n, dtype=np.int64)  # noqa: E731
+
+    def rand(n: int) -> np.ndarray:
+        return rng.integers(0, VOCAB, n, dtype=np.int64)
+
     systems = [rand(int(rng.integers(1024, 4097))) for _ in range(cfg.num_system_prompts)]
     documents = [rand(int(rng.integers(6144, 12289))) for _ in range(cfg.num_documents)]
     reqs: list[Request] = []

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from .format import PAYLOAD_FORMATS
+from .base import ParamsView
 
-if TYPE_CHECKING:
-    from ..params import KVCacheParams
+PAYLOAD_FORMATS = ("map", "array")
+"""`KVEventsConfig.payload_format`: tagged maps (current vLLM, SGLang) or vLLM's legacy
+positional arrays (`mokv.events.format`)."""
 
 ZMQ_SCHEMES = ("tcp", "ipc", "inproc")
 """Transports of `KVEventsConfig.endpoint` and `replay_endpoint`."""
@@ -93,7 +93,7 @@ class KVEventsConfig:
             check_endpoint("replay_endpoint", self.replay_endpoint)
         self.check_replicas(1)
 
-    def check(self, params: KVCacheParams) -> None:
+    def check(self, params: ParamsView) -> None:
         """ValueError unless every replica of `params` gets its own valid addresses
         (called by `KVCacheParams.__post_init__`)."""
         self.check_replicas(params.data_parallel_degree)

@@ -21,10 +21,8 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .params import KVCacheParams
+from .base import ParamsView
 
 DEFAULT_TTL_S = 300.0
 """Five minutes, the time-to-live of the hosted prompt caches agents are written against
@@ -69,7 +67,7 @@ class SessionConfig:
         if not callable(self.clock):
             raise TypeError(f"SessionConfig.clock must be callable, got {self.clock!r}")
 
-    def check(self, params: KVCacheParams) -> None:
+    def check(self, params: ParamsView) -> None:
         """ValueError unless `params` can carry sessions."""
         if not params.enable_prefix_caching:
             raise ValueError(

@@ -4,29 +4,29 @@ events.
 One frozen `KVCacheParams` flows from the user into every manager, graph type and
 kernel wrapper; nothing else carries configuration. Its own fields are the cache's
 shape and the prefix cache; the lower tiers, sessions and the KV-cache events are nested
-frozen configs (`HostTierConfig`, `RemoteTierConfig`: `mokv.tiers`; `SessionConfig`:
-`mokv.sessions`; `KVEventsConfig`: `mokv.events`), each checked in its own
+frozen configs (`HostTierConfig`, `RemoteTierConfig`: `mokv.config.tiers`; `SessionConfig`:
+`mokv.config.sessions`; `KVEventsConfig`: `mokv.config.events`), each checked in its own
 `__post_init__` and then against the params it joins. Derived sizes are properties so
 that they cannot drift from the fields they come from.
 
 MAX's flat spellings (`enable_kvcache_swapping_to_host=True`, `remote_kvcache_url=...`)
 are still accepted, and mapped onto the nested configs in one place:
-`mokv.params_compat`.
+`mokv.config.flat`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import functools
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 from max.dtype import DType
 
-from .cache.hashing import STABLE_ALGORITHMS
-from .events.config import KVEventsConfig
+from .base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, STABLE_ALGORITHMS
+from .events import KVEventsConfig, check_endpoint
+from .flat import accepts_flat_spellings
 from .sessions import SessionConfig
-from .tiers.base import TierConfig
+from .tiers import TierConfig
 
 
 class KVCacheStrategy(str, enum.Enum):
@@ -40,33 +40,7 @@ class KVCacheStrategy(str, enum.Enum):
     PAGED = "paged"
 
 
-CACHE_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
-"""Element types of the cache that mokv's kernels read and write."""
-
-PREFIX_HASH_ALGORITHMS = ("xxh3", "sha256", "builtin")
-"""Names accepted by `KVCacheParams.prefix_hash`; see `mokv.cache.hashing`."""
-
-
-def _accepts_flat_spellings(cls: type) -> type:
-    """Lets `cls(...)` take MAX's flat keywords, which `mokv.params_compat` maps onto
-    the nested fields before the dataclass's own `__init__` sees them."""
-    names = {f.name for f in fields(cls)}
-    dataclass_init = cls.__init__  # type: ignore[misc]
-
-    @functools.wraps(dataclass_init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not names.issuperset(kwargs):
-            # Imported here: params_compat imports the tiers, which import this module.
-            from .params_compat import nest_flat_spellings
-
-            kwargs = nest_flat_spellings(kwargs)
-        dataclass_init(self, *args, **kwargs)
-
-    cls.__init__ = __init__  # type: ignore[misc]
-    return cls
-
-
-@_accepts_flat_spellings
+@accepts_flat_spellings
 @dataclass(frozen=True)
 class KVCacheParams:
     """The shape of the cache, its prefix cache, and the tiers and events it turns on.
@@ -178,7 +152,7 @@ class KVCacheParams:
             if not isinstance(tier, TierConfig):
                 raise TypeError(
                     f"tiers holds {tier!r}; a tier is a mokv.HostTierConfig or "
-                    "mokv.RemoteTierConfig (or another mokv.tiers.base.TierConfig)"
+                    "mokv.RemoteTierConfig (or another mokv.config.tiers.TierConfig)"
                 )
             if tier.name in names:
                 raise ValueError(f"tiers holds two {tier.name!r} tiers: {self.tiers!r}")
@@ -205,3 +179,33 @@ class KVCacheParams:
     def bytes_per_page(self, num_layers: int) -> int:
         """Bytes of one page in one replica: `page_size * bytes_per_token(num_layers)`."""
         return self.page_size * self.bytes_per_token(num_layers)
+
+
+def with_manager_events(
+    params: KVCacheParams, zmq_endpoint_base: str | None, kv_events_config: KVEventsConfig | None
+) -> KVCacheParams:
+    """`params` with the events of a manager's keywords in `params.kv_events` (checked
+    against the params' replicas)."""
+    config = kv_events_config
+    if config is not None and not isinstance(config, KVEventsConfig):
+        raise TypeError(
+            f"kv_events_config must be a mokv.KVEventsConfig or None, got {config!r}"
+            + ("; for an address alone use zmq_endpoint_base" if isinstance(config, str) else "")
+        )
+    if zmq_endpoint_base is not None:
+        check_endpoint("zmq_endpoint_base", zmq_endpoint_base)
+        if config is None:
+            config = KVEventsConfig(endpoint=zmq_endpoint_base)
+        elif config.endpoint != zmq_endpoint_base:
+            raise ValueError(
+                f"zmq_endpoint_base={zmq_endpoint_base!r} disagrees with "
+                f"kv_events_config.endpoint={config.endpoint!r}; set one"
+            )
+    if config is None or config == params.kv_events:
+        return params
+    if params.kv_events is not None:
+        raise ValueError(
+            f"the manager's events {config!r} disagree with params.kv_events="
+            f"{params.kv_events!r}; set one"
+        )
+    return dataclasses.replace(params, kv_events=config)

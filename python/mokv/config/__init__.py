@@ -1,0 +1,31 @@
+"""The ground floor: every configuration mokv takes, and nothing else.
+
+    base.py      the names every layer agrees on (cache dtypes, hash algorithms) and
+                 `ParamsView`, what a nested config checks itself against
+    params.py    KVCacheParams: the cache's shape, its prefix cache, and the nested
+                 configs below; `with_manager_events` (a manager's event keywords)
+    tiers.py     TierConfig, HostTierConfig, RemoteTierConfig
+    events.py    KVEventsConfig: where and how events are published
+    sessions.py  SessionConfig: sessions that retain their pages through a pause
+    flat.py      MAX's flat spellings, mapped onto the nested configs
+
+These modules import nothing of mokv above them (only `mokv.errors`); the objects a
+config describes (a tier, an event stream, a session table) are built from it through
+one registry, `mokv.registry`. A test asserts that mokv's import graph has no circle
+(tests/test_structure.py).
+"""
+
+from .events import KVEventsConfig
+from .params import KVCacheParams, KVCacheStrategy
+from .sessions import SessionConfig
+from .tiers import HostTierConfig, RemoteTierConfig, TierConfig
+
+__all__ = [
+    "HostTierConfig",
+    "KVCacheParams",
+    "KVCacheStrategy",
+    "KVEventsConfig",
+    "RemoteTierConfig",
+    "SessionConfig",
+    "TierConfig",
+]

@@ -1,0 +1,142 @@
+"""FullAttentionGroup: the layers that read every token before them, on one page pool.
+
+Its pages hold K and V of every layer of the group (`blocks`, one buffer per device:
+`[num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]`), so a page is
+found, shared, evicted and loaded for all of them at once. A prefix hit is a run from
+the root: the group holds every page of it, and keeps every page a
+request wrote until the request is released.
+
+Duplicates. When two requests computed the same page at once, the pool indexes the
+first copy only (`PagePool.commit_pages`); the other request is moved onto it and its
+own copy freed, as MAX's block manager does, so a duplicate never holds a page until
+its request ends. Loaded tier pages go through the same sharing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+from max.driver import Buffer, Device
+
+from ....cache.cache_memory import cache_buffer
+from ....cache.page_pool import PagePool
+from ....config.params import KVCacheParams
+from ....errors import InvariantError
+from ....layouts import RaggedKVCacheInputs
+from ....undo import UndoLog
+from ..inputs import PageTable, ceil_div
+from ..plans import CommitPlan, RequestState
+
+
+class FullAttentionGroup:
+    """Full-attention layers `layers` of one replica: their pool, buffers and page table."""
+
+    kind: ClassVar[str] = "full"
+
+    def __init__(
+        self,
+        params: KVCacheParams,
+        layers: range,
+        num_pages: int,
+        devices: Sequence[Device],
+        max_requests: int,
+        max_pages_per_seq: int,
+        undo: UndoLog,
+    ) -> None:
+        self.layers = layers
+        self.devices = devices
+        self.page_size = params.page_size
+        self.pool = PagePool(num_pages)
+        self.pool.undo = undo
+        self.undo = undo
+        shape = [
+            num_pages,
+            2,
+            len(layers),
+            params.page_size,
+            params.n_kv_heads_per_device,
+            params.head_dim,
+        ]
+        self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
+        self.page_table = PageTable(max_requests, max_pages_per_seq)
+
+    def commit_pages(self, pages: CommitPlan) -> list[bool]:
+        """Indexes `pages` (their columns: each page owned by `pages.owners[i]`, a request
+        and the page's index in its pages) in one all-or-nothing pool call, then moves
+        each request off the pages that duplicate an indexed one. True where a page was
+        indexed."""
+        indexed = self.pool.commit_pages(
+            pages.page_ids, pages.hashes, pages.datas, pages.parents, pages.keys
+        )
+        if not all(indexed):  # some request computed a page another committed first
+            self._share_duplicates(pages.owners, pages.hashes, pages.datas, indexed)
+        return indexed
+
+    def _share_duplicates(
+        self,
+        owners: list[tuple[RequestState, int]],
+        hashes: list[int],
+        datas: list[bytes],
+        indexed: list[bool],
+    ) -> None:
+        """For each page that `commit_pages` did not index because another page already
+        holds its hash and tokens (two requests computed the same prefix at once), the
+        request takes a reference to that page and frees its own copy, as MAX does: a
+        committed page is never written again, so the two are interchangeable. A page
+        whose hash is held by different tokens (a collision) stays the request's own."""
+        switched: dict[int, RequestState] = {}
+        pool = self.pool
+        for (req, page_idx), page_hash, data, ok in zip(owners, hashes, datas, indexed):
+            shared = None if ok else pool.lookup(page_hash, data)
+            if shared is None:
+                continue
+            pool.acquire(shared)
+            own = req.pages[page_idx]
+            pool.release([own])  # unhashed: back to the free pages
+            req.pages[page_idx] = shared
+            self.undo.push(self.set_page, req, page_idx, own)
+            switched[req.slot] = req
+        for req in switched.values():
+            self.page_table.set_row(req.slot, req.pages)
+
+    def set_page(self, req: RequestState, page_idx: int, page_id: int) -> None:
+        """Page `page_idx` of the request is `page_id` (the undo of a share)."""
+        req.pages[page_idx] = page_id
+        self.page_table.set_row(req.slot, req.pages)
+
+    def runtime_inputs(
+        self, slots: Sequence[int], starts: Sequence[int], actives: Sequence[int], num_steps: int
+    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+        """The batch's lookup table, cache lengths and max lengths on each device
+        (`PageTable.inputs`)."""
+        return self.page_table.inputs(
+            self.blocks, self.devices, slots, starts, actives, num_steps, self.page_size
+        )
+
+    def check_write_windows(
+        self, windows: Iterable[tuple[object, Sequence[int], int, int]]
+    ) -> None:
+        """InvariantError unless each `(request_id, pages, start_idx, end)` is safe to hand
+        to the graph: its pages cover `end` tokens, and every page of the write window
+        `[start_idx, end)` is in range, unhashed and owned by that request alone
+        (`enable_runtime_checks`)."""
+        pool, page_size = self.pool, self.page_size
+        for request_id, pages, start, end in windows:
+            if end > len(pages) * page_size:
+                raise InvariantError(
+                    f"request {request_id!r} writes up to token {end} but holds "
+                    f"{len(pages) * page_size} token slots"
+                )
+            for page_idx in range(start // page_size, ceil_div(end, page_size)):
+                page_id = pages[page_idx]
+                if not 0 <= page_id < pool.num_pages:
+                    raise InvariantError(f"request {request_id!r} holds page id {page_id}")
+                if pool.page_hash(page_id) is not None or pool.ref_count(page_id) != 1:
+                    raise InvariantError(
+                        f"request {request_id!r} would write page {page_id}, which is "
+                        f"committed or shared (ref count {pool.ref_count(page_id)})"
+                    )
+
+    def check_invariants(self, owned_pages: Iterable[Iterable[int]]) -> None:
+        self.pool.check_invariants(owned_pages)
