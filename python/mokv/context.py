@@ -294,12 +294,9 @@ class TextContext:
         self._buf[: prompt.size] = prompt
         self._start = 0
         self._end = self._active = self._prompt_len = int(prompt.size)
-        self._max_length = max_length
-        self._cache_salt = cache_salt
-        self._lora_name = lora_name
-        self._lora_id = lora_id
-        self._mm_inputs = images
-        self._session_id = session_id
+        # The keys, checked above (the setters would check them again).
+        self._max_length, self._cache_salt, self._lora_name = max_length, cache_salt, lora_name
+        self._lora_id, self._mm_inputs, self._session_id = lora_id, images, session_id
 
     # The fields a server may set after construction are checked when set, as when given
     # to `__init__`: a salt of `0` or an image span past the prompt is refused there, not

@@ -14,6 +14,7 @@ from max.driver import CPU
 from mokv import TextContext
 
 from .conftest import NUM_LAYERS, make_paged, small_params
+from .paged.test_sessions import turn
 
 
 @dataclass
@@ -180,12 +181,7 @@ PROMPT = np.arange(9)  # two full pages of 4, then one token
 def a_cached_prompt(session, **overrides):
     """A manager holding PROMPT's two pages, committed by an unsalted request."""
     m = make_paged(session, **overrides)
-    ctx = TextContext(PROMPT)
-    m.external_claim(ctx.request_id)
-    m.fetch([ctx])
-    ctx.update(1)
-    m.step([ctx])
-    m.release(ctx.request_id)
+    turn(m, PROMPT)
     return m
 
 

@@ -21,6 +21,8 @@ from xxhash import xxh3_64_intdigest
 from ...remote.conftest import redis_server  # noqa: F401 (fixture)
 from ...tiers.test_host import evict_from_device, make_host
 from ..conftest import NUM_LAYERS, make_paged, small_params
+from .test_extra_keys import found
+from .test_extra_keys import serve as serve_keyed
 
 PROMPT = np.arange(9)  # two full pages of 4, then one token
 _namespaces = itertools.count()
@@ -38,22 +40,8 @@ def weak_hash(monkeypatch):
 
 
 def serve(m, ctx) -> list[int]:
-    """Prefills `ctx`, commits its full pages, releases it; returns their hashes."""
-    m.external_claim(ctx.request_id)
-    m.fetch([ctx])
-    ctx.update(1)
-    m.step([ctx])
-    chain = m.replicas[0].committed_hashes(ctx.request_id)
-    m.release(ctx.request_id)
-    return chain
-
-
-def found(m, ctx) -> int:
-    """Tokens of `ctx` the prefix cache supplies (reserved, then released)."""
-    m.external_claim(ctx.request_id)
-    assert m.maybe_reserve(ctx)
-    m.release(ctx.request_id)
-    return ctx.start_idx
+    """Prefills `ctx` (PROMPT) and commits its 2 full pages; returns their hashes."""
+    return serve_keyed(m, ctx, num_pages=2)
 
 
 def test_no_cross_tenant_hit_on_the_device_when_hashes_collide(session, weak_hash):
