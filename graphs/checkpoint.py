@@ -191,8 +191,8 @@ def load_checkpoint(directory: str | PathLike[str]) -> tuple[DecoderConfig, Weig
     return config, weights
 
 
-def hf_config(config: DecoderConfig) -> dict[str, Any]:
-    """The `config.json` of a `LlamaForCausalLM` with `config`'s sizes (float32 weights,
+def hf_config(config: DecoderConfig, dtype: str = "float32") -> dict[str, Any]:
+    """The `config.json` of a `LlamaForCausalLM` with `config`'s sizes (`dtype` weights,
     token 1 as BOS and 2 as EOS); `config_from_hf` reads it back to `config`."""
     hf: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -209,7 +209,7 @@ def hf_config(config: DecoderConfig) -> dict[str, Any]:
         "rope_theta": config.rope_theta,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
@@ -219,20 +219,26 @@ def hf_config(config: DecoderConfig) -> dict[str, Any]:
 
 
 def save_checkpoint(
-    directory: str | PathLike[str], config: DecoderConfig, weights: Weights
+    directory: str | PathLike[str],
+    config: DecoderConfig,
+    weights: Weights,
+    dtype: str = "float32",
 ) -> Path:
     """Writes `config.json`, `model.safetensors` and a word-level tokenizer (token `i` is
     the word `t{i}`; `tokenizer.json`, `tokenizer_config.json`) into `directory`, made if
-    missing; returns the directory. ValueError naming a tensor that does not fit
-    `config` (`check_weights`). The tokenizer needs the `tokenizers` package (the serve
-    extra)."""
+    missing; returns the directory. `dtype` "float32" (MAX's CPU and GPU pipelines) or
+    "bfloat16" (its GPU pipelines' usual weights). ValueError naming a tensor that does
+    not fit `config` (`check_weights`). The tokenizer needs the `tokenizers` package (the
+    serve extra)."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     check_weights(config, weights)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(config), indent=2))
-    save_safetensors(out / _SINGLE_FILE, weights)
+    (out / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2))
+    save_safetensors(out / _SINGLE_FILE, weights, None if dtype == "float32" else dtype)
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

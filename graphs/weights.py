@@ -109,8 +109,12 @@ def check_weights(config: DecoderConfig, weights: Weights) -> None:
         )
 
 
-def save_safetensors(path: str | PathLike[str], weights: Weights) -> None:
-    """Writes float32/float16 arrays as a safetensors file (header, then raw bytes)."""
+def save_safetensors(
+    path: str | PathLike[str], weights: Weights, dtype: str | None = None
+) -> None:
+    """Writes float32/float16 arrays as a safetensors file (header, then raw bytes); with
+    `dtype="bfloat16"` every tensor is stored as bfloat16 (rounded to nearest, ties to
+    even: how checkpoints are cast), the dtype of MAX's GPU pipelines."""
     header: dict[str, object] = {}
     offset = 0
     arrays = []
@@ -119,8 +123,13 @@ def save_safetensors(path: str | PathLike[str], weights: Weights) -> None:
         if arr.dtype not in _ST_DTYPES:
             raise ValueError(f"weight {name!r}: dtype {arr.dtype} is not float32 or float16")
         arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        st_dtype = _ST_DTYPES[arr.dtype]
+        if dtype == "bfloat16":
+            arr, st_dtype = _bfloat16_bits(arr), "BF16"
+        elif dtype is not None:
+            raise ValueError(f"dtype must be None or 'bfloat16', got {dtype!r}")
         header[name] = {
-            "dtype": _ST_DTYPES[arr.dtype],
+            "dtype": st_dtype,
             "shape": list(arr.shape),
             "data_offsets": [offset, offset + arr.nbytes],
         }
@@ -133,6 +142,14 @@ def save_safetensors(path: str | PathLike[str], weights: Weights) -> None:
         f.write(blob)
         for arr in arrays:
             f.write(arr.tobytes())
+
+
+def _bfloat16_bits(arr: np.ndarray) -> np.ndarray:
+    """The bfloat16 bit patterns (little-endian uint16) nearest to `arr`'s values, ties to
+    even (finite values; bfloat16 is float32's top half)."""
+    bits = arr.astype("<f4").view("<u4").astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype("<u2")
 
 
 def read_safetensors(path: str | PathLike[str]) -> Weights:

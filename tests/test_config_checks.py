@@ -118,9 +118,39 @@ def test_a_remote_urls_password_stays_out_of_the_error():
     assert "secret" not in str(error.value)
 
 
-@pytest.mark.parametrize("timeout", [math.inf, math.nan, 0, -0.5, "1"])
-def test_remote_timeouts_are_finite_and_positive(timeout):
-    with pytest.raises(ValueError, match=f"timeout_s must be finite and > 0, got {timeout!r}"):
+@pytest.mark.parametrize("url", [
+    # Issue 56: the first two printed the password (another scheme; a query option).
+    "http://u:PASSWD@h:6379/0", "redis://h:6379/0?password=PASSWD&socket_timeout=x",
+    "redis://u:PASSWD@h:99999/0", "rediss://:PASSWD@[::1:6379/0",
+    "redis://u:PASS%57D@h:6379/x", "redis://u:PASSWD@h:6379/0?Password=PASSWD&db=x",
+])
+def test_no_error_or_repr_shows_a_remote_password(url):
+    for make in (lambda: mokv.RemoteTierConfig(url=url, namespace="m"),
+                 lambda: params(remote_kvcache_url=url, remote_kvcache_namespace="m"),
+                 lambda: params(remote_kvcache_url=url)):
+        with pytest.raises(ValueError, match=r"\*\*\*") as error:
+            make()
+        assert "PASSWD" not in str(error.value) and "PASS%57D" not in str(error.value)
+
+
+def test_a_remote_configs_repr_shows_no_secret():
+    config = mokv.RemoteTierConfig(url="redis://u:PASSWD@h:6379/0?password=PASSWD",
+                                   namespace="m", mac_key="MACKEY-0123456789")
+    shown = [repr(config), repr(params(tiers=(config,)))]
+    with pytest.raises(ValueError) as twice:  # an error that shows the configs
+        params(tiers=(config, config))
+    with pytest.raises(ValueError) as both_ways:
+        params(tiers=(config,), remote_kvcache_url="redis://u:PASSWD@h/0")
+    shown += [str(twice.value), str(both_ways.value)]
+    for text in shown:
+        assert "PASSWD" not in text and "MACKEY" not in text and "u:***@h" in text
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, 0, -0.5, "1", 1e12, 60.5, True])
+def test_remote_timeouts_are_positive_and_at_most_a_minute(timeout):
+    # 1e12 s was accepted, and every maybe_reserve then raised OverflowError (issue 56).
+    with pytest.raises(ValueError, match=re.escape(
+            f"timeout_s must be a number of seconds in (0, 60], got {timeout!r}")):
         mokv.RemoteTierConfig(url="redis://h/0", namespace="m", timeout_s=timeout)
     with pytest.raises(ValueError, match="timeout_s"):
         params(remote_kvcache_url="redis://h/0", remote_kvcache_namespace="m",
@@ -163,3 +193,37 @@ def test_load_kv_manager_refuses_events_for_the_continuous_strategy(session):
     with pytest.raises(ValueError, match="kv_events_config=.*continuous cache strategy"):
         mokv.load_kv_manager(params(cache_strategy="continuous"), 2, 16, 2, [CPU()], session,
                              kv_events_config=mokv.KVEventsConfig(endpoint="inproc://l"))
+
+
+@pytest.mark.parametrize("name", ["buffer_steps", "hwm", "max_queue_size"])
+def test_events_counts_fit_what_holds_them(name):
+    # Issue 56's probe: buffer_steps=2**63 was accepted, then the publisher's deque
+    # raised OverflowError when the manager was built.
+    with pytest.raises(ValueError, match=f"{name}={2**63} is past the largest, 2147483647"):
+        mokv.KVEventsConfig(**{name: 2**63})
+
+
+@pytest.mark.parametrize("arg,value,error,match", [
+    (1, 2**32, ValueError, "max_batch_size must be a positive int up to 2\\*\\*32 - 1"),
+    (2, 2**64, ValueError, "max_seq_len must be a positive int up to 2\\*\\*32 - 1"),
+    (3, 2**63, ValueError, "num_layers.*9223372036854775808"),
+    # A budget past the machine failed in a bare MemoryError or OverflowError.
+    (6, 2**63, mokv.InsufficientMemoryError, f"available_cache_memory={2**63} bytes puts"),
+    (1, 2**31, mokv.InsufficientMemoryError, "max_batch_size=2147483648.*do not fit"),
+])
+def test_a_managers_sizes_are_refused_before_they_fail(session, arg, value, error, match):
+    p = params()
+    args = [p, 2, 16, 2, [CPU()], session, 16 * p.bytes_per_page(2)]
+    args[arg] = value
+    with pytest.raises(error, match=match):
+        mokv.PagedKVCacheManager(*args)
+
+
+def test_a_cache_shape_no_device_holds_is_insufficient_memory(session):
+    # MAX raised a bare ValueError ("Memory allocation failed") or, past 64 bits, a
+    # TypeError from its Buffer constructor.
+    from mokv.cache.cache_memory import cache_buffer
+
+    for shape in ([2**36], [2**40, 2**30], [2**64]):  # 256 GiB: MAX's allocator refuses it
+        with pytest.raises(mokv.InsufficientMemoryError, match=r"a K/V buffer of shape"):
+            cache_buffer(DType.float32, shape, CPU())

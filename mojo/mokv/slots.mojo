@@ -200,8 +200,9 @@ struct ContinuousBatchingSlotTable(Movable):
                     var grown = self._cache_lengths[seq_ids[i]] + valid_lengths[i]
                     if grown > self.max_seq_len:
                         err = String(
-                            t"{SEQUENCE_TOO_LONG}sequence {seq_ids[i]} would hold {grown} tokens, past"
-                            t" max_seq_len={self.max_seq_len}"
+                            t"{SEQUENCE_TOO_LONG}sequence {seq_ids[i]} holds"
+                            t" {self._cache_lengths[seq_ids[i]]} tokens: {valid_lengths[i]} new"
+                            t" tokens would pass max_seq_len={self.max_seq_len}"
                         )
                         break
             if not err:

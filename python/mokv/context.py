@@ -40,7 +40,11 @@ class RequestID(str):
     __slots__ = ()
 
     def __new__(cls, value: str | None = None) -> RequestID:
-        return super().__new__(cls, uuid.uuid4().hex if value is None else value)
+        if value is None:
+            return super().__new__(cls, uuid.uuid4().hex)
+        if not isinstance(value, str):  # str(5) would make an id "5" of any object
+            raise TypeError(f"a RequestID is made of a str, got {type(value).__name__} {value!r}")
+        return super().__new__(cls, value)
 
     def __repr__(self) -> str:
         return f"RequestID({str.__repr__(self)})"
@@ -113,7 +117,7 @@ class TextGenerationContext(Protocol):
         """Isolates the request's prefix-cache pages: requests share pages only when their
         salts are equal (None or "": the unsalted cache, as in vLLM). Set by the server
         (tenant, auth layer), never taken from a caller; managers read it through
-        `cache_salt_of`."""
+        `mokv.cache.extra_keys.hash_inputs`, which refuses any other type."""
         ...
 
     def active_idx_after_skip(self, num_tokens: int) -> int:
@@ -131,14 +135,16 @@ class TextGenerationContext(Protocol):
 
 def token_ids(tokens: object, allow_empty: bool = False) -> np.ndarray:
     """`tokens` as a 1-D int64 array of ids in [0, 2**63) (non-empty unless
-    `allow_empty`); TypeError / ValueError naming the problem otherwise: never a silent
-    truncation of floats, a flattening, or an id that wraps around. What a context's
-    prompt and a router's query (`PrefixRouterIndex.match`) must be."""
+    `allow_empty`); TypeError / ValueError naming the problem and the values otherwise:
+    never a silent truncation of floats, a flattening, or an id that wraps around. What
+    a context's prompt and a router's query (`PrefixRouterIndex.match`) must be."""
     array = np.asarray(tokens)
     if array.dtype == object:  # Python ints past int64 land here
-        raise ValueError(f"tokens must be token ids in [0, 2**63), got {tokens!r}")
+        raise ValueError(f"tokens must be token ids in [0, 2**63), got {_shown(tokens)}")
     if array.size and not np.issubdtype(array.dtype, np.integer):
-        raise TypeError(f"tokens must be integer token ids, got dtype {array.dtype}")
+        raise TypeError(
+            f"tokens must be integer token ids, got {_shown(tokens)} (dtype {array.dtype})"
+        )
     if array.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
     if array.size == 0:
@@ -151,25 +157,74 @@ def token_ids(tokens: object, allow_empty: bool = False) -> np.ndarray:
     return array.astype(np.int64)
 
 
-def _multimodal_inputs(inputs: object, prompt_len: int) -> tuple[MultimodalInput, ...]:
+def _shown(value: object, limit: int = 80) -> str:
+    """`value`'s repr, cut to `limit` characters (an error names a prompt, not all of it)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def check_cache_salt(value: object) -> str | None:
+    """`value` as a context's `cache_salt`: a str or None (TypeError otherwise, a falsy
+    one included: `0` or `b""` must not mean "no tenant")."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"cache_salt must be a str or None, got {value!r}")
+    return value
+
+
+def check_name(name: str, value: object) -> str | None:
+    """`value` as a context's `lora_name` or `session_id`: a non-empty str or None."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise TypeError(f"{name} must be a non-empty str or None, got {value!r}")
+    return value
+
+
+def check_lora_id(value: object, lora_name: str | None) -> int | None:
+    """`value` as a context's `lora_id`: an int >= 0 (bool excluded) or None, and only
+    with a `lora_name` (the name keys the pages, the id is only published)."""
+    if value is None:
+        return None
+    if value.__class__ is not int or value < 0:
+        raise TypeError(f"lora_id must be an int >= 0 or None, got {value!r}")
+    if lora_name is None:
+        raise ValueError(f"lora_id={value} needs a lora_name (the name keys the pages)")
+    return value
+
+
+def multimodal_inputs(inputs: object, num_tokens: int) -> tuple[MultimodalInput, ...]:
     """`inputs` as a tuple of `MultimodalInput`s ordered by offset, not overlapping and
-    inside the prompt; TypeError / ValueError naming the offending input otherwise."""
-    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
-        raise TypeError(f"mm_inputs must be a sequence of mokv.MultimodalInput, got {inputs!r}")
+    within the first `num_tokens` tokens (the prompt); TypeError / ValueError naming the
+    offending input otherwise. Checked where a context is given it and again where a
+    manager or a router reads it (a context's field may be set at any time)."""
+    if inputs is None or isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
+        raise TypeError(
+            f"mm_inputs must be a sequence of mokv.MultimodalInput, got "
+            f"{type(inputs).__name__} {_shown(inputs)}"
+        )
     images = tuple(inputs)
     end = 0
     for image in images:
         if not isinstance(image, MultimodalInput):
-            raise TypeError(f"mm_inputs holds {image!r}; each must be a mokv.MultimodalInput")
+            raise TypeError(f"mm_inputs holds {_shown(image)}; each must be a mokv.MultimodalInput")
         if image.offset < end:
             raise ValueError(
                 f"mm_inputs must be ordered by offset and not overlap: {image!r} starts "
                 f"before token {end}, where the one before it ends"
             )
-        if image.end > prompt_len:
-            raise ValueError(f"{image!r} ends past the prompt's {prompt_len} tokens")
+        if image.end > num_tokens:
+            raise ValueError(f"{image!r} ends past the prompt's {num_tokens} tokens")
         end = image.end
     return images
+
+
+def check_max_length(value: object, num_tokens: int) -> int | None:
+    """`value` as a context's `max_length`: None or an int (bool excluded) at least
+    `num_tokens`, the tokens it holds already."""
+    if value is not None and (value.__class__ is not int or value < max(num_tokens, 1)):
+        raise ValueError(
+            f"max_length must be None or an int >= {max(num_tokens, 1)} (the tokens the "
+            f"context holds), got {value!r}"
+        )
+    return value
 
 
 class TextContext:
@@ -178,7 +233,8 @@ class TextContext:
     Args:
         tokens: the prompt's token ids: a 1-D integer array-like of ids >= 0, at least one.
         request_id: defaults to a fresh `RequestID()`.
-        max_length: optional cap on `end_idx` (prompt + generated tokens).
+        max_length: optional cap on `end_idx` (prompt + generated tokens), at least the
+            prompt's length.
         cache_salt: isolates the prefix cache per tenant (see
             `TextGenerationContext.cache_salt`); set by the server, never by a caller.
         lora_name: the LoRA adapter the request runs under (None: the base model).
@@ -193,6 +249,10 @@ class TextContext:
         session_id: the agent or chat session the request belongs to: with
             `KVCacheParams.sessions` set, its pages stay retained after `release`
             until the session ends (`mokv.SessionConfig`).
+
+    `max_length` and the keys (`cache_salt`, `lora_name`, `lora_id`, `mm_inputs`,
+    `session_id`) may be set later; each is checked when set, as here (TypeError /
+    ValueError naming the value, the context unchanged).
     """
 
     __slots__ = (
@@ -202,12 +262,12 @@ class TextContext:
         "_active",
         "_end",
         "_prompt_len",
-        "max_length",
-        "cache_salt",
-        "lora_name",
-        "lora_id",
-        "mm_inputs",
-        "session_id",
+        "_max_length",
+        "_cache_salt",
+        "_lora_name",
+        "_lora_id",
+        "_mm_inputs",
+        "_session_id",
     )
 
     def __init__(
@@ -221,28 +281,71 @@ class TextContext:
         mm_inputs: Sequence[MultimodalInput] = (),
         session_id: str | None = None,
     ) -> None:
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
-        for name, value in (("lora_name", lora_name), ("session_id", session_id)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise TypeError(f"{name} must be a non-empty str or None, got {value!r}")
-        if lora_id is not None and (lora_id.__class__ is not int or lora_id < 0):
-            raise TypeError(f"lora_id must be an int >= 0 or None, got {lora_id!r}")
-        if lora_id is not None and lora_name is None:
-            raise ValueError(f"lora_id={lora_id} needs a lora_name (the name keys the pages)")
+        # Every field is checked before any is set: a bad one leaves no half-built context.
+        check_cache_salt(cache_salt)
+        check_name("lora_name", lora_name)
+        check_name("session_id", session_id)
+        check_lora_id(lora_id, lora_name)
         prompt = token_ids(tokens)
-        images = _multimodal_inputs(mm_inputs, prompt.size)
+        check_max_length(max_length, prompt.size)
+        images = multimodal_inputs(mm_inputs, prompt.size)
         self._request_id = RequestID(request_id) if request_id is not None else RequestID()
         self._buf = np.empty(max(16, 2 * prompt.size), dtype=np.int64)
         self._buf[: prompt.size] = prompt
         self._start = 0
         self._end = self._active = self._prompt_len = int(prompt.size)
-        self.max_length = max_length
-        self.cache_salt = cache_salt
-        self.lora_name = lora_name
-        self.lora_id = lora_id
-        self.mm_inputs = images
-        self.session_id = session_id
+        # The keys, checked above (the setters would check them again).
+        self._max_length, self._cache_salt, self._lora_name = max_length, cache_salt, lora_name
+        self._lora_id, self._mm_inputs, self._session_id = lora_id, images, session_id
+
+    # The fields a server may set after construction are checked when set, as when given
+    # to `__init__`: a salt of `0` or an image span past the prompt is refused there, not
+    # read as "no tenant" or found wrong later. (A manager checks them again when it reads
+    # them: `mokv.cache.extra_keys.hash_inputs`, since any context type may carry them.)
+
+    def _set_max_length(self, value: int | None) -> None:
+        self._max_length = check_max_length(value, self._end)
+
+    def _set_cache_salt(self, value: str | None) -> None:
+        self._cache_salt = check_cache_salt(value)
+
+    def _set_lora_name(self, value: str | None) -> None:
+        check_name("lora_name", value)
+        if value is None and self._lora_id is not None:
+            raise ValueError(
+                f"lora_name=None with lora_id={self._lora_id}: set lora_id to None first"
+            )
+        self._lora_name = value
+
+    def _set_lora_id(self, value: int | None) -> None:
+        self._lora_id = check_lora_id(value, self._lora_name)
+
+    def _set_mm_inputs(self, value: Sequence[MultimodalInput]) -> None:
+        self._mm_inputs = multimodal_inputs(value, self._prompt_len)
+
+    def _set_session_id(self, value: str | None) -> None:
+        self._session_id = check_name("session_id", value)
+
+    max_length = property(
+        attrgetter("_max_length"), _set_max_length, doc="Cap on `end_idx`, or None."
+    )
+    cache_salt = property(
+        attrgetter("_cache_salt"),
+        _set_cache_salt,
+        doc="The tenant's salt (`TextGenerationContext.cache_salt`), or None.",
+    )
+    lora_name = property(
+        attrgetter("_lora_name"), _set_lora_name, doc="The LoRA adapter's name, or None."
+    )
+    lora_id = property(
+        attrgetter("_lora_id"), _set_lora_id, doc="The adapter's integer id, or None."
+    )
+    mm_inputs = property(
+        attrgetter("_mm_inputs"), _set_mm_inputs, doc="The prompt's images, by offset."
+    )
+    session_id = property(
+        attrgetter("_session_id"), _set_session_id, doc="The agent session, or None."
+    )
 
     def __repr__(self) -> str:
         return (
@@ -287,8 +390,8 @@ class TextContext:
 
     def chunk(self, max_tokens: int) -> None:
         """Limits this step's active window to at most `max_tokens` tokens (chunked prefill)."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if max_tokens.__class__ is not int or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         self._active = min(self._end, self._start + max_tokens)
 
     def active_idx_after_skip(self, num_tokens: int) -> int:
@@ -296,9 +399,9 @@ class TextContext:
         keeps its length (a prompt chunk stays a chunk), holds at least one token (the
         model must run on the last token to produce the next one), and stops at `end_idx`.
         """
-        if not self._start <= num_tokens < self._end:
+        if num_tokens.__class__ is not int or not self._start <= num_tokens < self._end:
             raise ValueError(
-                f"cannot skip to {num_tokens}: must lie in [start_idx={self._start}, "
+                f"cannot skip to {num_tokens!r}: must be an int in [start_idx={self._start}, "
                 f"end_idx={self._end})"
             )
         return min(self._end, num_tokens + max(self._active - self._start, 1))
@@ -326,8 +429,8 @@ class TextContext:
             or not (0 <= new_token < 2**63)
         ):
             raise ValueError(f"new_token must be a token id in [0, 2**63), got {new_token!r}")
-        if self.max_length is not None and self._end >= self.max_length:
-            raise ValueError(f"request {self._request_id!r} reached max_length={self.max_length}")
+        if self._max_length is not None and self._end >= self._max_length:
+            raise ValueError(f"request {self._request_id!r} reached max_length={self._max_length}")
         if self._end == self._buf.size:
             self._buf = np.concatenate([self._buf, np.empty_like(self._buf)])
         self._buf[self._end] = new_token
@@ -340,10 +443,3 @@ class TextContext:
         self._start = 0
         self._active = self._end
         self._prompt_len = self._end
-
-
-def cache_salt_of(ctx: object) -> str | None:
-    """The salt a manager keys `ctx`'s pages with: its `cache_salt`, with None for a
-    context without one and for the empty salt (vLLM salts a request only when its
-    `cache_salt` is truthy, so "" shares the unsalted cache)."""
-    return getattr(ctx, "cache_salt", None) or None

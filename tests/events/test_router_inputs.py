@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from mokv import MultimodalInput
 from mokv.events import EventSubscriber, KVEventBatch, PrefixRouterIndex, build_events
 from mokv.events.publisher import EventRecorder
 
@@ -15,8 +16,9 @@ from tests.events.test_publisher import hashes
 
 
 @pytest.mark.parametrize("page_size,match", [
-    (0, "page_size must be a positive int, got 0"), (-4, "got -4"), (4.0, "got 4.0"),
-    (True, "got True"), ("4", "got '4'"), (None, "got None"),
+    (0, r"page_size must be a positive int below 2\*\*32, got 0"), (-4, "got -4"),
+    (4.0, "got 4.0"), (True, "got True"), ("4", "got '4'"), (None, "got None"),
+    (2**63, f"got {2**63}"),  # a query then raised numpy's "Maximum allowed dimension"
 ])
 def test_page_size_is_a_positive_int(page_size, match):
     with pytest.raises(ValueError, match=match):
@@ -42,7 +44,7 @@ def an_index_holding_the_first_two_pages():
 
 
 @pytest.mark.parametrize("tokens,error,match", [
-    (np.arange(9, dtype=np.float64), TypeError, "integer token ids, got dtype float64"),
+    (np.arange(9, dtype=np.float64), TypeError, r"integer token ids, got array\(\[0\., 1\..*\(dtype float64\)"),
     ([0.0, 1.0, 2.0, 3.0, 4.0], TypeError, "dtype float64"),
     (np.arange(8).reshape(2, 4), ValueError, "one-dimensional, got shape \\(2, 4\\)"),
     ([0, 1, 2, -3, 4], ValueError, "\\[-3\\]"),
@@ -81,10 +83,35 @@ def test_a_subscribers_sources_are_checked(kwargs, error, match):
 def test_a_subscribers_index_timeouts_and_polls_are_checked():
     with pytest.raises(TypeError, match="index must have apply"):
         EventSubscriber(object())
-    for timeout in (0, -1, math.inf, math.nan, "2"):
+    for timeout in (0, -1, math.inf, math.nan, "2", 1e12, 3601):
         with pytest.raises(ValueError, match=f"replay_timeout.*got {timeout!r}"):
             EventSubscriber(PrefixRouterIndex(page_size=4), replay_timeout=timeout)
     subscriber = EventSubscriber(PrefixRouterIndex(page_size=4))
-    with pytest.raises(ValueError, match="timeout_ms must be an int >= 0, got 1.5"):
-        subscriber.poll(1.5)
+    for timeout_ms in (1.5, -1, 2**63, True):
+        with pytest.raises(ValueError, match=rf"timeout_ms must be an int in \[0, 3600000\], got {timeout_ms!r}"):
+            subscriber.poll(timeout_ms)
     subscriber.close()
+
+
+@pytest.mark.parametrize("keys,error,match", [
+    # Issue 56: a tuple for an image raised an AttributeError; bad spans were accepted.
+    (dict(mm_inputs=[("x", 0, 4)]), TypeError, r"mm_inputs holds \('x', 0, 4\)"),
+    (dict(mm_inputs=[MultimodalInput("a", 4, 4), MultimodalInput("b", 0, 2)]), ValueError,
+     "ordered by offset"),
+    (dict(mm_inputs=[MultimodalInput("a", 0, 4), MultimodalInput("b", 3, 4)]), ValueError,
+     "not overlap"),
+    (dict(mm_inputs=[MultimodalInput("a", 6, 4)]), ValueError, "ends past the prompt's 9"),
+    (dict(cache_salt=b""), TypeError, "cache_salt must be a str or None, got b''"),
+    (dict(lora_name=0), TypeError, "lora_name must be a non-empty str or None, got 0"),
+])
+@pytest.mark.parametrize("query", ["match", "scores", "best", "page_hashes"])
+def test_a_querys_keys_are_checked_as_a_contexts(keys, error, match, query):
+    index = an_index_holding_the_first_two_pages()
+    with pytest.raises(error, match=match):
+        getattr(index, query)(np.arange(9), **keys)
+
+
+def test_a_query_of_strings_is_named():
+    index = an_index_holding_the_first_two_pages()
+    with pytest.raises(TypeError, match=r"integer token ids, got \['a'\] \(dtype <U1\)"):
+        index.match(["a"])

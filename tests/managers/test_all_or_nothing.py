@@ -504,8 +504,9 @@ def test_continuous_and_null_check_their_arguments(session):
     assert cont.fetch([s])[0].cache_lengths.to_numpy().tolist() == [0]
     null = mokv.NullKVCacheManager(small_params(), 2, 16, NUM_LAYERS, [CPU()], session, 0)
     ctx = TextContext([1, 2])
-    with pytest.raises(mokv.UnknownRequestError):
-        null.maybe_reserve(ctx)
+    with pytest.raises(mokv.SequenceTooLongError):  # seed 001: no claim needed, but room
+        null.maybe_reserve(ctx, num_steps=16)
+    assert not null.contains(ctx.request_id)  # the refused reservation recorded nothing
     with pytest.raises(ValueError, match="num_steps"):
         null.fetch([], num_steps=0)
     null.external_claim(ctx.request_id)

@@ -14,6 +14,7 @@ from max.driver import CPU
 from mokv import TextContext
 
 from .conftest import NUM_LAYERS, make_paged, small_params
+from .paged.test_sessions import turn
 
 
 @dataclass
@@ -26,6 +27,10 @@ class HandMade:
     active_idx: int = -1
     end_idx: int = -1
     cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
+    mm_inputs: object = ()
+    session_id: str | None = None
     skipped: list[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -166,3 +171,67 @@ def test_the_null_manager_refuses_a_page_size_its_params_disagree_with(session):
     with pytest.raises(ValueError, match="page_size=16 disagrees with params.page_size=4"):
         null(session, page_size=16)
     assert null(session, page_size=4).page_size == 4
+
+
+# --- issue 56: the keys a manager reads are checked where it reads them ---------------
+
+PROMPT = np.arange(9)  # two full pages of 4, then one token
+
+
+def a_cached_prompt(session, **overrides):
+    """A manager holding PROMPT's two pages, committed by an unsalted request."""
+    m = make_paged(session, **overrides)
+    turn(m, PROMPT)
+    return m
+
+
+@pytest.mark.parametrize("keys,error,match", [
+    # A falsy key of another type meant "no tenant": the unsalted pages were reused.
+    (dict(cache_salt=0), TypeError, "cache_salt must be a str or None, got 0"),
+    (dict(cache_salt=False), TypeError, "got False"),
+    (dict(cache_salt=b""), TypeError, "got b''"),
+    (dict(cache_salt=()), TypeError, r"got \(\)"),
+    (dict(lora_name=0), TypeError, "lora_name must be a non-empty str or None, got 0"),
+    (dict(lora_name=""), TypeError, "lora_name.*got ''"),
+    (dict(cache_salt=7), TypeError, "got 7"),
+    # An image that is not a MultimodalInput raised an AttributeError; spans were unchecked.
+    (dict(mm_inputs=[("x", 0, 4)]), TypeError, r"mm_inputs holds \('x', 0, 4\)"),
+    (dict(mm_inputs=0), TypeError, "mm_inputs must be a sequence.*0"),
+    (dict(mm_inputs=[mokv.MultimodalInput("a", 4, 4), mokv.MultimodalInput("b", 0, 2)]),
+     ValueError, "ordered by offset"),
+    (dict(mm_inputs=[mokv.MultimodalInput("a", 0, 4), mokv.MultimodalInput("b", 2, 4)]),
+     ValueError, "not overlap"),
+    (dict(mm_inputs=[mokv.MultimodalInput("a", 6, 4)]), ValueError, "ends past the prompt's 9"),
+    (dict(session_id=0), TypeError, "session_id must be a non-empty str or None, got 0"),
+    (dict(lora_name="x", lora_id="1"), TypeError, "lora_id must be an int >= 0 or None, got '1'"),
+    (dict(lora_id=3), ValueError, "lora_id=3 needs a lora_name"),
+])
+def test_a_key_of_the_wrong_type_or_span_is_refused_and_changes_nothing(session, keys, error,
+                                                                       match):
+    m = a_cached_prompt(session, sessions=mokv.SessionConfig())
+    ctx = HandMade(mokv.RequestID("r"), PROMPT, **keys)
+    m.external_claim(ctx.request_id)
+    free = m.num_free_blocks
+    with pytest.raises(error, match=match):
+        m.maybe_reserve(ctx)
+    assert ctx.start_idx == 0 and m.get_req_blocks(ctx.request_id) == []
+    assert m.num_free_blocks == free
+    m.check_invariants()
+    with pytest.raises(error, match=match):
+        m.fetch([ctx])
+    assert m.get_req_blocks(ctx.request_id) == []
+
+
+def test_a_key_changed_to_a_bad_one_before_step_is_refused_there(session):
+    m = a_cached_prompt(session)
+    ctx = HandMade(mokv.RequestID("r"), np.arange(100, 109), cache_salt="tenant")
+    m.external_claim(ctx.request_id)
+    m.fetch([ctx])
+    ctx.start_idx = ctx.end_idx  # the step processed the prompt
+    ctx.cache_salt = 0
+    with pytest.raises(TypeError, match="cache_salt must be a str or None, got 0"):
+        m.step([ctx])
+    assert m.replicas[0].committed_hashes(ctx.request_id) == []  # nothing committed
+    ctx.cache_salt = "tenant"
+    m.step([ctx])
+    assert len(m.replicas[0].committed_hashes(ctx.request_id)) == 2

@@ -61,7 +61,7 @@ def test_bad_input_is_rejected_and_changes_nothing(seqs):
         seqs.fetch([2])
     with pytest.raises(mokv.BatchTooLargeError, match="2 sequences: 1 of 3"):
         seqs.claim(2)
-    with pytest.raises(mokv.SequenceTooLongError, match="sequence 0 would hold 17"):
+    with pytest.raises(mokv.SequenceTooLongError, match="sequence 0 holds 10 tokens: 7 new tokens"):
         seqs.step({seq_ids[1]: 1, seq_ids[0]: 7})
     with pytest.raises(ValueError, match="a token count"):
         seqs.step({seq_ids[0]: -5})
@@ -77,10 +77,11 @@ def test_request_ids_and_sequence_ids_share_slots_but_never_mix(seqs):
     assert seqs.num_free_blocks == seqs.requests.num_free_blocks == 1
     assert seqs.contains(seq_id) and seqs.requests.contains(ctx.request_id)
     (slot,) = seqs.requests.get_req_blocks(ctx.request_id)
-    assert not seqs.contains(slot) and not seqs.contains(ctx.request_id)
+    assert not seqs.contains(slot)  # the request's slot is no sequence
+    assert seqs.contains(ctx.request_id)  # a str is a request id: the request flow's
     with pytest.raises(mokv.UnknownRequestError):
-        seqs.release(slot)  # the request's slot is no sequence
-    for call in (seqs.release, seqs.cache_length, lambda s: seqs.step({s: 1})):
+        seqs.release(slot)
+    for call in (seqs.cache_length, lambda s: seqs.step({s: 1})):
         with pytest.raises(TypeError, match="sequence ids are ints"):
             call(ctx.request_id)
     with pytest.raises(TypeError, match="sequence ids are ints"):
@@ -88,5 +89,5 @@ def test_request_ids_and_sequence_ids_share_slots_but_never_mix(seqs):
     with pytest.raises(TypeError, match="request_id must be a str"):
         seqs.requests.release(seq_id)
     seqs.release(seq_id)
-    seqs.requests.release(ctx.request_id)
-    assert seqs.num_free_blocks == 3
+    seqs.release(ctx.request_id)  # the request flow's release, by its id
+    assert seqs.num_free_blocks == 3 and not seqs.requests.contains(ctx.request_id)

@@ -206,3 +206,17 @@ def test_the_tiny_llama_is_written_once(tmp_path):
     assert mg.tiny_llama_checkpoint(tmp_path) == directory
     assert (directory / "model.safetensors").stat().st_mtime_ns == written
     assert mg.config_from_hf(directory) == mg.TINY_LLAMA
+
+
+def test_a_bfloat16_checkpoint_holds_the_nearest_bfloat16_values(tmp_path, config, weights):
+    weights = dict(weights)
+    # 1 + 2^-8 lies halfway between two bfloat16 values: ties go to the even one, 1.0;
+    # 1 + 2^-8 + 2^-9 lies above halfway: 1 + 2^-7.
+    weights["model.norm.weight"] = np.full(config.hidden_size, 1.0, np.float32)
+    weights["model.norm.weight"][:3] = [1 + 2**-8, 1 + 2**-8 + 2**-9, -2.5]
+    mg.save_checkpoint(tmp_path, config, weights, dtype="bfloat16")
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    _, loaded = mg.load_checkpoint(tmp_path)
+    np.testing.assert_array_equal(loaded["model.norm.weight"][:4], [1.0, 1 + 2**-7, -2.5, 1.0])
+    for name, array in weights.items():  # every value within bfloat16's rounding
+        np.testing.assert_allclose(loaded[name], array, rtol=2**-8, atol=0, err_msg=name)

@@ -74,7 +74,7 @@ def test_errors_name_the_value_and_change_nothing() raises:
         m.step([ids[0], 1], [1, 1])
     with assert_raises(contains="ValueError: sequence 0: negative number of new tokens -2"):
         m.step(ids, [-2])
-    with assert_raises(contains="SequenceTooLongError: sequence 0 would hold 9 tokens, past max_seq_len=8"):
+    with assert_raises(contains="SequenceTooLongError: sequence 0 holds 0 tokens: 9 new tokens would pass max_seq_len=8"):
         m.step(ids, [9])
     with assert_raises(contains="ValueError: sequence id 0 appears twice"):
         _ = m.fetch[Manager.CollectionType]([0, 0])

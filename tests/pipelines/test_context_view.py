@@ -67,7 +67,7 @@ def test_salt_lora_images_and_session_come_from_max_s_fields():
     assert (
         MaxContextView(max_context(3, model_name="base"), base_model_name="base").lora_name is None
     )
-    assert MaxContextView(max_context(3, cache_salt="")).cache_salt is None  # MAX's "no salt"
+    assert MaxContextView(max_context(3, cache_salt="")).cache_salt == ""  # no salt, to mokv
     for bad in (b"not json", b"[1, 2]", json.dumps({"session_id": 3}).encode()):
         assert MaxContextView(max_context(3, dkv_cache_hint=bad)).session_id is None
 
@@ -86,4 +86,10 @@ def test_images_and_hashed_tokens_key_the_pages_they_overlap():
     assert MaxContextView(ctx).mm_inputs == (
         MultimodalInput("audio:99", 5, 1),
         MultimodalInput("image:77", 10, 20),
+    )
+    # MAX lets a hashed token fall inside an image: one key over both, naming each part.
+    ctx.token_hash_overrides.append(TokenHashOverride(token_idx=12, token_hash=5, source="x"))
+    assert MaxContextView(ctx).mm_inputs == (
+        MultimodalInput("audio:99", 5, 1),
+        MultimodalInput("image:77@0/20+x:5@2/1", 10, 20),
     )

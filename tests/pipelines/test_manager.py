@@ -268,3 +268,12 @@ def test_tenants_adapters_and_images_key_their_pages_apart(ours):
     served(image_prompt(1))
     assert served(image_prompt(2)) == 0  # same placeholder tokens, another image
     assert served(image_prompt(1)) == PAGE_SIZE
+
+
+def test_a_salt_of_the_wrong_type_is_refused_not_taken_for_no_salt(ours):
+    ctx = max_context([1])
+    ctx.cache_salt = 0  # a server that keeps tenant ids as integers
+    ours.claim(ctx)
+    with pytest.raises(TypeError, match="salt"):
+        ours.alloc(ctx)
+    assert ours.num_req_blocks(ctx) == 0 and ctx.tokens.processed_length == 0

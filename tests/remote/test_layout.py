@@ -6,7 +6,7 @@ import pytest
 from max.dtype import DType
 from mokv import KVCacheParams, RemoteTierConfig
 from mokv.remote import CircuitBreaker, PageCodec, Rejection, RemoteLayout
-from mokv.remote.codec import HEADER_SIZE, TAG_SIZE, mac_key_id
+from mokv.remote.codec import HEADER_SIZE, KEYS_DIGEST_SIZE, NO_KEYS, TAG_SIZE, mac_key_id
 from xxhash import xxh3_64
 
 from .conftest import SMALL, chain, pages
@@ -17,7 +17,7 @@ KEY = b"a secret the servers share"
 def test_key_names_namespace_layout_and_hash():
     layout = RemoteLayout(DType.bfloat16, 128, 16, 8, 64, tp_rank=1, tp_degree=2)
     assert layout.key_prefix("meta-llama/Llama-3.2-1B") == (
-        "mokv:v2:meta-llama/Llama-3.2-1B:bfloat16.p128.l16.h8.d64.tp1-2.xxh3:"
+        "mokv:v3:meta-llama/Llama-3.2-1B:bfloat16.p128.l16.h8.d64.tp1-2.xxh3:"
     )
     assert layout.page_shape == (2, 16, 128, 8, 64)
     assert layout.page_nbytes == 2 * 16 * 128 * 8 * 64 * 2
@@ -29,8 +29,8 @@ def test_key_names_namespace_layout_and_hash():
 def test_a_mac_key_gets_a_key_space_of_its_own():
     plain, sealed = PageCodec(SMALL, "m"), PageCodec(SMALL, "m", KEY)
     key_id = mac_key_id(KEY)
-    assert sealed.key(1) == f"mokv:v2:m:{SMALL.fingerprint}.mac-{key_id}:0000000000000001"
-    assert plain.key(1) == f"mokv:v2:m:{SMALL.fingerprint}:0000000000000001"
+    assert sealed.key(1) == f"mokv:v3:m:{SMALL.fingerprint}.mac-{key_id}:0000000000000001"
+    assert plain.key(1) == f"mokv:v3:m:{SMALL.fingerprint}:0000000000000001"
     assert len(key_id) == 8 and key_id not in KEY.hex()  # names the key, shows none of it
     assert PageCodec(SMALL, "m", b"another secret key").key(1) != sealed.key(1)
     assert PageCodec(SMALL, "m", KEY.decode()).key(1) == sealed.key(1)  # a str key is its UTF-8
@@ -54,7 +54,7 @@ def test_encode_decode_round_trip_is_bit_exact(mac_key):
     page = pages(1)[0]
     value = codec.encode(page_hash, tokens, page)
     tag = TAG_SIZE if mac_key else 0
-    assert len(value) == codec.value_nbytes == HEADER_SIZE + 8 * 4 + page.nbytes + tag
+    assert len(value) == codec.value_nbytes == HEADER_SIZE + 8 * 4 + KEYS_DIGEST_SIZE + page.nbytes + tag
     out = codec.decode(value, page_hash, tokens)
     assert bytes(out) == page.tobytes()
     assert np.array_equal(np.frombuffer(out, np.float32).reshape(SMALL.page_shape), page)
@@ -150,7 +150,7 @@ def test_new_value_refuses_what_does_not_fit_and_copies_the_page():
         codec.new_value(-1, tokens, page)
     value, before = codec.new_value(page_hash, tokens, page), page.tobytes()
     page[...] = 0  # the store keeps its own copy
-    assert value[HEADER_SIZE:] == tokens + before
+    assert value[HEADER_SIZE:] == tokens + NO_KEYS + before  # no keys: a digest of zeros
     assert value[:HEADER_SIZE] == bytes(HEADER_SIZE)  # sealed later, on the writer thread
 
 

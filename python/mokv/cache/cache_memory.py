@@ -23,19 +23,31 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import sys
 from collections.abc import Sequence
 
 from max.driver import Buffer, Device
 from max.dtype import DType
 
+from ..errors import InsufficientMemoryError
+
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <linux/mman.h>
 
 
 def cache_buffer(dtype: DType, shape: Sequence[int], device: Device) -> Buffer:
-    """A buffer for K/V pages on `device`; huge-page backed in host memory on Linux."""
-    buffer = Buffer(dtype, list(shape), device=device)
+    """A buffer for K/V pages on `device`; huge-page backed in host memory on Linux.
+    InsufficientMemoryError naming the shape and bytes when the device cannot hold it
+    (MAX raises a bare ValueError, or a TypeError for dims past 64 bits)."""
+    nbytes = math.prod(shape) * dtype.size_in_bytes
+    where = f"a K/V buffer of shape {list(shape)} ({nbytes} bytes of {dtype.name}) on {device}"
+    if nbytes >= 2**63:
+        raise InsufficientMemoryError(f"{where} is past any device's memory")
+    try:
+        buffer = Buffer(dtype, list(shape), device=device)
+    except (ValueError, MemoryError) as e:
+        raise InsufficientMemoryError(f"{where}: the device cannot hold it ({e})") from None
     if device.is_host and sys.platform == "linux":
         advise_huge_pages(buffer)
     return buffer

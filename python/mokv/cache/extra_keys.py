@@ -20,6 +20,11 @@ keys encoded with type tags and lengths (`hashing.encode_extra_keys`), so no two
 different key sets encode alike. Requests with different salts, adapters or images
 never share a page those keys affect; requests with equal ones do.
 
+A hit is confirmed by the keys themselves, not only by hashes: a keyed page's token
+bytes are a `KeyedTokens`, which equals only the same tokens with the same keys, so
+that pages of different tenants (salts), adapters or images are never interchangeable,
+even if their 64-bit hashes collide (`keyed_pages`).
+
 `hash_inputs(ctx)` is the one function that reads, from a request, everything that
 enters its page hashes besides the tokens (None when nothing does): a cache of a
 request's hash chain must be keyed on it. `request_keys(ctx)` adds what events carry
@@ -34,9 +39,17 @@ salt (first page only), or None when the page has none; `lora_name` / `lora_id` 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from typing import NamedTuple
 
-from ..context import MultimodalInput
+from ..context import (
+    MultimodalInput,
+    check_cache_salt,
+    check_lora_id,
+    check_name,
+    multimodal_inputs,
+)
 from .hashing import encode_extra_keys, keyed_root
 
 LORA_TAG = "lora"
@@ -54,26 +67,46 @@ class HashInputs(NamedTuple):
 
 def hash_inputs(ctx: object) -> HashInputs | None:
     """What keys `ctx`'s pages besides its tokens, or None for an unsalted, adapter-free,
-    text-only request. The empty salt is no salt (as in vLLM)."""
-    salt = getattr(ctx, "cache_salt", None) or None
-    lora = getattr(ctx, "lora_name", None) or None
-    images = getattr(ctx, "mm_inputs", None) or ()
-    if salt is None and lora is None and not images:
+    text-only request. The empty salt is no salt (as in vLLM).
+
+    Each key is checked here, where every manager reads it, whatever the context's type
+    (TypeError / ValueError naming it; `mokv.context`'s checks): a salt or an adapter of
+    another type, a falsy one included (`0`, `b""`), never means "no tenant", and image
+    spans lie in order within the context's tokens."""
+    salt = getattr(ctx, "cache_salt", None)
+    lora = getattr(ctx, "lora_name", None)
+    images = getattr(ctx, "mm_inputs", ())
+    if (
+        salt is None
+        and lora is None
+        and (images is None or images.__class__ is tuple and not images)
+    ):
+        return None  # most requests: three reads, no check
+    check_cache_salt(salt)
+    check_name("lora_name", lora)
+    if images is not None:
+        images = multimodal_inputs(images, ctx.end_idx)  # type: ignore[attr-defined]
+    if not salt and lora is None and not images:
         return None
-    return HashInputs(salt, lora, tuple(images))
+    return HashInputs(salt or None, lora, images or ())
 
 
 def chain_root(algorithm: str, seed: int, cache_salt: str | None, lora_name: str | None) -> int:
     """The parent hash of the first page of a request with this salt and adapter:
     `hashing.keyed_root` of their tagged values (a salt alone gives the root it always
     gave, so salted pages keep their hashes)."""
+    return keyed_root(algorithm, seed, _tagged(cache_salt, lora_name))
+
+
+def _tagged(cache_salt: str | None, lora_name: str | None) -> tuple[str, ...]:
+    """(tag, value, ...) of the request-wide keys given (TypeError for a value not a str)."""
     keys: tuple[str, ...] = ()
     for tag, value in ((SALT_TAG, cache_salt), (LORA_TAG, lora_name)):
         if value is not None:
             if not isinstance(value, str):
                 raise TypeError(f"{tag} must be a str or None, got {value!r}")
             keys += (tag, value)
-    return keyed_root(algorithm, seed, keys)
+    return keys
 
 
 def page_keys(
@@ -90,6 +123,79 @@ def page_keys(
             offset = image.offset - page_idx * page_size
             keys.setdefault(page_idx, []).extend((MM_TAG, image.identifier, offset, image.length))
     return {page_idx: encode_extra_keys(*k) for page_idx, k in keys.items()}
+
+
+class KeyedTokens(bytes):
+    """The token bytes of a page that extra keys key too (a salt, an adapter, images),
+    carrying those keys: equal only to the same bytes with the same keys.
+
+    A hit is confirmed by comparing the page's stored token bytes with the request's
+    (the device index, the host tier, the chain memo, `PagePool.lookup`): with the keys
+    in the comparison, it confirms them too, exactly, whatever the page hashes. Two
+    tenants' pages with equal tokens whose 64-bit chain hashes collide are never
+    interchangeable: a page of another salt, adapter or image set, or of none, compares
+    unequal (an unkeyed page's bytes are plain `bytes`, which never equal these). The
+    shared tier, whose values outlive the process, stores a digest of the keys beside
+    the tokens (`mokv.remote.codec`).
+
+    Why a `bytes` subclass and not a column of keys beside each pool's tokens: every
+    place that compares tokens compares keys with no change of its own, and plain
+    requests keep plain bytes, at no cost. Python gives a subclass's `__eq__` / `__ne__`
+    precedence when the other operand is plain `bytes`, on either side. Anything that
+    reads the bytes (events, copies into values) sees the tokens alone, and so does a
+    `memoryview` or `bytearray` compared with them from the left (the pools hold `bytes`;
+    the shared tier, which compares a value's memoryview, compares the keys' digest apart).
+    """
+
+    # A bytes subclass cannot declare slots: the keys live in the instance dict.
+
+    def __new__(cls, data: bytes, extra_keys: bytes) -> KeyedTokens:
+        tokens = super().__new__(cls, data)
+        tokens.extra_keys = extra_keys
+        return tokens
+
+    extra_keys: bytes
+    """The page's encoded keys (`keyed_pages`): never empty."""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (bytes, bytearray)):
+            return NotImplemented  # a memoryview compares the bytes alone
+        return getattr(other, "extra_keys", None) == self.extra_keys and bytes.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = bytes.__hash__
+
+    def __repr__(self) -> str:
+        return f"KeyedTokens({bytes.__repr__(self)}, extra_keys={self.extra_keys!r})"
+
+
+@functools.lru_cache(maxsize=4096)
+def request_identity(cache_salt: str | None, lora_name: str | None) -> bytes:
+    """The encoded keys every page of a request with this salt and adapter carries (b""
+    for neither), tagged as in `chain_root`."""
+    keys = _tagged(cache_salt, lora_name)
+    return encode_extra_keys(*keys) if keys else b""
+
+
+def keyed_pages(
+    pages: list[tuple[int, bytes]],
+    inputs: HashInputs,
+    image_keys: Mapping[int, bytes] | None,
+    first_page: int,
+) -> list[tuple[int, bytes]]:
+    """`pages` ((hash, token bytes) of a request's pages from page `first_page` on) with
+    each page's bytes a `KeyedTokens` of its keys: the request's salt and adapter, then
+    the images it overlaps (`image_keys`, as `page_keys` gives them). A page with no key
+    keeps its plain bytes."""
+    base = request_identity(inputs.cache_salt, inputs.lora_name)
+    out = []
+    for page_idx, (page_hash, data) in enumerate(pages, start=first_page):
+        keys = base + image_keys.get(page_idx, b"") if image_keys else base
+        out.append((page_hash, KeyedTokens(data, keys) if keys else data))
+    return out
 
 
 class EventKeys(NamedTuple):
@@ -149,9 +255,14 @@ class RequestKeys(NamedTuple):
 
 def request_keys(ctx: object) -> RequestKeys | None:
     """`ctx`'s keys for events (None when it has none): `hash_inputs(ctx)`, its adapter's
-    id and its `session_id` (vLLM 0.33 publishes the request's session on its stores)."""
+    id and its `session_id` (vLLM 0.33 publishes the request's session on its stores),
+    each checked as `hash_inputs` checks its keys: a manager calls it before it first
+    reserves a request, so that a bad key changes nothing."""
     inputs = hash_inputs(ctx)
-    session_id = getattr(ctx, "session_id", None)
+    session_id = check_name("session_id", getattr(ctx, "session_id", None))
+    lora_id = getattr(ctx, "lora_id", None)
+    if lora_id is not None:
+        check_lora_id(lora_id, inputs.lora_name if inputs is not None else None)
     if inputs is None and session_id is None:
         return None
-    return RequestKeys(inputs, getattr(ctx, "lora_id", None), session_id)
+    return RequestKeys(inputs, lora_id, session_id)

@@ -15,7 +15,8 @@ ZMQ_SCHEMES = ("tcp", "ipc", "inproc")
 
 MAX_PORT = 65535
 MAX_HWM = 2**31 - 1
-"""ZMQ's high-water mark is a C int."""
+"""ZMQ's high-water mark is a C int; the buffer and queue lengths are held to the same
+bound (a C ssize_t past it would overflow, and no publisher keeps 2**31 batches)."""
 
 SALT_FORMATS = ("vllm", "dynamo", "sglang")
 """How a salted first page carries its cache salt (`KVEventsConfig.salt_format`)."""
@@ -74,8 +75,8 @@ class KVEventsConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.hwm > MAX_HWM:
-            raise ValueError(f"hwm={self.hwm} is past ZMQ's largest high-water mark {MAX_HWM}")
+            if value > MAX_HWM:
+                raise ValueError(f"{name}={value} is past the largest, {MAX_HWM} (a C int's)")
         if self.payload_format not in PAYLOAD_FORMATS:
             raise ValueError(
                 f"payload_format={self.payload_format!r} is not one of {PAYLOAD_FORMATS}"

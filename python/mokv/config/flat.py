@@ -28,7 +28,7 @@ import functools
 from dataclasses import fields
 from typing import Any
 
-from .tiers import HostTierConfig, RemoteTierConfig, TierConfig
+from .tiers import HostTierConfig, RemoteTierConfig, TierConfig, redacted_url
 
 HOST_SPELLINGS = {
     "host_kvcache_swap_space_gb": "swap_space_gb",
@@ -79,11 +79,16 @@ def _config(cls: type, spellings: dict[str, str], flat: dict[str, Any], **requir
     try:
         return cls(**fields)
     except (TypeError, ValueError) as e:
-        given = ", ".join(f"{name}={value!r}" for name, value in flat.items())
+        given = ", ".join(f"{name}={_shown(name, value)}" for name, value in flat.items())
         mapping = ", ".join(f"{name} -> {field}" for name, field in spellings.items())
         raise type(e)(
             f"{e} (flat spellings given: {given}; they map to {cls.__name__} as {mapping})"
         ) from None
+
+
+def _shown(name: str, value: Any) -> str:
+    """A flat setting as an error shows it: a URL without its passwords."""
+    return repr(redacted_url(value)) if name == "remote_kvcache_url" else repr(value)
 
 
 def accepts_flat_spellings(cls: type) -> type:

@@ -104,8 +104,10 @@ class KVCacheParams:
             )
         for name in ("n_kv_heads", "head_dim", "page_size", "data_parallel_degree", "n_devices"):
             value = getattr(self, name)
-            if value.__class__ is not int or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            # At most 2**32 - 1, as a manager's sizes: past it no device holds one page,
+            # and MAX's buffers refuse dims past 64 bits with an untyped error.
+            if value.__class__ is not int or not 1 <= value < 2**32:
+                raise ValueError(f"{name} must be a positive int below 2**32, got {value!r}")
         # Accept the enum's string value too ("paged"), as configs often come from text.
         object.__setattr__(self, "cache_strategy", KVCacheStrategy(self.cache_strategy))
         if self.n_devices % self.data_parallel_degree:

@@ -13,7 +13,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 
@@ -28,6 +28,12 @@ REMOTE_NAMESPACE = re.compile(r"[A-Za-z0-9._/@+-]{1,200}")
 
 REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
 """URL schemes of `RemoteTierConfig.url` (those of redis-py's `from_url`)."""
+
+MAX_TIMEOUT_S = 60.0
+"""Longest `RemoteTierConfig.timeout_s` (and a `RemotePageStore`'s): the shared tier is
+asked inside `maybe_reserve`, so a slower reply stalls every request of the step, and a
+miss only costs a recompute. (Python's sockets refuse timeouts past ~2**63 ns: 1e12 s
+broke every lookup with an OverflowError.)"""
 
 
 class TierConfig(ABC):
@@ -106,13 +112,14 @@ class RemoteTierConfig(TierConfig):
         namespace: the model's name in the store, 1-200 characters of
             `[A-Za-z0-9._/@+-]`: only managers with the same namespace, page layout and
             `prefix_hash_seed` share pages.
-        timeout_s: bound on each connect and each reply (a slower server is a miss).
+        timeout_s: bound on each connect and each reply (a slower server is a miss), in
+            seconds: at most `MAX_TIMEOUT_S` (60).
         mac_key: a secret the servers share (bytes, or a str; at least 16 bytes): every
             value is sealed with an HMAC-SHA256 tag and served only if its tag is
             right, so that whoever can write the Redis server but lacks the key cannot
             plant pages (`mokv.remote.codec`). None (the default): no tag, and the
             server must be trusted. Servers with different keys share nothing; it is
-            never shown in a repr or an error.
+            never shown in a repr or an error, nor is a password in `url`.
     """
 
     name: ClassVar[str] = "remote"
@@ -129,9 +136,19 @@ class RemoteTierConfig(TierConfig):
                 f"(the model's name in the shared store), got {self.namespace!r}"
             )
         timeout = self.timeout_s
-        if timeout.__class__ not in (int, float) or not 0 < timeout < math.inf:
-            raise ValueError(f"RemoteTierConfig.timeout_s must be finite and > 0, got {timeout!r}")
+        if timeout.__class__ not in (int, float) or not 0 < timeout <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"RemoteTierConfig.timeout_s must be a number of seconds in (0, "
+                f"{MAX_TIMEOUT_S:g}], got {timeout!r}"
+            )
         mac_key_bytes(self.mac_key, "RemoteTierConfig.mac_key")
+
+    def __repr__(self) -> str:
+        """The fields but the secrets: the URL's passwords shown as `***`, no MAC key."""
+        return (
+            f"RemoteTierConfig(url={redacted_url(self.url)!r}, namespace={self.namespace!r}, "
+            f"timeout_s={self.timeout_s!r})"
+        )
 
     def check(self, params: ParamsView) -> None:
         if not params.enable_prefix_caching:
@@ -149,35 +166,69 @@ class RemoteTierConfig(TierConfig):
 def check_url(url: object) -> None:
     """ValueError naming `url` unless it is a Redis URL that redis-py connects to as
     written: `redis://` or `rediss://` with a host, a port in 1-65535 and a numeric
-    database, or `unix://` with the socket's path."""
-    if not isinstance(url, str) or url.partition("://")[0] not in REMOTE_URL_SCHEMES:
+    database, or `unix://` with the socket's path. The error shows the URL without its
+    passwords (`redacted_url`): error messages end up in logs."""
+    if not isinstance(url, str):
         raise ValueError(
-            f"RemoteTierConfig.url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL, got {url!r}"
+            f"RemoteTierConfig.url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL (a str), "
+            f"got {type(url).__name__}"
         )
-    parts = urlsplit(url)
+    problem = _url_problem(url)
+    if problem is not None:
+        for secret in url_secrets(url):  # redis-py's own message may quote a setting
+            problem = problem.replace(secret, "***")
+        raise ValueError(f"RemoteTierConfig.url={redacted_url(url)!r}: {problem}")
+
+
+def _url_problem(url: str) -> str | None:
+    """What keeps redis-py from connecting to `url` as written, or None."""
+    if url.partition("://")[0] not in REMOTE_URL_SCHEMES:
+        return f"not a {'/'.join(REMOTE_URL_SCHEMES)}:// URL"
     try:
-        port = parts.port
+        parts = urlsplit(url)
+    except ValueError as e:  # an unbalanced IPv6 bracket
+        return str(e)
+    try:
+        port = parts.port  # None: redis-py's default
     except ValueError:
         port = 0
     db = parts.path.strip("/")
-    problem = None
     if parts.scheme == "unix":
-        problem = None if parts.path else "a unix:// URL names the socket's path"
+        if not parts.path:
+            return "a unix:// URL names the socket's path"
     elif not parts.hostname:
-        problem = "no host"
+        return "no host"
     elif port == 0:
-        problem = "the port is not a number in 1-65535"
+        return "the port is not a number in 1-65535"
     elif db and not (db.isascii() and db.isdigit()):
-        problem = f"the database {db!r} is not a number"
-    if problem is None:
-        try:
-            redis.connection.parse_url(url)  # the query's options, as redis-py reads them
-        except ValueError as e:
-            problem = str(e)
-    if problem is not None:
-        if parts.password:  # an error message ends up in logs
-            url = url.replace(f":{parts.password}@", ":***@", 1)
-        raise ValueError(f"RemoteTierConfig.url={url!r}: {problem}")
+        return f"the database {db!r} is not a number"
+    try:
+        redis.connection.parse_url(url)  # the query's options, as redis-py reads them
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+_USERINFO_PASSWORD = re.compile(r"(?<=://)([^/?#@]*?):([^/?#]*)@")
+_QUERY_PASSWORD = re.compile(r"([?&;]password=)([^&;#]*)", re.IGNORECASE)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The passwords `url` carries (in its user info, in a `password=` query option), as
+    written and percent-decoded, longest first."""
+    found = [m.group(2) for m in _USERINFO_PASSWORD.finditer(url)]
+    found += [m.group(2) for m in _QUERY_PASSWORD.finditer(url)]
+    secrets = {s for raw in found if raw for s in (raw, unquote(raw))}
+    return sorted(secrets, key=len, reverse=True)
+
+
+def redacted_url(url: object) -> str:
+    """`url` as errors and reprs show it: each password (user info, `password=` query
+    option) replaced by `***`; a URL that is not a str shows its type only."""
+    if not isinstance(url, str):
+        return f"<{type(url).__name__}>"
+    url = _USERINFO_PASSWORD.sub(r"\1:***@", url)
+    return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def mac_key_bytes(mac_key: bytes | str | None, name: str = "mac_key") -> bytes | None:

@@ -39,7 +39,13 @@ from collections.abc import Sequence
 from ..cache.extra_keys import chain_root, page_keys
 from ..cache.hashing import page_hash_fn, page_hashes
 from ..config.base import STABLE_ALGORITHMS
-from ..context import MultimodalInput, token_ids
+from ..context import (
+    MultimodalInput,
+    check_cache_salt,
+    check_name,
+    multimodal_inputs,
+    token_ids,
+)
 from .format import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 Source = tuple[str, int]
@@ -88,8 +94,9 @@ class PrefixRouterIndex:
 
     A query's tokens must be a 1-D sequence of integer token ids in [0, 2**63), as a
     context's (`mokv.context.token_ids`: floats, 2-D arrays, negative or huge ids are a
-    TypeError / ValueError naming them, never truncated into a match), and its
-    `cache_salt` a str or None.
+    TypeError / ValueError naming them, never truncated into a match), its `cache_salt`
+    a str or None, its `lora_name` a non-empty str or None and its `mm_inputs` ordered,
+    non-overlapping `MultimodalInput`s within the tokens, as a context's.
     """
 
     def __init__(
@@ -100,8 +107,9 @@ class PrefixRouterIndex:
         host_weight: float = 0.75,
         shared_weight: float = 0.25,
     ):
-        if page_size.__class__ is not int or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if page_size.__class__ is not int or not 1 <= page_size < 2**32:
+            # A server's pages hold at most 2**32 - 1 tokens (uint32 cache lengths).
+            raise ValueError(f"page_size must be a positive int below 2**32, got {page_size!r}")
         if prefix_hash not in STABLE_ALGORITHMS:
             raise ValueError(f"prefix_hash={prefix_hash!r} is not one of {STABLE_ALGORITHMS}")
         if prefix_hash_seed.__class__ is not int or not 0 <= prefix_hash_seed < 2**64:
@@ -176,15 +184,15 @@ class PrefixRouterIndex:
         under the LoRA adapter `lora_name`, with the images `mm_inputs`, as servers compute
         them (`TextContext` takes the same keys)."""
         tokens = token_ids(tokens, allow_empty=True)
-        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
-            if value is not None and not isinstance(value, str):
-                raise TypeError(f"{name} must be a str or None, got {value!r}")
-        key = (cache_salt or None, lora_name or None)
+        check_cache_salt(cache_salt)
+        check_name("lora_name", lora_name)
+        images = multimodal_inputs(mm_inputs, len(tokens))
+        key = (cache_salt or None, lora_name)
         root = self._roots.get(key)
         if root is None:
             root = chain_root(self.prefix_hash, self.prefix_hash_seed, *key)
             self._roots[key] = root
-        keys = page_keys(tuple(mm_inputs), self.page_size, 0, len(tokens) // self.page_size)
+        keys = page_keys(images, self.page_size, 0, len(tokens) // self.page_size)
         return page_hashes(tokens, self.page_size, root, self._hash_fn, keys)
 
     def match(

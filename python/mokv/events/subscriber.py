@@ -22,7 +22,6 @@ request, and a replay is many messages ending with seq -1.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import msgspec
@@ -31,6 +30,11 @@ import zmq
 from ..config.events import check_endpoint
 from .format import END_SEQ, BatchDecoder
 from .index import PrefixRouterIndex, Source
+
+MAX_WAIT_S = 3600
+"""Longest wait a subscriber takes (`replay_timeout`, `poll`'s `timeout_ms`): an hour. A
+router that waits longer for one replay or poll is stuck; and ZMQ's timeout is a C long
+of milliseconds, which a huge Python number overflows (an OverflowError, untyped)."""
 
 
 @dataclass
@@ -63,9 +67,10 @@ class EventSubscriber:
             raise TypeError(
                 f"index must have apply(source, batch) and drop_source(source), got {index!r}"
             )
-        if replay_timeout.__class__ not in (int, float) or not 0 < replay_timeout < math.inf:
+        if replay_timeout.__class__ not in (int, float) or not 0 < replay_timeout <= MAX_WAIT_S:
             raise ValueError(
-                f"replay_timeout must be a finite number of seconds > 0, got {replay_timeout!r}"
+                f"replay_timeout must be a number of seconds in (0, {MAX_WAIT_S}], got "
+                f"{replay_timeout!r}"
             )
         self.index = index
         self.replay_timeout = replay_timeout
@@ -122,8 +127,10 @@ class EventSubscriber:
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Handles every message that arrives within `timeout_ms`; returns batches applied."""
-        if timeout_ms.__class__ is not int or timeout_ms < 0:
-            raise ValueError(f"timeout_ms must be an int >= 0, got {timeout_ms!r}")
+        if timeout_ms.__class__ is not int or not 0 <= timeout_ms <= MAX_WAIT_S * 1000:
+            raise ValueError(
+                f"timeout_ms must be an int in [0, {MAX_WAIT_S * 1000}], got {timeout_ms!r}"
+            )
         before = self.num_batches
         ready = dict(self._poller.poll(timeout_ms))
         while ready:

@@ -112,11 +112,16 @@ def check_request_id(request_id: object) -> None:
         )
 
 
+MAX_UINT32 = 2**32 - 1
+"""Largest batch size, sequence length or layer count: MAX's graph inputs carry cache
+lengths, page ids and layer indices as uint32."""
+
+
 def check_positive(**values: int) -> None:
-    """ValueError naming the first value that is not a positive int."""
+    """ValueError naming the first value that is not an int in [1, `MAX_UINT32`]."""
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_UINT32:
+            raise ValueError(f"{name} must be a positive int up to 2**32 - 1, got {value!r}")
 
 
 def refuse_paged_features(params: KVCacheParams, manager: str) -> None:

@@ -64,7 +64,8 @@ def _typed_error(exc: Exception) -> Exception:
         return BatchTooLargeError(message)
     if kind == "SequenceTooLongError":
         found = re.search(
-            r"sequence (\d+) would hold (\d+) tokens, past max_seq_len=(\d+)", message
+            r"sequence (\d+) holds (\d+) tokens: (\d+) new tokens would pass max_seq_len=(\d+)",
+            message,
         )
         if found:
             return checks.too_long(*(int(g) for g in found.groups()))
@@ -173,9 +174,9 @@ class MojoContinuousBatchingKVCacheManager(ManagerFields):
             if not self._native.contains(seq_id):
                 raise UnknownRequestError(seq_id)
         for seq_id, n in batch.items():
-            length = _call(self._native.cache_length, seq_id) + n
-            if length > self.max_seq_len:
-                raise checks.too_long(seq_id, length, self.max_seq_len)
+            length = _call(self._native.cache_length, seq_id)
+            if length + n > self.max_seq_len:
+                raise checks.too_long(seq_id, length, n, self.max_seq_len)
 
     def fetch(
         self, seq_ids: Sequence[int], num_steps: int = 1

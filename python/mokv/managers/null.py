@@ -4,10 +4,16 @@ Compile-only builds run on virtual devices (`max.driver.set_virtual_device_*`), 
 no buffer can be used. This manager lets the same model code build its graph there:
 it has the layout that `params.cache_strategy` names, returns that layout's graph input
 types, and runtime inputs of the right dtypes and ranks that hold nothing (host
-buffers of zero pages or slots). It tracks claims like a real manager, so a model
-that misuses the manager fails in compile-only mode the way it would for real (MAX's
-null manager accepts any id there); its occupancy numbers are MAX's documented
-placeholders (1000 free blocks, 100% free), and `get_req_blocks` is empty for any id.
+buffers of zero pages or slots).
+
+It follows seed 001 (MAX 25.7's `NullKVCacheManager`): a compile-only pipeline drives
+it without claiming, so no call asks for a claim. `get_replica` is 0 and
+`get_req_blocks` empty for any request; `step` and `release` do nothing (`release` of a
+request it never saw included); `maybe_reserve` is True and, as `external_claim`,
+records the request, which `contains` reports until `release`. What it still refuses is
+input no manager could take: ids that are not strings, a replica other than 0, windows
+a step cannot process, steps past `max_seq_len`, batches past `max_batch_size`. Its
+occupancy numbers are MAX's documented placeholders (1000 free blocks, 100% free).
 """
 
 from __future__ import annotations
@@ -21,12 +27,7 @@ from max.engine import InferenceSession
 
 from ..config.params import KVCacheParams
 from ..context import RequestID, TextGenerationContext
-from ..errors import (
-    AlreadyClaimedError,
-    BatchTooLargeError,
-    InvalidReplicaError,
-    UnknownRequestError,
-)
+from ..errors import BatchTooLargeError, InvalidReplicaError
 from ..layouts import layout_for
 from ..metrics import KVCacheMetrics
 from .base import (
@@ -65,7 +66,7 @@ class NullKVCacheManager(MaxManagerAPI):
             )
         self.available_cache_memory = available_cache_memory
         self.page_size = params.page_size
-        self._claimed: set[RequestID] = set()
+        self._seen: set[RequestID] = set()  # claimed or reserved, not yet released
         self._metrics = KVCacheMetrics()
 
     @classmethod
@@ -73,50 +74,42 @@ class NullKVCacheManager(MaxManagerAPI):
         """Always 0: nothing is allocated."""
         return 0
 
-    def _check_claimed(self, request_id: RequestID) -> None:
-        check_request_id(request_id)
-        if request_id not in self._claimed:
-            raise UnknownRequestError(request_id)
-
     @synchronized
     def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
-        """Records the id, so that `contains` and later calls answer as a real manager's."""
+        """Records the id (`contains`); claiming it again changes nothing, as in MAX."""
         check_request_id(request_id)
         if replica_idx is not None and (replica_idx.__class__ is not int or replica_idx != 0):
             raise InvalidReplicaError(f"replica_idx={replica_idx!r}: this manager has one replica")
-        if request_id in self._claimed:
-            raise AlreadyClaimedError(request_id)
-        if len(self._claimed) >= self.max_batch_size:
-            raise BatchTooLargeError(
-                f"cannot claim {request_id!r}: {self.max_batch_size} requests are claimed "
-                "(max_batch_size)"
-            )
-        self._claimed.add(request_id)
+        self._seen.add(request_id)
 
     @synchronized
     def contains(self, request_id: RequestID) -> bool:
+        """Whether the request was claimed or reserved and not released since."""
         check_request_id(request_id)
-        return request_id in self._claimed
+        return request_id in self._seen
 
     @synchronized
     def release(self, request_id: RequestID) -> None:
-        self._check_claimed(request_id)
-        self._claimed.discard(request_id)
+        """Forgets the request, if it was known (nothing was held)."""
+        check_request_id(request_id)
+        self._seen.discard(request_id)
 
     @synchronized
     def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
-        """True for a claimed request whose steps fit `max_seq_len`: nothing to hold."""
+        """True for any request whose steps fit `max_seq_len` (nothing to hold), which it
+        records as MAX's does."""
         check_num_steps(num_steps)
-        self._check_claimed(data.request_id)
+        check_request_id(data.request_id)
         check_window(data)
         check_fits(data, num_steps, self.max_seq_len)
+        self._seen.add(data.request_id)
         return True
 
     @synchronized
     def step(self, batch: Sequence[TextGenerationContext]) -> None:
-        """Checks that every request is claimed; records nothing."""
+        """Records nothing (the request ids must be strings)."""
         for ctx in batch:
-            self._check_claimed(ctx.request_id)
+            check_request_id(ctx.request_id)
 
     @synchronized
     def fetch(self, batch: Sequence[TextGenerationContext], num_steps: int = 1) -> list[Any]:
@@ -128,7 +121,7 @@ class NullKVCacheManager(MaxManagerAPI):
                 f"max_batch_size={self.max_batch_size}"
             )
         for ctx in batch:
-            self._check_claimed(ctx.request_id)
+            check_request_id(ctx.request_id)
             check_window(ctx)
             check_fits(ctx, num_steps, self.max_seq_len)
         check_distinct(batch)
@@ -164,7 +157,8 @@ class NullKVCacheManager(MaxManagerAPI):
 
     @synchronized
     def get_replica(self, context: TextGenerationContext) -> int:
-        self._check_claimed(context.request_id)
+        """0, for any request (seed 001): the one replica."""
+        check_request_id(context.request_id)
         return 0
 
     @synchronized

@@ -99,8 +99,10 @@ def check_step(new_tokens: object, num_slots: int) -> Mapping[int, int]:
     return new_tokens
 
 
-def too_long(seq_id: int, length: int, max_seq_len: int) -> SequenceTooLongError:
-    """The error of a step that would grow a sequence to `length` tokens."""
+def too_long(seq_id: int, length: int, new_tokens: int, max_seq_len: int) -> SequenceTooLongError:
+    """The error of a step that would grow a sequence holding `length` tokens by
+    `new_tokens` past `max_seq_len` (it names the count given, not only the sum)."""
     return SequenceTooLongError(
-        f"sequence {seq_id} would hold {length} tokens, past max_seq_len={max_seq_len}"
+        f"sequence {seq_id} holds {length} tokens: {new_tokens} new tokens would pass "
+        f"max_seq_len={max_seq_len}"
     )

@@ -11,7 +11,15 @@
 A sequence id is the int index of its slot, and this class counts each sequence's
 cache length. It wraps `requests`, a `ContinuousKVCacheManager` (the request contract,
 whose contexts carry their own lengths) over the same slots: the two flows share the
-slots but never each other's ids, since each class takes only its own kind.
+slots but never each other's ids.
+
+It answers the request contract too, by `requests`: `load_kv_manager` returns it for the
+continuous strategy, where MAX's own continuous-cache tests (seed 002's release) call
+`claim(n=...)`, `fetch(seq_ids=...)` and `step({seq_id: n})`, and mokv's models and
+MAX 25.7's interface call `external_claim`, `maybe_reserve`, `fetch(batch)` and
+`step(batch)`. The five calls both flows name go by their argument: an int (`claim`,
+`contains`, `release`), ints or a mapping (`fetch`, `step`) are sequences; a request id
+(a str) or contexts are requests.
 
 One name per thing: `ContinuousBatchingKVCacheManager` is the sequence-id manager, in
 Python (this class, MAX's seed 002) and in Mojo (`mojo/mokv/manager.mojo`, seed 003),
@@ -24,15 +32,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, overload
 
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
 from ..config.params import KVCacheParams
+from ..context import RequestID, TextGenerationContext
 from ..errors import UnknownRequestError
 from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
-from .base import ManagerFields, atomic, synchronized
+from ..metrics import KVCacheMetrics
+from .base import MaxManagerAPI, atomic, synchronized
 from .continuous import ContinuousKVCacheManager
 from .sequence_checks import (
     check_claim,
@@ -45,7 +55,7 @@ from .sequence_checks import (
 )
 
 
-class ContinuousBatchingKVCacheManager(ManagerFields):
+class ContinuousBatchingKVCacheManager(MaxManagerAPI):
     """A continuous-batching KV cache driven by sequence ids (`max_cache_batch_size`
     contiguous slots of `max_seq_len` tokens, tensor parallel over heads).
 
@@ -112,9 +122,23 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
 
     # --- sequence ids ---------------------------------------------------------------
 
+    @overload
+    def claim(self, n: int, replica_idx: None = None) -> list[int]: ...
+
+    @overload
+    def claim(self, n: RequestID, replica_idx: int | None = None) -> None: ...
+
+    def claim(self, n: int | RequestID, replica_idx: int | None = None) -> list[int] | None:
+        """`n` new sequence ids bound to free slots (lowest first), each with length 0;
+        for a request id (a str), `external_claim(n, replica_idx)`."""
+        if isinstance(n, str):
+            return self.requests.external_claim(n, replica_idx)
+        if replica_idx is not None:
+            raise TypeError(f"claim(n) of sequences takes no replica_idx, got {replica_idx!r}")
+        return self._claim(n)
+
     @atomic
-    def claim(self, n: int) -> list[int]:
-        """`n` new sequence ids bound to free slots (lowest first), each with length 0."""
+    def _claim(self, n: int) -> list[int]:
         check_claim(n)
         seq_ids = self.requests.take_slots(n, f"{n} sequences")
         self._undo.push(self._forget, seq_ids)
@@ -126,8 +150,11 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
             self._lengths.pop(seq_id, None)
 
     @synchronized
-    def contains(self, seq_id: int) -> bool:
-        """Whether `seq_id` is a claimed sequence (False for anything else)."""
+    def contains(self, seq_id: int | RequestID) -> bool:
+        """Whether `seq_id` is a claimed sequence (False for another int or value); for
+        a request id (a str), whether that request is claimed."""
+        if isinstance(seq_id, str):
+            return self.requests.contains(seq_id)
         return is_count(seq_id) and seq_id in self._lengths
 
     def _check(self, seq_id: object) -> int:
@@ -146,34 +173,100 @@ class ContinuousBatchingKVCacheManager(ManagerFields):
         """Tokens in the sequence's cache."""
         return self._lengths[self._check(seq_id)]
 
+    def release(self, seq_id: int | RequestID) -> None:
+        """Frees the sequence's slot; for a request id (a str), releases the request."""
+        if isinstance(seq_id, str):
+            return self.requests.release(seq_id)
+        return self._release(seq_id)
+
     @atomic
-    def release(self, seq_id: int) -> None:
-        """Frees the sequence's slot."""
+    def _release(self, seq_id: int) -> None:
         self._check(seq_id)
         self.requests.give_back_slots([seq_id])
         self._undo.push(self._lengths.__setitem__, seq_id, self._lengths[seq_id])
         del self._lengths[seq_id]
 
-    @synchronized
     def fetch(
-        self, seq_ids: Sequence[int], num_steps: int = 1
+        self, seq_ids: Sequence[int] | Sequence[TextGenerationContext], num_steps: int = 1
     ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
         """One `ContinuousBatchingKVCacheInputs` per device for these sequences
-        (`sequence_checks.check_fetch`: room for `num_steps` more tokens each)."""
+        (`sequence_checks.check_fetch`: room for `num_steps` more tokens each); for a
+        batch of contexts, the request contract's `fetch`."""
+        items = list(seq_ids)
+        if _contexts(items):
+            return self.requests.fetch(items, num_steps)  # type: ignore[arg-type]
+        return self._fetch(items, num_steps)  # type: ignore[arg-type]
+
+    @synchronized
+    def _fetch(
+        self, seq_ids: list[int], num_steps: int
+    ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
         slots = check_fetch(seq_ids, num_steps, self.max_cache_batch_size)
         self._check_claimed(slots)
         lengths = [self._lengths[s] for s in slots]
         check_room(slots, lengths, num_steps, self.max_seq_len)
         return self.requests.slot_inputs(slots, lengths)
 
-    @synchronized
-    def step(self, new_tokens: Mapping[int, int]) -> None:
+    def step(self, new_tokens: Mapping[int, int] | Sequence[TextGenerationContext]) -> None:
         """Adds each sequence's newly written token count to its cache length
-        (`sequence_checks.check_step`: every id, then every count, then every length)."""
+        (`sequence_checks.check_step`: every id, then every count, then every length);
+        for a batch of contexts (or none), the request contract's `step`."""
+        if not isinstance(new_tokens, Mapping) and isinstance(new_tokens, Sequence):
+            if not new_tokens or _contexts(new_tokens):
+                return self.requests.step(new_tokens)
+        return self._step(new_tokens)  # type: ignore[arg-type]
+
+    @synchronized
+    def _step(self, new_tokens: Mapping[int, int]) -> None:
         check_step(new_tokens, self.max_cache_batch_size)
         self._check_claimed(new_tokens)
         grown = {s: self._lengths[s] + n for s, n in new_tokens.items()}
         for seq_id, length in grown.items():
             if length > self.max_seq_len:
-                raise too_long(seq_id, length, self.max_seq_len)
+                raise too_long(seq_id, self._lengths[seq_id], new_tokens[seq_id], self.max_seq_len)
         self._lengths.update(grown)
+
+    # --- the request contract, by `requests` (the module docstring says why) ----------
+
+    def external_claim(self, request_id: RequestID, replica_idx: int | None = None) -> None:
+        return self.requests.external_claim(request_id, replica_idx)
+
+    def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
+        return self.requests.maybe_reserve(data, num_steps)
+
+    def get_req_blocks(self, request_id: RequestID) -> list[int]:
+        return self.requests.get_req_blocks(request_id)
+
+    def get_replica(self, context: TextGenerationContext) -> int:
+        return self.requests.get_replica(context)
+
+    def get_or_recommend_replica(self, context: TextGenerationContext) -> int:
+        return self.requests.get_or_recommend_replica(context)
+
+    def get_data_parallel_splits(self, context_batch: Sequence[Any]) -> Buffer:
+        return self.requests.get_data_parallel_splits(context_batch)
+
+    @property
+    def free_blocks_pct(self) -> float:
+        return self.requests.free_blocks_pct
+
+    @property
+    def used_blocks_pct(self) -> float:
+        return self.requests.used_blocks_pct
+
+    @property
+    def metrics(self) -> KVCacheMetrics:
+        """The request flow's counters (sequences count no tokens)."""
+        return self.requests.metrics
+
+    def reset_metrics(self) -> None:
+        self.requests.reset_metrics()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.requests.reset_prefix_cache()
+
+
+def _contexts(items: Sequence[Any]) -> bool:
+    """Whether `items` is a batch of contexts (its first item has a `request_id`), not
+    of sequence ids."""
+    return bool(items) and hasattr(items[0], "request_id")

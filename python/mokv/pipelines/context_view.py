@@ -88,7 +88,8 @@ class MaxContextView:
 
     @property
     def cache_salt(self) -> str | None:
-        return getattr(self.ctx, "cache_salt", None) or None
+        """MAX's salt as given (mokv checks its type; "" is no salt)."""
+        return getattr(self.ctx, "cache_salt", None)
 
     @property
     def lora_name(self) -> str | None:
@@ -97,7 +98,9 @@ class MaxContextView:
 
     @property
     def mm_inputs(self) -> tuple[MultimodalInput, ...]:
-        """The prompt's images and hashed tokens, by offset (mokv's image keys)."""
+        """The prompt's images and hashed tokens, by offset (mokv's image keys). MAX lets
+        a hashed token fall inside an image; mokv's keys do not overlap, so overlapping
+        ones become one key over their union, named by each part and its place in it."""
         keys = [
             MultimodalInput(
                 f"image:{image.image_hash}", image.start_idx, image.end_idx - image.start_idx
@@ -109,7 +112,13 @@ class MaxContextView:
             MultimodalInput(f"{o.source}:{o.token_hash}", o.token_idx, 1)
             for o in getattr(self.ctx, "token_hash_overrides", ())
         ]
-        return tuple(sorted(keys, key=lambda key: key.offset))
+        merged: list[list[MultimodalInput]] = []
+        for key in sorted(keys, key=lambda key: (key.offset, -key.length)):
+            if merged and key.offset < max(k.end for k in merged[-1]):
+                merged[-1].append(key)
+            else:
+                merged.append([key])
+        return tuple(group[0] if len(group) == 1 else _union(group) for group in merged)
 
     @property
     def session_id(self) -> str | None:
@@ -147,3 +156,11 @@ class MaxContextView:
 
     def update(self, new_token: int) -> None:
         self.ctx.update(new_token)
+
+
+def _union(keys: list[MultimodalInput]) -> MultimodalInput:
+    """One key over overlapping keys' union, named by each key and its offset in it."""
+    start = keys[0].offset
+    end = max(key.end for key in keys)
+    name = "+".join(f"{key.identifier}@{key.offset - start}/{key.length}" for key in keys)
+    return MultimodalInput(name, start, end - start)

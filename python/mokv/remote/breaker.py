@@ -12,6 +12,7 @@ never more. Thread-safe: the store's callers and its writer thread share one bre
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -28,8 +29,10 @@ class CircuitBreaker:
     ) -> None:
         if failure_threshold.__class__ is not int or failure_threshold < 1:
             raise ValueError(f"failure_threshold must be a positive int, got {failure_threshold!r}")
-        if not cooldown_s > 0:
-            raise ValueError(f"cooldown_s must be > 0, got {cooldown_s!r}")
+        if cooldown_s.__class__ not in (int, float) or not 0 < cooldown_s < math.inf:
+            raise ValueError(
+                f"cooldown_s must be a finite number of seconds > 0, got {cooldown_s!r}"
+            )
         self.failure_threshold = failure_threshold
         self.cooldown_s = cooldown_s
         self._clock = clock

@@ -2,12 +2,14 @@
 optionally, a MAC key), and the checks a value must pass to be served.
 
 Value = a 64-byte header, the page's token ids (int64 little-endian, the bytes the page
-hash was computed over), the page's bytes (the device layout `[2, layers, page_size,
-kv heads per device, head_dim]`, C order), then, with a MAC key, a 32-byte tag:
+hash was computed over), the digest of the page's extra keys (32 bytes: SHA-256 of the
+keys of a `KeyedTokens` page, its tenant's salt, its adapter and images; zeros for a
+page without), the page's bytes (the device layout `[2, layers, page_size, kv heads per
+device, head_dim]`, C order), then, with a MAC key, a 32-byte tag:
 
     offset size  field
          0    4  magic b"MKVP"
-         4    2  version (2)
+         4    2  version (3)
          6    2  dtype code (1 float32, 2 bfloat16, 3 float16)
          8   20  shape: 5 x uint32 [2, layers, page_size, heads, head_dim]
         28    8  key space digest: xxh3-64 of the key prefix (`RemoteLayout.key_prefix`:
@@ -16,14 +18,15 @@ kv heads per device, head_dim]`, C order), then, with a MAC key, a 32-byte tag:
         44    4  number of tokens (page_size)
         48    8  number of page bytes
         56    8  checksum: xxh3-64 of bytes 0..55 and everything after the header
-        64       tokens, page bytes
+        64       tokens, keys digest, page bytes
        end-32   32  tag (MAC key only): HMAC-SHA256 with the key of the key prefix,
-                 bytes 0..55, the tokens and the page bytes
+                 bytes 0..55, the tokens, the keys digest and the page bytes
 
 `decode` trusts nothing: a value is accepted only if its length, magic, version and
 checksum are right, its layout (dtype, shape) is this one, it names this key space (a
-value copied under another namespace's or layout's key is refused), its page hash and
-token ids are exactly the ones asked for and, with a MAC key, its tag is right.
+value copied under another namespace's or layout's key is refused), its page hash,
+token ids and keys digest are exactly the ones asked for (another tenant's page whose
+hash collides is a miss, as on the device) and, with a MAC key, its tag is right.
 Anything else is a `Rejection`, which the store counts and treats as a miss.
 
 What each check stops. The checksum finds corruption; it is no signature: whoever can
@@ -39,6 +42,7 @@ HMAC-SHA256 pass over the value on each side (`benchmarks/bench_remote_mac.py`).
 from __future__ import annotations
 
 import enum
+import hashlib
 import hmac
 import struct
 from functools import cached_property
@@ -49,10 +53,13 @@ from ..config.tiers import mac_key_bytes
 from .layout import DTYPE_CODES, RemoteLayout
 
 MAGIC = b"MKVP"
-VERSION = 2
+VERSION = 3  # 3: the keys digest after the tokens
 _HEADER = struct.Struct("<4sHH5IQQIQQ")
 HEADER_SIZE = _HEADER.size  # 64
 TAG_SIZE = 32
+KEYS_DIGEST_SIZE = 32
+NO_KEYS = bytes(KEYS_DIGEST_SIZE)
+"""The keys digest of a page without extra keys."""
 assert HEADER_SIZE == 64
 
 
@@ -62,7 +69,7 @@ class Rejection(enum.Enum):
     CORRUPT = "corrupt"  # too short, wrong magic or version, or a checksum mismatch
     LAYOUT = "layout"  # a well-formed page of another dtype or shape
     KEYSPACE = "keyspace"  # sealed for another namespace, layout fingerprint or MAC key
-    TOKENS = "tokens"  # another page hash or other token ids than the ones asked for
+    TOKENS = "tokens"  # another page hash, other token ids or other extra keys than asked for
     MAC = "mac"  # a tag that the MAC key did not make: a planted or altered value
 
 
@@ -70,6 +77,15 @@ def mac_key_id(mac_key: bytes) -> str:
     """8 hex digits naming a MAC key in keys: a keyed digest, which says nothing of the
     key but tells keys apart (a rotated key gets a key space of its own)."""
     return hmac.digest(mac_key, b"mokv remote key id", "sha256")[:4].hex()
+
+
+def keys_digest(token_bytes: bytes) -> bytes:
+    """What a value stores of its page's extra keys: SHA-256 of a `KeyedTokens` page's
+    keys (`mokv.cache.extra_keys`), `NO_KEYS` for plain token bytes. A cryptographic
+    digest, since values outlive the process: two key sets that differ never give one
+    digest in practice, accidentally or by design."""
+    keys = getattr(token_bytes, "extra_keys", None)
+    return NO_KEYS if not keys else hashlib.sha256(keys).digest()
 
 
 class PageCodec:
@@ -101,13 +117,19 @@ class PageCodec:
     @cached_property
     def value_nbytes(self) -> int:
         """Bytes of one stored value: header, token ids, page, tag."""
-        return HEADER_SIZE + 8 * self.layout.page_size + self.layout.page_nbytes + self._tag_size
+        return (
+            HEADER_SIZE
+            + 8 * self.layout.page_size
+            + KEYS_DIGEST_SIZE
+            + self.layout.page_nbytes
+            + self._tag_size
+        )
 
     def new_value(self, page_hash: int, token_bytes: bytes, page) -> bytearray:
-        """A value with `token_bytes` and a copy of `page` (any buffer of
-        `page_nbytes` contiguous bytes, or an array of `page_shape`) in place and the
-        header and tag still blank (`seal` fills them): the one copy a caller pays.
-        ValueError naming what does not fit."""
+        """A value with `token_bytes`, their keys' digest (`keys_digest`) and a copy of
+        `page` (any buffer of `page_nbytes` contiguous bytes, or an array of
+        `page_shape`) in place and the header and tag still blank (`seal` fills them):
+        the one copy a caller pays. ValueError naming what does not fit."""
         layout = self.layout
         if page_hash.__class__ is not int or not 0 <= page_hash < 1 << 64:
             raise ValueError(f"page_hash must be an unsigned 64-bit int, got {page_hash!r}")
@@ -127,8 +149,10 @@ class PageCodec:
             )
         value = bytearray(self.value_nbytes)
         tokens_end = HEADER_SIZE + len(token_bytes)
+        page_start = tokens_end + KEYS_DIGEST_SIZE
         value[HEADER_SIZE:tokens_end] = token_bytes
-        value[tokens_end : tokens_end + layout.page_nbytes] = data.cast("B")
+        value[tokens_end:page_start] = keys_digest(token_bytes)
+        value[page_start : page_start + layout.page_nbytes] = data.cast("B")
         return value
 
     def seal(self, value: bytearray, page_hash: int) -> None:
@@ -173,7 +197,7 @@ class PageCodec:
         view = memoryview(value)
         check = xxh3_64(view[:56])
         check.update(view[HEADER_SIZE:])
-        size = HEADER_SIZE + 8 * num_tokens + num_bytes + self._tag_size
+        size = HEADER_SIZE + 8 * num_tokens + KEYS_DIGEST_SIZE + num_bytes + self._tag_size
         if check.intdigest() != checksum or len(value) != size:
             return Rejection.CORRUPT
         if (
@@ -185,15 +209,20 @@ class PageCodec:
         if digest != self._digest:
             return Rejection.KEYSPACE
         tokens_end = HEADER_SIZE + 8 * num_tokens
-        if stored_hash != page_hash or view[HEADER_SIZE:tokens_end] != token_bytes:
+        page_start = tokens_end + KEYS_DIGEST_SIZE
+        if (
+            stored_hash != page_hash
+            or view[HEADER_SIZE:tokens_end] != token_bytes
+            or view[tokens_end:page_start] != keys_digest(token_bytes)
+        ):
             return Rejection.TOKENS
         if self._mac_key is not None and not hmac.compare_digest(self._tag(view), view[-TAG_SIZE:]):
             return Rejection.MAC
-        return view[tokens_end : tokens_end + num_bytes]
+        return view[page_start : page_start + num_bytes]
 
     def _tag(self, view: memoryview) -> bytes:
-        """HMAC-SHA256 of the key prefix, the header's first 56 bytes, the tokens and the
-        page (everything but the checksum and the tag)."""
+        """HMAC-SHA256 of the key prefix, the header's first 56 bytes, the tokens, the keys
+        digest and the page (everything but the checksum and the tag)."""
         assert self._mac_key is not None
         mac = hmac.new(self._mac_key, self._prefix_bytes, "sha256")
         mac.update(view[:56])

@@ -1,12 +1,12 @@
 """What a remote page is: its layout, its fingerprint and its Redis key. Its value's
 bytes are `codec.py`'s.
 
-Key (readable, so an operator can `redis-cli --scan --pattern 'mokv:v2:<namespace>:*'`):
+Key (readable, so an operator can `redis-cli --scan --pattern 'mokv:v3:<namespace>:*'`):
 
-    mokv:v2:{namespace}:{fingerprint}[.mac-{key id}]:{page hash as 16 hex digits}
+    mokv:v3:{namespace}:{fingerprint}[.mac-{key id}]:{page hash as 16 hex digits}
     fingerprint = {dtype}.p{page_size}.l{layers}.h{kv heads per device}.d{head_dim}
                   .tp{rank}-{degree}.{prefix hash algorithm}
-    e.g. mokv:v2:llama-3.2-1b:bfloat16.p128.l16.h8.d64.tp0-1.xxh3:9f0c1e2d3a4b5c6d
+    e.g. mokv:v3:llama-3.2-1b:bfloat16.p128.l16.h8.d64.tp0-1.xxh3:9f0c1e2d3a4b5c6d
 
 The page hash is mokv's chained page hash (`mokv.cache.hashing`): stable across
 processes and machines, and it already includes the cache salt and the hash seed, so
@@ -28,7 +28,7 @@ from ..config.base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS
 from ..config.params import KVCacheParams
 from ..config.tiers import REMOTE_NAMESPACE
 
-KEY_PREFIX = "mokv:v2"
+KEY_PREFIX = "mokv:v3"  # v3: values carry their keys digest (codec VERSION 3)
 DTYPE_CODES = {DType.float32: 1, DType.bfloat16: 2, DType.float16: 3}
 assert set(DTYPE_CODES) == set(CACHE_DTYPES)
 
@@ -101,7 +101,7 @@ class RemoteLayout:
         )
 
     def key_prefix(self, namespace: str, key_id: str | None = None) -> str:
-        """`mokv:v2:{namespace}:{fingerprint}:`, or `...{fingerprint}.mac-{key_id}:` for
+        """`mokv:v3:{namespace}:{fingerprint}:`, or `...{fingerprint}.mac-{key_id}:` for
         values sealed with a MAC key (`codec.PageCodec`); ValueError for a namespace
         that could make two keys ambiguous (empty, too long, or with ':' or spaces)."""
         if not isinstance(namespace, str) or not REMOTE_NAMESPACE.fullmatch(namespace):

@@ -46,6 +46,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from ..config.tiers import MAX_TIMEOUT_S
 from .breaker import CircuitBreaker
 from .codec import PageCodec, Rejection
 from .layout import RemoteLayout
@@ -139,8 +140,11 @@ class RemotePageStore:
         ):
             if value.__class__ is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if timeout_s.__class__ not in (int, float) or not 0 < timeout_s < float("inf"):
-            raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s!r}")
+        if timeout_s.__class__ not in (int, float) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                f"got {timeout_s!r}"
+            )
         self.layout = layout
         self.namespace = namespace
         self.metrics = RemoteMetrics()

@@ -34,15 +34,16 @@ def keyed(request_id, lora=None, images=(), salt=None) -> TextContext:
                        mm_inputs=[MultimodalInput(*image) for image in images])
 
 
-def serve(m, ctx) -> list[int]:
-    """Prefills `ctx` and commits its 4 full pages; returns their hashes (released)."""
+def serve(m, ctx, num_pages=4) -> list[int]:
+    """Prefills `ctx` and commits its `num_pages` full pages; returns their hashes
+    (released)."""
     m.external_claim(ctx.request_id)
     m.fetch([ctx])
     ctx.update(1)
     m.step([ctx])
     chain = m.replicas[0].committed_hashes(ctx.request_id)
     m.release(ctx.request_id)
-    assert len(chain) == 4
+    assert len(chain) == num_pages
     return chain
 
 

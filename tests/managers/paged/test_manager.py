@@ -283,10 +283,28 @@ def test_data_parallel_replicas_have_their_own_pools(session):
     m.external_claim(other.request_id)  # default: the replica with the most free pages
     assert m.get_replica(other) == 0
     assert m.get_data_parallel_splits([other, a]).to_numpy().tolist() == [0, 1, 2]
-    with pytest.raises(ValueError, match="not ordered by replica"):
-        m.fetch([a, other])
     inputs = m.fetch([other, a])
     assert [i.cache_lengths.to_numpy().tolist() for i in inputs] == [[0], [9]]
+
+
+def test_fetch_groups_a_mixed_batch_by_replica_as_max_does(session):
+    """Issue 56: a batch whose requests alternate between replicas ([0, 1, 0]) was
+    refused ("not ordered by replica"); MAX 25.7 groups it by replica, each group in
+    batch order, and so does mokv."""
+    m = make_paged(session, num_pages=10, data_parallel_degree=2, n_devices=2)
+    ctxs = [TextContext(np.arange(n)) for n in (3, 5, 7)]
+    for ctx, replica in zip(ctxs, (0, 1, 0)):
+        m.external_claim(ctx.request_id, replica_idx=replica)
+    inputs = m.fetch(ctxs)
+    assert [i.cache_lengths.to_numpy().tolist() for i in inputs] == [[0, 0], [0]]
+    assert [i.lookup_table.to_numpy().shape[0] for i in inputs] == [2, 1]
+    assert m.get_data_parallel_splits(ctxs).to_numpy().tolist() == [0, 2, 3]
+    for ctx in ctxs:
+        ctx.update(1)
+    m.step(ctxs)
+    again = m.fetch(ctxs)  # the cache lengths, replica by replica, in batch order
+    assert [i.cache_lengths.to_numpy().tolist() for i in again] == [[3, 7], [5]]
+    m.check_invariants()
 
 
 def test_tensor_parallel_splits_kv_heads_across_devices(session):

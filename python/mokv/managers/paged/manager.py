@@ -61,7 +61,7 @@ from .inputs import ceil_div
 from .metrics import cache_metrics, num_free_pages, shared_tier_metrics
 from .plans import HELD
 from .replica import PagedReplica, Reservation
-from .sizing import group_bytes_per_page, group_pages
+from .sizing import check_devices_hold, group_bytes_per_page, group_pages
 
 _request_id = attrgetter("request_id")  # of a context
 
@@ -114,6 +114,7 @@ class PagedKVCacheManager(MaxManagerAPI):
                 f"available_cache_memory must be a number of bytes (an int >= 0), "
                 f"got {available_cache_memory!r}"
             )
+        check_devices_hold(params, available_cache_memory, self.devices)
         dp = params.data_parallel_degree
         check_groups_supported(params, num_layers)
         num_pages = group_pages(params, num_layers, max_seq_len, available_cache_memory)
@@ -155,9 +156,15 @@ class PagedKVCacheManager(MaxManagerAPI):
             self.kv_event_publishers = (
                 BUILDERS.build(params.kv_events, params.page_size, dp) if params.kv_events else []
             )
-        except BaseException:
+        except BaseException as e:
             for replica in self.replicas:  # their tiers may run threads
                 replica.close()
+            if isinstance(e, MemoryError):  # the page table and pool lists, in host memory
+                raise InsufficientMemoryError(
+                    f"max_batch_size={max_batch_size}, max_seq_len={max_seq_len} and "
+                    f"{num_pages} pages per replica: the manager's tables do not fit in host "
+                    f"memory ({e})"
+                ) from None
             raise
         for replica, publisher in zip(self.replicas, self.kv_event_publishers):
             replica.publish_to(publisher)
@@ -318,8 +325,10 @@ class PagedKVCacheManager(MaxManagerAPI):
     ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
         """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device.
 
-        The batch must be ordered by replica (as `get_data_parallel_splits` expects);
-        devices come replica by replica. Requests not yet reserved are reserved here.
+        The batch may mix replicas in any order: each replica's inputs describe its own
+        requests in batch order (as MAX regroups a batch), and devices come replica by
+        replica, so a model's rows go in that order (`get_data_parallel_splits` gives
+        each replica's count). Requests not yet reserved are reserved here.
         All or nothing: every request is checked and every reservation planned before
         anything changes; `InsufficientPagesError` (and no change) if the pages of the
         batch do not fit. A reservation whose context moved its window (a prefix hit)
@@ -333,16 +342,9 @@ class PagedKVCacheManager(MaxManagerAPI):
             )
         groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
         plans: list[list[Reservation]] = [[] for _ in self.replicas]
-        last = 0
         for ctx in batch:
             r = self._replica_index(ctx.request_id)
             check_window(ctx)
-            if r < last:
-                raise ValueError(
-                    f"batch is not ordered by replica: {ctx.request_id!r} (replica {r}) "
-                    f"comes after a request of replica {last}"
-                )
-            last = r
             groups[r].append(ctx)
             plan = self.replicas[r].plan(ctx, num_steps)
             if plan is not HELD:

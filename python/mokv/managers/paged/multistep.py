@@ -47,7 +47,8 @@ def increment_cache_lengths(
 
 def data_parallel_splits(replica_indices: Sequence[int], num_replicas: int) -> Buffer:
     """int64 `[num_replicas + 1]`: offsets of each replica's requests in the batch,
-    `[0, n_0, n_0 + n_1, ...]` (the batch must be ordered by replica)."""
+    `[0, n_0, n_0 + n_1, ...]`, in the order `fetch` groups them (replica by replica,
+    whatever the batch's order)."""
     counts = np.zeros(num_replicas + 1, dtype=np.int64)
     for replica_idx in replica_indices:
         counts[replica_idx + 1] += 1

@@ -5,10 +5,11 @@ A request's chain continues from its last committed page: the first page chains 
 the root of the request's cache salt and LoRA adapter (`mokv.cache.extra_keys.chain_root`),
 or from the replica's root without them; a page an image overlaps is keyed by it too
 (`extra_keys.page_keys`). Everything besides the tokens comes from one function,
-`extra_keys.hash_inputs(ctx)`. Prefix matching runs only when every page the request
-holds is committed and its cache ends exactly at their end (a new request, or one whose
-cache ends on a page boundary after a chunk or a reset); it stops one token short of
-`end_idx`, since the model must run on the last token.
+`extra_keys.hash_inputs(ctx)`; a keyed request's pages carry their keys in their token
+bytes (`extra_keys.KeyedTokens`), so a hit confirms them. Prefix matching runs only
+when every page the request holds is committed and its cache ends exactly at their end
+(a new request, or one whose cache ends on a page boundary after a chunk or a reset); it
+stops one token short of `end_idx`, since the model must run on the last token.
 
 Chains are hashed once per request and kept in a `ChainMemo` (chain_memo.py, with the
 device hits last found, the room they left and the last refusal), so that a prompt
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, page_keys
+from ...cache.extra_keys import HashInputs, chain_root, hash_inputs, keyed_pages, page_keys
 from ...cache.hashing import TOKEN_BYTES, PageHashFn, iter_page_hashes
 from ...cache.page_pool import PagePool
 from ...config.params import KVCacheParams
@@ -118,6 +119,8 @@ class PrefixChains:
         pages = list(
             iter_page_hashes(tokens, ps, start, self._hash_fn, first + held, end_page, keys)
         )
+        if inputs is not None:  # a hit must match its keys too, not only its hash
+            pages = keyed_pages(pages, inputs, keys, first + held)
         if held:
             pages[:0] = entry.pages[first : first + held]  # type: ignore[union-attr]
         if first:

@@ -294,6 +294,8 @@ class PagedReplica:
     ) -> Reservation:
         """`plan`'s last case: the device hits that continue the request's chain, then,
         while the plan fits, each tier's hits after them."""
+        if not req.pages:  # a first reservation: every key is checked before any is used
+            request_keys(ctx)
         hits, tail = self.chains.device_hits(ctx, req, want_tail=self._tiered)
         plan = self._reservation(ctx, req, num_steps, hits, [])
         plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)

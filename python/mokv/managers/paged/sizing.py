@@ -28,9 +28,13 @@ price of step 1's pages per group (`docs/benchmarks.md` measures both).
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
+
+from max.driver import Device
 
 from ...config.groups import CacheGroupConfig
 from ...config.params import KVCacheParams
+from ...errors import InsufficientMemoryError
 from .inputs import ceil_div
 
 
@@ -67,6 +71,21 @@ def group_pages(params: KVCacheParams, num_layers: int, max_seq_len: int, memory
 def pages_per_replica(params: KVCacheParams, num_layers: int, memory: int) -> int:
     """`floor(memory / data_parallel_degree / bytes_per_page(num_layers))`."""
     return memory // params.data_parallel_degree // params.bytes_per_page(num_layers)
+
+
+def check_devices_hold(params: KVCacheParams, memory: int, devices: Sequence[Device]) -> None:
+    """InsufficientMemoryError unless each device can hold its share of `memory` (a
+    replica's share, split over its devices), read from MAX's `Device.stats`: a budget
+    past the machine would fail later, in a bare MemoryError of the page bookkeeping or
+    MAX's allocator. A device that reports no total is not checked."""
+    share = memory // params.data_parallel_degree // params.tensor_parallel_degree
+    for device in devices:
+        total = device.stats.get("total_memory") if hasattr(device, "stats") else None
+        if isinstance(total, int) and total > 0 and share > total:
+            raise InsufficientMemoryError(
+                f"available_cache_memory={memory} bytes puts {share} on {device}, which "
+                f"has {total} in all"
+            )
 
 
 def estimated_memory_size(
