@@ -344,6 +344,7 @@ def _attention[Coll: KVCollectionT, target: StaticString](
     collection: Coll,
     layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],  # [1], host
     scale: InputTensor[dtype=DType.float32, rank=1, ...],  # [1], host
+    sinks: InputTensor[dtype=DType.float32, rank=1, ...],  # [0] or [n_q]: attention sinks
     window_size: Int,  # 0: causal; else a sliding window of that many keys
     ctx: DeviceContext,
 ) raises:
@@ -358,6 +359,8 @@ def _attention[Coll: KVCollectionT, target: StaticString](
         Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
         scale.unsafe_ptr()[unsafe_offset=0],
         window_size,
+        _f32(sinks.unsafe_ptr()),
+        sinks.dim_size(0),
         ctx,
     )
 
@@ -365,7 +368,8 @@ def _attention[Coll: KVCollectionT, target: StaticString](
 # On a GPU both ops run MAX's attention kernel on a MAX view of the collection
 # (kernels/max_kernels.mojo); on the CPU, mokv's. `window_size` (a parameter: MAX's
 # kernel takes its mask as one) is 0 for causal attention, else the keys a query reads
-# of a sliding window, its own included (MAX's `sliding_window_causal` mask).
+# of a sliding window, its own included (MAX's `sliding_window_causal` mask). `sinks`
+# is float32 [n_q], each query head's attention-sink logit (GPT-OSS's), or [0] for none.
 
 
 @register("mokv.flash_attention.ragged.continuous")
@@ -378,9 +382,12 @@ struct FlashAttentionContinuous:
         collection: ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size],
         layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
         scale: InputTensor[dtype=DType.float32, rank=1, ...],
+        sinks: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
         comptime if uses_max_attention[target]():
+            if sinks.dim_size(0):
+                raise Error("flash_attention: attention sinks run on mokv's CPU kernel only")
             continuous_attention_with_max[n_q=num_q_heads, window=window_size, target=target](
                 collection,
                 _elems(output.unsafe_ptr()),
@@ -392,7 +399,7 @@ struct FlashAttentionContinuous:
                 ctx,
             )
         else:
-            _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, window_size, ctx)
+            _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, sinks, window_size, ctx)
 
 
 @register("mokv.flash_attention.ragged.paged")
@@ -405,9 +412,12 @@ struct FlashAttentionPaged:
         collection: PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size],
         layer_idx: InputTensor[dtype=DType.uint32, rank=1, ...],
         scale: InputTensor[dtype=DType.float32, rank=1, ...],
+        sinks: InputTensor[dtype=DType.float32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
         comptime if uses_max_attention[target]():
+            if sinks.dim_size(0):
+                raise Error("flash_attention: attention sinks run on mokv's CPU kernel only")
             paged_attention_with_max[n_q=num_q_heads, window=window_size, target=target](
                 collection,
                 _elems(output.unsafe_ptr()),
@@ -419,7 +429,7 @@ struct FlashAttentionPaged:
                 ctx,
             )
         else:
-            _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, window_size, ctx)
+            _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, sinks, window_size, ctx)
 
 
 # ===----------------------------------------------------------------------=== #

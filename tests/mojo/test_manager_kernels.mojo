@@ -81,7 +81,8 @@ def _run_step(
     var op = offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     store_kv[target="cpu"](coll, _ptr(k), _ptr(v), op, total, LAYER, ctx)
     var scale = Float32(1.0) / Float32(4.0)  # 1 / sqrt(D)
-    flash_attention[target="cpu"](coll, _ptr(out), _ptr(q), op, total, NQ, LAYER, scale, 0, ctx)
+    var no_sinks = List[Float32]()
+    flash_attention[target="cpu"](coll, _ptr(out), _ptr(q), op, total, NQ, LAYER, scale, 0, _ptr(no_sinks), 0, ctx)
 
     for b in range(n):
         var sid = seq_ids[b]

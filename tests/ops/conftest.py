@@ -181,10 +181,11 @@ def row_offsets(new_tokens: list[int]) -> np.ndarray:
 
 def ref_attention(
     q: np.ndarray, cache: Cache, offsets: np.ndarray, layer: int, scale: float,
-    window: int | None = None,
+    window: int | None = None, sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """float64 causal GQA attention: [T, n_q, D] queries over the cache (after the store);
-    with `window`, the query at position p reads keys [p - window + 1, p] only."""
+    with `window`, the query at position p reads keys [p - window + 1, p] only; with
+    `sinks` [n_q], head h's softmax denominator gets e^sinks[h] added."""
     out = np.zeros(q.shape, np.float64)
     n_q = q.shape[1]
     group = n_q // cache.params.n_kv_heads_per_device
@@ -196,8 +197,10 @@ def ref_attention(
             v = cache.rows(b, layer, 1, lo, c + i + 1).astype(np.float64)
             for qh in range(n_q):
                 s = k[:, qh // group] @ q[t, qh].astype(np.float64) * scale
-                p = np.exp(s - s.max())
-                out[t, qh] = (p / p.sum()) @ v[:, qh // group]
+                top = s.max() if sinks is None else max(s.max(), float(sinks[qh]))
+                p = np.exp(s - top)
+                sink = 0.0 if sinks is None else np.exp(float(sinks[qh]) - top)
+                out[t, qh] = (p / (p.sum() + sink)) @ v[:, qh // group]
     return out
 
 
@@ -226,6 +229,13 @@ class Config:
     rope: bool = False
     checked: bool = False  # the fetcher's checked mode (mokv.check_tables before each kernel)
     window: int | None = None  # flash_attention's window_size (a sliding window)
+    sinks: bool = False  # flash_attention's sinks: `sink_logits`
+
+    @property
+    def sink_logits(self) -> np.ndarray | None:
+        """Each query head's sink logit, or None: from -2 up in steps of 0.75 (exact in
+        bfloat16), so that some heads' sinks take most of the attention, some little."""
+        return -2 + 0.75 * np.arange(self.n_q, dtype=np.float32) if self.sinks else None
 
     @property
     def params(self) -> KVCacheParams:
@@ -282,7 +292,11 @@ def store_attention(cfg: Config, device: DeviceRef) -> Part:
         kv = fetch(cfg)(*cache_in)
         store_kv(kv, k, v, offsets, LAYER)
         scale = 1.0 / np.sqrt(cfg.head_dim)
-        return [flash_attention(kv, q, offsets, LAYER, scale, window_size=cfg.window)]
+        # float32 sinks, also for bfloat16: a constant cast in the graph is folded at
+        # compile time, and MAX 26.7's constant folder fails on a graph with mokv's ops
+        # ("Functions that raise and return a custom type are not yet supported").
+        sinks = None if cfg.sink_logits is None else ops.constant(cfg.sink_logits, DType.float32, device)
+        return [flash_attention(kv, q, offsets, LAYER, scale, window_size=cfg.window, sinks=sinks)]
 
     def idle() -> list[Buffer]:
         k, q = (Buffer(cfg.dtype, (0, h, cfg.head_dim)) for h in (cfg.n_kv_heads, cfg.n_q))

@@ -25,6 +25,7 @@ from mokv.compiler_output import filter_collection_warnings
 from mokv.ops import kernels_path
 
 from . import test_store_attention as cpu_tests  # a module: its tests are not collected twice
+from . import test_window_attention
 from .conftest import PARTS, Config
 from .graph_bundle import Bundle
 from .test_fused_qkv import CASES, LAYOUTS, _check, _ids
@@ -61,9 +62,12 @@ mantissa bits): on an H200 its outputs were 3.5e-4 to 2.8e-3 from the float64 re
 
 def gpu_tol(cfg: Config) -> float | None:
     return GPU_F32_TOL if cfg.dtype == DType.float32 else None
+# MAX's sliding-window mask on pages of 128: a window that starts mid-page, one over pages.
+WINDOW_F32_GQA4_GPU = dataclasses.replace(PAGED_F32_GQA4_GPU, window=37)
+WINDOW_BF16_GQA8_GPU = dataclasses.replace(PAGED_BF16_GQA8_GPU, window=300)
 GPU_CONFIGS = {
     "store_attention": [PAGED_F32_GQA4_GPU, PAGED_BF16_GQA8_GPU, CONT_F32_MHA, PAGED_BF16_GQA1_GPU,
-                        PAGED_BF16_GQA4_GPU],
+                        PAGED_BF16_GQA4_GPU, WINDOW_F32_GQA4_GPU, WINDOW_BF16_GQA8_GPU],
     "qkv_attention": QKV_CASES,
 }
 """Every configuration these tests run, per graph kind: one model per kind, as on the CPU."""
@@ -130,3 +134,13 @@ def test_bf16_long_decode_on_gpu(gpu_compiled, cfg):
 @pytest.mark.parametrize("cfg", QKV_CASES, ids=_ids)
 def test_fused_qkv_then_attention_on_gpu(gpu_compiled, cfg):
     _check(gpu_compiled, cfg, *LAYOUTS["packed-22"], attn_tol=gpu_tol(cfg))
+
+
+@pytest.mark.parametrize("cfg", [WINDOW_F32_GQA4_GPU, WINDOW_BF16_GQA8_GPU], ids=["f32-w37", "bf16-w300"])
+@pytest.mark.parametrize("cache_lengths,new_tokens", test_window_attention.CASES)
+def test_sliding_window_on_gpu(gpu_compiled, cfg, cache_lengths, new_tokens):
+    """MAX's `sliding_window_causal` mask through mokv's view, as on the CPU
+    (test_max_kernels.py: the keys before the windows hold large values, masked)."""
+    out = run_store_attention(gpu_compiled, cfg, cache_lengths, new_tokens, seed=len(cache_lengths),
+                              unread=40.0)
+    check(cfg, *out, tol=gpu_tol(cfg))

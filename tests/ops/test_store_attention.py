@@ -36,14 +36,17 @@ plan_graphs("store_attention", [CONT_F32_MHA])
 
 
 def run_store_attention(
-    compiled, cfg, cache_lengths, new_tokens, seed=0, share=0, q_std=1.0, rise=0.0
+    compiled, cfg, cache_lengths, new_tokens, seed=0, share=0, q_std=1.0, rise=0.0,
+    unread=np.nan,
 ):
     """Runs the graph on a random batch; returns (cache before, cache after, k, v, q, out).
     Scores have standard deviation `q_std` (K and Q entries are standard normal). With
     `rise`, cached key j of c gets rise * j / c added to every element and the queries
     0.5, so scores climb along the context by about rise * 0.5 * sqrt(head_dim). With a
     window (`cfg.window`), the keys and values before each sequence's first window are
-    NaN: read by the kernel, masked or not, they would poison its output."""
+    `unread`: NaN, which poisons the output if the kernel reads them, masked or not;
+    MAX's kernels read and mask them, so they get a finite value that would dominate
+    the softmax unless masked."""
     rng = np.random.default_rng(seed)
     cache = make_cache(cfg.params, cache_lengths, new_tokens, rng, share_prefix_pages=share)
     if rise:
@@ -51,10 +54,10 @@ def run_store_attention(
             ramp = rise * np.arange(c, dtype=np.float32)[:, None, None] / c
             cache.write(b, LAYER, 0, 0, cache.rows(b, LAYER, 0, 0, c) + ramp)
     for b, c in enumerate(cache_lengths if cfg.window else []):
-        unread = max(0, c - cfg.window + 1)  # positions before the first new token's window
+        before_window = max(0, c - cfg.window + 1)  # positions before the first new token's window
         for kv in (0, 1):
-            cache.write(b, LAYER, kv, 0, np.full((unread, cfg.n_kv_heads, cfg.head_dim), np.nan,
-                                                  np.float32))
+            cache.write(b, LAYER, kv, 0, np.full((before_window, cfg.n_kv_heads, cfg.head_dim),
+                                                  unread, np.float32))
     before = cache.blocks.copy()
     total = sum(new_tokens)
     h, d = cfg.n_kv_heads, cfg.head_dim
@@ -85,7 +88,8 @@ def check(cfg, cache, before, k, v, q, offsets, out, tol=None):
     assert changed.sum() <= 2 * int(offsets[-1]), "store_kv wrote outside the new tokens' rows"
     # 3. Attention over prefix + new tokens (a window's keys only).
     scale = 1.0 / np.sqrt(cfg.head_dim)
-    ref = ref_attention(values(q, cfg.dtype), cache, offsets, LAYER, scale, window=cfg.window)
+    ref = ref_attention(values(q, cfg.dtype), cache, offsets, LAYER, scale, window=cfg.window,
+                        sinks=cfg.sink_logits)
     tol = tol or TOL[cfg.dtype]
     np.testing.assert_allclose(values(out, cfg.dtype), ref, atol=tol, rtol=tol)
 

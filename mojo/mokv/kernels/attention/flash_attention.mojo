@@ -76,8 +76,10 @@ from max.gpu.host.info import is_cpu
 
 from ...types import KVCollectionT, Ptr, U32Ptr
 from ..parallel import parallel_units
+from ..simd import F32Ptr
 from .forms import PART_SLOT
 from .plan import plan_units
+from .softmax import LOG2E
 from .unit import Merge, Unit, attend_unit, merge_parts
 
 
@@ -91,10 +93,13 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
     layer_idx: Int,
     scale: Float32,
     window: Int,  # keys a query reads, itself included (a sliding window); 0: every key before it
+    sinks: F32Ptr,  # [n_sinks]: each query head's sink logit (GPT-OSS's); none when n_sinks is 0
+    n_sinks: Int,  # 0 or n_q
     ctx: DeviceContext,
 ) raises:
     """Generic body of `mokv.flash_attention.ragged.*` on the CPU (a GPU runs MAX's
-    attention kernel instead: kernels/max_kernels.mojo)."""
+    attention kernel instead: kernels/max_kernels.mojo). An attention sink adds
+    e^sink to a head's softmax denominator (a logit no value goes with)."""
     comptime assert is_cpu[target](), "mokv's attention kernel runs on the CPU; the ops take MAX's on a GPU"
     comptime Cache = Coll.CacheType
     comptime H = Cache.kv_params.num_heads
@@ -103,6 +108,12 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
     var vc = coll.get_value_cache(layer_idx)
     var batch_size = coll.batch_size()
     var group = n_q // H
+
+    # Each head's sink in the scores' log2 units; none is -inf (it adds 2^-inf = 0).
+    var sink_list = List[Float32](capacity=n_q)
+    for h in range(n_q):
+        sink_list.append(sinks[unsafe_offset=h] * LOG2E if n_sinks else Float32.MIN)
+    var sink_log2 = sink_list.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
 
     var units = List[Unit]()
     var merges = List[Merge]()
@@ -124,15 +135,16 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
     # makes the other splits' slots visible to the merging one.
     def body(i: Int) {
         imm kc, imm vc, imm q, imm output, imm unit_ptr, imm merge_ptr, imm pending_ptr,
-        imm group, imm n_q, imm scale, imm window, imm parts
+        imm group, imm n_q, imm scale, imm window, imm sink_log2, imm parts
     }:
         var u = unit_ptr[unsafe_offset=i]
-        attend_unit(kc, vc, q, output, u, group, n_q, scale, window, parts)
+        attend_unit(kc, vc, q, output, u, group, n_q, scale, window, sink_log2, parts)
         if u.merge >= 0 and Atomic[Int64].fetch_add(pending_ptr.unsafe_offset(u.merge), -1) == 1:
-            merge_parts[q_dtype, D](merge_ptr[unsafe_offset=u.merge], parts, output, group, n_q)
+            merge_parts[q_dtype, D](merge_ptr[unsafe_offset=u.merge], parts, output, group, n_q, sink_log2)
 
     parallel_units(body, len(units), ctx)
     _ = pending^
     _ = units^  # keep the tables and partial states alive until every task has run
     _ = merges^
     _ = scratch^
+    _ = sink_list^

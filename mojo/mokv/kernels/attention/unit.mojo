@@ -69,6 +69,15 @@ def _row_offset(u: Unit, r: Int, group: Int, n_q: Int, D: Int) -> Int:
 
 
 @always_inline
+def _sink_weight(sink_log2: F32Ptr, u: Unit, r: Int, group: Int, m: Float32) -> Float32:
+    """2^(sink - m): unit row r's head's sink (log2 units) against the row's softmax
+    reference m, the term the sink adds to the row's sum (0 for a sink of -inf)."""
+    var rows_hp = head_rows(u.ntok, group)
+    var head = (u.h0 + r // rows_hp) * group + (r % rows_hp) % group
+    return exp2[5](SIMD[DType.float32, W](sink_log2[unsafe_offset=head] - m))[0]
+
+
+@always_inline
 def _o_row[D: Int, dtype: DType](o: F32Ptr, r: Int, c: Int, key_major: Bool) -> SIMD[DType.float32, W]:
     """O[r, c .. c + W] in natural column order: decode units over a `dtype` cache keep
     O in `DECODE_O_ORDER`, prefill (key-major) units in natural order."""
@@ -87,6 +96,7 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
     n_q: Int,
     scale: Float32,
     window: Int,  # keys a query reads, itself included (a sliding window); 0: all before it
+    sink_log2: F32Ptr,  # [n_q]: each query head's sink logit in log2 units (-inf: none)
     parts: F32Ptr,  # partial slots, PART_SLOT[D] floats each
 ):
     """Online-softmax attention of one unit: all its rows share one pass over its keys.
@@ -265,16 +275,17 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
         var off = _row_offset(u, r, group, n_q, D)
         if off < 0:
             continue
-        var inv = 1 / l.unsafe_load(r)
+        var sink = _sink_weight(sink_log2, u, r, group, m.unsafe_load(r))
+        var inv = 1 / (l.unsafe_load(r) + sink)
         comptime for c in range(0, D, W):
             output.unsafe_store(off + c, (_o_row[D, Cache.dtype](o, r, c, key_major) * inv).cast[q_dtype]())
 
 
 def merge_parts[q_dtype: DType, D: Int](
-    mg: Merge, parts: F32Ptr, output: Ptr[q_dtype], group: Int, n_q: Int
+    mg: Merge, parts: F32Ptr, output: Ptr[q_dtype], group: Int, n_q: Int, sink_log2: F32Ptr
 ):
     """Combines the softmax states of a unit's key splits: with M the largest running
-    max, out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s."""
+    max, out = sum_s e^(m_s - M) o_s / (sum_s e^(m_s - M) l_s + e^(sink - M))."""
     var u = mg.unit
     for r in range(u.nh * head_rows(u.ntok, group)):
         var off = _row_offset(u, r, group, n_q, D)
@@ -291,5 +302,6 @@ def merge_parts[q_dtype: DType, D: Int](
             l += w * slot.unsafe_load(MAX_ROWS * (D + 1) + r)
             comptime for c in range(D // W):
                 acc[c] = SIMD[DType.float32, W](w).fma(slot.unsafe_load[width=W](r * D + c * W), acc[c])
+        l += _sink_weight(sink_log2, u, r, group, mx)
         comptime for c in range(D // W):
             output.unsafe_store(off + c * W, (acc[c] / l).cast[q_dtype]())
