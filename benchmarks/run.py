@@ -1,7 +1,7 @@
 """Runs the whole mokv benchmark suite and writes JSON, PNG plots and a markdown summary.
 
     python benchmarks/run.py [--quick] [--portable] [--out DIR]
-                             [--parts hashing,events,managers,attention,qkv,compile,serving]
+                             [--parts hashing,events,managers,groups,attention,qkv,compile,serving]
 
 Parts (each module's docstring says what it measures and why):
   hashing    bench_hashing.py   prefix-hash throughput per algorithm, beside MAX's
@@ -13,6 +13,9 @@ Parts (each module's docstring says what it measures and why):
                                 sweeps; agent sessions that pause (session turns' hit
                                 rate: mokv sessions / LRU / vLLM vs the bound); mokv hot
                                 spots
+  groups     bench_groups.py    a sliding-window model's cache (Gemma-3-like, window 1024, 8k
+                                contexts, shared prefixes): mokv with groups, without, and
+                                MAX 26.7's hybrid (Jenga) manager on one trace and budget
   attention  bench_attention.py CPU ragged flash attention, mokv vs MAX, vs copy bandwidth
   qkv        bench_qkv.py       CPU QKV projection: mokv's fused_qkv_matmul vs MAX's matmul
   compile    bench_compile.py   cold and warm build+load of a graph with mokv's kernels
@@ -47,6 +50,7 @@ sys.path.insert(0, str(HERE))
 import bench_attention  # noqa: E402
 import bench_compile  # noqa: E402
 import bench_events  # noqa: E402
+import bench_groups  # noqa: E402
 import bench_hashing  # noqa: E402
 import bench_managers  # noqa: E402
 import bench_qkv  # noqa: E402
@@ -55,7 +59,7 @@ import plots  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
-PARTS = ("hashing", "events", "managers", "attention", "qkv", "compile", "serving")
+PARTS = ("hashing", "events", "managers", "groups", "attention", "qkv", "compile", "serving")
 SHARE = ("share of the two-thread read: median over seven rounds, each a probe read then "
          "the kernel's calls with the three sides taking turns, of kernel GB/s / probe GB/s")
 
@@ -77,6 +81,7 @@ def _plan(parts: list[str], quick: bool, portable: bool) -> int:
     sizes = {"hashing": 2, "events": 10 if quick else 20, "attention": bench_attention.plan_size(quick, portable),
              "qkv": len(bench_qkv.tokens(quick)),
              "compile": bench_compile.plan_size(quick), "serving": len(bench_serving.SERVERS),
+             "groups": 3,
              "managers": 2 * len(bench_managers.MANAGERS) * s["repeats"] + len(s["batch_sizes"])
              + len(s["budgets"]) + 1 + 5}
     return sum(sizes[p] for p in parts)
@@ -125,6 +130,9 @@ def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dic
             man["mokv_profile"] = part("profile", "cProfile of mokv-paged",
                                        lambda: bench_managers.profile_mokv(quick))
             tick()
+        if "groups" in parts:
+            results["groups"] = part("groups", "sliding-window cache memory",
+                                     lambda: bench_groups.run(quick, tick))
         if "attention" in parts:
             results["attention"] = part("attention", "attention kernels (CPU)",
                                         lambda: bench_attention.run(quick, tick, portable))
@@ -221,6 +229,8 @@ def summary(r: dict) -> str:
     for key in ("compare", "compare_page16"):
         lines += _replay_table(r.get("managers", {}).get(key, {}))
     lines += _session_table(r.get("managers", {}).get("sessions", {}))
+    if r.get("groups", {}).get("managers"):
+        lines += bench_groups.table(r["groups"])
     if r.get("serving", {}).get("servers"):
         lines += bench_serving.table(r["serving"])
     sweep = r.get("managers", {}).get("batch_sweep", {})
