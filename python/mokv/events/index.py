@@ -19,7 +19,17 @@ page size, salt, LoRA adapter and images; see `mokv.cache.hashing` and
                     device 1.0, host `host_weight`, shared `shared_weight`
 
 so a replica holding a prefix on its device outscores one that would load it back from
-host memory, which outscores one that would fetch it from the shared store. This is
+host memory, which outscores one that would fetch it from the shared store.
+
+Presence (`shared=`, a `SharedPresence` such as a `mokv.remote.RemotePageStore` of the
+servers' shared tier): events tell which pages a source stored in the shared tier, but
+every server of the tier can load every page in it, and the store evicts without a
+word. With `shared`, each query also asks the store which of its leading pages it holds
+now (one batched EXISTS per store server, at most `SHARED_PROBE_PAGES` pages, bounded by
+the store's timeout and circuit breakers: a failing store holds nothing), and those
+pages count for every source at `shared_weight`, below its own device and host pages
+(Dynamo asks its KV-block manager the same way, PR #7536; LMCache's lookup server,
+#4352). This is
 llm-d's LongestPrefixScorer (llm-d/llm-d-kv-cache pkg/kvcache/kvblock_scorer.go: per
 page the best weight among the pod's tiers, summed over the longest prefix) with
 NVIDIA Dynamo's default weights (ai-dynamo/dynamo lib/kv-router/src/scheduling/
@@ -35,6 +45,7 @@ there; the server evicts without telling anyone, so it may hold pages already go
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from ..cache.extra_keys import chain_root, page_keys
 from ..cache.hashing import page_hash_fn, page_hashes
@@ -52,6 +63,20 @@ Source = tuple[str, int]
 """(server name, data-parallel replica)."""
 
 TIERS = ("device", "host", "shared")
+
+SHARED_PROBE_PAGES = 2048
+"""Most leading pages of one query asked of `PrefixRouterIndex.shared` (one pipelined
+EXISTS each: about a millisecond per thousand on loopback)."""
+
+
+class SharedPresence(Protocol):
+    """What a router asks a shared tier (`mokv.remote.RemotePageStore` is one)."""
+
+    def holds(self, page_hashes: Sequence[int]) -> int:
+        """How many leading pages of `page_hashes` the tier holds now; 0 on any failure,
+        in bounded time."""
+        ...
+
 
 TIER_OF_MEDIUM = {
     "GPU": "device",
@@ -86,6 +111,8 @@ class PrefixRouterIndex:
             device (1.0): loading it back costs a copy, recomputing it a prefill.
         shared_weight: the same for a page in the shared store ("EXTERNAL"); at most
             `host_weight`.
+        shared: the servers' shared tier, asked on each query which of its pages it
+            holds (see the module's docstring); None: only the events say.
 
     Raises:
         ValueError: a `page_size` that is not a positive int, an unknown `prefix_hash`,
@@ -106,6 +133,7 @@ class PrefixRouterIndex:
         prefix_hash_seed: int = 0,
         host_weight: float = 0.75,
         shared_weight: float = 0.25,
+        shared: SharedPresence | None = None,
     ):
         if page_size.__class__ is not int or not 1 <= page_size < 2**32:
             # A server's pages hold at most 2**32 - 1 tokens (uint32 cache lengths).
@@ -124,10 +152,13 @@ class PrefixRouterIndex:
                 f"shared_weight={shared_weight} is above host_weight={host_weight}: a page "
                 "from the shared store costs more to load than one from host memory"
             )
+        if shared is not None and not callable(getattr(shared, "holds", None)):
+            raise TypeError(f"shared must have a holds(page_hashes) method, got {shared!r}")
         self.page_size = page_size
         self.prefix_hash = prefix_hash
         self.prefix_hash_seed = prefix_hash_seed
         self.weights = {"device": 1.0, "host": float(host_weight), "shared": float(shared_weight)}
+        self.shared = shared
         self._hash_fn = page_hash_fn(prefix_hash)
         self._roots: dict[tuple[str | None, str | None], int] = {}
         self._sources: dict[Source, dict[str, set[int]]] = {}
@@ -210,15 +241,7 @@ class PrefixRouterIndex:
         if not set(tiers) <= set(TIERS):
             raise ValueError(f"tiers={tiers!r} are not all in {TIERS}")
         hashes = self.page_hashes(tokens, cache_salt, lora_name, mm_inputs)
-        if tiers == TIERS:
-            return {s: len(w) for s, w in self._page_weights(hashes).items()}
-        out = {}
-        for source, held in self._sources.items():
-            n = 0
-            while n < len(hashes) and any(hashes[n] in held[t] for t in tiers):
-                n += 1
-            out[source] = n
-        return out
+        return {s: len(w) for s, w in self._page_weights(hashes, tiers).items()}
 
     def scores(
         self,
@@ -248,15 +271,22 @@ class PrefixRouterIndex:
         source = max(scores, key=scores.__getitem__, default=None)
         return (source, scores[source]) if source is not None and scores[source] else (None, 0.0)
 
-    def _page_weights(self, hashes: list[int]) -> dict[Source, list[float]]:
-        """Per source, the weight of each leading page of `hashes` it holds (its best
-        tier's)."""
-        order = sorted(TIERS, key=self.weights.__getitem__, reverse=True)
+    def _page_weights(
+        self, hashes: list[int], tiers: tuple[str, ...] = TIERS
+    ) -> dict[Source, list[float]]:
+        """Per source, the weight of each leading page of `hashes` it holds in `tiers`
+        (its best tier's; a page only the shared store holds weighs `shared_weight`)."""
+        order = sorted(tiers, key=self.weights.__getitem__, reverse=True)
+        present = 0  # leading pages the shared store holds, for every source
+        if self.shared is not None and "shared" in tiers and self._sources and hashes:
+            present = self.shared.holds(hashes[:SHARED_PROBE_PAGES])
         out = {}
-        for source, tiers in self._sources.items():
+        for source, held in self._sources.items():
             weights = []
-            for h in hashes:
-                tier = next((t for t in order if h in tiers[t]), None)
+            for i, h in enumerate(hashes):
+                tier = next((t for t in order if h in held[t]), None)
+                if tier is None and i < present:
+                    tier = "shared"
                 if tier is None:
                     break
                 weights.append(self.weights[tier])

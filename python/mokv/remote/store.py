@@ -5,7 +5,7 @@ What the manager's lookup chain calls (device -> host -> remote):
 
     put(page_hash, token_bytes, page)   copy the page and queue it; never blocks, never
                                         raises for a server problem; False if dropped
-    probe(chain)                        how many leading pages of the chain the server
+    probe(chain) / holds(hashes)        how many leading pages of the chain the server
                                         holds (one pipelined round trip; not validated)
     lookup(chain, max_pages)            the validated bytes of the leading pages the
                                         server holds: one round trip to probe, one more
@@ -264,9 +264,22 @@ class RemotePageStore:
 
     def probe(self, chain: Iterable[tuple[int, bytes]], max_pages: int | None = None) -> int:
         """How many leading pages of `chain` (at most `max_pages`) the server holds: one
-        pipelined EXISTS per page, one round trip. Not validated (`lookup` may return
-        fewer) and not counted as hits: a query for planning or routing."""
-        return self._probe(list(islice(chain, max_pages)))
+        pipelined EXISTS per page, one round trip per server. Not validated (`lookup`
+        may return fewer) and not counted as hits: a query for planning or routing."""
+        return self.holds([page_hash for page_hash, _ in islice(chain, max_pages)])
+
+    def holds(self, page_hashes: Sequence[int]) -> int:
+        """`probe` by the pages' hashes alone (what a router has): 0 on any failure,
+        after at most one timeout per server (`mokv.events.PrefixRouterIndex(shared=)`)."""
+        if not page_hashes:
+            return 0
+        out = self._run([("EXISTS", self.key(page_hash)) for page_hash in page_hashes])
+        found = 0
+        for reply, ok in zip(out.replies, out.answered):
+            if not ok or not reply:
+                break
+            found += 1
+        return found
 
     def lookup(
         self, chain: Iterable[tuple[int, bytes]], max_pages: int | None = None
@@ -279,7 +292,7 @@ class RemotePageStore:
         chain = list(islice(chain, max_pages))
         self._count(lookups=1)
         pages: list[memoryview] = []
-        found = self._probe(chain)
+        found = self.holds([page_hash for page_hash, _ in chain])
         if found:
             out = self._run([("GET", self.key(h)) for h, _ in chain[:found]])
             for value, ok, (page_hash, tokens) in zip(out.replies, out.answered, chain):
@@ -294,17 +307,6 @@ class RemotePageStore:
                 pages.append(page)
         self._count(hits=len(pages), misses=int(len(pages) < len(chain)))
         return pages
-
-    def _probe(self, chain: list[tuple[int, bytes]]) -> int:
-        if not chain:
-            return 0
-        out = self._run([("EXISTS", self.key(page_hash)) for page_hash, _ in chain])
-        found = 0
-        for reply, ok in zip(out.replies, out.answered):
-            if not ok or not reply:
-                break
-            found += 1
-        return found
 
     # --- plumbing -------------------------------------------------------------------
 
