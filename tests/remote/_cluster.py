@@ -79,6 +79,17 @@ class RedisClusterProcesses:
                     return False
         return self.masters() <= live
 
+    def replica_of(self, address: str) -> RedisServer:
+        """The live replica of the master at `address`."""
+        with self.by_address(address).client() as client:
+            master_id = client.execute_command("CLUSTER", "MYID").decode()
+            lines = client.execute_command("CLUSTER", "REPLICAS", master_id)
+        for line in lines:
+            fields = line.decode().split()
+            if "fail" not in fields[2]:
+                return self.by_address(fields[1].split("@")[0])
+        raise RuntimeError(f"{address} has no live replica")
+
     def sync_replicas(self) -> None:
         """Waits until each master's writes reached its replica (WAIT)."""
         for address in self.masters():

@@ -130,13 +130,14 @@ def small_redis_server(tmp_path_factory):
 
 @pytest.fixture
 def make_store():
-    """make_store(server, layout=SMALL, **options): a store in a fresh namespace,
-    closed at the end of the test."""
+    """make_store(server, layout=SMALL, namespace=None, url=None, **options): a store in
+    a fresh namespace (or `namespace`) on `server` (or at `url`), closed at the end of
+    the test."""
     stores = []
 
-    def make(server, layout=SMALL, namespace=None, **options):
+    def make(server, layout=SMALL, namespace=None, url=None, **options):
         namespace = namespace or f"test-{os.getpid()}-{next(_namespaces)}"
-        stores.append(RemotePageStore(server.url, namespace, layout, **options))
+        stores.append(RemotePageStore(url or server.url, namespace, layout, **options))
         return stores[-1]
 
     yield make

@@ -2,6 +2,7 @@
 the masters and round-trip bit for bit; a master killed and restarted mid-trace costs
 misses, never an error or a wrong page, and only its own node's breaker opens."""
 
+import logging
 import time
 
 import pytest
@@ -92,3 +93,43 @@ def test_cluster_seeds_are_checked():
         with pytest.raises(ValueError, match=says):
             RemoteTierConfig(url=bad, namespace="m")
 
+
+
+def test_a_failover_redirects_are_misses_then_the_new_master_serves(redis_cluster, make_store):
+    # A graceful failover (CLUSTER FAILOVER on a replica): the old master, now a replica,
+    # answers MOVED for its former slots. Each is a miss, not a failure: no breaker
+    # trips, and once the slot map is asked for again the new master serves the pages.
+    store = make_store(redis_cluster)
+    links, datas = chain(24, seed=5), pages(24, seed=5)
+    put_all(store, links, datas)
+    redis_cluster.sync_replicas()
+    assert len(store.lookup(links)) == 24
+    old = store.nodes.node_of(store.key(links[0][0])).address
+    new = redis_cluster.replica_of(old)
+    with new.client() as client:
+        client.execute_command("CLUSTER", "FAILOVER")
+    deadline = time.monotonic() + 30
+    while old in redis_cluster.masters():
+        assert time.monotonic() < deadline, "no failover"
+        time.sleep(0.05)
+    redis_cluster.wait_ok()
+    assert store.lookup(links) == []  # page 0's slot moved: MOVED, a miss
+    assert store.metrics.redirects >= 1 and store.metrics.errors == 0
+    while len(got := store.lookup(links)) < 24:
+        assert time.monotonic() < deadline, "the new master was never asked"
+        time.sleep(0.1)
+    expected_prefix(got, datas)
+    assert store.nodes.node_of(store.key(links[0][0])).address == f"127.0.0.1:{new.port}"
+    assert store.metrics.breaker_trips == 0
+
+
+def test_a_server_that_is_no_cluster_node_holds_nothing(redis_server, make_store, caplog):
+    store = make_store(redis_server)  # one server: it works as such
+    links, datas = chain(4, seed=6), pages(4, seed=6)
+    put_all(store, links, datas)
+    as_cluster = make_store(None, url=(redis_server.url.removesuffix("/0"),),
+                            namespace=store.namespace)
+    with caplog.at_level(logging.WARNING, logger="mokv.remote.nodes"):
+        assert as_cluster.lookup(links) == [] and as_cluster.holds([h for h, _ in links]) == 0
+    assert "cluster support disabled" in caplog.text
+    assert as_cluster.metrics.skipped >= 1 and as_cluster.metrics.errors == 0

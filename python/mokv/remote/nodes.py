@@ -45,8 +45,14 @@ from .breaker import CircuitBreaker
 
 NETWORK_ERRORS = (redis.RedisError, OSError)
 """What a round trip may raise for a server problem (a miss, never an error)."""
-REDIRECTIONS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
-"""Error replies of a cluster whose slots moved or are not served now."""
+REDIRECTIONS = (
+    redis.exceptions.AskError,  # MovedError too
+    redis.exceptions.ClusterDownError,  # MasterDownError too
+    redis.exceptions.TryAgainError,
+)
+"""Error replies of a cluster whose slots moved or are not served now (MOVED, ASK,
+CLUSTERDOWN, MASTERDOWN, TRYAGAIN), as redis-py's parser types them: it strips the
+reply's first word from the message, so the type is all that tells them apart."""
 REFRESH_INTERVAL_S = 0.5
 """Least time between two slot-map refreshes: a failover takes the cluster about twice
 its `cluster-node-timeout`, and each refresh costs a round trip."""
@@ -236,7 +242,7 @@ class RedisNodes:
             node.breaker.success()
             for i, reply in zip(indices, got):
                 if isinstance(reply, redis.ResponseError):
-                    if str(reply).startswith(REDIRECTIONS):
+                    if isinstance(reply, REDIRECTIONS):
                         counts["redirects"] += 1
                         self._stale = True
                     else:
