@@ -82,13 +82,15 @@ def test_a_master_killed_and_restarted_mid_trace_costs_misses_only(redis_cluster
 def test_cluster_seeds_are_checked():
     ok = RemoteTierConfig(url=("redis://127.0.0.1:7000", "redis://u:pw@h:7001"), namespace="m")
     assert "pw" not in repr(ok) and "7001" in repr(ok)
+    listed = RemoteTierConfig(url=["redis://127.0.0.1:7000"], namespace="m")  # from YAML
+    assert listed.url == ("redis://127.0.0.1:7000",) and hash(listed)
     for bad, says in [
         ((), "one seed"),
         (("redis://h:7000/1",), "database 0"),
         (("unix:///tmp/r.sock",), "database 0"),
         (("redis://h:7000", "redis://h:7000"), "repeat"),
         (("redis://h:7000", 7001), "got int"),
-        (["redis://h:7000"], "got list"),
+        ({"redis://h:7000"}, "got set"),
     ]:
         with pytest.raises(ValueError, match=says):
             RemoteTierConfig(url=bad, namespace="m")

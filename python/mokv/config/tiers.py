@@ -109,8 +109,9 @@ class RemoteTierConfig(TierConfig):
 
     Attributes:
         url: one server: `redis://host:port/db`, `rediss://` (TLS) or `unix://`; a
-            Redis Cluster: a tuple of its seed nodes' `redis://host:port` (or
-            `rediss://`) URLs, one at least (the other nodes are found through them).
+            Redis Cluster: a tuple (or list, kept as a tuple) of its seed nodes'
+            `redis://host:port` (or `rediss://`) URLs, one at least (the other nodes
+            are found through them).
         namespace: the model's name in the store, 1-200 characters of
             `[A-Za-z0-9._/@+-]`: only managers with the same namespace, page layout and
             `prefix_hash_seed` share pages.
@@ -131,6 +132,8 @@ class RemoteTierConfig(TierConfig):
     mac_key: bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.url, list):  # a YAML file's (`mokv serve --mokv-config`)
+            object.__setattr__(self, "url", tuple(self.url))
         if isinstance(self.url, tuple):
             check_cluster_urls(self.url)
         else:
