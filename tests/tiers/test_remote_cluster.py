@@ -41,3 +41,42 @@ def test_two_layouts_on_one_cluster_never_read_each_others_pages(session, redis_
     assert not np.array_equal(a_pages[0][:2], b_pages[0][:2])
     for m in (a, b, again_a, again_b):
         m.close()
+
+
+def test_a_dead_master_costs_a_manager_misses_never_an_error(session, redis_cluster):
+    # A commits six prompts to the cluster; the master holding prompt 0's first page
+    # dies. B asks for every prompt at once: prompt 0 misses, the others' pages come from
+    # the live masters, bit for bit, and no call raises. Then the node comes back.
+    ns = fresh_namespace()
+    a = remote_manager(session, redis_cluster, ns, num_pages=16)
+    prompts = [np.arange(8) + 100 * i for i in range(6)]  # two full pages each
+    a_pages, first_pages = [], []
+    for i, prompt in enumerate(prompts):
+        a_pages.append(serve(a, TextContext(np.r_[prompt, [9]], f"A{i}"), fill_seed=i)[0])
+        first_pages.append(a.replicas[0].committed_hashes(f"A{i}")[0])
+        a.release(f"A{i}")
+    flush(a)
+    redis_cluster.sync_replicas()
+    (store,) = stores(a)
+    victim = redis_cluster.by_address(store.nodes.node_of(store.key(first_pages[0])).address)
+    b = remote_manager(session, redis_cluster, ns, num_pages=16)
+    victim.kill()
+    try:
+        hits = []
+        for i, prompt in enumerate(prompts):
+            ctx = reserved(b, np.r_[prompt, [5]], f"B{i}")
+            b.fetch([ctx])
+            n = ctx.start_idx // 4
+            view = page_copy.numpy_view(b.replicas[0].blocks[0])
+            np.testing.assert_array_equal(view[b.get_req_blocks(f"B{i}")[:n]], a_pages[i][:n])
+            hits.append(n)
+            b.release(f"B{i}")
+        b.check_invariants()
+        assert hits[0] == 0 and sum(hits) > 0, hits
+        remote = b.remote_metrics
+        assert remote.errors + remote.skipped > 0 and remote.rejected_corrupt == 0
+    finally:
+        victim.start()
+        redis_cluster.wait_ok()
+    a.close()
+    b.close()
