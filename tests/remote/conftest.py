@@ -23,7 +23,7 @@ from xxhash import xxh3_64
 
 REDIS_SERVER = shutil.which("redis-server")  # None: the tests skip (or fail under CI)
 INSTALL_HINT = (
-    "redis-server not found: install it (Debian/Ubuntu: `sudo apt-get install redis-server`, "
+    "redis-server or redis-cli not found: install them (Debian/Ubuntu: `sudo apt-get install redis-server`, "
     "macOS: `brew install redis`) to run the shared-tier tests"
 )
 SMALL = RemoteLayout(DType.float32, page_size=4, num_layers=2, n_kv_heads_per_device=2,
@@ -92,8 +92,8 @@ class RedisServer:
             self.kill()
 
 
-def _require_redis() -> None:
-    if REDIS_SERVER is None:
+def _require_redis(binary: str | None = REDIS_SERVER) -> None:
+    if binary is None:
         if os.environ.get("CI") == "true":
             pytest.fail(INSTALL_HINT + " (CI=true: these tests must run; .ci/run installs it)")
         pytest.skip(INSTALL_HINT)
@@ -186,6 +186,7 @@ def redis_cluster(tmp_path_factory):
     from ._cluster import RedisClusterProcesses
 
     _require_redis()
+    _require_redis(shutil.which("redis-cli"))  # Debian's redis-tools, which redis-server needs
     cluster = RedisClusterProcesses(tmp_path_factory.mktemp("redis-cluster"))
     yield cluster
     cluster.stop()
