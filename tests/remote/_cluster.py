@@ -58,7 +58,7 @@ class RedisClusterProcesses:
     def live(self) -> list[RedisServer]:
         return [s for s in self.servers if s.proc.poll() is None]
 
-    def wait_ok(self, timeout_s: float = 30) -> None:
+    def wait_ok(self, timeout_s: float = 60) -> None:
         """Until every live node says cluster_state:ok and all see the same live masters."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -56,15 +56,22 @@ def test_a_master_killed_and_restarted_mid_trace_costs_misses_only(redis_cluster
     redis_cluster.by_address(victim).kill()
 
     assert trace_step()[0] == 0  # chain 0's first page is on the dead master
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # a failover on two loaded cores can take a while
     while victim in redis_cluster.masters():  # its replica takes over
         assert time.monotonic() < deadline, "no failover"
         trace_step()
         time.sleep(0.05)
     assert store.nodes.node(victim).breaker.trips >= 1
     assert all(store.nodes.node(a).breaker.trips == 0 for a in others)
-    while trace_step() != [CHAIN_PAGES] * NUM_CHAINS:  # the slot map moves to the replica
-        assert time.monotonic() < deadline, "the promoted replica was never asked"
+    # The store's slot map moves to the replica within a refresh (0.5 s); the cluster
+    # may still say CLUSTERDOWN for a moment after the vote.
+    deadline = time.monotonic() + 30
+    while (hits := trace_step()) != [CHAIN_PAGES] * NUM_CHAINS:
+        assert time.monotonic() < deadline, (
+            f"the promoted replica was never asked: {hits}, {store.metrics}, "
+            f"map {[n.address for n in store.nodes.masters()]}, "
+            f"cluster {redis_cluster.masters()}"
+        )
         time.sleep(0.05)
 
     redis_cluster.by_address(victim).start()  # rejoins as a replica of its successor

@@ -15,10 +15,12 @@ one master that holds its slot, and no check ever needs a second key on another 
 
 Failures, per node: each node has its own `CircuitBreaker`, so a dead master costs the
 misses of its own slots, while the other masters answer. A node that fails (a refused
-or dropped connection, a timeout) or answers a redirection (MOVED / ASK: its slots moved,
-e.g. after a failover; CLUSTERDOWN / TRYAGAIN) leaves its commands unanswered, and marks
-the slot map stale: the next `run` asks the cluster for it again (`CLUSTER SLOTS`, from
-the seeds first, then the nodes it knew), at most once per `REFRESH_INTERVAL_S`.
+or dropped connection, a timeout), whose breaker is open, or that answers a redirection
+(MOVED / ASK: its slots moved, e.g. after a failover; CLUSTERDOWN / TRYAGAIN) leaves its
+commands unanswered, and marks the slot map stale (a failed master's replica may have
+taken over: its slots are served again within a refresh, not a breaker's cooldown):
+the next `run` asks the cluster for it again (`CLUSTER SLOTS`, from the seeds first,
+then the nodes it knew), at most once per `REFRESH_INTERVAL_S`.
 
 Why not redis-py's own `RedisCluster`: its pipeline raises for the whole batch when one
 node fails, and retries failed commands one at a time through its own retry policy with
@@ -227,6 +229,9 @@ class RedisNodes:
             if node is None or not node.breaker.allow():
                 counts["skipped"] += 1
                 counts["skipped_commands"] += len(indices)
+                # Its replica may have taken over since: ask for the map again rather
+                # than wait for the breaker's trial (cooldown_s) to find out.
+                self._stale = True
                 continue
             try:
                 got = node.pipeline([commands[i] for i in indices])
