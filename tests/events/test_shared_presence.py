@@ -3,12 +3,19 @@ events and asks the shared tier which of a prompt's pages it holds, so a server 
 never saw a prompt scores its shared pages (below the device's), an evicted page stops
 counting at once, and a dead store counts nothing, without an error."""
 
+import itertools
 import time
 
 import mokv
 import numpy as np
 import pytest
-from mokv.events import EventSubscriber, KVEventsConfig, PrefixRouterIndex
+from mokv.events import (
+    BlockStored,
+    EventSubscriber,
+    KVEventBatch,
+    KVEventsConfig,
+    PrefixRouterIndex,
+)
 from mokv.remote import RemoteLayout, RemotePageStore
 
 from tests.managers.conftest import NUM_LAYERS, small_params
@@ -81,6 +88,31 @@ def test_the_router_scores_what_the_shared_tier_holds_for_every_server(
             m.close()
 
 
-def test_shared_presence_must_answer_holds():
+class CountingPresence:
+    """A shared tier holding `held` pages, counting the questions."""
+
+    def __init__(self, held):
+        self.held, self.asked = held, []
+
+    def holds(self, page_hashes):
+        self.asked.append(len(page_hashes))
+        return sum(1 for _ in itertools.takewhile(self.held.__contains__, page_hashes))
+
+
+def test_the_store_is_asked_only_when_a_source_stops_short():
+    presence = CountingPresence(set())
+    index = PrefixRouterIndex(page_size=4, shared=presence)
+    hashes = index.page_hashes(PROMPT)
+    assert index.scores(PROMPT) == {} and presence.asked == []  # no source: no question
+    index.apply(("a", 0), KVEventBatch(0.0, [BlockStored(hashes, None, list(PROMPT[:12]), 4,
+                                                         None, "GPU", None)], 0))
+    assert index.scores(PROMPT) == {("a", 0): 3.0} and presence.asked == []
+    index.apply(("b", 0), KVEventBatch(0.0, [BlockStored(hashes[1:], hashes[0],
+                                                         list(PROMPT[4:12]), 4, None, "GPU",
+                                                         None)], 0))
+    presence.held = {hashes[0]}  # b's page 0 from the store, then its own device pages
+    assert index.scores(PROMPT) == {("a", 0): 3.0, ("b", 0): 2.25} and presence.asked == [3]
+    assert index.match(PROMPT, tiers=("device", "host")) == {("a", 0): 3, ("b", 0): 0}
+    assert presence.asked == [3]  # a query without the shared tier asks nothing
     with pytest.raises(TypeError, match="holds"):
         PrefixRouterIndex(page_size=4, shared=object())

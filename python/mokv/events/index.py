@@ -275,11 +275,20 @@ class PrefixRouterIndex:
         self, hashes: list[int], tiers: tuple[str, ...] = TIERS
     ) -> dict[Source, list[float]]:
         """Per source, the weight of each leading page of `hashes` it holds in `tiers`
-        (its best tier's; a page only the shared store holds weighs `shared_weight`)."""
+        (its best tier's; a page only the shared store holds weighs `shared_weight`).
+        The store is asked only when some source's own tiers stop short."""
         order = sorted(tiers, key=self.weights.__getitem__, reverse=True)
-        present = 0  # leading pages the shared store holds, for every source
-        if self.shared is not None and "shared" in tiers and self._sources and hashes:
-            present = self.shared.holds(hashes[:SHARED_PROBE_PAGES])
+        out = self._walk(hashes, order, 0)
+        if (
+            self.shared is not None
+            and "shared" in tiers
+            and any(len(weights) < len(hashes) for weights in out.values())
+        ):
+            out = self._walk(hashes, order, self.shared.holds(hashes[:SHARED_PROBE_PAGES]))
+        return out
+
+    def _walk(self, hashes: list[int], order: list[str], present: int) -> dict[Source, list[float]]:
+        """`_page_weights` with the shared store holding the first `present` pages."""
         out = {}
         for source, held in self._sources.items():
             weights = []
