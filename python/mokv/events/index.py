@@ -24,8 +24,8 @@ host memory, which outscores one that would fetch it from the shared store.
 Presence (`shared=`, a `SharedPresence` such as a `mokv.remote.RemotePageStore` of the
 servers' shared tier): events tell which pages a source stored in the shared tier, but
 every server of the tier can load every page in it, and the store evicts without a
-word. With `shared`, each query also asks the store which of its leading pages it holds
-now (one batched EXISTS per store server, at most `SHARED_PROBE_PAGES` pages, bounded by
+word. With `shared`, a query that some source's own tiers do not cover in full also
+asks the store which of its leading pages it holds now (one batched EXISTS per store server, at most `SHARED_PROBE_PAGES` pages, bounded by
 the store's timeout and circuit breakers: a failing store holds nothing), and those
 pages count for every source at `shared_weight`, below its own device and host pages
 (Dynamo asks its KV-block manager the same way, PR #7536; LMCache's lookup server,
