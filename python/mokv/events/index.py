@@ -19,22 +19,22 @@ page size, salt, LoRA adapter and images; see `mokv.cache.hashing` and
                     device 1.0, host `host_weight`, shared `shared_weight`
 
 so a replica holding a prefix on its device outscores one that would load it back from
-host memory, which outscores one that would fetch it from the shared store.
-
-Presence (`shared=`, a `SharedPresence` such as a `mokv.remote.RemotePageStore` of the
-servers' shared tier): events tell which pages a source stored in the shared tier, but
-every server of the tier can load every page in it, and the store evicts without a
-word. With `shared`, a query that some source's own tiers do not cover in full also
-asks the store which of its leading pages it holds now (one batched EXISTS per store server, at most `SHARED_PROBE_PAGES` pages, bounded by
-the store's timeout and circuit breakers: a failing store holds nothing), and those
-pages count for every source at `shared_weight`, below its own device and host pages
-(Dynamo asks its KV-block manager the same way, PR #7536; LMCache's lookup server,
-#4352). This is
+host memory, which outscores one that would fetch it from the shared store. This is
 llm-d's LongestPrefixScorer (llm-d/llm-d-kv-cache pkg/kvcache/kvblock_scorer.go: per
 page the best weight among the pod's tiers, summed over the longest prefix) with
 NVIDIA Dynamo's default weights (ai-dynamo/dynamo lib/kv-router/src/scheduling/
 config.rs: `host_cache_hit_weight` 0.75, `disk_cache_hit_weight` 0.25 for its disk and
 external tiers, the device 1.0). llm-d's defaults are GPU 1.0 and CPU 0.8.
+
+Presence (`shared=`, a `SharedPresence` such as a `mokv.remote.RemotePageStore` of the
+servers' shared tier): events tell which pages a source stored in the shared tier, but
+every server of the tier can load every page in it, and the store evicts without a
+word. With `shared`, a query that some source's own tiers do not cover in full also
+asks the store which of its leading pages it holds now (one batched EXISTS per store
+server, at most `SHARED_PROBE_PAGES` pages, bounded by the store's timeout and circuit
+breakers: a failing store holds nothing), and those pages count for every source at
+`shared_weight`, below its own device and host pages (issue 58 cites routers that ask
+a shared tier: Dynamo PR #7536, LMCache #4352).
 
 Invariant: after a source's events up to seq N are applied in order, its device tier
 equals the publishing pool's `indexed_hashes()` and its host tier the host pool's, as
