@@ -90,11 +90,15 @@ class RedisClusterProcesses:
                 return self.by_address(fields[1].split("@")[0])
         raise RuntimeError(f"{address} has no live replica")
 
-    def sync_replicas(self) -> None:
-        """Waits until each master's writes reached its replica (WAIT)."""
+    def sync_replicas(self, timeout_s: float = 60) -> None:
+        """Waits until each master's writes reached its replica (WAIT returns 1: a replica
+        still in its first full sync, on loaded cores, acknowledges nothing yet)."""
+        deadline = time.monotonic() + timeout_s
         for address in self.masters():
             with self.by_address(address).client() as client:
-                client.execute_command("WAIT", 1, 5000)
+                while client.execute_command("WAIT", 1, 1000) < 1:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the replica of {address} never caught up")
 
     def stop(self) -> None:
         for server in self.servers:
