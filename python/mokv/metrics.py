@@ -85,6 +85,40 @@ class SessionMetrics:
         return self.turn_cache_tokens / self.turn_prompt_tokens if self.turn_prompt_tokens else 0.0
 
 
+@dataclass
+class CacheControlMetrics:
+    """Pins and write policies, all replicas together (`mokv.CacheControl`).
+
+    Attributes:
+        pins: live pins.
+        pinned_pages: distinct page hashes live pins hold (what `PinConfig.max_share`
+            bounds), wherever their pages are.
+        pinned_device_pages: device pages without an owner that pins hold.
+        granted: pins asked for and granted, whole or in part (a refresh included).
+        partial: of `granted`, those the budget cut short.
+        refused: pins asked for that the budget left no page (nothing pinned).
+        refreshed: times a hit on a whole pinned prefix renewed its time to live.
+        expired: pins ended by their time to live.
+        spilled_pages: pinned pages that left the device for the host tier holding them.
+        withheld_pages: full pages a request's write policy kept out of the cache.
+    """
+
+    pins: int = 0
+    pinned_pages: int = 0
+    pinned_device_pages: int = 0
+    granted: int = 0
+    partial: int = 0
+    refused: int = 0
+    refreshed: int = 0
+    expired: int = 0
+    spilled_pages: int = 0
+    withheld_pages: int = 0
+
+    def __add__(self, other: CacheControlMetrics) -> CacheControlMetrics:
+        """Field by field: two replicas' counters together."""
+        return CacheControlMetrics(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
 _NO_TIER = TierMetrics()
 
 
@@ -112,6 +146,7 @@ class KVCacheMetrics:
         tiers: the lower tiers' counters by tier name ("host", "remote"), in lookup
             order; empty without tiers. The `host_*` and `remote_*` properties read them.
         sessions: the sessions' counters (all zero without `KVCacheParams.sessions`).
+        cache_control: pins' and write policies' counters (`mokv.CacheControl`).
     """
 
     input_tokens: int = 0
@@ -120,6 +155,7 @@ class KVCacheMetrics:
     free_pages: int = 0
     tiers: dict[str, TierMetrics] = field(default_factory=dict)
     sessions: SessionMetrics = field(default_factory=SessionMetrics)
+    cache_control: CacheControlMetrics = field(default_factory=CacheControlMetrics)
 
     @property
     def prompt_tokens(self) -> int:
