@@ -283,6 +283,11 @@ class HostTier:
         if self.undo is not None:
             self.undo.push(self._prefix_pins.update, gone)
 
+    @property
+    def pinned_prefixes(self) -> frozenset[int]:
+        """The hashes live pins hold (`pin_prefixes`)."""
+        return frozenset(self._prefix_pins)
+
     def holds_pinned(self, page_hash: int) -> bool:
         return page_hash in self._prefix_pins and self.pool.page_of(page_hash) is not None
 
