@@ -11,9 +11,15 @@ agent finds cached when it comes back is what the cache kept for it.
 Per server: TTFT p50 / p99 (first streamed token), output tokens per second over the
 run, and the share of prompt tokens served from cache (`usage.cached_tokens`). mokv runs
 four ways: plain, with sessions (`dkv_cache_hint` names the agent's session), with a
-host tier, with both.
+host tier, with both. Every turn's greedy reply is kept, and each server's replies are
+compared with `max serve`'s: the same tokens turn by turn until the first that differs
+(a different reply changes every later prompt of that agent).
 
-    python benchmarks/bench_serving.py [--quick]
+On a GPU (`--gpu`) the checkpoint is bfloat16 and the servers run with MAX's defaults
+there (device graph capture and the overlap scheduler as MAX sets them), `max serve`
+beside plain `mokv serve` and `mokv serve` with a host tier:
+
+    python benchmarks/bench_serving.py [--quick] [--gpu] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ SERVE_ARGS = [
     "--devices", "cpu", "--quantization-encoding", "float32", "--max-length", "1024",
     "--max-batch-size", "2", "--enable-prefix-caching",
 ]
+GPU_SERVE_ARGS = ["--devices", "gpu", "--quantization-encoding", "bfloat16", "--max-length", "1024",
+                  "--enable-prefix-caching"]
+GPU_SERVERS = ("max serve", "mokv serve", "mokv serve + host tier")
 SERVERS = {
     "max serve": ("max", None),
     "mokv serve": ("mokv", {}),
@@ -90,6 +99,8 @@ def _agent(client, model: str, system: list[int], agent: dict, session: str, out
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.prompt_tokens_details.cached_tokens or 0,
             "output_tokens": usage.completion_tokens,
+            "agent": session,
+            "reply": reply,
         })
         conversation = conversation + reply
         time.sleep(pause)
@@ -124,21 +135,51 @@ def serve_trace(server, tr: dict) -> dict:
         "cached_share": round(sum(r["cached_tokens"] for r in records) / prompt, 4),
         "prompt_tokens": prompt,
         "wall_s": round(wall, 1),
+        "replies": _replies(records),
     }
 
 
-def run(quick: bool, tick=lambda: None) -> dict:
-    """The trace against every server in SERVERS, one at a time (each owns the CPU)."""
+def _replies(records: list) -> dict:
+    """Each agent's replies in turn order (an agent's turns run one after another)."""
+    out: dict = {}
+    for r in records:
+        out.setdefault(r["agent"], []).append(r["reply"])
+    return out
+
+
+def same_replies(replies: dict, reference: dict) -> tuple[int, int]:
+    """(turns whose reply equals the reference's, turns) over the agents' turns in order;
+    an agent's turns after its first different reply count as different."""
+    same = total = 0
+    for agent, theirs in reference.items():
+        mine = replies.get(agent, [])
+        total += len(theirs)
+        for a, b in zip(mine, theirs):
+            if a != b:
+                break
+            same += 1
+    return same, total
+
+
+def run(quick: bool, tick=lambda: None, gpu: bool = False) -> dict:
+    """The trace against every server in SERVERS (GPU_SERVERS with `gpu`), one at a time
+    (each owns the machine)."""
     import mokv_graphs as mg
     from mokv.pipelines.server_process import ServerProcess
 
     work = Path(tempfile.mkdtemp(prefix="mokv-bench-serving-"))
-    model = mg.tiny_llama_checkpoint(work / "tiny-llama")
+    if gpu:
+        weights = mg.init_weights(mg.TINY_LLAMA, seed=0)
+        model = mg.save_checkpoint(work / "tiny-llama-bf16", mg.TINY_LLAMA, weights, dtype="bfloat16")
+    else:
+        model = mg.tiny_llama_checkpoint(work / "tiny-llama")
+    serve_args = GPU_SERVE_ARGS if gpu else SERVE_ARGS
+    servers = {n: SERVERS[n] for n in GPU_SERVERS} if gpu else SERVERS
     tr = trace(quick)
     results: dict = {"servers": {}, "agents": len(tr["agents"]),
-                     "turns": len(tr["agents"][0]["tools"]), "serve_args": SERVE_ARGS}
-    for name, (program, config) in SERVERS.items():
-        args = ["--model", str(model), *SERVE_ARGS]
+                     "turns": len(tr["agents"][0]["tools"]), "serve_args": serve_args}
+    for name, (program, config) in servers.items():
+        args = ["--model", str(model), *serve_args]
         if config:
             path = work / f"{len(results['servers'])}.yaml"
             path.write_text(json.dumps(config))
@@ -157,14 +198,17 @@ def table(results: dict) -> list[str]:
     """The markdown table of a run."""
     lines = [f"### Serving an agent trace over HTTP ({results['agents']} agents x "
              f"{results['turns']} turns, `{' '.join(results['serve_args'])}`)", "",
-             "| server | TTFT p50 ms | TTFT p99 ms | output tokens/s | prompt tokens from cache |",
-             "|---|---|---|---|---|"]
+             "| server | TTFT p50 ms | TTFT p99 ms | output tokens/s | prompt tokens from cache "
+             "| replies equal to max serve's |",
+             "|---|---|---|---|---|---|"]
+    reference = results["servers"].get("max serve", {}).get("replies")
     for name, r in results["servers"].items():
         if "error" in r:
-            lines.append(f"| {name} | error: {r['error'][-120:]!r} | | | |")
+            lines.append(f"| {name} | error: {r['error'][-120:]!r} | | | | |")
             continue
+        same = "{} of {} turns".format(*same_replies(r["replies"], reference)) if reference else "-"
         lines.append(f"| {name} | {r['ttft_ms']['p50']} | {r['ttft_ms']['p99']} | "
-                     f"{r['output_tokens_per_s']} | {r['cached_share']:.1%} |")
+                     f"{r['output_tokens_per_s']} | {r['cached_share']:.1%} | {same} |")
     return lines + [""]
 
 
@@ -173,6 +217,12 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    result = run(ap.parse_args().quick)
-    print(json.dumps(result, indent=1))
+    ap.add_argument("--gpu", action="store_true", help="bfloat16 weights on the GPU, MAX's defaults")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    a = ap.parse_args()
+    result = run(a.quick, gpu=a.gpu)
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "servers"} | {"servers": {
+        n: {k: v for k, v in r.items() if k != "replies"} for n, r in result["servers"].items()}}, indent=1))
     print("\n".join(table(result)))

@@ -6,6 +6,7 @@
 #   benchmarks/gpu_machine.sh tests [pytest args]   # the tests that need a GPU
 #   benchmarks/gpu_machine.sh bench [args]     # benchmarks/bench_gpu_attention.py
 #   benchmarks/gpu_machine.sh all              # tests and every GPU benchmark, in $OUT
+#   benchmarks/gpu_machine.sh serve [limit_s]  # mokv serve beside max serve (bench_serving.py --gpu)
 #
 # MAX arrives as site-packages built for Python 3.12 (`pip install --target`), xz-compressed
 # and split into parts by benchmarks/gpu_stage.sh; they are unpacked into
@@ -65,5 +66,11 @@ case "$cmd" in
     # $OUT/tests.log has the whole test output; this summary, the end of each log.
     for f in /tmp/logs/*.log; do echo "=== $f"; grep -v -i "warning" "$f" | tail -60; done > "$OUT/all.log"
     cat "$OUT/all.log"
+    ;;
+  serve)  # MAX's server with its own and with mokv's KV manager, bfloat16 weights, MAX's GPU defaults
+    limit=${1:-540}
+    timeout "$limit" python3 benchmarks/bench_serving.py --quick --gpu --json "$OUT/serve.json" \
+      > "$OUT/serve.log" 2>&1
+    echo "rc=$?"; grep -v -i "warning" "$OUT/serve.log" | tail -40
     ;;
 esac

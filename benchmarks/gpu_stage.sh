@@ -21,6 +21,18 @@ python3 -m pip download -q --no-deps "${py312[@]}" "${platforms[@]}" -d "$stage/
   max==26.7.0 max-core==26.7.0 mojo-compiler==1.2.0 max-mojo-libs==26.7.0 max-shmem-libs==26.7.0 \
   mojo-compiler-mojo-libs==1.2.0 msgspec taskgroup exceptiongroup \
   pyzmq redis hiredis pydantic pydantic-core annotated-types typing-inspection
+# `max serve` and `mokv serve` (max[serve]): what the GPU image (KINDS.md's list) lacks, at the
+# versions installed here, the ones this machine's suite ran against. The image's own
+# transformers (5.17) is newer than max[serve]'s pin (<5.13); MAX 26.7 runs on it.
+serve_deps=(asgiref av fastapi gguf googleapis-common-protos hf-transfer httpcore2 httpx2
+            importlib-metadata jiter jsonschema jsonschema-specifications openai opentelemetry-api
+            opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-grpc
+            opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-prometheus opentelemetry-proto
+            opentelemetry-sdk opentelemetry-semantic-conventions pydantic-settings python-dotenv
+            python-json-logger referencing rpds-py sniffio sse-starlette starlette truststore uvicorn)
+mapfile -t serve_pins < <(python3 -c 'import sys; from importlib.metadata import version
+for n in sys.argv[1:]: print(f"{n}=={version(n)}")' "${serve_deps[@]}")
+python3 -m pip download -q --no-deps "${py312[@]}" "${platforms[@]}" -d "$stage/wheels" "${serve_pins[@]}"
 rm -rf "$stage/site" "$stage"/x* "$stage/site.tar.xz"
 python3 -m pip install -q --no-deps --no-index "${py312[@]}" "${platforms[@]}" --target "$stage/site" \
   "$stage"/wheels/*.whl
@@ -46,4 +58,5 @@ for i in $(seq 1 $((n - 1))); do
 done
 echo "  run(carry=[\"$stage/x$n\", \"$stage/local\"], timeout_s=590, command=\"cp $stage/x$n/* /tmp/stage/ &&" \
   "bash benchmarks/gpu_machine.sh stage-check && bash benchmarks/gpu_machine.sh all 480\")"
+echo "  run(timeout_s=590, command=\"bash benchmarks/gpu_machine.sh serve 540\")   # warm: /tmp/site is still there"
 echo "($stage/local: mokv's kernel package and Sybil; results come back from \$OUT)"
