@@ -124,10 +124,11 @@ RUNS = ("max-paged", "mokv-lru", "mokv-sessions", "mokv-read-only", "mokv-pins",
 
 def run(quick: bool, progress=None) -> dict:
     turns = 14 if quick else 28
+    runs: dict[str, dict] = {}
     out = {"turns": turns, "pages": PAGES, "page_size": PAGE, "pauses_s": PAUSES_S,
-           "prefill_s_per_token": PREFILL_S_PER_TOKEN, "runs": {}}
+           "prefill_s_per_token": PREFILL_S_PER_TOKEN, "runs": runs}
     for name in RUNS:
-        out["runs"][name] = run_one(name, turns)
+        runs[name] = run_one(name, turns)
         if progress:
             progress()
     return out

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field
+from typing import Any, TypeVar
+
+_S = TypeVar("_S", bound="Summed")
+
+
+class Summed:
+    """Counters (a dataclass of numbers) that two replicas' add up field by field."""
+
+    def __add__(self: _S, other: _S) -> _S:
+        values = zip(astuple(self), astuple(other))  # type: ignore[call-overload]
+        summed: Any = type(self)
+        return summed(*(a + b for a, b in values))
 
 
 @dataclass
-class TierMetrics:
+class TierMetrics(Summed):
     """One cache tier's counters, all replicas together (see `mokv.tiers`).
 
     Attributes:
@@ -33,13 +45,9 @@ class TierMetrics:
     kept_pages: int = 0
     evicted_retained_pages: int = 0
 
-    def __add__(self, other: TierMetrics) -> TierMetrics:
-        """Field by field: the counters of two replicas' tiers together."""
-        return TierMetrics(*(a + b for a, b in zip(astuple(self), astuple(other))))
-
 
 @dataclass
-class SessionMetrics:
+class SessionMetrics(Summed):
     """The sessions' counters, all replicas together (`mokv.SessionConfig`).
 
     Attributes:
@@ -74,10 +82,6 @@ class SessionMetrics:
     expired: int = 0
     dropped: int = 0
 
-    def __add__(self, other: SessionMetrics) -> SessionMetrics:
-        """Field by field: two replicas' sessions together."""
-        return SessionMetrics(*(a + b for a, b in zip(astuple(self), astuple(other))))
-
     @property
     def turn_hit_rate(self) -> float:
         """`turn_cache_tokens / turn_prompt_tokens`: how much of a session's next turn the
@@ -86,7 +90,7 @@ class SessionMetrics:
 
 
 @dataclass
-class CacheControlMetrics:
+class CacheControlMetrics(Summed):
     """Pins and write policies, all replicas together (`mokv.CacheControl`).
 
     Attributes:
@@ -113,10 +117,6 @@ class CacheControlMetrics:
     expired: int = 0
     spilled_pages: int = 0
     withheld_pages: int = 0
-
-    def __add__(self, other: CacheControlMetrics) -> CacheControlMetrics:
-        """Field by field: two replicas' counters together."""
-        return CacheControlMetrics(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 _NO_TIER = TierMetrics()

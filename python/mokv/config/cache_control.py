@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .base import ParamsView
+from .base import ParamsView, check_clock, check_share
 
 WRITE_POLICIES = ("all", "prefix", "read_only")
 """`CacheControl.write`'s values."""
@@ -62,11 +62,8 @@ class PinConfig:
     clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        share = self.max_share
-        if share.__class__ not in (int, float) or not 0 < share <= 1:
-            raise ValueError(f"PinConfig.max_share must be a number in (0, 1], got {share!r}")
-        if not callable(self.clock):
-            raise TypeError(f"PinConfig.clock must be callable, got {self.clock!r}")
+        check_share("PinConfig", self.max_share)
+        check_clock("PinConfig", self.clock)
 
     def check(self, params: ParamsView) -> None:
         """ValueError unless `params` can carry pins."""

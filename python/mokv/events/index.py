@@ -213,25 +213,15 @@ class PrefixRouterIndex:
         for h in hashes:
             pins[h] = max(pins.get(h, deadline), deadline)
 
-    def pinned_pages(
-        self,
-        tokens,
-        cache_salt: str | None = None,
-        *,
-        lora_name: str | None = None,
-        mm_inputs: Sequence[MultimodalInput] = (),
-    ) -> dict[Source, int]:
-        """For each source with live pins, how many leading full pages of `tokens` they
-        hold (ended pins are forgotten here: expiry is lazy)."""
+    def pinned_pages(self, hashes: Sequence[int]) -> dict[Source, int]:
+        """For each source with live pins, how many leading pages of `hashes` (a prompt's
+        `page_hashes`) they hold (ended pins are forgotten here: expiry is lazy)."""
         now = self.clock()
         for source, pins in list(self._pins.items()):
             for h in [h for h, deadline in pins.items() if deadline <= now]:
                 del pins[h]
             if not pins:
                 del self._pins[source]
-        if not self._pins:
-            return {}
-        hashes = self.page_hashes(tokens, cache_salt, lora_name, mm_inputs)
         out = {}
         for source, pins in self._pins.items():
             n = 0
@@ -312,8 +302,9 @@ class PrefixRouterIndex:
         """The source with the highest `scores` for `tokens`, and its score ((None, 0.0)
         when no source holds the first page), a source whose live pins hold more leading
         pages first (`note_pin`); ties go to the source added first."""
-        scores = self.scores(tokens, cache_salt, lora_name=lora_name, mm_inputs=mm_inputs)
-        pinned = self.pinned_pages(tokens, cache_salt, lora_name=lora_name, mm_inputs=mm_inputs)
+        hashes = self.page_hashes(tokens, cache_salt, lora_name, mm_inputs)
+        scores = {s: sum(w) for s, w in self._page_weights(hashes).items()}
+        pinned = self.pinned_pages(hashes)
         source = max(scores, key=lambda s: (pinned.get(s, 0), scores[s]), default=None)
         return (source, scores[source]) if source is not None and scores[source] else (None, 0.0)
 

@@ -14,17 +14,6 @@ from ..conftest import NUM_LAYERS, make_paged, small_params
 from .test_sessions import Clock, found, hashes, storm, turn
 
 
-def controlled(m, tokens, control, session_id=None) -> TextContext:
-    """`turn` of a request with `cache_control=control`."""
-    ctx = TextContext(np.asarray(tokens), cache_control=control, session_id=session_id)
-    m.external_claim(ctx.request_id)
-    m.fetch([ctx])
-    ctx.update(1)
-    m.step([ctx])
-    m.release(ctx.request_id)
-    return ctx
-
-
 def pinned(ttl_s, **fields) -> CacheControl:
     return CacheControl(pin_ttl_s=ttl_s, **fields)
 
@@ -39,7 +28,7 @@ def test_a_pinned_prefix_survives_pressure_that_evicts_a_session(session):
     kept_by_retention = found(retained, nxt, "agent")
     clock = Clock()
     m = make_paged(session, num_pages=16, max_seq_len=64, pins=PinConfig(clock=clock))
-    controlled(m, agent, pinned(3600))
+    turn(m, agent, cache_control=pinned(3600))
     assert m.replicas[0].pool.num_pinned == 6
     assert m.metrics.free_pages == 10  # pinned pages are not room
     for i in range(6):  # requests of 10 pages: everything but the pin, over and over
@@ -55,7 +44,7 @@ def test_a_hit_renews_the_pin_and_expiry_is_exact_to_the_clock(session):
     clock = Clock()
     m = make_paged(session, num_pages=8, max_seq_len=32, pins=PinConfig(clock=clock))
     table = m.replicas[0].pins
-    controlled(m, np.arange(9), pinned(300))  # pins 2 pages until t=300
+    turn(m, np.arange(9), cache_control=pinned(300))  # pins 2 pages until t=300
     (pin,) = table.pins.values()
     assert pin.deadline == 300.0 and pin.chain == hashes(np.arange(8))
     clock.now = 299.5
@@ -119,7 +108,7 @@ def test_pins_spill_to_the_host_tier_and_come_back(session):
     for pins, expected in ((PinConfig(), 8), (None, 0)):
         m = make_paged(session, num_pages=6, max_seq_len=24, tiers=(host,), pins=pins)
         control = pinned(600) if pins else None
-        controlled(m, agent, control)
+        turn(m, agent, cache_control=control)
         # every device page is room: the pinned pages are in the host tier, which keeps them
         assert m.metrics.free_pages == 6
         storm(m, 100, 5)  # requests of every device page: the host tier cycles too
@@ -159,7 +148,7 @@ def test_write_policies(session):
         (CacheControl(write="read_only"), 0),
     ):
         m = make_paged(session, num_pages=12, max_seq_len=32)
-        controlled(m, prompt, control)
+        turn(m, prompt, cache_control=control)
         assert m.replicas[0].pool.num_cached == committed
         assert m.metrics.cache_control.withheld_pages == 4 - committed
         assert found(m, np.r_[prompt, [3]]) == 4 * committed
@@ -172,7 +161,7 @@ def test_a_read_only_request_uses_hits_and_writes_nothing_to_any_tier(session):
     m = make_paged(session, num_pages=8, max_seq_len=32, tiers=(host,))
     turn(m, np.arange(9))  # two pages, in the device and the host tier
     stored = m.metrics.tiers["host"].used_pages
-    ctx = controlled(m, np.arange(21), CacheControl(write="read_only"))
+    ctx = turn(m, np.arange(21), cache_control=CacheControl(write="read_only"))
     assert ctx.start_idx == 21  # it ran, starting at its hit
     assert m.metrics.cache_tokens == 8
     assert m.metrics.tiers["host"].used_pages == stored == 2
@@ -217,7 +206,7 @@ def test_reset_prefix_cache_ends_every_pin(session):
     page_bytes = small_params().bytes_per_page(NUM_LAYERS)
     host = mokv.HostTierConfig(swap_space_gb=8 * page_bytes / 2**30)
     m = make_paged(session, num_pages=8, tiers=(host,), pins=PinConfig())
-    controlled(m, np.arange(9), pinned(60))
+    turn(m, np.arange(9), cache_control=pinned(60))
     assert m.reset_prefix_cache()
     assert not m.replicas[0].pins.pins and m.replicas[0].pool.num_pinned == 0
     assert m.metrics.free_pages == 8

@@ -458,40 +458,33 @@ class PinMachine(SessionMachine):
 SESSION = None
 
 
-def test_random_operations_keep_the_cache_consistent(session):
+def run_machine(session, machine, max_examples: int) -> None:
+    """Runs `machine`'s random operation sequences on `session`."""
     global SESSION
     SESSION = session
-    run = PagedManagerMachine.TestCase
-    run.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+    run = machine.TestCase
+    run.settings = settings(max_examples=max_examples, stateful_step_count=50, deadline=None)
     run().runTest()
+
+
+def test_random_operations_keep_the_cache_consistent(session):
+    run_machine(session, PagedManagerMachine, 120)
 
 
 def test_random_operations_with_the_host_tier(session):
-    global SESSION
-    SESSION = session
-    run = HostTierMachine.TestCase
-    run.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
-    run().runTest()
+    run_machine(session, HostTierMachine, 100)
     assert HostTierMachine.host_tokens_loaded > 0
 
 
 def test_random_operations_with_sessions(session):
-    global SESSION
-    SESSION = session
-    run = SessionMachine.TestCase
-    run.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
-    run().runTest()
+    run_machine(session, SessionMachine, 100)
     totals = SessionMachine.totals
     assert SessionMachine.session_turns_hit > 0 and totals.turn_cache_tokens > 0
     assert min(totals.dropped, totals.expired, totals.ended, totals.evicted_pages) > 0, totals
 
 
 def test_random_operations_with_pins(session):
-    global SESSION
-    SESSION = session
-    run = PinMachine.TestCase
-    run.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
-    run().runTest()
+    run_machine(session, PinMachine, 60)
     totals = PinMachine.totals_pins
     assert min(totals.granted, totals.expired, totals.refreshed, totals.withheld_pages) > 0, totals
     assert totals.spilled_pages > 0 and totals.partial > 0, totals

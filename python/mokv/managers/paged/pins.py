@@ -42,7 +42,8 @@ from ...errors import InvariantError
 from ...metrics import CacheControlMetrics
 from ...registry import BUILDERS
 from ...tiers.stack import TierStack
-from ...undo import UndoLog
+from ...undo import UndoLog, set_values, values_of
+from .chain_counts import check_counts
 
 
 class PinGrant(NamedTuple):
@@ -209,7 +210,7 @@ class PinTable:
 
     def _count_grant(self, plan: PinPlan) -> None:
         if self.undo is not None:
-            self.undo.push(self._set_counters, self._counters())
+            self.undo.push(set_values, self, self._COUNTERS, values_of(self, self._COUNTERS))
         if plan.pin is None:
             self.num_refused += 1
             return
@@ -246,17 +247,10 @@ class PinTable:
                 self._restore,
                 [(k, pin, pin.deadline, pin.ttl_s) for k, pin in self.pins.items()],
                 dict(self._count),
-                self._counters(),
+                values_of(self, self._COUNTERS),
             )
 
     _COUNTERS = ("num_granted", "num_partial", "num_refused", "num_refreshed", "num_expired")
-
-    def _counters(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name) for name in self._COUNTERS)
-
-    def _set_counters(self, counters: tuple[int, ...]) -> None:
-        for name, value in zip(self._COUNTERS, counters):
-            setattr(self, name, value)
 
     def _restore(
         self,
@@ -270,24 +264,16 @@ class PinTable:
             self.pins[key] = pin
         self._count.clear()
         self._count.update(count)
-        self._set_counters(counters)
+        set_values(self, self._COUNTERS, counters)
 
     def check_invariants(self) -> None:
         """InvariantError unless the counts match the pins' chains, the pool pins exactly
         those hashes, and the pins stay within the budget."""
-        counted: dict[int, int] = {}
         for key, pin in self.pins.items():
             if not pin.chain or pin.chain[-1] != key:
                 raise InvariantError(f"pin under {key} holds a chain ending elsewhere")
-            for h in set(pin.chain):
-                counted[h] = counted.get(h, 0) + 1
-        if counted != self._count or self._pool.pinned_hashes != self._count.keys():
-            raise InvariantError(
-                f"pins hold {len(counted)} hashes, counted {len(self._count)}, "
-                f"the pool {len(self._pool.pinned_hashes)}"
-            )
-        if len(self._count) > self.cap:
-            raise InvariantError(f"pins hold {len(self._count)} pages, past {self.cap}")
+        chains = (pin.chain for pin in self.pins.values())
+        check_counts("pins hold", chains, self._count, self._pool.pinned_hashes, self.cap)
 
 
 BUILDERS.register(PinConfig, PinTable)
