@@ -307,7 +307,11 @@ class PagePool:
         if num_new == 1 and not hits and (free or cached):
             return self._take_one()
         revived = self._revived(hits) if hits else _NO_PAGES
-        if num_new > self._room(revived):  # type: ignore[arg-type]
+        if self._pinned:
+            room = self._room(revived)  # type: ignore[arg-type]
+        else:  # `_room` inlined: no pin, as before pins existed
+            room = len(free) + len(cached) + len(self._kept) - len(revived)
+        if num_new > room:
             return None
         from_free = min(num_new, len(free))
         need = num_new - from_free
