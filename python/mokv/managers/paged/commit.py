@@ -47,14 +47,15 @@ def plan_commit(
         first, num_full = len(req.hashes), start // ps
         if num_full < first or start > len(req.pages) * ps:
             req.check_window(ctx, ps)
-        control = req.control
-        if control is not None and control.write != "all" and caching:
-            limit = max(first, int(control.write_limit_pages(ps)))
-            if num_full - limit > req.num_withheld:
-                withheld.append((req, num_full - limit))
-            num_full = min(num_full, limit)
         if num_full > first and caching:
-            todo.append((ctx, req, first, num_full))
+            control = req.control  # read only when pages fill: most steps fill none
+            if control is not None and control.write != "all":
+                limit = max(first, int(control.write_limit_pages(ps)))
+                if num_full - limit > req.num_withheld:
+                    withheld.append((req, num_full - limit))
+                num_full = min(num_full, limit)
+            if num_full > first:
+                todo.append((ctx, req, first, num_full))
     if not todo:
         return CommitPlan([], [], [], [], [], [], [], withheld) if withheld else NOTHING
     plans, owners = [], []
