@@ -136,6 +136,8 @@ class PrefixRouterIndex:
                 f"shared_weight={shared_weight} is above host_weight={host_weight}: a page "
                 "from the shared store costs more to load than one from host memory"
             )
+        if not callable(clock):
+            raise TypeError(f"clock must be callable, got {clock!r}")
         self.page_size = page_size
         self.prefix_hash = prefix_hash
         self.prefix_hash_seed = prefix_hash_seed

@@ -6,8 +6,8 @@ Every option but `--mokv-config` is `max serve`'s, parsed and served by MAX's ow
 the API server, the scheduler, the pipeline, the model. The one thing that changes is
 the KV cache in MAX's model worker: its pipeline builds a mokv cache (`load_kv_manager`)
 where it would build MAX's own, sized from MAX's memory plan, so MAX's own pool is never
-allocated. `--mokv-config FILE` adds mokv's host and shared tiers, KV-cache events and
-sessions (`MokvOptions`).
+allocated. `--mokv-config FILE` adds mokv's host and shared tiers, KV-cache events, sessions
+and pins (`MokvOptions`).
 
 How: `max serve` builds its pipeline in a model-worker process it spawns, from a
 picklable factory that `PIPELINE_REGISTRY.retrieve_factory` returns. `mokv serve` wraps
@@ -52,7 +52,7 @@ USAGE = """usage: mokv serve [--mokv-config FILE] [max serve options ...]
 
 MAX's OpenAI-compatible server (`max serve`) with a mokv KV cache. Every option but
 --mokv-config is `max serve`'s (`mokv serve --help` lists them); --mokv-config FILE
-(YAML) adds mokv's tiers, KV-cache events and sessions (docs/serve.md)."""
+(YAML) adds mokv's tiers, KV-cache events, sessions and pins (docs/serve.md)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class MokvPipelineFactory:
         _, total = manager.manager.page_counts(0)
         logger.info(
             "mokv KV cache: %d pages of %d tokens per replica (%d bytes each, %d replica(s)); "
-            "tiers %s, events %s, sessions %s; MAX's own pool is not allocated",
+            "tiers %s, events %s, sessions %s, pins %s; MAX's own pool is not allocated",
             total,
             params.page_size,
             params.bytes_per_page(manager.params.num_layers),
@@ -95,6 +95,7 @@ class MokvPipelineFactory:
             [tier.name for tier in params.tiers] or "none",
             params.kv_events.endpoint if params.kv_events else "off",
             "on" if params.sessions else "off",
+            f"up to {params.pins.max_share:.0%} of the pages" if params.pins else "off",
         )
         return pipeline
 
