@@ -34,6 +34,10 @@ def test_a_pinned_prefix_survives_pressure_that_evicts_a_session(session):
     for i in range(6):  # requests of 10 pages: everything but the pin, over and over
         turn(m, np.arange(39) + 100 + 1000 * i)
         m.check_invariants()
+    big = TextContext(np.arange(43) + 5000)  # 11 pages: more than the unpinned 10
+    m.external_claim(big.request_id)
+    assert not m.maybe_reserve(big) and m.replicas[0].pool.num_pinned == 6  # refused, kept
+    m.release(big.request_id)
     clock.now = 3599.0
     assert found(m, nxt) == 24 > kept_by_retention
     c = m.metrics.cache_control
