@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from mokv import CacheControl, PinConfig, SessionConfig, TextContext
 
+from ...remote.conftest import redis_server  # noqa: F401 (a fixture)
+from ...tiers.test_remote import flush, fresh_namespace, remote_manager, serve
 from ..conftest import NUM_LAYERS, make_paged, small_params
 from .test_sessions import Clock, found, hashes, storm, turn
 
@@ -215,3 +217,18 @@ def test_reset_prefix_cache_ends_every_pin(session):
     assert not m.replicas[0].pins.pins and m.replicas[0].pool.num_pinned == 0
     assert m.metrics.free_pages == 8
     m.check_invariants()
+
+
+def test_write_policies_reach_the_shared_tier(session, redis_server):  # noqa: F811
+    """A read-only request writes nothing to Redis; a prefix-only one its first pages."""
+    prompt = np.r_[np.arange(8), [9]]  # two full pages
+    for control, written in ((CacheControl(write="read_only"), 0),
+                             (CacheControl(write="prefix", write_limit_tokens=4), 1),
+                             (None, 2)):
+        m = remote_manager(session, redis_server, fresh_namespace())
+        serve(m, TextContext(prompt, "A", cache_control=control))
+        flush(m)
+        assert m.remote_metrics.pages_written == written
+        assert m.metrics.cache_control.withheld_pages == 2 - written
+        m.check_invariants()
+        m.close()
