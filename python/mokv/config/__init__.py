@@ -7,6 +7,8 @@
     tiers.py     TierConfig, HostTierConfig, RemoteTierConfig
     events.py    KVEventsConfig: where and how events are published
     sessions.py  SessionConfig: sessions that retain their pages through a pause
+    cache_control.py  PinConfig (pinned prefixes' budget), CacheControl (a request's
+                 pin and write policy)
     flat.py      MAX's flat spellings, mapped onto the nested configs
 
 These modules import nothing of mokv above them (only `mokv.errors`); the objects a
@@ -15,16 +17,19 @@ one registry, `mokv.registry`. A test asserts that mokv's import graph has no ci
 (tests/test_structure.py).
 """
 
+from .cache_control import CacheControl, PinConfig
 from .events import KVEventsConfig
 from .params import KVCacheParams, KVCacheStrategy
 from .sessions import SessionConfig
 from .tiers import HostTierConfig, RemoteTierConfig, TierConfig
 
 __all__ = [
+    "CacheControl",
     "HostTierConfig",
     "KVCacheParams",
     "KVCacheStrategy",
     "KVEventsConfig",
+    "PinConfig",
     "RemoteTierConfig",
     "SessionConfig",
     "TierConfig",

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from max.dtype import DType
 
 from .base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, STABLE_ALGORITHMS
+from .cache_control import PinConfig
 from .events import KVEventsConfig, check_endpoint
 from .flat import accepts_flat_spellings
 from .sessions import SessionConfig
@@ -73,6 +74,9 @@ class KVCacheParams:
         sessions: retain the pages of requests that name a session (`ctx.session_id`)
             after their release, until the session ends (`SessionConfig`; paged
             strategy, needs `enable_prefix_caching`); None: a session id is ignored.
+        pins: let requests pin prefixes with a time to live (`ctx.cache_control`,
+            `PinConfig`; paged strategy, needs `enable_prefix_caching`); None: a
+            request that asks for a pin is refused.
     """
 
     dtype: DType
@@ -88,6 +92,7 @@ class KVCacheParams:
     tiers: tuple[TierConfig, ...] = ()
     kv_events: KVEventsConfig | None = None
     sessions: SessionConfig | None = None
+    pins: PinConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -144,6 +149,10 @@ class KVCacheParams:
                     f"sessions must be a mokv.SessionConfig or None, got {self.sessions!r}"
                 )
             self.sessions.check(self)
+        if self.pins is not None:
+            if not isinstance(self.pins, PinConfig):
+                raise TypeError(f"pins must be a mokv.PinConfig or None, got {self.pins!r}")
+            self.pins.check(self)
 
     def _check_tiers(self) -> None:
         if not isinstance(self.tiers, (tuple, list)):

@@ -36,6 +36,15 @@ breakers: a failing store holds nothing), and those pages count for every source
 `shared_weight`, below its own device and host pages (issue 58 cites routers that ask
 a shared tier: Dynamo PR #7536, LMCache #4352).
 
+Pins (`mokv.CacheControl.pin_ttl_s`, docs/cache-control.md) are not in vLLM's event
+format; the router learns them from the requests it routes: `note_pin(source, tokens,
+ttl_s)` when it sends a request that asks for a pin to `source`. A pinned page stays on
+its source (device or host tier) until the pin's deadline, whatever evicts around it, so
+`best` prefers, before any score, the source whose live pins hold the most leading pages
+of a prompt (a pin renewed by a later request lives on; the server's budget may have
+granted less, which a router cannot see). A pin lives while `clock() < deadline`;
+`AllBlocksCleared` (the server's `reset_prefix_cache`) ends a source's pins.
+
 Invariant: after a source's events up to seq N are applied in order, its device tier
 equals the publishing pool's `indexed_hashes()` and its host tier the host pool's, as
 they were when batch N was handed over. The shared tier holds what the source stored
@@ -44,7 +53,8 @@ there; the server evicts without telling anyone, so it may hold pages already go
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ..cache.extra_keys import chain_root, page_keys
@@ -113,6 +123,7 @@ class PrefixRouterIndex:
             `host_weight`.
         shared: the servers' shared tier, asked on each query which of its pages it
             holds (see the module's docstring); None: only the events say.
+        clock: seconds, monotonic, for pins' deadlines (tests inject their own).
 
     Raises:
         ValueError: a `page_size` that is not a positive int, an unknown `prefix_hash`,
@@ -134,6 +145,7 @@ class PrefixRouterIndex:
         host_weight: float = 0.75,
         shared_weight: float = 0.25,
         shared: SharedPresence | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if page_size.__class__ is not int or not 1 <= page_size < 2**32:
             # A server's pages hold at most 2**32 - 1 tokens (uint32 cache lengths).
@@ -154,6 +166,8 @@ class PrefixRouterIndex:
             )
         if shared is not None and not callable(getattr(shared, "holds", None)):
             raise TypeError(f"shared must have a holds(page_hashes) method, got {shared!r}")
+        if not callable(clock):
+            raise TypeError(f"clock must be callable, got {clock!r}")
         self.page_size = page_size
         self.prefix_hash = prefix_hash
         self.prefix_hash_seed = prefix_hash_seed
@@ -162,6 +176,8 @@ class PrefixRouterIndex:
         self._hash_fn = page_hash_fn(prefix_hash)
         self._roots: dict[tuple[str | None, str | None], int] = {}
         self._sources: dict[Source, dict[str, set[int]]] = {}
+        self._pins: dict[Source, dict[int, float]] = {}  # pinned hash -> deadline
+        self.clock = clock
         self.num_ignored = 0
 
     @property
@@ -185,6 +201,7 @@ class PrefixRouterIndex:
             if isinstance(event, AllBlocksCleared):
                 for held in tiers.values():
                     held.clear()
+                self._pins.pop(source, None)
                 continue
             if not isinstance(event, BlockStored | BlockRemoved):
                 continue
@@ -203,6 +220,48 @@ class PrefixRouterIndex:
     def drop_source(self, source: Source) -> None:
         """Forgets everything about `source` (after a restart or an unrecoverable gap)."""
         self._sources.pop(source, None)
+        self._pins.pop(source, None)
+
+    def note_pin(
+        self,
+        source: Source,
+        tokens,
+        ttl_s: float,
+        cache_salt: str | None = None,
+        *,
+        lora_name: str | None = None,
+        mm_inputs: Sequence[MultimodalInput] = (),
+        num_tokens: int | None = None,
+    ) -> None:
+        """The router sent `tokens` to `source` asking for a pin of `ttl_s` seconds (of
+        its first `num_tokens` tokens; None: all): their full pages are pinned there
+        until `clock() + ttl_s` (a later deadline already noted stands)."""
+        if ttl_s.__class__ not in (int, float) or not ttl_s > 0:
+            raise ValueError(f"ttl_s must be a number of seconds > 0, got {ttl_s!r}")
+        hashes = self.page_hashes(tokens, cache_salt, lora_name, mm_inputs)
+        if num_tokens is not None:
+            hashes = hashes[: num_tokens // self.page_size]
+        deadline = self.clock() + ttl_s
+        pins = self._pins.setdefault(source, {})
+        for h in hashes:
+            pins[h] = max(pins.get(h, deadline), deadline)
+
+    def pinned_pages(self, hashes: Sequence[int]) -> dict[Source, int]:
+        """For each source with live pins, how many leading pages of `hashes` (a prompt's
+        `page_hashes`) they hold (ended pins are forgotten here: expiry is lazy)."""
+        now = self.clock()
+        for source, pins in list(self._pins.items()):
+            for h in [h for h, deadline in pins.items() if deadline <= now]:
+                del pins[h]
+            if not pins:
+                del self._pins[source]
+        out = {}
+        for source, pins in self._pins.items():
+            n = 0
+            while n < len(hashes) and hashes[n] in pins:
+                n += 1
+            out[source] = n
+        return out
 
     def page_hashes(
         self,
@@ -266,9 +325,12 @@ class PrefixRouterIndex:
         mm_inputs: Sequence[MultimodalInput] = (),
     ) -> tuple[Source | None, float]:
         """The source with the highest `scores` for `tokens`, and its score ((None, 0.0)
-        when no source holds the first page); ties go to the source added first."""
-        scores = self.scores(tokens, cache_salt, lora_name=lora_name, mm_inputs=mm_inputs)
-        source = max(scores, key=scores.__getitem__, default=None)
+        when no source holds the first page), a source whose live pins hold more leading
+        pages first (`note_pin`); ties go to the source added first."""
+        hashes = self.page_hashes(tokens, cache_salt, lora_name, mm_inputs)
+        scores = {s: sum(w) for s, w in self._page_weights(hashes).items()}
+        pinned = self.pinned_pages(hashes)
+        source = max(scores, key=lambda s: (pinned.get(s, 0), scores[s]), default=None)
         return (source, scores[source]) if source is not None and scores[source] else (None, 0.0)
 
     def _page_weights(
