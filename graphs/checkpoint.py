@@ -248,9 +248,21 @@ def save_checkpoint(
     tokenizer.save(str(out / "tokenizer.json"))
     special = {"bos_token": "t1", "eos_token": "t2", "unk_token": "t0"}
     (out / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special})
+        json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", **special, "chat_template": CHAT_TEMPLATE}
+        )
     )
     return out
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{{ part['text'] }} {% endfor %}{% endif %}"
+    " {% endfor %}"
+)
+"""The checkpoint's chat template: every message's text (or its content parts' texts), in
+order, joined by spaces, no roles or markers, so that a chat request of words `t{i}` is
+the token ids `i` in order (chat requests to MAX's server need a template)."""
 
 
 def tiny_llama_checkpoint(directory: str | PathLike[str]) -> Path:

@@ -58,15 +58,20 @@ def max_context(hint):
 class Request:
     """What MAX's routes hand the tokenizer (`TextGenerationRequest`'s fields read)."""
 
-    def __init__(self, hint=None, messages=None, request_id="r"):
-        self.dkv_cache_hint, self.messages, self.request_id = hint, messages, request_id
+    def __init__(self, hint=None, request_id="r"):
+        self.dkv_cache_hint, self.request_id = hint, request_id
 
 
-def test_carry_writes_a_message_s_mark_onto_the_context_and_the_view_reads_it():
-    ctx = max_context({"session_id": "s"})
+def test_a_marked_message_s_hint_is_checked_and_the_view_reads_it():
+    """The chat route moves the mark into the hint (`hint_with_marked`, before MAX parses
+    the messages); MAX carries the hint onto the context; carry checks it there."""
     mark = {"type": "ephemeral", "ttl": "1h"}
-    cache_control.carry(Request({"session_id": "s"}, [{"role": "user", "cache_control": mark}]),
-                        ctx, page_size=4, pins=True)
+    hint = cache_control.hint_with_marked(
+        {"session_id": "s"}, [{"role": "user", "content": "u", "cache_control": mark}]
+    )
+    assert hint == {"session_id": "s", "cache_control": mark}
+    ctx = max_context(hint)
+    cache_control.carry(Request(hint), ctx, page_size=4, pins=True)
     view = MaxContextView(ctx)
     assert view.session_id == "s" and view.cache_control == CacheControl(3600.0)
     assert MaxContextView(max_context(None)).cache_control is None

@@ -114,3 +114,40 @@ def test_the_responses_mokv_installs_are_the_ones_max_s_routes_build(monkeypatch
     finally:
         for name, model in originals.items():
             setattr(routes, name, model)
+
+
+def test_the_chat_parser_mokv_wraps_moves_a_marked_message_into_the_hint(monkeypatch):
+    import asyncio
+
+    from mokv.pipelines.cache_control import hint_with_marked
+
+    routes = importlib.import_module(seams.ROUTES_MODULE)
+    original = getattr(routes, seams.CHAT_PARSER)
+    monkeypatch.setattr(routes, seams.CHAT_PARSER, lambda request: request)
+    with pytest.raises(MaxSeamError, match=seams.CHAT_PARSER):
+        check_seams()
+    monkeypatch.undo()
+    seen = []
+
+    async def parse(completion_request, *args, **kwargs):
+        seen.append(completion_request.dkv_cache_hint)
+        return "parsed"
+
+    monkeypatch.setattr(routes, seams.CHAT_PARSER, parse)
+    seams.install_chat_hint(hint_with_marked)
+    wrapped = getattr(routes, seams.CHAT_PARSER)
+    seams.install_chat_hint(hint_with_marked)  # once only
+    assert getattr(routes, seams.CHAT_PARSER) is wrapped and wrapped is not parse
+    mark = {"type": "ephemeral", "ttl": "1h"}
+    request = routes.CreateChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "t", "cache_control": mark}]}],
+        dkv_cache_hint={"session_id": "s"},
+    )
+    assert asyncio.run(wrapped(request, False, None)) == "parsed"
+    assert seen == [{"session_id": "s", "cache_control": mark}]
+    unmarked = routes.CreateChatCompletionRequest(model="m", messages=[{"role": "user", "content": "t"}])
+    asyncio.run(wrapped(unmarked, False, None))
+    assert seen[-1] is None
+    monkeypatch.setattr(routes, seams.CHAT_PARSER, original)
+    check_seams()

@@ -238,7 +238,8 @@ def test_a_bad_request_gets_an_http_error_and_the_server_keeps_serving(mokv_serv
 
 def test_cache_control_pins_write_policies_and_usage(mokv_server):
     """Anthropic's cache_control and a write policy ride in dkv_cache_hint on a token-id
-    completion; usage reports cache_read_input_tokens / cache_creation_input_tokens.
+    completion, and cache_control on a chat message's content part; usage reports
+    cache_read_input_tokens / cache_creation_input_tokens.
     Last in the module: its pin holds device pages until the reset at its end."""
     import urllib.request
 
@@ -271,6 +272,23 @@ def test_cache_control_pins_write_policies_and_usage(mokv_server):
                 {"cache_control": {"type": "persistent"}}, {"write_policy": "some"}):
         with pytest.raises(openai.BadRequestError, match=next(iter(bad))):
             usage(pinned, **bad)
+
+    # Anthropic's shape on a chat message's content part: the same pin and usage
+    words = [int(t) for t in rng.integers(3, 256, 300)]
+    text = " ".join(f"t{t}" for t in words)
+    part = {"type": "text", "text": text, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+
+    def chat(content):
+        return client(mokv_server).chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=1,
+            temperature=0).usage
+
+    first = chat([part])
+    full = first.prompt_tokens // PAGE * PAGE  # MAX's chat encoder tokenizes the text
+    assert full >= 2 * PAGE and counters(first) == (0, 0, full)
+    assert counters(chat(text)) == (full, full, 0)
+    with pytest.raises(openai.BadRequestError, match="cache_control"):
+        chat([{**part, "cache_control": {"type": "ephemeral", "ttl": "2h"}}])
     request = urllib.request.Request(f"{mokv_server.url}/reset_prefix_cache", method="POST")
-    with urllib.request.urlopen(request) as response:  # ends the pin
+    with urllib.request.urlopen(request) as response:  # ends the pins
         assert response.status == 200

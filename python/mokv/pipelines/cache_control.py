@@ -13,15 +13,16 @@ fields that report what the request read from and wrote to the cache.
 A completions request with token ids has no messages: its cache control rides in
 `dkv_cache_hint` (`extra_body={"dkv_cache_hint": {...}}` with the `openai` client).
 A marked chat message pins the whole prompt the request sends, not only the prefix
-through that message (mokv does not render part of a conversation). MAX's chat
-request schema keeps a message's unknown fields (`extra="allow"`), so `cache_control`
-reaches the tokenizer, where `carry` reads it.
+through that message (mokv does not render part of a conversation).
 
-`carry` runs in the API server (`mokv serve`'s tokenizer): it checks the hint and the
-messages (a bad value is MAX's `InputError`, HTTP 400, naming it; a pin asked of a server
-without `pins` in `--mokv-config` too), writes the resolved hint onto the context (the
-JSON bytes MAX hands to the worker, where `MaxContextView.cache_control` reads it with
-`cache_control_of`), and notes for the usage what the request may write. The usage of
+A marked chat message's `cache_control` is moved into the request's hint by the chat
+route, before MAX parses the messages (`hint_with_marked`, `seams.install_chat_hint`):
+MAX's parsed messages, which the tokenizer sees, keep no field MAX does not know.
+`carry` runs in the API server (`mokv serve`'s tokenizer): it checks the hint (a bad
+value is MAX's `InputError`, HTTP 400, naming it; a pin asked of a server without `pins`
+in `--mokv-config` too), which MAX hands to the worker as JSON bytes on the context
+(where `MaxContextView.cache_control` reads it with `cache_control_of`), and notes for
+the usage what the request may write. The usage of
 each response MAX's OpenAI routes build (`with_cache_usage`: `seams.install_usage`)
 then carries, as Anthropic's API reports them:
 
@@ -32,7 +33,6 @@ then carries, as Anthropic's API reports them:
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -88,6 +88,17 @@ def marked_cache_control(messages: Sequence[Any] | None) -> Any:
     return marked
 
 
+def hint_with_marked(hint: Mapping[str, Any] | None, messages: Sequence[Any] | None) -> Any:
+    """A chat request's KV-cache hint with the `cache_control` of its last marked message
+    in it (`hint` itself when none is marked). The chat route runs it on the request's
+    raw messages (`seams.install_chat_hint`): the messages MAX parses from them, which
+    the tokenizer sees, keep no field MAX does not know."""
+    marked = marked_cache_control(messages)
+    if marked is None:
+        return hint
+    return {**(hint if isinstance(hint, Mapping) else {}), "cache_control": marked}
+
+
 @dataclass(frozen=True)
 class RequestWrites:
     """What one request may write to the cache, for its usage."""
@@ -109,18 +120,12 @@ API server's event loop)."""
 def carry(request: Any, context: Any, page_size: int, pins: bool) -> None:
     """Checks the request's cache control and writes it onto MAX's `context` (see the
     module docstring); ValueError naming a bad value."""
-    hint = dict(getattr(request, "dkv_cache_hint", None) or {})
-    marked = marked_cache_control(getattr(request, "messages", None))
-    if marked is not None:
-        hint["cache_control"] = marked
-    control = cache_control_of(hint)
+    control = cache_control_of(dict(getattr(request, "dkv_cache_hint", None) or {}))
     if control is not None and control.pin_ttl_s is not None and not pins:
         raise ValueError(
             "cache_control asks for a pin, but this server pins nothing: add a `pins` "
             "section to --mokv-config"
         )
-    if marked is not None:
-        context.dkv_cache_hint = json.dumps(hint).encode()
     limit = None
     if control is not None and control.write != "all":
         limit = page_size * int(control.write_limit_pages(page_size))

@@ -1,7 +1,7 @@
-"""The four places where mokv reaches into MAX 26.7 where MAX offers no public seam.
+"""The five places where mokv reaches into MAX 26.7 where MAX offers no public seam.
 
 Everything else mokv does with MAX goes through MAX's public names (its manager
-interface, its params, its input types). These four do not, so they are kept here,
+interface, its params, its input types). These five do not, so they are kept here,
 each checked by `check_seams()`, which `tests/pipelines/test_seams.py` runs: if a MAX
 release moves one, that test fails naming it, and so does `mokv serve` at startup.
 
@@ -31,11 +31,19 @@ release moves one, that test fails naming it, and so does `mokv serve` at startu
    returns can add fields to that usage. `install_usage` rebinds those four names, in
    the API server's process, to subclasses that add Anthropic's cache counters
    (`mokv.pipelines.cache_control.with_cache_usage`).
+
+5. A chat message's fields. MAX's chat route parses the request's messages into its
+   own message models, which keep only the fields MAX knows, before the tokenizer sees
+   them, so Anthropic's `cache_control` on a message never reaches it.
+   `install_chat_hint` rebinds the route's parser, in the API server's process, to one
+   that first moves a marked message's `cache_control` into the request's
+   `dkv_cache_hint` (which MAX carries to the worker) and then parses as MAX does.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +66,8 @@ RESPONSE_NAMES = (
     "CreateChatCompletionStreamResponse",
 )
 """The response models MAX's OpenAI routes build with an `id` and a `usage`."""
+CHAT_PARSER = "openai_parse_chat_completion_request"
+"""The chat route's parser of a request's raw messages into MAX's message models."""
 
 
 class MaxSeamError(MokvError, RuntimeError):
@@ -103,6 +113,25 @@ def install_usage(with_usage: Callable[[type], type]) -> None:
             setattr(routes, name, model)
 
 
+def install_chat_hint(hint_of: Callable[[Any, Any], Any]) -> None:
+    """Makes MAX's chat route set each request's `dkv_cache_hint` to
+    `hint_of(hint, raw_messages)` before it parses the messages, in this process; once."""
+    check_seams()
+    routes = importlib.import_module(ROUTES_MODULE)
+    parse = getattr(routes, CHAT_PARSER)
+    if getattr(parse, "mokv_chat_hint", False):
+        return
+
+    async def parse_with_hint(completion_request: Any, *args: Any, **kwargs: Any) -> Any:
+        completion_request.dkv_cache_hint = hint_of(
+            completion_request.dkv_cache_hint, completion_request.messages
+        )
+        return await parse(completion_request, *args, **kwargs)
+
+    parse_with_hint.mokv_chat_hint = True  # type: ignore[attr-defined]
+    setattr(routes, CHAT_PARSER, parse_with_hint)
+
+
 def unchunk(tokens: Any) -> None:
     """Extends a chunked MAX `TokenBuffer`'s active window to the end of its tokens."""
     tokens._processing_range.end = len(tokens)
@@ -110,12 +139,13 @@ def unchunk(tokens: Any) -> None:
 
 
 def check_seams() -> None:
-    """MaxSeamError naming what moved, unless the four seams are where mokv expects
+    """MaxSeamError naming what moved, unless the five seams are where mokv expects
     them: the registry's `retrieve_factory` returns a dataclass with a `factory`, each
     pipeline module holds MAX's `load_kv_manager` (or a loader mokv installed) as a
-    global, MAX's `TokenBuffer` keeps its window in the fields `unchunk` sets, and MAX's
+    global, MAX's `TokenBuffer` keeps its window in the fields `unchunk` sets, MAX's
     OpenAI routes hold the response models of `RESPONSE_NAMES` as globals, each with an
-    `id` and a `usage` field."""
+    `id` and a `usage` field, and a chat parser (`CHAT_PARSER`) taking the request first,
+    whose request model has `messages` and `dkv_cache_hint`."""
     from max.pipelines import PIPELINE_REGISTRY
     from max.pipelines.context import TokenBuffer
     from max.pipelines.kv_cache import load_kv_manager
@@ -154,3 +184,15 @@ def _check_usage() -> None:
             raise MaxSeamError(
                 f"{ROUTES_MODULE}.{name} is no longer a response model with an id and a usage"
             )
+    parse = getattr(routes, CHAT_PARSER, None)
+    params = list(inspect.signature(parse).parameters) if callable(parse) else []
+    fields = getattr(getattr(routes, "CreateChatCompletionRequest", None), "model_fields", {})
+    if (
+        not inspect.iscoroutinefunction(parse)
+        or params[:1] != ["completion_request"]
+        or not {"messages", "dkv_cache_hint"} <= set(fields)
+    ):
+        raise MaxSeamError(
+            f"{ROUTES_MODULE}.{CHAT_PARSER} is no longer a coroutine taking a chat request "
+            "with messages and a dkv_cache_hint first"
+        )

@@ -41,6 +41,7 @@ from .manager import KVCacheManager
 from .options import MokvOptions
 from .seams import (
     MaxSeamError,
+    install_chat_hint,
     install_kv_manager_loader,
     install_usage,
     wrap_retrieved_pipelines,
@@ -174,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     )
     install_usage(cache_control.with_cache_usage)
+    install_chat_hint(cache_control.hint_with_marked)
     from max._entrypoints.pipelines import main as max_main
 
     # MAX's native code sets PYTHONEXECUTABLE to the first `python3` on PATH when it
