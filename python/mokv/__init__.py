@@ -15,6 +15,7 @@ The layers, top to bottom:
 
 from .compiler_output import filter_collection_warnings
 from .config import (
+    CacheGroupConfig,
     HostTierConfig,
     KVCacheParams,
     KVCacheStrategy,
@@ -62,6 +63,7 @@ __all__ = [
     "PAGED",
     "AlreadyClaimedError",
     "BatchTooLargeError",
+    "CacheGroupConfig",
     "CacheLayout",
     "ContinuousBatchingKVCacheInputs",
     "ContinuousBatchingKVCacheManager",

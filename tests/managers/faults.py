@@ -51,9 +51,10 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
     """Everything the paged manager and the contexts hold but the metrics, read through
     public calls: (replicas, requests, windows, events).
 
-    A replica is each page's (owners, hash, tokens, cached), its free request slots,
+    A replica is each page's (owners, hash, tokens, cached) in every cache group, its
+    free request slots,
     each tier's state and its sessions' (`session_state`); a request is its replica,
-    pages, hash chain and pending loads; the events are every record each publisher
+    pages (every group's, from the first it holds), hash chain and pending loads; the events are every record each publisher
     holds or handed over. The
     order of the free list and of the LRU is not read: a rolled-back call gives pages
     back to their young ends, which changes which page is handed out next, not who
@@ -61,9 +62,9 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
     """
     replicas = []
     for r in m.replicas:
-        pool = r.pool
         pages = tuple(
             (pool.ref_count(p), pool.page_hash(p), pool.page_tokens(p), pool.is_cached(p))
+            for pool in (g.pool for g in r.groups)
             for p in range(pool.num_pages)
         )
         replicas.append(
@@ -81,7 +82,7 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
             (
                 rid,
                 index,
-                tuple(owner.pages_of(rid)),
+                tuple(sorted(owner.pages_by_group(rid).items())),
                 tuple(owner.committed_hashes(rid)),
                 tuple(owner.pending_loads(rid)),
             )

@@ -18,6 +18,7 @@ from mokv.cache.page_pool import PagePool
 from mokv.events import KVEventBatch, PrefixRouterIndex, build_events
 from mokv.events.publisher import _REMOVED, EventPublisher, EventRecorder, MediumSink
 from mokv.managers.paged import commit, prefix, replica
+from mokv.managers.paged.groups import FullAttentionGroup, JointGroups, SlidingWindowGroup
 from mokv.managers.paged.inputs import PageTable
 from mokv.managers.paged.prefix import PrefixChains
 from mokv.managers.paged.replica import PagedReplica
@@ -99,6 +100,21 @@ class EventsWorld(EventsMixin, World):
 
 class HostEventsWorld(EventsMixin, HostWorld):
     pass
+
+
+class GroupWorld(World):
+    """The same requests on a cache of two groups: a sliding window of 5 tokens (one
+    page before the one written) and a full group, 24 pages in all. A's step slides its
+    window off its first page; B's hit takes the full group's two pages and the
+    window's last one."""
+
+    def __init__(self, session):
+        super().__init__(session)
+        self.num_pages = self.m.total_num_pages
+
+    def options(self) -> dict:
+        return dict(groups=(mokv.CacheGroupConfig("sliding", 1, window_size=5),
+                            mokv.CacheGroupConfig("full", 1)))
 
 
 class Clock:
@@ -223,6 +239,7 @@ SCENARIOS = {
     "events": (EventsWorld, SCENARIO),
     "host-events": (HostEventsWorld, HOST_SCENARIO),
     "sessions": (SessionWorld, SESSION_SCENARIO),
+    "groups": (GroupWorld, SCENARIO),
 }
 
 
@@ -255,6 +272,10 @@ def _fault_targets():
         (commit, "request_keys"), (replica, "request_keys"), (SessionTable, "plan_release"),
         (SessionTable, "plan_end"), (SessionTable, "plan_expiry"), (SessionTable, "apply"),
         (SessionTable, "start_requests"), (SessionTable, "clear"),
+        (PagedReplica, "slide"), (JointGroups, "hit"), (JointGroups, "fits"),
+        (JointGroups, "take"), (JointGroups, "commit_pages"), (JointGroups, "release"),
+        (JointGroups, "runtime_inputs"), (JointGroups, "check_window"),
+        (SlidingWindowGroup, "slide"), (FullAttentionGroup, "write_row"), (PageTable, "pad"),
     ]
 
 
@@ -317,6 +338,19 @@ def test_session_scenario_runs_clean_and_keeps_the_session(session):
     _run(w, SESSION_SCENARIO[28:])
     _release_all_and_check(w)
     w.close()
+
+
+def test_group_scenario_slides_and_hits(session):
+    w = GroupWorld(session)
+    _run(w, SCENARIO[:4])
+    assert w.m.get_req_blocks_per_group("A")["sliding"][0] == 1  # page 0 left the window
+    _run(w, SCENARIO[4:7])
+    assert w.B.start_idx == 8
+    (first, pages), (_, full) = w.m.get_req_blocks_per_group("B").values()
+    assert first == 1 and pages[0] == w.m.get_req_blocks_per_group("A")["sliding"][1][0]
+    assert full[:2] == w.m.get_req_blocks_per_group("A")["full"][1][:2]
+    _run(w, SCENARIO[7:])
+    _release_all_and_check(w)
 
 
 def _lost_host_entries_only(state, old) -> bool:

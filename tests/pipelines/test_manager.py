@@ -189,7 +189,6 @@ def test_host_tier_loads_report_their_tokens_as_external(session):
 
 
 UNSUPPORTED = {
-    "sliding window": dict(window_size=1024),
     "quantized": dict(
         dtype=DType.float8_e4m3fn,
         kvcache_quant_config=KVCacheQuantizationConfig(quantization_granularity=16),
@@ -217,11 +216,10 @@ def test_max_cache_kinds_mokv_does_not_hold_are_refused_naming_them(session):
         devices=[DeviceRef.CPU()],
         num_q_heads=4,
         page_size=PAGE_SIZE,
+        enable_prefix_caching=True,
     )
-    groups = MultiKVCacheParams.from_params(
-        {"full": max_params(), "swa": max_params(window_size=512)}
-    )
-    for params, kind in ((mla, "MLAKVCacheParams"), (groups, "MultiKVCacheParams")):
+    groups = MultiKVCacheParams.from_params({"full": max_params(), "latent": mla})
+    for params, kind in ((mla, "MLAKVCacheParams"), (groups, "MLAKVCacheParams")):
         with pytest.raises(UnsupportedMaxParamsError, match=kind):
             mokv_loader(**loader_args(session) | {"params": params})
     with pytest.raises(UnsupportedMaxParamsError, match="disaggregated"):

@@ -7,6 +7,7 @@
     tiers.py     TierConfig, HostTierConfig, RemoteTierConfig
     events.py    KVEventsConfig: where and how events are published
     sessions.py  SessionConfig: sessions that retain their pages through a pause
+    groups.py    CacheGroupConfig: a model's full-attention and sliding-window groups
     flat.py      MAX's flat spellings, mapped onto the nested configs
 
 These modules import nothing of mokv above them (only `mokv.errors`); the objects a
@@ -16,11 +17,13 @@ one registry, `mokv.registry`. A test asserts that mokv's import graph has no ci
 """
 
 from .events import KVEventsConfig
+from .groups import CacheGroupConfig
 from .params import KVCacheParams, KVCacheStrategy
 from .sessions import SessionConfig
 from .tiers import HostTierConfig, RemoteTierConfig, TierConfig
 
 __all__ = [
+    "CacheGroupConfig",
     "HostTierConfig",
     "KVCacheParams",
     "KVCacheStrategy",

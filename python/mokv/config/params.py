@@ -25,6 +25,7 @@ from max.dtype import DType
 from .base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, STABLE_ALGORITHMS
 from .events import KVEventsConfig, check_endpoint
 from .flat import accepts_flat_spellings
+from .groups import CacheGroupConfig, check_groups
 from .sessions import SessionConfig
 from .tiers import TierConfig
 
@@ -73,6 +74,9 @@ class KVCacheParams:
         sessions: retain the pages of requests that name a session (`ctx.session_id`)
             after their release, until the session ends (`SessionConfig`; paged
             strategy, needs `enable_prefix_caching`); None: a session id is ignored.
+        groups: the model's cache groups, in graph-input order (`CacheGroupConfig`:
+            full-attention and sliding-window layers, each group with its own pages;
+            paged strategy); empty: one full-attention group of every layer.
     """
 
     dtype: DType
@@ -88,6 +92,7 @@ class KVCacheParams:
     tiers: tuple[TierConfig, ...] = ()
     kv_events: KVEventsConfig | None = None
     sessions: SessionConfig | None = None
+    groups: tuple[CacheGroupConfig, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -144,6 +149,12 @@ class KVCacheParams:
                     f"sessions must be a mokv.SessionConfig or None, got {self.sessions!r}"
                 )
             self.sessions.check(self)
+        if not isinstance(self.groups, (tuple, list)):
+            raise TypeError(f"groups must be a tuple of CacheGroupConfig, got {self.groups!r}")
+        object.__setattr__(self, "groups", tuple(self.groups))
+        check_groups(self.groups)
+        for group in self.groups:  # each group's shape is a KVCacheParams of its own
+            self.group_params(group)
 
     def _check_tiers(self) -> None:
         if not isinstance(self.tiers, (tuple, list)):
@@ -181,6 +192,40 @@ class KVCacheParams:
     def bytes_per_page(self, num_layers: int) -> int:
         """Bytes of one page in one replica: `page_size * bytes_per_token(num_layers)`."""
         return self.page_size * self.bytes_per_token(num_layers)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the cache is anything but one full-attention group: several groups,
+        or a sliding window."""
+        groups = self.groups
+        return len(groups) > 1 or (len(groups) == 1 and groups[0].window_size is not None)
+
+    def cache_groups(self, num_layers: int) -> tuple[CacheGroupConfig, ...]:
+        """The groups of a model of `num_layers` layers: `groups`, whose layers must add
+        up to `num_layers` (ValueError), or one full-attention group of them all."""
+        if not self.groups:
+            return (CacheGroupConfig("full_attention", num_layers),)
+        total = sum(g.num_layers for g in self.groups)
+        if total != num_layers:
+            raise ValueError(
+                f"the groups {[g.name for g in self.groups]} hold {total} layers, "
+                f"but num_layers={num_layers}"
+            )
+        return self.groups
+
+    def group_params(self, group: CacheGroupConfig) -> KVCacheParams:
+        """The shape of one group's pages as params of their own: these params with the
+        group's heads and head size, and no groups, tiers, events or sessions (what the
+        layouts, kernels and sizing of one group read)."""
+        return dataclasses.replace(
+            self,
+            n_kv_heads=group.n_kv_heads or self.n_kv_heads,
+            head_dim=group.head_dim or self.head_dim,
+            tiers=(),
+            kv_events=None,
+            sessions=None,
+            groups=(),
+        )
 
 
 def with_manager_events(

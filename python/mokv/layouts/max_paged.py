@@ -50,7 +50,7 @@ from ..config.params import KVCacheParams
 from .paged import RaggedKVCacheInputs
 
 if TYPE_CHECKING:  # `max.nn` takes ~0.25 s to import: loaded on first use, not with mokv
-    from max.nn.kv_cache import KVCacheInputsPerDevice, MHAKVCacheParams
+    from max.nn.kv_cache import KVCacheInputsPerDevice, MHAKVCacheParams, MultiKVCacheParams
 
 LOOKUP_TABLE_TAIL = 16
 """Columns past the rounded-up width, for the GPU kernels' 16-wide SIMD loads."""
@@ -229,17 +229,30 @@ def max_cache_values(values: Sequence[Value[Any]]) -> KVCacheInputsPerDevice[Ten
 
 def max_kv_params(
     params: KVCacheParams, num_layers: int, devices: Sequence[DeviceRef]
-) -> MHAKVCacheParams:
-    """MAX 26.7's `KVCacheParams` of the same cache, for MAX's layers (`kv_params=`)."""
-    from max.nn.kv_cache import MHAKVCacheParams
+) -> MHAKVCacheParams | MultiKVCacheParams:
+    """MAX 26.7's `KVCacheParams` of the same cache, for MAX's layers (`kv_params=`): a
+    cache of groups (`params.groups`) is MAX's `MultiKVCacheParams` of one child per
+    group, under the group's name, in order (a windowed child has its `window_size`)."""
+    from max.nn.kv_cache import MHAKVCacheParams, MultiKVCacheParams
 
-    return MHAKVCacheParams(
-        dtype=params.dtype,
-        head_dim=params.head_dim,
-        num_layers=num_layers,
-        devices=list(devices),
-        n_kv_heads=params.n_kv_heads,
-        page_size=params.page_size,
-        enable_prefix_caching=params.enable_prefix_caching,
-        data_parallel_degree=params.data_parallel_degree,
+    def leaf(p: KVCacheParams, layers: int, window: int | None) -> MHAKVCacheParams:
+        return MHAKVCacheParams(
+            dtype=p.dtype,
+            head_dim=p.head_dim,
+            num_layers=layers,
+            devices=list(devices),
+            n_kv_heads=p.n_kv_heads,
+            page_size=p.page_size,
+            enable_prefix_caching=p.enable_prefix_caching,
+            data_parallel_degree=p.data_parallel_degree,
+            window_size=window,
+        )
+
+    if not params.groups:
+        return leaf(params, num_layers, None)
+    return MultiKVCacheParams.from_params(
+        {
+            g.name: leaf(params.group_params(g), g.num_layers, g.window_size)
+            for g in params.cache_groups(num_layers)
+        }
     )

@@ -24,6 +24,7 @@ these inputs in MAX's form: `mokv.layouts.max_paged`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
@@ -78,13 +79,15 @@ class PagedLayout(CacheLayout):
         max_seq_len: int,
         device: DeviceRef,
         dim_prefix: str = "",
+        pages_dim: str = "total_num_pages",
     ) -> RaggedKVCacheInputs[BufferType, TensorType]:
-        """Graph types of one device's inputs; `max_seq_len` does not appear in them."""
+        """Graph types of one device's inputs; `max_seq_len` does not appear in them.
+        `pages_dim` names the pool's size (one per cache group of a manager)."""
         batch, pages, steps = (
             dim_prefix + n for n in ("batch_size", "max_num_pages", "steps_remaining")
         )
         blocks_shape = [
-            "total_num_pages",
+            pages_dim,
             2,
             num_layers,
             params.page_size,
@@ -123,6 +126,31 @@ class PagedLayout(CacheLayout):
 
 
 PAGED = PagedLayout()
+
+
+def group_input_symbols(
+    params: KVCacheParams, num_layers: int, max_seq_len: int, devices: Sequence[DeviceRef]
+) -> list[RaggedKVCacheInputs[BufferType, TensorType]]:
+    """The graph types of a cache of groups (`KVCacheParams.groups`), in `fetch` order:
+    every group's in turn (`params.groups` order), each group's one tuple per device
+    (replica by replica: device `i` is replica `i // tensor_parallel_degree`'s), as MAX
+    26.7's `MultiKVCacheParams` flattens its children. Each group's tuple has its own
+    pool (`<group>_total_num_pages` pages), layers, heads and head size, and its own
+    per-batch dims (`<group>_batch_size`, ...; `<group>_replica_<r>_...` with several
+    replicas), so that one graph takes them all."""
+    dp, tp = params.data_parallel_degree, params.tensor_parallel_degree
+    return [
+        PAGED.input_symbols(
+            params.group_params(group),
+            group.num_layers,
+            max_seq_len,
+            device,
+            dim_prefix=f"{group.name}_" + (f"replica_{i // tp}_" if dp > 1 else ""),
+            pages_dim=f"{group.name}_total_num_pages",
+        )
+        for group in params.cache_groups(num_layers)
+        for i, device in enumerate(devices)
+    ]
 
 
 class FetchPagedKVCacheCollection(FetchKVCacheCollection):

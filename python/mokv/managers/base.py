@@ -32,6 +32,7 @@ from ..config.params import KVCacheParams
 from ..context import RequestID, TextGenerationContext
 from ..errors import InsufficientPagesError, SequenceTooLongError
 from ..layouts import CacheLayout
+from ..layouts.paged import group_input_symbols
 from ..metrics import KVCacheMetrics
 from ..undo import UndoLog
 
@@ -126,7 +127,8 @@ def check_positive(**values: int) -> None:
 def refuse_paged_features(params: KVCacheParams, manager: str) -> None:
     """ValueError naming the setting when `params` asks for what only the paged manager
     does: tiers below the device pages, or KV-cache events (both are about committed
-    prefix pages, which a continuous cache never has). Never silently ignored."""
+    prefix pages, which a continuous cache never has), or cache groups. Never silently
+    ignored."""
     if params.tiers:
         raise ValueError(
             f"{manager} keeps no prefix pages, so it cannot honour tiers={params.tiers!r} "
@@ -137,6 +139,12 @@ def refuse_paged_features(params: KVCacheParams, manager: str) -> None:
         raise ValueError(
             f"{manager} has no prefix cache to publish events of, so it cannot honour "
             f"kv_events={params.kv_events!r}: use the paged manager or drop the events"
+        )
+    if params.groups:
+        raise ValueError(
+            f"{manager} holds one slot of every layer per request, so it cannot honour "
+            f"groups={[g.name for g in params.groups]} (a sliding window's pages are "
+            "released as it slides): use the paged manager"
         )
 
 
@@ -294,7 +302,17 @@ class ManagerFields:
         """One `layout.Inputs` of graph types per device, matching `fetch`. With several
         data-parallel replicas, device `i` belongs to replica `i // tensor_parallel_degree`
         and its per-batch dims are that replica's own (`replica_<r>_batch_size`, as in
-        MAX), so that one graph takes replicas' batches of different sizes."""
+        MAX), so that one graph takes replicas' batches of different sizes. A cache of
+        groups (`params.groups`) has every group's in turn, each with its own layers
+        (`mokv.layouts.paged.group_input_symbols`)."""
+        if self.params.groups:
+            if num_layers is not None and num_layers != self.num_layers:
+                raise ValueError(
+                    f"num_layers={num_layers}: a cache of groups has its layers per group "
+                    f"({self.num_layers} in all)"
+                )
+            refs = [DeviceRef.from_device(d) for d in devices or self.devices]
+            return group_input_symbols(self.params, self.num_layers, self.max_seq_len, refs)
         dp, tp = self.params.data_parallel_degree, self.params.tensor_parallel_degree
         return [
             self.layout.input_symbols(
@@ -353,12 +371,18 @@ class MaxManagerAPI(ManagerFields):
     def max_inputs(self: KVCacheManager, fetched: Sequence[Any]) -> list[Any]:
         """A `fetch` result in the form MAX's own paged graph ops take, to match
         `max_input_symbols` (the same cache buffers, plus host scalars; nothing is read
-        back from a device). Paged caches only."""
+        back from a device; a cache of groups: every group's in turn). Paged caches
+        only."""
         from ..layouts.max_paged import max_runtime_inputs
 
         _check_paged(self)
-        heads = self.params.n_kv_heads_per_device
-        return [max_runtime_inputs(inputs, heads) for inputs in fetched]
+        params = self.params
+        heads = [
+            params.group_params(group).n_kv_heads_per_device
+            for group in params.cache_groups(self.num_layers)  # type: ignore[attr-defined]
+            for _ in range(len(fetched) // max(1, len(params.groups)))
+        ]
+        return [max_runtime_inputs(inputs, n) for inputs, n in zip(fetched, heads)]
 
     @classmethod
     def infer_optimal_batch_size(

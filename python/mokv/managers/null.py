@@ -58,6 +58,7 @@ class NullKVCacheManager(MaxManagerAPI):
         super().__init__(
             params, layout_for(params), max_batch_size, max_seq_len, num_layers, devices, session
         )
+        params.cache_groups(num_layers)  # groups whose layers do not add up: ValueError
         if page_size != 128 and page_size != params.page_size:
             raise ValueError(
                 f"page_size={page_size} disagrees with params.page_size={params.page_size}; "
@@ -124,6 +125,15 @@ class NullKVCacheManager(MaxManagerAPI):
             check_window(ctx)
             check_fits(ctx, num_steps, self.max_seq_len)
         check_distinct(batch)
+        if self.params.groups:  # every group's in turn, as `input_symbols` names them
+            params = self.params
+            return [
+                self.layout.empty_inputs(
+                    params.group_params(g), g.num_layers, self.max_seq_len, len(batch), num_steps
+                )
+                for g in params.cache_groups(self.num_layers)
+                for _ in self.devices
+            ]
         return [
             self.layout.empty_inputs(
                 self.params, self.num_layers, self.max_seq_len, len(batch), num_steps

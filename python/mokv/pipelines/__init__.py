@@ -8,15 +8,17 @@
 
 `KVCacheManager` is MAX's paged manager interface over a mokv `PagedKVCacheManager`
 (manager.py), `load_kv_manager` MAX's loader (loader.py), `MokvOptions` what mokv adds
-(tiers, events, sessions: options.py), and `mokv serve` MAX's server with this cache
+(tiers, events, sessions: options.py), `mokv_params` MAX's params read as mokv's
+(params.py), and `mokv serve` MAX's server with this cache
 inside (serve.py). Importing this package imports `max.pipelines`, which needs MAX's
 serving dependencies: `pip install "mokv[serve]"`.
 """
 
 from .context_view import MaxContextView
-from .loader import UnsupportedMaxParamsError, check_supported, load_kv_manager, mokv_params
+from .loader import load_kv_manager
 from .manager import KVCacheManager
 from .options import MokvConfigError, MokvOptions
+from .params import UnsupportedMaxParamsError, check_supported, mokv_params
 from .seams import MaxSeamError, check_seams
 
 __all__ = [

@@ -22,6 +22,13 @@ answers from mokv's state:
     take/get_metrics_aggregated     mokv's counters in MAX's KVCacheMetrics, since the
                                     last take (mokv's own counters keep counting)
 
+Cache groups (MAX's `MultiKVCacheParams`, or a `window_size`): `runtime_inputs` returns
+MAX's tree for the same params, an `OrderedDict` of each child's tuple of
+`KVCacheInputsPerDevice` (a single windowed cache: its tuple), every group's from
+mokv's `fetch`; `get_req_blocks_per_leaf` names each group's row by MAX's leaf id,
+with the pad page below a window as MAX has its null block there; `pressure_pct` is
+the fullest group's, as MAX's is the fullest leaf's.
+
 Where mokv differs on purpose (docs/serve.md):
 - mokv's tier loads are copies made at `runtime_inputs`, before the graph runs, so no
   transfer is ever in flight between scheduler steps: `alloc` returns a completed
@@ -29,18 +36,21 @@ Where mokv differs on purpose (docs/serve.md):
 - `alloc_dummy` (data-parallel padding) holds one real page for the dummy where MAX maps
   it onto a null page mokv does not have; a full pool refuses it
   (InsufficientBlocksError).
+- `block_count` of a cache of groups counts every group's pages (MAX: its Jenga pool's
+  huge blocks, which every group shares).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from max.driver import Buffer
 from max.engine import InferenceSession
 from max.nn.kv_cache import BatchCharacteristics, KVCacheInputsPerDevice
-from max.nn.kv_cache.cache_params import KVCacheBuffer
+from max.nn.kv_cache.cache_params import KVCacheBuffer, MultiKVCacheBuffer
 from max.nn.kv_cache.metrics import KVCacheMetrics as MaxKVCacheMetrics
 from max.pipelines.kv_cache import (
     BlockCount,
@@ -52,10 +62,11 @@ from max.pipelines.kv_cache.kv_connector import CompletedTransfer, KVTransfer
 from max.pipelines.kv_cache.paged_kv_cache import PrefixCacheHits
 
 from ..config.params import KVCacheParams
-from ..layouts.max_paged import DispatchShape, max_runtime_inputs
+from ..layouts.max_paged import LOOKUP_PAD_PAGE, DispatchShape, max_runtime_inputs
 from ..managers.paged import PagedKVCacheManager
 from ..metrics import KVCacheMetrics
 from .context_view import MaxContextView
+from .params import max_leaves, max_num_layers
 
 logger = logging.getLogger("mokv.pipelines")
 
@@ -90,19 +101,26 @@ class KVCacheManager(PagedKVCacheManagerInterface):
     ) -> None:
         if not isinstance(manager, PagedKVCacheManager):
             raise TypeError(f"manager must be a mokv PagedKVCacheManager, got {manager!r}")
-        mine = manager.params
-        theirs = (params.dtype, params.n_kv_heads, params.head_dim, params.page_size)
-        if (mine.dtype, mine.n_kv_heads, mine.head_dim, mine.page_size) != theirs:
+        groups = manager.params.cache_groups(manager.num_layers)
+        leaves = max_leaves(params)
+
+        def shape(p: Any, layers: int, window: int | None) -> tuple:
+            return (p.dtype, p.n_kv_heads, p.head_dim, p.page_size, layers, window)
+
+        mine = [shape(manager.params.group_params(g), g.num_layers, g.window_size) for g in groups]
+        theirs = [shape(leaf, leaf.num_layers, leaf.window_size) for _, leaf in leaves]
+        if mine != theirs:
             raise ValueError(
-                f"the mokv cache holds (dtype, n_kv_heads, head_dim, page_size) = "
-                f"{(mine.dtype, mine.n_kv_heads, mine.head_dim, mine.page_size)}; MAX's "
-                f"params say {theirs}"
+                f"the mokv cache holds (dtype, n_kv_heads, head_dim, page_size, num_layers, "
+                f"window_size) = {mine}; MAX's params say {theirs}"
             )
         self.params = params
         self.manager = manager
         self._model_name = model_name
         self._max_num_input_tokens = max_num_input_tokens
-        self._leaf_id = params.leaf_id()
+        self._leaf_ids = [leaf.leaf_id(f"{key}." if key else "") for key, leaf in leaves]
+        self._keys = [key for key, _ in leaves]
+        self._heads = [manager.params.group_params(g).n_kv_heads_per_device for g in groups]
         self._taken = MaxKVCacheMetrics()
         self._reset_pending = False
 
@@ -125,7 +143,7 @@ class KVCacheManager(PagedKVCacheManagerInterface):
             params,
             max_batch_size,
             max_seq_len,
-            max_params.num_layers,
+            max_num_layers(max_params),
             [ref.to_device() for ref in max_params.devices],
             session,
             available_cache_memory,
@@ -190,8 +208,10 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         *,
         max_cache_length: int | None = None,
         batch_characteristics: BatchCharacteristics | None = None,
-    ) -> tuple[KVCacheInputsPerDevice[Buffer, Buffer], ...]:
-        """The graph inputs of per-replica batches, one entry per device, replica-major.
+    ) -> Any:
+        """The graph inputs of per-replica batches, one entry per device, replica-major;
+        for MAX's `MultiKVCacheParams`, an `OrderedDict` of each child's (its key, in
+        MAX's order), every group's from one `fetch`.
 
         Graph capture (MAX's device graphs on GPUs) replays a graph built for an upper
         bound: `max_cache_length` widens the lookup table to that many tokens' pages,
@@ -203,13 +223,22 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         if max_cache_length is not None:
             if max_cache_length < 1:
                 raise ValueError(f"max_cache_length must be positive, got {max_cache_length}")
-            lookup_pages = -(-max_cache_length // self.params.page_size)
+            lookup_pages = -(-max_cache_length // self.manager.page_size)
         shape = None
         if batch_characteristics is not None:
             bc = batch_characteristics
             shape = DispatchShape(bc.batch_size, bc.max_prompt_length, bc.max_cache_valid_length)
-        heads = self.manager.params.n_kv_heads_per_device
-        return tuple(max_runtime_inputs(f, heads, lookup_pages, shape) for f in fetched)
+        per_group = len(fetched) // len(self._heads)
+        trees = [
+            tuple(
+                max_runtime_inputs(f, heads, lookup_pages, shape)
+                for f in fetched[g * per_group : (g + 1) * per_group]
+            )
+            for g, heads in enumerate(self._heads)
+        ]
+        if self._keys == [None]:
+            return trees[0]
+        return OrderedDict(zip(self._keys, trees))
 
     def runtime_inputs_for_leaf(
         self,
@@ -218,10 +247,14 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         max_cache_length: int | None = None,
         batch_characteristics: BatchCharacteristics | None = None,
     ) -> tuple[KVCacheInputsPerDevice[Buffer, Buffer], ...]:
-        """`runtime_inputs` (mokv's cache is one leaf)."""
-        return self.runtime_inputs(
+        """`runtime_inputs`' per-device entries, every group's in turn (as MAX's:
+        `max.tree.leaves` of its tree)."""
+        inputs = self.runtime_inputs(
             batches, max_cache_length=max_cache_length, batch_characteristics=batch_characteristics
         )
+        if isinstance(inputs, tuple):
+            return inputs
+        return tuple(device for group in inputs.values() for device in group)
 
     def poll_transfers(self) -> None:
         """No transfer to drain (mokv's tier loads complete inside `runtime_inputs`); a
@@ -247,18 +280,33 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         ]
 
     def get_req_blocks_per_leaf(self, ctx: Any) -> dict[str, list[int]]:
-        return {self._leaf_id: self.manager.get_req_blocks(self._view(ctx).request_id)}
+        """Each group's page ids by MAX's leaf id, the pad page below a window."""
+        rows = self.manager.get_req_blocks_per_group(self._view(ctx).request_id).values()
+        return {
+            leaf_id: [LOOKUP_PAD_PAGE] * first + pages
+            for leaf_id, (first, pages) in zip(self._leaf_ids, rows)
+        }
 
     def num_req_blocks(self, ctx: Any) -> int:
-        return len(self.manager.get_req_blocks(self._view(ctx).request_id))
+        """The request's length in pages (every group's row is as long)."""
+        rows = self.manager.get_req_blocks_per_group(self._view(ctx).request_id)
+        first, pages = next(iter(rows.values()))
+        return first + len(pages)
 
     def block_count(self, replica_idx: int = 0) -> BlockCount:
         free, total = self.manager.page_counts(replica_idx)
         return BlockCount(free=free, total=total)
 
+    def pressure_pct(self, replica_idx: int = 0) -> float:
+        """The fullest group's page occupancy, in [0, 100] (MAX: the fullest leaf's)."""
+        counts = self.manager.group_page_counts(replica_idx).values()
+        return max(BlockCount(free=free, total=total).used_pct for free, total in counts)
+
     def host_byte_count(self) -> ByteCount:
         metrics = self.manager.metrics
-        page = self.manager.params.bytes_per_page(self.params.num_layers)
+        if not metrics.host_total_pages:
+            return ByteCount(free=0, total=0)
+        page = self.manager.params.bytes_per_page(self.manager.num_layers)
         total = metrics.host_total_pages * page
         return ByteCount(free=total - metrics.host_used_pages * page, total=total)
 
@@ -266,31 +314,41 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         """mokv has no disk tier."""
         return ByteCount(free=0, total=0)
 
-    def get_device_buffer(self, replica_idx: int) -> KVCacheBuffer:
-        return KVCacheBuffer(
-            leaf_id=self._leaf_id,
-            replicates_kv_across_tp=False,
-            values=self.manager.device_buffers(replica_idx),
-        )
+    def get_device_buffer(self, replica_idx: int) -> KVCacheBuffer | MultiKVCacheBuffer:
+        """The replica's page buffers, MAX's tree of them for a `MultiKVCacheParams`."""
+        buffers = [
+            KVCacheBuffer(
+                leaf_id=leaf_id,
+                replicates_kv_across_tp=False,
+                values=self.manager.device_buffers(replica_idx, g),
+            )
+            for g, leaf_id in enumerate(self._leaf_ids)
+        ]
+        if self._keys == [None]:
+            return buffers[0]
+        return MultiKVCacheBuffer(children=dict(zip(self._keys, buffers)))
 
     @property
     def effective_max_seq_length(self) -> int | None:
-        """The longest request an empty replica holds: all its pages."""
-        _, total = self.manager.page_counts(0)
-        return total * self.params.page_size
+        """The longest request an empty replica holds: all the pages of its smallest
+        full-attention group; None with windows alone (MAX: no length exhausts them)."""
+        groups = self.manager.params.cache_groups(self.manager.num_layers)
+        counts = self.manager.group_page_counts(0)
+        full = [counts[g.name][1] for g in groups if g.window_size is None]
+        return min(full) * self.manager.page_size if full else None
 
     # --- metrics and lifetime ---------------------------------------------------------
 
     def get_metrics_aggregated(self) -> MaxKVCacheMetrics:
         """mokv's counters in MAX's form, since the last `take_metrics_aggregated`."""
-        now = _as_max_metrics(self.manager.metrics, self.params.page_size)
+        now = _as_max_metrics(self.manager.metrics, self.manager.page_size)
         return MaxKVCacheMetrics(
             **{name: getattr(now, name) - getattr(self._taken, name) for name in _COUNTERS}
         )
 
     def take_metrics_aggregated(self) -> MaxKVCacheMetrics:
         taken = self.get_metrics_aggregated()
-        self._taken = _as_max_metrics(self.manager.metrics, self.params.page_size)
+        self._taken = _as_max_metrics(self.manager.metrics, self.manager.page_size)
         return taken
 
     def reset_prefix_cache(self) -> None:

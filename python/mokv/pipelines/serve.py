@@ -82,7 +82,7 @@ class MokvPipelineFactory:
             "tiers %s, events %s, sessions %s; MAX's own pool is not allocated",
             total,
             params.page_size,
-            params.bytes_per_page(manager.params.num_layers),
+            params.bytes_per_page(manager.manager.num_layers),
             params.data_parallel_degree,
             [tier.name for tier in params.tiers] or "none",
             params.kv_events.endpoint if params.kv_events else "off",

@@ -94,15 +94,20 @@ class PagedManagerMachine(RuleBasedStateMachine):
             self.m.fetch(batch)
         except mokv.InsufficientPagesError:
             return
-        page_size = self.m.page_size
         for ctx in batch:
-            expected = prefix_values(ctx.tokens)
-            np.testing.assert_array_equal(self.cached_values(ctx), expected[: ctx.start_idx])
-            pages = np.array(self.m.get_req_blocks(ctx.request_id))
-            pos = np.arange(ctx.start_idx, ctx.active_idx)
-            self.blocks[pages[pos // page_size], 0, 0, pos % page_size, 0, 0] = expected[pos]
+            self.read_back_and_write(ctx)
             ctx.update(token)
         self.m.step(batch)
+
+    def read_back_and_write(self, ctx):
+        """Checks the request's cached tokens hold their values, then writes the values of
+        the tokens its step processes."""
+        expected = prefix_values(ctx.tokens)
+        np.testing.assert_array_equal(self.cached_values(ctx), expected[: ctx.start_idx])
+        pages = np.array(self.m.get_req_blocks(ctx.request_id))
+        pos = np.arange(ctx.start_idx, ctx.active_idx)
+        page_size = self.m.page_size
+        self.blocks[pages[pos // page_size], 0, 0, pos % page_size, 0, 0] = expected[pos]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), preempt=st.booleans())
@@ -245,12 +250,7 @@ class HostTierMachine(PagedManagerMachine):
         return True
 
     def write_and_step(self, ctx, token):
-        expected = prefix_values(ctx.tokens)
-        np.testing.assert_array_equal(self.cached_values(ctx), expected[: ctx.start_idx])
-        pages = np.array(self.m.get_req_blocks(ctx.request_id))
-        pos = np.arange(ctx.start_idx, ctx.active_idx)
-        page_size = self.m.page_size
-        self.blocks[pages[pos // page_size], 0, 0, pos % page_size, 0, 0] = expected[pos]
+        self.read_back_and_write(ctx)
         ctx.update(token)
         self.m.step([ctx])
 
@@ -385,32 +385,106 @@ class SessionMachine(HostTierMachine):
                 assert pool.ref_count(page) == 0
 
 
+WINDOW = 6  # two pages of 4 before the one a step writes
+
+
+class GroupMachine(PagedManagerMachine):
+    """The same rules on a cache of two groups: a sliding window of 6 tokens (one layer)
+    and a full group (one layer), 24 pages in all. Every group's pages are written, and
+    before every step a request reads back, in every group, exactly the tokens a step
+    reads there: the full group every cached token, the sliding group those of its
+    window. Between calls the sliding group holds each request's pages from its
+    window's start on, and no fewer; the pages of every group add up."""
+
+    hit_tokens = slid_windows = 0  # over every example: hits and slides really happened
+
+    def options(self) -> dict:
+        return dict(groups=(mokv.CacheGroupConfig("sliding", 1, window_size=WINDOW),
+                            mokv.CacheGroupConfig("full", 1)))
+
+    def __init__(self):
+        super().__init__()
+        self.num_pages = self.m.total_num_pages
+        self.group_blocks = {g.name: g.blocks[0].to_numpy() for g in self.m.replicas[0].groups}
+
+    def window(self, name, start):
+        """The first token a step from `start` reads in group `name`."""
+        return max(0, start - WINDOW + 1) if name == "sliding" else 0
+
+    def cached_values(self, ctx):
+        expected = prefix_values(ctx.tokens)
+        for name, (first, pages) in self.m.get_req_blocks_per_group(ctx.request_id).items():
+            pos = np.arange(self.window(name, ctx.start_idx), ctx.start_idx)
+            page_idx = pos // self.m.page_size - first
+            assert (page_idx >= 0).all(), (name, first, ctx.start_idx)
+            values = self.group_blocks[name][np.array(pages, dtype=np.int64)[page_idx], 0, 0,
+                                             pos % self.m.page_size, 0, 0]
+            np.testing.assert_array_equal(values, expected[pos])
+        return expected[: ctx.start_idx]
+
+    def read_back_and_write(self, ctx):
+        self.cached_values(ctx)
+        expected = prefix_values(ctx.tokens)
+        pos = np.arange(ctx.start_idx, ctx.active_idx)
+        for name, (first, pages) in self.m.get_req_blocks_per_group(ctx.request_id).items():
+            page_idx = pos // self.m.page_size - first
+            self.group_blocks[name][np.array(pages)[page_idx], 0, 0,
+                                    pos % self.m.page_size, 0, 0] = expected[pos]
+
+    def held(self):
+        return (self.m.num_free_blocks,
+                {r: self.m.get_req_blocks_per_group(r) for r in self.running},
+                [(c.start_idx, c.active_idx) for c in self.running.values()])
+
+    @invariant()
+    def pages_add_up(self):
+        held = sum(len(pages) for rid in self.running
+                   for _, pages in self.m.get_req_blocks_per_group(rid).values())
+        shared = {(name, p) for rid in self.running
+                  for name, (_, pages) in self.m.get_req_blocks_per_group(rid).items() for p in pages}
+        assert len(shared) <= held
+        assert self.m.num_free_blocks + len(shared) == self.num_pages
+
+    @invariant()
+    def a_window_holds_its_pages_and_no_more(self):
+        for ctx in self.running.values():
+            first, _ = self.m.get_req_blocks_per_group(ctx.request_id)["sliding"]
+            assert first == self.window("sliding", ctx.start_idx) // self.m.page_size
+            GroupMachine.slid_windows += first > 0
+
+    def teardown(self):
+        GroupMachine.hit_tokens += self.m.metrics.cache_tokens
+        super().teardown()
+
+
 SESSION = None
 
 
-def test_random_operations_keep_the_cache_consistent(session):
+def run_machine(machine, session, max_examples: int) -> None:
+    """Runs `machine`'s rules on `session` (a CPU InferenceSession)."""
     global SESSION
     SESSION = session
-    run = PagedManagerMachine.TestCase
-    run.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+    run = machine.TestCase
+    run.settings = settings(max_examples=max_examples, stateful_step_count=50, deadline=None)
     run().runTest()
+
+
+def test_random_operations_keep_the_cache_consistent(session):
+    run_machine(PagedManagerMachine, session, 120)
 
 
 def test_random_operations_with_the_host_tier(session):
-    global SESSION
-    SESSION = session
-    run = HostTierMachine.TestCase
-    run.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
-    run().runTest()
+    run_machine(HostTierMachine, session, 100)
     assert HostTierMachine.host_tokens_loaded > 0
 
 
 def test_random_operations_with_sessions(session):
-    global SESSION
-    SESSION = session
-    run = SessionMachine.TestCase
-    run.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
-    run().runTest()
+    run_machine(SessionMachine, session, 100)
     totals = SessionMachine.totals
     assert SessionMachine.session_turns_hit > 0 and totals.turn_cache_tokens > 0
     assert min(totals.dropped, totals.expired, totals.ended, totals.evicted_pages) > 0, totals
+
+
+def test_random_operations_on_a_cache_of_two_groups(session):
+    run_machine(GroupMachine, session, 120)
+    assert GroupMachine.hit_tokens > 0 and GroupMachine.slid_windows > 0

@@ -51,6 +51,11 @@ class PageTable:
         else:
             self._rows[slot, start : len(pages)] = pages[start:]
 
+    def pad(self, slot: int, start: int, end: int) -> None:
+        """Entries `[start, end)` of row `slot` are the pad page (pages a sliding window
+        released: kernels never read a token there)."""
+        self._rows[slot, start:end] = LOOKUP_PAD_PAGE
+
     def inputs(
         self,
         blocks: Sequence[Buffer],

@@ -56,11 +56,12 @@ from ..base import (
 )
 from ..increment import CacheLengthIncrementer
 from . import multistep, sizing
+from .hybrid import check_groups_supported
 from .inputs import ceil_div
 from .metrics import cache_metrics, num_free_pages, shared_tier_metrics
 from .plans import HELD
 from .replica import PagedReplica, Reservation
-from .sizing import check_devices_hold, pages_per_replica
+from .sizing import check_devices_hold, group_bytes_per_page, group_pages
 
 _request_id = attrgetter("request_id")  # of a context
 
@@ -115,14 +116,18 @@ class PagedKVCacheManager(MaxManagerAPI):
             )
         check_devices_hold(params, available_cache_memory, self.devices)
         dp = params.data_parallel_degree
-        num_pages = pages_per_replica(params, num_layers, available_cache_memory)
+        check_groups_supported(params, num_layers)
+        num_pages = group_pages(params, num_layers, max_seq_len, available_cache_memory)
         pages_per_seq = ceil_div(max_seq_len, params.page_size)
-        if num_pages < pages_per_seq:
-            raise InsufficientMemoryError(
-                f"available_cache_memory={available_cache_memory} bytes gives {num_pages} "
-                f"page(s) per replica; one sequence of max_seq_len={max_seq_len} needs "
-                f"{pages_per_seq} (at {params.bytes_per_page(num_layers)} bytes per page)"
-            )
+        for group, pages in zip(params.cache_groups(num_layers), num_pages):
+            if pages < pages_per_seq:
+                where = f" for group {group.name!r}" if params.groups else ""
+                raise InsufficientMemoryError(
+                    f"available_cache_memory={available_cache_memory} bytes gives {pages} "
+                    f"page(s) per replica{where}; one sequence of max_seq_len={max_seq_len} "
+                    f"needs {pages_per_seq} (at {group_bytes_per_page(params, group)} bytes "
+                    "per page)"
+                )
         if max_batch_size < dp:
             raise ValueError(
                 f"max_batch_size={max_batch_size} is smaller than data_parallel_degree={dp}"
@@ -164,7 +169,7 @@ class PagedKVCacheManager(MaxManagerAPI):
         for replica, publisher in zip(self.replicas, self.kv_event_publishers):
             replica.publish_to(publisher)
         self.page_size = params.page_size
-        self.total_num_pages = num_pages * dp
+        self.total_num_pages = sum(num_pages) * dp
         self.enable_runtime_checks = enable_runtime_checks
         self._replica_of: dict[RequestID, int] = {}
         self._increment = CacheLengthIncrementer(session, with_max_lengths=True)
@@ -223,7 +228,7 @@ class PagedKVCacheManager(MaxManagerAPI):
         def rank(r: int) -> tuple[bool, int, int, int]:
             replica = self.replicas[r]
             hits = sum(replica.prefix_hit_pages(context)) if context is not None else 0
-            return (replica.num_free_slots > 0, hits, -replica.num_requests, replica.pool.num_free)
+            return (replica.num_free_slots > 0, hits, -replica.num_requests, replica.num_free_pages)
 
         return max(range(self.num_replicas), key=rank)
 
@@ -271,8 +276,15 @@ class PagedKVCacheManager(MaxManagerAPI):
 
     @synchronized
     def get_req_blocks(self, request_id: RequestID) -> list[int]:
-        """Page ids the request holds, in token order."""
+        """Page ids the request holds, in token order (in the first cache group)."""
         return self._replica(request_id).pages_of(request_id)
+
+    @synchronized
+    def get_req_blocks_per_group(self, request_id: RequestID) -> dict[str, tuple[int, list[int]]]:
+        """Per cache group (by name, in `params.groups` order): the first page index the
+        request holds there (a sliding window's pages before it were released) and the
+        page ids it holds from there on, in token order."""
+        return self._replica(request_id).pages_by_group(request_id)
 
     # --- steps ----------------------------------------------------------------------
 
@@ -344,7 +356,7 @@ class PagedKVCacheManager(MaxManagerAPI):
                 raise InsufficientPagesError(
                     f"requests {[p.ctx.request_id for p in replica_plans]} need "
                     f"{sum(p.num_fresh for p in replica_plans)} fresh pages of replica {r}, "
-                    f"which has {replica.pool.num_free} free; call maybe_reserve before fetch"
+                    f"which has {replica.num_free_pages} free; call maybe_reserve before fetch"
                 )
         for replica, replica_plans in zip(self.replicas, plans):
             if replica_plans:
@@ -382,13 +394,15 @@ class PagedKVCacheManager(MaxManagerAPI):
         if len(self.replicas) == 1:  # the replica finds each request, or raises as we would
             replica = self.replicas[0]
             replica.commit(replica.plan_commit(batch))
+            replica.slide(batch)
         else:
             groups: list[list[TextGenerationContext]] = [[] for _ in self.replicas]
             for ctx in batch:
                 groups[self._replica_index(ctx.request_id)].append(ctx)
             plans = [replica.plan_commit(group) for replica, group in zip(self.replicas, groups)]
-            for replica, plan in zip(self.replicas, plans):
+            for replica, plan, group in zip(self.replicas, plans, groups):
                 replica.commit(plan)
+                replica.slide(group)
         self._after_change()
 
     @synchronized
@@ -403,7 +417,7 @@ class PagedKVCacheManager(MaxManagerAPI):
         that is never announced again. With nothing held, everything after the reset's
         `AllBlocksCleared` chains from pages announced after it.
         """
-        if any(r.pool.num_used for r in self.replicas):
+        if any(r.num_free_pages < r.num_pages for r in self.replicas):
             return False
         self._undo.run(self._reset_replicas)
         for publisher in self.kv_event_publishers:
@@ -444,15 +458,24 @@ class PagedKVCacheManager(MaxManagerAPI):
 
     @synchronized
     def page_counts(self, replica_idx: int) -> tuple[int, int]:
-        """(free, total) pages of one replica: free counts cached-free pages too."""
-        pool = self.replicas[replica_index(replica_idx, len(self.replicas))].pool
-        return pool.num_free, pool.num_pages
+        """(free, total) pages of one replica, every group's: free counts cached-free
+        pages too."""
+        replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
+        return replica.num_free_pages, replica.num_pages
 
     @synchronized
-    def device_buffers(self, replica_idx: int) -> list[Buffer]:
-        """One replica's page buffers, one per device (`[pages, 2, layers, page_size,
-        kv_heads_per_device, head_dim]`): what `fetch` hands the graph as `blocks`."""
-        return list(self.replicas[replica_index(replica_idx, len(self.replicas))].blocks)
+    def group_page_counts(self, replica_idx: int) -> dict[str, tuple[int, int]]:
+        """(free, total) pages of each cache group of one replica, by group name."""
+        replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
+        return {g.name: (g.pool.num_free, g.pool.num_pages) for g in replica.groups}
+
+    @synchronized
+    def device_buffers(self, replica_idx: int, group: int = 0) -> list[Buffer]:
+        """One replica's page buffers of one cache group (by index), one per device
+        (`[pages, 2, layers, page_size, kv_heads_per_device, head_dim]`): what `fetch`
+        hands the graph as `blocks`."""
+        replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
+        return list(replica.groups[group].blocks)
 
     @property
     def free_blocks_pct(self) -> float:

@@ -19,7 +19,7 @@ from .replica import PagedReplica
 
 def num_free_pages(replicas: Sequence[PagedReplica]) -> int:
     """Pages that can be handed out now (cached-free pages included), all replicas."""
-    return sum(r.pool.num_free for r in replicas)
+    return sum(r.num_free_pages for r in replicas)
 
 
 def cache_metrics(replicas: Sequence[PagedReplica]) -> KVCacheMetrics:
@@ -34,7 +34,7 @@ def cache_metrics(replicas: Sequence[PagedReplica]) -> KVCacheMetrics:
     return KVCacheMetrics(
         input_tokens=sum(r.input_tokens for r in replicas),
         cache_tokens=sum(r.cache_tokens for r in replicas),
-        used_pages=sum(r.pool.num_used for r in replicas),
+        used_pages=sum(r.num_pages - r.num_free_pages for r in replicas),
         free_pages=num_free_pages(replicas),
         tiers=tiers,
         sessions=sessions,

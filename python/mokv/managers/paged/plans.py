@@ -40,6 +40,13 @@ class RequestState:
     is the context's `end_idx` at its first fetch (its prompt: nothing was generated
     before), -1 until then; the metrics count only prompt tokens. `session` is the open
     session it belongs to (`SessionTable.start`, at its first reservation), if any.
+
+    Groups. `pages` is the row of the replica's first cache group: page index `i`'s page.
+    In a replica of several groups or a sliding window (`groups/joint.py`), `rows` holds
+    every group's row (`rows[0] is pages`), all as long as `pages`, and `firsts[g]` is
+    the first page index group `g` holds: a sliding-window group releases the pages
+    that left its window, and their entries below `firsts[g]` are stale (never read; the
+    group's page table holds the pad page there). With one full group both are empty.
     """
 
     slot: int
@@ -48,6 +55,8 @@ class RequestState:
     hashes: list[int] = field(default_factory=list)
     loads: list[PendingLoad] = field(default_factory=list)
     session: Session | None = None
+    rows: tuple[list[int], ...] = ()
+    firsts: list[int] = field(default_factory=list)
 
     def check_window(self, ctx: TextGenerationContext, page_size: int) -> None:
         """StaleContextError unless the context's cache ends between the request's
@@ -96,6 +105,17 @@ HELD: Final = Held.HELD
 
 
 @dataclass(slots=True)
+class JointHit:
+    """The prefix every cache group of a replica can serve at once (`groups/joint.py`):
+    `len(hashes)` pages continuing a request's chain, of which group `g` takes the
+    last `len(pages[g])` (a full group all of them, a sliding-window group those its
+    window reads from the hit's end)."""
+
+    hashes: list[int]
+    pages: list[list[int]]
+
+
+@dataclass(slots=True)
 class Reservation:
     """What reserving one request will do, worked out before anything changes
     (`PagedReplica.plan`); `PagedReplica.apply` does it. vLLM's `KVCacheBlocks` and
@@ -120,7 +140,11 @@ class Reservation:
     """The hash its first hit chains from: its last committed page's (None: none)."""
     room: int = 0
     """Fresh pages the pool could hand out with `hits` taken, when it was planned (for a
-    plan that does not fit, possibly an earlier, larger reading: `PrefixChains.room`)."""
+    plan that does not fit, possibly an earlier, larger reading: `PrefixChains.room`).
+    With several groups, the least of every group's room (each takes `num_fresh`)."""
+    joint: JointHit | None = None
+    """With several groups or a sliding window: the joint prefix hit, whose pages each
+    group takes (`hits` is then empty); None: no hit, or one full group."""
 
     @property
     def fits(self) -> bool:

@@ -3,8 +3,11 @@ tiers.
 
 The replica holds the requests (their slots, hash chains, pending loads, sessions) and
 drives its cache groups (`groups/`: each a set of layers with its own page pool,
-buffers and page table); today that is one group of full-attention layers
-(`self.group`, whose `pool` and `blocks` the replica names too).
+buffers and page table). A cache of one full-attention group (`self.group`, whose
+`pool` and `blocks` the replica names too) runs on the paths below, tuned for it; a
+cache of several groups or a sliding window runs its hits, takes, commits, slides and
+graph inputs through `self.joint` (`groups/joint.py`: the joint prefix hit), without
+tiers or sessions.
 
 A request's pages, drawn as token regions (page_size 4 here):
 
@@ -74,7 +77,7 @@ from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from ..base import check_request_id
 from .commit import plan_commit
-from .groups import CacheGroup, FullAttentionGroup
+from .groups import FullAttentionGroup, JointGroups, build_group
 from .inputs import ceil_div
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
 from .prefix import PrefixChains
@@ -91,7 +94,7 @@ class PagedReplica:
     def __init__(
         self,
         params: KVCacheParams,
-        num_pages: int,
+        num_pages: Sequence[int],
         max_requests: int,
         max_seq_len: int,
         num_layers: int,
@@ -107,21 +110,18 @@ class PagedReplica:
         self.max_requests = max_requests
         self.devices = devices
         self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
-        # Today's cache is one group of full-attention layers (groups/base.py says what
-        # another kind adds); `pool` and `blocks` are its own.
-        self.group = FullAttentionGroup(
-            params,
-            range(num_layers),
-            num_pages,
-            devices,
-            max_requests,
-            self.max_pages_per_seq,
-            undo,
-        )
-        self.groups: list[CacheGroup] = [self.group]
+        # `num_pages[g]` pages for group `g`; `pool` and `blocks` are the first group's.
+        self.groups: list[FullAttentionGroup] = [
+            build_group(
+                params, config, index, pages, devices, max_requests, self.max_pages_per_seq, undo
+            )
+            for index, (config, pages) in enumerate(zip(params.cache_groups(num_layers), num_pages))
+        ]
+        self.group = self.groups[0]
         self.pool = self.group.pool
         self.blocks = self.group.blocks
         self.chains = PrefixChains(params, self.pool, hash_fn, root_hash, max_seq_len)
+        self.joint = JointGroups(self.groups, self.chains, undo) if params.is_hybrid else None
         self._prefix_caching = params.enable_prefix_caching
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}
@@ -155,7 +155,11 @@ class PagedReplica:
                 f"cannot claim {request_id!r}: all {self.max_requests} request slots of the "
                 "replica are taken (max_batch_size / data_parallel_degree)"
             )
-        self._requests[request_id] = RequestState(self._free_slots.pop())
+        slot = self._free_slots.pop()
+        joint = self.joint
+        self._requests[request_id] = (
+            RequestState(slot) if joint is None else joint.new_request(slot)
+        )
         self.undo.push(self._unclaim, request_id)
 
     def release(self, request_id: RequestID) -> None:
@@ -164,7 +168,9 @@ class PagedReplica:
         session = req.session
         if session is not None and sessions is not None:
             retention = sessions.plan_release(session, req.hashes)
-        if req.pages:  # none: a request released after its admission did not fit
+        if self.joint is not None:
+            self.joint.release(req)
+        elif req.pages:  # none: a request released after its admission did not fit
             self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
         if req.loads:
             self.tiers.unpin(req.loads)
@@ -182,8 +188,24 @@ class PagedReplica:
         self._requests[request_id] = req
 
     def pages_of(self, request_id: RequestID) -> list[int]:
-        """The request's pages, in token order."""
-        return list(self._request(request_id).pages)
+        """The request's pages in the first group, in token order."""
+        return list(self.group.held(self._request(request_id)))
+
+    def pages_by_group(self, request_id: RequestID) -> dict[str, tuple[int, list[int]]]:
+        """Per group (by name): the first page index the request holds there, and the
+        pages it holds from there on, in token order."""
+        req = self._request(request_id)
+        return {g.name: (g.first(req), list(g.held(req))) for g in self.groups}
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages of every group that can be handed out now (cached ones included)."""
+        return sum(g.pool.num_free for g in self.groups)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of every group."""
+        return sum(g.pool.num_pages for g in self.groups)
 
     def committed_hashes(self, request_id: RequestID) -> list[int]:
         """The hash chain of the request's committed (or found) pages, in token order."""
@@ -212,6 +234,9 @@ class PagedReplica:
         """Pages of `ctx`'s tokens this replica could serve from its device pages, and
         from its own tiers after them (a shared tier serves every replica alike, and is
         not asked)."""
+        if self.joint is not None:
+            probe = self._requests.get(ctx.request_id) or self.joint.new_request(-1)
+            return self.joint.hit_pages(ctx, probe), 0
         req = self._requests.get(ctx.request_id) or RequestState(-1)
         hits, tail = self.chains.device_hits(ctx, req, want_tail=bool(self.tiers))
         return len(hits), (self.tiers.local_hits(tail) if tail is not None else 0)
@@ -244,11 +269,15 @@ class PagedReplica:
         held = len(req.pages) * ps
         if start < len(req.hashes) * ps or start > held:
             req.check_window(ctx, ps)
+        if self.joint is not None:
+            self.joint.check_window(ctx, req)
         # `active_idx > start_idx` holds between steps; past `max_seq_len`, a plan raises.
         needed = ctx.active_idx + num_steps - 1
         if needed <= self.max_seq_len:
             if needed <= held:  # then no prefix can match either (`PrefixChains.can_match`)
                 return HELD
+            if self.joint is not None:
+                return self.joint.plan(ctx, req, num_steps, self.max_seq_len)
             if req.pages:
                 if self.takes_fresh_only(ctx, req):
                     plan = self._reservation(ctx, req, num_steps, (), [])
@@ -322,6 +351,8 @@ class PagedReplica:
 
     def fits(self, plans: list[Reservation]) -> bool:
         """Whether the pool can take every plan's hits and fresh pages at once."""
+        if self.joint is not None:
+            return self.joint.fits(plans)
         hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
         return self.pool.can_take(hit_pages, sum(p.num_fresh for p in plans))
 
@@ -336,7 +367,7 @@ class PagedReplica:
         """
         mark = len(self.undo)
         self._take(plans)
-        moving = [plan for plan in plans if plan.hits or plan.loads]
+        moving = [plan for plan in plans if plan.hits or plan.loads or plan.joint]
         if not moving:
             return
         try:
@@ -350,6 +381,13 @@ class PagedReplica:
     def _take(self, plans: list[Reservation]) -> None:
         """The pages, pins and counters of `plans`, with their undo records; no window
         moves."""
+        if self.joint is not None:
+            for plan in plans:
+                if plan.joint is not None:
+                    self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
+                    self.cache_tokens += plan.hit_tokens - len(plan.req.hashes) * self.page_size
+            self.joint.take(plans)
+            return
         hit_pages = [page_id for plan in plans if plan.hits for page_id, _ in plan.hits]
         sessions = self.sessions
         if sessions is not None:  # sessions past their time-to-live, before evicting
@@ -409,7 +447,10 @@ class PagedReplica:
         a tier's failure can only leave that tier with fewer pages)."""
         indexed: list[bool] = []
         if plan.page_ids:
-            indexed = self.group.commit_pages(plan)
+            if self.joint is not None:
+                self.joint.commit_pages(plan)
+            else:
+                indexed = self.group.commit_pages(plan)
         for req, new_hashes in plan.requests:
             self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
             req.hashes.extend(new_hashes)
@@ -472,10 +513,21 @@ class PagedReplica:
         self.pool.events = events
         self.tiers.publish_to(events)
 
+    def slide(self, batch: Sequence[TextGenerationContext]) -> None:
+        """After a step's commits: every sliding-window group releases the pages of the
+        batch's requests that no later step reads (`SlidingWindowGroup.slide`). Nothing
+        without a window."""
+        if self.joint is not None:
+            for ctx in batch:
+                self.joint.slide(self._requests[ctx.request_id], ctx.start_idx)
+
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix in the pool and the tiers (pending loads still
         complete)."""
-        self.pool.reset_prefix_cache()
+        if self.joint is not None:
+            self.joint.reset_prefix_cache()
+        else:
+            self.pool.reset_prefix_cache()
         self.tiers.reset()
         if self.sessions is not None:
             self.sessions.clear()
@@ -509,7 +561,10 @@ class PagedReplica:
         slots = [req.slot for req in reqs]
         starts = [ctx.start_idx for ctx in batch]
         actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
-        inputs = self.group.runtime_inputs(slots, starts, actives, num_steps)
+        if self.joint is not None:
+            inputs = self.joint.runtime_inputs(slots, starts, actives, num_steps)
+        else:
+            inputs = self.group.runtime_inputs(slots, starts, actives, num_steps)
         self.undo.push(setattr, self, "input_tokens", self.input_tokens)
         for req, ctx, start, active in zip(reqs, batch, starts, actives):
             if req.prompt_end < 0:
@@ -521,6 +576,9 @@ class PagedReplica:
     def check_tables(self, batch: list[TextGenerationContext], num_steps: int) -> None:
         """InvariantError unless the tables `runtime_inputs` hands out for `batch` are safe
         (`FullAttentionGroup.check_write_windows`; `enable_runtime_checks`)."""
+        if self.joint is not None:
+            self.joint.check_write_windows(batch, self._requests, num_steps)
+            return
         self.group.check_write_windows(
             (
                 (
@@ -538,10 +596,13 @@ class PagedReplica:
         del req.pages[num_pages:]
         del req.hashes[num_hashes:]
         del req.loads[num_loads:]
-        self.group.page_table.set_row(req.slot, req.pages)
+        self.group.write_row(req)
 
     def check_invariants(self) -> None:
-        self.pool.check_invariants(req.pages for req in self._requests.values())
+        if self.joint is not None:
+            self.joint.check_invariants(self._requests.values())
+        else:
+            self.pool.check_invariants(req.pages for req in self._requests.values())
         for request_id, req in self._requests.items():
             if len(req.hashes) > len(req.pages):
                 raise InvariantError(f"request {request_id!r} has more hashes than pages")

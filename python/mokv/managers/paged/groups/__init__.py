@@ -1,11 +1,50 @@
 """The cache groups of a paged replica: sets of layers whose caches are written in
 lockstep, each with its own pages.
 
-base.py  CacheGroup: what the replica asks of every group kind (the protocol)
-full.py  FullAttentionGroup: layers that read every token before them (today's cache)
+base.py     CacheGroup: what the replica asks of every group kind (the protocol)
+full.py     FullAttentionGroup: layers that read every token before them
+sliding.py  SlidingWindowGroup: layers that read the last `window_size` tokens
+joint.py    JointGroups: several groups (or a window) driven together, the joint
+            prefix hit in one place
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from max.driver import Device
+
+from ....config.groups import CacheGroupConfig
+from ....config.params import KVCacheParams
+from ....undo import UndoLog
 from .base import CacheGroup
 from .full import FullAttentionGroup
+from .joint import JointGroups
+from .sliding import SlidingWindowGroup
 
-__all__ = ["CacheGroup", "FullAttentionGroup"]
+__all__ = ["CacheGroup", "FullAttentionGroup", "JointGroups", "SlidingWindowGroup", "build_group"]
+
+
+def build_group(
+    params: KVCacheParams,
+    config: CacheGroupConfig,
+    index: int,
+    num_pages: int,
+    devices: Sequence[Device],
+    max_requests: int,
+    max_pages_per_seq: int,
+    undo: UndoLog,
+) -> FullAttentionGroup:
+    """The group of kind `config.kind`, `index`-th of its replica, on `num_pages` pages."""
+    args = (
+        params.group_params(config),
+        range(config.num_layers),
+        num_pages,
+        devices,
+        max_requests,
+        max_pages_per_seq,
+        undo,
+    )
+    if config.window_size is None:
+        return FullAttentionGroup(*args, name=config.name, index=index)
+    return SlidingWindowGroup(*args, name=config.name, index=index, window_size=config.window_size)

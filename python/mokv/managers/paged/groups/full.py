@@ -4,7 +4,9 @@ Its pages hold K and V of every layer of the group (`blocks`, one buffer per dev
 `[num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]`), so a page is
 found, shared, evicted and loaded for all of them at once. A prefix hit is a run from
 the root: the group holds every page of it, and keeps every page a
-request wrote until the request is released.
+request wrote until the request is released. The sliding-window group
+(`sliding.py`) is this group with a window: the same pool, buffers and commits, less
+of each request's row held.
 
 Duplicates. When two requests computed the same page at once, the pool indexes the
 first copy only (`PagePool.commit_pages`); the other request is moved onto it and its
@@ -30,9 +32,17 @@ from ..plans import CommitPlan, RequestState
 
 
 class FullAttentionGroup:
-    """Full-attention layers `layers` of one replica: their pool, buffers and page table."""
+    """Full-attention layers `layers` of one replica: their pool, buffers and page table.
+
+    `name` is the group's (`CacheGroupConfig.name`) and `index` its place among the
+    replica's groups: its row of a request is `req.rows[index]` in a replica of several
+    groups, `req.pages` in one of a single group (`row`)."""
 
     kind: ClassVar[str] = "full"
+    window_size: int | None = None
+    """Tokens a query reads, itself included; None: every token before it."""
+    pages_in_window: int = 0
+    """Pages a query reads before its own page, at most; 0: no bound."""
 
     def __init__(
         self,
@@ -43,7 +53,11 @@ class FullAttentionGroup:
         max_requests: int,
         max_pages_per_seq: int,
         undo: UndoLog,
+        name: str = "full_attention",
+        index: int = 0,
     ) -> None:
+        self.name = name
+        self.index = index
         self.layers = layers
         self.devices = devices
         self.page_size = params.page_size
@@ -61,13 +75,58 @@ class FullAttentionGroup:
         self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
         self.page_table = PageTable(max_requests, max_pages_per_seq)
 
+    def row(self, req: RequestState) -> list[int]:
+        """The request's row of this group's pages, by page index (entries below
+        `first(req)` are not held)."""
+        return req.rows[self.index] if req.rows else req.pages
+
+    def first(self, req: RequestState) -> int:
+        """The first page index the request holds in this group: 0 but in a sliding
+        window."""
+        return req.firsts[self.index] if req.firsts else 0
+
+    def held(self, req: RequestState) -> list[int]:
+        """The pages the request holds in this group, in token order."""
+        row = self.row(req)
+        return row[self.first(req) :] if req.firsts else row
+
+    # --- the joint prefix hit (`joint.py`) ------------------------------------------
+
+    def window_start(self, start_idx: int) -> int:
+        """The first page a step whose cache ends at `start_idx` reads: 0 (every page)."""
+        return 0
+
+    def slide(self, req: RequestState, start_idx: int) -> None:
+        """Releases the pages no step from `start_idx` on reads: none here."""
+
+    def release(self, req: RequestState) -> None:
+        """Hands back every page the request holds, tail first (a shared prefix is
+        evicted last)."""
+        self.pool.release(reversed(self.held(req)))
+
+    def longest_hit(self, pages: list[int | None], n: int) -> int:
+        """The longest prefix of `pages` (this pool's page of each page after a request's
+        committed ones, None where it has none) of at most `n` pages that the group can
+        serve (`run_hit`)."""
+        return run_hit(pages, n)
+
+    def held_of_hit(self, n: int) -> int:
+        """How many of a hit's `n` pages the group takes (the last ones): all of them."""
+        return n
+
+    # --- commits --------------------------------------------------------------------
+
     def commit_pages(self, pages: CommitPlan) -> list[bool]:
         """Indexes `pages` (their columns: each page owned by `pages.owners[i]`, a request
         and the page's index in its pages) in one all-or-nothing pool call, then moves
         each request off the pages that duplicate an indexed one. True where a page was
-        indexed."""
+        indexed. `pages.page_ids` are the first group's; another group reads its own
+        from its rows."""
+        page_ids = pages.page_ids
+        if self.index:
+            page_ids = [self.row(req)[page_idx] for req, page_idx in pages.owners]
         indexed = self.pool.commit_pages(
-            pages.page_ids, pages.hashes, pages.datas, pages.parents, pages.keys
+            page_ids, pages.hashes, pages.datas, pages.parents, pages.keys
         )
         if not all(indexed):  # some request computed a page another committed first
             self._share_duplicates(pages.owners, pages.hashes, pages.datas, indexed)
@@ -92,18 +151,27 @@ class FullAttentionGroup:
             if shared is None:
                 continue
             pool.acquire(shared)
-            own = req.pages[page_idx]
+            row = self.row(req)
+            own = row[page_idx]
             pool.release([own])  # unhashed: back to the free pages
-            req.pages[page_idx] = shared
+            row[page_idx] = shared
             self.undo.push(self.set_page, req, page_idx, own)
             switched[req.slot] = req
         for req in switched.values():
-            self.page_table.set_row(req.slot, req.pages)
+            self.write_row(req)
 
     def set_page(self, req: RequestState, page_idx: int, page_id: int) -> None:
         """Page `page_idx` of the request is `page_id` (the undo of a share)."""
-        req.pages[page_idx] = page_id
-        self.page_table.set_row(req.slot, req.pages)
+        self.row(req)[page_idx] = page_id
+        self.write_row(req)
+
+    def write_row(self, req: RequestState) -> None:
+        """Writes the request's whole row into the page table (the pad page below the
+        pages it holds)."""
+        self.page_table.set_row(req.slot, self.row(req))
+        first = self.first(req)
+        if first:
+            self.page_table.pad(req.slot, 0, first)
 
     def runtime_inputs(
         self, slots: Sequence[int], starts: Sequence[int], actives: Sequence[int], num_steps: int
@@ -140,3 +208,12 @@ class FullAttentionGroup:
 
     def check_invariants(self, owned_pages: Iterable[Iterable[int]]) -> None:
         self.pool.check_invariants(owned_pages)
+
+
+def run_hit(pages: Sequence[int | None], n: int) -> int:
+    """A full group's longest hit of at most `n` of `pages` (found, or None): the run of
+    found pages from the first (the request's own pages before them are its own)."""
+    for i in range(min(n, len(pages))):
+        if pages[i] is None:
+            return i
+    return min(n, len(pages))

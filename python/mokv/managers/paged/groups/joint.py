@@ -1,0 +1,296 @@
+"""JointGroups: the cache groups of a replica driven together, when there are several or
+one with a sliding window (`PagedReplica.joint`; a replica of one full group drives it
+directly, on the paths tuned for it).
+
+The joint prefix hit. Each group's pool holds its own copy of a prefix's pages, under
+the same chain hashes (a page of tokens has one hash whatever group holds it), and each
+loses them on its own. The hit a request can take is the longest prefix *every* group
+can serve: a full group needs every page of it, a sliding-window group only the pages
+its window reads before the hit's end. A sliding group's hit is a suffix run that moves
+with the hit's end, so shortening the hit for one group can break another's run; the
+hit is narrowed group by group until a whole pass agrees (`longest_hit`). A minimum over
+the groups' own answers is wrong: a window's longest run may end past a full group's
+hit, and its run below that end may have a hole. MAX 26.7 (`longest_joint_prefix_hit`)
+and vLLM (`HybridKVCacheCoordinator`) iterate the same way; tests check this one
+against MAX's.
+
+What each group takes of a hit of `n` pages is its `held_of_hit(n)` last pages; the
+pages of a sliding group's row below them are pad entries it never holds. Every group
+takes the same fresh pages a reservation counts (`Reservation.num_fresh`: a page per
+new page index), so a plan fits when every group's pool has room for them besides its
+hits (`Reservation.room` is the least room).
+
+Per request, every group has a row of page ids of the same length (`RequestState.rows`)
+and a first page it holds (`RequestState.firsts`); a sliding group's first moves up as
+the window does (`slide`, after each step's commits and when a hit moves the window).
+
+mokv differs from MAX 26.7 here on purpose: one pool per group with fixed shares of the
+memory (`sizing.group_pages`), not MAX's Jenga pool whose huge blocks any group can
+take; so no group's pressure evicts another group's prefix pages, and each pool's
+accounting (room, eviction order) stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
+from typing import cast
+
+from max.driver import Buffer
+
+from ....context import RequestID, TextGenerationContext
+from ....errors import InvariantError, StaleContextError
+from ....layouts import RaggedKVCacheInputs
+from ....layouts.max_paged import LOOKUP_PAD_PAGE
+from ....undo import UndoLog
+from ..plans import CommitPlan, JointHit, RequestState, Reservation
+from ..prefix import PrefixChains
+from .full import FullAttentionGroup
+
+
+class JointGroups:
+    """The groups of one replica (in graph-input order), over the replica's chains."""
+
+    def __init__(
+        self,
+        groups: Sequence[FullAttentionGroup],
+        chains: PrefixChains,
+        undo: UndoLog,
+    ) -> None:
+        self.groups = list(groups)
+        self.chains = chains
+        self.page_size = chains.page_size
+        self.undo = undo
+
+    def new_request(self, slot: int) -> RequestState:
+        """A claimed request's state, with an empty row in every group."""
+        rows: tuple[list[int], ...] = tuple([] for _ in self.groups)
+        return RequestState(slot, pages=rows[0], rows=rows, firsts=[0] * len(self.groups))
+
+    def check_window(self, ctx: TextGenerationContext, req: RequestState) -> None:
+        """StaleContextError unless every group holds the pages a step from the
+        context's `start_idx` reads (a context moved back, e.g. by `ctx.reset()` without
+        a release, would read pages a window released)."""
+        start = ctx.start_idx
+        for group in self.groups:
+            if group.window_start(start) < group.first(req):
+                raise StaleContextError(
+                    f"request {ctx.request_id!r} has start_idx={start}, whose window reads "
+                    f"page {group.window_start(start)} of group {group.name!r}, which its "
+                    f"window released (it holds pages from {group.first(req)} on): release "
+                    "the request before ctx.reset()"
+                )
+
+    # --- the joint prefix hit (pure) ------------------------------------------------
+
+    def hit(self, ctx: TextGenerationContext, req: RequestState) -> JointHit | None:
+        """The longest prefix continuing the request's committed pages that every group
+        can serve, with the pages each takes; None when there is none (or no prefix may
+        extend the request now: `PrefixChains.can_match`)."""
+        chains, ps = self.chains, self.page_size
+        if not chains.can_match(ctx, req):
+            return None
+        first, end = len(req.hashes), (ctx.end_idx - 1) // ps
+        if end <= first:
+            return None
+        chain, _ = chains.pages(ctx, req, end)
+        found = [self._found(group, chain) for group in self.groups]
+        rules = [partial(group.longest_hit, pages) for group, pages in zip(self.groups, found)]
+        n = longest_joint_hit(rules, len(chain))
+        if not n:
+            return None
+        held = [group.held_of_hit(n) for group in self.groups]
+        pages = [cast(list[int], f[n - k : n]) for f, k in zip(found, held)]  # all found
+        return JointHit([h for h, _ in chain[:n]], pages)
+
+    @staticmethod
+    def _found(group: FullAttentionGroup, chain: list[tuple[int, bytes]]) -> list[int | None]:
+        """The group's page of each `(hash, token bytes)` of the chain, None where its
+        pool has none (a full group's run only: it needs every page up to a hit)."""
+        if group.pages_in_window:
+            return [group.pool.lookup(h, data) for h, data in chain]
+        run: list[int | None] = [page_id for page_id, _ in group.pool.lookup_run(chain)]
+        return run + [None] * (len(chain) - len(run))
+
+    def plan(
+        self, ctx: TextGenerationContext, req: RequestState, num_steps: int, max_seq_len: int
+    ) -> Reservation:
+        """`PagedReplica.plan`'s reservation (the request does not hold the steps yet): the
+        joint prefix hit, then the fresh pages after it, which every group takes. Pure."""
+        hit = self.hit(ctx, req)
+        num_hits = len(hit.hashes) if hit is not None else 0
+        hit_tokens, num_new = req.reservation_size(
+            ctx, num_hits, num_steps, self.page_size, max_seq_len
+        )
+        parent = req.hashes[-1] if req.hashes else None
+        plan = Reservation(ctx, req, (), hit_tokens, num_new, [], parent, joint=hit)
+        plan.room = self.room(hit)
+        return plan
+
+    def hit_pages(self, ctx: TextGenerationContext, req: RequestState) -> int:
+        """Pages of `ctx`'s tokens the replica could serve now (the joint hit)."""
+        hit = self.hit(ctx, req)
+        return len(hit.hashes) if hit is not None else 0
+
+    def room(self, hit: JointHit | None) -> int:
+        """The least fresh pages any group's pool could hand out with its pages of `hit`
+        taken."""
+        if hit is None:
+            return min(group.pool.num_free for group in self.groups)
+        return min(group.pool.room(pages) for group, pages in zip(self.groups, hit.pages))
+
+    def fits(self, plans: Sequence[Reservation]) -> bool:
+        """Whether every group's pool can take the plans' hits and fresh pages at once."""
+        num_fresh = sum(plan.num_fresh for plan in plans)
+        return all(
+            group.pool.can_take(self._hit_pages(plans, g), num_fresh)
+            for g, group in enumerate(self.groups)
+        )
+
+    @staticmethod
+    def _hit_pages(plans: Sequence[Reservation], g: int) -> list[int]:
+        return [p for plan in plans if plan.joint is not None for p in plan.joint.pages[g]]
+
+    # --- changes --------------------------------------------------------------------
+
+    def take(self, plans: Sequence[Reservation]) -> None:
+        """Takes the plans' hits and fresh pages in every group's pool (which `fits`),
+        extends each request's rows and chain, and slides each window to where the hit
+        moved it."""
+        num_fresh = sum(plan.num_fresh for plan in plans)
+        fresh = []
+        for g, group in enumerate(self.groups):
+            pages = group.pool.take(self._hit_pages(plans, g), num_fresh)
+            if pages is None:
+                raise InvariantError("a reservation that fits could not take its pages")
+            fresh.append(pages)
+        ps = self.page_size
+        for plan in plans:
+            req, hit = plan.req, plan.joint
+            held = len(req.pages)
+            self.undo.push(self._truncate, req, held, len(req.hashes), list(req.firsts))
+            n = len(hit.hashes) if hit is not None else 0
+            if hit is not None:
+                req.hashes.extend(hit.hashes)
+            for g, group in enumerate(self.groups):
+                row = req.rows[g]
+                if hit is not None:
+                    hit_pages = hit.pages[g]
+                    row.extend([LOOKUP_PAD_PAGE] * (n - len(hit_pages)))  # below the window
+                    row.extend(hit_pages)
+                row.extend(fresh[g][: plan.num_fresh])
+                del fresh[g][: plan.num_fresh]
+                if hit is not None and group.pages_in_window:
+                    self._skip(group, req, held, (held + n) * ps)
+                group.write_row(req)
+
+    def _skip(self, group: FullAttentionGroup, req: RequestState, held: int, hit_end: int) -> None:
+        """After a hit ending at token `hit_end` on a request that held `held` pages: the
+        group holds its pages from the hit's window start on, so the pages it held
+        below that go back (head first) and its first moves up."""
+        first, new_first = req.firsts[group.index], group.window_start(hit_end)
+        if new_first > first:
+            group.pool.release(group.row(req)[first : min(held, new_first)])
+            req.firsts[group.index] = new_first
+
+    def slide(self, req: RequestState, start_idx: int) -> None:
+        """Every group releases the request's pages that no step from `start_idx` reads."""
+        for group in self.groups:
+            group.slide(req, start_idx)
+
+    def release(self, req: RequestState) -> None:
+        """Hands back every page the request holds, in every group."""
+        for group in self.groups:
+            group.release(req)
+
+    def commit_pages(self, plan: CommitPlan) -> None:
+        """Indexes the planned pages in every group (each shares its own duplicates)."""
+        for group in self.groups:
+            group.commit_pages(plan)
+
+    def reset_prefix_cache(self) -> None:
+        for group in self.groups:
+            group.pool.reset_prefix_cache()
+
+    def _truncate(
+        self, req: RequestState, num_pages: int, num_hashes: int, firsts: list[int]
+    ) -> None:
+        """Undoes what a request's rows, chain and firsts gained (idempotent)."""
+        del req.hashes[num_hashes:]
+        req.firsts[:] = firsts
+        for group in self.groups:
+            del group.row(req)[num_pages:]
+            group.write_row(req)
+
+    # --- graph inputs and checks ----------------------------------------------------
+
+    def runtime_inputs(
+        self, slots: Sequence[int], starts: Sequence[int], actives: Sequence[int], num_steps: int
+    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+        """Every group's inputs for a batch, group by group, each one per device."""
+        return [
+            device_inputs
+            for group in self.groups
+            for device_inputs in group.runtime_inputs(slots, starts, actives, num_steps)
+        ]
+
+    def check_write_windows(
+        self,
+        batch: Sequence[TextGenerationContext],
+        requests: Mapping[RequestID, RequestState],
+        num_steps: int,
+    ) -> None:
+        """`FullAttentionGroup.check_write_windows` in every group for the batch's steps,
+        and InvariantError unless each request holds every page its step reads (from its
+        window's start on)."""
+        windows = [
+            (
+                ctx.request_id,
+                requests[ctx.request_id],
+                ctx.start_idx,
+                ctx.active_idx + num_steps - 1,
+            )
+            for ctx in batch
+        ]
+        for group in self.groups:
+            for request_id, req, start, _ in windows:
+                if group.first(req) > group.window_start(start):
+                    raise InvariantError(
+                        f"request {request_id!r} reads page {group.window_start(start)} of "
+                        f"group {group.name!r}, which it released (it holds from "
+                        f"{group.first(req)})"
+                    )
+            group.check_write_windows(
+                (request_id, group.row(req), start, end) for request_id, req, start, end in windows
+            )
+
+    def check_invariants(self, requests: Iterable[RequestState]) -> None:
+        """InvariantError unless every group's pool agrees with the pages the requests
+        hold, every row is as long as the first, and no first is past its row."""
+        requests = list(requests)
+        for req in requests:
+            if len(req.rows) != len(self.groups) or req.rows[0] is not req.pages:
+                raise InvariantError(f"request in slot {req.slot} has no row in every group")
+            for group in self.groups:
+                row, first = group.row(req), group.first(req)
+                if len(row) != len(req.pages) or not 0 <= first <= len(row):
+                    raise InvariantError(
+                        f"request in slot {req.slot}: group {group.name!r} holds pages "
+                        f"[{first}, {len(row)}) of {len(req.pages)}"
+                    )
+        for group in self.groups:
+            group.check_invariants(group.held(req) for req in requests)
+
+
+def longest_joint_hit(rules: Sequence[Callable[[int], int]], n: int) -> int:
+    """The longest prefix of at most `n` pages every group can serve: `rules[g](m)` is
+    group `g`'s longest hit of at most `m` pages. Each group is asked under the prefix
+    the groups before it allowed, pass after pass, until a whole pass changes nothing
+    (a group asked again about a hit it allowed allows it again, so this ends)."""
+    while True:
+        m = n
+        for rule in rules:
+            m = rule(m)
+        if m == n:
+            return n
+        n = m

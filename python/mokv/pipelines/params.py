@@ -1,0 +1,187 @@
+"""MAX 26.7's cache params read as mokv's (`mokv_params`), for `load_kv_manager`.
+
+MAX's pipelines describe their cache with MAX's params (`max.nn.kv_cache`); `mokv_params`
+reads them into mokv's `KVCacheParams`. A params kind or setting mokv does not hold yet
+is refused with `UnsupportedMaxParamsError` naming it, never accepted and ignored:
+
+    refused                                   what it is in MAX
+    RecurrentStateParams, nested trees        recurrent state, drafts' caches
+    MLAKVCacheParams, MSAKVCacheParams        latent (DeepSeek) and multi-step attention
+    an FP8 / FP4 dtype, kvcache_quant_config  quantized KV pages
+    num_draft_tokens, speculative_method      speculative decoding's draft slots
+    is_di_enabled                             disaggregated prefill / decode
+    kv_connector_config (not null)            MAX's host / disk / dKV tiers (mokv's own
+                                              tiers come from `MokvOptions`)
+    per_layer_buffers, slots_per_page         other page layouts
+    allow_kv_head_replication past n_kv_heads  KV heads repeated across devices
+    enable_dp_cross_replica_prefix_copy with  copying a prefix between replicas (mokv
+      several replicas                        routes a request to its prefix instead)
+
+Cache groups. MAX's `MultiKVCacheParams` of `MHAKVCacheParams` children (Gemma 3 and 4,
+GPT-OSS, Olmo 3: "sliding_attention" and "full_attention") becomes mokv's
+`KVCacheParams.groups`, one `CacheGroupConfig` per child, in the children's order, each
+with the child's layers, heads, head size and `window_size`; a single
+`MHAKVCacheParams` with a `window_size` is one sliding-window group. Children must share
+a dtype (each is checked as above).
+
+The page hash follows `kv_hash_algo`: MAX's default "ahash64" (64-bit, not
+cryptographic) becomes mokv's default "xxh3" (the same kind of key, and mokv confirms a
+hit against the page's tokens); "sha256" stays SHA-256, with `kv_hash_seed` folded
+into mokv's `prefix_hash_seed`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config.base import CACHE_DTYPES
+from ..config.groups import CacheGroupConfig
+from ..config.params import KVCacheParams
+from ..errors import MokvError
+from .options import MokvOptions
+
+
+class UnsupportedMaxParamsError(MokvError, ValueError):
+    """MAX params (or a MAX setting) that mokv does not hold yet; the message names it."""
+
+
+def refuse(what: str) -> UnsupportedMaxParamsError:
+    return UnsupportedMaxParamsError(f"mokv does not hold {what} yet")
+
+
+SLIDING_GROUP = "sliding_attention"
+"""The group name of a single windowed `MHAKVCacheParams` (MAX's key for the windowed
+child of its hybrid trees)."""
+
+
+SHARED_FIELDS = (
+    "dtype",
+    "n_kv_heads",
+    "head_dim",
+    "page_size",
+    "enable_prefix_caching",
+    "data_parallel_degree",
+    "n_devices",
+)
+"""The fields of mokv's `KVCacheParams` that MAX's (first) cache gives as they are."""
+
+
+def max_leaves(params: Any) -> list[tuple[str | None, Any]]:
+    """`(child key, MHAKVCacheParams)` of each attention cache of MAX's `params`, in
+    MAX's tree order: the children of a `MultiKVCacheParams`, or `(None, params)`.
+    UnsupportedMaxParamsError naming a kind mokv does not hold."""
+    from max.nn.kv_cache import MHAKVCacheParams, MultiKVCacheParams
+
+    what = "one full-attention or sliding-window cache of K and V pages, or a tree of them"
+    if type(params) is MHAKVCacheParams:
+        return [(None, params)]
+    if type(params) is not MultiKVCacheParams:
+        raise refuse(f"{type(params).__name__} caches (it holds MAX's MHAKVCacheParams: {what})")
+    leaves = []
+    for key, child in params.children.items():
+        if type(child) is not MHAKVCacheParams:
+            raise refuse(
+                f"{type(child).__name__} caches (child {key!r} of the MultiKVCacheParams; "
+                f"it holds MHAKVCacheParams children: {what})"
+            )
+        if not key.isidentifier():
+            raise refuse(f"a cache child named {key!r} (a group's name is an identifier)")
+        leaves.append((key, child))
+    dtypes = {child.dtype for _, child in leaves}
+    if len(dtypes) > 1:
+        raise refuse(f"cache groups of different dtypes ({sorted(d.name for d in dtypes)})")
+    return leaves
+
+
+def max_num_layers(params: Any) -> int:
+    """Layers of MAX's `params`, every attention cache's together."""
+    return sum(leaf.num_layers for _, leaf in max_leaves(params))
+
+
+def check_supported(params: Any, is_di_enabled: bool = False) -> None:
+    """UnsupportedMaxParamsError naming the first kind or setting of MAX's `params`
+    that mokv's cache would not honour (module docstring)."""
+    for _, leaf in max_leaves(params):
+        _check_leaf(leaf)
+    if is_di_enabled:
+        raise refuse("disaggregated prefill and decode (is_di_enabled=True)")
+
+
+def _check_leaf(params: Any) -> None:
+    """`check_supported` of one `MHAKVCacheParams`."""
+    from max.nn.kv_cache import KVConnectorType
+
+    if params.dtype not in CACHE_DTYPES or params.kvcache_quant_config is not None:
+        raise refuse(
+            f"quantized KV pages (dtype={params.dtype}, "
+            f"kvcache_quant_config={params.kvcache_quant_config!r}); it stores "
+            f"{[d.name for d in CACHE_DTYPES]}"
+        )
+    if params.num_draft_tokens or params.speculative_method is not None:
+        raise refuse(
+            f"speculative decoding's draft tokens (num_draft_tokens={params.num_draft_tokens}, "
+            f"speculative_method={params.speculative_method!r})"
+        )
+    connector = params.kv_connector_config.type
+    if connector != KVConnectorType.null:
+        raise refuse(
+            f"MAX's KV connector {connector.value!r}; mokv's own host and shared tiers "
+            "are set in MokvOptions (`mokv serve --mokv-config FILE`)"
+        )
+    if params.per_layer_buffers:
+        raise refuse("one buffer per layer (per_layer_buffers=True)")
+    if params.slots_per_page != params.page_size:
+        raise refuse(f"compressed pages (slots_per_page={params.slots_per_page})")
+    if params.n_kv_heads % params.tensor_parallel_degree:
+        raise refuse(
+            f"KV heads repeated across devices (n_kv_heads={params.n_kv_heads} on "
+            f"{params.tensor_parallel_degree} devices, allow_kv_head_replication)"
+        )
+    if params.data_parallel_degree > 1 and params.enable_dp_cross_replica_prefix_copy:
+        raise refuse(
+            "copies of a prefix between data-parallel replicas "
+            "(enable_dp_cross_replica_prefix_copy=True; `max serve "
+            "--no-enable-dp-cross-replica-prefix-copy` turns it off: mokv routes a "
+            "request to the replica holding its prefix instead)"
+        )
+
+
+def mokv_groups(params: Any) -> tuple[CacheGroupConfig, ...]:
+    """mokv's cache groups of MAX's `params` (module docstring): none for one
+    full-attention `MHAKVCacheParams`."""
+    leaves = max_leaves(params)
+    if leaves == [(None, params)]:
+        if params.window_size is None:
+            return ()
+        return (CacheGroupConfig(SLIDING_GROUP, params.num_layers, params.window_size),)
+    return tuple(
+        CacheGroupConfig(key, leaf.num_layers, leaf.window_size, leaf.n_kv_heads, leaf.head_dim)
+        for key, leaf in leaves
+        if key is not None
+    )
+
+
+def mokv_params(
+    params: Any, options: MokvOptions | None = None, is_di_enabled: bool = False
+) -> KVCacheParams:
+    """mokv's `KVCacheParams` of MAX's `params` (checked: `check_supported`), with the
+    tiers, events and sessions of `options`."""
+    check_supported(params, is_di_enabled)
+    options = options or MokvOptions()
+    (_, first), *_ = max_leaves(params)
+    if first.kv_hash_algo == "sha256":
+        seed = first.kv_hash_seed or b""
+        prefix_hash, prefix_hash_seed = "sha256", int.from_bytes(seed[:8].ljust(8, b"\0"), "little")
+    elif first.kv_hash_algo == "ahash64":
+        prefix_hash, prefix_hash_seed = "xxh3", 0
+    else:
+        raise refuse(f"the page hash kv_hash_algo={first.kv_hash_algo!r}")
+    return KVCacheParams(
+        **{field: getattr(first, field) for field in SHARED_FIELDS},
+        prefix_hash=prefix_hash,
+        prefix_hash_seed=prefix_hash_seed,
+        tiers=options.tiers,
+        kv_events=options.kv_events,
+        sessions=options.sessions,
+        groups=mokv_groups(params),
+    )
