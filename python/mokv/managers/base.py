@@ -144,7 +144,7 @@ def refuse_paged_features(params: KVCacheParams, manager: str) -> None:
         raise ValueError(
             f"{manager} holds one slot of every layer per request, so it cannot honour "
             f"groups={[g.name for g in params.groups]} (a sliding window's pages are "
-            "released as it slides): use the paged manager"
+            "released as it slides; an MLA group's pages hold latents): use the paged manager"
         )
 
 

@@ -49,10 +49,16 @@ class RemoteLayout:
     tp_rank: int = 0
     tp_degree: int = 1
     prefix_hash: str = "xxh3"
+    kv_dim: int = 2
+    """2 (K and V), or 1 (an MLA latent, whole on every shard)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CODES:
             raise ValueError(f"dtype={self.dtype!r} is not a cache dtype {list(DTYPE_CODES)}")
+        if self.kv_dim not in (1, 2):
+            raise ValueError(
+                f"kv_dim must be 1 (an MLA latent) or 2 (K and V), got {self.kv_dim!r}"
+            )
         for name in ("page_size", "num_layers", "n_kv_heads_per_device", "head_dim", "tp_degree"):
             value = getattr(self, name)
             if value.__class__ is not int or value < 1:
@@ -78,12 +84,19 @@ class RemoteLayout:
             tp_rank,
             params.tensor_parallel_degree,
             params.prefix_hash,
+            params.kv_dim,
         )
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
-        """`[2, layers, page_size, kv heads per device, head_dim]`: one device page."""
-        return (2, self.num_layers, self.page_size, self.n_kv_heads_per_device, self.head_dim)
+        """`[kv_dim, layers, page_size, kv heads per device, head_dim]`: one device page."""
+        return (
+            self.kv_dim,
+            self.num_layers,
+            self.page_size,
+            self.n_kv_heads_per_device,
+            self.head_dim,
+        )
 
     @cached_property
     def page_nbytes(self) -> int:
