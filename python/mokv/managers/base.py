@@ -366,23 +366,41 @@ class MaxManagerAPI(ManagerFields):
         from ..layouts.max_paged import max_input_symbols
 
         _check_paged(self)
-        return [max_input_symbols(s) for s in self.input_symbols(devices, num_layers)]
+        symbols = self.input_symbols(devices, num_layers)
+        kinds = self._group_of_each_input(len(symbols))
+        return [max_input_symbols(s, kind == "mla") for s, (kind, _) in zip(symbols, kinds)]
 
-    def max_inputs(self: KVCacheManager, fetched: Sequence[Any]) -> list[Any]:
+    def max_inputs(
+        self: KVCacheManager, fetched: Sequence[Any], mla_q_heads: int | None = None
+    ) -> list[Any]:
         """A `fetch` result in the form MAX's own paged graph ops take, to match
         `max_input_symbols` (the same cache buffers, plus host scalars; nothing is read
-        back from a device; a cache of groups: every group's in turn). Paged caches
-        only."""
+        back from a device; a cache of groups: every group's in turn). An MLA cache's
+        dispatch metadata needs the query heads of a device (`mla_q_heads`, MAX's
+        `num_q_heads_per_device`). Paged caches only."""
         from ..layouts.max_paged import max_runtime_inputs
 
         _check_paged(self)
-        params = self.params
-        heads = [
-            params.group_params(group).n_kv_heads_per_device
-            for group in params.cache_groups(self.num_layers)  # type: ignore[attr-defined]
-            for _ in range(len(fetched) // max(1, len(params.groups)))
+        kinds = self._group_of_each_input(len(fetched))
+        if mla_q_heads is None and any(kind == "mla" for kind, _ in kinds):
+            raise ValueError(
+                "max_inputs of an MLA cache needs mla_q_heads (the query heads of a device)"
+            )
+        return [
+            max_runtime_inputs(inputs, heads, mla_q_heads=mla_q_heads if kind == "mla" else None)
+            for inputs, (kind, heads) in zip(fetched, kinds)
         ]
-        return [max_runtime_inputs(inputs, n) for inputs, n in zip(fetched, heads)]
+
+    def _group_of_each_input(self: KVCacheManager, count: int) -> list[tuple[str, int]]:
+        """(group kind, KV heads per device) of each of `count` per-device inputs, every
+        group's in turn."""
+        params = self.params
+        groups = params.cache_groups(self.num_layers)  # type: ignore[attr-defined]
+        return [
+            (group.kind, params.group_params(group).n_kv_heads_per_device)
+            for group in groups
+            for _ in range(count // len(groups))
+        ]
 
     @classmethod
     def infer_optimal_batch_size(
