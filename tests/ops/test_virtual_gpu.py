@@ -25,6 +25,7 @@ from mokv.ops import kernels_path
 
 SCRIPT = Path(__file__).with_name("_virtual_gpu_build.py")
 MAX_SCRIPT = Path(__file__).with_name("_virtual_gpu_max_build.py")
+MLA_SCRIPT = Path(__file__).with_name("_virtual_gpu_mla_build.py")
 
 
 @pytest.mark.parametrize("api,arch", [("cuda", "sm_90"), ("hip", "gfx950")])
@@ -49,3 +50,18 @@ def test_max_layers_on_a_mokv_cache_compile_for_virtual_sm90() -> None:
     assert proc.returncode == 0, out[-4000:]
     assert "COMPILED" in proc.stdout, out[-4000:]
     assert "EXEC_REFUSED:CompileOnlyExecutionError" in proc.stdout, out[-4000:]
+
+
+def test_mla_ops_compile_for_virtual_sm90() -> None:
+    """mokv's MLA store and MAX's MLA decode kernel on the same pages (DeepSeek's shapes,
+    bfloat16): 130 s on the 2-core box under load (2026-11-28)."""
+    kernels_path()
+    proc = subprocess.run(
+        [sys.executable, str(MLA_SCRIPT), "cuda", "sm_90"], capture_output=True, text=True,
+        timeout=1200,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "COMPILED" in proc.stdout, out[-4000:]
+    assert "EXEC_REFUSED:CompileOnlyExecutionError" in proc.stdout, out[-4000:]
+

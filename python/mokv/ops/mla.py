@@ -131,7 +131,8 @@ def mla_attention(
     offsets = check_row_offsets(input_row_offsets, q.device)
     layer = layer_index(layer_idx, int(blocks.shape[2]))
     if not q.device.is_cpu():
-        return _max_mla_decode(cache, q, offsets, layer, scale, rope_dim)
+        # MAX's op takes the layer as a rank-0 host scalar.
+        return _max_mla_decode(cache, q, offsets, ops.reshape(layer, []), scale, rope_dim)
     if row % CPU_MLA_MULTIPLE or latent_dim % CPU_MLA_MULTIPLE:
         raise ValueError(
             f"mla_attention on the CPU needs the row size ({row}) and the latent width "
