@@ -139,3 +139,8 @@ def _mla_unit[dtype: DType, q_dtype: DType](
         for d in range(0, latent_dim, W):
             var o = ap.unsafe_load[width=W](h * latent_dim + d) * inv
             dst.unsafe_store(h * latent_dim + d, o.cast[q_dtype]())
+    # The untracked pointers above do not keep their lists alive: Mojo would free each
+    # list after its `unsafe_ptr()`, its last tracked use.
+    _ = qs^
+    _ = acc^
+    _ = probs^
