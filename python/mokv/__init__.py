@@ -15,11 +15,13 @@ The layers, top to bottom:
 
 from .compiler_output import filter_collection_warnings
 from .config import (
+    CacheControl,
     CacheGroupConfig,
     HostTierConfig,
     KVCacheParams,
     KVCacheStrategy,
     KVEventsConfig,
+    PinConfig,
     RemoteTierConfig,
     SessionConfig,
 )
@@ -54,11 +56,13 @@ from .managers.continuous import ContinuousKVCacheManager
 from .managers.loader import load_kv_manager
 from .managers.mojo_continuous import MojoContinuousBatchingKVCacheManager
 from .managers.null import NullKVCacheManager
-from .managers.paged import PagedKVCacheManager
+from .managers.paged import PagedKVCacheManager, PinGrant
 from .managers.sequences import ContinuousBatchingKVCacheManager
-from .metrics import KVCacheMetrics, SessionMetrics, TierMetrics
+from .metrics import CacheControlMetrics, KVCacheMetrics, SessionMetrics, TierMetrics
 
 __all__ = [
+    "CacheControl",
+    "CacheControlMetrics",
     "CONTINUOUS",
     "PAGED",
     "AlreadyClaimedError",
@@ -86,6 +90,8 @@ __all__ = [
     "MultimodalInput",
     "NullKVCacheManager",
     "PagedKVCacheManager",
+    "PinConfig",
+    "PinGrant",
     "RaggedKVCacheInputs",
     "RemoteTierConfig",
     "RequestID",

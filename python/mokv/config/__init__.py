@@ -8,6 +8,8 @@
     events.py    KVEventsConfig: where and how events are published
     sessions.py  SessionConfig: sessions that retain their pages through a pause
     groups.py    CacheGroupConfig: a model's full-attention and sliding-window groups
+    cache_control.py  PinConfig (pinned prefixes' budget), CacheControl (a request's
+                 pin and write policy)
     flat.py      MAX's flat spellings, mapped onto the nested configs
 
 These modules import nothing of mokv above them (only `mokv.errors`); the objects a
@@ -16,6 +18,7 @@ one registry, `mokv.registry`. A test asserts that mokv's import graph has no ci
 (tests/test_structure.py).
 """
 
+from .cache_control import CacheControl, PinConfig
 from .events import KVEventsConfig
 from .groups import CacheGroupConfig
 from .params import KVCacheParams, KVCacheStrategy
@@ -24,10 +27,12 @@ from .tiers import HostTierConfig, RemoteTierConfig, TierConfig
 
 __all__ = [
     "CacheGroupConfig",
+    "CacheControl",
     "HostTierConfig",
     "KVCacheParams",
     "KVCacheStrategy",
     "KVEventsConfig",
+    "PinConfig",
     "RemoteTierConfig",
     "SessionConfig",
     "TierConfig",

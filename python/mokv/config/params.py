@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from max.dtype import DType
 
 from .base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, STABLE_ALGORITHMS
+from .cache_control import PinConfig
 from .events import KVEventsConfig, check_endpoint
 from .flat import accepts_flat_spellings
 from .groups import CacheGroupConfig, check_groups
@@ -77,6 +78,9 @@ class KVCacheParams:
         groups: the model's cache groups, in graph-input order (`CacheGroupConfig`:
             full-attention, sliding-window and MLA layers, each group with its own pages;
             paged strategy); empty: one full-attention group of every layer.
+        pins: let requests pin prefixes with a time to live (`ctx.cache_control`,
+            `PinConfig`; paged strategy, needs `enable_prefix_caching`); None: a
+            request that asks for a pin is refused.
     """
 
     dtype: DType
@@ -93,6 +97,7 @@ class KVCacheParams:
     kv_events: KVEventsConfig | None = None
     sessions: SessionConfig | None = None
     groups: tuple[CacheGroupConfig, ...] = ()
+    pins: PinConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -145,6 +150,10 @@ class KVCacheParams:
                     f"sessions must be a mokv.SessionConfig or None, got {self.sessions!r}"
                 )
             self.sessions.check(self)
+        if self.pins is not None:
+            if not isinstance(self.pins, PinConfig):
+                raise TypeError(f"pins must be a mokv.PinConfig or None, got {self.pins!r}")
+            self.pins.check(self)
 
     def _check_groups(self) -> None:
         """The groups, and the heads a replica's devices split (none in an MLA cache)."""

@@ -21,6 +21,7 @@ def check_groups_supported(params: KVCacheParams, num_layers: int) -> None:
         ("tiers", params.tiers),
         ("sessions", params.sessions),
         ("kv_events", params.kv_events),
+        ("pins", params.pins),
     ):
         if value:
             raise ValueError(
