@@ -114,6 +114,20 @@ def run(quick: bool, tick: Callable[[], None] = lambda: None) -> dict:
             "max_seq_len": SEQ}
 
 
+def table(r: dict) -> list[str]:
+    """The markdown tables of `run`'s result."""
+    lines = [f"### MLA caches: bytes per token and requests of {r['max_seq_len']} tokens "
+             f"admitted in {r['budget_GiB_per_device']:.0f} GiB per device (bfloat16, 27 layers)",
+             "", "| cache | TP | bytes per token (replica) | requests admitted |", "|---|---|---|---|"]
+    lines += [f"| {row['cache']} | {row['tp']} | {row['bytes_per_token']} | {row['requests_admitted']} |"
+              for row in r["sizing"]]
+    lines += ["", "### CPU MLA decode attention (bfloat16, 16 heads, rows of 576)", "",
+              "| batch | context | ms | GB/s read | share of the two-thread read |", "|---|---|---|---|---|"]
+    lines += [f"| {row['batch']} | {row['context']} | {row['ms']:.2f} | {row['GBps']:.2f} | "
+              f"{100 * row['share_of_read']:.0f}% |" for row in r["decode"]]
+    return lines + [""]
+
+
 if __name__ == "__main__":
     import json
     import sys

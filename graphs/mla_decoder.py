@@ -44,12 +44,19 @@ class MLADecoderConfig:
     hidden_size: int = 64
     n_heads: int = 4
     qk_nope_head_dim: int = 16
+    """Each head's query and key width outside RoPE (V2-Lite: 128)."""
     qk_rope_head_dim: int = 16
+    """The RoPE part of a query head, and the one RoPE key all heads share (64)."""
     v_head_dim: int = 16
+    """Each head's value width, the output of its value up-projection (128)."""
     kv_lora_rank: int = 32
+    """The latent's width, the cache's row less the RoPE key (512)."""
     intermediate_size: int = 96
+    """The dense MLP's width (V2-Lite's first layer: 10944)."""
     num_layers: int = 2
+    """Layers, every one MLA with a dense MLP (V2-Lite: 27, MoE from the second)."""
     max_seq_len: int = 128
+    """Positions the RoPE tables cover."""
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
 
@@ -68,7 +75,8 @@ class MLADecoderConfig:
         )
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        c, shapes = self, {"embed_tokens": (self.vocab_size, self.hidden_size)}
+        c = self
+        shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (c.vocab_size, c.hidden_size)}
         for i in range(c.num_layers):
             shapes |= {
                 f"layers.{i}.attn_norm": (c.hidden_size,),

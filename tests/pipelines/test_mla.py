@@ -15,23 +15,14 @@ from mokv.pipelines import UnsupportedMaxParamsError
 from mokv.pipelines import load_kv_manager as mokv_loader
 from mokv.pipelines.params import mokv_params
 
-from .conftest import NUM_PAGES, PAGE_SIZE, loader_args, max_context
+from .conftest import BASE_FIELDS, NUM_PAGES, PAGE_SIZE, loader_args, max_context
 from .test_manager import observe, run_trace
 
 HEAD_DIM = 64 + 16  # MAX's 64-wide RoPE key after a latent of 16
 
 
 def mla_params(**fields) -> MLAKVCacheParams:
-    base = dict(
-        dtype=DType.float32,
-        head_dim=HEAD_DIM,
-        num_layers=2,
-        devices=[DeviceRef.CPU()],
-        num_q_heads=4,
-        page_size=PAGE_SIZE,
-        enable_prefix_caching=True,
-    )
-    return MLAKVCacheParams(**(base | fields))
+    return MLAKVCacheParams(**(BASE_FIELDS | {"head_dim": HEAD_DIM, "num_q_heads": 4} | fields))
 
 
 def mla_loader_args(session, **fields) -> dict:

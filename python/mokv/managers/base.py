@@ -367,7 +367,7 @@ class MaxManagerAPI(ManagerFields):
 
         _check_paged(self)
         symbols = self.input_symbols(devices, num_layers)
-        kinds = self._group_of_each_input(len(symbols))
+        kinds = _input_groups(self, len(symbols))
         return [max_input_symbols(s, kind == "mla") for s, (kind, _) in zip(symbols, kinds)]
 
     def max_inputs(
@@ -381,7 +381,7 @@ class MaxManagerAPI(ManagerFields):
         from ..layouts.max_paged import max_runtime_inputs
 
         _check_paged(self)
-        kinds = self._group_of_each_input(len(fetched))
+        kinds = _input_groups(self, len(fetched))
         if mla_q_heads is None and any(kind == "mla" for kind, _ in kinds):
             raise ValueError(
                 "max_inputs of an MLA cache needs mla_q_heads (the query heads of a device)"
@@ -389,17 +389,6 @@ class MaxManagerAPI(ManagerFields):
         return [
             max_runtime_inputs(inputs, heads, mla_q_heads=mla_q_heads if kind == "mla" else None)
             for inputs, (kind, heads) in zip(fetched, kinds)
-        ]
-
-    def _group_of_each_input(self: KVCacheManager, count: int) -> list[tuple[str, int]]:
-        """(group kind, KV heads per device) of each of `count` per-device inputs, every
-        group's in turn."""
-        params = self.params
-        groups = params.cache_groups(self.num_layers)  # type: ignore[attr-defined]
-        return [
-            (group.kind, params.group_params(group).n_kv_heads_per_device)
-            for group in groups
-            for _ in range(count // len(groups))
         ]
 
     @classmethod
@@ -442,3 +431,15 @@ def _check_paged(manager: KVCacheManager) -> None:
         raise TypeError(
             f"MAX's graph ops take a paged cache; this manager's layout is {manager.layout.name!r}"
         )
+
+
+def _input_groups(manager: Any, count: int) -> list[tuple[str, int]]:
+    """(group kind, KV heads per device) of each of `count` per-device inputs of
+    `manager`, every group's in turn."""
+    params = manager.params
+    groups = params.cache_groups(manager.num_layers)
+    return [
+        (group.kind, params.group_params(group).n_kv_heads_per_device)
+        for group in groups
+        for _ in range(count // len(groups))
+    ]

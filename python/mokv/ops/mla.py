@@ -179,7 +179,7 @@ def _max_mla_decode(
         page_size = int(cache.kv_blocks.shape[3])
 
     return flare_mla_decode_ragged(
-        _PageSize(),  # type: ignore[arg-type]
+        _PageSize(),
         q,
         offsets,
         cache,
