@@ -2,7 +2,7 @@
 
     python benchmarks/run.py [--quick] [--portable] [--out DIR]
                              [--parts hashing,events,managers,groups,attention,qkv,compile,serving,
-                                      remote,cache_control]
+                                      remote,cache_control,mla]
 
 Parts (each module's docstring says what it measures and why):
   hashing    bench_hashing.py   prefix-hash throughput per algorithm, beside MAX's
@@ -29,6 +29,9 @@ Parts (each module's docstring says what it measures and why):
   cache_control  bench_cache_control.py  an agent pausing up to an hour beside a batch job
                                 (fake clock): the agent's hit rate and TTFT with pins and
                                 read-only writes vs LRU, sessions and MAX's manager
+  mla        bench_mla.py       MLA caches: bytes per token and requests admitted against
+                                GQA and MHA caches of a model of the same size; CPU MLA
+                                decode attention's read bandwidth against the read probe
 
 --cpu-target NAME compiles every CPU kernel of the run, MAX's and mokv's, for the LLVM CPU NAME
 (MAX's `max.driver.set_virtual_cpu_target`) and runs it on this host: `--cpu-target znver3` on an
@@ -62,6 +65,7 @@ import bench_events  # noqa: E402
 import bench_groups  # noqa: E402
 import bench_hashing  # noqa: E402
 import bench_managers  # noqa: E402
+import bench_mla  # noqa: E402
 import bench_qkv  # noqa: E402
 import bench_remote  # noqa: E402
 import bench_serving  # noqa: E402
@@ -70,7 +74,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 PARTS = ("hashing", "events", "managers", "groups", "attention", "qkv", "compile", "serving", "remote",
-         "cache_control")
+         "cache_control", "mla")
 SHARE = ("share of the two-thread read: median over seven rounds, each a probe read then "
          "the kernel's calls with the three sides taking turns, of kernel GB/s / probe GB/s")
 
@@ -95,6 +99,7 @@ def _plan(parts: list[str], quick: bool, portable: bool) -> int:
              "groups": 3,
              "remote": bench_remote.plan_size(quick),
              "cache_control": len(bench_cache_control.RUNS),
+             "mla": len(bench_mla.cases(quick)),
              "managers": 2 * len(bench_managers.MANAGERS) * s["repeats"] + len(s["batch_sizes"])
              + len(s["budgets"]) + 1 + 5}
     return sum(sizes[p] for p in parts)
@@ -163,6 +168,8 @@ def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dic
         if "cache_control" in parts:
             results["cache_control"] = part("cache_control", "pins and write policies",
                                             lambda: bench_cache_control.run(quick, tick))
+        if "mla" in parts:
+            results["mla"] = part("mla", "MLA caches and decode (CPU)", lambda: bench_mla.run(quick, tick))
         bar.update(task, description="done")
     results["machine"]["loadavg_end"] = os.getloadavg()
     out.mkdir(parents=True, exist_ok=True)
@@ -256,6 +263,8 @@ def summary(r: dict) -> str:
         lines += bench_remote.table(r["remote"])
     if r.get("cache_control", {}).get("runs"):
         lines += bench_cache_control.table(r["cache_control"])
+    if r.get("mla", {}).get("sizing"):
+        lines += bench_mla.table(r["mla"])
     sweep = r.get("managers", {}).get("batch_sweep", {})
     if isinstance(sweep, dict) and "error" not in sweep and sweep:
         names = list(sweep)

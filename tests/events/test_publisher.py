@@ -10,6 +10,7 @@ from mokv.config.events import offset_endpoint
 from mokv.events import KVEventsConfig, PrefixRouterIndex
 from mokv.events.format import BatchDecoder
 
+from ..managers.conftest import mla
 from .conftest import free_port, inproc_name, make_publishing
 from .test_format import VAllBlocksCleared, VBlockRemoved, VBlockStored, decode_like_vllm
 
@@ -60,9 +61,13 @@ def scripted(m, replica=None):
 
 
 @pytest.mark.parametrize("form", ["map", "array"])
-def test_one_replica_publishes_the_scripted_sequence(session, reader_factory, form):
+@pytest.mark.parametrize("cache", ["heads", "mla"])
+def test_one_replica_publishes_the_scripted_sequence(session, reader_factory, form, cache):
+    """The same events whether the pages hold K and V heads or MLA latents (an MLA page
+    serves every token before it, as a full-attention page does)."""
     endpoint = inproc_name()
-    m = make_publishing(session, KVEventsConfig(endpoint, payload_format=form, topic="kv@p@m"))
+    config = KVEventsConfig(endpoint, payload_format=form, topic="kv@p@m")
+    m = make_publishing(session, config, **(mla() if cache == "mla" else {}))
     reader = reader_factory(endpoint)
     # The startup batch (seq 0) went out before the reader connected; it is checked
     # through the replay socket below.

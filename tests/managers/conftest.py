@@ -6,6 +6,13 @@ from max.driver import CPU
 from max.dtype import DType
 
 NUM_LAYERS = 2
+LATENT, ROPE = 16, 8  # an MLA group's latent and RoPE widths
+
+
+def mla(**overrides) -> dict:
+    """Overrides of `small_params` for a cache of one MLA group of every layer."""
+    group = mokv.CacheGroupConfig("mla", NUM_LAYERS, latent_dim=LATENT, rope_dim=ROPE)
+    return dict(n_kv_heads=1, head_dim=LATENT + ROPE, groups=(group,), **overrides)
 
 
 def small_params(**overrides) -> mokv.KVCacheParams:

@@ -25,27 +25,34 @@ from mokv.ops import kernels_path
 
 SCRIPT = Path(__file__).with_name("_virtual_gpu_build.py")
 MAX_SCRIPT = Path(__file__).with_name("_virtual_gpu_max_build.py")
+MLA_SCRIPT = Path(__file__).with_name("_virtual_gpu_mla_build.py")
+
+
+def compiles_then_refuses(script: Path, api: str, arch: str, timeout: int) -> None:
+    """Runs `script` for a virtual `api`/`arch` device: it must load (COMPILED) and then
+    have its execute refused as compile-only."""
+    proc = subprocess.run(
+        [sys.executable, str(script), api, arch], capture_output=True, text=True, timeout=timeout
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "COMPILED" in proc.stdout, out[-4000:]
+    assert "EXEC_REFUSED:CompileOnlyExecutionError" in proc.stdout, out[-4000:]
 
 
 @pytest.mark.parametrize("api,arch", [("cuda", "sm_90"), ("hip", "gfx950")])
 def test_ops_compile_for_virtual_gpu(api: str, arch: str) -> None:
     kernels_path()  # build the package here, not inside the subprocess's timeout
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), api, arch], capture_output=True, text=True, timeout=900
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "COMPILED" in proc.stdout, out[-4000:]
-    assert "EXEC_REFUSED:CompileOnlyExecutionError" in proc.stdout, out[-4000:]
+    compiles_then_refuses(SCRIPT, api, arch, 900)
 
 
 @pytest.mark.max_virtual_gpu
 def test_max_layers_on_a_mokv_cache_compile_for_virtual_sm90() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(MAX_SCRIPT), "cuda", "sm_90"], capture_output=True, text=True,
-        timeout=1800,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "COMPILED" in proc.stdout, out[-4000:]
-    assert "EXEC_REFUSED:CompileOnlyExecutionError" in proc.stdout, out[-4000:]
+    compiles_then_refuses(MAX_SCRIPT, "cuda", "sm_90", 1800)
+
+
+def test_mla_ops_compile_for_virtual_sm90() -> None:
+    """mokv's MLA store and MAX's MLA decode kernel on the same pages (DeepSeek's shapes,
+    bfloat16): 130 s on the 2-core box under load (2026-11-28)."""
+    kernels_path()
+    compiles_then_refuses(MLA_SCRIPT, "cuda", "sm_90", 1200)

@@ -16,18 +16,19 @@ SYSTEM = [int(t) for t in np.random.default_rng(1).integers(3, 256, 140)]
 """A shared prompt prefix one page and 12 tokens long."""
 
 
+BASE_FIELDS = dict(
+    dtype=DType.float32,
+    num_layers=2,
+    devices=[DeviceRef.CPU()],
+    page_size=PAGE_SIZE,
+    enable_prefix_caching=True,
+)
+"""MAX's params fields every test cache here shares (float32, 2 layers, on the CPU)."""
+
+
 def max_params(**fields) -> MHAKVCacheParams:
     """MAX's params of a small float32 cache on the CPU (the tiny Llama's shape)."""
-    base = dict(
-        dtype=DType.float32,
-        head_dim=16,
-        num_layers=2,
-        devices=[DeviceRef.CPU()],
-        n_kv_heads=2,
-        page_size=PAGE_SIZE,
-        enable_prefix_caching=True,
-    )
-    return MHAKVCacheParams(**(base | fields))
+    return MHAKVCacheParams(**(BASE_FIELDS | {"head_dim": 16, "n_kv_heads": 2} | fields))
 
 
 def loader_args(session, **params_fields) -> dict:

@@ -10,7 +10,7 @@ from mokv import TextContext
 from mokv.cache import page_copy
 from mokv.cache.hashing import page_hash_fn, page_hashes, root_hash
 
-from ..managers.conftest import NUM_LAYERS, make_paged, small_params
+from ..managers.conftest import NUM_LAYERS, make_paged, mla, small_params
 
 
 def host_options(num_host_pages: int, min_hits: int = 0, **overrides) -> dict:
@@ -169,9 +169,11 @@ def test_min_hits_writes_a_page_through_only_once_it_was_hit(session):
 
 
 @pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16])
-def test_manager_round_trip_on_two_tp_shards(session, dtype):
-    """Pages written on both shards come back bit-exact into other device pages."""
-    m = make_host(session, n_devices=2, dtype=dtype)
+@pytest.mark.parametrize("cache", ["heads", "mla"])
+def test_manager_round_trip_on_two_tp_shards(session, dtype, cache):
+    """Pages written on both shards (each device's heads, or each device's copy of an
+    MLA latent) come back bit-exact into other device pages."""
+    m = make_host(session, n_devices=2, dtype=dtype, **(mla() if cache == "mla" else {}))
     shards = [page_copy.numpy_view(b) for b in m.replicas[0].blocks]  # aliasing views
     a = TextContext(np.arange(9), "A")
     m.external_claim("A")

@@ -19,7 +19,7 @@ from mokv.remote import RemotePageStore
 from mokv.tiers.remote import RemoteTier
 from mokv.tiers.stack import TierStack
 
-from ..managers.conftest import make_paged, small_params
+from ..managers.conftest import make_paged, mla, small_params
 from ..managers.faults import MODES, Faults, Injected, keep_handed_over, snapshot
 from ..remote.conftest import forged_value
 
@@ -476,5 +476,22 @@ def test_a_planted_page_is_served_only_without_a_mac_key(session, redis_server, 
         assert loaded.tobytes() == poison.tobytes()  # the poison, served
     else:
         assert ctx.start_idx == 0 and b.remote_metrics.rejected_mac == 1
+    a.close()
+    b.close()
+
+
+def test_mla_latents_round_trip_through_the_shared_tier_on_two_devices(session, redis_server):
+    """An MLA cache's pages (one latent per token, whole on each device) go to Redis
+    from each device and come back bit-exact into another manager's pages."""
+    ns = fresh_namespace()
+    a, a_pages = committed_by_a(session, redis_server, ns, **mla(n_devices=2))
+    assert a.remote_metrics.pages_written == 2 * 2  # two pages, one value per device
+    b = remote_manager(session, redis_server, ns, **mla(n_devices=2))
+    ctx = reserved(b, np.r_[PREFIX, [5, 6]], "B")
+    assert ctx.start_idx == 8
+    b.fetch([ctx])
+    pages = b.get_req_blocks("B")[:2]
+    for block, before in zip(b.replicas[0].blocks, a_pages):
+        np.testing.assert_array_equal(page_copy.numpy_view(block)[pages], before[:2])
     a.close()
     b.close()

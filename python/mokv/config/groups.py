@@ -18,6 +18,18 @@ is the `layer_idx` its attention op takes, as MAX's hybrid models number them.
 `window_size` is MAX's (`max.nn.kv_cache.KVCacheGroupId`): it counts the query token, so
 a query at position `p` reads the keys at `p - window_size + 1 .. p`; a window of 1 reads
 no history and is refused, as MAX refuses it.
+
+Multi-head latent attention (MLA: DeepSeek V2 and V3, Kimi K2, GLM-5) caches one
+compressed latent per token and layer instead of a K and a V per head: `latent_dim`
+values (DeepSeek: 512, `kv_lora_rank`) followed by the `rope_dim` values of the shared
+RoPE key (64, `qk_rope_head_dim`), one row of `latent_dim + rope_dim` (MAX's
+`MLAKVCacheParams`, whose `head_dim` is that sum). Every device of a tensor-parallel
+replica holds the whole latent (there are no heads to split), as MAX's
+`KVCacheMemory.replicated` does:
+
+    KVCacheParams(dtype, n_kv_heads=1, head_dim=576, page_size=128, groups=(
+        CacheGroupConfig("mla", num_layers=27, latent_dim=512, rope_dim=64),
+    ))
 """
 
 from __future__ import annotations
@@ -36,7 +48,12 @@ class CacheGroupConfig:
         window_size: tokens a query reads, itself included (> 1); None: every token
             before it (a full-attention group).
         n_kv_heads: the group's KV heads; None: the params' `n_kv_heads`.
-        head_dim: the group's head size; None: the params' `head_dim`.
+        head_dim: the group's head size; None: the params' `head_dim` (an MLA group's
+            is `latent_dim + rope_dim`).
+        latent_dim: an MLA group's latent width (DeepSeek's `kv_lora_rank`); None: a
+            group of K and V heads.
+        rope_dim: an MLA group's RoPE key width (`qk_rope_head_dim`), given with
+            `latent_dim`.
     """
 
     name: str
@@ -44,6 +61,8 @@ class CacheGroupConfig:
     window_size: int | None = None
     n_kv_heads: int | None = None
     head_dim: int | None = None
+    latent_dim: int | None = None
+    rope_dim: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -61,17 +80,51 @@ class CacheGroupConfig:
                 f"group {self.name!r}: window_size must be an int > 1 (it counts the query "
                 f"token; a window of 1 reads no history) or None, got {window!r}"
             )
-        for field in ("n_kv_heads", "head_dim"):
+        for field in ("n_kv_heads", "head_dim", "latent_dim", "rope_dim"):
             value = getattr(self, field)
-            if value is not None and (value.__class__ is not int or value < 1):
+            if value is not None and (value.__class__ is not int or not 1 <= value < 2**32):
                 raise ValueError(
                     f"group {self.name!r}: {field} must be a positive int or None, got {value!r}"
                 )
+        if (self.latent_dim is None) != (self.rope_dim is None):
+            raise ValueError(
+                f"group {self.name!r}: an MLA group names both latent_dim and rope_dim, got "
+                f"latent_dim={self.latent_dim!r}, rope_dim={self.rope_dim!r}"
+            )
+        if self.latent_dim is not None:
+            self._check_mla()
+
+    def _check_mla(self) -> None:
+        """ValueError naming a setting an MLA group cannot honour: a window, heads other
+        than the one latent, a head size other than `latent_dim + rope_dim`."""
+        if self.window_size is not None:
+            raise ValueError(
+                f"group {self.name!r}: an MLA group reads every token before it; "
+                f"window_size={self.window_size!r} is for a group of K and V heads"
+            )
+        if self.n_kv_heads not in (None, 1):
+            raise ValueError(
+                f"group {self.name!r}: an MLA group holds one latent per token, not "
+                f"n_kv_heads={self.n_kv_heads!r} heads"
+            )
+        if self.head_dim not in (None, self.mla_head_dim):
+            raise ValueError(
+                f"group {self.name!r}: an MLA group's head_dim is latent_dim + rope_dim = "
+                f"{self.mla_head_dim}, got head_dim={self.head_dim!r}"
+            )
 
     @property
     def kind(self) -> str:
-        """ "full" or "sliding_window" (MAX's `KVCacheGroupId.type`)."""
+        """ "full", "sliding_window" (MAX's `KVCacheGroupId.type`) or "mla"."""
+        if self.latent_dim is not None:
+            return "mla"
         return "full" if self.window_size is None else "sliding_window"
+
+    @property
+    def mla_head_dim(self) -> int:
+        """An MLA group's row: `latent_dim + rope_dim` values per token and layer."""
+        assert self.latent_dim is not None and self.rope_dim is not None, self
+        return self.latent_dim + self.rope_dim
 
     def pages_in_window(self, page_size: int) -> int:
         """Pages a query reads before its own page, at most: `ceil((window_size - 1) /

@@ -76,7 +76,7 @@ class KVCacheParams:
             after their release, until the session ends (`SessionConfig`; paged
             strategy, needs `enable_prefix_caching`); None: a session id is ignored.
         groups: the model's cache groups, in graph-input order (`CacheGroupConfig`:
-            full-attention and sliding-window layers, each group with its own pages;
+            full-attention, sliding-window and MLA layers, each group with its own pages;
             paged strategy); empty: one full-attention group of every layer.
         pins: let requests pin prefixes with a time to live (`ctx.cache_control`,
             `PinConfig`; paged strategy, needs `enable_prefix_caching`); None: a
@@ -120,11 +120,7 @@ class KVCacheParams:
                 f"n_devices={self.n_devices} is not a multiple of "
                 f"data_parallel_degree={self.data_parallel_degree}"
             )
-        if self.n_kv_heads % self.tensor_parallel_degree:
-            raise ValueError(
-                f"n_kv_heads={self.n_kv_heads} cannot be split evenly across the "
-                f"{self.tensor_parallel_degree} devices of a replica"
-            )
+        self._check_groups()
         if self.prefix_hash not in PREFIX_HASH_ALGORITHMS:
             raise ValueError(
                 f"prefix_hash={self.prefix_hash!r} is not one of {PREFIX_HASH_ALGORITHMS}"
@@ -154,16 +150,34 @@ class KVCacheParams:
                     f"sessions must be a mokv.SessionConfig or None, got {self.sessions!r}"
                 )
             self.sessions.check(self)
-        if not isinstance(self.groups, (tuple, list)):
-            raise TypeError(f"groups must be a tuple of CacheGroupConfig, got {self.groups!r}")
-        object.__setattr__(self, "groups", tuple(self.groups))
-        check_groups(self.groups)
-        for group in self.groups:  # each group's shape is a KVCacheParams of its own
-            self.group_params(group)
         if self.pins is not None:
             if not isinstance(self.pins, PinConfig):
                 raise TypeError(f"pins must be a mokv.PinConfig or None, got {self.pins!r}")
             self.pins.check(self)
+
+    def _check_groups(self) -> None:
+        """The groups, and the heads a replica's devices split (none in an MLA cache)."""
+        if not isinstance(self.groups, (tuple, list)):
+            raise TypeError(f"groups must be a tuple of CacheGroupConfig, got {self.groups!r}")
+        object.__setattr__(self, "groups", tuple(self.groups))
+        check_groups(self.groups)
+        mla = self.mla_group
+        if mla is not None:  # the whole cache is one MLA group: its shape is the params'
+            if (self.n_kv_heads, self.head_dim) != (1, mla.mla_head_dim):
+                raise ValueError(
+                    f"a cache of one MLA group {mla.name!r} holds one latent of "
+                    f"latent_dim + rope_dim = {mla.mla_head_dim} per token: n_kv_heads must "
+                    f"be 1 and head_dim {mla.mla_head_dim}, got n_kv_heads={self.n_kv_heads}, "
+                    f"head_dim={self.head_dim}"
+                )
+            return
+        if self.n_kv_heads % self.tensor_parallel_degree:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} cannot be split evenly across the "
+                f"{self.tensor_parallel_degree} devices of a replica"
+            )
+        for group in self.groups:  # each group's shape is a KVCacheParams of its own
+            self.group_params(group)
 
     def _check_tiers(self) -> None:
         if not isinstance(self.tiers, (tuple, list)):
@@ -187,16 +201,33 @@ class KVCacheParams:
         return self.n_devices // self.data_parallel_degree
 
     @property
+    def mla_group(self) -> CacheGroupConfig | None:
+        """The group, when the whole cache is one MLA group (`CacheGroupConfig.latent_dim`);
+        else None."""
+        groups = self.groups
+        return groups[0] if len(groups) == 1 and groups[0].kind == "mla" else None
+
+    @property
+    def kv_dim(self) -> int:
+        """Tensors each token slot of a page holds: 2 (K and V), or 1 (an MLA latent)."""
+        return 1 if self.mla_group is not None else 2
+
+    @property
     def n_kv_heads_per_device(self) -> int:
-        """KV heads stored on each device of a replica."""
+        """KV heads stored on each device of a replica: an MLA latent is whole on each."""
+        if self.mla_group is not None:
+            return 1
         return self.n_kv_heads // self.tensor_parallel_degree
 
     def bytes_per_token(self, num_layers: int) -> int:
-        """Bytes of K and V that one token occupies in one replica (all its devices).
+        """Bytes that one token occupies in one replica (all its devices).
 
-        `2 (K and V) * num_layers * n_kv_heads * head_dim * dtype size`.
+        `kv_dim * num_layers * n_kv_heads_per_device * head_dim * dtype size` on each of
+        the `tensor_parallel_degree` devices: K and V split across the devices, or an
+        MLA latent counted once per device (each holds all of it).
         """
-        return 2 * num_layers * self.n_kv_heads * self.head_dim * self.dtype.size_in_bytes
+        per_device = self.kv_dim * num_layers * self.n_kv_heads_per_device * self.head_dim
+        return per_device * self.tensor_parallel_degree * self.dtype.size_in_bytes
 
     def bytes_per_page(self, num_layers: int) -> int:
         """Bytes of one page in one replica: `page_size * bytes_per_token(num_layers)`."""
@@ -204,8 +235,8 @@ class KVCacheParams:
 
     @property
     def is_hybrid(self) -> bool:
-        """Whether the cache is anything but one full-attention group: several groups,
-        or a sliding window."""
+        """Whether the cache is anything but one group of every token: several groups,
+        or a sliding window (one MLA group is not: its pages are one full group's)."""
         groups = self.groups
         return len(groups) > 1 or (len(groups) == 1 and groups[0].window_size is not None)
 
@@ -225,7 +256,18 @@ class KVCacheParams:
     def group_params(self, group: CacheGroupConfig) -> KVCacheParams:
         """The shape of one group's pages as params of their own: these params with the
         group's heads and head size, and no groups, tiers, events or sessions (what the
-        layouts, kernels and sizing of one group read)."""
+        layouts, kernels and sizing of one group read); an MLA group's keep it as their
+        one group (`mla_group`)."""
+        if group.kind == "mla":
+            return dataclasses.replace(
+                self,
+                n_kv_heads=1,
+                head_dim=group.mla_head_dim,
+                tiers=(),
+                kv_events=None,
+                sessions=None,
+                groups=(group,),
+            )
         return dataclasses.replace(
             self,
             n_kv_heads=group.n_kv_heads or self.n_kv_heads,

@@ -18,6 +18,16 @@ once they get the inputs in MAX's form, a `max.nn.kv_cache.KVCacheInputsPerDevic
     attention_dispatch_metadata int64 [4], host   (batch_size, max_prompt_length,
                                  num_partitions, max_cache_length), MAX's `MHAAttnKey`
 
+An MLA cache (`KVCacheParams.kv_dim` 1, MAX's `MLAKVCacheParams`) has MAX's MLA form
+instead of the last field, with the query heads of a device (`mla_q_heads`):
+
+    attention_dispatch_metadata int64 [3], on the cache's device   (batch_size,
+                                 max_prompt_length, num_partitions), MAX's `MLAAttnKey`
+    mla_num_partitions int64 [1], host    num_partitions
+
+On a CPU MAX's MLA dispatch is its sentinel (one partition, the batch's own sizes); on
+an accelerator MAX's `mla_dispatch_args_scalar` gives all three.
+
 Everything comes from shapes and the host-side `max_lengths`, so converting a device's
 `fetch` output never reads a device buffer back. After `increment_cache_lengths` the
 next step's `max_lengths` row 0 gives the next step's values.
@@ -50,7 +60,12 @@ from ..config.params import KVCacheParams
 from .paged import RaggedKVCacheInputs
 
 if TYPE_CHECKING:  # `max.nn` takes ~0.25 s to import: loaded on first use, not with mokv
-    from max.nn.kv_cache import KVCacheInputsPerDevice, MHAKVCacheParams, MultiKVCacheParams
+    from max.nn.kv_cache import (
+        KVCacheInputsPerDevice,
+        MHAKVCacheParams,
+        MLAKVCacheParams,
+        MultiKVCacheParams,
+    )
 
 LOOKUP_TABLE_TAIL = 16
 """Columns past the rounded-up width, for the GPU kernels' 16-wide SIMD loads."""
@@ -63,7 +78,8 @@ PACKED_PAGE_STRIDE = -1
 """MAX's `page_stride` for packed pages (`max.nn.kv_cache.PACKED_PAGE_STRIDE`)."""
 
 NUM_MAX_INPUTS = 7
-"""Leaves of one device's `KVCacheInputsPerDevice` here (`max.tree.leaves` order)."""
+"""Leaves of one device's `KVCacheInputsPerDevice` here (`max.tree.leaves` order); an
+MLA cache's has one more (`mla_num_partitions`)."""
 
 
 def lookup_table_width(num_pages: int) -> int:
@@ -89,11 +105,32 @@ def dispatch_metadata(
     return np.array([batch_size, max_prompt_length, partitions, max_cache_length], np.int64)
 
 
+def mla_dispatch(shape: DispatchShape, mla_q_heads: int, device: Device) -> np.ndarray:
+    """int64 `[3]`: MAX's MLA dispatch metadata (`MLAAttnKey.pack_into`'s order: batch
+    size, prompt width, partitions) for a batch of `shape` on `device`, whose MLA layers
+    have `mla_q_heads` query heads: MAX's sentinel on a CPU (its CPU kernels do not
+    split), else MAX's own `mla_dispatch_args_scalar` (which may round the first two)."""
+    if device.is_host or shape.batch_size < 1:
+        return np.array([shape.batch_size, shape.max_prompt_length, 1], np.int64)
+    from max._kv_cache_ops import mla_dispatch_args_scalar  # needs a device context
+
+    args = mla_dispatch_args_scalar(
+        shape.batch_size,
+        shape.max_cache_length,
+        shape.max_prompt_length,
+        mla_q_heads,
+        False,  # mokv's pages are never FP8
+        device,
+    )
+    return np.array([int(n) for n in args], np.int64)
+
+
 def max_input_symbols(
-    symbols: RaggedKVCacheInputs[BufferType, TensorType],
+    symbols: RaggedKVCacheInputs[BufferType, TensorType], mla: bool = False
 ) -> KVCacheInputsPerDevice[TensorType, BufferType]:
     """The graph types of one device's inputs in MAX's form, from mokv's
-    `input_symbols()` entry for that device (the extras are host tensors)."""
+    `input_symbols()` entry for that device (the extras are host tensors; an MLA
+    cache's dispatch metadata is on the cache's device, as MAX declares it)."""
     from max.nn.kv_cache import KVCacheInputsPerDevice
 
     if not isinstance(symbols, RaggedKVCacheInputs):
@@ -105,6 +142,9 @@ def max_input_symbols(
     def host(dtype: DType, size: int) -> TensorType:
         return TensorType(dtype, [size], device=DeviceRef.CPU())
 
+    metadata = host(DType.int64, 4)
+    if mla:
+        metadata = TensorType(DType.int64, [3], device=symbols.blocks.device)
     return KVCacheInputsPerDevice(
         kv_blocks=symbols.blocks,
         cache_lengths=symbols.cache_lengths,
@@ -112,7 +152,8 @@ def max_input_symbols(
         max_prompt_length=host(DType.uint32, 1),
         max_cache_length=host(DType.uint32, 1),
         page_stride=host(DType.int64, 1),
-        attention_dispatch_metadata=host(DType.int64, 4),
+        attention_dispatch_metadata=metadata,
+        mla_num_partitions=host(DType.int64, 1) if mla else None,
     )
 
 
@@ -130,9 +171,12 @@ def max_runtime_inputs(
     n_kv_heads_per_device: int,
     lookup_pages: int | None = None,
     dispatch_shape: DispatchShape | None = None,
+    mla_q_heads: int | None = None,
 ) -> KVCacheInputsPerDevice[Buffer, Buffer]:
     """One device's `fetch` output in MAX's form (the same cache buffers, plus host
-    scalars from `max_lengths` row 0; nothing is read from the device).
+    scalars from `max_lengths` row 0; nothing is read from the device). `mla_q_heads`:
+    the query heads per device of an MLA cache's layers (MAX's MLA form, module
+    docstring); None for a cache of K and V heads.
 
     Graph capture replays a graph built for an upper bound: `lookup_pages` widens the
     lookup table to that many pages (padded as MAX pads, `lookup_table_width`), and
@@ -161,9 +205,24 @@ def max_runtime_inputs(
         lookup_table = _widened(
             lookup_table, lookup_table_width(lookup_pages), real.max_cache_length
         )
-    partitions = num_partitions(
-        shape.batch_size, shape.max_cache_length, n_kv_heads_per_device, inputs.blocks.device
-    )
+    device = inputs.blocks.device
+    mla_partitions = None
+    if mla_q_heads is None:
+        metadata = Buffer.from_numpy(
+            dispatch_metadata(
+                shape.batch_size,
+                shape.max_prompt_length,
+                shape.max_cache_length,
+                num_partitions(
+                    shape.batch_size, shape.max_cache_length, n_kv_heads_per_device, device
+                ),
+            )
+        )
+    else:
+        packed = mla_dispatch(shape, mla_q_heads, device)
+        metadata = Buffer.from_numpy(packed)
+        metadata = metadata if device.is_host else metadata.to(device)
+        mla_partitions = Buffer.from_numpy(packed[2:])
     return KVCacheInputsPerDevice(
         kv_blocks=inputs.blocks,
         cache_lengths=inputs.cache_lengths,
@@ -171,11 +230,8 @@ def max_runtime_inputs(
         max_prompt_length=Buffer.from_numpy(np.array([shape.max_prompt_length], np.uint32)),
         max_cache_length=Buffer.from_numpy(np.array([shape.max_cache_length], np.uint32)),
         page_stride=Buffer.from_numpy(np.array([PACKED_PAGE_STRIDE], np.int64)),
-        attention_dispatch_metadata=Buffer.from_numpy(
-            dispatch_metadata(
-                shape.batch_size, shape.max_prompt_length, shape.max_cache_length, partitions
-            )
-        ),
+        attention_dispatch_metadata=metadata,
+        mla_num_partitions=mla_partitions,
     )
 
 
@@ -203,17 +259,20 @@ def _widened(lookup_table: Buffer, width: int, max_cache_length: int) -> Buffer:
 
 def max_cache_values(values: Sequence[Value[Any]]) -> KVCacheInputsPerDevice[TensorValue, Any]:
     """`PagedCacheValues` (what `max.nn`'s attention layers take) from one device's
-    `NUM_MAX_INPUTS` graph input values, in the order `max.tree.leaves` gives
-    `max_input_symbols`'s types."""
+    `NUM_MAX_INPUTS` graph input values (one more for an MLA cache), in the order
+    `max.tree.leaves` gives `max_input_symbols`'s types."""
     from max.nn.kv_cache import KVCacheInputsPerDevice
 
     values = list(values)
-    if len(values) != NUM_MAX_INPUTS:
-        raise ValueError(f"expected the {NUM_MAX_INPUTS} MAX cache inputs, got {len(values)}")
+    if len(values) not in (NUM_MAX_INPUTS, NUM_MAX_INPUTS + 1):
+        raise ValueError(
+            f"expected the {NUM_MAX_INPUTS} MAX cache inputs (or {NUM_MAX_INPUTS + 1} of an "
+            f"MLA cache), got {len(values)}"
+        )
     blocks, *tensors = values
     if not isinstance(blocks, BufferValue):
         blocks = blocks.buffer
-    cache_lengths, lookup_table, max_prompt, max_cache, page_stride, metadata = (
+    cache_lengths, lookup_table, max_prompt, max_cache, page_stride, metadata, *mla = (
         t if isinstance(t, TensorValue) else t.tensor for t in tensors
     )
     return KVCacheInputsPerDevice(
@@ -224,31 +283,45 @@ def max_cache_values(values: Sequence[Value[Any]]) -> KVCacheInputsPerDevice[Ten
         max_cache_length=max_cache,
         page_stride=page_stride,
         attention_dispatch_metadata=metadata,
+        mla_num_partitions=mla[0] if mla else None,
     )
 
 
 def max_kv_params(
-    params: KVCacheParams, num_layers: int, devices: Sequence[DeviceRef]
-) -> MHAKVCacheParams | MultiKVCacheParams:
+    params: KVCacheParams,
+    num_layers: int,
+    devices: Sequence[DeviceRef],
+    num_q_heads: int | None = None,
+) -> MHAKVCacheParams | MLAKVCacheParams | MultiKVCacheParams:
     """MAX 26.7's `KVCacheParams` of the same cache, for MAX's layers (`kv_params=`): a
     cache of groups (`params.groups`) is MAX's `MultiKVCacheParams` of one child per
-    group, under the group's name, in order (a windowed child has its `window_size`)."""
-    from max.nn.kv_cache import MHAKVCacheParams, MultiKVCacheParams
+    group, under the group's name, in order (a windowed child has its `window_size`);
+    a cache of one MLA group is MAX's `MLAKVCacheParams`, which needs the model's query
+    heads (`num_q_heads`, ValueError without them)."""
+    from max.nn.kv_cache import MHAKVCacheParams, MLAKVCacheParams, MultiKVCacheParams
 
-    def leaf(p: KVCacheParams, layers: int, window: int | None) -> MHAKVCacheParams:
-        return MHAKVCacheParams(
+    def leaf(
+        p: KVCacheParams, layers: int, window: int | None
+    ) -> MHAKVCacheParams | MLAKVCacheParams:
+        shared = dict(
             dtype=p.dtype,
             head_dim=p.head_dim,
             num_layers=layers,
             devices=list(devices),
-            n_kv_heads=p.n_kv_heads,
             page_size=p.page_size,
             enable_prefix_caching=p.enable_prefix_caching,
             data_parallel_degree=p.data_parallel_degree,
-            window_size=window,
         )
+        if p.mla_group is None:
+            return MHAKVCacheParams(n_kv_heads=p.n_kv_heads, window_size=window, **shared)
+        if type(num_q_heads) is not int or num_q_heads < 1:
+            raise ValueError(
+                f"an MLA cache's MAX params need the model's query heads: num_q_heads must "
+                f"be a positive int, got {num_q_heads!r}"
+            )
+        return MLAKVCacheParams(num_q_heads=num_q_heads, **shared)
 
-    if not params.groups:
+    if not params.groups or params.mla_group is not None:
         return leaf(params, num_layers, None)
     return MultiKVCacheParams.from_params(
         {

@@ -2,9 +2,11 @@
 
 One device's inputs (`RaggedKVCacheInputs`, in constructor-op order):
 
-    blocks        dtype   [total_num_pages, 2, num_layers, page_size, n_kv_heads_per_device,
-                          head_dim]: index 1 selects K (0) or V (1); a page holds `page_size`
-                          consecutive tokens of one sequence, for every layer.
+    blocks        dtype   [total_num_pages, kv_dim, num_layers, page_size,
+                          n_kv_heads_per_device, head_dim]: index 1 selects K (0) or V (1),
+                          or is the one MLA latent (kv_dim 1, one head of latent_dim +
+                          rope_dim); a page holds `page_size` consecutive tokens of one
+                          sequence, for every layer.
     cache_lengths uint32  [batch_size]   tokens already in the cache before this step
     lookup_table  uint32  [batch_size, max_num_pages]   page ids of each sequence, in
                           order; token `t` of sequence `b` lives in page
@@ -88,7 +90,7 @@ class PagedLayout(CacheLayout):
         )
         blocks_shape = [
             pages_dim,
-            2,
+            params.kv_dim,
             num_layers,
             params.page_size,
             params.n_kv_heads_per_device,
@@ -110,7 +112,14 @@ class PagedLayout(CacheLayout):
         num_steps: int,
     ) -> RaggedKVCacheInputs[Buffer, Buffer]:
         """Zero pages; a one-column lookup table of zeros."""
-        shape = (0, 2, num_layers, params.page_size, params.n_kv_heads_per_device, params.head_dim)
+        shape = (
+            0,
+            params.kv_dim,
+            num_layers,
+            params.page_size,
+            params.n_kv_heads_per_device,
+            params.head_dim,
+        )
         return RaggedKVCacheInputs(
             blocks=Buffer(params.dtype, shape),
             cache_lengths=Buffer(DType.uint32, (batch_size,)),

@@ -144,7 +144,7 @@ def refuse_paged_features(params: KVCacheParams, manager: str) -> None:
         raise ValueError(
             f"{manager} holds one slot of every layer per request, so it cannot honour "
             f"groups={[g.name for g in params.groups]} (a sliding window's pages are "
-            "released as it slides): use the paged manager"
+            "released as it slides; an MLA group's pages hold latents): use the paged manager"
         )
 
 
@@ -366,23 +366,30 @@ class MaxManagerAPI(ManagerFields):
         from ..layouts.max_paged import max_input_symbols
 
         _check_paged(self)
-        return [max_input_symbols(s) for s in self.input_symbols(devices, num_layers)]
+        symbols = self.input_symbols(devices, num_layers)
+        kinds = _input_groups(self, len(symbols))
+        return [max_input_symbols(s, kind == "mla") for s, (kind, _) in zip(symbols, kinds)]
 
-    def max_inputs(self: KVCacheManager, fetched: Sequence[Any]) -> list[Any]:
+    def max_inputs(
+        self: KVCacheManager, fetched: Sequence[Any], mla_q_heads: int | None = None
+    ) -> list[Any]:
         """A `fetch` result in the form MAX's own paged graph ops take, to match
         `max_input_symbols` (the same cache buffers, plus host scalars; nothing is read
-        back from a device; a cache of groups: every group's in turn). Paged caches
-        only."""
+        back from a device; a cache of groups: every group's in turn). An MLA cache's
+        dispatch metadata needs the query heads of a device (`mla_q_heads`, MAX's
+        `num_q_heads_per_device`). Paged caches only."""
         from ..layouts.max_paged import max_runtime_inputs
 
         _check_paged(self)
-        params = self.params
-        heads = [
-            params.group_params(group).n_kv_heads_per_device
-            for group in params.cache_groups(self.num_layers)  # type: ignore[attr-defined]
-            for _ in range(len(fetched) // max(1, len(params.groups)))
+        kinds = _input_groups(self, len(fetched))
+        if mla_q_heads is None and any(kind == "mla" for kind, _ in kinds):
+            raise ValueError(
+                "max_inputs of an MLA cache needs mla_q_heads (the query heads of a device)"
+            )
+        return [
+            max_runtime_inputs(inputs, heads, mla_q_heads=mla_q_heads if kind == "mla" else None)
+            for inputs, (kind, heads) in zip(fetched, kinds)
         ]
-        return [max_runtime_inputs(inputs, n) for inputs, n in zip(fetched, heads)]
 
     @classmethod
     def infer_optimal_batch_size(
@@ -424,3 +431,15 @@ def _check_paged(manager: KVCacheManager) -> None:
         raise TypeError(
             f"MAX's graph ops take a paged cache; this manager's layout is {manager.layout.name!r}"
         )
+
+
+def _input_groups(manager: Any, count: int) -> list[tuple[str, int]]:
+    """(group kind, KV heads per device) of each of `count` per-device inputs of
+    `manager`, every group's in turn."""
+    params = manager.params
+    groups = params.cache_groups(manager.num_layers)
+    return [
+        (group.kind, params.group_params(group).n_kv_heads_per_device)
+        for group in groups
+        for _ in range(count // len(groups))
+    ]

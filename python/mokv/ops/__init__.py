@@ -11,11 +11,14 @@ from .attention import flash_attention
 from .cpu_paths import portable_cpu_paths
 from .kv_cache import store_kv
 from .matmul import fused_qkv_matmul, rope_freqs_cis
+from .mla import mla_attention, mla_store
 
 __all__ = [
     "flash_attention",
     "fused_qkv_matmul",
     "kernels_path",
+    "mla_attention",
+    "mla_store",
     "rope_freqs_cis",
     "store_kv",
     "portable_cpu_paths",

@@ -66,7 +66,7 @@ from ..layouts.max_paged import LOOKUP_PAD_PAGE, DispatchShape, max_runtime_inpu
 from ..managers.paged import PagedKVCacheManager
 from ..metrics import KVCacheMetrics
 from .context_view import MaxContextView
-from .params import max_leaves, max_num_layers
+from .params import max_leaves, max_num_layers, mla_q_heads, n_kv_heads
 
 logger = logging.getLogger("mokv.pipelines")
 
@@ -104,11 +104,26 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         groups = manager.params.cache_groups(manager.num_layers)
         leaves = max_leaves(params)
 
-        def shape(p: Any, layers: int, window: int | None) -> tuple:
-            return (p.dtype, p.n_kv_heads, p.head_dim, p.page_size, layers, window)
+        def shape(p: Any, heads: int, layers: int, window: int | None) -> tuple:
+            return (p.dtype, heads, p.head_dim, p.page_size, layers, window)
 
-        mine = [shape(manager.params.group_params(g), g.num_layers, g.window_size) for g in groups]
-        theirs = [shape(leaf, leaf.num_layers, leaf.window_size) for _, leaf in leaves]
+        mine = [
+            shape(p, p.n_kv_heads, g.num_layers, g.window_size)
+            for g in groups
+            for p in [manager.params.group_params(g)]
+        ]
+        theirs = [
+            shape(leaf, n_kv_heads(leaf), leaf.num_layers, leaf.window_size) for _, leaf in leaves
+        ]
+        kinds = (
+            [g.kind == "mla" for g in groups],
+            [mla_q_heads(leaf) is not None for _, leaf in leaves],
+        )
+        if kinds[0] != kinds[1]:
+            raise ValueError(
+                f"the mokv cache's groups are {[g.kind for g in groups]}; MAX's params are "
+                f"{[type(leaf).__name__ for _, leaf in leaves]}"
+            )
         if mine != theirs:
             raise ValueError(
                 f"the mokv cache holds (dtype, n_kv_heads, head_dim, page_size, num_layers, "
@@ -121,6 +136,7 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         self._leaf_ids = [leaf.leaf_id(f"{key}." if key else "") for key, leaf in leaves]
         self._keys = [key for key, _ in leaves]
         self._heads = [manager.params.group_params(g).n_kv_heads_per_device for g in groups]
+        self._mla_q_heads = [mla_q_heads(leaf) for _, leaf in leaves]
         self._taken = MaxKVCacheMetrics()
         self._reset_pending = False
 
@@ -231,10 +247,10 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         per_group = len(fetched) // len(self._heads)
         trees = [
             tuple(
-                max_runtime_inputs(f, heads, lookup_pages, shape)
+                max_runtime_inputs(f, heads, lookup_pages, shape, q_heads)
                 for f in fetched[g * per_group : (g + 1) * per_group]
             )
-            for g, heads in enumerate(self._heads)
+            for g, (heads, q_heads) in enumerate(zip(self._heads, self._mla_q_heads))
         ]
         if self._keys == [None]:
             return trees[0]

@@ -6,7 +6,8 @@ is refused with `UnsupportedMaxParamsError` naming it, never accepted and ignore
 
     refused                                   what it is in MAX
     RecurrentStateParams, nested trees        recurrent state, drafts' caches
-    MLAKVCacheParams, MSAKVCacheParams        latent (DeepSeek) and multi-step attention
+    MSAKVCacheParams                          multi-step attention
+    MLA beside other children, or windowed    a latent cache in a tree, a latent window
     an FP8 / FP4 dtype, kvcache_quant_config  quantized KV pages
     num_draft_tokens, speculative_method      speculative decoding's draft slots
     is_di_enabled                             disaggregated prefill / decode
@@ -23,6 +24,13 @@ GPT-OSS, Olmo 3: "sliding_attention" and "full_attention") becomes mokv's
 with the child's layers, heads, head size and `window_size`; a single
 `MHAKVCacheParams` with a `window_size` is one sliding-window group. Children must share
 a dtype (each is checked as above).
+
+MLA. MAX's `MLAKVCacheParams` (DeepSeek V2 and V3, Kimi K2, GLM-5: one latent of
+`head_dim` per token and layer) becomes a cache of one MLA group
+(`CacheGroupConfig(latent_dim=, rope_dim=)`, named `MLA_GROUP`). MAX's params do not
+split the latent from its RoPE key; MAX's MLA kernels take `qk_rope_dim=64` (every
+MLA model MAX 26.7 serves), so mokv reads `rope_dim = MLA_ROPE_DIM` and `latent_dim =
+head_dim - 64` (a head_dim of 64 or less is refused).
 
 The page hash follows `kv_hash_algo`: MAX's default "ahash64" (64-bit, not
 cryptographic) becomes mokv's default "xxh3" (the same kind of key, and mokv confirms a
@@ -54,26 +62,37 @@ SLIDING_GROUP = "sliding_attention"
 child of its hybrid trees)."""
 
 
+MLA_GROUP = "mla"
+"""The group name of MAX's `MLAKVCacheParams`."""
+
+MLA_ROPE_DIM = 64
+"""The RoPE part of MAX's MLA latent: `qk_rope_dim` of MAX 26.7's MLA kernels
+(`max.nn.kernels.flare_mla_*`), DeepSeek's `qk_rope_head_dim`."""
+
+
 SHARED_FIELDS = (
     "dtype",
-    "n_kv_heads",
     "head_dim",
     "page_size",
     "enable_prefix_caching",
     "data_parallel_degree",
     "n_devices",
 )
-"""The fields of mokv's `KVCacheParams` that MAX's (first) cache gives as they are."""
+"""The fields of mokv's `KVCacheParams` that MAX's (first) cache gives as they are
+(and `n_kv_heads`, which an MLA cache lacks)."""
 
 
 def max_leaves(params: Any) -> list[tuple[str | None, Any]]:
     """`(child key, MHAKVCacheParams)` of each attention cache of MAX's `params`, in
     MAX's tree order: the children of a `MultiKVCacheParams`, or `(None, params)`.
     UnsupportedMaxParamsError naming a kind mokv does not hold."""
-    from max.nn.kv_cache import MHAKVCacheParams, MultiKVCacheParams
+    from max.nn.kv_cache import MHAKVCacheParams, MLAKVCacheParams, MultiKVCacheParams
 
-    what = "one full-attention or sliding-window cache of K and V pages, or a tree of them"
-    if type(params) is MHAKVCacheParams:
+    what = (
+        "one full-attention or sliding-window cache of K and V pages, a tree of them, "
+        "or one MLA cache"
+    )
+    if type(params) in (MHAKVCacheParams, MLAKVCacheParams):
         return [(None, params)]
     if type(params) is not MultiKVCacheParams:
         raise refuse(f"{type(params).__name__} caches (it holds MAX's MHAKVCacheParams: {what})")
@@ -108,8 +127,11 @@ def check_supported(params: Any, is_di_enabled: bool = False) -> None:
 
 
 def _check_leaf(params: Any) -> None:
-    """`check_supported` of one `MHAKVCacheParams`."""
-    from max.nn.kv_cache import KVConnectorType
+    """`check_supported` of one `MHAKVCacheParams` or `MLAKVCacheParams`."""
+    from max.nn.kv_cache import KVConnectorType, MLAKVCacheParams
+
+    if type(params) is MLAKVCacheParams:
+        _check_mla(params)
 
     if params.dtype not in CACHE_DTYPES or params.kvcache_quant_config is not None:
         raise refuse(
@@ -132,7 +154,7 @@ def _check_leaf(params: Any) -> None:
         raise refuse("one buffer per layer (per_layer_buffers=True)")
     if params.slots_per_page != params.page_size:
         raise refuse(f"compressed pages (slots_per_page={params.slots_per_page})")
-    if params.n_kv_heads % params.tensor_parallel_degree:
+    if mla_q_heads(params) is None and params.n_kv_heads % params.tensor_parallel_degree:
         raise refuse(
             f"KV heads repeated across devices (n_kv_heads={params.n_kv_heads} on "
             f"{params.tensor_parallel_degree} devices, allow_kv_head_replication)"
@@ -146,10 +168,45 @@ def _check_leaf(params: Any) -> None:
         )
 
 
+def _check_mla(params: Any) -> None:
+    """UnsupportedMaxParamsError naming what a mokv MLA group cannot be."""
+    if params.window_size is not None:
+        raise refuse(f"a windowed MLA cache (window_size={params.window_size})")
+    if params.head_dim <= MLA_ROPE_DIM:
+        raise refuse(
+            f"an MLA latent of head_dim={params.head_dim} (it ends in MAX's "
+            f"{MLA_ROPE_DIM}-wide RoPE key)"
+        )
+
+
+def n_kv_heads(params: Any) -> int:
+    """KV heads of one MAX leaf, all devices together: an MLA cache's one latent (MAX's
+    `MLAKVCacheParams` has no `n_kv_heads`; each device holds it whole)."""
+    from max.nn.kv_cache import MLAKVCacheParams
+
+    return 1 if type(params) is MLAKVCacheParams else params.n_kv_heads
+
+
+def mla_q_heads(params: Any) -> int | None:
+    """Query heads per device of a MAX leaf's MLA layers; None for K and V heads."""
+    from max.nn.kv_cache import MLAKVCacheParams
+
+    return params.num_q_heads_per_device if type(params) is MLAKVCacheParams else None
+
+
 def mokv_groups(params: Any) -> tuple[CacheGroupConfig, ...]:
     """mokv's cache groups of MAX's `params` (module docstring): none for one
     full-attention `MHAKVCacheParams`."""
+    from max.nn.kv_cache import MLAKVCacheParams
+
     leaves = max_leaves(params)
+    if type(params) is MLAKVCacheParams:
+        latent = params.head_dim - MLA_ROPE_DIM
+        return (
+            CacheGroupConfig(
+                MLA_GROUP, params.num_layers, latent_dim=latent, rope_dim=MLA_ROPE_DIM
+            ),
+        )
     if leaves == [(None, params)]:
         if params.window_size is None:
             return ()
@@ -178,6 +235,7 @@ def mokv_params(
         raise refuse(f"the page hash kv_hash_algo={first.kv_hash_algo!r}")
     return KVCacheParams(
         **{field: getattr(first, field) for field in SHARED_FIELDS},
+        n_kv_heads=n_kv_heads(first),
         prefix_hash=prefix_hash,
         prefix_hash_seed=prefix_hash_seed,
         tiers=options.tiers,

@@ -43,6 +43,8 @@ GROUP_KIND = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 (e.g. a sliding window's size), never a '.' or ':' that would make keys ambiguous."""
 FULL_ATTENTION = "full"
 """The group kind of a paged manager's pages: every token's keys and values, kept."""
+MLA = "mla"
+"""The group kind of an MLA cache's pages: every token's latent, kept."""
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,16 @@ class RemoteLayout:
     tp_degree: int = 1
     prefix_hash: str = "xxh3"
     group: str = FULL_ATTENTION
+    kv_dim: int = 2
+    """2 (K and V), or 1 (an MLA latent, whole on every shard: group "mla")."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CODES:
             raise ValueError(f"dtype={self.dtype!r} is not a cache dtype {list(DTYPE_CODES)}")
+        if self.kv_dim not in (1, 2):
+            raise ValueError(
+                f"kv_dim must be 1 (an MLA latent) or 2 (K and V), got {self.kv_dim!r}"
+            )
         for name in ("page_size", "num_layers", "n_kv_heads_per_device", "head_dim", "tp_degree"):
             value = getattr(self, name)
             if value.__class__ is not int or value < 1:
@@ -98,12 +106,20 @@ class RemoteLayout:
             tp_rank,
             params.tensor_parallel_degree,
             params.prefix_hash,
+            group=FULL_ATTENTION if params.mla_group is None else MLA,
+            kv_dim=params.kv_dim,
         )
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
-        """`[2, layers, page_size, kv heads per device, head_dim]`: one device page."""
-        return (2, self.num_layers, self.page_size, self.n_kv_heads_per_device, self.head_dim)
+        """`[kv_dim, layers, page_size, kv heads per device, head_dim]`: one device page."""
+        return (
+            self.kv_dim,
+            self.num_layers,
+            self.page_size,
+            self.n_kv_heads_per_device,
+            self.head_dim,
+        )
 
     @cached_property
     def page_nbytes(self) -> int:

@@ -4,7 +4,9 @@
 each replica holds `floor(memory_per_replica / bytes_per_page)` pages, where
 `bytes_per_page = page_size * 2 * num_layers * n_kv_heads * head_dim * dtype size`
 (`KVCacheParams.bytes_per_page`). A replica's pages live in one `max.driver.Buffer` per
-device, each device holding `n_kv_heads_per_device` of the heads. Pure functions (they
+device, each device holding `n_kv_heads_per_device` of the heads; an MLA latent is whole
+on every device, so its bytes count once per device (`kv_dim` 1, one head of
+`latent_dim + rope_dim`, times `tensor_parallel_degree`). Pure functions (they
 allocate nothing): the manager's sizing classmethods, MAX's, call them.
 
 Groups (`KVCacheParams.groups`, `group_pages`). Each group has a pool of its own, so a

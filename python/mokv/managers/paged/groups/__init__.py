@@ -4,6 +4,7 @@ lockstep, each with its own pages.
 base.py     CacheGroup: what the replica asks of every group kind (the protocol)
 full.py     FullAttentionGroup: layers that read every token before them
 sliding.py  SlidingWindowGroup: layers that read the last `window_size` tokens
+mla.py      LatentGroup: multi-head latent attention layers, one latent per token
 joint.py    JointGroups: several groups (or a window) driven together, the joint
             prefix hit in one place
 """
@@ -20,9 +21,17 @@ from ....undo import UndoLog
 from .base import CacheGroup
 from .full import FullAttentionGroup
 from .joint import JointGroups
+from .mla import LatentGroup
 from .sliding import SlidingWindowGroup
 
-__all__ = ["CacheGroup", "FullAttentionGroup", "JointGroups", "SlidingWindowGroup", "build_group"]
+__all__ = [
+    "CacheGroup",
+    "FullAttentionGroup",
+    "JointGroups",
+    "LatentGroup",
+    "SlidingWindowGroup",
+    "build_group",
+]
 
 
 def build_group(
@@ -45,6 +54,14 @@ def build_group(
         max_pages_per_seq,
         undo,
     )
+    if config.latent_dim is not None:
+        return LatentGroup(
+            *args,
+            name=config.name,
+            index=index,
+            latent_dim=config.latent_dim,
+            rope_dim=config.mla_head_dim - config.latent_dim,
+        )
     if config.window_size is None:
         return FullAttentionGroup(*args, name=config.name, index=index)
     return SlidingWindowGroup(*args, name=config.name, index=index, window_size=config.window_size)

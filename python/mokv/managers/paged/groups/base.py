@@ -2,8 +2,9 @@
 
 A model's layers fall into groups whose caches are written in lockstep: the layers that
 read every token before them (kind "full"), layers that read a sliding window (kind
-"sliding_window"), and, in the models the next group kinds serve, multi-head latent
-(MLA) layers and layers whose cache is a recurrent state. Each group has its own pages
+"sliding_window"), multi-head latent attention layers (kind "mla", one latent per
+token), and, in the models the next group kinds serve, layers whose cache is a
+recurrent state. Each group has its own pages
 (its `pool`), its buffers (one per device: its layout), its page table, its metrics;
 the replica holds the requests and their hash chain, which every group shares (a page
 of tokens has one chain hash whatever group holds it: MAX and vLLM hash once per
@@ -58,7 +59,7 @@ class CacheGroup(Protocol):
     changes something records its undo in the replica's log (`pool.undo`)."""
 
     kind: ClassVar[str]
-    """"full" or "sliding_window" (MAX's `KVCacheGroupId.type`)."""
+    """"full", "sliding_window" (MAX's `KVCacheGroupId.type`) or "mla"."""
     name: str
     """The group's name (`CacheGroupConfig.name`)."""
     index: int

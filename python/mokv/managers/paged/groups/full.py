@@ -66,7 +66,7 @@ class FullAttentionGroup:
         self.undo = undo
         shape = [
             num_pages,
-            2,
+            params.kv_dim,
             len(layers),
             params.page_size,
             params.n_kv_heads_per_device,
