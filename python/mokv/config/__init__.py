@@ -8,6 +8,7 @@
     events.py    KVEventsConfig: where and how events are published
     sessions.py  SessionConfig: sessions that retain their pages through a pause
     groups.py    CacheGroupConfig: a model's full-attention and sliding-window groups
+    quantization.py  KVCacheQuantization: the scales of FP8 pages (MAX's format)
     flat.py      MAX's flat spellings, mapped onto the nested configs
 
 These modules import nothing of mokv above them (only `mokv.errors`); the objects a
@@ -19,6 +20,7 @@ one registry, `mokv.registry`. A test asserts that mokv's import graph has no ci
 from .events import KVEventsConfig
 from .groups import CacheGroupConfig
 from .params import KVCacheParams, KVCacheStrategy
+from .quantization import KVCacheQuantization
 from .sessions import SessionConfig
 from .tiers import HostTierConfig, RemoteTierConfig, TierConfig
 
@@ -26,6 +28,7 @@ __all__ = [
     "CacheGroupConfig",
     "HostTierConfig",
     "KVCacheParams",
+    "KVCacheQuantization",
     "KVCacheStrategy",
     "KVEventsConfig",
     "RemoteTierConfig",

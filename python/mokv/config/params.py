@@ -26,6 +26,12 @@ from .base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, STABLE_ALGORITHMS
 from .events import KVEventsConfig, check_endpoint
 from .flat import accepts_flat_spellings
 from .groups import CacheGroupConfig, check_groups
+from .quantization import (
+    QUANTIZED_DTYPES,
+    KVCacheQuantization,
+    check_format,
+    refuse_other_formats,
+)
 from .sessions import SessionConfig
 from .tiers import TierConfig
 
@@ -47,7 +53,8 @@ class KVCacheParams:
     """The shape of the cache, its prefix cache, and the tiers and events it turns on.
 
     Attributes:
-        dtype: element type of the cached keys and values.
+        dtype: element type of the cached keys and values: float32, bfloat16, float16,
+            or float8_e4m3fn with `quantization` (MAX's FP8 pages with per-block scales).
         n_kv_heads: key/value heads of the model (all devices together).
         head_dim: size of one head's key or value vector.
         page_size: tokens per page of the paged cache.
@@ -77,6 +84,9 @@ class KVCacheParams:
         groups: the model's cache groups, in graph-input order (`CacheGroupConfig`:
             full-attention and sliding-window layers, each group with its own pages;
             paged strategy); empty: one full-attention group of every layer.
+        quantization: the scales of quantized pages (`KVCacheQuantization`: float32
+            scales, one per token, head and 128 lanes), given with a float8_e4m3fn
+            `dtype` and only then; None: the pages hold their values as they are.
     """
 
     dtype: DType
@@ -93,14 +103,16 @@ class KVCacheParams:
     kv_events: KVEventsConfig | None = None
     sessions: SessionConfig | None = None
     groups: tuple[CacheGroupConfig, ...] = ()
+    quantization: KVCacheQuantization | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
             raise TypeError(f"dtype must be a max.dtype.DType, got {self.dtype!r}")
-        if self.dtype not in CACHE_DTYPES:
+        if self.dtype not in CACHE_DTYPES + QUANTIZED_DTYPES:
+            refuse_other_formats(self.dtype)
             raise ValueError(
                 f"dtype={self.dtype} is not a supported cache dtype; use one of "
-                f"{[d.name for d in CACHE_DTYPES]}"
+                f"{[d.name for d in CACHE_DTYPES + QUANTIZED_DTYPES]}"
             )
         for name in ("n_kv_heads", "head_dim", "page_size", "data_parallel_degree", "n_devices"):
             value = getattr(self, name)
@@ -108,6 +120,7 @@ class KVCacheParams:
             # and MAX's buffers refuse dims past 64 bits with an untyped error.
             if value.__class__ is not int or not 1 <= value < 2**32:
                 raise ValueError(f"{name} must be a positive int below 2**32, got {value!r}")
+        check_format(self.dtype, self.quantization, self.head_dim)
         # Accept the enum's string value too ("paged"), as configs often come from text.
         object.__setattr__(self, "cache_strategy", KVCacheStrategy(self.cache_strategy))
         if self.n_devices % self.data_parallel_degree:
@@ -182,12 +195,25 @@ class KVCacheParams:
         """KV heads stored on each device of a replica."""
         return self.n_kv_heads // self.tensor_parallel_degree
 
-    def bytes_per_token(self, num_layers: int) -> int:
-        """Bytes of K and V that one token occupies in one replica (all its devices).
+    @property
+    def scales_per_head(self) -> int:
+        """Scales of one token's head: `head_dim // granularity`; 0 for pages that are
+        not quantized."""
+        if self.quantization is None:
+            return 0
+        return self.quantization.scales_per_head(self.head_dim)
 
-        `2 (K and V) * num_layers * n_kv_heads * head_dim * dtype size`.
+    def bytes_per_token(self, num_layers: int) -> int:
+        """Bytes of K and V that one token occupies in one replica (all its devices),
+        its scales included (MAX's `bytes_per_block`, per token).
+
+        `2 (K and V) * num_layers * n_kv_heads * (head_dim * dtype size
+        + scales_per_head * scale dtype size)`.
         """
-        return 2 * num_layers * self.n_kv_heads * self.head_dim * self.dtype.size_in_bytes
+        head_bytes = self.head_dim * self.dtype.size_in_bytes
+        if self.quantization is not None:
+            head_bytes += self.scales_per_head * self.quantization.scale_dtype.size_in_bytes
+        return 2 * num_layers * self.n_kv_heads * head_bytes
 
     def bytes_per_page(self, num_layers: int) -> int:
         """Bytes of one page in one replica: `page_size * bytes_per_token(num_layers)`."""

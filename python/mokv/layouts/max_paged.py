@@ -233,7 +233,17 @@ def max_kv_params(
     """MAX 26.7's `KVCacheParams` of the same cache, for MAX's layers (`kv_params=`): a
     cache of groups (`params.groups`) is MAX's `MultiKVCacheParams` of one child per
     group, under the group's name, in order (a windowed child has its `window_size`)."""
-    from max.nn.kv_cache import MHAKVCacheParams, MultiKVCacheParams
+    from max.nn.kv_cache import KVCacheQuantizationConfig, MHAKVCacheParams, MultiKVCacheParams
+
+    quantization = params.quantization
+    quant_config = (
+        None
+        if quantization is None
+        else KVCacheQuantizationConfig(
+            scale_dtype=quantization.scale_dtype,
+            quantization_granularity=quantization.granularity,
+        )
+    )
 
     def leaf(p: KVCacheParams, layers: int, window: int | None) -> MHAKVCacheParams:
         return MHAKVCacheParams(
@@ -246,6 +256,7 @@ def max_kv_params(
             enable_prefix_caching=p.enable_prefix_caching,
             data_parallel_degree=p.data_parallel_degree,
             window_size=window,
+            kvcache_quant_config=quant_config,
         )
 
     if not params.groups:
