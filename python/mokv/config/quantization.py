@@ -13,8 +13,12 @@ e4m3fn's largest finite value), and read back as `q * s`. The scales use the val
 page ids, so one page id names both.
 
 What MAX's config allows beyond this is refused by name rather than stored differently:
-int8 values, float8_e4m3fnuz values, NVFP4 (`uint8` values with e4m3 scales), and
-float16 or float8_e8m0fnu scales.
+int8 values, float8_e4m3fnuz values, NVFP4 (`uint8` values with e4m3 scales),
+float16 or float8_e8m0fnu scales, and FP8 values without scales (MAX 26.7's Llama
+pipeline builds those for `--kv-cache-format float8_e4m3fn`: its `construct_kv_params`
+passes no `kvcache_quant_config`, and its `rope_split_store_ragged` refuses a scaled
+cache; MAX writes scaled FP8 pages only in its MLA paths, through
+`store_k_scale_cache_ragged`).
 """
 
 from __future__ import annotations
@@ -96,9 +100,12 @@ def check_format(dtype: DType, quantization: KVCacheQuantization | None, head_di
         )
     if dtype in QUANTIZED_DTYPES:
         if quantization is None:
+            # MAX also has unscaled FP8 pages (`kvcache_quant_config=None`: what its Llama
+            # pipeline builds for `--kv-cache-format float8_e4m3fn`); mokv stores the
+            # scaled format only.
             raise ValueError(
-                f"dtype={dtype} pages need their scales: pass "
-                "quantization=mokv.KVCacheQuantization()"
+                f"dtype={dtype} pages need their scales (unscaled FP8 pages are not "
+                "stored): pass quantization=mokv.KVCacheQuantization()"
             )
         quantization.scales_per_head(head_dim)
     elif quantization is not None:
