@@ -203,6 +203,17 @@ class KVCacheParams:
             return 0
         return self.quantization.scales_per_head(self.head_dim)
 
+    @property
+    def page_format(self) -> str:
+        """The format a page's hash is keyed by (`mokv.cache.hashing`, "Formats"): for
+        quantized pages "dtype:scale dtype:granularity" (MAX's dKV layout tag, e.g.
+        "float8_e4m3fn:float32:128"); "" for unquantized pages, whose hashes predate
+        formats."""
+        q = self.quantization
+        if q is None:
+            return ""
+        return f"{self.dtype.name}:{q.scale_dtype.name}:{q.granularity}"
+
     def bytes_per_token(self, num_layers: int) -> int:
         """Bytes of K and V that one token occupies in one replica (all its devices),
         its scales included (MAX's `bytes_per_block`, per token).

@@ -84,8 +84,9 @@ def refuse_other_formats(dtype: DType) -> None:
     (`REFUSED_QUANTIZED_DTYPES`); nothing for any other dtype."""
     if dtype in REFUSED_QUANTIZED_DTYPES:
         raise ValueError(
-            f"dtype={dtype}: mokv does not store {REFUSED_QUANTIZED_DTYPES[dtype]}; "
-            f"quantized pages are {[d.name for d in QUANTIZED_DTYPES]}"
+            f"dtype={dtype} is not a supported cache dtype: mokv does not store "
+            f"{REFUSED_QUANTIZED_DTYPES[dtype]}; quantized pages are "
+            f"{[d.name for d in QUANTIZED_DTYPES]}"
         )
 
 
