@@ -58,14 +58,15 @@ class KVCacheQuantization:
     granularity: int = 128
 
     def __post_init__(self) -> None:
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise ValueError(
-                f"KVCacheQuantization.scale_dtype={self.scale_dtype!r} is not stored by "
-                f"mokv; use one of {[d.name for d in SCALE_DTYPES]}"
-            )
         if self.granularity.__class__ is not int or self.granularity < 1:
             raise ValueError(
                 f"KVCacheQuantization.granularity must be a positive int, got {self.granularity!r}"
+            )
+        if self.scale_dtype not in SCALE_DTYPES:
+            stored = [d.name for d in SCALE_DTYPES]
+            raise ValueError(
+                f"KVCacheQuantization.scale_dtype={self.scale_dtype!r} is not stored by "
+                f"mokv; use one of {stored}"
             )
 
     def scales_per_head(self, head_dim: int) -> int:
