@@ -5,7 +5,8 @@
 #   make test   installs mokv and its test tools into .venv (and, as root on Debian, the
 #               redis-server package that tests/remote/ starts) and runs every test
 #               (PYTEST_ARGS="--cpu-target znver3": every CPU kernel compiled for AVX2)
-#   make test-remote  only the shared-tier tests (each starts its own redis-server)
+#   make test-remote  only the shared-tier tests (each starts its own redis-server, or a
+#               Redis Cluster of six; make test runs them too)
 #   make test-consumers  installs vLLM's event classes and NVIDIA Dynamo's KV indexer (CPU
 #               builds) and runs tests/consumers/: routers others wrote read mokv's events
 #   make test-virtual-gpu  MAX's own layers on a mokv cache, compiled for a virtual sm_90
@@ -50,7 +51,8 @@ test: $(VENV)/.installed redis-server
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-remote: $(VENV)/.installed redis-server
-	$(PY) -m pytest -q tests/remote tests/tiers/test_remote.py
+	$(PY) -m pytest -q tests/remote tests/tiers/test_remote.py tests/tiers/test_remote_cluster.py \
+	  tests/events/test_shared_presence.py
 
 # Routers that others wrote, fed mokv's events (tests/consumers/, pytest marker
 # `consumers`): vllm's kv_events classes need torch (the CPU build, pinned: a plain `torch`

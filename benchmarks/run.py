@@ -1,7 +1,8 @@
 """Runs the whole mokv benchmark suite and writes JSON, PNG plots and a markdown summary.
 
     python benchmarks/run.py [--quick] [--portable] [--out DIR]
-                             [--parts hashing,events,managers,groups,attention,qkv,compile,serving]
+                             [--parts hashing,events,managers,groups,attention,qkv,compile,serving,
+                                      remote,cache_control]
 
 Parts (each module's docstring says what it measures and why):
   hashing    bench_hashing.py   prefix-hash throughput per algorithm, beside MAX's
@@ -21,6 +22,13 @@ Parts (each module's docstring says what it measures and why):
   compile    bench_compile.py   cold and warm build+load of a graph with mokv's kernels
   serving    bench_serving.py   an agent trace over HTTP: `mokv serve` (plain, sessions,
                                 host tier) beside `max serve`: TTFT, tokens/s, cached share
+  remote     bench_remote.py    the shared tier on loopback: pages/s and GB/s stored and
+                                loaded through one Redis and a Redis Cluster (its own
+                                redis-servers), beside redis-py alone and a memory copy;
+                                prefill saved by a warm restart on the agent trace
+  cache_control  bench_cache_control.py  an agent pausing up to an hour beside a batch job
+                                (fake clock): the agent's hit rate and TTFT with pins and
+                                read-only writes vs LRU, sessions and MAX's manager
 
 --cpu-target NAME compiles every CPU kernel of the run, MAX's and mokv's, for the LLVM CPU NAME
 (MAX's `max.driver.set_virtual_cpu_target`) and runs it on this host: `--cpu-target znver3` on an
@@ -48,18 +56,21 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_attention  # noqa: E402
+import bench_cache_control  # noqa: E402
 import bench_compile  # noqa: E402
 import bench_events  # noqa: E402
 import bench_groups  # noqa: E402
 import bench_hashing  # noqa: E402
 import bench_managers  # noqa: E402
 import bench_qkv  # noqa: E402
+import bench_remote  # noqa: E402
 import bench_serving  # noqa: E402
 import plots  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
-PARTS = ("hashing", "events", "managers", "groups", "attention", "qkv", "compile", "serving")
+PARTS = ("hashing", "events", "managers", "groups", "attention", "qkv", "compile", "serving", "remote",
+         "cache_control")
 SHARE = ("share of the two-thread read: median over seven rounds, each a probe read then "
          "the kernel's calls with the three sides taking turns, of kernel GB/s / probe GB/s")
 
@@ -82,6 +93,8 @@ def _plan(parts: list[str], quick: bool, portable: bool) -> int:
              "qkv": len(bench_qkv.tokens(quick)),
              "compile": bench_compile.plan_size(quick), "serving": len(bench_serving.SERVERS),
              "groups": 3,
+             "remote": bench_remote.plan_size(quick),
+             "cache_control": len(bench_cache_control.RUNS),
              "managers": 2 * len(bench_managers.MANAGERS) * s["repeats"] + len(s["batch_sizes"])
              + len(s["budgets"]) + 1 + 5}
     return sum(sizes[p] for p in parts)
@@ -144,6 +157,12 @@ def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dic
         if "serving" in parts:
             results["serving"] = part("serving", "agent trace over HTTP (servers)",
                                       lambda: bench_serving.run(quick, tick))
+        if "remote" in parts:
+            results["remote"] = part("remote", "shared tier (redis-servers)",
+                                     lambda: bench_remote.run(quick, tick))
+        if "cache_control" in parts:
+            results["cache_control"] = part("cache_control", "pins and write policies",
+                                            lambda: bench_cache_control.run(quick, tick))
         bar.update(task, description="done")
     results["machine"]["loadavg_end"] = os.getloadavg()
     out.mkdir(parents=True, exist_ok=True)
@@ -233,6 +252,10 @@ def summary(r: dict) -> str:
         lines += bench_groups.table(r["groups"])
     if r.get("serving", {}).get("servers"):
         lines += bench_serving.table(r["serving"])
+    if r.get("remote", {}).get("layouts"):
+        lines += bench_remote.table(r["remote"])
+    if r.get("cache_control", {}).get("runs"):
+        lines += bench_cache_control.table(r["cache_control"])
     sweep = r.get("managers", {}).get("batch_sweep", {})
     if isinstance(sweep, dict) and "error" not in sweep and sweep:
         names = list(sweep)

@@ -25,6 +25,7 @@ SHAPE = dict(dtype=DType.float32, n_kv_heads=2, head_dim=8, page_size=4,
              enable_prefix_caching=True)
 SECRETS = {"RemoteTierConfig.url", "RemoteTierConfig.mac_key"}
 _ports = itertools.count(23000)
+PIN = mokv.CacheControl(pin_ttl_s=60)
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +60,19 @@ def _set_later(field: str, value: object) -> mokv.TextContext:
     return ctx
 
 
+def _pin_and_route(index: object) -> None:
+    """What an accepted router clock must allow: a pin noted, then a routing decision."""
+    assert isinstance(index, PrefixRouterIndex)
+    index.note_pin(("a", 0), np.arange(9), 60)
+    index.best(np.arange(9))
+
+
 FIELDS: list[tuple[str, Callable[[object], object], Callable[[object, object], None] | None]] = [
     *[(f"KVCacheParams.{f}", lambda v, f=f: mokv.KVCacheParams(**{**SHAPE, f: v}),
        lambda p, s: _serve(p, s))
       for f in ("dtype", "n_kv_heads", "head_dim", "page_size", "cache_strategy",
                 "enable_prefix_caching", "prefix_hash", "prefix_hash_seed", "tiers",
-                "kv_events", "sessions")],
+                "kv_events", "sessions", "pins")],
     *[(f"HostTierConfig.{f}",
        lambda v, f=f: mokv.HostTierConfig(**{"swap_space_gb": 0.001, f: v}),
        lambda t, s: _serve(mokv.KVCacheParams(**SHAPE, tiers=(t,)), s))
@@ -72,6 +80,16 @@ FIELDS: list[tuple[str, Callable[[object], object], Callable[[object, object], N
     *[(f"SessionConfig.{f}", lambda v, f=f: mokv.SessionConfig(**{f: v}),
        lambda c, s: _serve(mokv.KVCacheParams(**SHAPE, sessions=c), s))
       for f in ("ttl_s", "max_share", "clock")],
+    *[(f"PinConfig.{f}", lambda v, f=f: mokv.PinConfig(**{f: v}),
+       lambda c, s: _serve(mokv.KVCacheParams(**SHAPE, pins=c), s,
+                           mokv.TextContext(np.arange(9), cache_control=PIN)))
+      for f in ("max_share", "clock")],
+    *[(f"CacheControl.{f}",
+       lambda v, f=f: mokv.CacheControl(**{**({"write": "prefix"} if f == "write_limit_tokens"
+                                             else {}), f: v}),
+       lambda c, s: _serve(mokv.KVCacheParams(**SHAPE, pins=mokv.PinConfig()), s,
+                           mokv.TextContext(np.arange(9), cache_control=c)))
+      for f in ("pin_ttl_s", "pin_tokens", "write", "write_limit_tokens")],
     *[(f"KVEventsConfig.{f}", lambda v, f=f: _events(**{f: v}),
        lambda c, s: _serve(mokv.KVCacheParams(**SHAPE, kv_events=c), s))
       for f in ("endpoint", "replay_endpoint", "buffer_steps", "hwm", "max_queue_size",
@@ -84,11 +102,11 @@ FIELDS: list[tuple[str, Callable[[object], object], Callable[[object, object], N
        lambda v, f=f: mokv.TextContext(np.arange(9), **{"lora_name": "adapter", f: v}),
        lambda c, s: _serve(mokv.KVCacheParams(**SHAPE), s, c))
       for f in ("request_id", "max_length", "cache_salt", "lora_name", "lora_id",
-                "mm_inputs", "session_id")],
+                "mm_inputs", "session_id", "cache_control")],
     *[(f"TextContext.{f} (set later)", lambda v, f=f: _set_later(f, v),
        lambda c, s: _serve(mokv.KVCacheParams(**SHAPE), s, c))
       for f in ("max_length", "cache_salt", "lora_name", "lora_id", "mm_inputs",
-                "session_id")],
+                "session_id", "cache_control")],
     *[(f"MultimodalInput.{f}",
        lambda v, f=f: mokv.MultimodalInput(**{"identifier": "i", "offset": 0, "length": 4,
                                               f: v}), None)
@@ -97,6 +115,8 @@ FIELDS: list[tuple[str, Callable[[object], object], Callable[[object, object], N
        lambda r, s: r.match(np.arange(9)))
       for f in ("page_size", "prefix_hash", "prefix_hash_seed", "host_weight",
                 "shared_weight")],
+    ("PrefixRouterIndex.clock", lambda v: PrefixRouterIndex(page_size=4, clock=v),  # type: ignore[arg-type]
+     lambda r, s: _pin_and_route(r)),
 ]
 
 

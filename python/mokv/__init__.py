@@ -15,12 +15,14 @@ The layers, top to bottom:
 
 from .compiler_output import filter_collection_warnings
 from .config import (
+    CacheControl,
     CacheGroupConfig,
     HostTierConfig,
     KVCacheParams,
     KVCacheQuantization,
     KVCacheStrategy,
     KVEventsConfig,
+    PinConfig,
     RemoteTierConfig,
     SessionConfig,
 )
@@ -55,11 +57,13 @@ from .managers.continuous import ContinuousKVCacheManager
 from .managers.loader import load_kv_manager
 from .managers.mojo_continuous import MojoContinuousBatchingKVCacheManager
 from .managers.null import NullKVCacheManager
-from .managers.paged import PagedKVCacheManager
+from .managers.paged import PagedKVCacheManager, PinGrant
 from .managers.sequences import ContinuousBatchingKVCacheManager
-from .metrics import KVCacheMetrics, SessionMetrics, TierMetrics
+from .metrics import CacheControlMetrics, KVCacheMetrics, SessionMetrics, TierMetrics
 
 __all__ = [
+    "CacheControl",
+    "CacheControlMetrics",
     "CONTINUOUS",
     "PAGED",
     "AlreadyClaimedError",
@@ -88,6 +92,8 @@ __all__ = [
     "MultimodalInput",
     "NullKVCacheManager",
     "PagedKVCacheManager",
+    "PinConfig",
+    "PinGrant",
     "RaggedKVCacheInputs",
     "RemoteTierConfig",
     "RequestID",

@@ -18,9 +18,10 @@ tokens fold into the prompt and will be recomputed (or found in the prefix cache
 
 Besides its tokens, a request may carry what else keys its prefix-cache pages (the
 typed extra keys of `mokv.cache.extra_keys`: its cache salt, LoRA adapter and images)
-and the agent session it belongs to (`session_id`, see `mokv.SessionConfig`). A manager
-reads them with `getattr`, so a context without them is an unsalted, adapter-free,
-text-only request of no session.
+the agent session it belongs to (`session_id`, see `mokv.SessionConfig`) and what it
+asks of the cache (`cache_control`, a `mokv.CacheControl`: a pin, a write policy). A
+manager reads them with `getattr`, so a context without them is an unsalted,
+adapter-free, text-only request of no session that writes every page.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from operator import attrgetter
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+from .config.cache_control import CacheControl
 
 
 class RequestID(str):
@@ -178,6 +181,13 @@ def check_name(name: str, value: object) -> str | None:
     return value
 
 
+def check_cache_control(value: object) -> CacheControl | None:
+    """`value` as a context's `cache_control`: a `mokv.CacheControl` or None."""
+    if value is not None and not isinstance(value, CacheControl):
+        raise TypeError(f"cache_control must be a mokv.CacheControl or None, got {value!r}")
+    return value
+
+
 def check_lora_id(value: object, lora_name: str | None) -> int | None:
     """`value` as a context's `lora_id`: an int >= 0 (bool excluded) or None, and only
     with a `lora_name` (the name keys the pages, the id is only published)."""
@@ -249,9 +259,11 @@ class TextContext:
         session_id: the agent or chat session the request belongs to: with
             `KVCacheParams.sessions` set, its pages stay retained after `release`
             until the session ends (`mokv.SessionConfig`).
+        cache_control: a pin of the request's prefix at its release, and what it may
+            write into the cache (`mokv.CacheControl`); None: no pin, every page.
 
     `max_length` and the keys (`cache_salt`, `lora_name`, `lora_id`, `mm_inputs`,
-    `session_id`) may be set later; each is checked when set, as here (TypeError /
+    `session_id`, `cache_control`) may be set later; each is checked when set, as here (TypeError /
     ValueError naming the value, the context unchanged).
     """
 
@@ -268,6 +280,7 @@ class TextContext:
         "_lora_id",
         "_mm_inputs",
         "_session_id",
+        "_cache_control",
     )
 
     def __init__(
@@ -280,9 +293,11 @@ class TextContext:
         lora_id: int | None = None,
         mm_inputs: Sequence[MultimodalInput] = (),
         session_id: str | None = None,
+        cache_control: CacheControl | None = None,
     ) -> None:
         # Every field is checked before any is set: a bad one leaves no half-built context.
         check_cache_salt(cache_salt)
+        check_cache_control(cache_control)
         check_name("lora_name", lora_name)
         check_name("session_id", session_id)
         check_lora_id(lora_id, lora_name)
@@ -297,6 +312,7 @@ class TextContext:
         # The keys, checked above (the setters would check them again).
         self._max_length, self._cache_salt, self._lora_name = max_length, cache_salt, lora_name
         self._lora_id, self._mm_inputs, self._session_id = lora_id, images, session_id
+        self._cache_control = cache_control
 
     # The fields a server may set after construction are checked when set, as when given
     # to `__init__`: a salt of `0` or an image span past the prompt is refused there, not
@@ -326,8 +342,16 @@ class TextContext:
     def _set_session_id(self, value: str | None) -> None:
         self._session_id = check_name("session_id", value)
 
+    def _set_cache_control(self, value: CacheControl | None) -> None:
+        self._cache_control = check_cache_control(value)
+
     max_length = property(
         attrgetter("_max_length"), _set_max_length, doc="Cap on `end_idx`, or None."
+    )
+    cache_control = property(
+        attrgetter("_cache_control"),
+        _set_cache_control,
+        doc="What the request asks of the cache (`mokv.CacheControl`), or None.",
     )
     cache_salt = property(
         attrgetter("_cache_salt"),

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field
+from typing import Any, TypeVar
+
+_S = TypeVar("_S", bound="Summed")
+
+
+class Summed:
+    """Counters (a dataclass of numbers) that two replicas' add up field by field."""
+
+    def __add__(self: _S, other: _S) -> _S:
+        values = zip(astuple(self), astuple(other))  # type: ignore[call-overload]
+        summed: Any = type(self)
+        return summed(*(a + b for a, b in values))
 
 
 @dataclass
-class TierMetrics:
+class TierMetrics(Summed):
     """One cache tier's counters, all replicas together (see `mokv.tiers`).
 
     Attributes:
@@ -33,13 +45,9 @@ class TierMetrics:
     kept_pages: int = 0
     evicted_retained_pages: int = 0
 
-    def __add__(self, other: TierMetrics) -> TierMetrics:
-        """Field by field: the counters of two replicas' tiers together."""
-        return TierMetrics(*(a + b for a, b in zip(astuple(self), astuple(other))))
-
 
 @dataclass
-class SessionMetrics:
+class SessionMetrics(Summed):
     """The sessions' counters, all replicas together (`mokv.SessionConfig`).
 
     Attributes:
@@ -74,15 +82,41 @@ class SessionMetrics:
     expired: int = 0
     dropped: int = 0
 
-    def __add__(self, other: SessionMetrics) -> SessionMetrics:
-        """Field by field: two replicas' sessions together."""
-        return SessionMetrics(*(a + b for a, b in zip(astuple(self), astuple(other))))
-
     @property
     def turn_hit_rate(self) -> float:
         """`turn_cache_tokens / turn_prompt_tokens`: how much of a session's next turn the
         cache supplied (0.0 before any turn)."""
         return self.turn_cache_tokens / self.turn_prompt_tokens if self.turn_prompt_tokens else 0.0
+
+
+@dataclass
+class CacheControlMetrics(Summed):
+    """Pins and write policies, all replicas together (`mokv.CacheControl`).
+
+    Attributes:
+        pins: live pins.
+        pinned_pages: distinct page hashes live pins hold (what `PinConfig.max_share`
+            bounds), wherever their pages are.
+        pinned_device_pages: device pages without an owner that pins hold.
+        granted: pins asked for and granted, whole or in part (a refresh included).
+        partial: of `granted`, those the budget cut short.
+        refused: pins asked for that the budget left no page (nothing pinned).
+        refreshed: times a hit on a whole pinned prefix renewed its time to live.
+        expired: pins ended by their time to live.
+        spilled_pages: pinned pages that left the device for the host tier holding them.
+        withheld_pages: full pages a request's write policy kept out of the cache.
+    """
+
+    pins: int = 0
+    pinned_pages: int = 0
+    pinned_device_pages: int = 0
+    granted: int = 0
+    partial: int = 0
+    refused: int = 0
+    refreshed: int = 0
+    expired: int = 0
+    spilled_pages: int = 0
+    withheld_pages: int = 0
 
 
 _NO_TIER = TierMetrics()
@@ -112,6 +146,7 @@ class KVCacheMetrics:
         tiers: the lower tiers' counters by tier name ("host", "remote"), in lookup
             order; empty without tiers. The `host_*` and `remote_*` properties read them.
         sessions: the sessions' counters (all zero without `KVCacheParams.sessions`).
+        cache_control: pins' and write policies' counters (`mokv.CacheControl`).
     """
 
     input_tokens: int = 0
@@ -120,6 +155,7 @@ class KVCacheMetrics:
     free_pages: int = 0
     tiers: dict[str, TierMetrics] = field(default_factory=dict)
     sessions: SessionMetrics = field(default_factory=SessionMetrics)
+    cache_control: CacheControlMetrics = field(default_factory=CacheControlMetrics)
 
     @property
     def prompt_tokens(self) -> int:

@@ -33,7 +33,7 @@ rollback is not covered.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 R = TypeVar("R")
@@ -101,3 +101,14 @@ class UndoLog:
     def commit(self) -> None:
         """Forgets every record: what was done so far stands, whatever happens next."""
         self._steps.clear()
+
+
+def values_of(owner: Any, names: Sequence[str]) -> tuple[Any, ...]:
+    """The values of `owner`'s attributes `names` (a record's old values: `set_values`)."""
+    return tuple(getattr(owner, name) for name in names)
+
+
+def set_values(owner: Any, names: Sequence[str], values: Sequence[Any]) -> None:
+    """Sets `owner`'s attributes `names` to `values` (from `values_of`)."""
+    for name, value in zip(names, values):
+        setattr(owner, name, value)

@@ -124,3 +124,32 @@ def test_router_prefers_the_replica_holding_the_prefix_on_its_device(session):
         assert index.hashes(("srv", r), "host") == host_pool.indexed_hashes()
     subscriber.close()
     m.close()
+
+
+def test_the_router_prefers_a_replica_holding_a_live_pin():
+    class Clock:
+        now = 100.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    index = PrefixRouterIndex(page_size=4, clock=clock)
+    a, b = ("a", 0), ("b", 0)
+    index.apply(a, batch(stored(H, "GPU")))  # a holds all four pages on its device
+    index.apply(b, batch(stored(H[:2], "GPU"), stored(H, "CPU")))  # b: two, then host
+    assert index.best(TOKENS) == (a, 4.0)
+    index.note_pin(b, TOKENS, ttl_s=60)  # the router sent b a request pinning the prompt
+    assert index.pinned_pages(index.page_hashes(TOKENS)) == {b: 4}
+    assert index.best(TOKENS) == (b, 3.5)  # b keeps the prefix until its pin ends
+    index.note_pin(a, TOKENS, ttl_s=30, num_tokens=9)  # two pages pinned on a
+    assert index.pinned_pages(index.page_hashes(TOKENS)) == {a: 2, b: 4} and index.best(TOKENS)[0] == b
+    clock.now = 159.999
+    assert index.best(TOKENS)[0] == b
+    clock.now = 160.0  # b's deadline exactly (a's ended at 130): events decide again
+    assert index.pinned_pages(index.page_hashes(TOKENS)) == {} and index.best(TOKENS) == (a, 4.0)
+    index.note_pin(b, TOKENS, ttl_s=5)
+    index.apply(b, batch(AllBlocksCleared()))  # the server's reset ends its pins
+    assert index.pinned_pages(index.page_hashes(TOKENS)) == {}
+    with pytest.raises(ValueError, match="ttl_s"):
+        index.note_pin(a, TOKENS, ttl_s=0)

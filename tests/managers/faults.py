@@ -111,12 +111,19 @@ def recorded(publisher: EventPublisher) -> tuple:
 
 def session_state(replica) -> tuple:
     """The replica's open sessions (each one's chain, running requests and deadline), the
-    hashes they retain, and what its pool retains and keeps (empty without sessions)."""
-    table = replica.sessions
-    if table is None:
-        return ()
-    return (tuple((sid, s.chain, s.running, s.deadline) for sid, s in table.sessions.items()),
-            table.retained_hashes, replica.pool.retained_hashes, replica.pool.num_kept)
+    hashes they retain, and what its pool retains and keeps (empty without sessions);
+    then its pins and what its pool and host tier pin (nothing without pins)."""
+    table, pins = replica.sessions, replica.pins
+    state: tuple = ()
+    if table is not None:
+        state = (tuple((sid, s.chain, s.running, s.deadline) for sid, s in table.sessions.items()),
+                 table.retained_hashes, replica.pool.retained_hashes, replica.pool.num_kept)
+    if pins is not None:  # and the pins: each one's chain, deadline and ttl, where pinned
+        host = replica.tiers.named("host")
+        state += (tuple(sorted((k, p.chain, p.deadline, p.ttl_s) for k, p in pins.pins.items())),
+                  pins.pinned_hashes, replica.pool.pinned_hashes, replica.pool.num_pinned,
+                  host.pinned_prefixes if host is not None else None)
+    return state
 
 
 def tier_state(tier) -> tuple:

@@ -20,6 +20,7 @@ from mokv.events.publisher import _REMOVED, EventPublisher, EventRecorder, Mediu
 from mokv.managers.paged import commit, prefix, replica
 from mokv.managers.paged.groups import FullAttentionGroup, JointGroups, SlidingWindowGroup
 from mokv.managers.paged.inputs import PageTable
+from mokv.managers.paged.pins import PinTable
 from mokv.managers.paged.prefix import PrefixChains
 from mokv.managers.paged.replica import PagedReplica
 from mokv.managers.paged.sessions import SessionTable
@@ -151,7 +152,26 @@ class SessionWorld(EventsMixin, HostWorld):
                     sessions=mokv.SessionConfig(ttl_s=10.0, max_share=0.25, clock=self.clock))
 
 
-def _expire(w: SessionWorld) -> None:
+class PinWorld(EventsMixin, HostWorld):
+    """Pins over the host tier's 6 device and 10 host pages (a budget of 3 pages), with
+    events: A pins its two pages at release (read-only B hits them, renewing the pin), C
+    evicts every unpinned device page and spills the pinned ones to the host tier, then
+    `pin` of B (partly: the budget), and the clock ends the pins."""
+
+    def __init__(self, session):
+        self.clock = Clock()
+        super().__init__(session)
+        self.A.cache_control = mokv.CacheControl(pin_ttl_s=10.0)
+        self.B.cache_control = mokv.CacheControl(write="read_only")
+        self.D = TextContext(np.arange(40, 53), request_id="D")
+        self.E = TextContext([1, 2, 3, 4, 5, 6, 7, 8, 5], request_id="E")
+        self.contexts += [self.D, self.E]
+
+    def options(self) -> dict:
+        return dict(super().options(), pins=mokv.PinConfig(max_share=0.5, clock=self.clock))
+
+
+def _expire(w: SessionWorld | PinWorld) -> None:
     w.clock.now += 11.0
 
 
@@ -233,6 +253,30 @@ SESSION_SCENARIO = [
     (None, lambda w: w.m.reset_prefix_cache()),
 ]
 
+PIN_SCENARIO = [
+    (None, lambda w: w.m.external_claim(w.A.request_id)),
+    (None, lambda w: w.m.fetch([w.A])),
+    (lambda w: w.A.update(11), lambda w: _step(w, [w.A])),
+    (None, lambda w: w.m.release(w.A.request_id)),  # pins A's two pages
+    (None, lambda w: w.m.external_claim(w.B.request_id)),
+    (None, lambda w: w.m.fetch([w.B])),  # hits the whole pin: renewed
+    (lambda w: w.B.update(12), lambda w: _step(w, [w.B])),  # read-only: commits nothing
+    (None, lambda w: w.m.release(w.B.request_id)),
+    (None, lambda w: w.m.external_claim(w.C.request_id)),
+    (None, lambda w: w.m.fetch([w.C])),  # six pages: the pinned ones spill to the host
+    (lambda w: w.C.update(13), lambda w: _step(w, [w.C])),
+    (None, lambda w: w.m.release(w.C.request_id)),
+    (None, lambda w: w.m.external_claim(w.D.request_id)),
+    (None, lambda w: w.m.fetch([w.D])),
+    (lambda w: w.D.update(14), lambda w: _step(w, [w.D])),
+    (None, lambda w: w.m.pin(w.D.request_id, 5.0)),  # three pages, one left in the budget
+    (None, lambda w: w.m.release(w.D.request_id)),
+    (_expire, lambda w: w.m.external_claim(w.E.request_id)),
+    (None, lambda w: w.m.maybe_reserve(w.E)),  # ends both pins
+    (None, lambda w: w.m.release(w.E.request_id)),
+    (None, lambda w: w.m.reset_prefix_cache()),
+]
+
 SCENARIOS = {
     "device": (World, SCENARIO),
     "host": (HostWorld, HOST_SCENARIO),
@@ -240,6 +284,7 @@ SCENARIOS = {
     "host-events": (HostEventsWorld, HOST_SCENARIO),
     "sessions": (SessionWorld, SESSION_SCENARIO),
     "groups": (GroupWorld, SCENARIO),
+    "pins": (PinWorld, PIN_SCENARIO),
 }
 
 
@@ -271,11 +316,16 @@ def _fault_targets():
         (HostPagePool, "unretain"), (prefix, "hash_inputs"), (prefix, "page_keys"),
         (commit, "request_keys"), (replica, "request_keys"), (SessionTable, "plan_release"),
         (SessionTable, "plan_end"), (SessionTable, "plan_expiry"), (SessionTable, "apply"),
-        (SessionTable, "start_requests"), (SessionTable, "clear"),
         (PagedReplica, "slide"), (JointGroups, "hit"), (JointGroups, "fits"),
         (JointGroups, "take"), (JointGroups, "commit_pages"), (JointGroups, "release"),
         (JointGroups, "runtime_inputs"), (JointGroups, "check_window"),
         (SlidingWindowGroup, "slide"), (FullAttentionGroup, "write_row"), (PageTable, "pad"),
+        (SessionTable, "start_requests"), (SessionTable, "clear"), (PinTable, "plan_pin"),
+        (PinTable, "plan_expiry"), (PinTable, "apply"), (PinTable, "refresh"),
+        (PinTable, "clear"), (PagePool, "pin"), (PagePool, "unpin"),
+        (PagePool, "note_spillable"), (TierStack, "pin_prefixes"),
+        (TierStack, "unpin_prefixes"), (HostTier, "pin_prefixes"),
+        (HostTier, "unpin_prefixes"),
     ]
 
 
@@ -552,3 +602,22 @@ def test_text_context_rejects_what_it_would_mangle():
     ctx = TextContext([1])
     with pytest.raises(ValueError, match="new_token"):
         ctx.update(-3)
+
+
+def test_pin_scenario_runs_clean_and_keeps_the_pin(session):
+    w = PinWorld(session)
+    pins, pool = w.m.replicas[0].pins, w.m.replicas[0].pool
+    _run(w, PIN_SCENARIO[:6])
+    assert w.B.start_idx == 8 and next(iter(pins.pins.values())).deadline == 10.0
+    _run(w, PIN_SCENARIO[6:12])
+    assert pool.num_pinned == 0 and len(pins.pinned_hashes) == 2  # spilled, still pinned
+    assert w.m.metrics.cache_control.spilled_pages == 2
+    _run(w, PIN_SCENARIO[12:16])
+    assert len(pins.pinned_hashes) == 3 and len(pins.pins) == 2  # D got one page of three
+    _run(w, PIN_SCENARIO[16:19])
+    assert w.E.start_idx == 8 and not pins.pins  # found in the host tier after the pins
+    c = w.m.metrics.cache_control
+    assert (c.granted, c.partial, c.refreshed, c.expired, c.withheld_pages) == (2, 1, 1, 2, 0)
+    _run(w, PIN_SCENARIO[19:])
+    _release_all_and_check(w)
+    w.close()

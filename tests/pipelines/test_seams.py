@@ -1,4 +1,4 @@
-"""The three places where mokv reaches into MAX 26.7 without a public seam
+"""The four places where mokv reaches into MAX 26.7 without a public seam
 (`mokv.pipelines.seams`): if a MAX release moves one, this fails naming it."""
 
 from __future__ import annotations
@@ -92,3 +92,25 @@ def test_prompts_outside_the_vocabulary_are_refused_before_the_model_worker():
     for bad in ([1, 256], [300, 1]):
         with pytest.raises(InputError, match=f"token id {max(bad)}, outside"):
             asyncio.run(checked.new_context(bad))
+
+
+def test_the_responses_mokv_installs_are_the_ones_max_s_routes_build(monkeypatch):
+    from mokv.pipelines.cache_control import with_cache_usage
+
+    routes = importlib.import_module(seams.ROUTES_MODULE)
+    originals = {name: getattr(routes, name) for name in seams.RESPONSE_NAMES}
+    monkeypatch.setattr(routes, seams.RESPONSE_NAMES[0], dict)
+    with pytest.raises(MaxSeamError, match=seams.RESPONSE_NAMES[0]):
+        check_seams()
+    monkeypatch.undo()
+    try:
+        seams.install_usage(with_cache_usage)
+        installed = {name: getattr(routes, name) for name in seams.RESPONSE_NAMES}
+        for name, model in installed.items():
+            assert issubclass(model, originals[name]) and model is not originals[name]
+        seams.install_usage(with_cache_usage)  # once only
+        assert {name: getattr(routes, name) for name in seams.RESPONSE_NAMES} == installed
+        check_seams()
+    finally:
+        for name, model in originals.items():
+            setattr(routes, name, model)

@@ -2,8 +2,8 @@
 same checkpoint and flags (MAX's tiny random-weight Llama on the CPU, float32).
 
 Both servers start once for the module (the model compiles once per machine: minutes
-cold, ~30 s warm). The mokv server runs with a host tier, KV-cache events and sessions
-from `--mokv-config`; the traces compared with MAX's server stay within the device pages,
+cold, ~30 s warm). The mokv server runs with a host tier, KV-cache events, sessions and
+pins from `--mokv-config`; the traces compared with MAX's server stay within the device pages,
 where the host tier does not change what a request finds. Prompts are token ids: both
 servers see the same ids whatever the tokenizer does with text.
 """
@@ -60,6 +60,7 @@ def mokv_server(model, tmp_path_factory, events_port):
                 "host_tier": {"swap_space_gb": 0.05},
                 "kv_events": {"endpoint": f"tcp://127.0.0.1:{events_port}"},
                 "sessions": {"ttl_s": 600},
+                "pins": {"max_share": 0.5},
             }
         )
     )
@@ -233,3 +234,43 @@ def test_a_bad_request_gets_an_http_error_and_the_server_keeps_serving(mokv_serv
             complete(mokv_server, bad)
         assert 400 <= error.value.status_code < 500
     assert complete(mokv_server, SYSTEM + [1, 2])[0]
+
+
+def test_cache_control_pins_write_policies_and_usage(mokv_server):
+    """Anthropic's cache_control and a write policy ride in dkv_cache_hint on a token-id
+    completion; usage reports cache_read_input_tokens / cache_creation_input_tokens.
+    Last in the module: its pin holds device pages until the reset at its end."""
+    import urllib.request
+
+    model = str(mokv_server.command[mokv_server.command.index("--model") + 1])
+
+    def usage(prompt, stream=False, **hint):
+        kwargs = dict(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                      extra_body={"dkv_cache_hint": hint} if hint else None)
+        if not stream:
+            return client(mokv_server).completions.create(**kwargs).usage
+        chunks = client(mokv_server).completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True})
+        return [chunk.usage for chunk in chunks if chunk.usage is not None][-1]
+
+    def counters(u):
+        return (u.prompt_tokens_details.cached_tokens, u.cache_read_input_tokens,
+                u.cache_creation_input_tokens)
+
+    rng = np.random.default_rng(21)
+    pinned, read_only, prefix = ([int(t) for t in rng.integers(3, 256, 300)] for _ in range(3))
+    pin = {"cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    assert counters(usage(pinned, **pin)) == (0, 0, 2 * PAGE)
+    assert counters(usage(pinned + [7], stream=True)) == (2 * PAGE, 2 * PAGE, 0)
+    # read-only: it writes nothing, on the device or in the host tier
+    assert counters(usage(read_only, write_policy="read_only")) == (0, 0, 0)
+    assert counters(usage(read_only)) == (0, 0, 2 * PAGE)
+    assert counters(usage(prefix, write_policy={"prefix_tokens": PAGE})) == (0, 0, PAGE)
+    assert counters(usage(prefix)) == (PAGE, PAGE, PAGE)
+    for bad in ({"cache_control": {"type": "ephemeral", "ttl": "2h"}},
+                {"cache_control": {"type": "persistent"}}, {"write_policy": "some"}):
+        with pytest.raises(openai.BadRequestError, match=next(iter(bad))):
+            usage(pinned, **bad)
+    request = urllib.request.Request(f"{mokv_server.url}/reset_prefix_cache", method="POST")
+    with urllib.request.urlopen(request) as response:  # ends the pin
+        assert response.status == 200

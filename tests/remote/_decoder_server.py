@@ -1,7 +1,8 @@
 """One mokv server of test_decoder_servers.py, in its own process: a paged manager with
 the shared tier on, the small decoder of tests/model, and the scheduler.
 
-Run as `python -m tests.remote._decoder_server URL NAMESPACE` from the repository root.
+Run as `python -m tests.remote._decoder_server URL NAMESPACE` from the repository root
+(URL: one server's, or a Redis Cluster's seed URLs joined by commas).
 stdin: one JSON line per batch of work, {"prompts": [[token ids], ...], "max_new": n}.
 stdout: "ready", then one JSON line per batch, after its pages were sent to Redis:
 {"tokens": [[prompt + generated], ...], "remote_cache_tokens": the tokens the manager
@@ -26,9 +27,10 @@ DEVICE_PAGES = 40
 BREAKER_COOLDOWN_S = 0.5  # the test waits for the breaker's trial after a restart
 
 url, namespace = sys.argv[1:3]
+seeds = tuple(url.split(","))
 params = dataclasses.replace(
     CONFIG.kv_params("paged", page_size=PAGE_SIZE, enable_prefix_caching=True),
-    tiers=(mokv.RemoteTierConfig(url=url, namespace=namespace),),
+    tiers=(mokv.RemoteTierConfig(url=url if len(seeds) == 1 else seeds, namespace=namespace),),
 )
 session = InferenceSession(devices=[CPU()])
 set_default_mokv_defines(session)  # the suite's compiled decoder, from MAX's cache
@@ -42,7 +44,7 @@ assert isinstance(manager, mokv.PagedKVCacheManager)  # a paged cache with a sha
 tiers = [replica.tiers.named("remote") for replica in manager.replicas]
 stores = [store for tier in tiers if isinstance(tier, RemoteTier) for store in tier.stores]
 for store in stores:
-    store.breaker.cooldown_s = BREAKER_COOLDOWN_S
+    store.nodes.set_cooldown(BREAKER_COOLDOWN_S)
 model = mg.DecoderModel(CONFIG, manager, session, mg.init_weights(CONFIG, seed=1))
 print("ready", flush=True)
 for line in sys.stdin:

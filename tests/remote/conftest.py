@@ -21,9 +21,9 @@ from mokv.cache.hashing import iter_page_hashes, page_hash_fn, salted_root
 from mokv.remote import PageCodec, RemoteLayout, RemotePageStore
 from xxhash import xxh3_64
 
-REDIS_SERVER = shutil.which("redis-server") or "redis-server"
+REDIS_SERVER = shutil.which("redis-server")  # None: the tests skip (or fail under CI)
 INSTALL_HINT = (
-    "redis-server not found: install it (Debian/Ubuntu: `sudo apt-get install redis-server`, "
+    "redis-server or redis-cli not found: install them (Debian/Ubuntu: `sudo apt-get install redis-server`, "
     "macOS: `brew install redis`) to run the shared-tier tests"
 )
 SMALL = RemoteLayout(DType.float32, page_size=4, num_layers=2, n_kv_heads_per_device=2,
@@ -40,19 +40,20 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server process; `kill`, `restart`, `pause` and `resume` it at will."""
 
-    def __init__(self, workdir, maxmemory: str = "64mb") -> None:
+    def __init__(self, workdir, maxmemory: str = "64mb", cluster_args: tuple = ()) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.workdir, self.maxmemory = workdir, maxmemory
+        self.workdir, self.maxmemory, self.cluster_args = workdir, maxmemory, cluster_args
         self.proc: subprocess.Popen = None  # type: ignore[assignment]  # `start` sets it
         self.start()
 
     def start(self) -> None:
         with open(os.path.join(self.workdir, f"redis-{self.port}.log"), "ab") as log:
             self.proc = subprocess.Popen(
-                [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                [REDIS_SERVER or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "no", "--maxmemory", self.maxmemory,
-                 "--maxmemory-policy", "allkeys-lru", "--dir", str(self.workdir)],
+                 "--maxmemory-policy", "allkeys-lru", "--dir", str(self.workdir),
+                 *self.cluster_args],
                 stdout=log, stderr=subprocess.STDOUT,
             )
         client = self.client()
@@ -91,11 +92,15 @@ class RedisServer:
             self.kill()
 
 
-def _server(tmp_path_factory, maxmemory="64mb") -> RedisServer:
-    if REDIS_SERVER is None:
+def _require_redis(binary: str | None = REDIS_SERVER) -> None:
+    if binary is None:
         if os.environ.get("CI") == "true":
             pytest.fail(INSTALL_HINT + " (CI=true: these tests must run; .ci/run installs it)")
         pytest.skip(INSTALL_HINT)
+
+
+def _server(tmp_path_factory, maxmemory="64mb") -> RedisServer:
+    _require_redis()
     return RedisServer(tmp_path_factory.mktemp("redis"), maxmemory)
 
 
@@ -125,13 +130,14 @@ def small_redis_server(tmp_path_factory):
 
 @pytest.fixture
 def make_store():
-    """make_store(server, layout=SMALL, **options): a store in a fresh namespace,
-    closed at the end of the test."""
+    """make_store(server, layout=SMALL, namespace=None, url=None, **options): a store in
+    a fresh namespace (or `namespace`) on `server` (or at `url`), closed at the end of
+    the test."""
     stores = []
 
-    def make(server, layout=SMALL, namespace=None, **options):
+    def make(server, layout=SMALL, namespace=None, url=None, **options):
         namespace = namespace or f"test-{os.getpid()}-{next(_namespaces)}"
-        stores.append(RemotePageStore(server.url, namespace, layout, **options))
+        stores.append(RemotePageStore(url or server.url, namespace, layout, **options))
         return stores[-1]
 
     yield make
@@ -171,3 +177,16 @@ def forged_value(codec: PageCodec, page_hash: int, token_bytes: bytes, page) -> 
     check.update(bytes(value[64:]))
     value[56:64] = check.intdigest().to_bytes(8, "little")
     return bytes(value)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A Redis Cluster of 3 masters with one replica each, shared by the session's tests
+    (each uses its own namespace; one that kills a node leaves the cluster ok)."""
+    from ._cluster import RedisClusterProcesses
+
+    _require_redis()
+    _require_redis(shutil.which("redis-cli"))  # Debian's redis-tools, which redis-server needs
+    cluster = RedisClusterProcesses(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster
+    cluster.stop()

@@ -1,6 +1,7 @@
 """Two server processes, each with its own manager and decoder, share one redis-server:
 B reuses the prefixes A computed, and every greedy output equals the uncached
-recompute, also while the server is dead (misses) and after it is back (hits again)."""
+recompute, also while the server is dead (misses) and after it is back (hits again).
+A server restarted on a Redis Cluster serves its earlier prefixes from it at once."""
 
 import json
 import os
@@ -20,7 +21,8 @@ MAX_NEW = 5
 class Server:
     """A `_decoder_server` process."""
 
-    def __init__(self, url: str, namespace: str) -> None:
+    def __init__(self, url: str | tuple[str, ...], namespace: str) -> None:
+        url = url if isinstance(url, str) else ",".join(url)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.remote._decoder_server", url, namespace],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -111,3 +113,31 @@ def test_b_reuses_a_prefixes_and_both_survive_a_server_restart(own_redis_server)
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_restarted_server_serves_its_earlier_prefixes_from_the_cluster(redis_cluster):
+    """Warm restart: nothing survives in the process (device pages, their index, the
+    host tier); the new one's first request finds the old one's pages in the cluster."""
+    weights = mg.init_weights(CONFIG, seed=1)
+    rng = np.random.default_rng(29)
+    systems = [rng.integers(0, CONFIG.vocab_size, 4 * PAGE_SIZE + 3) for _ in range(3)]
+    namespace = f"restart-{os.getpid()}"
+    first = Server(redis_cluster.url, namespace)
+    try:
+        first.wait_ready()
+        prompts = prompts_on(systems, rng)
+        reply = first.serve(prompts)
+        assert_greedy(reply, prompts, weights)
+        assert remote_tokens(reply) == 0 and reply["remote"]["pages_written"] >= 12
+    finally:
+        first.stop()  # close() sends what is queued
+    again = Server(redis_cluster.url, namespace)
+    try:
+        again.wait_ready()
+        prompts = prompts_on(systems, rng)
+        reply = again.serve(prompts)  # its first request
+        assert_greedy(reply, prompts, weights)
+        assert remote_tokens(reply) == 3 * 4 * PAGE_SIZE  # prefill saved: every full page
+        assert reply["remote"]["errors"] == reply["remote"]["rejected_layout"] == 0
+    finally:
+        again.stop()

@@ -17,7 +17,7 @@ KEY = b"a secret the servers share"
 def test_key_names_namespace_layout_and_hash():
     layout = RemoteLayout(DType.bfloat16, 128, 16, 8, 64, tp_rank=1, tp_degree=2)
     assert layout.key_prefix("meta-llama/Llama-3.2-1B") == (
-        "mokv:v3:meta-llama/Llama-3.2-1B:bfloat16.p128.l16.h8.d64.tp1-2.xxh3:"
+        "mokv:v4:meta-llama/Llama-3.2-1B:bfloat16.p128.l16.h8.d64.tp1-2.full.xxh3:"
     )
     assert layout.page_shape == (2, 16, 128, 8, 64)
     assert layout.page_nbytes == 2 * 16 * 128 * 8 * 64 * 2
@@ -29,8 +29,8 @@ def test_key_names_namespace_layout_and_hash():
 def test_a_mac_key_gets_a_key_space_of_its_own():
     plain, sealed = PageCodec(SMALL, "m"), PageCodec(SMALL, "m", KEY)
     key_id = mac_key_id(KEY)
-    assert sealed.key(1) == f"mokv:v3:m:{SMALL.fingerprint}.mac-{key_id}:0000000000000001"
-    assert plain.key(1) == f"mokv:v3:m:{SMALL.fingerprint}:0000000000000001"
+    assert sealed.key(1) == f"mokv:v4:m:{SMALL.fingerprint}.mac-{key_id}:0000000000000001"
+    assert plain.key(1) == f"mokv:v4:m:{SMALL.fingerprint}:0000000000000001"
     assert len(key_id) == 8 and key_id not in KEY.hex()  # names the key, shows none of it
     assert PageCodec(SMALL, "m", b"another secret key").key(1) != sealed.key(1)
     assert PageCodec(SMALL, "m", KEY.decode()).key(1) == sealed.key(1)  # a str key is its UTF-8
@@ -182,3 +182,16 @@ def test_breaker_opens_after_threshold_and_lets_one_trial_through():
     assert breaker.allow()
     breaker.success()
     assert breaker.state == "closed" and breaker.allow() and breaker.allow()
+
+
+def test_the_fingerprint_names_the_group_kind():
+    window = RemoteLayout(DType.float32, 4, 2, 2, 8, group="sliding_window-1024")
+    assert SMALL.group == "full" and SMALL.fingerprint.endswith(".tp0-1.full.xxh3")
+    assert window.fingerprint == "float32.p4.l2.h2.d8.tp0-1.sliding_window-1024.xxh3"
+    (page_hash, tokens), = chain(1)
+    value = PageCodec(window, "m").encode(page_hash, tokens, pages(1)[0])  # the same shape
+    assert PageCodec(window, "m").key(page_hash) != PageCodec(SMALL, "m").key(page_hash)
+    assert PageCodec(SMALL, "m").decode(value, page_hash, tokens) is Rejection.KEYSPACE
+    for bad in ("", "Full", "a.b", "a:b", "x" * 65, None):
+        with pytest.raises(ValueError, match="group kind"):
+            RemoteLayout(DType.float32, 4, 2, 2, 8, group=bad)

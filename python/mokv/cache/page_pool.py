@@ -1,6 +1,6 @@
 """PagePool: the pages of one cache replica, their reference counts and the prefix index.
 
-Every page is in exactly one of four states:
+Every page is in exactly one of five states:
 
     free    ref 0, no hash         in `_free` (a stack: the most recently freed page is
                                    reused first, which keeps the working set small)
@@ -8,14 +8,19 @@ Every page is in exactly one of four states:
                                    through the prefix index until it is evicted
     kept    ref 0, hashed, its     in `_kept` (LRU order): a cached page that a session
             hash retained          retains (`retain`; `mokv.SessionConfig`)
+    pinned  ref 0, hashed, its     in `_pinned` (LRU order): a cached page a live pin
+            hash pinned            holds (`pin`; `mokv.PinConfig`): never evicted, unless
+                                   `spill` says a lower tier holds it pinned too, and then
+                                   only after every kept page
     owned   ref >= 1               held by one or more requests; may be hashed
 
 Allocation takes free pages first and evicts cached pages only when no free page is
 left, oldest first, and kept pages only when no cached page is left: retention changes
-the eviction order, never how many pages an allocation can have. Owners hand pages back
-in the order they want them evicted: the managers release a request's pages tail first,
-so a shared prompt prefix outlives the suffixes that extend it (the eviction order of
-vLLM's `FreeKVCacheBlockQueue`).
+the eviction order, never how many pages an allocation can have. Pins do: a pinned page
+is not room, unless it can spill (`spill`: a lower tier, the host tier, holds it).
+Owners hand pages back in the order they want them evicted: the managers release a
+request's pages tail first, so a shared prompt prefix outlives the suffixes that extend
+it (the eviction order of vLLM's `FreeKVCacheBlockQueue`).
 
 Retention is by hash (`_retained`): a retained hash's page is kept whenever it has no
 owner, whichever page holds it (one recomputed or loaded back after an eviction too).
@@ -33,7 +38,8 @@ Invariants (checked by `check_invariants`):
   3. every page's ref count equals the number of times the owners hold it.
   4. cached and kept pages are hashed, free pages are not; the index maps each hash to a
      page carrying exactly that hash, and every hashed page is in the index.
-  5. a kept page's hash is retained, a cached page's is not.
+  5. a pinned page's hash is pinned; a kept page's is retained and not pinned; a cached
+     page's is neither (`Retention.lru`).
 
 Every change is all or nothing: a call first works out what it will do (and raises, or
 returns None, before touching anything), then applies it with plain list and dict
@@ -51,7 +57,8 @@ each happens: `commit_pages` (stored), eviction of a cached page in `take` (remo
 `reset_prefix_cache` (cleared). It is told after the pool's state has changed. With no
 sink each costs one `is None` test.
 
-Counters. `num_freed` counts pages that lost their last owner, `num_unindexed` index
+Counters. `num_freed` counts pages that lost their last owner or their pin (or became
+able to spill: `note_spillable`), `num_unindexed` index
 entries removed (evictions, resets); both only grow. Between two readings with both
 unchanged, `room(hits)` cannot have grown, and a lookup that found a page still finds it
 (the prefix memo, `mokv.managers.paged.chain_memo`, relies on this): every change that
@@ -65,7 +72,7 @@ Everything here is plain integers in flat lists: the pool can move to Mojo as it
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, islice
 from operator import not_
 from typing import TYPE_CHECKING, Protocol
@@ -110,7 +117,13 @@ class PagePool:
         self._retention = Retention()
         self._cached = self._retention.cached  # the same dicts, read on the hot paths
         self._kept = self._retention.kept
+        self._pinned = self._retention.pinned
         self._retained = self._retention.hashes
+        self.spill: Callable[[int], bool] | None = None
+        """Whether a lower tier holds a pinned hash pinned too (the host tier's, set by
+        the replica): then its page may leave the device, after every kept page."""
+        self.num_spilled = 0
+        """Pinned pages evicted to a lower tier that holds them."""
         self._index: dict[int, int] = {}
         self.num_evicted_retained = 0
         """Kept pages evicted (no free or cached page was left): pages lost by a session."""
@@ -123,13 +136,34 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        """Pages that `allocate` can hand out now: free, cached and kept pages."""
-        return len(self._free) + len(self._cached) + len(self._kept)
+        """Pages that `allocate` can hand out now: free, cached and kept pages, and pinned
+        ones that can spill."""
+        num_free = len(self._free) + len(self._cached) + len(self._kept)
+        return num_free + len(self._spillable(_NO_PAGES)) if self._pinned else num_free
 
     @property
     def num_cached(self) -> int:
-        """Pages that hold a reusable prefix but no owner (kept ones included)."""
-        return len(self._cached) + len(self._kept)
+        """Pages that hold a reusable prefix but no owner (kept and pinned ones included)."""
+        return len(self._cached) + len(self._kept) + len(self._pinned)
+
+    @property
+    def num_pinned(self) -> int:
+        """Pages without an owner that a live pin holds."""
+        return len(self._pinned)
+
+    @property
+    def pinned_hashes(self) -> frozenset[int]:
+        """The hashes pinned now (indexed or not)."""
+        return frozenset(self._retention.pinned_hashes)
+
+    def _spillable(self, revived: Iterable[int]) -> list[int]:
+        """The pinned pages, oldest first, not in `revived`, that may leave the device
+        (`spill`)."""
+        spill = self.spill
+        if spill is None:
+            return []
+        hash_of = self._page_hash
+        return [p for p in self._pinned if p not in revived and spill(hash_of[p])]  # type: ignore[arg-type]
 
     @property
     def num_kept(self) -> int:
@@ -164,7 +198,7 @@ class PagePool:
 
     def is_cached(self, page_id: int) -> bool:
         """True if the page has no owner but can still be reused through the index."""
-        return page_id in self._cached or page_id in self._kept
+        return page_id in self._cached or page_id in self._kept or page_id in self._pinned
 
     def is_retained(self, page_id: int) -> bool:
         """True if the page's hash is retained (the page is kept whenever unowned)."""
@@ -231,7 +265,19 @@ class PagePool:
     def room(self, hits: Sequence[int]) -> int:
         """How many fresh pages `take(hits, n)` could hand out: the free and cached pages,
         less the cached ones among `hits` (taking them revives them). Pure."""
-        return self.num_free - len(self._revived(hits)) if hits else self.num_free
+        if not hits:
+            return self.num_free
+        revived = self._revived(hits)
+        if self._pinned:
+            return self._room(revived)
+        return self.num_free - len(revived)
+
+    def _room(self, revived: set[int]) -> int:
+        """Fresh pages `take` can hand out once `revived` left their LRUs."""
+        room = len(self._free) + len(self._cached) + len(self._kept) - len(revived)
+        if self._pinned:  # revived pinned pages were never room
+            room += len(revived & self._pinned.keys()) + len(self._spillable(revived))
+        return room
 
     def can_take(self, hits: Sequence[int], num_new: int) -> bool:
         """Whether `take(hits, num_new)` would succeed (pure)."""
@@ -244,7 +290,7 @@ class PagePool:
         revived = set(compress(hits, map(not_, map(self._ref_count.__getitem__, hits))))
         # A dict view's `>=` tests membership of each revived page in C.
         if revived and not self._cached.keys() >= revived:
-            if not self._cached.keys() | self._kept.keys() >= revived:
+            if not self._cached.keys() | self._kept.keys() | self._pinned.keys() >= revived:
                 raise InvariantError(
                     f"unowned pages {sorted(revived)} taken but not all are cached"
                 )
@@ -261,7 +307,11 @@ class PagePool:
         if num_new == 1 and not hits and (free or cached):
             return self._take_one()
         revived = self._revived(hits) if hits else _NO_PAGES
-        if num_new > len(free) + len(cached) + len(self._kept) - len(revived):
+        if self._pinned:
+            room = self._room(revived)  # type: ignore[arg-type]
+        else:  # `_room` inlined: no pin, as before pins existed
+            room = len(free) + len(cached) + len(self._kept) - len(revived)
+        if num_new > room:
             return None
         from_free = min(num_new, len(free))
         need = num_new - from_free
@@ -271,17 +321,20 @@ class PagePool:
         num_unretained = len(evicted)
         if need > num_unretained:  # the cached pages ran out: sessions lose kept pages
             evicted += islice((p for p in self._kept if p not in revived), need - num_unretained)
+        num_kept = len(evicted) - num_unretained
+        if need > len(evicted):  # then pinned pages spill to the tier that holds them
+            evicted += self._spillable(revived)[: need - len(evicted)]
         # Everything is decided: apply it.
         for page_id in revived:
             if cached.pop(page_id, self) is self:
-                del self._kept[page_id]
+                (self._kept if page_id in self._kept else self._pinned).pop(page_id)
         ref_count = self._ref_count
         for page_id in hits:
             ref_count[page_id] += 1
         evicted_hashes = list(map(self._page_hash.__getitem__, evicted)) if evicted else []
         evicted_tokens = list(map(self._page_tokens.__getitem__, evicted)) if evicted else []
         if evicted:
-            self._evict(evicted, evicted_hashes, num_unretained)
+            self._evict(evicted, evicted_hashes, num_unretained, num_kept)
         pages = free[len(free) - from_free :][::-1] + evicted
         del free[len(free) - from_free :]
         for page_id in pages:
@@ -296,6 +349,7 @@ class PagePool:
                 evicted_hashes,
                 evicted_tokens,
                 num_unretained,
+                num_kept,
             )
         if self.events is not None:
             for page_hash in evicted_hashes:
@@ -316,7 +370,7 @@ class PagePool:
             page_id = next(iter(self._cached))
             evicted_hashes = [self._page_hash[page_id]]
             evicted_tokens = [self._page_tokens[page_id]]
-            self._evict([page_id], evicted_hashes, 1)
+            self._evict([page_id], evicted_hashes, 1, 0)
         self._ref_count[page_id] = 1
         num_evicted = len(evicted_hashes)
         if self.undo is not None:
@@ -329,21 +383,27 @@ class PagePool:
                 evicted_hashes,
                 evicted_tokens,
                 num_evicted,
+                0,
             )
         if self.events is not None and num_evicted:
             self.events.removed(evicted_hashes[0])  # type: ignore[arg-type]
         return [page_id]
 
-    def _evict(self, evicted: list[int], hashes: list[int | None], num_unretained: int) -> None:
-        """Takes `evicted` (unowned, hashed: first `num_unretained` cached pages, then kept
-        ones) out of their LRU and the index (`take`'s, once it has decided)."""
+    def _evict(
+        self, evicted: list[int], hashes: list[int | None], num_unretained: int, num_kept: int
+    ) -> None:
+        """Takes `evicted` (unowned, hashed: first `num_unretained` cached pages, then
+        `num_kept` kept ones, then pinned ones that spill) out of their LRU and the index
+        (`take`'s, once it has decided)."""
         index, page_hash, page_tokens = self._index, self._page_hash, self._page_tokens
+        lrus = (self._cached, self._kept, self._pinned)
         for i, (page_id, old_hash) in enumerate(zip(evicted, hashes)):
-            del (self._cached if i < num_unretained else self._kept)[page_id]
+            del lrus[(i >= num_unretained) + (i >= num_unretained + num_kept)][page_id]
             del index[old_hash]  # type: ignore[arg-type]
             page_hash[page_id] = None
             page_tokens[page_id] = None
-        self.num_evicted_retained += len(evicted) - num_unretained
+        self.num_evicted_retained += num_kept
+        self.num_spilled += len(evicted) - num_unretained - num_kept
         self.unindexed.note(hashes)  # type: ignore[arg-type]
 
     def release(self, page_ids: Iterable[int]) -> None:
@@ -363,6 +423,7 @@ class PagePool:
                 if ref_count[page_id] < times:
                     raise InvariantError(f"page {page_id} released more often than it was acquired")
         retained, hash_of, freed = self._retained, self._page_hash, 0
+        lru_of = self._retention.lru if self._retention.pinned_hashes else None
         for page_id in page_ids:  # a request's pages: locals only, in the loop
             ref = ref_count[page_id] - 1
             ref_count[page_id] = ref
@@ -371,6 +432,8 @@ class PagePool:
                 page_hash = hash_of[page_id]
                 if page_hash is None:
                     self._free.append(page_id)
+                elif lru_of is not None:
+                    lru_of(page_hash)[page_id] = None
                 elif retained and page_hash in retained:
                     self._kept[page_id] = None
                 else:
@@ -389,6 +452,30 @@ class PagePool:
         """Stops retaining these hashes: their kept pages become cached pages at the old
         end of the LRU, or the young end (`Retention.unretain`). Cannot fail half-way."""
         self._retention.unretain(page_hashes, self._index, old_end, self.undo)
+
+    def pin(self, page_hashes: Iterable[int]) -> None:
+        """Pins these hashes: their unowned pages become pinned, and so does any page that
+        holds one of them later while unowned (`Retention.pin`). Cannot fail half-way."""
+        self._retention.pin(page_hashes, self._index, self.undo)
+
+    def unpin(self, page_hashes: Iterable[int]) -> None:
+        """Stops pinning these hashes: their unowned pages go to the young end of the LRU
+        they belong in now, counted as freed (they are room again). Cannot fail
+        half-way."""
+        freed = self._retention.unpin(page_hashes, self._index, self.undo)
+        self._count_freed(freed)
+
+    def note_spillable(self, page_hashes: Iterable[int]) -> None:
+        """A lower tier now holds these hashes (`spill` says so from now on): their
+        unowned pinned pages became room, counted as freed."""
+        pinned, index = self._pinned, self._index
+        self._count_freed(sum(index.get(h, -1) in pinned for h in page_hashes))
+
+    def _count_freed(self, num_pages: int) -> None:
+        if num_pages:
+            self.num_freed += num_pages
+            if self.undo is not None:
+                self.undo.push(setattr, self, "num_freed", self.num_freed - num_pages)
 
     def commit(
         self,
@@ -458,6 +545,8 @@ class PagePool:
                 list(self._kept),
                 set(self._retained),
                 len(self._free),
+                list(self._pinned),
+                set(self._retention.pinned_hashes),
             )
         for page_id in self._index.values():
             self._page_hash[page_id] = None
@@ -466,6 +555,7 @@ class PagePool:
         self._index.clear()
         self._free.extend(self._cached)
         self._free.extend(self._kept)
+        self._free.extend(self._pinned)
         self._retention.clear()
         if self.events is not None:
             self.events.cleared()
@@ -481,8 +571,10 @@ class PagePool:
         evicted_hashes: list[int],
         evicted_tokens: list[bytes],
         num_unretained: int,
+        num_kept: int,
     ) -> None:
-        self.num_evicted_retained -= len(evicted_hashes) - num_unretained
+        self.num_evicted_retained -= num_kept
+        self.num_spilled -= len(evicted_hashes) - num_unretained - num_kept
         self.num_freed += len(pages) + len(revived)
         for page_id in pages:
             self._ref_count[page_id] = 0
@@ -527,13 +619,15 @@ class PagePool:
         kept: list[int],
         retained: set[int],
         num_free: int,
+        pinned: list[int],
+        pinned_hashes: set[int],
     ) -> None:
         for page_id, page_hash, data in indexed:
             self._index[page_hash] = page_id
             self._page_hash[page_id] = page_hash
             self._page_tokens[page_id] = data
         del self._free[num_free:]
-        self._retention.restore(cached, kept, retained)
+        self._retention.restore(cached, kept, retained, pinned, pinned_hashes)
 
     # --- checks ---------------------------------------------------------------------
 
@@ -544,15 +638,14 @@ class PagePool:
             for page_id in pages:
                 holders[page_id] += 1
         free, cached, kept = set(self._free), set(self._cached), set(self._kept)
+        pinned = set(self._pinned)
         if len(free) != len(self._free):
             raise InvariantError(f"free list holds duplicates: {sorted(self._free)}")
-        for (name, a), (other, b) in (
-            (("free", free), ("cached", cached)),
-            (("free", free), ("kept", kept)),
-            (("cached", cached), ("kept", kept)),
-        ):
-            if a & b:
-                raise InvariantError(f"pages both {name} and {other}: {sorted(a & b)}")
+        states = (("free", free), ("cached", cached), ("kept", kept), ("pinned", pinned))
+        for i, (name, a) in enumerate(states):
+            for other, b in states[i + 1 :]:
+                if a & b:
+                    raise InvariantError(f"pages both {name} and {other}: {sorted(a & b)}")
         for page_id in range(self.num_pages):
             ref, h = self._ref_count[page_id], self._page_hash[page_id]
             state = (
@@ -562,6 +655,8 @@ class PagePool:
                 if page_id in cached
                 else "kept"
                 if page_id in kept
+                else "pinned"
+                if page_id in pinned
                 else "owned"
             )
             if ref != holders[page_id]:
@@ -570,7 +665,8 @@ class PagePool:
                 )
             if (state == "owned") != (ref > 0):
                 raise InvariantError(f"page {page_id} is {state} with ref count {ref}")
-            if state in ("cached", "kept") and h is None or state == "free" and h is not None:
+            hashed = state in ("cached", "kept", "pinned")
+            if hashed and h is None or state == "free" and h is not None:
                 raise InvariantError(f"page {page_id} is {state} with hash {h}")
             if h is not None and self._index.get(h) != page_id:
                 raise InvariantError(f"page {page_id} has hash {h} but is not indexed under it")

@@ -9,6 +9,8 @@
     sessions.py  SessionConfig: sessions that retain their pages through a pause
     groups.py    CacheGroupConfig: a model's full-attention and sliding-window groups
     quantization.py  KVCacheQuantization: the scales of FP8 pages (MAX's format)
+    cache_control.py  PinConfig (pinned prefixes' budget), CacheControl (a request's
+                 pin and write policy)
     flat.py      MAX's flat spellings, mapped onto the nested configs
 
 These modules import nothing of mokv above them (only `mokv.errors`); the objects a
@@ -17,6 +19,7 @@ one registry, `mokv.registry`. A test asserts that mokv's import graph has no ci
 (tests/test_structure.py).
 """
 
+from .cache_control import CacheControl, PinConfig
 from .events import KVEventsConfig
 from .groups import CacheGroupConfig
 from .params import KVCacheParams, KVCacheStrategy
@@ -26,11 +29,13 @@ from .tiers import HostTierConfig, RemoteTierConfig, TierConfig
 
 __all__ = [
     "CacheGroupConfig",
+    "CacheControl",
     "HostTierConfig",
     "KVCacheParams",
     "KVCacheQuantization",
     "KVCacheStrategy",
     "KVEventsConfig",
+    "PinConfig",
     "RemoteTierConfig",
     "SessionConfig",
     "TierConfig",

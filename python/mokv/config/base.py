@@ -24,6 +24,18 @@ STABLE_ALGORITHMS = ("xxh3", "sha256")
 shared tier)."""
 
 
+def check_share(owner: str, share: object) -> None:
+    """ValueError unless `share` (`owner`'s `max_share`) is a number in (0, 1]."""
+    if share.__class__ not in (int, float) or not 0 < share <= 1:
+        raise ValueError(f"{owner}.max_share must be a number in (0, 1], got {share!r}")
+
+
+def check_clock(owner: str, clock: object) -> None:
+    """TypeError unless `clock` (`owner`'s) is callable."""
+    if not callable(clock):
+        raise TypeError(f"{owner}.clock must be callable, got {clock!r}")
+
+
 class ParamsView(Protocol):
     """The facts of a `KVCacheParams` that a nested config checks itself against."""
 

@@ -28,7 +28,7 @@ import functools
 from dataclasses import fields
 from typing import Any
 
-from .tiers import HostTierConfig, RemoteTierConfig, TierConfig, redacted_url
+from .tiers import HostTierConfig, RemoteTierConfig, TierConfig, redacted_urls
 
 HOST_SPELLINGS = {
     "host_kvcache_swap_space_gb": "swap_space_gb",
@@ -88,7 +88,7 @@ def _config(cls: type, spellings: dict[str, str], flat: dict[str, Any], **requir
 
 def _shown(name: str, value: Any) -> str:
     """A flat setting as an error shows it: a URL without its passwords."""
-    return repr(redacted_url(value)) if name == "remote_kvcache_url" else repr(value)
+    return repr(redacted_urls(value)) if name == "remote_kvcache_url" else repr(value)
 
 
 def accepts_flat_spellings(cls: type) -> type:

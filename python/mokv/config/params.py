@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from max.dtype import DType
 
 from .base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS, STABLE_ALGORITHMS
+from .cache_control import PinConfig
 from .events import KVEventsConfig, check_endpoint
 from .flat import accepts_flat_spellings
 from .groups import CacheGroupConfig, check_groups
@@ -84,6 +85,9 @@ class KVCacheParams:
         groups: the model's cache groups, in graph-input order (`CacheGroupConfig`:
             full-attention and sliding-window layers, each group with its own pages;
             paged strategy); empty: one full-attention group of every layer.
+        pins: let requests pin prefixes with a time to live (`ctx.cache_control`,
+            `PinConfig`; paged strategy, needs `enable_prefix_caching`); None: a
+            request that asks for a pin is refused.
         quantization: the scales of quantized pages (`KVCacheQuantization`: float32
             scales, one per token, head and 128 lanes), given with a float8_e4m3fn
             `dtype` and only then; None: the pages hold their values as they are.
@@ -103,6 +107,7 @@ class KVCacheParams:
     kv_events: KVEventsConfig | None = None
     sessions: SessionConfig | None = None
     groups: tuple[CacheGroupConfig, ...] = ()
+    pins: PinConfig | None = None
     quantization: KVCacheQuantization | None = None
 
     def __post_init__(self) -> None:
@@ -168,6 +173,10 @@ class KVCacheParams:
         check_groups(self.groups)
         for group in self.groups:  # each group's shape is a KVCacheParams of its own
             self.group_params(group)
+        if self.pins is not None:
+            if not isinstance(self.pins, PinConfig):
+                raise TypeError(f"pins must be a mokv.PinConfig or None, got {self.pins!r}")
+            self.pins.check(self)
 
     def _check_tiers(self) -> None:
         if not isinstance(self.tiers, (tuple, list)):

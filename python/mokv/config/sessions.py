@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .base import ParamsView
+from .base import ParamsView, check_clock, check_share
 
 DEFAULT_TTL_S = 300.0
 """Five minutes, the time-to-live of the hosted prompt caches agents are written against
@@ -61,11 +61,8 @@ class SessionConfig:
         ttl = self.ttl_s
         if ttl.__class__ not in (int, float) or math.isnan(ttl) or not ttl > 0:
             raise ValueError(f"SessionConfig.ttl_s must be a number of seconds > 0, got {ttl!r}")
-        share = self.max_share
-        if share.__class__ not in (int, float) or not 0 < share <= 1:
-            raise ValueError(f"SessionConfig.max_share must be a number in (0, 1], got {share!r}")
-        if not callable(self.clock):
-            raise TypeError(f"SessionConfig.clock must be callable, got {self.clock!r}")
+        check_share("SessionConfig", self.max_share)
+        check_clock("SessionConfig", self.clock)
 
     def check(self, params: ParamsView) -> None:
         """ValueError unless `params` can carry sessions."""

@@ -104,11 +104,14 @@ class HostTierConfig(TierConfig):
 
 @dataclass(frozen=True)
 class RemoteTierConfig(TierConfig):
-    """Share committed pages through a Redis server (paged strategy; needs
-    `enable_prefix_caching` and a stable `prefix_hash`).
+    """Share committed pages through a Redis server or a Redis Cluster (paged strategy;
+    needs `enable_prefix_caching` and a stable `prefix_hash`).
 
     Attributes:
-        url: `redis://host:port/db`, `rediss://` (TLS) or `unix://`.
+        url: one server: `redis://host:port/db`, `rediss://` (TLS) or `unix://`; a
+            Redis Cluster: a tuple (or list, kept as a tuple) of its seed nodes'
+            `redis://host:port` (or `rediss://`) URLs, one at least (the other nodes
+            are found through them).
         namespace: the model's name in the store, 1-200 characters of
             `[A-Za-z0-9._/@+-]`: only managers with the same namespace, page layout and
             `prefix_hash_seed` share pages.
@@ -123,13 +126,18 @@ class RemoteTierConfig(TierConfig):
     """
 
     name: ClassVar[str] = "remote"
-    url: str
+    url: str | tuple[str, ...]
     namespace: str
     timeout_s: float = 0.25
     mac_key: bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        check_url(self.url)
+        if isinstance(self.url, list):  # a YAML file's (`mokv serve --mokv-config`)
+            object.__setattr__(self, "url", tuple(self.url))
+        if isinstance(self.url, tuple):
+            check_cluster_urls(self.url)
+        else:
+            check_url(self.url)
         if not isinstance(self.namespace, str) or not REMOTE_NAMESPACE.fullmatch(self.namespace):
             raise ValueError(
                 "RemoteTierConfig.namespace must be 1-200 characters of [A-Za-z0-9._/@+-] "
@@ -146,7 +154,7 @@ class RemoteTierConfig(TierConfig):
     def __repr__(self) -> str:
         """The fields but the secrets: the URL's passwords shown as `***`, no MAC key."""
         return (
-            f"RemoteTierConfig(url={redacted_url(self.url)!r}, namespace={self.namespace!r}, "
+            f"RemoteTierConfig(url={redacted_urls(self.url)!r}, namespace={self.namespace!r}, "
             f"timeout_s={self.timeout_s!r})"
         )
 
@@ -170,14 +178,34 @@ def check_url(url: object) -> None:
     passwords (`redacted_url`): error messages end up in logs."""
     if not isinstance(url, str):
         raise ValueError(
-            f"RemoteTierConfig.url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL (a str), "
-            f"got {type(url).__name__}"
+            f"RemoteTierConfig.url must be a {'/'.join(REMOTE_URL_SCHEMES)}:// URL (a str) "
+            f"or a tuple of a Redis Cluster's seed URLs, got {type(url).__name__}"
         )
     problem = _url_problem(url)
     if problem is not None:
         for secret in url_secrets(url):  # redis-py's own message may quote a setting
             problem = problem.replace(secret, "***")
         raise ValueError(f"RemoteTierConfig.url={redacted_url(url)!r}: {problem}")
+
+
+def check_cluster_urls(urls: tuple) -> None:
+    """ValueError naming the URL unless `urls` are one or more distinct `redis://` or
+    `rediss://` URLs of database 0 (`check_url`): a cluster has no unix sockets and no
+    other database."""
+    if not urls:
+        raise ValueError("RemoteTierConfig.url: a Redis Cluster needs one seed node's URL at least")
+    for url in urls:
+        check_url(url)
+        parts = urlsplit(url)
+        if parts.scheme == "unix" or parts.path.strip("/") not in ("", "0"):
+            raise ValueError(
+                f"RemoteTierConfig.url: a Redis Cluster's seed {redacted_url(url)!r} must be "
+                "a redis:// or rediss:// URL of database 0"
+            )
+    if len(set(urls)) != len(urls):
+        raise ValueError(
+            f"RemoteTierConfig.url: a Redis Cluster's seeds repeat, {redacted_urls(urls)!r}"
+        )
 
 
 def _url_problem(url: str) -> str | None:
@@ -229,6 +257,13 @@ def redacted_url(url: object) -> str:
         return f"<{type(url).__name__}>"
     url = _USERINFO_PASSWORD.sub(r"\1:***@", url)
     return _QUERY_PASSWORD.sub(r"\1***", url)
+
+
+def redacted_urls(url: object) -> str | tuple[str, ...]:
+    """`redacted_url` of a URL, or of each URL of a cluster's tuple."""
+    if isinstance(url, tuple):
+        return tuple(redacted_url(u) for u in url)
+    return redacted_url(url)
 
 
 def mac_key_bytes(mac_key: bytes | str | None, name: str = "mac_key") -> bytes | None:

@@ -7,7 +7,8 @@ publisher.py   EventRecorder (a page pool's sink), build_events, EventPublisher 
 subscriber.py  EventSubscriber: SUB + DEALER replay, gap and restart detection
 index.py       PrefixRouterIndex: per source (server x replica) and tier, the cached
                hashes; the leading pages of a token sequence each source holds, and
-               their score by tier (device 1.0, host 0.75, shared 0.25)
+               their score by tier (device 1.0, host 0.75, shared 0.25), with the
+               shared tier asked what it holds (SharedPresence)
 """
 
 from ..config.events import KVEventsConfig
@@ -18,7 +19,7 @@ from .format import (
     BlockStored,
     KVEventBatch,
 )
-from .index import PrefixRouterIndex
+from .index import PrefixRouterIndex, SharedPresence
 from .publisher import EventPublisher, EventRecorder, build_events
 from .subscriber import EventSubscriber
 
@@ -33,5 +34,6 @@ __all__ = [
     "KVEventBatch",
     "KVEventsConfig",
     "PrefixRouterIndex",
+    "SharedPresence",
     "build_events",
 ]

@@ -26,6 +26,25 @@ NVIDIA Dynamo's default weights (ai-dynamo/dynamo lib/kv-router/src/scheduling/
 config.rs: `host_cache_hit_weight` 0.75, `disk_cache_hit_weight` 0.25 for its disk and
 external tiers, the device 1.0). llm-d's defaults are GPU 1.0 and CPU 0.8.
 
+Presence (`shared=`, a `SharedPresence` such as a `mokv.remote.RemotePageStore` of the
+servers' shared tier): events tell which pages a source stored in the shared tier, but
+every server of the tier can load every page in it, and the store evicts without a
+word. With `shared`, a query that some source's own tiers do not cover in full also
+asks the store which of its leading pages it holds now (one batched EXISTS per store
+server, at most `SHARED_PROBE_PAGES` pages, bounded by the store's timeout and circuit
+breakers: a failing store holds nothing), and those pages count for every source at
+`shared_weight`, below its own device and host pages (issue 58 cites routers that ask
+a shared tier: Dynamo PR #7536, LMCache #4352).
+
+Pins (`mokv.CacheControl.pin_ttl_s`, docs/cache-control.md) are not in vLLM's event
+format; the router learns them from the requests it routes: `note_pin(source, tokens,
+ttl_s)` when it sends a request that asks for a pin to `source`. A pinned page stays on
+its source (device or host tier) until the pin's deadline, whatever evicts around it, so
+`best` prefers, before any score, the source whose live pins hold the most leading pages
+of a prompt (a pin renewed by a later request lives on; the server's budget may have
+granted less, which a router cannot see). A pin lives while `clock() < deadline`;
+`AllBlocksCleared` (the server's `reset_prefix_cache`) ends a source's pins.
+
 Invariant: after a source's events up to seq N are applied in order, its device tier
 equals the publishing pool's `indexed_hashes()` and its host tier the host pool's, as
 they were when batch N was handed over. The shared tier holds what the source stored
@@ -34,7 +53,9 @@ there; the server evicts without telling anyone, so it may hold pages already go
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from ..cache.extra_keys import chain_root, page_keys
 from ..cache.hashing import page_hash_fn, page_hashes
@@ -52,6 +73,20 @@ Source = tuple[str, int]
 """(server name, data-parallel replica)."""
 
 TIERS = ("device", "host", "shared")
+
+SHARED_PROBE_PAGES = 2048
+"""Most leading pages of one query asked of `PrefixRouterIndex.shared` (one pipelined
+EXISTS each: about a millisecond per thousand on loopback)."""
+
+
+class SharedPresence(Protocol):
+    """What a router asks a shared tier (`mokv.remote.RemotePageStore` is one)."""
+
+    def holds(self, page_hashes: Sequence[int]) -> int:
+        """How many leading pages of `page_hashes` the tier holds now; 0 on any failure,
+        in bounded time."""
+        ...
+
 
 TIER_OF_MEDIUM = {
     "GPU": "device",
@@ -86,6 +121,9 @@ class PrefixRouterIndex:
             device (1.0): loading it back costs a copy, recomputing it a prefill.
         shared_weight: the same for a page in the shared store ("EXTERNAL"); at most
             `host_weight`.
+        shared: the servers' shared tier, asked on each query which of its pages it
+            holds (see the module's docstring); None: only the events say.
+        clock: seconds, monotonic, for pins' deadlines (tests inject their own).
 
     Raises:
         ValueError: a `page_size` that is not a positive int, an unknown `prefix_hash`,
@@ -106,6 +144,8 @@ class PrefixRouterIndex:
         prefix_hash_seed: int = 0,
         host_weight: float = 0.75,
         shared_weight: float = 0.25,
+        shared: SharedPresence | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if page_size.__class__ is not int or not 1 <= page_size < 2**32:
             # A server's pages hold at most 2**32 - 1 tokens (uint32 cache lengths).
@@ -124,13 +164,20 @@ class PrefixRouterIndex:
                 f"shared_weight={shared_weight} is above host_weight={host_weight}: a page "
                 "from the shared store costs more to load than one from host memory"
             )
+        if shared is not None and not callable(getattr(shared, "holds", None)):
+            raise TypeError(f"shared must have a holds(page_hashes) method, got {shared!r}")
+        if not callable(clock):
+            raise TypeError(f"clock must be callable, got {clock!r}")
         self.page_size = page_size
         self.prefix_hash = prefix_hash
         self.prefix_hash_seed = prefix_hash_seed
         self.weights = {"device": 1.0, "host": float(host_weight), "shared": float(shared_weight)}
+        self.shared = shared
         self._hash_fn = page_hash_fn(prefix_hash)
         self._roots: dict[tuple[str | None, str | None], int] = {}
         self._sources: dict[Source, dict[str, set[int]]] = {}
+        self._pins: dict[Source, dict[int, float]] = {}  # pinned hash -> deadline
+        self.clock = clock
         self.num_ignored = 0
 
     @property
@@ -154,6 +201,7 @@ class PrefixRouterIndex:
             if isinstance(event, AllBlocksCleared):
                 for held in tiers.values():
                     held.clear()
+                self._pins.pop(source, None)
                 continue
             if not isinstance(event, BlockStored | BlockRemoved):
                 continue
@@ -172,6 +220,48 @@ class PrefixRouterIndex:
     def drop_source(self, source: Source) -> None:
         """Forgets everything about `source` (after a restart or an unrecoverable gap)."""
         self._sources.pop(source, None)
+        self._pins.pop(source, None)
+
+    def note_pin(
+        self,
+        source: Source,
+        tokens,
+        ttl_s: float,
+        cache_salt: str | None = None,
+        *,
+        lora_name: str | None = None,
+        mm_inputs: Sequence[MultimodalInput] = (),
+        num_tokens: int | None = None,
+    ) -> None:
+        """The router sent `tokens` to `source` asking for a pin of `ttl_s` seconds (of
+        its first `num_tokens` tokens; None: all): their full pages are pinned there
+        until `clock() + ttl_s` (a later deadline already noted stands)."""
+        if ttl_s.__class__ not in (int, float) or not ttl_s > 0:
+            raise ValueError(f"ttl_s must be a number of seconds > 0, got {ttl_s!r}")
+        hashes = self.page_hashes(tokens, cache_salt, lora_name, mm_inputs)
+        if num_tokens is not None:
+            hashes = hashes[: num_tokens // self.page_size]
+        deadline = self.clock() + ttl_s
+        pins = self._pins.setdefault(source, {})
+        for h in hashes:
+            pins[h] = max(pins.get(h, deadline), deadline)
+
+    def pinned_pages(self, hashes: Sequence[int]) -> dict[Source, int]:
+        """For each source with live pins, how many leading pages of `hashes` (a prompt's
+        `page_hashes`) they hold (ended pins are forgotten here: expiry is lazy)."""
+        now = self.clock()
+        for source, pins in list(self._pins.items()):
+            for h in [h for h, deadline in pins.items() if deadline <= now]:
+                del pins[h]
+            if not pins:
+                del self._pins[source]
+        out = {}
+        for source, pins in self._pins.items():
+            n = 0
+            while n < len(hashes) and hashes[n] in pins:
+                n += 1
+            out[source] = n
+        return out
 
     def page_hashes(
         self,
@@ -210,15 +300,7 @@ class PrefixRouterIndex:
         if not set(tiers) <= set(TIERS):
             raise ValueError(f"tiers={tiers!r} are not all in {TIERS}")
         hashes = self.page_hashes(tokens, cache_salt, lora_name, mm_inputs)
-        if tiers == TIERS:
-            return {s: len(w) for s, w in self._page_weights(hashes).items()}
-        out = {}
-        for source, held in self._sources.items():
-            n = 0
-            while n < len(hashes) and any(hashes[n] in held[t] for t in tiers):
-                n += 1
-            out[source] = n
-        return out
+        return {s: len(w) for s, w in self._page_weights(hashes, tiers).items()}
 
     def scores(
         self,
@@ -243,20 +325,39 @@ class PrefixRouterIndex:
         mm_inputs: Sequence[MultimodalInput] = (),
     ) -> tuple[Source | None, float]:
         """The source with the highest `scores` for `tokens`, and its score ((None, 0.0)
-        when no source holds the first page); ties go to the source added first."""
-        scores = self.scores(tokens, cache_salt, lora_name=lora_name, mm_inputs=mm_inputs)
-        source = max(scores, key=scores.__getitem__, default=None)
+        when no source holds the first page), a source whose live pins hold more leading
+        pages first (`note_pin`); ties go to the source added first."""
+        hashes = self.page_hashes(tokens, cache_salt, lora_name, mm_inputs)
+        scores = {s: sum(w) for s, w in self._page_weights(hashes).items()}
+        pinned = self.pinned_pages(hashes)
+        source = max(scores, key=lambda s: (pinned.get(s, 0), scores[s]), default=None)
         return (source, scores[source]) if source is not None and scores[source] else (None, 0.0)
 
-    def _page_weights(self, hashes: list[int]) -> dict[Source, list[float]]:
-        """Per source, the weight of each leading page of `hashes` it holds (its best
-        tier's)."""
-        order = sorted(TIERS, key=self.weights.__getitem__, reverse=True)
+    def _page_weights(
+        self, hashes: list[int], tiers: tuple[str, ...] = TIERS
+    ) -> dict[Source, list[float]]:
+        """Per source, the weight of each leading page of `hashes` it holds in `tiers`
+        (its best tier's; a page only the shared store holds weighs `shared_weight`).
+        The store is asked only when some source's own tiers stop short."""
+        order = sorted(tiers, key=self.weights.__getitem__, reverse=True)
+        out = self._walk(hashes, order, 0)
+        if (
+            self.shared is not None
+            and "shared" in tiers
+            and any(len(weights) < len(hashes) for weights in out.values())
+        ):
+            out = self._walk(hashes, order, self.shared.holds(hashes[:SHARED_PROBE_PAGES]))
+        return out
+
+    def _walk(self, hashes: list[int], order: list[str], present: int) -> dict[Source, list[float]]:
+        """`_page_weights` with the shared store holding the first `present` pages."""
         out = {}
-        for source, tiers in self._sources.items():
+        for source, held in self._sources.items():
             weights = []
-            for h in hashes:
-                tier = next((t for t in order if h in tiers[t]), None)
+            for i, h in enumerate(hashes):
+                tier = next((t for t in order if h in held[t]), None)
+                if tier is None and i < present:
+                    tier = "shared"
                 if tier is None:
                     break
                 weights.append(self.weights[tier])

@@ -17,6 +17,8 @@ says about them:
                     token_hash_overrides (one token each), as `mokv.MultimodalInput`s
     session_id      dkv_cache_hint {"session_id": ...} (MAX's per-request KV-cache
                     hint, carried from the HTTP body to the model worker as JSON)
+    cache_control   dkv_cache_hint {"cache_control": ..., "write_policy": ...}
+                    (`mokv.pipelines.cache_control`)
 
 MAX's rule when a prefix hit moves the window (`TokenBuffer.skip_processing`): the
 window keeps its end and at least one token of it stays to compute. mokv's prefix match
@@ -32,8 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from ..config.cache_control import CacheControl
 from ..context import MultimodalInput, RequestID
 from . import seams
+from .cache_control import cache_control_of
 
 
 class MaxContextView:
@@ -120,17 +124,28 @@ class MaxContextView:
                 merged.append([key])
         return tuple(group[0] if len(group) == 1 else _union(group) for group in merged)
 
-    @property
-    def session_id(self) -> str | None:
-        """The `session_id` of the request's `dkv_cache_hint` (a JSON object), if any."""
+    def _hint(self) -> Any:
+        """The request's `dkv_cache_hint`, parsed (None: none, or not JSON)."""
         hint = getattr(self.ctx, "dkv_cache_hint", None)
         if not hint:
             return None
         try:
-            session = json.loads(hint).get("session_id")
-        except (ValueError, AttributeError):  # not JSON, or not an object: no session
+            return json.loads(hint)
+        except ValueError:
             return None
+
+    @property
+    def session_id(self) -> str | None:
+        """The `session_id` of the request's `dkv_cache_hint` (a JSON object), if any."""
+        hint = self._hint()
+        session = hint.get("session_id") if isinstance(hint, dict) else None
         return session if isinstance(session, str) and session else None
+
+    @property
+    def cache_control(self) -> CacheControl | None:
+        """The pin and write policy of the request's `dkv_cache_hint`, which `mokv serve`'s
+        API server checked (`cache_control_of`: ValueError naming a bad one)."""
+        return cache_control_of(self._hint())
 
     def active_idx_after_skip(self, num_tokens: int) -> int:
         """Where the window ends once the first `num_tokens` tokens are cached: MAX's

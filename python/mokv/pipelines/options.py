@@ -14,6 +14,8 @@ keyword arguments of mokv's config class of the same feature:
       endpoint: tcp://*:5557
     sessions:              # mokv.SessionConfig (dkv_cache_hint {"session_id": ...})
       ttl_s: 600
+    pins:                  # mokv.PinConfig (a request's cache_control pins its prompt)
+      max_share: 0.5
 
 Every key is checked: an unknown section or keyword is an error naming it, never a
 setting silently dropped.
@@ -27,6 +29,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
+from ..config.cache_control import PinConfig
 from ..config.events import KVEventsConfig
 from ..config.sessions import SessionConfig
 from ..config.tiers import HostTierConfig, RemoteTierConfig, TierConfig
@@ -37,6 +40,7 @@ SECTIONS: dict[str, type] = {
     "remote_tier": RemoteTierConfig,
     "kv_events": KVEventsConfig,
     "sessions": SessionConfig,
+    "pins": PinConfig,
 }
 """The sections of a mokv config file and the config class each one builds."""
 
@@ -54,11 +58,13 @@ class MokvOptions:
         tiers: the tiers below the device pages, fastest first (`mokv.KVCacheParams.tiers`).
         kv_events: publish the prefix cache's changes (`mokv.KVCacheParams.kv_events`).
         sessions: retain sessions' pages through a pause (`mokv.KVCacheParams.sessions`).
+        pins: let requests pin their prompt (`mokv.KVCacheParams.pins`; docs/serve.md).
     """
 
     tiers: tuple[TierConfig, ...] = ()
     kv_events: KVEventsConfig | None = None
     sessions: SessionConfig | None = None
+    pins: PinConfig | None = None
 
     @classmethod
     def from_mapping(cls, sections: Any, source: str = "the mokv config") -> MokvOptions:
@@ -95,7 +101,7 @@ class MokvOptions:
             except (TypeError, ValueError) as e:
                 raise MokvConfigError(f"{source}: section {name!r}: {e}") from e
         tiers = tuple(built[t] for t in ("host_tier", "remote_tier") if t in built)
-        return cls(tiers, built.get("kv_events"), built.get("sessions"))
+        return cls(tiers, built.get("kv_events"), built.get("sessions"), built.get("pins"))
 
     @classmethod
     def from_file(cls, path: str | PathLike[str]) -> MokvOptions:

@@ -165,7 +165,7 @@ def mokv_params(
     params: Any, options: MokvOptions | None = None, is_di_enabled: bool = False
 ) -> KVCacheParams:
     """mokv's `KVCacheParams` of MAX's `params` (checked: `check_supported`), with the
-    tiers, events and sessions of `options`."""
+    tiers, events, sessions and pins of `options`."""
     check_supported(params, is_di_enabled)
     options = options or MokvOptions()
     (_, first), *_ = max_leaves(params)
@@ -183,5 +183,6 @@ def mokv_params(
         tiers=options.tiers,
         kv_events=options.kv_events,
         sessions=options.sessions,
+        pins=options.pins,
         groups=mokv_groups(params),
     )

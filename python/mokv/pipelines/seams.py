@@ -1,7 +1,7 @@
-"""The three places where mokv reaches into MAX 26.7 where MAX offers no public seam.
+"""The four places where mokv reaches into MAX 26.7 where MAX offers no public seam.
 
 Everything else mokv does with MAX goes through MAX's public names (its manager
-interface, its params, its input types). These three do not, so they are kept here,
+interface, its params, its input types). These four do not, so they are kept here,
 each checked by `check_seams()`, which `tests/pipelines/test_seams.py` runs: if a MAX
 release moves one, that test fails naming it, and so does `mokv serve` at startup.
 
@@ -24,6 +24,13 @@ release moves one, that test fails naming it, and so does `mokv serve` at startu
    that chunks first and reserves after would have its hit refused by
    `TokenBuffer.skip_processing`. `unchunk` restores the whole remaining window
    (`TokenBuffer` has no public call that does so without marking the chunk processed).
+
+4. The `usage` of MAX's OpenAI routes. They build each response (completion and chat
+   completion, whole or the last chunk of a stream) from the model names their module
+   holds, with the request's id and its usage, and nothing a request or the pipeline
+   returns can add fields to that usage. `install_usage` rebinds those four names, in
+   the API server's process, to subclasses that add Anthropic's cache counters
+   (`mokv.pipelines.cache_control.with_cache_usage`).
 """
 
 from __future__ import annotations
@@ -42,22 +49,34 @@ PIPELINE_MODULES = (
 
 LOADER_NAME = "load_kv_manager"
 
+ROUTES_MODULE = "max.serve.router.openai_routes"
+"""MAX's OpenAI routes, which build every completion's and chat completion's usage."""
+RESPONSE_NAMES = (
+    "CreateCompletionResponse",
+    "CompletionStreamResponse",
+    "CreateChatCompletionResponse",
+    "CreateChatCompletionStreamResponse",
+)
+"""The response models MAX's OpenAI routes build with an `id` and a `usage`."""
+
 
 class MaxSeamError(MokvError, RuntimeError):
     """A MAX internal that mokv relies on (module docstring) is not where it was."""
 
 
-def wrap_retrieved_pipelines(wrap: Callable[[Any], Any]) -> None:
+def wrap_retrieved_pipelines(wrap: Callable[[Any, Any], Any]) -> None:
     """Makes `PIPELINE_REGISTRY.retrieve_factory` (the call `max serve` gets its tokenizer
     and its model worker's pipeline factory from) return `wrap(retrieved)` in place of
-    each `RetrievedPipeline` it returns, in this process."""
+    each `RetrievedPipeline` it returns (and the `PipelineConfig` it was asked for), in
+    this process."""
     check_seams()
     from max.pipelines import PIPELINE_REGISTRY
 
     retrieve = type(PIPELINE_REGISTRY).retrieve_factory
 
-    def retrieve_factory(*args: Any, **kwargs: Any) -> Any:
-        return wrap(retrieve(PIPELINE_REGISTRY, *args, **kwargs))
+    def retrieve_factory(pipeline_config: Any, *args: Any, **kwargs: Any) -> Any:
+        retrieved = retrieve(PIPELINE_REGISTRY, pipeline_config, *args, **kwargs)
+        return wrap(retrieved, pipeline_config)
 
     PIPELINE_REGISTRY.retrieve_factory = retrieve_factory
 
@@ -71,6 +90,19 @@ def install_kv_manager_loader(loader: Callable[..., Any]) -> None:
         setattr(importlib.import_module(name), LOADER_NAME, loader)
 
 
+def install_usage(with_usage: Callable[[type], type]) -> None:
+    """Makes MAX's OpenAI routes build every response with `with_usage(model)` (a
+    subclass of each of `RESPONSE_NAMES`), in this process; once."""
+    check_seams()
+    routes = importlib.import_module(ROUTES_MODULE)
+    for name in RESPONSE_NAMES:
+        base = getattr(routes, name)
+        if not getattr(base, "mokv_usage", False):
+            model = with_usage(base)
+            model.mokv_usage = True  # type: ignore[attr-defined]
+            setattr(routes, name, model)
+
+
 def unchunk(tokens: Any) -> None:
     """Extends a chunked MAX `TokenBuffer`'s active window to the end of its tokens."""
     tokens._processing_range.end = len(tokens)
@@ -78,10 +110,12 @@ def unchunk(tokens: Any) -> None:
 
 
 def check_seams() -> None:
-    """MaxSeamError naming what moved, unless the three seams are where mokv expects
+    """MaxSeamError naming what moved, unless the four seams are where mokv expects
     them: the registry's `retrieve_factory` returns a dataclass with a `factory`, each
     pipeline module holds MAX's `load_kv_manager` (or a loader mokv installed) as a
-    global, and MAX's `TokenBuffer` keeps its window in the fields `unchunk` sets."""
+    global, MAX's `TokenBuffer` keeps its window in the fields `unchunk` sets, and MAX's
+    OpenAI routes hold the response models of `RESPONSE_NAMES` as globals, each with an
+    `id` and a `usage` field."""
     from max.pipelines import PIPELINE_REGISTRY
     from max.pipelines.context import TokenBuffer
     from max.pipelines.kv_cache import load_kv_manager
@@ -106,3 +140,17 @@ def check_seams() -> None:
     for field in ("_processing_range", "_actively_chunked"):
         if field not in fields:
             raise MaxSeamError(f"MAX's TokenBuffer has no field {field} any more")
+    _check_usage()
+
+
+def _check_usage() -> None:
+    try:
+        routes = importlib.import_module(ROUTES_MODULE)
+    except ImportError as e:
+        raise MaxSeamError(f"MAX no longer has the module {ROUTES_MODULE} ({e})") from e
+    for name in RESPONSE_NAMES:
+        fields = getattr(getattr(routes, name, None), "model_fields", {})
+        if "id" not in fields or "usage" not in fields:
+            raise MaxSeamError(
+                f"{ROUTES_MODULE}.{name} is no longer a response model with an id and a usage"
+            )

@@ -6,8 +6,8 @@ Every option but `--mokv-config` is `max serve`'s, parsed and served by MAX's ow
 the API server, the scheduler, the pipeline, the model. The one thing that changes is
 the KV cache in MAX's model worker: its pipeline builds a mokv cache (`load_kv_manager`)
 where it would build MAX's own, sized from MAX's memory plan, so MAX's own pool is never
-allocated. `--mokv-config FILE` adds mokv's host and shared tiers, KV-cache events and
-sessions (`MokvOptions`).
+allocated. `--mokv-config FILE` adds mokv's host and shared tiers, KV-cache events, sessions
+and pins (`MokvOptions`).
 
 How: `max serve` builds its pipeline in a model-worker process it spawns, from a
 picklable factory that `PIPELINE_REGISTRY.retrieve_factory` returns. `mokv serve` wraps
@@ -15,10 +15,12 @@ that factory (`seams.wrap_retrieved_pipelines`); in the worker the wrapper makes
 pipelines build their manager with mokv's loader (`seams.install_kv_manager_loader`),
 builds the pipeline, and checks that the pipeline holds a mokv cache.
 
-One more difference from `max serve`: a prompt of token ids outside the model's
-vocabulary is refused with HTTP 400 by the API server (`PromptCheckingTokenizer`),
-where MAX 26.7 hands it to the model worker, whose embedding gather fails and takes the
-worker, and the server, down with it.
+Two more differences from `max serve`, both in the API server's tokenizer
+(`PromptCheckingTokenizer`): a prompt of token ids outside the model's vocabulary is
+refused with HTTP 400, where MAX 26.7 hands it to the model worker, whose embedding
+gather fails and takes the worker, and the server, down with it; and a request's cache
+control (a pin, a write policy: `cache_control.py`) is checked and carried to the worker,
+its usage reporting Anthropic's cache counters (`seams.install_usage`).
 """
 
 from __future__ import annotations
@@ -33,10 +35,16 @@ from typing import Any
 
 import numpy as np
 
+from . import cache_control
 from .loader import load_kv_manager
 from .manager import KVCacheManager
 from .options import MokvOptions
-from .seams import MaxSeamError, install_kv_manager_loader, wrap_retrieved_pipelines
+from .seams import (
+    MaxSeamError,
+    install_kv_manager_loader,
+    install_usage,
+    wrap_retrieved_pipelines,
+)
 
 logger = logging.getLogger("max.pipelines")  # MAX's worker shows its own loggers
 
@@ -44,7 +52,7 @@ USAGE = """usage: mokv serve [--mokv-config FILE] [max serve options ...]
 
 MAX's OpenAI-compatible server (`max serve`) with a mokv KV cache. Every option but
 --mokv-config is `max serve`'s (`mokv serve --help` lists them); --mokv-config FILE
-(YAML) adds mokv's tiers, KV-cache events and sessions (docs/serve.md)."""
+(YAML) adds mokv's tiers, KV-cache events, sessions and pins (docs/serve.md)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,7 @@ class MokvPipelineFactory:
         _, total = manager.manager.page_counts(0)
         logger.info(
             "mokv KV cache: %d pages of %d tokens per replica (%d bytes each, %d replica(s)); "
-            "tiers %s, events %s, sessions %s; MAX's own pool is not allocated",
+            "tiers %s, events %s, sessions %s, pins %s; MAX's own pool is not allocated",
             total,
             params.page_size,
             params.bytes_per_page(manager.manager.num_layers),
@@ -87,6 +95,7 @@ class MokvPipelineFactory:
             [tier.name for tier in params.tiers] or "none",
             params.kv_events.endpoint if params.kv_events else "off",
             "on" if params.sessions else "off",
+            f"up to {params.pins.max_share:.0%} of the pages" if params.pins else "off",
         )
         return pipeline
 
@@ -94,10 +103,14 @@ class MokvPipelineFactory:
 class PromptCheckingTokenizer:
     """MAX's tokenizer (every member is the wrapped one's), whose `new_context` refuses a
     prompt with a token id outside `[0, vocab_size)` with MAX's `InputError` (the API
-    server's HTTP 400), naming the id."""
+    server's HTTP 400), naming the id, and carries the request's cache control to the
+    worker (`cache_control.carry`: a bad one is an `InputError` too). `page_size`: the
+    cache's; `pins`: whether the server pins (`MokvOptions.pins`)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, page_size: int = 1, pins: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._page_size = page_size
+        self._pins = pins
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
@@ -115,14 +128,19 @@ class PromptCheckingTokenizer:
                     f"the prompt holds token id {int(outside[0])}, outside the model's "
                     f"vocabulary [0, {vocab_size})"
                 )
+        try:
+            cache_control.carry(request, context, self._page_size, self._pins)
+        except ValueError as e:
+            raise InputError(str(e)) from None
         return context
 
 
-def mokv_pipeline(retrieved: Any, options: MokvOptions) -> Any:
-    """MAX's `RetrievedPipeline` with mokv's cache in its pipeline and its prompts checked."""
+def mokv_pipeline(retrieved: Any, options: MokvOptions, page_size: int = 1) -> Any:
+    """MAX's `RetrievedPipeline` with mokv's cache in its pipeline and its prompts checked
+    (`page_size`: the cache's)."""
     return dataclasses.replace(
         retrieved,
-        tokenizer=PromptCheckingTokenizer(retrieved.tokenizer),
+        tokenizer=PromptCheckingTokenizer(retrieved.tokenizer, page_size, options.pins is not None),
         factory=MokvPipelineFactory(retrieved.factory, options),
     )
 
@@ -150,7 +168,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(USAGE, file=sys.stderr)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     options, rest = split_mokv_args(argv[1:])
-    wrap_retrieved_pipelines(lambda retrieved: mokv_pipeline(retrieved, options))
+    wrap_retrieved_pipelines(
+        lambda retrieved, config: mokv_pipeline(
+            retrieved, options, config.model.kv_cache.kv_cache_page_size
+        )
+    )
+    install_usage(cache_control.with_cache_usage)
     from max._entrypoints.pipelines import main as max_main
 
     # MAX's native code sets PYTHONEXECUTABLE to the first `python3` on PATH when it

@@ -4,8 +4,10 @@
     codec.py    PageCodec: a value's header, checksum and optional MAC tag, bound to its
                 key space (`encode` / `decode`, which trusts nothing it reads)
     breaker.py  CircuitBreaker: stop asking a failing server for a while
+    nodes.py    RedisNodes: one server or a Redis Cluster's masters, each with its
+                breaker; a batch of commands routed by hash slot, a failure a miss
     store.py    RemotePageStore: put (queued, SET NX, pipelined, off the caller's path),
-                probe / lookup (pipelined chain probes), RemoteMetrics
+                probe / holds / lookup (pipelined chain probes), RemoteMetrics
 
 A paged replica's tier over these stores is `mokv.tiers.remote` (`RemoteTierConfig`;
 the README's "Shared tier" section).

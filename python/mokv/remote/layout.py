@@ -1,12 +1,18 @@
 """What a remote page is: its layout, its fingerprint and its Redis key. Its value's
 bytes are `codec.py`'s.
 
-Key (readable, so an operator can `redis-cli --scan --pattern 'mokv:v3:<namespace>:*'`):
+Key (readable, so an operator can `redis-cli --scan --pattern 'mokv:v4:<namespace>:*'`):
 
-    mokv:v3:{namespace}:{fingerprint}[.mac-{key id}]:{page hash as 16 hex digits}
+    mokv:v4:{namespace}:{fingerprint}[.mac-{key id}]:{page hash as 16 hex digits}
     fingerprint = {dtype}.p{page_size}.l{layers}.h{kv heads per device}.d{head_dim}
-                  .tp{rank}-{degree}.{prefix hash algorithm}
-    e.g. mokv:v3:llama-3.2-1b:bfloat16.p128.l16.h8.d64.tp0-1.xxh3:9f0c1e2d3a4b5c6d
+                  .tp{rank}-{degree}.{group kind}.{prefix hash algorithm}
+    e.g. mokv:v4:llama-3.2-1b:bfloat16.p128.l16.h8.d64.tp0-1.full.xxh3:9f0c1e2d3a4b5c6d
+
+The fingerprint is the cache layout: two servers whose pages differ in any of dtype,
+page size, layers, heads, head_dim, shard, group kind or hash scheme write and read
+disjoint keys, and each value names its key prefix (the codec's key space digest), so a
+value copied under another layout's key is refused too. `v4` names the key and value
+format (the codec's `VERSION` is its value half).
 
 The page hash is mokv's chained page hash (`mokv.cache.hashing`): stable across
 processes and machines, and it already includes the cache salt and the hash seed, so
@@ -19,6 +25,7 @@ space, issue 41).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -28,9 +35,14 @@ from ..config.base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS
 from ..config.params import KVCacheParams
 from ..config.tiers import REMOTE_NAMESPACE
 
-KEY_PREFIX = "mokv:v3"  # v3: values carry their keys digest (codec VERSION 3)
+KEY_PREFIX = "mokv:v4"  # v4: the fingerprint names the group kind (v3: keys digest)
 DTYPE_CODES = {DType.float32: 1, DType.bfloat16: 2, DType.float16: 3}
 assert set(DTYPE_CODES) == set(CACHE_DTYPES)
+GROUP_KIND = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+"""A group kind in a fingerprint: a lowercase name, with its own parameters after a '-'
+(e.g. a sliding window's size), never a '.' or ':' that would make keys ambiguous."""
+FULL_ATTENTION = "full"
+"""The group kind of a paged manager's pages: every token's keys and values, kept."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +50,9 @@ class RemoteLayout:
     """The shape of one stored page: everything two servers must agree on to share it.
 
     One layout per device shard: with tensor parallelism each device stores its own
-    heads under its own `tp_rank`.
+    heads under its own `tp_rank`. `group` is the kind of cache group the pages belong
+    to (`FULL_ATTENTION`: a paged manager's; another kind's pages hold other tokens
+    under the same hashes, so they must never be read for these).
     """
 
     dtype: DType
@@ -49,6 +63,7 @@ class RemoteLayout:
     tp_rank: int = 0
     tp_degree: int = 1
     prefix_hash: str = "xxh3"
+    group: str = FULL_ATTENTION
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CODES:
@@ -64,6 +79,11 @@ class RemoteLayout:
             raise ValueError(
                 f"prefix_hash={self.prefix_hash!r}: a shared tier needs a stable hash "
                 "('xxh3' or 'sha256')"
+            )
+        if not isinstance(self.group, str) or not GROUP_KIND.fullmatch(self.group):
+            raise ValueError(
+                f"group={self.group!r} is not a group kind (a lowercase name such as "
+                f"{FULL_ATTENTION!r}, of [a-z0-9_-])"
             )
 
     @classmethod
@@ -97,11 +117,11 @@ class RemoteLayout:
         return (
             f"{self.dtype.name}.p{self.page_size}.l{self.num_layers}"
             f".h{self.n_kv_heads_per_device}.d{self.head_dim}"
-            f".tp{self.tp_rank}-{self.tp_degree}.{self.prefix_hash}"
+            f".tp{self.tp_rank}-{self.tp_degree}.{self.group}.{self.prefix_hash}"
         )
 
     def key_prefix(self, namespace: str, key_id: str | None = None) -> str:
-        """`mokv:v3:{namespace}:{fingerprint}:`, or `...{fingerprint}.mac-{key_id}:` for
+        """`mokv:v4:{namespace}:{fingerprint}:`, or `...{fingerprint}.mac-{key_id}:` for
         values sealed with a MAC key (`codec.PageCodec`); ValueError for a namespace
         that could make two keys ambiguous (empty, too long, or with ':' or spaces)."""
         if not isinstance(namespace, str) or not REMOTE_NAMESPACE.fullmatch(namespace):

@@ -1,10 +1,11 @@
-"""RemotePageStore: a content-addressed page store on Redis, shared by many servers.
+"""RemotePageStore: a content-addressed page store on Redis (one server, or a Redis
+Cluster), shared by many servers.
 
 What the manager's lookup chain calls (device -> host -> remote):
 
     put(page_hash, token_bytes, page)   copy the page and queue it; never blocks, never
                                         raises for a server problem; False if dropped
-    probe(chain)                        how many leading pages of the chain the server
+    probe(chain) / holds(hashes)        how many leading pages of the chain the server
                                         holds (one pipelined round trip; not validated)
     lookup(chain, max_pages)            the validated bytes of the leading pages the
                                         server holds: one round trip to probe, one more
@@ -15,11 +16,17 @@ What the manager's lookup chain calls (device -> host -> remote):
 in chain order: exactly what `mokv.cache.hashing.iter_page_hashes` yields from where the
 device and host tiers stop (only the first `max_pages` are read).
 
+A page is one key (`codec.PageCodec.key`); on a Redis Cluster the pages spread over the
+masters by their keys' hash slots, and each round trip is one pipeline per master
+(`nodes.RedisNodes`).
+
 Failure is a miss, never an error or a wrong page:
 1. every round trip has a socket timeout (`timeout_s`) and is tried at most twice
    (a second time only for a dropped connection, e.g. a restarted server);
-2. a `CircuitBreaker` stops all traffic after `failure_threshold` failed round trips in
-   a row, for `cooldown_s`, then lets one trial through;
+2. each server (each master of a cluster) has a `CircuitBreaker`, which stops its
+   traffic after `failure_threshold` failed round trips in a row, for `cooldown_s`, then
+   lets one trial through; a page on a server that failed, or that redirected (its
+   slots moved in a failover), is a miss, and the other servers' pages are served;
 3. a value is returned only if `PageCodec.decode` accepts it (checksum, layout, key
    space, page hash and token ids all exactly right, and the MAC tag with a `mac_key`);
    the first rejected or absent page ends the hits;
@@ -38,18 +45,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from itertools import islice
-
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from ..config.tiers import MAX_TIMEOUT_S
 from .breaker import CircuitBreaker
 from .codec import PageCodec, Rejection
 from .layout import RemoteLayout
+from .nodes import NodeReplies, RedisNodes
 
 
 @dataclass
@@ -71,7 +75,10 @@ class RemoteMetrics:
         drops: pages `put` could not queue (queue full, or the store closed).
         skipped: round trips not attempted because the breaker was open (reads), and
             pages discarded for the same reason (writes).
-        breaker_trips: times the breaker opened.
+        redirects: commands a cluster node answered with a redirection (MOVED, ASK,
+            CLUSTERDOWN, TRYAGAIN: its slots moved or are not served now); each is a
+            miss, and the slot map is asked for again.
+        breaker_trips: times a server's breaker opened.
     """
 
     lookups: int = 0
@@ -90,6 +97,7 @@ class RemoteMetrics:
     timeouts: int = 0
     drops: int = 0
     skipped: int = 0
+    redirects: int = 0
     breaker_trips: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -109,16 +117,16 @@ _REJECTION_COUNTER = {
     Rejection.TOKENS: "rejected_tokens",
     Rejection.MAC: "rejected_mac",
 }
-_NETWORK_ERRORS = (redis.RedisError, OSError)
 logger = logging.getLogger(__name__)
 
 
 class RemotePageStore:
-    """Pages of one layout (one device shard) under one namespace on one Redis server."""
+    """Pages of one layout (one device shard) under one namespace on one Redis server or
+    one Redis Cluster."""
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         namespace: str,
         layout: RemoteLayout,
         *,
@@ -129,8 +137,9 @@ class RemotePageStore:
         failure_threshold: int = 3,
         cooldown_s: float = 5.0,
     ) -> None:
-        """`url`: `redis://host:port/db` (or `rediss://`, `unix://`); nothing is sent
-        until the first call. `mac_key`: seal and check every value with this secret,
+        """`url`: `redis://host:port/db` (or `rediss://`, `unix://`), or a tuple of the
+        `redis://host:port` URLs of a Redis Cluster's seed nodes; nothing is sent until
+        the first call. `mac_key`: seal and check every value with this secret,
         shared by the servers (`codec.PageCodec`). `timeout_s` bounds each connect and
         each reply."""
         self.codec = PageCodec(layout, namespace, mac_key)
@@ -148,15 +157,8 @@ class RemotePageStore:
         self.layout = layout
         self.namespace = namespace
         self.metrics = RemoteMetrics()
-        self.breaker = CircuitBreaker(failure_threshold, cooldown_s)
-        # One retry, without backoff, for a connection the server dropped (a restart);
-        # timeouts are never retried, so a slow server costs at most timeout_s per try.
-        self._client = redis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-            health_check_interval=0,
+        self.nodes = RedisNodes(
+            url, timeout_s=timeout_s, failure_threshold=failure_threshold, cooldown_s=cooldown_s
         )
         self._metrics_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -169,6 +171,14 @@ class RemotePageStore:
             target=self._write_loop, name="mokv-remote-writer", daemon=True
         )
         self._writer.start()
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        """The breaker of a store on one server (on a cluster, each node has its own:
+        `nodes`)."""
+        if self.nodes.cluster:
+            raise AttributeError("a cluster's store has one breaker per node: see `nodes`")
+        return self.nodes.nodes[0].breaker
 
     @property
     def max_queued_pages(self) -> int:
@@ -208,7 +218,7 @@ class RemotePageStore:
             self._closed = True
             self._cond.notify_all()
         self._writer.join(timeout_s)
-        self._client.close()
+        self.nodes.close()
 
     def __enter__(self) -> RemotePageStore:  # noqa: PYI034 (typing.Self is 3.11+)
         return self
@@ -237,30 +247,39 @@ class RemotePageStore:
                     self._cond.notify_all()
 
     def _send(self, batch: list[tuple[str, bytearray, int]]) -> None:
-        if not self.breaker.allow():
-            self._count(skipped=len(batch))
-            return
-        pipe = self._client.pipeline(transaction=False)
-        for key, value, page_hash in batch:
+        for _, value, page_hash in batch:
             self.codec.seal(value, page_hash)
-            pipe.set(key, memoryview(value), nx=True)
-        replies = self._round_trip(pipe.execute)
-        if replies is None:
-            return
-        written = sum(1 for r in replies if r)
+        commands = [("SET", key, memoryview(value), "NX") for key, value, _ in batch]
+        out = self._run(commands, count_pages=True)
+        written = [bool(r) for r, ok in zip(out.replies, out.answered) if ok]
         self._count(
-            pages_written=written,
-            pages_present=len(replies) - written,
-            bytes_written=sum(len(v) for r, (_, v, _) in zip(replies, batch) if r),
+            pages_written=sum(written),
+            pages_present=len(written) - sum(written),
+            bytes_written=sum(
+                len(v) for r, ok, (_, v, _) in zip(out.replies, out.answered, batch) if ok and r
+            ),
         )
 
     # --- reads ----------------------------------------------------------------------
 
     def probe(self, chain: Iterable[tuple[int, bytes]], max_pages: int | None = None) -> int:
         """How many leading pages of `chain` (at most `max_pages`) the server holds: one
-        pipelined EXISTS per page, one round trip. Not validated (`lookup` may return
-        fewer) and not counted as hits: a query for planning or routing."""
-        return self._probe(list(islice(chain, max_pages)))
+        pipelined EXISTS per page, one round trip per server. Not validated (`lookup`
+        may return fewer) and not counted as hits: a query for planning or routing."""
+        return self.holds([page_hash for page_hash, _ in islice(chain, max_pages)])
+
+    def holds(self, page_hashes: Sequence[int]) -> int:
+        """`probe` by the pages' hashes alone (what a router has): 0 on any failure,
+        after at most one timeout per server (`mokv.events.PrefixRouterIndex(shared=)`)."""
+        if not page_hashes:
+            return 0
+        out = self._run([("EXISTS", self.key(page_hash)) for page_hash in page_hashes])
+        found = 0
+        for reply, ok in zip(out.replies, out.answered):
+            if not ok or not reply:
+                break
+            found += 1
+        return found
 
     def lookup(
         self, chain: Iterable[tuple[int, bytes]], max_pages: int | None = None
@@ -273,12 +292,13 @@ class RemotePageStore:
         chain = list(islice(chain, max_pages))
         self._count(lookups=1)
         pages: list[memoryview] = []
-        found = self._probe(chain)
+        found = self.holds([page_hash for page_hash, _ in chain])
         if found:
-            values = self._round_trip(self._client.mget, [self.key(h) for h, _ in chain[:found]])
-            for value, (page_hash, tokens) in zip(values or (), chain):
-                if value is None:  # evicted between the two round trips
+            out = self._run([("GET", self.key(h)) for h, _ in chain[:found]])
+            for value, ok, (page_hash, tokens) in zip(out.replies, out.answered, chain):
+                if not ok or value is None:  # a failed node, or evicted since the probe
                     break
+                assert isinstance(value, bytes)
                 self._count(bytes_read=len(value))
                 page = self.codec.decode(value, page_hash, tokens)
                 if isinstance(page, Rejection):
@@ -288,41 +308,19 @@ class RemotePageStore:
         self._count(hits=len(pages), misses=int(len(pages) < len(chain)))
         return pages
 
-    def _probe(self, chain: list[tuple[int, bytes]]) -> int:
-        if not chain:
-            return 0
-        pipe = self._client.pipeline(transaction=False)
-        for page_hash, _ in chain:
-            pipe.exists(self.key(page_hash))
-        replies = self._round_trip(pipe.execute) or ()
-        found = 0
-        for reply in replies:
-            if not reply:
-                break
-            found += 1
-        return found
-
     # --- plumbing -------------------------------------------------------------------
 
-    def _round_trip(self, call, *args):
-        """`call(*args)` under the breaker; None (counted) if refused or failed."""
-        if not self.breaker.allow():
-            self._count(skipped=1)
-            return None
-        try:
-            result = call(*args)
-        except _NETWORK_ERRORS as e:
-            self.breaker.failure()
-            timeout = isinstance(e, (redis.TimeoutError, TimeoutError))
-            self._count(timeouts=int(timeout), errors=int(not timeout))
-            with self._metrics_lock:
-                self.metrics.breaker_trips = self.breaker.trips
-            return None
-        except BaseException:  # not the server's fault, but never leave a trial open
-            self.breaker.failure()
-            raise
-        self.breaker.success()
-        return result
+    def _run(self, commands: list[tuple], count_pages: bool = False) -> NodeReplies:
+        """`commands` on the servers (`RedisNodes.run`), their failures counted; what a
+        breaker skipped counts in round trips (reads) or in pages (`count_pages`: writes)."""
+        out = self.nodes.run(commands)
+        skipped = out.skipped_commands if count_pages else out.skipped
+        self._count(
+            errors=out.errors, timeouts=out.timeouts, skipped=skipped, redirects=out.redirects
+        )
+        with self._metrics_lock:
+            self.metrics.breaker_trips = self.nodes.breaker_trips
+        return out
 
     def _count(self, **deltas: int) -> None:
         with self._metrics_lock:

@@ -17,6 +17,8 @@ the optional capabilities a tier may add, each its own Protocol below):
     close                   close()
     metrics                 metrics(), reset_metrics()
     sessions                [retain(hashes), unretain(hashes, old_end)]
+    pins                    [pin_prefixes(hashes), unpin_prefixes(hashes),
+                             holds_pinned(hash)]
     events                  [publish_to(recorder)]
     enable_runtime_checks   [check_invariants(pinned)]
     undo                    [undo: the manager's log]
@@ -150,6 +152,25 @@ class Pinning(Protocol):
 
     def unpin(self, hits: Sequence[TierHit]) -> None:
         """The reservation of `hits` was loaded or dropped. Cannot fail half-way."""
+        ...
+
+
+@runtime_checkable
+class PrefixPinning(Protocol):
+    """A tier that keeps pinned prefixes until their pins end (`mokv.PinConfig`): the
+    device may then evict a pinned page the tier holds (`holds_pinned`)."""
+
+    def pin_prefixes(self, page_hashes: Sequence[int]) -> None:
+        """Live pins hold these hashes (none held them before): the tier never evicts
+        their pages, held now or stored later. Cannot fail half-way."""
+        ...
+
+    def unpin_prefixes(self, page_hashes: Sequence[int]) -> None:
+        """No live pin holds these hashes any more. Cannot fail half-way."""
+        ...
+
+    def holds_pinned(self, page_hash: int) -> bool:
+        """Whether the tier holds this pinned hash's page (pure)."""
         ...
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 from max.driver import Buffer
 
@@ -97,6 +97,7 @@ class HostTier:
         self._min_hits = config.min_hits
         self._page_hits = [0] * device_pool.num_pages if self._min_hits else []
         self._promoted: list[DeviceHit] = []
+        self._prefix_pins: set[int] = set()  # hashes live pins hold: never evicted here
 
     @property
     def undo(self) -> UndoLog | None:
@@ -213,7 +214,11 @@ class HostTier:
         still free), never a hash over other bytes: the targets are indexed only after
         their bytes were copied.
         """
-        plan = self.pool.plan_store(hashes, self._pinned)
+        protected: Collection[int] = self._pinned
+        if self._prefix_pins:
+            held = map(self.pool.page_of, self._prefix_pins)
+            protected = {*self._pinned, *(p for p in held if p is not None)}
+        plan = self.pool.plan_store(hashes, protected)
         self.pool.touch(plan.present)
         if not plan.entries:
             return
@@ -229,6 +234,10 @@ class HostTier:
             [parents[i] for i in e],
             [keys[i] for i in e],
         )
+        if self._prefix_pins:  # their device pages may spill now (`PagePool.spill`)
+            self._device_pool.note_spillable(
+                h for h in (hashes[i] for i in e) if h in self._prefix_pins
+            )
 
     def _restore_hits(self, counts: list[tuple[int, int]], num_promoted: int) -> None:
         for page_id, count in counts:  # each the value before the change
@@ -261,6 +270,26 @@ class HostTier:
     def reset_metrics(self) -> None:
         self.pages.bytes_to_host = self.pages.bytes_from_host = 0
         self.pool.num_evicted_unused = self.pool.num_evicted_retained = 0
+
+    def pin_prefixes(self, page_hashes: Sequence[int]) -> None:
+        self._prefix_pins.update(page_hashes)
+        if self.undo is not None:
+            self.undo.push(self._prefix_pins.difference_update, list(page_hashes))
+        self._device_pool.note_spillable(h for h in page_hashes if self.holds_pinned(h))
+
+    def unpin_prefixes(self, page_hashes: Sequence[int]) -> None:
+        gone = [h for h in page_hashes if h in self._prefix_pins]
+        self._prefix_pins.difference_update(gone)
+        if self.undo is not None:
+            self.undo.push(self._prefix_pins.update, gone)
+
+    @property
+    def pinned_prefixes(self) -> frozenset[int]:
+        """The hashes live pins hold (`pin_prefixes`)."""
+        return frozenset(self._prefix_pins)
+
+    def holds_pinned(self, page_hash: int) -> bool:
+        return page_hash in self._prefix_pins and self.pool.page_of(page_hash) is not None
 
     def retain(self, page_hashes: Sequence[int]) -> None:
         self.pool.retain(page_hashes)

@@ -123,6 +123,10 @@ class HostPagePool(HostPagePoolUndo):
             return None
         return page_id
 
+    def page_of(self, page_hash: int) -> int | None:
+        """The host page stored under `page_hash`, if any."""
+        return self._index.get(page_hash)
+
     def page_hash(self, page_id: int) -> int | None:
         return self._page_hash[page_id]
 

@@ -26,6 +26,7 @@ from .base import (
     CommittedPages,
     DeviceHit,
     Pinning,
+    PrefixPinning,
     Publishing,
     ReservationNoticed,
     Retaining,
@@ -81,6 +82,7 @@ class TierStack:
         # to the tiers that have them.
         self._pinning = [tier if isinstance(tier, Pinning) else None for tier in self.tiers]
         self._retaining = [tier for tier in self.tiers if isinstance(tier, Retaining)]
+        self._prefix_pinning = [tier for tier in self.tiers if isinstance(tier, PrefixPinning)]
         self._noticed = [tier for tier in self.tiers if isinstance(tier, ReservationNoticed)]
         self._publishing = [tier for tier in self.tiers if isinstance(tier, Publishing)]
         self._checked = [tier if isinstance(tier, Checked) else None for tier in self.tiers]
@@ -179,6 +181,29 @@ class TierStack:
     def unretain(self, page_hashes: Sequence[int], old_end: bool = True) -> None:
         for tier in self._retaining:
             tier.unretain(page_hashes, old_end)
+
+    # --- pins -------------------------------------------------------------------------
+
+    def pin_prefixes(self, page_hashes: Sequence[int]) -> None:
+        """Live pins hold these hashes, in the tiers that keep pins (`PrefixPinning`)."""
+        if page_hashes:
+            for tier in self._prefix_pinning:
+                tier.pin_prefixes(page_hashes)
+
+    def unpin_prefixes(self, page_hashes: Sequence[int]) -> None:
+        if page_hashes:
+            for tier in self._prefix_pinning:
+                tier.unpin_prefixes(page_hashes)
+
+    def holds_pinned(self, page_hash: int) -> bool:
+        """Whether a tier that keeps pins holds this pinned hash: then its device page
+        may spill (`PagePool.spill`)."""
+        return any(tier.holds_pinned(page_hash) for tier in self._prefix_pinning)
+
+    @property
+    def keeps_pins(self) -> bool:
+        """Whether some tier keeps pinned prefixes."""
+        return bool(self._prefix_pinning)
 
     # --- the rest, tier by tier -----------------------------------------------------
 

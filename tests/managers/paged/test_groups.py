@@ -278,6 +278,7 @@ def test_a_cache_of_groups_refuses_what_it_does_not_hold(session):
         (dict(tiers=(mokv.HostTierConfig(swap_space_gb=8 * page / 2**30),)), "tiers"),
         (dict(sessions=mokv.SessionConfig()), "sessions"),
         (dict(kv_events=mokv.KVEventsConfig(endpoint="inproc://groups")), "kv_events"),
+        (dict(pins=mokv.PinConfig(), enable_prefix_caching=True), "pins"),
     ]:
         with pytest.raises(ValueError, match=f"{name}=.*cache of groups"):
             make_paged(session, groups=hybrid(5), **extra)

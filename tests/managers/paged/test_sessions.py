@@ -22,9 +22,10 @@ class Clock:
         return self.now
 
 
-def turn(m, tokens, session_id=None, request_id=None) -> TextContext:
+def turn(m, tokens, session_id=None, request_id=None, cache_control=None) -> TextContext:
     """One whole request: prefill, one token, commit, release."""
-    ctx = TextContext(np.asarray(tokens), request_id, session_id=session_id)
+    ctx = TextContext(np.asarray(tokens), request_id, session_id=session_id,
+                      cache_control=cache_control)
     m.external_claim(ctx.request_id)
     m.fetch([ctx])
     ctx.update(1)

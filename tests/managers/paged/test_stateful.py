@@ -457,11 +457,81 @@ class GroupMachine(PagedManagerMachine):
         super().teardown()
 
 
+PIN_TTL_S = (5.0, 30.0)
+
+
+class PinMachine(SessionMachine):
+    """The sessions' rules with pins (a budget of 4 of the 8 device pages, the host tier
+    keeping what spills): turns that pin their prefix at release, sessions pinning
+    their context, write policies, and time passing on the same clock. Besides the
+    above:
+
+    - every hash of a live pin is held by the device or the host tier (never lost);
+    - pins hold at most the budget, and the pool pins exactly their hashes (checks);
+    - the pages add up: free + owned + pinned pages that cannot spill = all;
+    - a pin past its deadline is ended by the next reservation."""
+
+    totals_pins = mokv.CacheControlMetrics()
+
+    def options(self) -> dict:
+        options = super().options()
+        return dict(options, pins=mokv.PinConfig(max_share=0.5, clock=self.clock))
+
+    def teardown(self):
+        PinMachine.totals_pins += self.m.metrics.cache_control
+        super().teardown()
+
+    @property
+    def pins(self):
+        return self.m.replicas[0].pins
+
+    @precondition(lambda self: len(self.running) < 4)
+    @rule(prompt=prompts, ttl=st.sampled_from(PIN_TTL_S),
+          write=st.sampled_from(["all", "read_only", "prefix"]))
+    def pinned_turn(self, prompt, ttl, write):
+        """A whole request that pins its prefix at release, under a write policy."""
+        self.pinned_turns = getattr(self, "pinned_turns", 0) + 1
+        control = mokv.CacheControl(pin_ttl_s=ttl, write=write,
+                                    write_limit_tokens=4 if write == "prefix" else None)
+        ctx = TextContext(prompt, request_id=f"pin{self.pinned_turns}", cache_control=control)
+        self.serve_whole(ctx)
+
+    @rule(sid=st.sampled_from(SESSION_IDS), ttl=st.sampled_from(PIN_TTL_S))
+    def pin_session(self, sid, ttl):
+        chain = self.table.retained(sid)
+        grant = self.m.pin_session(sid, ttl)
+        assert grant.requested_tokens == 4 * len(chain) >= grant.pinned_tokens
+
+    @invariant()
+    def live_pins_are_never_lost(self):
+        replica = self.m.replicas[0]
+        held = replica.pool.indexed_hashes() | self.host_hashes(replica)
+        for pin in self.pins.pins.values():
+            if pin.deadline > self.clock.now:
+                assert set(pin.chain) <= held
+        assert len(self.pins.pinned_hashes) <= self.pins.cap
+
+    @invariant()
+    def pages_add_up(self):
+        pool = self.m.replicas[0].pool
+        held = {p for rid in self.running for p in self.m.get_req_blocks(rid)}
+        stuck = pool.num_pinned - len(pool._spillable(()))
+        assert self.m.num_free_blocks + len(held) + stuck == self.num_pages
+
+    @precondition(lambda self: len(self.running) < 4)
+    @rule(seconds=st.sampled_from([1.0, 5.0, TTL_S + 1]))
+    def pause(self, seconds):
+        due = [key for key, pin in self.pins.pins.items()
+               if pin.deadline <= self.clock.now + seconds]
+        super().pause(seconds)
+        assert not set(due) & set(self.pins.pins)
+
+
 SESSION = None
 
 
-def run_machine(machine, session, max_examples: int) -> None:
-    """Runs `machine`'s rules on `session` (a CPU InferenceSession)."""
+def run_machine(session, machine, max_examples: int) -> None:
+    """Runs `machine`'s random operation sequences on `session`."""
     global SESSION
     SESSION = session
     run = machine.TestCase
@@ -470,21 +540,28 @@ def run_machine(machine, session, max_examples: int) -> None:
 
 
 def test_random_operations_keep_the_cache_consistent(session):
-    run_machine(PagedManagerMachine, session, 120)
+    run_machine(session, PagedManagerMachine, 120)
 
 
 def test_random_operations_with_the_host_tier(session):
-    run_machine(HostTierMachine, session, 100)
+    run_machine(session, HostTierMachine, 100)
     assert HostTierMachine.host_tokens_loaded > 0
 
 
 def test_random_operations_with_sessions(session):
-    run_machine(SessionMachine, session, 100)
+    run_machine(session, SessionMachine, 100)
     totals = SessionMachine.totals
     assert SessionMachine.session_turns_hit > 0 and totals.turn_cache_tokens > 0
     assert min(totals.dropped, totals.expired, totals.ended, totals.evicted_pages) > 0, totals
 
 
 def test_random_operations_on_a_cache_of_two_groups(session):
-    run_machine(GroupMachine, session, 120)
+    run_machine(session, GroupMachine, 120)
     assert GroupMachine.hit_tokens > 0 and GroupMachine.slid_windows > 0
+
+
+def test_random_operations_with_pins(session):
+    run_machine(session, PinMachine, 60)
+    totals = PinMachine.totals_pins
+    assert min(totals.granted, totals.expired, totals.refreshed, totals.withheld_pages) > 0, totals
+    assert totals.spilled_pages > 0 and totals.partial > 0, totals

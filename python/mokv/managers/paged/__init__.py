@@ -9,6 +9,8 @@ commit.py   plan_commit: the pages a step filled, with their hashes
 prefix.py   PrefixChains: where a request's hash chain is rooted, its device hits
 chain_memo.py  each request's hash chain kept across its calls, with its last hits
 sessions.py SessionTable: the hash chains open sessions retain, until when
+chain_counts.py  hash chains held by several holders, counted per hash (sessions, pins)
+pins.py     PinTable: the prefixes pinned with a time to live, within a budget
 inputs.py   the page table, and the per-device graph inputs it gives
 sizing.py   memory sizing (MAX's classmethods call it)
 metrics.py  occupancy and counters (MAX's metric members read them)
@@ -16,6 +18,7 @@ multistep.py  MAX's multistep and data-parallel helpers
 """
 
 from .manager import PagedKVCacheManager
+from .pins import PinGrant
 from .replica import PagedReplica
 
-__all__ = ["PagedKVCacheManager", "PagedReplica"]
+__all__ = ["PagedKVCacheManager", "PagedReplica", "PinGrant"]

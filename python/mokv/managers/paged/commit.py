@@ -32,9 +32,12 @@ def plan_commit(
     tiers read what each page's `EventKeys` say.
 
     Every request is checked first; the columns are built only for those with pages
-    to commit (at large pages, most steps have none)."""
+    to commit (at large pages, most steps have none). A request's write policy
+    (`CacheControl.write`) caps the pages it commits; those it keeps out are counted
+    (`CommitPlan.withheld`)."""
     ps, caching = chains.page_size, chains.params.enable_prefix_caching
     todo: list[tuple[TextGenerationContext, RequestState, int, int]] = []
+    withheld: list[tuple[RequestState, int]] = []
     for ctx in batch:
         try:  # `_request`, inlined: once per request per step
             req = requests[ctx.request_id]
@@ -45,9 +48,16 @@ def plan_commit(
         if num_full < first or start > len(req.pages) * ps:
             req.check_window(ctx, ps)
         if num_full > first and caching:
-            todo.append((ctx, req, first, num_full))
+            control = req.control  # read only when pages fill: most steps fill none
+            if control is not None and control.write != "all":
+                limit = max(first, int(control.write_limit_pages(ps)))
+                if num_full - limit > req.num_withheld:
+                    withheld.append((req, num_full - limit))
+                num_full = min(num_full, limit)
+            if num_full > first:
+                todo.append((ctx, req, first, num_full))
     if not todo:
-        return NOTHING
+        return CommitPlan([], [], [], [], [], [], [], withheld) if withheld else NOTHING
     plans, owners = [], []
     page_ids, hashes, datas, parents, keys = [], [], [], [], []
     for ctx, req, first, num_full in todo:
@@ -65,4 +75,4 @@ def plan_commit(
             new_hashes.append(page_hash)
             parent = page_hash
         plans.append((req, new_hashes))
-    return CommitPlan(plans, owners, page_ids, hashes, datas, parents, keys)
+    return CommitPlan(plans, owners, page_ids, hashes, datas, parents, keys, withheld)

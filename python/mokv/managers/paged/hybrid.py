@@ -11,7 +11,7 @@ from ...config.params import KVCacheParams
 
 def check_groups_supported(params: KVCacheParams, num_layers: int) -> None:
     """ValueError naming what a cache of groups does not hold yet: host and shared tiers,
-    sessions and KV-cache events (each keyed to one pool of pages today); or groups whose
+    sessions, KV-cache events and pins (each keyed to one pool of pages today); or groups whose
     layers do not add up to `num_layers`."""
     params.cache_groups(num_layers)  # raises for layers that do not add up
     if not params.is_hybrid:
@@ -21,6 +21,7 @@ def check_groups_supported(params: KVCacheParams, num_layers: int) -> None:
         ("tiers", params.tiers),
         ("sessions", params.sessions),
         ("kv_events", params.kv_events),
+        ("pins", params.pins),
     ):
         if value:
             raise ValueError(

@@ -30,6 +30,7 @@ from max.driver import Buffer, Device
 from max.engine import InferenceSession
 
 from ...cache.hashing import page_hash_fn, root_hash
+from ...config.cache_control import CacheControl
 from ...config.events import KVEventsConfig
 from ...config.params import KVCacheParams, with_manager_events
 from ...context import RequestID, TextGenerationContext
@@ -59,6 +60,7 @@ from . import multistep, sizing
 from .hybrid import check_groups_supported
 from .inputs import ceil_div
 from .metrics import cache_metrics, num_free_pages, shared_tier_metrics
+from .pins import NO_GRANT, PinGrant
 from .plans import HELD
 from .replica import PagedReplica, Reservation
 from .sizing import check_devices_hold, group_bytes_per_page, group_pages
@@ -273,6 +275,44 @@ class PagedKVCacheManager(MaxManagerAPI):
         ended = sum(table.apply(plan) for table, plan in plans)
         self._after_change()
         return ended
+
+    @atomic
+    def pin(self, request_id: RequestID, ttl_s: float, num_tokens: int | None = None) -> PinGrant:
+        """Pins the first `num_tokens` tokens (whole pages; None: all) of the request's
+        committed or found pages for `ttl_s` seconds (`KVCacheParams.pins`): while the
+        pin lives they are never evicted (but to a host tier that keeps them), and a
+        reservation that hits all of them renews it. The budget may grant fewer pages
+        (`PinGrant` says how many); pinning a prefix pinned already renews that pin.
+        ValueError without `params.pins` or for a `ttl_s` that is not > 0."""
+        self._check_pin(ttl_s, num_tokens)
+        grant = self._replica(request_id).pin_request(request_id, ttl_s, num_tokens)
+        self._after_change()
+        return grant
+
+    @atomic
+    def pin_session(self, session_id: str, ttl_s: float) -> PinGrant:
+        """Pins the chain the open session `session_id` retains (a session pausing for
+        longer than its time to live), in each replica that holds it; `pin`'s grant,
+        summed over them (nothing requested for a session that retains nothing)."""
+        if not isinstance(session_id, str) or not session_id:
+            raise TypeError(f"session_id must be a non-empty str, got {session_id!r}")
+        self._check_pin(ttl_s, None)
+        grants = [
+            r.pin(r.sessions.retained(session_id), ttl_s, None)
+            for r in self.replicas
+            if r.sessions is not None and r.sessions.retained(session_id)
+        ]
+        self._after_change()
+        return PinGrant(
+            sum(g.requested_tokens for g in grants),
+            sum(g.pinned_tokens for g in grants),
+            max((g.expires_at for g in grants), default=NO_GRANT.expires_at),
+        )
+
+    def _check_pin(self, ttl_s: float, num_tokens: int | None) -> None:
+        if self.params.pins is None:
+            raise ValueError("pin needs KVCacheParams.pins (mokv.PinConfig), which is None")
+        CacheControl(pin_ttl_s=ttl_s, pin_tokens=num_tokens)  # raises naming a bad value
 
     @synchronized
     def get_req_blocks(self, request_id: RequestID) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...metrics import KVCacheMetrics, SessionMetrics, TierMetrics
+from ...metrics import CacheControlMetrics, KVCacheMetrics, SessionMetrics, TierMetrics
 from ...remote import RemoteMetrics
 from ...tiers.remote import RemoteTier
 from .replica import PagedReplica
@@ -25,8 +25,11 @@ def num_free_pages(replicas: Sequence[PagedReplica]) -> int:
 def cache_metrics(replicas: Sequence[PagedReplica]) -> KVCacheMetrics:
     """The replicas' pages, tokens, tiers and sessions, summed."""
     tiers: dict[str, TierMetrics] = {}
-    sessions = SessionMetrics()
+    sessions, control = SessionMetrics(), CacheControlMetrics()
     for replica in replicas:
+        control.withheld_pages += replica.withheld_pages
+        if replica.pins is not None:
+            control += replica.pins.metrics()
         for name, metrics in replica.tiers.metrics():
             tiers[name] = tiers.get(name, TierMetrics()) + metrics
         if replica.sessions is not None:
@@ -38,6 +41,7 @@ def cache_metrics(replicas: Sequence[PagedReplica]) -> KVCacheMetrics:
         free_pages=num_free_pages(replicas),
         tiers=tiers,
         sessions=sessions,
+        cache_control=control,
     )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from ...cache.extra_keys import EventKeys, request_keys
+from ...config.cache_control import CacheControl
 from ...context import TextGenerationContext
 from ...errors import StaleContextError
 from ...tiers.base import DeviceHit
@@ -57,6 +58,11 @@ class RequestState:
     session: Session | None = None
     rows: tuple[list[int], ...] = ()
     firsts: list[int] = field(default_factory=list)
+    control: CacheControl | None = None
+    """What the request asked of the cache (`ctx.cache_control` at its first
+    reservation): its pin at release, its write policy."""
+    num_withheld: int = 0
+    """Full pages its write policy kept out of the index so far."""
 
     def check_window(self, ctx: TextGenerationContext, page_size: int) -> None:
         """StaleContextError unless the context's cache ends between the request's
@@ -176,3 +182,6 @@ class CommitPlan:
     datas: list[bytes]
     parents: list[int | None]
     keys: list[EventKeys | None]
+    withheld: list[tuple[RequestState, int]] = field(default_factory=list)
+    """Requests whose write policy kept full pages out of the index: each with how
+    many it keeps out now (`RequestState.num_withheld` becomes that)."""

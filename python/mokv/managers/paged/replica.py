@@ -29,7 +29,10 @@ continues its hash chain: device pages first, then each tier in order.
 Committing the pages a step filled (`step`) is planned by `commit.plan_commit` and
 applied by `commit` through the group.
 Sessions (`params.sessions`) are `sessions.py`: a request's first reservation starts
-its session, its release makes the session retain its chain.
+its session, its release makes the session retain its chain. Pins (`params.pins`) are
+`pins.py`: a reservation's hits renew the pins they complete, a release with
+`ctx.cache_control.pin_ttl_s` pins the request's chain, and a request's write policy
+caps what `commit` indexes (`commit.py`).
 
 Reserving is planned once, then applied. `plan` works out one request's hits and fresh
 pages without changing anything, asking the pool once how many fresh pages it could
@@ -61,7 +64,7 @@ from max.driver import Buffer, Device
 from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
 from ...config.params import KVCacheParams
-from ...context import RequestID, TextGenerationContext
+from ...context import RequestID, TextGenerationContext, check_cache_control
 from ...errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
@@ -79,6 +82,7 @@ from ..base import check_request_id
 from .commit import plan_commit
 from .groups import FullAttentionGroup, JointGroups, build_group
 from .inputs import ceil_div
+from .pins import NO_GRANT, PinGrant, PinTable
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
@@ -134,6 +138,12 @@ class PagedReplica:
             if params.sessions
             else None
         )
+        self.pins: PinTable | None = (
+            BUILDERS.build(params.pins, self.pool, self.tiers, undo) if params.pins else None
+        )
+        if self.pins is not None and self.tiers.keeps_pins:
+            self.pool.spill = self.tiers.holds_pinned
+        self.withheld_pages = 0
 
     # --- requests -------------------------------------------------------------------
 
@@ -163,11 +173,15 @@ class PagedReplica:
         self.undo.push(self._unclaim, request_id)
 
     def release(self, request_id: RequestID) -> None:
-        """Frees the request's pages; its session (if any) retains its chain."""
+        """Frees the request's pages; its session (if any) retains its chain, and its
+        `cache_control.pin_ttl_s` pins it."""
         req, sessions = self._request(request_id), self.sessions
         session = req.session
         if session is not None and sessions is not None:
             retention = sessions.plan_release(session, req.hashes)
+        control = req.control
+        if control is not None and control.pin_ttl_s is not None:
+            self.pin(req.hashes, control.pin_ttl_s, control.pin_tokens)
         if self.joint is not None:
             self.joint.release(req)
         elif req.pages:  # none: a request released after its admission did not fit
@@ -179,6 +193,22 @@ class PagedReplica:
         self.undo.push(self._unrelease, request_id, req)
         if session is not None and sessions is not None:
             sessions.apply(retention)
+
+    def pin(self, chain: Sequence[int], ttl_s: float, num_tokens: int | None) -> PinGrant:
+        """Pins the first `num_tokens` tokens (whole pages; None: all) of `chain` for
+        `ttl_s` seconds, as far as the budget allows. Cannot fail half-way."""
+        pins = self.pins
+        if pins is None:
+            return NO_GRANT
+        if num_tokens is not None:
+            chain = chain[: num_tokens // self.page_size]
+        plan = pins.plan_pin(chain, ttl_s)
+        pins.apply(plan)
+        return pins.grant(plan, self.page_size)
+
+    def pin_request(self, request_id: RequestID, ttl_s: float, num_tokens: int | None) -> PinGrant:
+        """`pin` of the request's committed (or found) pages."""
+        return self.pin(self._request(request_id).hashes, ttl_s, num_tokens)
 
     def _unclaim(self, request_id: RequestID) -> None:
         self._free_slots.append(self._requests.pop(request_id).slot)
@@ -296,6 +326,7 @@ class PagedReplica:
         while the plan fits, each tier's hits after them."""
         if not req.pages:  # a first reservation: every key is checked before any is used
             request_keys(ctx)
+            self._check_control(ctx)
         hits, tail = self.chains.device_hits(ctx, req, want_tail=self._tiered)
         plan = self._reservation(ctx, req, num_steps, hits, [])
         plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)
@@ -325,6 +356,16 @@ class PagedReplica:
             plan = self._reservation(ctx, req, num_steps, hits, loads)
             plan.room = room
         return plan
+
+    def _check_control(self, ctx: TextGenerationContext) -> None:
+        """TypeError for a `cache_control` that is not a `mokv.CacheControl`; ValueError
+        for a pin on a replica without `params.pins` (never accepted and ignored)."""
+        control = check_cache_control(getattr(ctx, "cache_control", None))
+        if control is not None and control.pin_ttl_s is not None and self.pins is None:
+            raise ValueError(
+                f"request {ctx.request_id!r} asks for a pin (cache_control.pin_ttl_s="
+                f"{control.pin_ttl_s!r}) but KVCacheParams.pins is None"
+            )
 
     def takes_fresh_only(self, ctx: TextGenerationContext, req: RequestState) -> bool:
         """Whether reserving `ctx` can take fresh pages only, and no prefix: none may
@@ -392,6 +433,9 @@ class PagedReplica:
         sessions = self.sessions
         if sessions is not None:  # sessions past their time-to-live, before evicting
             sessions.apply(sessions.plan_expiry())
+        pins = self.pins
+        if pins is not None:  # pins past their time to live, before evicting
+            pins.apply(pins.plan_expiry())
         new_pages = self.pool.take(hit_pages, sum(map(_num_fresh, plans)))
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
@@ -404,6 +448,11 @@ class PagedReplica:
                 self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
                 self.cache_tokens += plan.hit_tokens - len(req.hashes) * self.page_size
             held = len(req.pages)
+            if not held and req.control is None:
+                control = getattr(plan.ctx, "cache_control", None)
+                if control is not None:
+                    self.undo.push(setattr, req, "control", None)
+                    req.control = control
             self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
             if plan.hits:
                 req.pages.extend(map(_page_id, plan.hits))  # in C: a prompt's hits
@@ -418,6 +467,12 @@ class PagedReplica:
             self.group.page_table.set_row(req.slot, req.pages, held)
         if sessions is not None:  # a request's first reservation starts its session
             sessions.start_requests(plans, firsts)
+        if pins is not None and pins.pins:  # a hit on a whole pinned prefix renews it
+            pins.refresh(
+                h
+                for plan in plans
+                for h in (*map(_page_hash, plan.hits), *(ld.hit.page_hash for ld in plan.loads))
+            )
         if self._tiered:  # what the plans took (see `Tier.note_reserved`)
             self.tiers.note_reserved(fresh, [plan.device_hit_run(self.page_size) for plan in plans])
 
@@ -446,6 +501,8 @@ class PagedReplica:
         then hands the newly indexed pages to every tier (`Tier.store`: after the device commit, so
         a tier's failure can only leave that tier with fewer pages)."""
         indexed: list[bool] = []
+        if plan.withheld:
+            self._withhold(plan.withheld)
         if plan.page_ids:
             if self.joint is not None:
                 self.joint.commit_pages(plan)
@@ -466,6 +523,14 @@ class PagedReplica:
                 [plan.keys[i] for i in new],
             )
         )
+
+    def _withhold(self, withheld: list[tuple[RequestState, int]]) -> None:
+        """Counts the pages write policies newly kept out of the index."""
+        self.undo.push(setattr, self, "withheld_pages", self.withheld_pages)
+        for req, num_pages in withheld:
+            self.undo.push(setattr, req, "num_withheld", req.num_withheld)
+            self.withheld_pages += num_pages - req.num_withheld
+            req.num_withheld = num_pages
 
     # --- tiers ----------------------------------------------------------------------
 
@@ -506,6 +571,9 @@ class PagedReplica:
         self.tiers.reset_metrics()
         if self.sessions is not None:
             self.sessions.reset_metrics()
+        self.withheld_pages = self.pool.num_spilled = 0
+        if self.pins is not None:
+            self.pins.reset_metrics()
 
     def publish_to(self, events: EventRecorder) -> None:
         """Reports the pool's and the tiers' changes to `events` (the replica's stream)."""
@@ -531,6 +599,8 @@ class PagedReplica:
         self.tiers.reset()
         if self.sessions is not None:
             self.sessions.clear()
+        if self.pins is not None:
+            self.pins.clear()
 
     def close(self) -> None:
         """Closes the tiers (they send what they queued, a bounded wait)."""
@@ -608,4 +678,6 @@ class PagedReplica:
                 raise InvariantError(f"request {request_id!r} has more hashes than pages")
         if self.sessions is not None:
             self.sessions.check_invariants(self._requests.values())
+        if self.pins is not None:
+            self.pins.check_invariants()
         self.check_loads()

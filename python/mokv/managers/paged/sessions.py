@@ -46,7 +46,8 @@ from ...errors import InvariantError
 from ...metrics import SessionMetrics
 from ...registry import BUILDERS
 from ...tiers.stack import TierStack
-from ...undo import UndoLog
+from ...undo import UndoLog, set_values, values_of
+from .chain_counts import check_counts
 from .plans import RequestState, Reservation, Session
 
 
@@ -137,7 +138,7 @@ class SessionTable:
         session = old = self.sessions.get(session_id)
         # A turn moves its session to the young end: only then is the old order needed.
         order = list(self.sessions) if old is not None else []
-        counters = self._counters()
+        counters = values_of(self, self._COUNTERS)
         if session is None:
             session = self.sessions[session_id] = Session(session_id)
         else:
@@ -258,7 +259,7 @@ class SessionTable:
                 list(self.sessions.items()),
                 [(x, x.chain, x.running, x.deadline) for x in changed],
                 [(h, count.get(h)) for h in touched],
-                self._counters(),
+                values_of(self, self._COUNTERS),
             )
         for session in (*plan.ended, *plan.expired, *plan.dropped):
             for h in set(session.chain):
@@ -297,7 +298,7 @@ class SessionTable:
                 list(self.sessions.items()),
                 [],
                 list(self._count.items()),
-                self._counters(),
+                values_of(self, self._COUNTERS),
             )
         self.num_ended += len(self.sessions)
         self.sessions.clear()
@@ -315,13 +316,6 @@ class SessionTable:
         "num_dropped",
     )
 
-    def _counters(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name) for name in self._COUNTERS)
-
-    def _set_counters(self, counters: tuple[int, ...]) -> None:
-        for name, value in zip(self._COUNTERS, counters):
-            setattr(self, name, value)
-
     def _unstart(
         self, session_id: str, session: Session | None, order: list[str], counters: tuple
     ) -> None:
@@ -332,7 +326,7 @@ class SessionTable:
             sessions = dict(self.sessions)
             self.sessions.clear()
             self.sessions.update((k, sessions[k]) for k in order)
-        self._set_counters(counters)
+        set_values(self, self._COUNTERS, counters)
 
     def _unapply(
         self,
@@ -350,7 +344,7 @@ class SessionTable:
                 self._count.pop(h, None)
             else:
                 self._count[h] = n
-        self._set_counters(counters)
+        set_values(self, self._COUNTERS, counters)
 
     def check_invariants(self, requests: Iterable[RequestState]) -> None:
         """InvariantError unless the counts match the sessions' chains, the pool retains
@@ -360,22 +354,14 @@ class SessionTable:
         for req in requests:
             if req.session is not None:
                 running[id(req.session)] = running.get(id(req.session), 0) + 1
-        counted: dict[int, int] = {}
         for session in self.sessions.values():
-            for h in set(session.chain):
-                counted[h] = counted.get(h, 0) + 1
             if session.running != running.get(id(session), 0):
                 raise InvariantError(
                     f"session {session.session_id!r} counts {session.running} running "
                     f"requests, the replica holds {running.get(id(session), 0)}"
                 )
-        if counted != self._count or self._pool.retained_hashes != self._count.keys():
-            raise InvariantError(
-                f"sessions retain {len(counted)} hashes, counted {len(self._count)}, "
-                f"the pool {len(self._pool.retained_hashes)}"
-            )
-        if len(self._count) > self.cap:
-            raise InvariantError(f"sessions retain {len(self._count)} pages, past {self.cap}")
+        chains = (session.chain for session in self.sessions.values())
+        check_counts("sessions retain", chains, self._count, self._pool.retained_hashes, self.cap)
 
 
 BUILDERS.register(SessionConfig, SessionTable)
