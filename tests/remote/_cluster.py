@@ -27,6 +27,7 @@ class RedisClusterProcesses:
             for i in range(num_masters * (1 + replicas)):
                 args = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf",
                         "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                        "--cluster-require-full-coverage", "no",  # as docs/tiers.md says
                         "--cluster-port", str(free_port()))
                 self.servers.append(RedisServer(workdir, cluster_args=args))
             subprocess.run(
