@@ -220,6 +220,33 @@ def test_salts_separate_roots(algorithm):
     assert salted_root(algorithm, 0, "a") != salted_root(algorithm, 1, "a")
 
 
+@pytest.mark.parametrize("algorithm", ["xxh3", "sha256"])
+def test_a_pages_format_separates_its_hashes(algorithm):
+    # Issue 53: an FP8 page and a bfloat16 page of the same tokens never share a hash;
+    # unquantized pages keep the hashes they had before formats (their tag is "").
+    from max.dtype import DType
+    from mokv import KVCacheParams, KVCacheQuantization
+    from mokv.cache.extra_keys import chain_root
+
+    shape = dict(n_kv_heads=2, head_dim=256, page_size=4)
+    formats = [KVCacheParams(DType.bfloat16, **shape).page_format,
+               KVCacheParams(DType.float32, **shape).page_format,
+               KVCacheParams(DType.float8_e4m3fn, quantization=KVCacheQuantization(),
+                             **shape).page_format,
+               KVCacheParams(DType.float8_e4m3fn, quantization=KVCacheQuantization(granularity=64),
+                             **shape).page_format]
+    assert formats == ["", "", "float8_e4m3fn:float32:128", "float8_e4m3fn:float32:64"]
+    tokens = np.arange(12)
+    fn = page_hash_fn(algorithm)
+    for salt in (None, "tenant"):
+        roots = [chain_root(algorithm, 7, salt, None, page_format=f) for f in formats]
+        assert roots[0] == roots[1] == chain_root(algorithm, 7, salt, None)
+        assert len({roots[0], roots[2], roots[3]}) == 3
+        chains = [page_hashes(tokens, 4, root, fn) for root in roots]
+        assert not set(chains[0]) & set(chains[2]) and not set(chains[2]) & set(chains[3])
+    assert root_hash(algorithm, 7, formats[2]) == chain_root(algorithm, 7, None, None, formats[2])
+
+
 def test_unknown_algorithm_is_named():
     with pytest.raises(ValueError, match="'md5'"):
         page_hash_fn("md5")

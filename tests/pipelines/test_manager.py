@@ -193,6 +193,9 @@ UNSUPPORTED = {
         dtype=DType.float8_e4m3fn,
         kvcache_quant_config=KVCacheQuantizationConfig(quantization_granularity=16),
     ),
+    "unscaled FP8 pages (MAX's Llama --kv-cache-format float8_e4m3fn)": dict(
+        dtype=DType.float8_e4m3fn
+    ),
     "draft tokens": dict(num_draft_tokens=2),
     "per_layer_buffers": dict(per_layer_buffers=True),
     "slots_per_page": dict(slots_per_page=64),

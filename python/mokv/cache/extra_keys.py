@@ -91,11 +91,17 @@ def hash_inputs(ctx: object) -> HashInputs | None:
     return HashInputs(salt or None, lora, images or ())
 
 
-def chain_root(algorithm: str, seed: int, cache_salt: str | None, lora_name: str | None) -> int:
+def chain_root(
+    algorithm: str,
+    seed: int,
+    cache_salt: str | None,
+    lora_name: str | None,
+    page_format: str = "",
+) -> int:
     """The parent hash of the first page of a request with this salt and adapter:
     `hashing.keyed_root` of their tagged values (a salt alone gives the root it always
-    gave, so salted pages keep their hashes)."""
-    return keyed_root(algorithm, seed, _tagged(cache_salt, lora_name))
+    gave, so salted pages keep their hashes), in pages of `page_format`."""
+    return keyed_root(algorithm, seed, _tagged(cache_salt, lora_name), page_format)
 
 
 def _tagged(cache_salt: str | None, lora_name: str | None) -> tuple[str, ...]:

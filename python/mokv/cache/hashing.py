@@ -35,6 +35,11 @@ chain. The salt is encoded with type tags and lengths (`encode_extra_keys`), so 
 different salts never produce the same bytes (SGLang #30827's bug class). A LoRA adapter
 joins the salt in the root, and an image keys the pages it overlaps
 (`mokv.cache.extra_keys`: `keyed_root`, `iter_page_hashes(page_keys=...)`).
+
+Formats. A quantized page's format (`KVCacheParams.page_format`, e.g.
+"float8_e4m3fn:float32:128") is folded into every root, so an FP8 page and a bfloat16
+page of the same tokens never share a hash. Unquantized pages have no format tag and keep
+the hashes they always had.
 """
 
 from __future__ import annotations
@@ -201,13 +206,14 @@ def page_hash_fn(algorithm: str) -> PageHashFn:
     return fn
 
 
-def _seed_bytes(tag: bytes, seed: int) -> bytes:
-    return tag + (seed & MASK64).to_bytes(8, "little")
+def _seed_bytes(tag: bytes, seed: int, page_format: str) -> bytes:
+    return tag + (seed & MASK64).to_bytes(8, "little") + page_format.encode()
 
 
-def root_hash(algorithm: str, seed: int) -> int:
-    """The parent hash of an unsalted sequence's first page: a function of the seed alone."""
-    return page_hash_fn(algorithm)(0, _seed_bytes(b"mokv-root", seed))
+def root_hash(algorithm: str, seed: int, page_format: str = "") -> int:
+    """The parent hash of an unsalted sequence's first page: a function of the seed and
+    the pages' format alone ("" for unquantized pages: the module docstring's Formats)."""
+    return page_hash_fn(algorithm)(0, _seed_bytes(b"mokv-root", seed, page_format))
 
 
 def encode_extra_keys(*keys: str | bytes | int) -> bytes:
@@ -227,7 +233,9 @@ def encode_extra_keys(*keys: str | bytes | int) -> bytes:
     return b"".join(out)
 
 
-def keyed_root(algorithm: str, seed: int, keys: tuple[str | bytes | int, ...]) -> int:
+def keyed_root(
+    algorithm: str, seed: int, keys: tuple[str | bytes | int, ...], page_format: str = ""
+) -> int:
     """The parent hash of the first page of a sequence whose every page is keyed by
     `keys` (tags and values, e.g. `("cache_salt", salt)`; see `mokv.cache.extra_keys`);
     `root_hash` for none.
@@ -235,9 +243,9 @@ def keyed_root(algorithm: str, seed: int, keys: tuple[str | bytes | int, ...]) -
     The keys are hashed under their own root (not `root_hash`), so a keyed root can never
     equal the hash of some unkeyed first page."""
     if not keys:
-        return root_hash(algorithm, seed)
+        return root_hash(algorithm, seed, page_format)
     fn = page_hash_fn(algorithm)
-    key_domain = fn(0, _seed_bytes(b"mokv-salted-root", seed))
+    key_domain = fn(0, _seed_bytes(b"mokv-salted-root", seed, page_format))
     return fn(key_domain, encode_extra_keys(*keys))
 
 

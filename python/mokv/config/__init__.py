@@ -8,6 +8,7 @@
     events.py    KVEventsConfig: where and how events are published
     sessions.py  SessionConfig: sessions that retain their pages through a pause
     groups.py    CacheGroupConfig: a model's full-attention and sliding-window groups
+    quantization.py  KVCacheQuantization: the scales of FP8 pages (MAX's format)
     cache_control.py  PinConfig (pinned prefixes' budget), CacheControl (a request's
                  pin and write policy)
     flat.py      MAX's flat spellings, mapped onto the nested configs
@@ -22,6 +23,7 @@ from .cache_control import CacheControl, PinConfig
 from .events import KVEventsConfig
 from .groups import CacheGroupConfig
 from .params import KVCacheParams, KVCacheStrategy
+from .quantization import KVCacheQuantization
 from .sessions import SessionConfig
 from .tiers import HostTierConfig, RemoteTierConfig, TierConfig
 
@@ -30,6 +32,7 @@ __all__ = [
     "CacheControl",
     "HostTierConfig",
     "KVCacheParams",
+    "KVCacheQuantization",
     "KVCacheStrategy",
     "KVEventsConfig",
     "PinConfig",

@@ -27,6 +27,12 @@ from .cache_control import PinConfig
 from .events import KVEventsConfig, check_endpoint
 from .flat import accepts_flat_spellings
 from .groups import CacheGroupConfig, check_groups
+from .quantization import (
+    QUANTIZED_DTYPES,
+    KVCacheQuantization,
+    check_format,
+    refuse_other_formats,
+)
 from .sessions import SessionConfig
 from .tiers import TierConfig
 
@@ -48,7 +54,8 @@ class KVCacheParams:
     """The shape of the cache, its prefix cache, and the tiers and events it turns on.
 
     Attributes:
-        dtype: element type of the cached keys and values.
+        dtype: element type of the cached keys and values: float32, bfloat16, float16,
+            or float8_e4m3fn with `quantization` (MAX's FP8 pages with per-block scales).
         n_kv_heads: key/value heads of the model (all devices together).
         head_dim: size of one head's key or value vector.
         page_size: tokens per page of the paged cache.
@@ -81,6 +88,9 @@ class KVCacheParams:
         pins: let requests pin prefixes with a time to live (`ctx.cache_control`,
             `PinConfig`; paged strategy, needs `enable_prefix_caching`); None: a
             request that asks for a pin is refused.
+        quantization: the scales of quantized pages (`KVCacheQuantization`: float32
+            scales, one per token, head and 128 lanes), given with a float8_e4m3fn
+            `dtype` and only then; None: the pages hold their values as they are.
     """
 
     dtype: DType
@@ -98,14 +108,16 @@ class KVCacheParams:
     sessions: SessionConfig | None = None
     groups: tuple[CacheGroupConfig, ...] = ()
     pins: PinConfig | None = None
+    quantization: KVCacheQuantization | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
             raise TypeError(f"dtype must be a max.dtype.DType, got {self.dtype!r}")
-        if self.dtype not in CACHE_DTYPES:
+        if self.dtype not in CACHE_DTYPES + QUANTIZED_DTYPES:
+            refuse_other_formats(self.dtype)
             raise ValueError(
                 f"dtype={self.dtype} is not a supported cache dtype; use one of "
-                f"{[d.name for d in CACHE_DTYPES]}"
+                f"{[d.name for d in CACHE_DTYPES + QUANTIZED_DTYPES]}"
             )
         for name in ("n_kv_heads", "head_dim", "page_size", "data_parallel_degree", "n_devices"):
             value = getattr(self, name)
@@ -113,6 +125,7 @@ class KVCacheParams:
             # and MAX's buffers refuse dims past 64 bits with an untyped error.
             if value.__class__ is not int or not 1 <= value < 2**32:
                 raise ValueError(f"{name} must be a positive int below 2**32, got {value!r}")
+        check_format(self.dtype, self.quantization, self.head_dim)
         # Accept the enum's string value too ("paged"), as configs often come from text.
         object.__setattr__(self, "cache_strategy", KVCacheStrategy(self.cache_strategy))
         if self.n_devices % self.data_parallel_degree:
@@ -219,15 +232,39 @@ class KVCacheParams:
             return 1
         return self.n_kv_heads // self.tensor_parallel_degree
 
-    def bytes_per_token(self, num_layers: int) -> int:
-        """Bytes that one token occupies in one replica (all its devices).
+    @property
+    def scales_per_head(self) -> int:
+        """Scales of one token's head: `head_dim // granularity`; 0 for pages that are
+        not quantized."""
+        if self.quantization is None:
+            return 0
+        return self.quantization.scales_per_head(self.head_dim)
 
-        `kv_dim * num_layers * n_kv_heads_per_device * head_dim * dtype size` on each of
-        the `tensor_parallel_degree` devices: K and V split across the devices, or an
-        MLA latent counted once per device (each holds all of it).
+    @property
+    def page_format(self) -> str:
+        """The format a page's hash is keyed by (`mokv.cache.hashing`, "Formats"): for
+        quantized pages "dtype:scale dtype:granularity" (MAX's dKV layout tag, e.g.
+        "float8_e4m3fn:float32:128"); "" for unquantized pages, whose hashes predate
+        formats."""
+        q = self.quantization
+        if q is None:
+            return ""
+        return f"{self.dtype.name}:{q.scale_dtype.name}:{q.granularity}"
+
+    def bytes_per_token(self, num_layers: int) -> int:
+        """Bytes that one token occupies in one replica (all its devices), its scales
+        included (MAX's `bytes_per_block`, per token).
+
+        `kv_dim * num_layers * n_kv_heads_per_device * (head_dim * dtype size
+        + scales_per_head * scale dtype size)` on each of the `tensor_parallel_degree`
+        devices: K and V split across the devices, or an MLA latent counted once per
+        device (each holds all of it).
         """
-        per_device = self.kv_dim * num_layers * self.n_kv_heads_per_device * self.head_dim
-        return per_device * self.tensor_parallel_degree * self.dtype.size_in_bytes
+        head_bytes = self.head_dim * self.dtype.size_in_bytes
+        if self.quantization is not None:
+            head_bytes += self.scales_per_head * self.quantization.scale_dtype.size_in_bytes
+        per_device = self.kv_dim * num_layers * self.n_kv_heads_per_device * head_bytes
+        return per_device * self.tensor_parallel_degree
 
     def bytes_per_page(self, num_layers: int) -> int:
         """Bytes of one page in one replica: `page_size * bytes_per_token(num_layers)`."""

@@ -297,8 +297,24 @@ def max_kv_params(
     cache of groups (`params.groups`) is MAX's `MultiKVCacheParams` of one child per
     group, under the group's name, in order (a windowed child has its `window_size`);
     a cache of one MLA group is MAX's `MLAKVCacheParams`, which needs the model's query
-    heads (`num_q_heads`, ValueError without them)."""
-    from max.nn.kv_cache import MHAKVCacheParams, MLAKVCacheParams, MultiKVCacheParams
+    heads (`num_q_heads`, ValueError without them). Quantized pages carry MAX's
+    `kvcache_quant_config`."""
+    from max.nn.kv_cache import (
+        KVCacheQuantizationConfig,
+        MHAKVCacheParams,
+        MLAKVCacheParams,
+        MultiKVCacheParams,
+    )
+
+    quantization = params.quantization
+    quant_config = (
+        None
+        if quantization is None
+        else KVCacheQuantizationConfig(
+            scale_dtype=quantization.scale_dtype,
+            quantization_granularity=quantization.granularity,
+        )
+    )
 
     def leaf(
         p: KVCacheParams, layers: int, window: int | None
@@ -311,6 +327,7 @@ def max_kv_params(
             page_size=p.page_size,
             enable_prefix_caching=p.enable_prefix_caching,
             data_parallel_degree=p.data_parallel_degree,
+            kvcache_quant_config=quant_config,
         )
         if p.mla_group is None:
             return MHAKVCacheParams(n_kv_heads=p.n_kv_heads, window_size=window, **shared)

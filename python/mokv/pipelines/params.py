@@ -8,7 +8,7 @@ is refused with `UnsupportedMaxParamsError` naming it, never accepted and ignore
     RecurrentStateParams, nested trees        recurrent state, drafts' caches
     MSAKVCacheParams                          multi-step attention
     MLA beside other children, or windowed    a latent cache in a tree, a latent window
-    an FP8 / FP4 dtype, kvcache_quant_config  quantized KV pages
+    an FP8 / FP4 dtype, kvcache_quant_config  quantized KV pages (docs/quantized.md)
     num_draft_tokens, speculative_method      speculative decoding's draft slots
     is_di_enabled                             disaggregated prefill / decode
     kv_connector_config (not null)            MAX's host / disk / dKV tiers (mokv's own
@@ -135,7 +135,7 @@ def _check_leaf(params: Any) -> None:
 
     if params.dtype not in CACHE_DTYPES or params.kvcache_quant_config is not None:
         raise refuse(
-            f"quantized KV pages (dtype={params.dtype}, "
+            f"quantized KV pages ({_quantized_kind(params)}: dtype={params.dtype}, "
             f"kvcache_quant_config={params.kvcache_quant_config!r}); it stores "
             f"{[d.name for d in CACHE_DTYPES]}"
         )
@@ -192,6 +192,15 @@ def mla_q_heads(params: Any) -> int | None:
     from max.nn.kv_cache import MLAKVCacheParams
 
     return params.num_q_heads_per_device if type(params) is MLAKVCacheParams else None
+
+
+def _quantized_kind(params: Any) -> str:
+    """What a quantized `MHAKVCacheParams` holds, for its refusal (docs/quantized.md)."""
+    if params.dtype.name != "float8_e4m3fn":
+        return "quantized values"
+    if params.kvcache_quant_config is None:
+        return "unscaled FP8, what MAX's Llama builds for --kv-cache-format float8_e4m3fn"
+    return "FP8 with per-block scales, whose format mokv.KVCacheParams takes"
 
 
 def mokv_groups(params: Any) -> tuple[CacheGroupConfig, ...]:

@@ -135,7 +135,7 @@ class PagedKVCacheManager(MaxManagerAPI):
                 f"max_batch_size={max_batch_size} is smaller than data_parallel_degree={dp}"
             )
         hash_fn = page_hash_fn(params.prefix_hash)
-        root = root_hash(params.prefix_hash, params.prefix_hash_seed)
+        root = root_hash(params.prefix_hash, params.prefix_hash_seed, params.page_format)
         tp = params.tensor_parallel_degree
         self.replicas: list[PagedReplica] = []
         try:

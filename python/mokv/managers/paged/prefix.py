@@ -83,7 +83,9 @@ class PrefixChains:
             if len(self._keyed_roots) >= KEYED_ROOTS_MEMO:
                 self._keyed_roots.clear()
             p = self.params
-            root = self._keyed_roots[key] = chain_root(p.prefix_hash, p.prefix_hash_seed, *key)
+            root = self._keyed_roots[key] = chain_root(
+                p.prefix_hash, p.prefix_hash_seed, *key, page_format=p.page_format
+            )
         return root
 
     def pages(

@@ -1,0 +1,93 @@
+"""The format of FP8 pages (mokv/config/quantization.py, issue 53 step 1): `KVCacheParams`
+takes float8_e4m3fn values with `KVCacheQuantization` scales, sized as MAX 26.7 sizes
+the same cache, and refuses by name every other quantized format MAX knows; the
+managers refuse quantized params before they allocate anything, until their pages
+carry the scales leaf."""
+
+from __future__ import annotations
+
+import mokv
+import pytest
+from max.driver import CPU
+from max.dtype import DType
+from max.graph import DeviceRef
+from mokv.config.quantization import KVCacheQuantization
+
+FP8 = dict(dtype=DType.float8_e4m3fn, quantization=KVCacheQuantization())
+
+
+def params(**overrides) -> mokv.KVCacheParams:
+    return mokv.KVCacheParams(**{"n_kv_heads": 2, "head_dim": 256, "page_size": 16, **overrides})
+
+
+@pytest.mark.parametrize("fields,error,match", [
+    (dict(dtype=DType.float8_e4m3fn), ValueError, "float8_e4m3fn pages need their scales"),
+    (dict(dtype=DType.int8), ValueError, "does not store int8 values"),
+    (dict(dtype=DType.uint8, quantization=KVCacheQuantization()), ValueError, "NVFP4"),
+    (dict(dtype=DType.float8_e4m3fnuz, quantization=KVCacheQuantization()), ValueError,
+     "float8_e4m3fnuz"),
+    (dict(dtype=DType.bfloat16, quantization=KVCacheQuantization()), ValueError,
+     "is for quantized pages.*dtype=DType.bfloat16"),
+    (dict(FP8, head_dim=64), ValueError, "head_dim=64 is not a multiple of.*granularity=128"),
+    (dict(FP8, quantization="fp8"), TypeError, "quantization must be a mokv.KVCacheQuantization"),
+    (dict(FP8, groups=(mokv.CacheGroupConfig("full_attention", 2, head_dim=192),)), ValueError,
+     "head_dim=192 is not a multiple"),
+])
+def test_params_refuse_formats_they_do_not_store(fields, error, match):
+    with pytest.raises(error, match=match):
+        params(**fields)
+
+
+@pytest.mark.parametrize("scale_dtype", [DType.float16, DType.float8_e8m0fnu])
+def test_only_float32_scales_are_stored(scale_dtype):
+    with pytest.raises(ValueError, match=f"scale_dtype={scale_dtype.name}"):
+        KVCacheQuantization(scale_dtype=scale_dtype)
+
+
+@pytest.mark.parametrize("granularity", [0, -128, 1.5, True])
+def test_granularity_is_a_positive_int(granularity):
+    with pytest.raises(ValueError, match="granularity must be a positive int"):
+        KVCacheQuantization(granularity=granularity)
+
+
+@pytest.mark.parametrize("fields", [FP8, dict(dtype=DType.bfloat16),
+                                    dict(FP8, quantization=KVCacheQuantization(granularity=64))])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_page_is_as_many_bytes_as_max_sizes_it(fields, tp):
+    # MAX's own params of the same cache (`max_kv_params`) are the reference: values and
+    # scales together, `bytes_per_block`.
+    p = params(**fields, n_devices=tp, page_size=128)
+    devices = [DeviceRef.CPU()] * tp
+    theirs = mokv.max_kv_params(p, num_layers=3, devices=devices)
+    assert theirs.quantized_kv_cache == (p.quantization is not None)
+    assert p.bytes_per_page(3) == theirs.bytes_per_block
+
+
+def test_max_params_of_fp8_pages_have_one_scale_per_token_head_and_128_lanes():
+    theirs = mokv.max_kv_params(params(**FP8), num_layers=3, devices=[DeviceRef.CPU()])
+    assert theirs.kvcache_quant_config.scale_dtype == DType.float32
+    assert theirs.kvcache_quant_config.quantization_granularity == 128
+    assert theirs.shape_per_scale_block == [2, 3, 16, 2, 2]
+
+
+def test_fp8_pages_are_half_of_bfloat16_pages_and_their_scales():
+    # 1 byte a value and 4 bytes per 128 values, against 2 bytes a value.
+    fp8, bf16 = params(**FP8).bytes_per_page(4), params(dtype=DType.bfloat16).bytes_per_page(4)
+    assert fp8 / bf16 == (1 + 4 / 128) / 2
+
+
+MANAGERS = [
+    (mokv.PagedKVCacheManager, dict(available_cache_memory=1 << 22)),
+    (mokv.NullKVCacheManager, dict(available_cache_memory=1 << 22)),
+    (mokv.ContinuousKVCacheManager, {}),
+    (mokv.ContinuousBatchingKVCacheManager, {}),
+    (mokv.MojoContinuousBatchingKVCacheManager, {}),
+]
+
+
+@pytest.mark.parametrize("manager,extra", MANAGERS, ids=lambda m: getattr(m, "__name__", ""))
+def test_managers_refuse_quantized_pages_until_they_hold_scales(session, manager, extra):
+    strategy = "paged" if "available_cache_memory" in extra else "continuous"
+    p = params(**FP8, cache_strategy=strategy)
+    with pytest.raises(ValueError, match="float8_e4m3fn.*do not hold quantized pages yet"):
+        manager(p, 2, 32, 2, [CPU()], session, **extra)
