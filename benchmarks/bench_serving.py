@@ -17,7 +17,7 @@ compared with `max serve`'s: the same tokens turn by turn until the first that d
 
 On a GPU (`--gpu`) the checkpoint is bfloat16 and the servers run with MAX's defaults
 there (device graph capture and the overlap scheduler as MAX sets them), `max serve`
-beside plain `mokv serve` and `mokv serve` with a host tier:
+beside `mokv serve`:
 
     python benchmarks/bench_serving.py [--quick] [--gpu] [--json PATH]
 """
@@ -41,7 +41,7 @@ GPU_SERVE_ARGS = ["--devices", "gpu", "--quantization-encoding", "bfloat16", "--
                   "--enable-prefix-caching", "--device-memory-utilization", "0.3"]
 """On a GPU: MAX's defaults but for the memory (0.3 of it leaves room for the GPU tests
 the same machine runs beside the servers)."""
-GPU_SERVERS = ("max serve", "mokv serve", "mokv serve + host tier")
+GPU_SERVERS = ("max serve", "mokv serve")
 SERVERS = {
     "max serve": ("max", None),
     "mokv serve": ("mokv", {}),

@@ -151,3 +151,26 @@ def test_the_chat_parser_mokv_wraps_moves_a_marked_message_into_the_hint(monkeyp
     assert seen[-1] is None
     monkeypatch.setattr(routes, seams.CHAT_PARSER, original)
     check_seams()
+
+
+def test_the_checking_tokenizer_is_a_pipeline_tokenizer_to_python_3_12():
+    """MAX's routes refuse a tokenizer that is not a `PipelineTokenizer`; Python 3.12
+    checks a runtime protocol's members on the class (`inspect.getattr_static`), not
+    through `__getattr__` (an H200 run on Python 3.12 refused every request before)."""
+    import inspect
+
+    from max.pipelines.modeling.types.tokenizer import PipelineTokenizer
+    from mokv.pipelines.serve import PromptCheckingTokenizer
+
+    members = [name for name in vars(PipelineTokenizer) if not name.startswith("_")]
+    assert {"eos_token_ids", "expects_content_wrapping", "new_context", "encode"} <= set(members)
+
+    class Inner:
+        eos_token_ids = {2}
+        expects_content_wrapping = False
+
+    checked = PromptCheckingTokenizer(Inner())
+    for name in members:
+        inspect.getattr_static(checked, name)  # AttributeError names a missing member
+    assert checked.eos_token_ids == {2} and checked.expects_content_wrapping is False
+    assert isinstance(checked, PipelineTokenizer)

@@ -116,6 +116,23 @@ class PromptCheckingTokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
 
+    # MAX's routes check `isinstance(tokenizer, PipelineTokenizer)`, a runtime protocol,
+    # which Python 3.12 answers from the class (`inspect.getattr_static`), never calling
+    # `__getattr__`: the protocol's members are spelled out (its `new_context` below).
+    @property
+    def eos_token_ids(self) -> Any:
+        return self._tokenizer.eos_token_ids
+
+    @property
+    def expects_content_wrapping(self) -> Any:
+        return self._tokenizer.expects_content_wrapping
+
+    async def encode(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._tokenizer.encode(*args, **kwargs)
+
+    async def decode(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._tokenizer.decode(*args, **kwargs)
+
     async def new_context(self, request: Any) -> Any:
         from max.pipelines.context.exceptions import InputError
 
