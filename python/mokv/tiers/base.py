@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..cache.extra_keys import EventKeys
-    from ..events.publisher import EventRecorder
+    from ..events.publisher import TierEvents
     from ..metrics import TierMetrics
     from ..undo import UndoLog
 
@@ -209,7 +209,7 @@ class ReservationNoticed(Protocol):
 class Publishing(Protocol):
     """A tier whose stores (and evictions) the replica's KV-cache events announce."""
 
-    def publish_to(self, events: EventRecorder) -> None:
+    def publish_to(self, events: TierEvents) -> None:
         """Reports the tier's stores and evictions to the replica's event recorder."""
         ...
 

@@ -273,11 +273,8 @@ def test_a_cache_of_groups_refuses_what_it_does_not_hold(session):
     with pytest.raises(ValueError, match="hold 3 layers, but num_layers=2"):
         make_paged(session, groups=(CacheGroupConfig("a", 2, window_size=4),
                                     CacheGroupConfig("b", 1)))
-    page = small_params().bytes_per_page(NUM_LAYERS)
-    for extra, name in [
-        (dict(tiers=(mokv.HostTierConfig(swap_space_gb=8 * page / 2**30),)), "tiers"),
+    for extra, name in [  # tiers and kv_events hold groups: tests/tiers/test_groups.py
         (dict(sessions=mokv.SessionConfig()), "sessions"),
-        (dict(kv_events=mokv.KVEventsConfig(endpoint="inproc://groups")), "kv_events"),
         (dict(pins=mokv.PinConfig(), enable_prefix_caching=True), "pins"),
     ]:
         with pytest.raises(ValueError, match=f"{name}=.*cache of groups"):

@@ -1,7 +1,10 @@
 """What a paged cache of several groups or a sliding window does not hold yet.
 
-Tiers, sessions and KV-cache events each keep one full-attention group's pages today;
-on a cache of groups they are refused by name, never accepted and ignored.
+Sessions and pins each keep one full-attention group's pages today (`SessionTable` and
+`PinTable` retain and pin the hashes of one pool, and let its pages spill to one host
+tier); on a cache of groups they are refused by name, never accepted and ignored.
+Tiers and KV-cache events hold every group's pages (`group_tiers.py`,
+`EventRecorder.group_sink`).
 """
 
 from __future__ import annotations
@@ -10,21 +13,19 @@ from ...config.params import KVCacheParams
 
 
 def check_groups_supported(params: KVCacheParams, num_layers: int) -> None:
-    """ValueError naming what a cache of groups does not hold yet: host and shared tiers,
-    sessions, KV-cache events and pins (each keyed to one pool of pages today); or groups whose
-    layers do not add up to `num_layers`."""
+    """ValueError naming what a cache of groups does not hold yet: sessions and pins
+    (each keyed to one pool of pages today); or groups whose layers do not add up to
+    `num_layers`."""
     params.cache_groups(num_layers)  # raises for layers that do not add up
     if not params.is_hybrid:
         return
     names = [g.name for g in params.groups]
     for feature, value in (
-        ("tiers", params.tiers),
         ("sessions", params.sessions),
-        ("kv_events", params.kv_events),
         ("pins", params.pins),
     ):
         if value:
             raise ValueError(
                 f"mokv does not hold {feature}={value!r} on a cache of groups {names} yet "
-                "(they hold one full-attention group's pages): drop them, or use one group"
+                "(it holds one full-attention group's pages): drop it, or use one group"
             )

@@ -71,7 +71,7 @@ from ...errors import (
     InvariantError,
     UnknownRequestError,
 )
-from ...events.publisher import EventRecorder
+from ...events.publisher import EventRecorder, GroupSpec
 from ...layouts import RaggedKVCacheInputs
 from ...metrics import prompt_tokens_in
 from ...registry import BUILDERS
@@ -80,6 +80,7 @@ from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from ..base import check_request_id
 from .commit import plan_commit
+from .group_tiers import build_group_tiers
 from .groups import FullAttentionGroup, JointGroups, build_group
 from .inputs import ceil_div
 from .pins import NO_GRANT, PinGrant, PinTable
@@ -125,14 +126,24 @@ class PagedReplica:
         self.pool = self.group.pool
         self.blocks = self.group.blocks
         self.chains = PrefixChains(params, self.pool, hash_fn, root_hash, max_seq_len)
-        self.joint = JointGroups(self.groups, self.chains, undo) if params.is_hybrid else None
         self._prefix_caching = params.enable_prefix_caching
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}
         self.input_tokens = 0
         self.cache_tokens = 0
-        self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)
+        # Each group's tiers (`group_tiers.py`); `tiers` are the first group's.
+        self.group_tiers = (
+            build_group_tiers(params, num_layers, self.groups, undo)
+            if params.is_hybrid and params.tiers
+            else [TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)]
+        )
+        self.tiers = self.group_tiers[0]
         self._tiered = bool(self.tiers)  # read on every reservation
+        self.joint = (
+            JointGroups(self.groups, self.chains, undo, self.group_tiers if self._tiered else None)
+            if params.is_hybrid
+            else None
+        )
         self.sessions: SessionTable | None = (
             BUILDERS.build(params.sessions, self.pool, self.tiers, undo)
             if params.sessions
@@ -187,7 +198,8 @@ class PagedReplica:
         elif req.pages:  # none: a request released after its admission did not fit
             self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
         if req.loads:
-            self.tiers.unpin(req.loads)
+            for g, loads in self._loads_by_group(req.loads):
+                self.group_tiers[g].unpin(loads)
         del self._requests[request_id]
         self._free_slots.append(req.slot)
         self.undo.push(self._unrelease, request_id, req)
@@ -244,9 +256,9 @@ class PagedReplica:
     def pending_loads(self, request_id: RequestID) -> list[tuple[str, int, int]]:
         """(tier name, device page, page hash) of each tier hit reserved for the request
         and not yet loaded, in chain order."""
-        names = [tier.name for tier in self.tiers]
         return [
-            (names[ld.tier], ld.page, ld.hit.page_hash) for ld in self._request(request_id).loads
+            (self.group_tiers[ld.group].tiers[ld.tier].name, ld.page, ld.hit.page_hash)
+            for ld in self._request(request_id).loads
         ]
 
     def _request(self, request_id: RequestID) -> RequestState:
@@ -427,7 +439,14 @@ class PagedReplica:
                 if plan.joint is not None:
                     self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
                     self.cache_tokens += plan.hit_tokens - len(plan.req.hashes) * self.page_size
-            self.joint.take(plans)
+            loads = self.joint.take(plans)
+            for g, group_loads in self._loads_by_group(loads):
+                self.group_tiers[g].pin(group_loads)
+            for plan in plans:
+                hit = plan.joint
+                if hit is not None and hit.num_device >= 0:
+                    served = (len(hit.hashes) - hit.num_device) * self.page_size
+                    self.tiers.count_tokens(hit.slowest_tier, served)
             return
         hit_pages = [page_id for plan in plans if plan.hits for page_id, _ in plan.hits]
         sessions = self.sessions
@@ -500,29 +519,38 @@ class PagedReplica:
         off the pages that duplicate an indexed one (`FullAttentionGroup.commit_pages`),
         then hands the newly indexed pages to every tier (`Tier.store`: after the device commit, so
         a tier's failure can only leave that tier with fewer pages)."""
-        indexed: list[bool] = []
+        indexed: list[list[bool]] = []
         if plan.withheld:
             self._withhold(plan.withheld)
         if plan.page_ids:
             if self.joint is not None:
-                self.joint.commit_pages(plan)
+                indexed = self.joint.commit_pages(plan)
             else:
-                indexed = self.group.commit_pages(plan)
+                indexed = [self.group.commit_pages(plan)]
         for req, new_hashes in plan.requests:
             self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
             req.hashes.extend(new_hashes)
         if not self._tiered:
             return
-        new = [i for i, ok in enumerate(indexed) if ok]
-        self.tiers.store(
-            CommittedPages(
-                [plan.page_ids[i] for i in new],
-                [plan.hashes[i] for i in new],
-                [plan.datas[i] for i in new],
-                [plan.parents[i] for i in new],
-                [plan.keys[i] for i in new],
+        # Every tier hears every step (a host tier's `min_hits` stores at any step).
+        indexed = indexed or [[] for _ in self.group_tiers]
+        for stack, group, group_indexed in zip(self.group_tiers, self.groups, indexed):
+            new = [i for i, ok in enumerate(group_indexed) if ok]
+            page_ids = plan.page_ids if group is self.group else None
+            stack.store(
+                CommittedPages(
+                    [
+                        page_ids[i]
+                        if page_ids is not None
+                        else group.row(plan.owners[i][0])[plan.owners[i][1]]
+                        for i in new
+                    ],
+                    [plan.hashes[i] for i in new],
+                    [plan.datas[i] for i in new],
+                    [plan.parents[i] for i in new],
+                    [plan.keys[i] for i in new],
+                )
             )
-        )
 
     def _withhold(self, withheld: list[tuple[RequestState, int]]) -> None:
         """Counts the pages write policies newly kept out of the index."""
@@ -543,32 +571,47 @@ class PagedReplica:
         pending = [load for req in reqs for load in req.loads]
         if not pending:
             return
-        loads = self.tiers.load(pending)
-        hashes = [ld.hit.page_hash for ld in loads]
-        datas = [ld.hit.token_bytes for ld in loads]
-        # A page loaded while another request committed the same prefix on the device
-        # is shared as a duplicate commit is (`FullAttentionGroup.commit_pages`).
-        owner = {page: (req, idx) for req in reqs for idx, page in enumerate(req.pages)}
-        self.group.commit_pages(
-            CommitPlan(
-                [],
-                [owner[ld.page] for ld in loads],
-                [ld.page for ld in loads],
-                hashes,
-                datas,
-                [ld.parent_hash for ld in loads],
-                [ld.keys for ld in loads],
+        # Every group's copies first, then the index changes: a failing copy leaves
+        # every load pending.
+        by_group = [
+            (g, self.group_tiers[g].load(loads)) for g, loads in self._loads_by_group(pending)
+        ]
+        for g, loads in by_group:
+            group = self.groups[g]
+            # A page loaded while another request committed the same prefix on the
+            # device is shared as a duplicate commit is (`FullAttentionGroup.commit_pages`).
+            owner = {page: (req, idx) for req in reqs for idx, page in enumerate(group.row(req))}
+            group.commit_pages(
+                CommitPlan(
+                    [],
+                    [owner[ld.page] for ld in loads],
+                    [ld.page for ld in loads],
+                    [ld.hit.page_hash for ld in loads],
+                    [ld.hit.token_bytes for ld in loads],
+                    [ld.parent_hash for ld in loads],
+                    [ld.keys for ld in loads],
+                )
             )
-        )
         for req in reqs:
             if req.loads:
                 self.undo.push(req.loads.extend, list(req.loads))  # onto the emptied list
                 req.loads.clear()
-        self.tiers.unpin(loads)
+        for g, loads in by_group:
+            self.group_tiers[g].unpin(loads)
+
+    def _loads_by_group(self, loads: Sequence[PendingLoad]) -> list[tuple[int, list[PendingLoad]]]:
+        """`loads` by cache group, in group order (one group without groups)."""
+        if len(self.group_tiers) == 1:
+            return [(0, list(loads))] if loads else []
+        by_group: list[list[PendingLoad]] = [[] for _ in self.group_tiers]
+        for load in loads:
+            by_group[load.group].append(load)
+        return [(g, group_loads) for g, group_loads in enumerate(by_group) if group_loads]
 
     def reset_metrics(self) -> None:
         self.input_tokens = self.cache_tokens = self.pool.num_evicted_retained = 0
-        self.tiers.reset_metrics()
+        for stack in self.group_tiers:
+            stack.reset_metrics()
         if self.sessions is not None:
             self.sessions.reset_metrics()
         self.withheld_pages = self.pool.num_spilled = 0
@@ -578,8 +621,14 @@ class PagedReplica:
     def publish_to(self, events: EventRecorder) -> None:
         """Reports the pool's and the tiers' changes to `events` (the replica's stream)."""
         events.undo = self.undo
-        self.pool.events = events
-        self.tiers.publish_to(events)
+        if self.joint is None:
+            self.pool.events = events
+            self.tiers.publish_to(events)
+            return
+        for group, stack in zip(self.groups, self.group_tiers):
+            sink = events.group_sink(GroupSpec.of(group.index, group.kind, group.window_size))
+            group.pool.events = sink
+            stack.publish_to(sink)
 
     def slide(self, batch: Sequence[TextGenerationContext]) -> None:
         """After a step's commits: every sliding-window group releases the pages of the
@@ -596,7 +645,8 @@ class PagedReplica:
             self.joint.reset_prefix_cache()
         else:
             self.pool.reset_prefix_cache()
-        self.tiers.reset()
+        for stack in self.group_tiers:
+            stack.reset()
         if self.sessions is not None:
             self.sessions.clear()
         if self.pins is not None:
@@ -604,7 +654,8 @@ class PagedReplica:
 
     def close(self) -> None:
         """Closes the tiers (they send what they queued, a bounded wait)."""
-        self.tiers.close()
+        for stack in self.group_tiers:
+            stack.close()
 
     def check_loads(self) -> None:
         """InvariantError unless every pending load writes a page its request owns
@@ -612,13 +663,16 @@ class PagedReplica:
         still holding its tokens (`Tier.check_invariants`)."""
         for request_id, req in self._requests.items():
             for load in req.loads:
-                page = load.page
-                if page not in req.pages or self.pool.page_hash(page) is not None:
+                page, group = load.page, self.groups[load.group]
+                if page not in group.held(req) or group.pool.page_hash(page) is not None:
                     raise InvariantError(
-                        f"request {request_id!r} loads into device page {page}, which it "
-                        "does not own or which is hashed"
+                        f"request {request_id!r} loads into device page {page} of group "
+                        f"{group.name!r}, which it does not own or which is hashed"
                     )
-        self.tiers.check_invariants([ld for req in self._requests.values() for ld in req.loads])
+        pending = [ld for req in self._requests.values() for ld in req.loads]
+        by_group = dict(self._loads_by_group(pending))
+        for g, stack in enumerate(self.group_tiers):
+            stack.check_invariants(by_group.get(g, []))
 
     # --- graph inputs ---------------------------------------------------------------
 

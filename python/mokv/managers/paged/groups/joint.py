@@ -33,34 +33,41 @@ accounting (room, eviction order) stays exact.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import cast
 
 from max.driver import Buffer
 
+from ....cache.extra_keys import request_keys
 from ....context import RequestID, TextGenerationContext
 from ....errors import InvariantError, StaleContextError
 from ....layouts import RaggedKVCacheInputs
 from ....layouts.max_paged import LOOKUP_PAD_PAGE
+from ....tiers.stack import PendingLoad, TierStack
 from ....undo import UndoLog
+from ..group_tiers import Found, TierFind, found_in_tiers
 from ..plans import CommitPlan, JointHit, RequestState, Reservation
 from ..prefix import PrefixChains
 from .full import FullAttentionGroup
 
 
 class JointGroups:
-    """The groups of one replica (in graph-input order), over the replica's chains."""
+    """The groups of one replica (in graph-input order), over the replica's chains;
+    `tiers`: each group's tiers (`group_tiers.py`), None without tiers."""
 
     def __init__(
         self,
         groups: Sequence[FullAttentionGroup],
         chains: PrefixChains,
         undo: UndoLog,
+        tiers: Sequence[TierStack] | None = None,
     ) -> None:
         self.groups = list(groups)
         self.chains = chains
         self.page_size = chains.page_size
         self.undo = undo
+        self.tiers = list(tiers) if tiers else None
 
     def new_request(self, slot: int) -> RequestState:
         """A claimed request's state, with an empty row in every group."""
@@ -94,14 +101,61 @@ class JointGroups:
         if end <= first:
             return None
         chain, _ = chains.pages(ctx, req, end)
-        found = [self._found(group, chain) for group in self.groups]
-        rules = [partial(group.longest_hit, pages) for group, pages in zip(self.groups, found)]
+        device = [cast(list[Found], self._found(group, chain)) for group in self.groups]
+        found: list[Sequence[Found]] = list(device)
+        if self.tiers is not None:  # a tier's page counts as found (`group_tiers.py`)
+            found = [
+                found_in_tiers(stack, chain, f, group.pages_in_window)
+                for group, stack, f in zip(self.groups, self.tiers, device)
+            ]
+        rules = [
+            partial(group.longest_hit, cast(list[int | None], pages))  # found: not None
+            for group, pages in zip(self.groups, found)
+        ]
         n = longest_joint_hit(rules, len(chain))
         if not n:
             return None
         held = [group.held_of_hit(n) for group in self.groups]
-        pages = [cast(list[int], f[n - k : n]) for f, k in zip(found, held)]  # all found
-        return JointHit([h for h, _ in chain[:n]], pages)
+        pages = [
+            self._loads(g, cast(list[int | TierFind], f[n - k : n]), n - k, chain, ctx, req)
+            for g, (f, k) in enumerate(zip(found, held))
+        ]  # all found
+        hit = JointHit([h for h, _ in chain[:n]], pages)
+        tiers = [p.tier for row in pages for p in row if isinstance(p, PendingLoad)]
+        if tiers:  # the tokens the devices alone would not serve count as a tier's
+            # (the groups' joint device hit: vLLM's and MAX's, before a connector's)
+            device_rules = [
+                partial(group.longest_hit, cast(list[int | None], pages))
+                for group, pages in zip(self.groups, device)
+            ]
+            hit.num_device = longest_joint_hit(device_rules, n)
+            hit.slowest_tier = max(tiers)
+        return hit
+
+    def _loads(
+        self,
+        g: int,
+        entries: list[int | TierFind],
+        start: int,
+        chain: list[tuple[int, bytes]],
+        ctx: TextGenerationContext,
+        req: RequestState,
+    ) -> list[int | PendingLoad]:
+        """Group `g`'s pages of a hit (`entries`, from chain page `start` on): each tier
+        page a `PendingLoad` of that group, with its parent hash and event keys."""
+        if all(entry.__class__ is int for entry in entries):
+            return cast(list[int | PendingLoad], entries)
+        keys, ps = request_keys(ctx), self.page_size
+        first = len(req.hashes)
+        out: list[int | PendingLoad] = []
+        for i, entry in enumerate(entries, start):
+            if isinstance(entry, TierFind):
+                parent = chain[i - 1][0] if i else (req.hashes[-1] if first else None)
+                page_keys = keys.page(first + i, ps) if keys is not None else None
+                out.append(PendingLoad(entry.tier, entry.hit, parent, page_keys, group=g))
+            else:
+                out.append(entry)
+        return out
 
     @staticmethod
     def _found(group: FullAttentionGroup, chain: list[tuple[int, bytes]]) -> list[int | None]:
@@ -134,55 +188,76 @@ class JointGroups:
 
     def room(self, hit: JointHit | None) -> int:
         """The least fresh pages any group's pool could hand out with its pages of `hit`
-        taken."""
+        taken, besides the fresh pages its tier pages load into."""
         if hit is None:
             return min(group.pool.num_free for group in self.groups)
-        return min(group.pool.room(pages) for group, pages in zip(self.groups, hit.pages))
+        return min(
+            group.pool.room(hit.device_pages(g)) - hit.num_loads(g)
+            for g, group in enumerate(self.groups)
+        )
 
     def fits(self, plans: Sequence[Reservation]) -> bool:
         """Whether every group's pool can take the plans' hits and fresh pages at once."""
         num_fresh = sum(plan.num_fresh for plan in plans)
         return all(
-            group.pool.can_take(self._hit_pages(plans, g), num_fresh)
+            group.pool.can_take(self._hit_pages(plans, g), num_fresh + self._num_loads(plans, g))
             for g, group in enumerate(self.groups)
         )
 
     @staticmethod
     def _hit_pages(plans: Sequence[Reservation], g: int) -> list[int]:
-        return [p for plan in plans if plan.joint is not None for p in plan.joint.pages[g]]
+        return [p for plan in plans if plan.joint is not None for p in plan.joint.device_pages(g)]
+
+    @staticmethod
+    def _num_loads(plans: Sequence[Reservation], g: int) -> int:
+        return sum(plan.joint.num_loads(g) for plan in plans if plan.joint is not None)
 
     # --- changes --------------------------------------------------------------------
 
-    def take(self, plans: Sequence[Reservation]) -> None:
+    def take(self, plans: Sequence[Reservation]) -> list[PendingLoad]:
         """Takes the plans' hits and fresh pages in every group's pool (which `fits`),
         extends each request's rows and chain, and slides each window to where the hit
-        moved it."""
+        moved it. A tier page of a hit takes a fresh page, which becomes a pending load
+        of its request (`RequestState.loads`); returns those loads (to pin)."""
         num_fresh = sum(plan.num_fresh for plan in plans)
         fresh = []
         for g, group in enumerate(self.groups):
-            pages = group.pool.take(self._hit_pages(plans, g), num_fresh)
+            pages = group.pool.take(
+                self._hit_pages(plans, g), num_fresh + self._num_loads(plans, g)
+            )
             if pages is None:
                 raise InvariantError("a reservation that fits could not take its pages")
             fresh.append(pages)
         ps = self.page_size
+        loads: list[PendingLoad] = []
         for plan in plans:
             req, hit = plan.req, plan.joint
             held = len(req.pages)
-            self.undo.push(self._truncate, req, held, len(req.hashes), list(req.firsts))
+            self.undo.push(
+                self._truncate, req, held, len(req.hashes), list(req.firsts), len(req.loads)
+            )
             n = len(hit.hashes) if hit is not None else 0
             if hit is not None:
                 req.hashes.extend(hit.hashes)
             for g, group in enumerate(self.groups):
-                row = req.rows[g]
+                row, taken = req.rows[g], fresh[g]
                 if hit is not None:
                     hit_pages = hit.pages[g]
                     row.extend([LOOKUP_PAD_PAGE] * (n - len(hit_pages)))  # below the window
-                    row.extend(hit_pages)
-                row.extend(fresh[g][: plan.num_fresh])
-                del fresh[g][: plan.num_fresh]
+                    for entry in hit_pages:
+                        if isinstance(entry, PendingLoad):
+                            entry = replace(entry, device_page=taken.pop())
+                            loads.append(entry)
+                            req.loads.append(entry)
+                            row.append(entry.page)
+                        else:
+                            row.append(entry)
+                row.extend(taken[: plan.num_fresh])
+                del taken[: plan.num_fresh]
                 if hit is not None and group.pages_in_window:
                     self._skip(group, req, held, (held + n) * ps)
                 group.write_row(req)
+        return loads
 
     def _skip(self, group: FullAttentionGroup, req: RequestState, held: int, hit_end: int) -> None:
         """After a hit ending at token `hit_end` on a request that held `held` pages: the
@@ -203,20 +278,21 @@ class JointGroups:
         for group in self.groups:
             group.release(req)
 
-    def commit_pages(self, plan: CommitPlan) -> None:
-        """Indexes the planned pages in every group (each shares its own duplicates)."""
-        for group in self.groups:
-            group.commit_pages(plan)
+    def commit_pages(self, plan: CommitPlan) -> list[list[bool]]:
+        """Indexes the planned pages in every group (each shares its own duplicates);
+        per group, True where a page was indexed."""
+        return [group.commit_pages(plan) for group in self.groups]
 
     def reset_prefix_cache(self) -> None:
         for group in self.groups:
             group.pool.reset_prefix_cache()
 
     def _truncate(
-        self, req: RequestState, num_pages: int, num_hashes: int, firsts: list[int]
+        self, req: RequestState, num_pages: int, num_hashes: int, firsts: list[int], num_loads: int
     ) -> None:
-        """Undoes what a request's rows, chain and firsts gained (idempotent)."""
+        """Undoes what a request's rows, chain, firsts and loads gained (idempotent)."""
         del req.hashes[num_hashes:]
+        del req.loads[num_loads:]
         req.firsts[:] = firsts
         for group in self.groups:
             del group.row(req)[num_pages:]
