@@ -131,10 +131,11 @@ class PagedReplica:
         self._requests: dict[RequestID, RequestState] = {}
         self.input_tokens = 0
         self.cache_tokens = 0
-        # Each group's tiers (`group_tiers.py`); `tiers` are the first group's.
+        # Each group's tiers (`group_tiers.py`, none without `params.tiers`); `tiers`
+        # are the first group's.
         self.group_tiers = (
             build_group_tiers(params, num_layers, self.groups, undo)
-            if params.is_hybrid and params.tiers
+            if params.is_hybrid
             else [TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)]
         )
         self.tiers = self.group_tiers[0]

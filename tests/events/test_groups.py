@@ -1,0 +1,150 @@
+"""KV-cache events and the router index on a cache of groups (issue 52 item 5): each
+group's pages are announced under vLLM 0.33's `group_idx`, `kv_cache_spec_kind` and
+`kv_cache_spec_sliding_window`, over a real ZMQ socket, and the router index scores the
+joint prefix hit the manager itself finds."""
+
+import time
+
+import mokv
+import numpy as np
+import pytest
+from mokv import CacheGroupConfig, TextContext
+from mokv.events import KVEventsConfig, PrefixRouterIndex
+from mokv.events.format import (
+    AllBlocksCleared,
+    BatchDecoder,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from mokv.events.publisher import EventRecorder, build_events
+
+from ..managers.conftest import make_paged
+from ..tiers.test_groups import HOST_BYTES, serve_filled
+from .conftest import inproc_name
+
+SOURCE = ("server", 0)
+GROUPS = (CacheGroupConfig("sliding", 1, window_size=6),
+          CacheGroupConfig("full", 1, n_kv_heads=1, head_dim=16))
+
+
+def publishing(session, endpoint: str) -> mokv.PagedKVCacheManager:
+    m = make_paged(session, num_pages=16, max_seq_len=32, groups=GROUPS,
+                   tiers=(mokv.HostTierConfig(swap_space_gb=HOST_BYTES / 2**30),),
+                   kv_events=KVEventsConfig(endpoint, topic="kv@p@m"))
+    deadline = time.monotonic() + 5
+    while m.kv_event_publishers[0].num_published < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return m
+
+
+def stored(hashes, tokens, medium, group_idx, kind, window):
+    return BlockStored(hashes, None, tokens, 4, None, medium, None, extra_keys=[None] * 4,
+                       group_idx=group_idx, kv_cache_spec_kind=kind,
+                       kv_cache_spec_sliding_window=window)
+
+
+def test_each_groups_pages_are_announced_with_vllms_group_fields(session, reader_factory):
+    endpoint = inproc_name()
+    m = publishing(session, endpoint)
+    reader = reader_factory(endpoint)
+    serve_filled(m, TextContext(np.arange(17), "A"), seed=1)
+    hashes = m.replicas[0].committed_hashes("A")
+    (_, seq, payload), = reader.take(1)
+    assert int.from_bytes(seq, "big") == 1
+    tokens = list(range(16))
+    assert BatchDecoder().decode(payload).events == [
+        stored(hashes, tokens, "GPU", 0, "sliding_window", 6),
+        stored(hashes, tokens, "GPU", 1, "full_attention", None),
+        stored(hashes, tokens, "CPU", 0, "sliding_window", 6),
+        stored(hashes, tokens, "CPU", 1, "full_attention", None),
+    ]
+    # Requests of other tokens evict the window's cached pages (its pool is the smaller):
+    # each removal names the group that lost the page.
+    m.release("A")
+    sliding = m.replicas[0].groups[0].pool
+    removed: list[tuple[int, int, str]] = []
+    for i in range(4):
+        if not set(hashes) & sliding.indexed_hashes():
+            break
+        serve_filled(m, TextContext(np.arange(15) + 1000 * (i + 1), f"X{i}"), seed=10 + i)
+        (_, _, payload), = reader.take(1)
+        removed += [(e.group_idx, h, e.medium) for e in BatchDecoder().decode(payload).events
+                    if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted((0, h, "GPU") for h in hashes)
+    m.close()
+
+
+def test_the_router_index_scores_the_managers_joint_hit(session, reader_factory):
+    """The index rebuilt from the events finds the prefix the manager would serve: the
+    full group's device pages and the window's host copies of its last two pages (the
+    window's device pages were evicted); a page weighs its slowest needed copy."""
+    endpoint = inproc_name()
+    m = publishing(session, endpoint)
+    reader = reader_factory(endpoint)
+    index = PrefixRouterIndex(page_size=4)
+    serve_filled(m, TextContext(np.arange(17), "A"), seed=1)
+    hashes = m.replicas[0].committed_hashes("A")
+    m.release("A")
+    batches = 1
+    sliding = m.replicas[0].groups[0].pool
+    for i in range(4):
+        if not set(hashes) & sliding.indexed_hashes():
+            break
+        serve_filled(m, TextContext(np.arange(15) + 1000 * (i + 1), f"X{i}"), seed=10 + i)
+        batches += 1
+    decoder = BatchDecoder()
+    for _, _, payload in reader.take(batches):
+        index.apply(SOURCE, decoder.decode(payload))
+    assert index.windows(SOURCE) == {0: 6, 1: None}
+    assert index.hashes(SOURCE, "device", group=1) >= set(hashes)
+    assert not index.hashes(SOURCE, "device", group=0) & set(hashes)
+    prompt = np.r_[np.arange(16), [99]]
+    assert m.prefix_hit_pages(TextContext(prompt, "B")) == [(4, 0)]
+    assert index.match(prompt) == {SOURCE: 4}
+    assert index.match(prompt, tiers=("device",)) == {SOURCE: 0}
+    assert index.scores(prompt) == {SOURCE: 1.0 + 1.0 + 0.75 + 0.75}
+    m.close()
+
+
+def group_batch(*events) -> KVEventBatch:
+    return KVEventBatch(0.0, list(events), 0)
+
+
+@pytest.mark.parametrize("window_pages, expected", [
+    ([2, 3], 4),     # the window before page 4 is held: the whole prefix
+    ([0, 1, 2], 3),  # page 3 is missing: the window before page 3 (pages 1, 2) is held
+    ([0, 2], 1),     # pages 1 and 3 missing: only the window before page 1 (page 0)
+    ([1], 0),        # no window before any end is whole
+])
+def test_a_windows_hit_is_a_suffix_run_and_the_joint_hit_is_iterated(window_pages, expected):
+    index = PrefixRouterIndex(page_size=4)
+    tokens = np.arange(17)
+    hashes = index.page_hashes(tokens)
+    index.apply(SOURCE, group_batch(
+        BlockStored(hashes, None, list(range(16)), 4, None, "GPU", None, group_idx=1,
+                    kv_cache_spec_kind="full_attention"),
+        *[BlockStored([hashes[i]], hashes[i - 1] if i else None, list(range(4 * i, 4 * i + 4)),
+                      4, None, "GPU", None, group_idx=0, kv_cache_spec_kind="sliding_window",
+                      kv_cache_spec_sliding_window=6) for i in window_pages],
+    ))
+    assert index.match(tokens) == {SOURCE: expected}
+    # A one-group source of the same pages: its run, whatever the other group holds.
+    index.apply(("plain", 0), group_batch(
+        BlockStored(hashes, None, list(range(16)), 4, None, "GPU", None)))
+    assert index.match(tokens)[("plain", 0)] == 4
+
+
+def test_a_reset_clears_every_group_and_tier_with_one_event(session):
+    m = make_paged(session, num_pages=16, max_seq_len=32, groups=GROUPS,
+                   tiers=(mokv.HostTierConfig(swap_space_gb=HOST_BYTES / 2**30),))
+    recorder = EventRecorder()
+    m.replicas[0].publish_to(recorder)
+    serve_filled(m, TextContext(np.arange(9), "A"), seed=1)
+    m.release("A")
+    recorder.take()
+    assert m.reset_prefix_cache()
+    assert build_events(recorder.take(), 4) == [AllBlocksCleared()]
+    r = m.replicas[0]
+    assert not any(g.pool.indexed_hashes() for g in r.groups)
+    assert not any(stack.named("host").pool.indexed_hashes() for stack in r.group_tiers)
