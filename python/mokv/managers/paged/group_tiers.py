@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, overload
+from typing import NamedTuple, overload
 
+from max.driver import Buffer
+
+from ...cache.page_pool import PagePool
 from ...config.params import KVCacheParams
 from ...config.tiers import HostTierConfig, TierConfig
-from ...remote.layout import group_key
 from ...tiers.base import TierHit
 from ...tiers.stack import TierStack
 from ...undo import UndoLog
 from .sizing import group_bytes_per_page
-
-if TYPE_CHECKING:  # groups/joint.py imports this module
-    from .groups import FullAttentionGroup
 
 
 class TierFind(NamedTuple):
@@ -51,29 +50,30 @@ Found = int | TierFind | None
 def build_group_tiers(
     params: KVCacheParams,
     num_layers: int,
-    groups: Sequence[FullAttentionGroup],
+    groups: Sequence[tuple[PagePool, list[Buffer], str]],
     undo: UndoLog,
 ) -> list[TierStack]:
-    """One `TierStack` per group, over its pool and buffers, each with its share of
-    the host memory. All or nothing: the stacks built before a failure are closed."""
+    """One `TierStack` per group (`groups`: each one's pool, buffers and
+    `mokv.remote.layout.group_key`), each with its share of the host memory. All or
+    nothing: the stacks built before a failure are closed."""
     configs = params.cache_groups(num_layers)
     device_bytes = [
-        group_bytes_per_page(params, config) * group.pool.num_pages
-        for group, config in zip(groups, configs)
+        group_bytes_per_page(params, config) * pool.num_pages
+        for (pool, _, _), config in zip(groups, configs)
     ]
     stacks: list[TierStack] = []
     try:
-        for group, config, nbytes in zip(groups, configs, device_bytes):
+        for (pool, blocks, key), config, nbytes in zip(groups, configs, device_bytes):
             share = nbytes / sum(device_bytes)
             stacks.append(
                 TierStack(
                     [_share_of(tier, share) for tier in params.tiers],
                     params.group_params(config),
                     config.num_layers,
-                    group.pool,
-                    group.blocks,
+                    pool,
+                    blocks,
                     undo,
-                    group_key(group.kind, group.index, group.window_size),
+                    key,
                 )
             )
     except BaseException:

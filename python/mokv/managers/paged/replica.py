@@ -75,6 +75,7 @@ from ...events.publisher import EventRecorder, GroupSpec
 from ...layouts import RaggedKVCacheInputs
 from ...metrics import prompt_tokens_in
 from ...registry import BUILDERS
+from ...remote.layout import group_key
 from ...tiers.base import CommittedPages
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
@@ -134,7 +135,15 @@ class PagedReplica:
         # Each group's tiers (`group_tiers.py`, none without `params.tiers`); `tiers`
         # are the first group's.
         self.group_tiers = (
-            build_group_tiers(params, num_layers, self.groups, undo)
+            build_group_tiers(
+                params,
+                num_layers,
+                [
+                    (g.pool, g.blocks, group_key(g.kind, g.index, g.window_size))
+                    for g in self.groups
+                ],
+                undo,
+            )
             if params.is_hybrid
             else [TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)]
         )
