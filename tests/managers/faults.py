@@ -68,7 +68,12 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
             for p in range(pool.num_pages)
         )
         replicas.append(
-            (pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers), session_state(r))
+            (
+                pages,
+                r.num_free_slots,
+                tuple(tier_state(t) for stack in r.group_tiers for t in stack),
+                session_state(r),
+            )
         )
     requests: list[tuple] = []
     for ctx in contexts:

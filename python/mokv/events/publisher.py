@@ -169,12 +169,12 @@ class MediumSink:
     def stored(
         self, page_hash: int, parent_hash: int | None, token_bytes: bytes, keys: EventKeys | None
     ) -> None:
-        self._recorder._record(
-            (_STORED, page_hash, parent_hash, token_bytes, keys, self.medium, self.group)
-        )
+        record = (_STORED, page_hash, parent_hash, token_bytes, keys, self.medium)
+        self._recorder._record(record if self.group is None else (*record, self.group))
 
     def removed(self, page_hash: int) -> None:
-        self._recorder._record((_REMOVED, page_hash, self.medium, self.group))
+        record = (_REMOVED, page_hash, self.medium)
+        self._recorder._record(record if self.group is None else (*record, self.group))
 
     def cleared(self) -> None:
         if self.medium is None and self.group is not None and self.group.index == 0:
