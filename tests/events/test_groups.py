@@ -100,7 +100,8 @@ def test_the_router_index_scores_the_managers_joint_hit(session, reader_factory)
     assert index.hashes(SOURCE, "device", group=1) >= set(hashes)
     assert not index.hashes(SOURCE, "device", group=0) & set(hashes)
     prompt = np.r_[np.arange(16), [99]]
-    assert m.prefix_hit_pages(TextContext(prompt, "B")) == [(4, 0)]
+    # the devices alone serve none of it (the window's pages are in its host tier)
+    assert m.prefix_hit_pages(TextContext(prompt, "B")) == [(0, 4)]
     assert index.match(prompt) == {SOURCE: 4}
     assert index.match(prompt, tiers=("device",)) == {SOURCE: 0}
     assert index.scores(prompt) == {SOURCE: 1.0 + 1.0 + 0.75 + 0.75}

@@ -285,10 +285,11 @@ class PagedReplica:
     def prefix_hit_pages(self, ctx: TextGenerationContext) -> tuple[int, int]:
         """Pages of `ctx`'s tokens this replica could serve from its device pages, and
         from its own tiers after them (a shared tier serves every replica alike, and is
-        not asked)."""
+        not asked; with several groups it is, by the joint hit of every group's tiers:
+        `JointGroups.hit_pages`)."""
         if self.joint is not None:
             probe = self._requests.get(ctx.request_id) or self.joint.new_request(-1)
-            return self.joint.hit_pages(ctx, probe), 0
+            return self.joint.hit_pages(ctx, probe)
         req = self._requests.get(ctx.request_id) or RequestState(-1)
         hits, tail = self.chains.device_hits(ctx, req, want_tail=bool(self.tiers))
         return len(hits), (self.tiers.local_hits(tail) if tail is not None else 0)

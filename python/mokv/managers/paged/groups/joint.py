@@ -181,10 +181,15 @@ class JointGroups:
         plan.room = self.room(hit)
         return plan
 
-    def hit_pages(self, ctx: TextGenerationContext, req: RequestState) -> int:
-        """Pages of `ctx`'s tokens the replica could serve now (the joint hit)."""
+    def hit_pages(self, ctx: TextGenerationContext, req: RequestState) -> tuple[int, int]:
+        """Pages of `ctx`'s tokens the replica could serve now (the joint hit): those
+        the groups' devices alone serve, and those past them that need a tier's pages."""
         hit = self.hit(ctx, req)
-        return len(hit.hashes) if hit is not None else 0
+        if hit is None:
+            return 0, 0
+        n = len(hit.hashes)
+        device = n if hit.num_device < 0 else hit.num_device
+        return device, n - device
 
     def room(self, hit: JointHit | None) -> int:
         """The least fresh pages any group's pool could hand out with its pages of `hit`
