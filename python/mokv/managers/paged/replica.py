@@ -591,7 +591,14 @@ class PagedReplica:
             group = self.groups[g]
             # A page loaded while another request committed the same prefix on the
             # device is shared as a duplicate commit is (`FullAttentionGroup.commit_pages`).
-            owner = {page: (req, idx) for req in reqs for idx, page in enumerate(group.row(req))}
+            # Only the pages each request holds: a window's row below its first holds
+            # the pad page (0) or pages it released, which may be others' now.
+            owner = {
+                row[idx]: (req, idx)
+                for req in reqs
+                for row in (group.row(req),)
+                for idx in range(group.first(req), len(row))
+            }
             group.commit_pages(
                 CommitPlan(
                     [],
