@@ -6,8 +6,8 @@ drives its cache groups (`groups/`: each a set of layers with its own page pool,
 buffers and page table). A cache of one full-attention group (`self.group`, whose
 `pool` and `blocks` the replica names too) runs on the paths below, tuned for it; a
 cache of several groups or a sliding window runs its hits, takes, commits, slides and
-graph inputs through `self.joint` (`groups/joint.py`: the joint prefix hit), without
-tiers or sessions.
+graph inputs through `self.joint` (`groups/joint.py`: the joint prefix hit), each group
+with its own tiers (`group_tiers`, `group_tiers.py`), without sessions or pins.
 
 A request's pages, drawn as token regions (page_size 4 here):
 
@@ -330,6 +330,9 @@ class PagedReplica:
             if needed <= held:  # then no prefix can match either (`PrefixChains.can_match`)
                 return HELD
             if self.joint is not None:
+                if not req.pages:  # a first reservation: its keys and control are checked
+                    request_keys(ctx)
+                    self._check_control(ctx)
                 return self.joint.plan(ctx, req, num_steps, self.max_seq_len)
             if req.pages:
                 if self.takes_fresh_only(ctx, req):
@@ -447,6 +450,8 @@ class PagedReplica:
         moves."""
         if self.joint is not None:
             for plan in plans:
+                if not plan.req.pages and plan.req.control is None:
+                    self._keep_control(plan.req, plan.ctx)
                 if plan.joint is not None:
                     self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
                     self.cache_tokens += plan.hit_tokens - len(plan.req.hashes) * self.page_size
@@ -479,10 +484,7 @@ class PagedReplica:
                 self.cache_tokens += plan.hit_tokens - len(req.hashes) * self.page_size
             held = len(req.pages)
             if not held and req.control is None:
-                control = getattr(plan.ctx, "cache_control", None)
-                if control is not None:
-                    self.undo.push(setattr, req, "control", None)
-                    req.control = control
+                self._keep_control(req, plan.ctx)
             self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
             if plan.hits:
                 req.pages.extend(map(_page_id, plan.hits))  # in C: a prompt's hits
@@ -505,6 +507,14 @@ class PagedReplica:
             )
         if self._tiered:  # what the plans took (see `Tier.note_reserved`)
             self.tiers.note_reserved(fresh, [plan.device_hit_run(self.page_size) for plan in plans])
+
+    def _keep_control(self, req: RequestState, ctx: TextGenerationContext) -> None:
+        """A request's first reservation keeps what its context asks of the cache (its
+        write policy, its pin at release)."""
+        control = getattr(ctx, "cache_control", None)
+        if control is not None:
+            self.undo.push(setattr, req, "control", None)
+            req.control = control
 
     def _settle(self, moving: list[Reservation], mark: int) -> None:
         """After a context's `skip_cached_prefix` raised: a plan stands if its context
