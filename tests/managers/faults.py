@@ -122,7 +122,8 @@ def session_state(replica) -> tuple:
     state: tuple = ()
     if table is not None:
         state = (tuple((sid, s.chain, s.running, s.deadline) for sid, s in table.sessions.items()),
-                 table.retained_hashes, replica.pool.retained_hashes, replica.pool.num_kept)
+                 table.retained_hashes,
+                 tuple((g.pool.retained_hashes, g.pool.num_kept) for g in replica.groups))
     if pins is not None:  # and the pins: each one's chain, deadline and ttl, where pinned
         host = replica.tiers.named("host")
         state += (tuple(sorted((k, p.chain, p.deadline, p.ttl_s) for k, p in pins.pins.items())),

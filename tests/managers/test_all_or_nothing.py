@@ -119,9 +119,9 @@ class GroupWorld(World):
                             mokv.CacheGroupConfig("full", 1)))
 
 
-class GroupHostEventsWorld(EventsMixin, HostWorld):
-    """The host tier's requests on a cache of two groups (a window of 5 tokens and a full
-    group, 6 device pages each, each with its host tier), publishing events."""
+class GroupsMixin(World):
+    """A world's requests on a cache of two groups, a window of 5 tokens and a full group,
+    each with its own device pages (6 in a host world) and tiers."""
 
     def __init__(self, session):
         super().__init__(session)
@@ -130,6 +130,10 @@ class GroupHostEventsWorld(EventsMixin, HostWorld):
     def options(self) -> dict:
         return dict(super().options(), groups=(mokv.CacheGroupConfig("sliding", 1, window_size=5),
                                                mokv.CacheGroupConfig("full", 1)))
+
+
+class GroupHostEventsWorld(GroupsMixin, EventsMixin, HostWorld):
+    """The host tier's requests on a cache of groups, publishing events."""
 
 
 class Clock:
@@ -164,6 +168,10 @@ class SessionWorld(EventsMixin, HostWorld):
     def options(self) -> dict:
         return dict(super().options(),
                     sessions=mokv.SessionConfig(ttl_s=10.0, max_share=0.25, clock=self.clock))
+
+
+class GroupSessionWorld(GroupsMixin, SessionWorld):
+    """The sessions' requests on a cache of groups."""
 
 
 class PinWorld(EventsMixin, HostWorld):
@@ -299,6 +307,7 @@ SCENARIOS = {
     "sessions": (SessionWorld, SESSION_SCENARIO),
     "groups": (GroupWorld, SCENARIO),
     "group-tiers": (GroupHostEventsWorld, HOST_SCENARIO),
+    "group-sessions": (GroupSessionWorld, SESSION_SCENARIO),
     "pins": (PinWorld, PIN_SCENARIO),
 }
 

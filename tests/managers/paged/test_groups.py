@@ -273,8 +273,7 @@ def test_a_cache_of_groups_refuses_what_it_does_not_hold(session):
     with pytest.raises(ValueError, match="hold 3 layers, but num_layers=2"):
         make_paged(session, groups=(CacheGroupConfig("a", 2, window_size=4),
                                     CacheGroupConfig("b", 1)))
-    for extra, name in [  # tiers and kv_events hold groups: tests/tiers/test_groups.py
-        (dict(sessions=mokv.SessionConfig()), "sessions"),
+    for extra, name in [  # tiers, events, sessions hold groups: tests/tiers, tests/events
         (dict(pins=mokv.PinConfig(), enable_prefix_caching=True), "pins"),
     ]:
         with pytest.raises(ValueError, match=f"{name}=.*cache of groups"):

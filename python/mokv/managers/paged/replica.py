@@ -7,7 +7,7 @@ buffers and page table). A cache of one full-attention group (`self.group`, whos
 `pool` and `blocks` the replica names too) runs on the paths below, tuned for it; a
 cache of several groups or a sliding window runs its hits, takes, commits, slides and
 graph inputs through `self.joint` (`groups/joint.py`: the joint prefix hit), each group
-with its own tiers (`group_tiers`, `group_tiers.py`), without sessions or pins.
+with its own tiers (`group_tiers`, `group_tiers.py`), without pins.
 
 A request's pages, drawn as token regions (page_size 4 here):
 
@@ -155,7 +155,14 @@ class PagedReplica:
             else None
         )
         self.sessions: SessionTable | None = (
-            BUILDERS.build(params.sessions, self.pool, self.tiers, undo)
+            BUILDERS.build(
+                params.sessions,
+                [
+                    (g.pool, stack, g.pages_in_window)
+                    for g, stack in zip(self.groups, self.group_tiers)
+                ],
+                undo,
+            )
             if params.sessions
             else None
         )
@@ -449,20 +456,7 @@ class PagedReplica:
         """The pages, pins and counters of `plans`, with their undo records; no window
         moves."""
         if self.joint is not None:
-            for plan in plans:
-                if not plan.req.pages and plan.req.control is None:
-                    self._keep_control(plan.req, plan.ctx)
-                if plan.joint is not None:
-                    self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
-                    self.cache_tokens += plan.hit_tokens - len(plan.req.hashes) * self.page_size
-            loads = self.joint.take(plans)
-            for g, group_loads in self._loads_by_group(loads):
-                self.group_tiers[g].pin(group_loads)
-            for plan in plans:
-                hit = plan.joint
-                if hit is not None and hit.num_device >= 0:
-                    served = (len(hit.hashes) - hit.num_device) * self.page_size
-                    self.tiers.count_tokens(hit.slowest_tier, served)
+            self._take_joint(self.joint, plans)
             return
         hit_pages = [page_id for plan in plans if plan.hits for page_id, _ in plan.hits]
         sessions = self.sessions
@@ -507,6 +501,29 @@ class PagedReplica:
             )
         if self._tiered:  # what the plans took (see `Tier.note_reserved`)
             self.tiers.note_reserved(fresh, [plan.device_hit_run(self.page_size) for plan in plans])
+
+    def _take_joint(self, joint: JointGroups, plans: list[Reservation]) -> None:
+        """`_take` on a cache of groups (`JointGroups.take`): the plans' pages in every
+        group, their tier hits pinned in their groups' tiers, their sessions started."""
+        sessions = self.sessions
+        if sessions is not None:  # sessions past their time-to-live, before evicting
+            sessions.apply(sessions.plan_expiry())
+        firsts = [not plan.req.pages for plan in plans]
+        for plan, first in zip(plans, firsts):
+            if first and plan.req.control is None:
+                self._keep_control(plan.req, plan.ctx)
+            if plan.joint is not None:
+                self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
+                self.cache_tokens += plan.hit_tokens - len(plan.req.hashes) * self.page_size
+        for g, group_loads in self._loads_by_group(joint.take(plans)):
+            self.group_tiers[g].pin(group_loads)
+        for plan in plans:
+            hit = plan.joint
+            if hit is not None and hit.num_device >= 0:
+                served = (len(hit.hashes) - hit.num_device) * self.page_size
+                self.tiers.count_tokens(hit.slowest_tier, served)
+        if sessions is not None:  # a request's first reservation starts its session
+            sessions.start_requests(plans, firsts)
 
     def _keep_control(self, req: RequestState, ctx: TextGenerationContext) -> None:
         """A request's first reservation keeps what its context asks of the cache (its
@@ -637,7 +654,9 @@ class PagedReplica:
         return [(g, group_loads) for g, group_loads in enumerate(by_group) if group_loads]
 
     def reset_metrics(self) -> None:
-        self.input_tokens = self.cache_tokens = self.pool.num_evicted_retained = 0
+        self.input_tokens = self.cache_tokens = 0
+        for group in self.groups:
+            group.pool.num_evicted_retained = 0
         for stack in self.group_tiers:
             stack.reset_metrics()
         if self.sessions is not None:
