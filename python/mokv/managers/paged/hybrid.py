@@ -2,7 +2,7 @@
 
 Pins keep one full-attention group's pages today (`PinTable` pins the hashes of one
 pool, and lets its pages spill to one host tier; a sliding group should pin only the
-window before a pinned prefix's end, as its sessions retain: `window_retention.py`); on
+window before a pinned prefix's end, as its sessions retain: `window_tails.py`); on
 a cache of groups they are refused by name, never accepted and ignored. Tiers, KV-cache
 events and sessions hold every group's pages (`group_tiers.py`,
 `EventRecorder.group_sink`, `SessionTable`).

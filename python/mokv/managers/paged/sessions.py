@@ -19,7 +19,7 @@ prompt retain it once) and applied to the device pool and every tier
 (`PagePool.retain`, `Tier.retain`): a retained page without an owner is evicted only
 after every unretained one. In a cache of groups, every full group's pool and tiers
 retain the chains, a sliding group's only their tails, the window a next turn reads
-(`window_retention.py`).
+(`window_tails.py`).
 
 The share cap: the distinct hashes all sessions retain never exceed `cap` =
 `max_share * (device pages + local tier pages)`. A release that would pass it drops the
@@ -39,8 +39,9 @@ to undo them in the manager's undo log (`mokv.undo`), as the pools do.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from ...cache.page_pool import PagePool
 from ...config.sessions import SessionConfig
@@ -51,7 +52,7 @@ from ...tiers.stack import TierStack
 from ...undo import UndoLog, set_values, values_of
 from .chain_counts import check_counts
 from .plans import RequestState, Reservation, Session
-from .window_retention import Change, WindowRetention
+from .window_tails import Change, WindowTails
 
 
 @dataclass(slots=True)
@@ -86,7 +87,7 @@ class SessionTable:
     """The open sessions of one replica, over its pools and tiers (see the module
     docstring): `groups` are its cache groups' `(pool, tiers, pages_in_window)`, one
     for a replica of one group. A group without a window retains the sessions' whole
-    chains; a sliding group only their tails (`WindowRetention`)."""
+    chains; a sliding group only their tails (`WindowTails`)."""
 
     def __init__(
         self,
@@ -99,7 +100,15 @@ class SessionTable:
         self.clock = config.clock
         self._whole = [(pool, tiers) for pool, tiers, window in groups if not window]
         self._windows = [
-            WindowRetention(pool, tiers, window, undo) for pool, tiers, window in groups if window
+            WindowTails(
+                window,
+                undo,
+                retainer(pool, tiers),
+                unretainer(pool, tiers),
+                partial(getattr, pool, "retained_hashes"),
+            )
+            for pool, tiers, window in groups
+            if window
         ]
         self._pools = [pool for pool, _, _ in groups]
         self._tier_stacks = [tiers for _, tiers, _ in groups]
@@ -280,7 +289,7 @@ class SessionTable:
                 [(h, count.get(h)) for h in touched],
                 values_of(self, self._COUNTERS),
             )
-        if self._windows:  # each session's chain before and after (`WindowRetention`)
+        if self._windows:  # each session's chain before and after (`WindowTails`)
             changes: list[Change] = [(s.chain, (), True) for s in (*plan.ended, *plan.expired)]
             changes += [(s.chain, (), False) for s in plan.dropped]
             if plan.released is not None:
@@ -393,7 +402,27 @@ class SessionTable:
         for pool, _ in self._whole:
             check_counts("sessions retain", chains, self._count, pool.retained_hashes, self.cap)
         for window in self._windows:
-            window.check_invariants(chains, self.cap)
+            window.check_invariants("sessions retain", chains, self.cap)
+
+
+def retainer(pool: PagePool, tiers: TierStack) -> Callable[[list[int]], None]:
+    """Open sessions retain these hashes, in `pool` and `tiers`."""
+
+    def retain(hashes: list[int]) -> None:
+        pool.retain(hashes)
+        tiers.retain(hashes)
+
+    return retain
+
+
+def unretainer(pool: PagePool, tiers: TierStack) -> Callable[[list[int], bool], None]:
+    """No open session retains these hashes any more, in `pool` and `tiers`."""
+
+    def unretain(hashes: list[int], old_end: bool) -> None:
+        pool.unretain(hashes, old_end)
+        tiers.unretain(hashes, old_end)
+
+    return unretain
 
 
 BUILDERS.register(SessionConfig, SessionTable)
