@@ -125,10 +125,11 @@ def session_state(replica) -> tuple:
                  table.retained_hashes,
                  tuple((g.pool.retained_hashes, g.pool.num_kept) for g in replica.groups))
     if pins is not None:  # and the pins: each one's chain, deadline and ttl, where pinned
-        host = replica.tiers.named("host")
+        hosts = [stack.named("host") for stack in replica.group_tiers]
         state += (tuple(sorted((k, p.chain, p.deadline, p.ttl_s) for k, p in pins.pins.items())),
-                  pins.pinned_hashes, replica.pool.pinned_hashes, replica.pool.num_pinned,
-                  host.pinned_prefixes if host is not None else None)
+                  pins.pinned_hashes,
+                  tuple((g.pool.pinned_hashes, g.pool.num_pinned) for g in replica.groups),
+                  tuple(host.pinned_prefixes if host is not None else None for host in hosts))
     return state
 
 

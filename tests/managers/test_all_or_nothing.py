@@ -193,6 +193,10 @@ class PinWorld(EventsMixin, HostWorld):
         return dict(super().options(), pins=mokv.PinConfig(max_share=0.5, clock=self.clock))
 
 
+class GroupPinWorld(GroupsMixin, PinWorld):
+    """The pins' requests on a cache of groups."""
+
+
 def _expire(w: SessionWorld | PinWorld) -> None:
     w.clock.now += 11.0
 
@@ -308,6 +312,7 @@ SCENARIOS = {
     "groups": (GroupWorld, SCENARIO),
     "group-tiers": (GroupHostEventsWorld, HOST_SCENARIO),
     "group-sessions": (GroupSessionWorld, SESSION_SCENARIO),
+    "group-pins": (GroupPinWorld, PIN_SCENARIO),
     "pins": (PinWorld, PIN_SCENARIO),
 }
 

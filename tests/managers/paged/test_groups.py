@@ -269,15 +269,10 @@ def test_a_budget_short_of_one_request_names_the_group(session):
         make_paged(session, num_pages=2, max_seq_len=64, groups=hybrid(5))
 
 
-def test_a_cache_of_groups_refuses_what_it_does_not_hold(session):
+def test_groups_that_do_not_add_up_are_refused(session):
     with pytest.raises(ValueError, match="hold 3 layers, but num_layers=2"):
         make_paged(session, groups=(CacheGroupConfig("a", 2, window_size=4),
                                     CacheGroupConfig("b", 1)))
-    for extra, name in [  # tiers, events, sessions hold groups: tests/tiers, tests/events
-        (dict(pins=mokv.PinConfig(), enable_prefix_caching=True), "pins"),
-    ]:
-        with pytest.raises(ValueError, match=f"{name}=.*cache of groups"):
-            make_paged(session, groups=hybrid(5), **extra)
     for bad, match in [
         (dict(name="two words", num_layers=1), "identifier"),
         (dict(name="a", num_layers=0), "num_layers"),

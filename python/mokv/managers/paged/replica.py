@@ -7,7 +7,8 @@ buffers and page table). A cache of one full-attention group (`self.group`, whos
 `pool` and `blocks` the replica names too) runs on the paths below, tuned for it; a
 cache of several groups or a sliding window runs its hits, takes, commits, slides and
 graph inputs through `self.joint` (`groups/joint.py`: the joint prefix hit), each group
-with its own tiers (`group_tiers`, `group_tiers.py`), without pins.
+with its own tiers (`group_tiers`, `group_tiers.py`); sessions and pins hold a sliding
+group's tails of their chains (`window_tails.py`).
 
 A request's pages, drawn as token regions (page_size 4 here):
 
@@ -154,23 +155,19 @@ class PagedReplica:
             if params.is_hybrid
             else None
         )
+        # Sessions and pins hold whole chains in a full group, tails in a window's.
+        held_in = [
+            (g.pool, stack, g.pages_in_window) for g, stack in zip(self.groups, self.group_tiers)
+        ]
         self.sessions: SessionTable | None = (
-            BUILDERS.build(
-                params.sessions,
-                [
-                    (g.pool, stack, g.pages_in_window)
-                    for g, stack in zip(self.groups, self.group_tiers)
-                ],
-                undo,
-            )
-            if params.sessions
-            else None
+            BUILDERS.build(params.sessions, held_in, undo) if params.sessions else None
         )
         self.pins: PinTable | None = (
-            BUILDERS.build(params.pins, self.pool, self.tiers, undo) if params.pins else None
+            BUILDERS.build(params.pins, held_in, undo) if params.pins else None
         )
-        if self.pins is not None and self.tiers.keeps_pins:
-            self.pool.spill = self.tiers.holds_pinned
+        for group, stack in zip(self.groups, self.group_tiers):
+            if self.pins is not None and stack.keeps_pins:
+                group.pool.spill = stack.holds_pinned
         self.withheld_pages = 0
 
     # --- requests -------------------------------------------------------------------
@@ -504,10 +501,13 @@ class PagedReplica:
 
     def _take_joint(self, joint: JointGroups, plans: list[Reservation]) -> None:
         """`_take` on a cache of groups (`JointGroups.take`): the plans' pages in every
-        group, their tier hits pinned in their groups' tiers, their sessions started."""
-        sessions = self.sessions
+        group, their tier hits pinned in their groups' tiers, their sessions started,
+        the pins they hit renewed."""
+        sessions, pins = self.sessions, self.pins
         if sessions is not None:  # sessions past their time-to-live, before evicting
             sessions.apply(sessions.plan_expiry())
+        if pins is not None:  # pins past their time to live, before evicting
+            pins.apply(pins.plan_expiry())
         firsts = [not plan.req.pages for plan in plans]
         for plan, first in zip(plans, firsts):
             if first and plan.req.control is None:
@@ -524,6 +524,8 @@ class PagedReplica:
                 self.tiers.count_tokens(hit.slowest_tier, served)
         if sessions is not None:  # a request's first reservation starts its session
             sessions.start_requests(plans, firsts)
+        if pins is not None and pins.pins:  # a hit on a whole pinned prefix renews it
+            pins.refresh(h for plan in plans if plan.joint for h in plan.joint.hashes)
 
     def _keep_control(self, req: RequestState, ctx: TextGenerationContext) -> None:
         """A request's first reservation keeps what its context asks of the cache (its
@@ -661,7 +663,9 @@ class PagedReplica:
             stack.reset_metrics()
         if self.sessions is not None:
             self.sessions.reset_metrics()
-        self.withheld_pages = self.pool.num_spilled = 0
+        self.withheld_pages = 0
+        for group in self.groups:
+            group.pool.num_spilled = 0
         if self.pins is not None:
             self.pins.reset_metrics()
 

@@ -39,9 +39,8 @@ to undo them in the manager's undo log (`mokv.undo`), as the pools do.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 from ...cache.page_pool import PagePool
 from ...config.sessions import SessionConfig
@@ -52,7 +51,7 @@ from ...tiers.stack import TierStack
 from ...undo import UndoLog, set_values, values_of
 from .chain_counts import check_counts
 from .plans import RequestState, Reservation, Session
-from .window_tails import Change, WindowTails
+from .window_tails import Change, in_both, split_groups
 
 
 @dataclass(slots=True)
@@ -98,18 +97,13 @@ class SessionTable:
         self.config = config
         self.undo = undo
         self.clock = config.clock
-        self._whole = [(pool, tiers) for pool, tiers, window in groups if not window]
-        self._windows = [
-            WindowTails(
-                window,
-                undo,
-                retainer(pool, tiers),
-                unretainer(pool, tiers),
-                partial(getattr, pool, "retained_hashes"),
-            )
-            for pool, tiers, window in groups
-            if window
-        ]
+        self._whole, self._windows = split_groups(
+            groups,
+            undo,
+            lambda pool, tiers: in_both(pool.retain, tiers.retain),
+            lambda pool, tiers: in_both(pool.unretain, tiers.unretain),
+            "retained_hashes",
+        )
         self._pools = [pool for pool, _, _ in groups]
         self._tier_stacks = [tiers for _, tiers, _ in groups]
         # The hashes retained whole must fit the smallest group that holds them whole.
@@ -322,8 +316,8 @@ class SessionTable:
                 target.retain(plan.retain)
                 target.unretain(plan.unretain, old_end=True)
                 target.unretain(plan.fall_back, old_end=False)
-        for window in self._windows:
-            window.apply(changes)
+        for tails, _, _ in self._windows:
+            tails.apply(changes)
         return len(plan.unretain) + len(plan.fall_back)
 
     def clear(self) -> None:
@@ -339,8 +333,8 @@ class SessionTable:
         self.num_ended += len(self.sessions)
         self.sessions.clear()
         self._count.clear()
-        for window in self._windows:
-            window.clear()
+        for tails, _, _ in self._windows:
+            tails.clear()
 
     # --- undo (run by `UndoLog.rollback`, newest change first) ------------------------
 
@@ -401,28 +395,8 @@ class SessionTable:
         chains = [session.chain for session in self.sessions.values()]
         for pool, _ in self._whole:
             check_counts("sessions retain", chains, self._count, pool.retained_hashes, self.cap)
-        for window in self._windows:
-            window.check_invariants("sessions retain", chains, self.cap)
-
-
-def retainer(pool: PagePool, tiers: TierStack) -> Callable[[list[int]], None]:
-    """Open sessions retain these hashes, in `pool` and `tiers`."""
-
-    def retain(hashes: list[int]) -> None:
-        pool.retain(hashes)
-        tiers.retain(hashes)
-
-    return retain
-
-
-def unretainer(pool: PagePool, tiers: TierStack) -> Callable[[list[int], bool], None]:
-    """No open session retains these hashes any more, in `pool` and `tiers`."""
-
-    def unretain(hashes: list[int], old_end: bool) -> None:
-        pool.unretain(hashes, old_end)
-        tiers.unretain(hashes, old_end)
-
-    return unretain
+        for tails, _, _ in self._windows:
+            tails.check_invariants("sessions retain", chains, self.cap)
 
 
 BUILDERS.register(SessionConfig, SessionTable)

@@ -16,7 +16,10 @@ cannot fail half-way (plain dict operations, then the pool's and tiers' own call
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 
+from ...cache.page_pool import PagePool
+from ...tiers.stack import TierStack
 from ...undo import UndoLog
 from .chain_counts import check_counts
 
@@ -53,8 +56,15 @@ class WindowTails:
         """The pages of `chain` a later hit's window reads (its last ones)."""
         return tuple(chain[-self.pages_in_window :]) if chain else ()
 
-    def apply(self, changes: Iterable[Change]) -> None:
-        """The chains changed so: holds the new tails, lets the old ones go."""
+    def size_after(self, changes: Iterable[Change]) -> int:
+        """How many distinct tail hashes would be held after `changes` (pure)."""
+        delta = self._delta(changes)[0]
+        count = self._count
+        return len(count) + sum((count.get(h, 0) + d > 0) - (h in count) for h, d in delta.items())
+
+    def _delta(self, changes: Iterable[Change]) -> tuple[dict[int, int], set[int]]:
+        """Per tail hash, the chains holding it gained (or lost); and those let go by a
+        change to the young end."""
         delta: dict[int, int] = {}
         young: set[int] = set()
         for old, new, old_end in changes:
@@ -64,6 +74,11 @@ class WindowTails:
                     young.add(h)
             for h in set(self.tail(new)):
                 delta[h] = delta.get(h, 0) + 1
+        return delta, young
+
+    def apply(self, changes: Iterable[Change]) -> None:
+        """The chains changed so: holds the new tails, lets the old ones go."""
+        delta, young = self._delta(changes)
         count = self._count
         if self.undo is not None:  # restores old values: pushed first, idempotent
             self.undo.push(self._restore, [(h, count.get(h)) for h in delta])
@@ -106,3 +121,56 @@ class WindowTails:
         exactly those hashes."""
         tails = [self.tail(chain) for chain in chains]
         check_counts(f"{holders} (window)", tails, self._count, self._held(), cap)
+
+
+def in_both(first: Callable[..., None], second: Callable[..., None]) -> Callable[..., None]:
+    """A call of `first` then `second` with the same arguments (a group's pool, then its
+    tiers: `WindowTails`' `hold` and `let_go`)."""
+
+    def both(*args: object) -> None:
+        first(*args)
+        second(*args)
+
+    return both
+
+
+def at_either_end(let_go: Callable[[list[int]], None]) -> Callable[[list[int], bool], None]:
+    """`let_go` for holders whose let-go hashes have no LRU end to go to (pins)."""
+
+    def call(hashes: list[int], old_end: bool) -> None:
+        let_go(hashes)
+
+    return call
+
+
+Holder = Callable[[PagePool, TierStack], Callable[..., None]]
+"""What holds (or lets go of) hashes in a group's pool and tiers."""
+
+
+def split_groups(
+    groups: Sequence[tuple[PagePool, TierStack, int]],
+    undo: UndoLog | None,
+    hold: Holder,
+    let_go: Holder,
+    held: str,
+) -> tuple[list[tuple[PagePool, TierStack]], list[tuple[WindowTails, PagePool, TierStack]]]:
+    """A table's groups (`(pool, tiers, pages_in_window)`): those that hold whole
+    chains, and each sliding group's `WindowTails` (`held`: the pool's property of what
+    it holds, for the checks)."""
+    whole = [(pool, tiers) for pool, tiers, window in groups if not window]
+    windows = [
+        (
+            WindowTails(
+                window,
+                undo,
+                hold(pool, tiers),
+                let_go(pool, tiers),
+                partial(getattr, pool, held),
+            ),
+            pool,
+            tiers,
+        )
+        for pool, tiers, window in groups
+        if window
+    ]
+    return whole, windows
