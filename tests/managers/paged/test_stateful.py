@@ -457,6 +457,23 @@ class GroupMachine(PagedManagerMachine):
         super().teardown()
 
 
+class GroupHostMachine(GroupMachine, HostTierMachine):
+    """The groups' rules with a host tier per group (16 host pages of the two-layer
+    page's bytes, split between the groups) on few device pages: each group's prefixes
+    cycle device -> its host tier -> device, and every token read back in every group
+    (from pages loaded from a host tier too) must hold exactly its prefix's value."""
+
+    num_pages = 7
+    group_tokens_loaded = 0  # over every example: the groups' host tiers were exercised
+
+    def options(self) -> dict:
+        return dict(GroupMachine.options(self), **HostTierMachine.options(self))
+
+    def teardown(self):
+        GroupHostMachine.group_tokens_loaded += self.m.metrics.host_cache_tokens
+        super().teardown()
+
+
 PIN_TTL_S = (5.0, 30.0)
 
 
@@ -558,6 +575,11 @@ def test_random_operations_with_sessions(session):
 def test_random_operations_on_a_cache_of_two_groups(session):
     run_machine(session, GroupMachine, 120)
     assert GroupMachine.hit_tokens > 0 and GroupMachine.slid_windows > 0
+
+
+def test_random_operations_on_groups_with_host_tiers(session):
+    run_machine(session, GroupHostMachine, 100)
+    assert GroupHostMachine.group_tokens_loaded > 0
 
 
 def test_random_operations_with_pins(session):
