@@ -19,7 +19,7 @@ from mokv.events.format import (
 )
 from mokv.events.publisher import EventRecorder, build_events
 
-from ..managers.conftest import make_paged
+from ..managers.conftest import LATENT, ROPE, make_paged
 from ..tiers.test_groups import HOST_BYTES, serve_filled
 from .conftest import inproc_name
 
@@ -149,3 +149,19 @@ def test_a_reset_clears_every_group_and_tier_with_one_event(session):
     r = m.replicas[0]
     assert not any(g.pool.indexed_hashes() for g in r.groups)
     assert not any(stack.named("host").pool.indexed_hashes() for stack in r.group_tiers)
+
+
+def test_an_mla_groups_pages_are_announced_as_vllms_mla_attention(session):
+    groups = (CacheGroupConfig("sliding", 1, window_size=6),
+              CacheGroupConfig("latent", 1, latent_dim=LATENT, rope_dim=ROPE))
+    m = make_paged(session, num_pages=16, max_seq_len=32, groups=groups)
+    recorder = EventRecorder()
+    m.replicas[0].publish_to(recorder)
+    serve_filled(m, TextContext(np.arange(9), "A"), seed=1)
+    hashes = m.replicas[0].committed_hashes("A")
+    events = build_events(recorder.take(), 4)
+    assert [(e.block_hashes, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+            for e in events] == [(hashes, 0, "sliding_window", 6), (hashes, 1, "mla_attention", None)]
+    index = PrefixRouterIndex(page_size=4)
+    index.apply(SOURCE, KVEventBatch(0.0, events, 0))
+    assert index.match(np.arange(9)) == {SOURCE: 2}
