@@ -453,8 +453,39 @@ class GroupMachine(PagedManagerMachine):
             GroupMachine.slid_windows += first > 0
 
     def teardown(self):
-        GroupMachine.hit_tokens += self.m.metrics.cache_tokens
+        type(self).hit_tokens += self.m.metrics.cache_tokens
         super().teardown()
+
+
+class WideGroupMachine(GroupMachine):
+    """GroupMachine's rules on groups of different page sizes in one shared budget: a
+    sliding page (two heads) is twice a full one (one head), so a slot holds one sliding
+    page or two full ones, 24 slots in all, and slots move between the groups (evicting
+    the cached pages of the group they leave) as requests come and go. The values read
+    back prove that no group's page is written through another's view of a slot. Between
+    calls: each group's free pages and the pages its requests hold are the pages of its
+    slots; every slot is free or one group's."""
+
+    moved_slots = 0  # over every example: a slot went from one group to the other
+
+    def options(self) -> dict:
+        return dict(groups=(mokv.CacheGroupConfig("sliding", 1, window_size=WINDOW),
+                            mokv.CacheGroupConfig("full", 1, n_kv_heads=1)))
+
+    @invariant()
+    def pages_add_up(self):
+        replica = self.m.replicas[0]
+        budget = replica.budget
+        assert budget.ratios == [1, 2] and budget.num_slots == 24
+        for g, group in enumerate(replica.groups):
+            held = {p for rid in self.running
+                    for p in self.m.get_req_blocks_per_group(rid)[group.name][1]}
+            assert group.pool.num_free + len(held) == budget.present(g)
+        assert len(budget.free_slots) + sum(budget.num_owned) == budget.num_slots
+        budget.check_invariants()
+        owners = getattr(self, "owners", budget.owner)
+        WideGroupMachine.moved_slots += sum(0 <= a != b >= 0 for a, b in zip(owners, budget.owner))
+        self.owners = list(budget.owner)
 
 
 PIN_TTL_S = (5.0, 30.0)
@@ -558,6 +589,11 @@ def test_random_operations_with_sessions(session):
 def test_random_operations_on_a_cache_of_two_groups(session):
     run_machine(session, GroupMachine, 120)
     assert GroupMachine.hit_tokens > 0 and GroupMachine.slid_windows > 0
+
+
+def test_random_operations_on_groups_sharing_one_budget(session):
+    run_machine(session, WideGroupMachine, 120)
+    assert WideGroupMachine.hit_tokens > 0 and WideGroupMachine.moved_slots > 0
 
 
 def test_random_operations_with_pins(session):
