@@ -39,6 +39,7 @@ def main(device) -> None:
         enable_runtime_checks=True,
     )
     budget = manager.replicas[0].budget
+    assert budget is not None
     assert budget.ratios == [1, 10] and budget.num_slots == 24, (budget.ratios, budget.num_slots)
     a, b = mokv.TextContext(np.arange(40), "a"), mokv.TextContext(np.arange(100, 140), "b")
     for ctx in (a, b):
@@ -47,8 +48,8 @@ def main(device) -> None:
         assert [i.blocks.shape[0] for i in inputs] == [24, 240], [i.blocks.shape for i in inputs]
         ctx.update(1)
         manager.step([ctx])
-    manager.release("a")
-    manager.release("b")
+    manager.release(a.request_id)
+    manager.release(b.request_id)
     manager.check_invariants()
     assert manager.num_free_blocks == manager.total_num_pages == 24
     print(f"shared budget on {device}: views alias; the groups had {budget.num_owned} of 24 slots")
