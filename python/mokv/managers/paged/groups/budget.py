@@ -169,19 +169,23 @@ class SharedBudget:
     def room(self, hits: Sequence[Sequence[int]]) -> int:
         """The most fresh pages every group could take at once with its `hits[g]` taken
         (each group takes the same number): the largest `need` that `grants` meets. Pure;
-        one scan of the slots, then arithmetic."""
+        arithmetic, with a scan of a group's slots only where one of several pages could
+        move (a slot of one page moves when the page does: the pool's room counts it)."""
         pools, ratios = self.pools, self.ratios
         rooms = [pool.room(h) for pool, h in zip(pools, hits)]
-        movable = [sum(map(len, self._spare(h, set(hits[h])))) for h in range(len(pools))]
+        movable: dict[int, int] = {}
+
+        def spare(h: int, need: int) -> int:  # slots group h can give up at `need`
+            cap = max(0, (rooms[h] - need) // ratios[h])
+            if not cap or ratios[h] == 1 and not pools[h].num_pinned:
+                return cap
+            if h not in movable:
+                movable[h] = sum(map(len, self._spare(h, set(hits[h]))))
+            return min(cap, movable[h])
 
         def meets(need: int) -> bool:
             short = sum(max(0, ceil((need - room) / r)) for room, r in zip(rooms, ratios))
-            spare = sum(
-                min(n, (room - need) // r)
-                for room, r, n in zip(rooms, ratios, movable)
-                if room >= need
-            )
-            return short <= len(self.free_slots) + spare
+            return short <= len(self.free_slots) + sum(spare(h, need) for h in range(len(pools)))
 
         lo, hi = min(rooms), max(rooms) + max(ratios) * self.num_slots
         while lo < hi:
