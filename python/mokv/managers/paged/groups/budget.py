@@ -54,10 +54,12 @@ class SharedBudget:
         self.owner = [-1] * num_slots
         """The group each slot belongs to, -1: none."""
         self.free_slots = list(range(num_slots - 1, -1, -1))
-        """Slots of no group, the next handed out last."""
+        """Slots of no group; the last is handed out next."""
         self.num_owned = [0] * len(self.pools)
         self.undo: UndoLog | None = None
-        for pool in self.pools:  # every page starts held by the budget (no undo: built)
+        # Every page starts held by the budget (the undo records the pools push here are
+        # dropped by the manager's first call: nothing before it can be undone).
+        for pool in self.pools:
             pool.claim(range(pool.num_pages))
 
     # --- queries --------------------------------------------------------------------
