@@ -59,26 +59,30 @@ def test_each_groups_pages_are_announced_with_vllms_group_fields(session, reader
         stored(hashes, tokens, "CPU", 0, "sliding_window", 6),
         stored(hashes, tokens, "CPU", 1, "full_attention", None),
     ]
-    # Requests of other tokens evict the window's cached pages (its pool is the smaller):
-    # each removal names the group that lost the page.
+    # Requests of other tokens take the memory the groups share: a group whose cached
+    # pages are evicted announces each removal with its own group_idx.
     m.release("A")
-    sliding = m.replicas[0].groups[0].pool
-    removed: list[tuple[int, int, str]] = []
+    groups = m.replicas[0].groups
+    removed: set[tuple[int, int, str]] = set()
     for i in range(4):
-        if not set(hashes) & sliding.indexed_hashes():
+        if any(set(hashes) - g.pool.indexed_hashes() for g in groups):
             break
-        serve_filled(m, TextContext(np.arange(15) + 1000 * (i + 1), f"X{i}"), seed=10 + i)
+        serve_filled(m, TextContext(np.arange(31) + 1000 * (i + 1), f"X{i}"), seed=10 + i)
+        m.release(f"X{i}")
         (_, _, payload), = reader.take(1)
-        removed += [(e.group_idx, h, e.medium) for e in BatchDecoder().decode(payload).events
-                    if isinstance(e, BlockRemoved) for h in e.block_hashes]
-    assert sorted(removed) == sorted((0, h, "GPU") for h in hashes)
+        removed |= {(e.group_idx, h, e.medium) for e in BatchDecoder().decode(payload).events
+                    if isinstance(e, BlockRemoved) for h in e.block_hashes}
+    lost = {(g.index, h, "GPU") for g in groups for h in hashes
+            if h not in g.pool.indexed_hashes()}
+    assert lost and {r for r in removed if r[1] in hashes} == lost
     m.close()
 
 
 def test_the_router_index_scores_the_managers_joint_hit(session, reader_factory):
-    """The index rebuilt from the events finds the prefix the manager would serve: the
-    full group's device pages and the window's host copies of its last two pages (the
-    window's device pages were evicted); a page weighs its slowest needed copy."""
+    """The index rebuilt from the events holds, per group and tier, exactly the pools'
+    hashes, and finds the prefix the manager would serve after one group lost its device
+    pages of it (to the memory the groups share): the other group's device pages and the
+    host copies of the lost ones; a page weighs its slowest needed copy."""
     endpoint = inproc_name()
     m = publishing(session, endpoint)
     reader = reader_factory(endpoint)
@@ -87,24 +91,29 @@ def test_the_router_index_scores_the_managers_joint_hit(session, reader_factory)
     hashes = m.replicas[0].committed_hashes("A")
     m.release("A")
     batches = 1
-    sliding = m.replicas[0].groups[0].pool
+    r = m.replicas[0]
+    needed = {0: set(hashes[2:]), 1: set(hashes)}  # the window reads 2 pages
     for i in range(4):
-        if not set(hashes) & sliding.indexed_hashes():
+        if any(needed[g.index] - g.pool.indexed_hashes() for g in r.groups):
             break
-        serve_filled(m, TextContext(np.arange(15) + 1000 * (i + 1), f"X{i}"), seed=10 + i)
+        serve_filled(m, TextContext(np.arange(31) + 1000 * (i + 1), f"X{i}"), seed=10 + i)
+        m.release(f"X{i}")
         batches += 1
     decoder = BatchDecoder()
     for _, _, payload in reader.take(batches):
         index.apply(SOURCE, decoder.decode(payload))
     assert index.windows(SOURCE) == {0: 6, 1: None}
-    assert index.hashes(SOURCE, "device", group=1) >= set(hashes)
-    assert not index.hashes(SOURCE, "device", group=0) & set(hashes)
+    for g, stack in zip(r.groups, r.group_tiers):
+        assert index.hashes(SOURCE, "device", g.index) == g.pool.indexed_hashes()
+        assert index.hashes(SOURCE, "host", g.index) == stack.named("host").pool.indexed_hashes()
     prompt = np.r_[np.arange(16), [99]]
-    # the devices alone serve none of it (the window's pages are in its host tier)
+    # the devices alone serve none of it (a group's pages are in its host tier only)
     assert m.prefix_hit_pages(TextContext(prompt, "B")) == [(0, 4)]
     assert index.match(prompt) == {SOURCE: 4}
     assert index.match(prompt, tiers=("device",)) == {SOURCE: 0}
-    assert index.scores(prompt) == {SOURCE: 1.0 + 1.0 + 0.75 + 0.75}
+    weights = [min(1.0 if h in g.pool.indexed_hashes() else 0.75
+                   for g in r.groups if h in needed[g.index]) for h in hashes]
+    assert index.scores(prompt) == {SOURCE: sum(weights)} and min(weights) == 0.75
     m.close()
 
 

@@ -30,8 +30,10 @@ def cache_groups(kind: str) -> tuple[CacheGroupConfig, ...]:
     return (CacheGroupConfig("sliding", 1, window_size=WINDOW), other)
 
 
-def make(session, kind: str, tier) -> mokv.PagedKVCacheManager:
-    return make_paged(session, num_pages=16, max_seq_len=32, groups=cache_groups(kind),
+def make(session, kind: str, tier, num_pages: int = 16) -> mokv.PagedKVCacheManager:
+    """The groups share the device memory of `num_pages` pages of two layers (8: one
+    request of 32 tokens takes it all)."""
+    return make_paged(session, num_pages=num_pages, max_seq_len=32, groups=cache_groups(kind),
                       tiers=(tier,))
 
 
@@ -60,16 +62,15 @@ def serve_filled(m, ctx: TextContext, seed: int) -> dict[str, dict[int, np.ndarr
 
 
 def evict_from_devices(m, hashes: list[int]) -> None:
-    """Serves and releases requests of other tokens until no group's pool holds a page
-    of `hashes` any more."""
-    pools = [group.pool for group in m.replicas[0].groups]
-    for i in range(6):
+    """Requests of other tokens as long as the device memory (`make(num_pages=8)`),
+    each released, until no group's pool holds `hashes`."""
+    pools = [g.pool for g in m.replicas[0].groups]
+    for i in range(3):
         if not any(set(hashes) & pool.indexed_hashes() for pool in pools):
             return
-        x = TextContext(np.arange(31) + 1000 * (i + 1), f"X{i}")
-        serve_filled(m, x, seed=100 + i)
-        m.release(x.request_id)
-    raise AssertionError("the devices still hold the pages")
+        serve_filled(m, TextContext(np.arange(31) + 1000 * (i + 1), f"X{i}"), seed=100 + i)
+        m.release(f"X{i}")
+    assert not any(set(hashes) & pool.indexed_hashes() for pool in pools)
 
 
 def loads_by_group(m, request_id: str) -> dict[int, list[int]]:
@@ -92,18 +93,19 @@ def check_loaded(m, request_id: str, written, needed: dict[str, range]) -> None:
 
 @pytest.mark.parametrize("kind", ["full", "mla"])
 def test_each_group_offloads_to_its_host_tier_and_loads_only_what_it_needs(session, kind):
-    m = make(session, kind, host_config())
+    m = make(session, kind, host_config(), num_pages=8)
     r = m.replicas[0]
     other = "latent" if kind == "mla" else "full"
     hosts = [stack.named("host") for stack in r.group_tiers]
-    # Each group's host tier has its share of the memory (its share of the device
-    # memory), in its own page layout: the sliding group's pages hold K and V of 2 heads
-    # of 8, the other group's K and V of one head of 16, or one latent row of 24.
+    # Each group's host tier has its share of the memory (in proportion to its bytes
+    # per page: as many pages as the others), in its own page layout: the sliding
+    # group's pages hold K and V of 2 heads of 8, the other group's K and V of one head
+    # of 16, or one latent row of 24.
     shape_bytes = {"sliding": 2 * 4 * 2 * 8 * 4, "full": 2 * 4 * 16 * 4, "latent": 4 * 24 * 4}
-    device = [g.pool.num_pages * shape_bytes[g.name] for g in r.groups]
-    for group, host, nbytes in zip(r.groups, hosts, device):
+    total = sum(shape_bytes[g.name] for g in r.groups)
+    for group, host in zip(r.groups, hosts):
         assert host.pages.bytes_per_page == shape_bytes[group.name]
-        share = HOST_BYTES / 2**30 * nbytes / sum(device)
+        share = HOST_BYTES / 2**30 * shape_bytes[group.name] / total
         assert host.pool.num_pages == int(share * 2**30) // shape_bytes[group.name]
     written = serve_filled(m, TextContext(np.arange(17), "A"), seed=1)
     hashes = r.committed_hashes("A")
@@ -133,40 +135,43 @@ def test_each_group_offloads_to_its_host_tier_and_loads_only_what_it_needs(sessi
     m.check_invariants()
 
 
-def test_a_window_that_lost_its_pages_loads_them_beside_the_full_groups_device_hits(session):
-    """The full group still holds the prefix on its device; the sliding group lost it
-    there (other requests' pages evicted it) and loads the two pages of its window from
-    its host tier: the joint hit is the whole prefix, where the devices alone serve none
-    of it, so its tokens count as the host tier's (vLLM counts a connector's the same)."""
+def test_one_group_loads_from_its_host_tier_beside_the_others_device_hits(session):
+    """Requests of other tokens take one group's memory (the shared budget moves it to
+    the group under pressure, evicting that group's cached pages) while the other keeps
+    the pages a hit needs there: the joint hit is the whole prefix, where the devices
+    alone serve none of it, so its tokens count as the host tier's (vLLM counts a
+    connector's the same); only the group that lost its pages loads them."""
     m = make(session, "full", host_config())
     r = m.replicas[0]
-    sliding, full = r.groups
     written = serve_filled(m, TextContext(np.arange(17), "A"), seed=1)
     hashes = r.committed_hashes("A")
-    a_full_pages = m.get_req_blocks_per_group("A")["full"][1][:4]
     m.release("A")
-    for i in range(4):  # held requests of 4 pages: a window holds 2 of each, caches 2
-        if not set(hashes) & sliding.pool.indexed_hashes():
+    needed = {"sliding": hashes[2:], "full": hashes}  # the window reads 2 pages
+    for i in range(4):
+        missing = {g.name: [h for h in needed[g.name] if h not in g.pool.indexed_hashes()]
+                   for g in r.groups}
+        if any(missing.values()):
             break
-        serve_filled(m, TextContext(np.arange(15) + 1000 * (i + 1), f"X{i}"), seed=10 + i)
-    assert not set(hashes) & sliding.pool.indexed_hashes()
-    assert set(hashes) <= full.pool.indexed_hashes()
+        serve_filled(m, TextContext(np.arange(31) + 1000 * (i + 1), f"X{i}"), seed=10 + i)
+        m.release(f"X{i}")
+    lost = [g for g in r.groups if missing[g.name]]
+    assert len(lost) == 1 and missing[lost[0].name] == needed[lost[0].name]
     b = TextContext(np.r_[np.arange(16), [99]], "B")
     m.external_claim("B")
     assert m.maybe_reserve(b) and b.start_idx == 16
-    assert loads_by_group(m, "B") == {0: hashes[2:]}
-    assert m.get_req_blocks_per_group("B")["full"][1][:4] == a_full_pages  # shared
+    assert loads_by_group(m, "B") == {lost[0].index: needed[lost[0].name]}
     m.fetch([b])
     check_loaded(m, "B", written, {"sliding": range(2, 4), "full": range(4)})
     metrics = m.metrics
     assert metrics.cache_tokens == metrics.host_cache_tokens == 16
-    assert metrics.bytes_from_host == 2 * r.group_tiers[0].named("host").pages.bytes_per_page
+    page_bytes = r.group_tiers[lost[0].index].named("host").pages.bytes_per_page
+    assert metrics.bytes_from_host == len(needed[lost[0].name]) * page_bytes
     m.check_invariants()
 
 
 def test_a_refused_reservation_changes_no_groups_tier(session):
     """A joint tier hit that does not fit pins nothing and takes nothing in any group."""
-    m = make(session, "full", host_config())
+    m = make(session, "full", host_config(), num_pages=8)
     r = m.replicas[0]
     serve_filled(m, TextContext(np.arange(17), "A"), seed=1)
     hashes = r.committed_hashes("A")

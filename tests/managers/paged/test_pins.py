@@ -237,11 +237,11 @@ def test_write_policies_reach_the_shared_tier(session, redis_server):  # noqa: F
 def test_a_cache_of_groups_pins_whole_chains_and_a_windows_tail(session):
     """On a sliding group (window 6: two pages before the one written) beside a full one,
     a pin holds its whole chain in the full group and the two pages before its end in
-    the window's: pressure evicts every other page, the next request finds the whole
-    prefix, renewing the pin; at its deadline every group lets go. A window's budget
+    the window's: pressure never evicts them, the next request finds the whole prefix,
+    renewing the pin; at its deadline every group lets go. A window's budget
     refuses a pin whose tail it cannot hold."""
     groups = (mokv.CacheGroupConfig("sliding", 1, window_size=6),
-              mokv.CacheGroupConfig("full", 1))
+              mokv.CacheGroupConfig("full", 1, n_kv_heads=1))  # half the sliding page
     clock = Clock()
     m = make_paged(session, num_pages=16, max_seq_len=32, groups=groups,
                    pins=PinConfig(max_share=0.25, clock=clock))
@@ -254,20 +254,22 @@ def test_a_cache_of_groups_pins_whole_chains_and_a_windows_tail(session):
         m.check_invariants()
     assert set(chain) <= full.indexed_hashes()
     assert set(chain[2:]) <= sliding.indexed_hashes()
-    assert not set(chain[:2]) & sliding.indexed_hashes()
     clock.now = 299.0
     assert found(m, np.r_[np.arange(16), [5]]) == 16
     (pin,) = m.replicas[0].pins.pins.values()
     assert pin.deadline == 599.0
     c = m.metrics.cache_control
     assert (c.pins, c.pinned_pages, c.pinned_device_pages) == (1, 4, 4 + 2)
-    # Budgets: a quarter of each pool, the full group's for whole chains, the window's
-    # for tails. One-page chains: the full group would take a fourth, the window not.
+    # Budgets: a quarter of each group's half of the shared memory, the full group's for
+    # whole chains, the window's for tails; a full page is half a sliding one, so the
+    # full group's budget has twice the pages. One-page chains: the window refuses first.
     budgets = make_paged(session, num_pages=16, max_batch_size=8, max_seq_len=32, groups=groups,
                          pins=PinConfig(max_share=0.25, clock=clock))
     w_pool, f_pool = (g.pool for g in budgets.replicas[0].groups)
-    k = w_pool.num_pages // 4
-    assert f_pool.num_pages // 4 > k  # a window's request holds fewer pages: its pool too
+    table = budgets.replicas[0].pins
+    k = table.group_cap(w_pool)
+    assert (k, table.cap) == (w_pool.num_pages // 2 // 4, f_pool.num_pages // 2 // 4)
+    assert table.cap == 2 * k
     grants = [budgets.pin(turn_held(budgets, np.arange(5) + 100 * i), 300.0).pinned_tokens
               for i in range(k + 1)]
     assert grants == [4] * k + [0] and len(w_pool.pinned_hashes) == k

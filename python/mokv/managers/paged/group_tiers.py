@@ -5,8 +5,9 @@ so each has its own tiers too, over its own pool and buffers: a host tier whose 
 pages have the group's page layout, and a shared tier whose keys name the group
 (`mokv.remote.layout.group_key`: two groups' pages of one hash hold different layers'
 tokens). The host memory (`HostTierConfig.swap_space_gb`) is split between the groups
-in proportion to their device memory, so each group's host tier holds the same
-multiple of its device pages.
+in proportion to their bytes per page, so each group's host tier holds as many pages
+(the same prefixes' worth; with a shared budget of device memory, `groups/budget.py`,
+no group has a fixed share of the device's).
 
 A page of a request's chain is found, for one group, on the device or in one of that
 group's tiers (`found_in_tiers`); the joint prefix hit (`groups/joint.py`) counts a
@@ -57,14 +58,11 @@ def build_group_tiers(
     `mokv.remote.layout.group_key`), each with its share of the host memory. All or
     nothing: the stacks built before a failure are closed."""
     configs = params.cache_groups(num_layers)
-    device_bytes = [
-        group_bytes_per_page(params, config) * pool.num_pages
-        for (pool, _, _), config in zip(groups, configs)
-    ]
+    page_bytes = [group_bytes_per_page(params, config) for config in configs]
     stacks: list[TierStack] = []
     try:
-        for (pool, blocks, key), config, nbytes in zip(groups, configs, device_bytes):
-            share = nbytes / sum(device_bytes)
+        for (pool, blocks, key), config, nbytes in zip(groups, configs, page_bytes):
+            share = nbytes / sum(page_bytes)
             stacks.append(
                 TierStack(
                     [_share_of(tier, share) for tier in params.tiers],
@@ -84,8 +82,8 @@ def build_group_tiers(
 
 
 def _share_of(config: TierConfig, share: float) -> TierConfig:
-    """`config` for a group holding `share` of the device memory (a host tier's memory
-    is split in that proportion; other tiers have no fixed size)."""
+    """`config` for a group of `share` of the groups' bytes per page (a host tier's
+    memory is split in that proportion; other tiers have no fixed size)."""
     if isinstance(config, HostTierConfig):
         return dataclasses.replace(config, swap_space_gb=config.swap_space_gb * share)
     return config

@@ -95,13 +95,17 @@ class PinTable:
     """The live pins of one replica, over its pools and tiers (see the module
     docstring): `groups` are its cache groups' `(pool, tiers, pages_in_window)`, one for
     a replica of one group. A group without a window pins the whole chains, within
-    `cap`; a sliding group only their tails (`WindowTails`), within its own budget."""
+    `cap`; a sliding group only their tails (`WindowTails`), within its own budget
+    (`group_cap`). `shared_by`: the groups whose pools are views of one shared budget
+    (`groups/budget.py`), each pool as large as the memory: each group's budget is of a
+    `1 / shared_by` part of it, so that all pins together stay within `max_share`."""
 
     def __init__(
         self,
         config: PinConfig,
         groups: Sequence[tuple[PagePool, TierStack, int]],
         undo: UndoLog | None = None,
+        shared_by: int = 1,
     ) -> None:
         self.config = config
         self.clock = config.clock
@@ -115,10 +119,15 @@ class PinTable:
         )
         self._pools = [pool for pool, _, _ in groups]
         # The hashes pinned whole must fit the smallest group that holds them whole.
-        self.cap = config.cap(min(pool.num_pages for pool, _ in self._whole or [groups[0][:2]]))
+        self._shared_by = shared_by
+        self.cap = min(self.group_cap(pool) for pool, _ in self._whole or [groups[0][:2]])
         self.pins: dict[int, Pin] = {}
         self._count: dict[int, int] = {}  # pinned hash -> pins holding it
         self.reset_metrics()
+
+    def group_cap(self, pool: PagePool) -> int:
+        """The most pages pins may hold in a group of `pool`."""
+        return self.config.cap(pool.num_pages // self._shared_by)
 
     def reset_metrics(self) -> None:
         self.num_granted = self.num_partial = self.num_refused = 0
@@ -180,8 +189,7 @@ class PinTable:
             plan.pin = Pin(tuple(chain[:granted]), ttl_s, deadline)
             changes = self._changes(plan.expired, plan.pin)
             if any(
-                tails.size_after(changes) > self.config.cap(pool.num_pages)
-                for tails, pool, _ in self._windows
+                tails.size_after(changes) > self.group_cap(pool) for tails, pool, _ in self._windows
             ):
                 plan.pin = None  # a window's budget cannot take its tail: refused
                 return plan
@@ -315,7 +323,7 @@ class PinTable:
         for pool, _ in self._whole:
             check_counts("pins hold", chains, self._count, pool.pinned_hashes, self.cap)
         for tails, pool, _ in self._windows:
-            tails.check_invariants("pins hold", chains, self.config.cap(pool.num_pages))
+            tails.check_invariants("pins hold", chains, self.group_cap(pool))
 
 
 BUILDERS.register(PinConfig, PinTable)

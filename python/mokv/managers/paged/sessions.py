@@ -86,13 +86,16 @@ class SessionTable:
     """The open sessions of one replica, over its pools and tiers (see the module
     docstring): `groups` are its cache groups' `(pool, tiers, pages_in_window)`, one
     for a replica of one group. A group without a window retains the sessions' whole
-    chains; a sliding group only their tails (`WindowTails`)."""
+    chains; a sliding group only their tails (`WindowTails`). `shared_by`: the groups
+    whose pools are views of one shared budget (`groups/budget.py`), each pool as large
+    as the memory: the share is of a `1 / shared_by` part of it."""
 
     def __init__(
         self,
         config: SessionConfig,
         groups: Sequence[tuple[PagePool, TierStack, int]],
         undo: UndoLog | None = None,
+        shared_by: int = 1,
     ) -> None:
         self.config = config
         self.undo = undo
@@ -109,7 +112,8 @@ class SessionTable:
         # The hashes retained whole must fit the smallest group that holds them whole.
         self.cap = config.cap(
             min(
-                pool.num_pages + tiers.local_pages for pool, tiers in self._whole or [groups[0][:2]]
+                pool.num_pages // shared_by + tiers.local_pages
+                for pool, tiers in self._whole or [groups[0][:2]]
             )
         )
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
