@@ -10,6 +10,8 @@ A `CacheLayout` names all of it for one cache kind:
     name                 "paged" / "continuous": the `KVCacheStrategy` value and the last
                          part of every op name (`mokv.store_kv.ragged.<name>`)
     Inputs               the NamedTuple of flat tensors, in constructor-op argument order
+    ScaledInputs         the same with the scales leaf last, for scaled pages
+                         (`KVCacheParams.quantization`; docs/quantized.md)
     input_symbols(...)   the graph types of one device's inputs
     empty_inputs(...)    runtime inputs of those dtypes and ranks that hold no memory
                          (the null manager's, for compile-only builds)
@@ -28,6 +30,7 @@ name every struct parameter. A `DType` parameter is mis-emitted by MAX 26.7
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 from max.dtype import DType
@@ -94,6 +97,7 @@ class CacheLayout(ABC):
 
     name: ClassVar[str]
     Inputs: ClassVar[Any]  # a NamedTuple class: (blocks, *tensors)
+    ScaledInputs: ClassVar[Any]  # a NamedTuple class: (blocks, *tensors, scales)
     CollectionType: ClassVar[type[_OpaqueType]]
     Collection: ClassVar[type[_OpaqueValue]]
     tensors: ClassVar[tuple[TensorSpec, ...]]  # the flat inputs after `blocks`
@@ -124,6 +128,22 @@ class CacheLayout(ABC):
     ) -> Any:
         """Host buffers of the input dtypes and ranks that hold no cache memory
         (compile-only mode)."""
+
+    def with_scales(
+        self,
+        params: KVCacheParams,
+        inputs: Any,
+        values_shape: Sequence[Any],
+        make: Callable[[DType, list[Any]], Any],
+    ) -> Any:
+        """`inputs` (an `Inputs`) as they are, or for scaled pages a `ScaledInputs` whose
+        scales leaf is `make(scale dtype, shape)`: a type or a buffer of the shape of
+        `params.scales_shape(values_shape)` beside values of `values_shape`."""
+        quantization = params.quantization
+        shape = params.scales_shape(list(values_shape))
+        if quantization is None or shape is None:
+            return inputs
+        return self.ScaledInputs(*inputs, make(quantization.scale_dtype, shape))
 
     def collection_parameters(self, params: KVCacheParams) -> dict[str, int]:
         """The Mojo collection struct's parameters."""

@@ -5,12 +5,13 @@ Value = a 64-byte header, the page's token ids (int64 little-endian, the bytes t
 hash was computed over), the digest of the page's extra keys (32 bytes: SHA-256 of the
 keys of a `KeyedTokens` page, its tenant's salt, its adapter and images; zeros for a
 page without), the page's bytes (the device layout `[2, layers, page_size, kv heads per
-device, head_dim]`, C order), then, with a MAC key, a 32-byte tag:
+device, head_dim]`, C order; a scaled FP8 page's scales follow its values,
+`RemoteLayout.scales_shape` float32), then, with a MAC key, a 32-byte tag:
 
     offset size  field
          0    4  magic b"MKVP"
          4    2  version (3)
-         6    2  dtype code (1 float32, 2 bfloat16, 3 float16)
+         6    2  dtype code (1 float32, 2 bfloat16, 3 float16, 4 float8_e4m3fn)
          8   20  shape: 5 x uint32 [2, layers, page_size, heads, head_dim]
         28    8  key space digest: xxh3-64 of the key prefix (`RemoteLayout.key_prefix`:
                  the namespace, the layout fingerprint, the MAC key's id)
@@ -128,8 +129,9 @@ class PageCodec:
     def new_value(self, page_hash: int, token_bytes: bytes, page) -> bytearray:
         """A value with `token_bytes`, their keys' digest (`keys_digest`) and a copy of
         `page` (any buffer of `page_nbytes` contiguous bytes, or an array of
-        `page_shape`) in place and the header and tag still blank (`seal` fills them):
-        the one copy a caller pays. ValueError naming what does not fit."""
+        `page_shape` for a page without scales) in place and the header and tag still
+        blank (`seal` fills them): the one copy a caller pays. ValueError naming what
+        does not fit."""
         layout = self.layout
         if page_hash.__class__ is not int or not 0 <= page_hash < 1 << 64:
             raise ValueError(f"page_hash must be an unsigned 64-bit int, got {page_hash!r}")
@@ -139,7 +141,7 @@ class PageCodec:
                 f"got {type(token_bytes).__name__} of {len(token_bytes)}"
             )
         shape = getattr(page, "shape", None)
-        if shape is not None and tuple(shape) != layout.page_shape:
+        if shape is not None and len(shape) > 1 and tuple(shape) != layout.page_shape:
             raise ValueError(f"page has shape {tuple(shape)}, expected {layout.page_shape}")
         data = memoryview(page)
         if not data.c_contiguous or data.nbytes != layout.page_nbytes:

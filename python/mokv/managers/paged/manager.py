@@ -42,7 +42,8 @@ from ...errors import (
     InvalidReplicaError,
     UnknownRequestError,
 )
-from ...layouts import PAGED, RaggedKVCacheInputs
+from ...layouts import PAGED
+from ...layouts.paged import PagedInputs
 from ...metrics import KVCacheMetrics
 from ...registry import BUILDERS
 from ...remote import RemoteMetrics
@@ -362,8 +363,9 @@ class PagedKVCacheManager(MaxManagerAPI):
     @atomic
     def fetch(
         self, batch: Sequence[TextGenerationContext], num_steps: int = 1
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
-        """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device.
+    ) -> list[PagedInputs[Buffer, Buffer]]:
+        """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device
+        (`ScaledRaggedKVCacheInputs`, with the scales leaf, for scaled pages).
 
         The batch may mix replicas in any order: each replica's inputs describe its own
         requests in batch order (as MAX regroups a batch), and devices come replica by
@@ -560,9 +562,9 @@ class PagedKVCacheManager(MaxManagerAPI):
     @synchronized
     def increment_cache_lengths(
         self,
-        kv_cache_inputs: Sequence[RaggedKVCacheInputs[Buffer, Buffer]],
+        kv_cache_inputs: Sequence[PagedInputs[Buffer, Buffer]],
         prev_model_inputs: Any,
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """`multistep.increment_cache_lengths`: the next step's inputs, on the device."""
         return multistep.increment_cache_lengths(
             self._increment, self.params, len(self.replicas), kv_cache_inputs, prev_model_inputs
