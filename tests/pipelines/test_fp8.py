@@ -69,6 +69,48 @@ def test_inputs_are_max_s_own_manager_s_leaf_by_leaf(session, fmt):
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_served_trace_reads_as_on_max_s_own_manager(session, fmt):
+    """test_manager.py's trace (prefix hits, decode steps, a capture replay, releases),
+    with FP8 pages: everything MAX's scheduler reads is MAX's own manager's, but for the
+    pages in use of scaled pages: 3 pages of values and scales to mokv, 4 blocks to MAX's
+    Jenga pool, which tiles the scales leaf on a page grid of its own."""
+    from max.pipelines.kv_cache import load_kv_manager as max_loader
+
+    from .test_manager import run_trace
+
+    args = loader_args(session, **FORMATS[fmt])
+    args["available_cache_memory"] = 9 * args["params"].bytes_per_block
+    managers = max_loader(**args), mokv_loader(**args)
+    (theirs, _), (ours, _) = (run_trace(m) for m in managers)
+    for manager in managers:
+        manager.shutdown()
+    used = 8  # `run_trace`'s entry of `block_count().used` with both requests running
+    assert ours[used] == 3 and theirs[used] == (4 if fmt == "scaled" else 3)
+    assert ours[:used] + ours[used + 1 :] == theirs[:used] + theirs[used + 1 :]
+
+
+def test_a_tree_of_scaled_groups_reads_as_on_max_s_own_manager(session):
+    """test_groups.py's trace (a sliding window and a full group, pages sliding off)
+    with scaled FP8 pages in both groups: MAX's inputs, and each group's scales leaf
+    (`<leaf>/scales`) among a request's pages per leaf."""
+    from max.nn.kv_cache import MultiKVCacheParams
+
+    from .test_groups import loaders, trace
+
+    params = MultiKVCacheParams.from_params({
+        "sliding_attention": max_params(num_layers=3, window_size=200, **SCALED),
+        "full_attention": max_params(num_layers=1, **SCALED),
+    })
+    theirs, ours = loaders(session, params, pages=400)
+    assert trace(ours) == trace(theirs)
+    buffers = ours.get_device_buffer(0).children["full_attention"]
+    assert buffers.scales is not None and buffers.scales[0].dtype == DType.float32
+    assert buffers.scales[0].shape[1:] == (2, 1, 128, 2, 2)
+    for manager in (theirs, ours):
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_max_params_become_mokv_s_format_and_back(fmt):
     theirs = max_params(**FORMATS[fmt])
     ours = mokv_params(theirs)

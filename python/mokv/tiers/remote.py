@@ -25,6 +25,7 @@ nothing is sent before the first request.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from max.driver import Buffer
@@ -125,10 +126,10 @@ class RemoteTier:
             return
         queued = [True] * len(pages.page_ids)
         for shard, (store, block) in enumerate(zip(self.stores, self._blocks)):
-            values = read_pages(block, pages.page_ids, self._views)
+            values: list[Any] = read_pages(block, pages.page_ids, self._views)
             if self._scales is not None:  # one value: the page's values, then its scales
                 scales = read_pages(self._scales[shard], pages.page_ids, self._views)
-                values = [_joined(v, s) for v, s in zip(values, scales)]
+                values = list(zip(values, scales))
             for i, (page_hash, data, page) in enumerate(
                 zip(pages.hashes, pages.token_bytes, values)
             ):
@@ -187,11 +188,6 @@ def build_remote_tier(
     scales after its values."""
     layouts = [RemoteLayout.from_params(params, num_layers, shard) for shard in range(len(blocks))]
     return RemoteTier(config, layouts, blocks, scales)
-
-
-def _joined(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """One page's bytes: its values', then its scales' (both contiguous host arrays)."""
-    return np.concatenate((values.reshape(-1).view(np.uint8), scales.reshape(-1).view(np.uint8)))
 
 
 BUILDERS.register(RemoteTierConfig, build_remote_tier)

@@ -519,6 +519,13 @@ class PagedKVCacheManager(MaxManagerAPI):
         replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
         return list(replica.groups[group].blocks)
 
+    def device_scales(self, replica_idx: int, group: int = 0) -> list[Buffer] | None:
+        """The scales beside `device_buffers` of scaled FP8 pages, one per device, under
+        the same page ids (`fetch`'s `scales`); None for pages without scales."""
+        replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
+        scales = replica.groups[group].scales
+        return None if scales is None else list(scales)
+
     @property
     def free_blocks_pct(self) -> float:
         """Fraction (0.0-1.0) of all pages that are free or cached-free."""
