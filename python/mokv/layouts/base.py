@@ -40,6 +40,7 @@ from max.graph.value import _OpaqueValue
 
 from ..checks import check_dtype, check_rank, check_static_dim
 from ..config.params import KVCacheParams
+from ..config.quantization import QUANTIZED_DTYPES
 from ..mojo_package import kernels_path
 
 DTYPE_CODES: dict[DType, int] = {DType.float32: 0, DType.bfloat16: 1, DType.float16: 2}
@@ -217,6 +218,11 @@ class FetchKVCacheCollection:
     letting the kernel read or write outside the cache. For tables built by hand;
     a manager's `fetch` output is valid by construction. CPU caches only: on another
     device it is refused here, at graph build.
+
+    Scaled FP8 pages (`kv_params.quantization`) take the layout's `ScaledInputs`, the
+    scales last, and build the collection over both (`mokv.kv_collection_ctor.<name>
+    .scaled`); the paged layout's kernels hold them, nothing else does: unscaled FP8
+    pages and a continuous cache of FP8 pages are refused by name at construction.
     """
 
     layout: CacheLayout
@@ -241,6 +247,17 @@ class FetchKVCacheCollection:
             raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
         if not isinstance(checked, bool):
             raise TypeError(f"checked must be a bool, got {checked!r}")
+        if kv_params.dtype in QUANTIZED_DTYPES:
+            if kv_params.quantization is None:
+                raise ValueError(
+                    f"dtype={kv_params.dtype} without scales (MAX's unscaled FP8 pages): "
+                    "mokv's kernels do not read them; MAX's own ops do (docs/quantized.md)"
+                )
+            if self.layout.name != "paged":
+                raise ValueError(
+                    f"dtype={kv_params.dtype}: mokv's kernels hold FP8 pages in the paged "
+                    f"layout only, not the {self.layout.name} one"
+                )
         dtype_code(kv_params.dtype)  # fail at construction for an unsupported dtype
         self.kv_params = kv_params
         self.num_layers = num_layers
@@ -250,13 +267,16 @@ class FetchKVCacheCollection:
         layout, params = self.layout, self.kv_params
         if len(inputs) == 1 and isinstance(inputs[0], tuple):
             inputs = tuple(inputs[0])
-        expected = 1 + len(layout.tensors)
+        scaled = params.quantization is not None
+        expected = 1 + len(layout.tensors) + scaled
         if len(inputs) != expected:
             raise TypeError(
                 f"{type(self).__name__} expects the {expected} {layout.name} cache inputs "
-                f"(or their NamedTuple), got {len(inputs)}"
+                f"{'of scaled pages, the scales last ' if scaled else ''}(or their "
+                f"NamedTuple), got {len(inputs)}"
             )
         blocks, *tensors = inputs
+        scales = [tensors.pop()] if scaled else []
         if not isinstance(blocks, BufferValue):
             raise TypeError(
                 f"blocks must be a BufferValue (a mutable graph input), got {type(blocks).__name__}"
@@ -272,6 +292,8 @@ class FetchKVCacheCollection:
         for spec, value in zip(layout.tensors, tensors):
             check_dtype(spec.name, value, spec.dtype)
             check_rank(spec.name, value, spec.rank)
+        for value in scales:
+            _check_scales(value, blocks, params)
         if self.checked and blocks.device != DeviceRef.CPU():
             raise ValueError(
                 f"checked=True needs a cache on the CPU (the table check reads the tables on "
@@ -281,9 +303,9 @@ class FetchKVCacheCollection:
         out_type = layout.CollectionType(params)
         tensors = [TensorValue(t) for t in tensors]
         value = ops.inplace_custom(
-            f"mokv.kv_collection_ctor.{layout.name}",
+            f"mokv.kv_collection_ctor.{layout.name}" + (".scaled" if scaled else ""),
             blocks.device,
-            [blocks, *tensors],
+            [blocks, *scales, *tensors],
             out_types=[out_type],
             parameters=dict(out_type.parameters),
         )[0]
@@ -297,5 +319,21 @@ class FetchKVCacheCollection:
             else None
         )
         collection.checked = self.checked
-        collection.inputs = (blocks, *tensors)
+        collection.inputs = (blocks, *tensors)  # what the checked mode's table check reads
         return collection
+
+
+def _check_scales(scales: Any, blocks: BufferValue, params: KVCacheParams) -> None:
+    """TypeError / ValueError unless `scales` is the scales leaf of `blocks`: a buffer
+    of the scale dtype, of the values' shape with `scales_per_head` in the last dim."""
+    if not isinstance(scales, BufferValue):
+        raise TypeError(
+            f"scales must be a BufferValue (a mutable graph input), got {type(scales).__name__}"
+        )
+    assert params.quantization is not None  # only scaled pages have a scales input
+    check_dtype("scales", scales, params.quantization.scale_dtype)
+    check_rank("scales", scales, 6)
+    for axis, dim in enumerate(blocks.shape[1:-1], start=1):
+        if isinstance(dim, StaticDim):
+            check_static_dim("scales", scales, axis, int(dim))
+    check_static_dim("scales", scales, 5, params.scales_per_head)
