@@ -12,6 +12,7 @@ from max.driver import CPU
 from max.dtype import DType
 from max.graph import DeviceRef
 from mokv.config.quantization import KVCacheQuantization
+from mokv.layouts import DTYPE_CODES
 
 FP8 = dict(dtype=DType.float8_e4m3fn, quantization=KVCacheQuantization())
 
@@ -170,3 +171,43 @@ def test_mokv_kernels_refuse_fp8_pages_they_do_not_hold_by_name():
         mokv.FetchPagedKVCacheCollection(params(dtype=DType.float8_e4m3fn), 3)
     with pytest.raises(ValueError, match="in the paged layout only, not the continuous one"):
         mokv.FetchContinuousBatchingKVCacheCollection(params(**FP8), 3)
+
+
+def fp8_manager(session) -> mokv.PagedKVCacheManager:
+    return mokv.PagedKVCacheManager(
+        params(**FP8), 2, 32, 3, [CPU()], session, available_cache_memory=1 << 22
+    )
+
+
+def test_max_cache_values_of_scaled_pages_are_max_s_with_the_scales(session):
+    from max import tree
+    from max.graph import BufferValue, Graph, TensorValue
+
+    (symbols,) = fp8_manager(session).max_input_symbols()
+    with Graph("max_form", input_types=tree.leaves(symbols)) as graph:
+        cache = mokv.max_cache_values(graph.inputs)
+        assert isinstance(cache.kv_scales, BufferValue)
+        assert cache.kv_scales.dtype == DType.float32 and int(cache.kv_scales.shape[-1]) == 2
+        assert isinstance(cache.scales_lookup_table, TensorValue)
+        assert cache.scales_page_stride.dtype == DType.int64
+        assert cache.attention_dispatch_metadata.shape[0] == 4
+        with pytest.raises(ValueError, match="got 9"):
+            mokv.max_cache_values(graph.inputs[:9])
+
+
+@pytest.mark.skipif(
+    DType.float8_e4m3fn not in DTYPE_CODES,
+    reason="mokv's kernels take no FP8 pages yet (issue 53, the kernels' change)",
+)
+def test_the_fetcher_takes_a_manager_s_scaled_inputs_and_checks_the_scales(session):
+    from max.graph import BufferType, Graph
+
+    (symbols,) = fp8_manager(session).input_symbols()
+    fetch = mokv.FetchPagedKVCacheCollection(params(**FP8), 3)
+    wrong = BufferType(DType.float32, [*symbols.scales.shape[:-1], 1], device=symbols.scales.device)
+    with Graph("fetch", input_types=[*symbols, wrong]) as graph:
+        assert fetch(*graph.inputs[:5]).num_layers == 3
+        with pytest.raises(TypeError, match="expects the 5 paged cache inputs of scaled pages"):
+            fetch(*graph.inputs[:4])
+        with pytest.raises(ValueError, match="scales"):
+            fetch(*graph.inputs[:4], graph.inputs[5])

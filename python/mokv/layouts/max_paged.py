@@ -288,23 +288,21 @@ def _widened(lookup_table: Buffer, width: int, max_cache_length: int) -> Buffer:
     return out if lookup_table.device.is_host else out.to(lookup_table.device)
 
 
-def max_cache_values(
-    values: Sequence[Value[Any]], scaled: bool = False
-) -> KVCacheInputsPerDevice[TensorValue, Any]:
+def max_cache_values(values: Sequence[Value[Any]]) -> KVCacheInputsPerDevice[TensorValue, Any]:
     """`PagedCacheValues` (what `max.nn`'s attention layers take) from one device's
     `NUM_MAX_INPUTS` graph input values (one more for an MLA cache, `NUM_SCALE_INPUTS`
-    more for a cache of scaled pages: `scaled=True`), in the order `max.tree.leaves`
-    gives `max_input_symbols`'s types."""
+    more for a cache of scaled pages), in the order `max.tree.leaves` gives
+    `max_input_symbols`'s types."""
     from max.nn.kv_cache import KVCacheInputsPerDevice
 
     values = list(values)
-    scale_inputs = NUM_SCALE_INPUTS if scaled else 0
-    expected = NUM_MAX_INPUTS + scale_inputs
-    if len(values) not in (expected, expected + 1):
+    counts = (NUM_MAX_INPUTS, NUM_MAX_INPUTS + 1)
+    if len(values) not in counts and len(values) - NUM_SCALE_INPUTS not in counts:
         raise ValueError(
-            f"expected the {expected} MAX cache inputs (or {expected + 1} of an MLA "
-            f"cache){' of scaled pages' if scaled else ''}, got {len(values)}"
+            f"expected the {NUM_MAX_INPUTS} MAX cache inputs (one more of an MLA cache, "
+            f"{NUM_SCALE_INPUTS} more of scaled pages), got {len(values)}"
         )
+    scale_inputs = NUM_SCALE_INPUTS if len(values) - NUM_SCALE_INPUTS in counts else 0
     blocks, *tensors = values
     if not isinstance(blocks, BufferValue):
         blocks = blocks.buffer
