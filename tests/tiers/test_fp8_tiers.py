@@ -126,3 +126,21 @@ def test_a_stored_fp8_page_is_half_a_bfloat16_page_and_its_scales(session, redis
     values = 2 * NUM_LAYERS * 4 * 2 * 8
     assert sizes == {"bf16": 2 * values, "unscaled": values, "scaled": values + values}
     assert sizes["scaled"] / sizes["bf16"] == (1 + 4 / 4) / 2
+
+
+def test_a_stored_page_s_key_names_its_format():
+    from mokv.remote import RemoteLayout
+
+    keys = {
+        name: RemoteLayout.from_params(small_params(**fields, head_dim=128), NUM_LAYERS)
+        for name, fields in {"bf16": dict(dtype=DType.bfloat16), **FORMATS}.items()
+    }
+    # bfloat16 keys are those before FP8 pages (the scales part only when there are some).
+    assert keys["bf16"].fingerprint == "bfloat16.p4.l2.h2.d128.tp0-1.full.xxh3"
+    assert keys["unscaled"].fingerprint == "float8_e4m3fn.p4.l2.h2.d128.tp0-1.full.xxh3"
+    assert keys["scaled"].fingerprint == "float8_e4m3fn.p4.l2.h2.d128.s32f32.tp0-1.full.xxh3"
+    values = 2 * NUM_LAYERS * 4 * 2 * 128
+    assert keys["scaled"].page_nbytes == values + 4 * values // 4
+    assert keys["scaled"].values_nbytes == keys["unscaled"].page_nbytes == values
+    with pytest.raises(ValueError, match="scales_per_head must be an int >= 0, and 0 but for"):
+        RemoteLayout(DType.bfloat16, 4, 2, 2, 128, scales_per_head=1)
