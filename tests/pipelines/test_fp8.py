@@ -82,6 +82,8 @@ def test_a_served_trace_reads_as_on_max_s_own_manager(session, fmt):
     args["available_cache_memory"] = 9 * args["params"].bytes_per_block
     managers = max_loader(**args), mokv_loader(**args)
     (theirs, _), (ours, _) = (run_trace(m) for m in managers)
+    buffers = managers[1].get_device_buffer(0)  # MAX's KVCacheBuffer: the scales beside
+    assert (buffers.scales is not None) == (fmt == "scaled")
     for manager in managers:
         manager.shutdown()
     used = 8  # `run_trace`'s entry of `block_count().used` with both requests running
@@ -89,25 +91,27 @@ def test_a_served_trace_reads_as_on_max_s_own_manager(session, fmt):
     assert ours[:used] + ours[used + 1 :] == theirs[:used] + theirs[used + 1 :]
 
 
-def test_a_tree_of_scaled_groups_reads_as_on_max_s_own_manager(session):
+def test_a_tree_of_groups_of_fp8_pages(session):
     """test_groups.py's trace (a sliding window and a full group, pages sliding off)
-    with scaled FP8 pages in both groups: MAX's inputs, and each group's scales leaf
-    (`<leaf>/scales`) among a request's pages per leaf."""
+    with unscaled FP8 pages reads as on MAX's own manager; scaled pages in a cache of
+    groups are refused by name (the groups' shared budget holds values only)."""
     from max.nn.kv_cache import MultiKVCacheParams
 
     from .test_groups import loaders, trace
 
-    params = MultiKVCacheParams.from_params({
-        "sliding_attention": max_params(num_layers=3, window_size=200, **SCALED),
-        "full_attention": max_params(num_layers=1, **SCALED),
-    })
-    theirs, ours = loaders(session, params, pages=400)
+    def tree(fields: dict) -> MultiKVCacheParams:
+        return MultiKVCacheParams.from_params({
+            "sliding_attention": max_params(num_layers=3, window_size=200, **fields),
+            "full_attention": max_params(num_layers=1, **fields),
+        })
+
+    theirs, ours = loaders(session, tree(UNSCALED), pages=400)
     assert trace(ours) == trace(theirs)
-    buffers = ours.get_device_buffer(0).children["full_attention"]
-    assert buffers.scales is not None and buffers.scales[0].dtype == DType.float32
-    assert buffers.scales[0].shape[1:] == (2, 1, 128, 2, 2)
     for manager in (theirs, ours):
         manager.shutdown()
+    args = loader_args(session) | dict(params=tree(SCALED), max_seq_len=1024)
+    with pytest.raises(ValueError, match="scaled FP8 pages .* on a cache of groups"):
+        mokv_loader(**args)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
