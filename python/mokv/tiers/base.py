@@ -31,7 +31,7 @@ evicts nothing (the shared tier) implements nothing for it.
 Adding a tier (a local disk, a peer server) is a `TierConfig` subclass (`mokv.config.tiers`:
 a frozen dataclass whose `__post_init__` checks its fields) and a module with a class
 that meets `Tier` and registers its builder for the config (`mokv.registry.BUILDERS`:
-`builder(config, params, num_layers, pool, blocks, group_key)`, `group_key` naming the
+`builder(config, params, num_layers, pool, blocks, scales, group_key)`, `group_key` naming the
 cache group in a cache of several, else None).
 Users list the config in `KVCacheParams.tiers`; nothing else names the tier.
 """

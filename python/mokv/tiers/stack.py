@@ -74,13 +74,14 @@ class TierStack:
         pool: PagePool,
         blocks: list[Buffer],
         undo: UndoLog | None = None,
+        scales: list[Buffer] | None = None,
         group_key: str | None = None,
     ) -> None:
         self.tiers: list[Tier] = []
         try:
             for config in configs:
                 self.tiers.append(
-                    BUILDERS.build(config, params, num_layers, pool, blocks, group_key)
+                    BUILDERS.build(config, params, num_layers, pool, blocks, scales, group_key)
                 )
         except BaseException:
             self.close()  # a tier built before may run threads

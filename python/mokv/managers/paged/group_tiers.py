@@ -71,7 +71,7 @@ def build_group_tiers(
                     pool,
                     blocks,
                     undo,
-                    key,
+                    group_key=key,
                 )
             )
     except BaseException:

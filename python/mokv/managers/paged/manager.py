@@ -42,7 +42,8 @@ from ...errors import (
     InvalidReplicaError,
     UnknownRequestError,
 )
-from ...layouts import PAGED, RaggedKVCacheInputs
+from ...layouts import PAGED
+from ...layouts.paged import PagedInputs
 from ...metrics import KVCacheMetrics
 from ...registry import BUILDERS
 from ...remote import RemoteMetrics
@@ -57,6 +58,7 @@ from ..base import (
 )
 from ..increment import CacheLengthIncrementer
 from . import multistep, sizing
+from .hybrid import check_groups_supported
 from .inputs import ceil_div
 from .metrics import cache_metrics, num_free_pages, shared_tier_metrics
 from .pins import NO_GRANT, PinGrant
@@ -117,7 +119,7 @@ class PagedKVCacheManager(MaxManagerAPI):
             )
         check_devices_hold(params, available_cache_memory, self.devices)
         dp = params.data_parallel_degree
-        params.cache_groups(num_layers)  # ValueError for groups whose layers do not add up
+        check_groups_supported(params, num_layers)
         pages_per_seq = ceil_div(max_seq_len, params.page_size)
         slots = None
         if params.is_hybrid:  # one budget of slots for every group (`groups/budget.py`)
@@ -375,8 +377,9 @@ class PagedKVCacheManager(MaxManagerAPI):
     @atomic
     def fetch(
         self, batch: Sequence[TextGenerationContext], num_steps: int = 1
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
-        """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device.
+    ) -> list[PagedInputs[Buffer, Buffer]]:
+        """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device
+        (`ScaledRaggedKVCacheInputs`, with the scales leaf, for scaled pages).
 
         The batch may mix replicas in any order: each replica's inputs describe its own
         requests in batch order (as MAX regroups a batch), and devices come replica by
@@ -535,6 +538,13 @@ class PagedKVCacheManager(MaxManagerAPI):
         replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
         return list(replica.groups[group].blocks)
 
+    def device_scales(self, replica_idx: int, group: int = 0) -> list[Buffer] | None:
+        """The scales beside `device_buffers` of scaled FP8 pages, one per device, under
+        the same page ids (`fetch`'s `scales`); None for pages without scales."""
+        replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
+        scales = replica.groups[group].scales
+        return None if scales is None else list(scales)
+
     @property
     def free_blocks_pct(self) -> float:
         """Fraction (0.0-1.0) of all pages that are free or cached-free."""
@@ -578,9 +588,9 @@ class PagedKVCacheManager(MaxManagerAPI):
     @synchronized
     def increment_cache_lengths(
         self,
-        kv_cache_inputs: Sequence[RaggedKVCacheInputs[Buffer, Buffer]],
+        kv_cache_inputs: Sequence[PagedInputs[Buffer, Buffer]],
         prev_model_inputs: Any,
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """`multistep.increment_cache_lengths`: the next step's inputs, on the device."""
         return multistep.increment_cache_lengths(
             self._increment, self.params, len(self.replicas), kv_cache_inputs, prev_model_inputs

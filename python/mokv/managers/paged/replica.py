@@ -75,7 +75,7 @@ from ...errors import (
     UnknownRequestError,
 )
 from ...events.publisher import EventRecorder, GroupSpec
-from ...layouts import RaggedKVCacheInputs
+from ...layouts.paged import PagedInputs
 from ...metrics import prompt_tokens_in
 from ...registry import BUILDERS
 from ...remote.layout import group_key
@@ -175,7 +175,17 @@ class PagedReplica:
                 undo,
             )
             if params.is_hybrid
-            else [TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)]
+            else [
+                TierStack(
+                    params.tiers,
+                    params,
+                    num_layers,
+                    self.pool,
+                    self.blocks,
+                    undo,
+                    self.group.scales,
+                )
+            ]
         )
         self.tiers = self.group_tiers[0]
         self._tiered = bool(self.tiers)  # read on every reservation
@@ -771,7 +781,7 @@ class PagedReplica:
 
     def runtime_inputs(
         self, batch: list[TextGenerationContext], num_steps: int
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """The batch's lookup table, cache lengths and max lengths on each device
         (`PageTable.inputs`). Every request must already hold its pages."""
         reqs = [self._requests[ctx.request_id] for ctx in batch]

@@ -45,8 +45,8 @@ from max.driver import Buffer
 from ....cache.extra_keys import request_keys
 from ....context import RequestID, TextGenerationContext
 from ....errors import InvariantError, StaleContextError
-from ....layouts import RaggedKVCacheInputs
 from ....layouts.max_paged import LOOKUP_PAD_PAGE
+from ....layouts.paged import PagedInputs
 from ....tiers.stack import PendingLoad, TierStack
 from ....undo import UndoLog
 from ..group_tiers import Found, TierFind, found_in_tiers
@@ -357,7 +357,7 @@ class JointGroups:
 
     def runtime_inputs(
         self, slots: Sequence[int], starts: Sequence[int], actives: Sequence[int], num_steps: int
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """Every group's inputs for a batch, group by group, each one per device."""
         return [
             device_inputs
