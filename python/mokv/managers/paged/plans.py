@@ -119,6 +119,9 @@ class JointHit:
 
     hashes: list[int]
     pages: list[list[int]]
+    checkpoint: int | None = None
+    """The recurrent state's checkpoint at the hit's end (`groups/state.py`), in a
+    replica with state layers."""
 
 
 @dataclass(slots=True)

@@ -60,6 +60,7 @@ from dataclasses import replace
 from operator import attrgetter, itemgetter
 
 from max.driver import Buffer, Device
+from max.nn.kv_cache import RecurrentStateInputsPerDevice
 
 from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
@@ -81,6 +82,7 @@ from ...undo import UndoLog
 from ..base import check_request_id
 from .commit import plan_commit
 from .groups import FullAttentionGroup, JointGroups, build_group
+from .groups.state import RecurrentStateGroup
 from .inputs import ceil_div
 from .pins import NO_GRANT, PinGrant, PinTable
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
@@ -125,7 +127,16 @@ class PagedReplica:
         self.pool = self.group.pool
         self.blocks = self.group.blocks
         self.chains = PrefixChains(params, self.pool, hash_fn, root_hash, max_seq_len)
-        self.joint = JointGroups(self.groups, self.chains, undo) if params.is_hybrid else None
+        states = None
+        if params.recurrent is not None:
+            states = RecurrentStateGroup(
+                params.recurrent, params.page_size, devices, max_requests, undo
+            )
+        self.states = states
+        """The state layers' live blocks and checkpoints (`groups/state.py`), if any."""
+        self.joint = (
+            JointGroups(self.groups, self.chains, undo, states) if params.is_hybrid else None
+        )
         self._prefix_caching = params.enable_prefix_caching
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}
@@ -240,6 +251,12 @@ class PagedReplica:
     def committed_hashes(self, request_id: RequestID) -> list[int]:
         """The hash chain of the request's committed (or found) pages, in token order."""
         return list(self._request(request_id).hashes)
+
+    def state_inputs(self, request_ids: Sequence[RequestID]) -> list[RecurrentStateInputsPerDevice]:
+        """The state layers' graph inputs for these requests (`RecurrentStateGroup`)."""
+        if self.states is None:
+            raise InvariantError("state inputs asked of a replica without state layers")
+        return self.states.runtime_inputs([self._request(r).slot for r in request_ids])
 
     def pending_loads(self, request_id: RequestID) -> list[tuple[str, int, int]]:
         """(tier name, device page, page hash) of each tier hit reserved for the request

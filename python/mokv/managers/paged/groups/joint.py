@@ -20,6 +20,11 @@ takes the same fresh pages a reservation counts (`Reservation.num_fresh`: a page
 new page index), so a plan fits when every group's pool has room for them besides its
 hits (`Reservation.room` is the least room).
 
+A replica with state layers (`states`: `state.py`) adds their rule to the joint hit (a
+checkpoint at the hit's end), resumes each taken request's state, and takes checkpoints
+when steps end on their boundaries (`slide`); its checkpoints take no room from the
+attention groups' pools.
+
 Per request, every group has a row of page ids of the same length (`RequestState.rows`)
 and a first page it holds (`RequestState.firsts`); a sliding group's first moves up as
 the window does (`slide`, after each step's commits and when a hit moves the window).
@@ -46,6 +51,7 @@ from ....undo import UndoLog
 from ..plans import CommitPlan, JointHit, RequestState, Reservation
 from ..prefix import PrefixChains
 from .full import FullAttentionGroup
+from .state import RecurrentStateGroup
 
 
 class JointGroups:
@@ -56,8 +62,10 @@ class JointGroups:
         groups: Sequence[FullAttentionGroup],
         chains: PrefixChains,
         undo: UndoLog,
+        states: RecurrentStateGroup | None = None,
     ) -> None:
         self.groups = list(groups)
+        self.states = states
         self.chains = chains
         self.page_size = chains.page_size
         self.undo = undo
@@ -96,12 +104,16 @@ class JointGroups:
         chain, _ = chains.pages(ctx, req, end)
         found = [self._found(group, chain) for group in self.groups]
         rules = [partial(group.longest_hit, pages) for group, pages in zip(self.groups, found)]
+        checkpoints = self.states.found(chain) if self.states is not None else []
+        if self.states is not None:
+            rules.append(partial(self.states.longest_hit, checkpoints))
         n = longest_joint_hit(rules, len(chain))
         if not n:
             return None
         held = [group.held_of_hit(n) for group in self.groups]
         pages = [cast(list[int], f[n - k : n]) for f, k in zip(found, held)]  # all found
-        return JointHit([h for h, _ in chain[:n]], pages)
+        checkpoint = checkpoints[n - 1] if checkpoints else None
+        return JointHit([h for h, _ in chain[:n]], pages, checkpoint)
 
     @staticmethod
     def _found(group: FullAttentionGroup, chain: list[tuple[int, bytes]]) -> list[int | None]:
@@ -183,6 +195,8 @@ class JointGroups:
                 if hit is not None and group.pages_in_window:
                     self._skip(group, req, held, (held + n) * ps)
                 group.write_row(req)
+            if self.states is not None:
+                self.states.resume(req, hit.checkpoint if hit is not None else None, held)
 
     def _skip(self, group: FullAttentionGroup, req: RequestState, held: int, hit_end: int) -> None:
         """After a hit ending at token `hit_end` on a request that held `held` pages: the
@@ -194,9 +208,17 @@ class JointGroups:
             req.firsts[group.index] = new_first
 
     def slide(self, req: RequestState, start_idx: int) -> None:
-        """Every group releases the request's pages that no step from `start_idx` reads."""
+        """Every group releases the request's pages that no step from `start_idx` reads;
+        the state layers take a checkpoint if the step ended on their boundary."""
         for group in self.groups:
             group.slide(req, start_idx)
+        if self.states is not None and req.hashes:
+            page = start_idx // self.page_size - 1
+            full = self.groups[0]  # a page's tokens, from a group that holds every page
+            tokens = None
+            if full.first(req) <= page < len(full.row(req)):
+                tokens = full.pool.page_tokens(full.row(req)[page])
+            self.states.checkpoint(req, start_idx, tokens)
 
     def release(self, req: RequestState) -> None:
         """Hands back every page the request holds, in every group."""
@@ -211,6 +233,8 @@ class JointGroups:
     def reset_prefix_cache(self) -> None:
         for group in self.groups:
             group.pool.reset_prefix_cache()
+        if self.states is not None:
+            self.states.reset_prefix_cache()
 
     def _truncate(
         self, req: RequestState, num_pages: int, num_hashes: int, firsts: list[int]
@@ -280,6 +304,8 @@ class JointGroups:
                     )
         for group in self.groups:
             group.check_invariants(group.held(req) for req in requests)
+        if self.states is not None:
+            self.states.check_invariants()
 
 
 def longest_joint_hit(rules: Sequence[Callable[[int], int]], n: int) -> int:
