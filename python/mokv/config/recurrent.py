@@ -101,16 +101,39 @@ class RecurrentStateConfig:
         if len(set(ids)) != len(ids):
             raise ValueError(f"recurrent state {self.name!r}: region ids repeat: {ids}")
         object.__setattr__(self, "regions", regions)
-        for field in ("checkpoint_every", "num_checkpoints"):
-            value, least = getattr(self, field), int(field == "checkpoint_every")
-            if value.__class__ is not int or not least <= value < 2**32:
-                raise ValueError(
-                    f"recurrent state {self.name!r}: {field} must be an int >= {least}, "
-                    f"got {value!r}"
-                )
+        check_checkpoints(
+            f"recurrent state {self.name!r}", self.checkpoint_every, self.num_checkpoints
+        )
 
     @property
     def bytes_per_state(self) -> int:
         """Bytes of one request's whole state (every region) on one device: the memory
         of a running request's state, and of each checkpoint."""
         return sum(region.bytes_per_state for region in self.regions)
+
+
+DEFAULT_CHECKPOINTS = 64
+"""Checkpoints a served hybrid model keeps when its options name none."""
+
+
+@dataclass(frozen=True)
+class StateCheckpointConfig:
+    """How a served hybrid model keeps its state checkpoints (`mokv.pipelines.MokvOptions`,
+    the `state_checkpoints` section of `mokv serve --mokv-config`): every
+    `checkpoint_every` pages, at most `num_checkpoints` (`RecurrentStateConfig`)."""
+
+    checkpoint_every: int = 1
+    num_checkpoints: int = DEFAULT_CHECKPOINTS
+
+    def __post_init__(self) -> None:
+        check_checkpoints("state_checkpoints", self.checkpoint_every, self.num_checkpoints)
+
+
+def check_checkpoints(owner: str, checkpoint_every: int, num_checkpoints: int) -> None:
+    """ValueError naming a `checkpoint_every` below 1 or a `num_checkpoints` below 0."""
+    for field, value, least in (
+        ("checkpoint_every", checkpoint_every, 1),
+        ("num_checkpoints", num_checkpoints, 0),
+    ):
+        if value.__class__ is not int or not least <= value < 2**32:
+            raise ValueError(f"{owner}: {field} must be an int >= {least}, got {value!r}")
