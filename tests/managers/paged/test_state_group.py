@@ -127,6 +127,13 @@ def test_the_oldest_checkpoint_gives_its_slot(session):
     np.testing.assert_array_equal(np.array(out[4:]), reference(SHARED[:8] + [60])[0][4:])
 
 
+def test_without_checkpoints_no_prefix_is_resumed(session):
+    m = hybrid(session, checkpoints=0)
+    prefill(m, "A", SHARED)
+    _, out = prefill(m, "B", SHARED)
+    assert skipped(out) == 0 and m.replicas[0].states.checkpoints_taken == 0
+
+
 @pytest.mark.parametrize("mode", ["instead", "after"])
 def test_a_failed_fetch_or_step_leaves_the_states_and_checkpoints_as_they_were(
     session, monkeypatch, mode

@@ -68,7 +68,8 @@ class RecurrentStateGroup:
         self.page_size = page_size
         self.devices = devices
         self.max_requests = max_requests
-        self.pool = PagePool(config.num_checkpoints)
+        # A pool has a page at least; with no checkpoints its one slot is never taken.
+        self.pool = PagePool(max(1, config.num_checkpoints))
         self.pool.undo = undo
         self.undo = undo
         self.zero_block = max_requests + config.num_checkpoints
@@ -147,7 +148,7 @@ class RecurrentStateGroup:
             or page % self.config.checkpoint_every
             or page > len(req.hashes)
             or token_bytes is None
-            or not self.pool.num_pages
+            or not self.config.num_checkpoints
         ):
             return False
         page_hash = req.hashes[page - 1]
