@@ -127,6 +127,20 @@ def test_the_oldest_checkpoint_gives_its_slot(session):
     np.testing.assert_array_equal(np.array(out[4:]), reference(SHARED[:8] + [60])[0][4:])
 
 
+def test_a_context_moved_back_without_a_release_is_refused(session):
+    """A context reset inside its last, uncommitted page would run from a state past its
+    tokens: StaleContextError, naming the state; after a release it starts afresh."""
+    m = hybrid(session)
+    ctx, _ = prefill(m, "A", SHARED[:6])  # one committed page and two tokens
+    ctx.reset()
+    ctx.skip_cached_prefix(4)  # back to the page boundary: the pages allow it
+    with pytest.raises(mokv.StaleContextError, match="its state in 'linear_attention' holds 6"):
+        m.fetch([ctx])
+    m.release("A")
+    _, out = prefill(m, "A", SHARED[:6])
+    assert skipped(out) == 4  # the checkpoint at page 1
+
+
 def test_without_checkpoints_no_prefix_is_resumed(session):
     m = hybrid(session, checkpoints=0)
     prefill(m, "A", SHARED)

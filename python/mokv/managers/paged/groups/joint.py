@@ -80,6 +80,8 @@ class JointGroups:
         context's `start_idx` reads (a context moved back, e.g. by `ctx.reset()` without
         a release, would read pages a window released)."""
         start = ctx.start_idx
+        if self.states is not None:
+            self.states.check_window(ctx, req)
         for group in self.groups:
             if group.window_start(start) < group.first(req):
                 raise StaleContextError(
@@ -212,18 +214,20 @@ class JointGroups:
         the state layers take a checkpoint if the step ended on their boundary."""
         for group in self.groups:
             group.slide(req, start_idx)
-        if self.states is not None and req.hashes:
+        if self.states is not None:
             page = start_idx // self.page_size - 1
             full = self.groups[0]  # a page's tokens, from a group that holds every page
             tokens = None
             if full.first(req) <= page < len(full.row(req)):
                 tokens = full.pool.page_tokens(full.row(req)[page])
-            self.states.checkpoint(req, start_idx, tokens)
+            self.states.slide(req, start_idx, tokens)
 
     def release(self, req: RequestState) -> None:
         """Hands back every page the request holds, in every group."""
         for group in self.groups:
             group.release(req)
+        if self.states is not None:
+            self.states.release(req)
 
     def commit_pages(self, plan: CommitPlan) -> None:
         """Indexes the planned pages in every group (each shares its own duplicates)."""

@@ -45,7 +45,8 @@ from max.nn.kv_cache import RecurrentLeafInputs, RecurrentStateInputsPerDevice
 from ....cache.cache_memory import cache_buffer
 from ....cache.page_pool import PagePool
 from ....config.recurrent import RecurrentStateConfig
-from ....errors import InvariantError
+from ....context import TextGenerationContext
+from ....errors import InvariantError, StaleContextError
 from ....undo import UndoLog
 from ..plans import RequestState
 
@@ -90,6 +91,8 @@ class RecurrentStateGroup:
                 )
             for device in devices:  # the zeros' host source must outlive the copy
                 device.synchronize()
+        self.positions = [0] * max_requests
+        """The tokens each slot's live state has absorbed (0: a fresh request's)."""
         self.checkpoints_taken = 0
         """Checkpoints taken since the group was built."""
 
@@ -120,6 +123,18 @@ class RecurrentStateGroup:
                 return m
         return 0
 
+    def check_window(self, ctx: TextGenerationContext, req: RequestState) -> None:
+        """StaleContextError unless the context continues where the request's state is:
+        its `start_idx` is the tokens the live state has absorbed (a context moved by
+        `ctx.reset()` without a release would run from a state past its tokens)."""
+        position = self.positions[req.slot]
+        if ctx.start_idx != position:
+            raise StaleContextError(
+                f"request {ctx.request_id!r} has start_idx={ctx.start_idx}, but its state "
+                f"in {self.name!r} holds {position} tokens: release the request before "
+                "ctx.reset()"
+            )
+
     # --- changes --------------------------------------------------------------------
 
     def resume(self, req: RequestState, checkpoint: int | None, num_held: int) -> None:
@@ -131,16 +146,18 @@ class RecurrentStateGroup:
             if not num_held:
                 self._copy(self.zero_block, live, keep_old=False)
             return
+        self._set_position(req.slot, len(req.hashes) * self.page_size)  # the hit's end
         self.pool.acquire(checkpoint)  # out of the LRU while it is read...
         self._copy(self.checkpoint_block(checkpoint), live, keep_old=num_held > 0)
         self.pool.release([checkpoint])  # ...and back as its most recently used page
 
-    def checkpoint(self, req: RequestState, start_idx: int, token_bytes: bytes | None) -> bool:
-        """After a step that left the request's live state at token `start_idx`: when
-        that is a boundary of `checkpoint_every` pages whose page is committed
-        (`token_bytes`, None if it is not indexed) and no checkpoint stands there yet,
-        copies the live block into a checkpoint slot, indexed under the page's chain
-        hash. True if it took one."""
+    def slide(self, req: RequestState, start_idx: int, token_bytes: bytes | None) -> bool:
+        """After a step that left the request's live state at token `start_idx`: records
+        where its state is; when that is a boundary of `checkpoint_every` pages whose page
+        is committed (`token_bytes`, None if it is not indexed) and no checkpoint stands
+        there yet, copies the live block into a checkpoint slot, indexed under the page's
+        chain hash. True if it took one."""
+        self._set_position(req.slot, start_idx)
         page, rest = divmod(start_idx, self.page_size)
         if (
             rest
@@ -166,6 +183,14 @@ class RecurrentStateGroup:
         self.undo.push(setattr, self, "checkpoints_taken", self.checkpoints_taken)
         self.checkpoints_taken += 1
         return True
+
+    def release(self, req: RequestState) -> None:
+        """The request's slot starts its next request from a fresh state."""
+        self._set_position(req.slot, 0)
+
+    def _set_position(self, slot: int, tokens: int) -> None:
+        self.undo.push(self.positions.__setitem__, slot, self.positions[slot])
+        self.positions[slot] = tokens
 
     def reset_prefix_cache(self) -> None:
         """Forgets every checkpoint."""
