@@ -129,15 +129,22 @@ def run(quick: bool, progress=None) -> dict:
                  "managers": {}}
     trace = make_trace(num_requests)
     for name, spec in RUNS.items():
-        m = manager(spec, budget)
-        try:
-            out["managers"][name] = replay(m, trace)
-        except Exception as e:  # noqa: BLE001 - reported beside the others
-            out["managers"][name] = {"error": f"{type(e).__name__}: {e}"[:600]}
-        m.shutdown()
+        out["managers"][name] = measure(spec, budget, trace)
         if progress:
             progress()
     return out
+
+
+def measure(spec, budget: int, trace: list[np.ndarray]) -> dict:
+    """`replay` on a fresh manager of `spec`; its error as text if it fails (reported
+    beside the others)."""
+    m = manager(spec, budget)
+    try:
+        return replay(m, trace)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"[:600]}
+    finally:
+        m.shutdown()
 
 
 def table(r: dict) -> list[str]:

@@ -57,17 +57,18 @@ def served(manager, prompt, chunk) -> int:
     prefix length."""
     ctx = TextContext(max_length=1024, tokens=TokenBuffer(np.array(prompt, np.int64)))
     manager.claim(ctx)
-    hit = None
-    while len(ctx.tokens) == len(prompt):
-        manager.alloc(ctx)
-        hit = ctx.cached_prefix_length if hit is None else hit
-        if ctx.tokens.active_length > chunk:
+    manager.alloc(ctx)
+    hit = ctx.cached_prefix_length
+    for _ in range(len(prompt)):  # the forwards, then one decode step
+        if ctx.tokens.active_length > chunk:  # MAX chunks only a longer window
             ctx.tokens.chunk(chunk)
         manager.runtime_inputs([[ctx]])
         ctx.update(5)
         manager.step(ctx)
+        if len(ctx.tokens) > len(prompt):
+            break
+        manager.alloc(ctx)
     manager.release(ctx)
-    assert hit is not None
     return hit
 
 

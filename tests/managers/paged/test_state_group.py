@@ -141,6 +141,34 @@ def test_a_context_moved_back_without_a_release_is_refused(session):
     assert skipped(out) == 4  # the checkpoint at page 1
 
 
+def test_a_bfloat16_state_starts_from_zeros_and_resumes(session):
+    """MAX's Qwen3.5 keeps its state in bfloat16 (no numpy dtype): the zero block and
+    the copies take any dtype."""
+    state = RecurrentStateConfig(
+        "s", (StateRegion("h", 1, (2, 8), DType.bfloat16),), num_checkpoints=2)
+    m = make_paged(session, max_seq_len=64, recurrent=state,
+                   groups=(CacheGroupConfig("full_attention", NUM_LAYERS),))
+
+    def step(ctx, fill):
+        m.fetch([ctx])
+        (leaf,) = m.state_inputs([ctx])[0].leaves
+        row = int(leaf.live_row_ids.to_numpy()[0, 0])
+        words = leaf.pool.view(DType.uint16, [leaf.pool.shape[0], 16]).to_numpy()
+        before = words[row].copy()
+        words[row] = fill
+        ctx.update(0)
+        m.step([ctx])
+        return before
+
+    a = TextContext(np.array(SHARED[:4] + [1]), "A")
+    m.external_claim("A")
+    a.chunk(PAGE)
+    assert not step(a, 0x3F80).any()  # zeros; then bfloat16 1.0 at the page boundary
+    b = TextContext(np.array(SHARED[:4] + [2]), "B")
+    m.external_claim("B")
+    assert (step(b, 0) == 0x3F80).all() and b.start_idx == 5
+
+
 def test_without_checkpoints_no_prefix_is_resumed(session):
     m = hybrid(session, checkpoints=0)
     prefill(m, "A", SHARED)

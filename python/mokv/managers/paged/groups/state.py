@@ -84,12 +84,12 @@ class RecurrentStateGroup:
         ]
         """Each region's buffer on each device (see the module docstring)."""
         for buffers, region in zip(self.states, config.regions):
-            for buffer in buffers:  # the zero block
+            zeros = []  # any dtype (bfloat16 has no numpy twin), on the buffer's device
+            for buffer, device in zip(buffers, devices):  # the zero block
                 rows = self._rows(buffer, region.num_layers, self.zero_block)
-                rows.inplace_copy_from(
-                    Buffer.from_numpy(np.zeros(rows.shape, rows.dtype.to_numpy()))
-                )
-            for device in devices:  # the zeros' host source must outlive the copy
+                zeros.append(Buffer.zeros(shape=rows.shape, dtype=rows.dtype, device=device))
+                rows.inplace_copy_from(zeros[-1])
+            for device in devices:  # the zeros must outlive the copies
                 device.synchronize()
         self.positions = [0] * max_requests
         """The tokens each slot's live state has absorbed (0: a fresh request's)."""
