@@ -19,7 +19,13 @@ from max.nn.kv_cache import (
     RecurrentStateRegion,
 )
 from max.pipelines.context import TextContext, TokenBuffer
-from mokv import CacheGroupConfig, InsufficientMemoryError, RecurrentStateConfig, StateRegion
+from mokv import (
+    CacheGroupConfig,
+    InsufficientMemoryError,
+    RecurrentStateConfig,
+    StateRegion,
+    max_kv_params,
+)
 from mokv.pipelines import MokvOptions, UnsupportedMaxParamsError, mokv_params
 from mokv.pipelines import load_kv_manager as mokv_loader
 from mokv.pipelines.options import MokvConfigError
@@ -127,6 +133,9 @@ def test_max_s_state_tree_becomes_mokv_s_params():
          StateRegion("ssm", 3, (2, 4, 4), DType.float32)),
         checkpoint_every=2, num_checkpoints=5,
     )
+    back = max_kv_params(ours, 1, [DeviceRef.CPU()])  # and back: MAX's tree again
+    assert list(back.children) == ["attn", "state"]
+    assert back.children["state"].regions == REGIONS
     without = mokv_params(MultiKVCacheParams.from_params({
         "attn": max_params(num_layers=1, enable_prefix_caching=False),
         "state": qwen_like().children["state"]}))
