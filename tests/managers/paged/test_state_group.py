@@ -273,3 +273,13 @@ def test_what_a_cache_with_state_layers_refuses():
         RecurrentStateConfig("s", (STACK.regions()[0],) * 2)
     with pytest.raises(TypeError, match="recurrent must be a mokv.RecurrentStateConfig"):
         small_params(groups=groups, recurrent="linear")
+
+
+def test_the_managers_without_state_refuse_it(session):
+    from max.driver import CPU
+
+    params = small_params(recurrent=RecurrentStateConfig("s", STACK.regions()))
+    with pytest.raises(ValueError, match="cannot honour recurrent='s'"):
+        mokv.ContinuousBatchingKVCacheManager(params, 2, 32, NUM_LAYERS, [CPU()], session)
+    with pytest.raises(ValueError, match="no recurrent-state symbols"):
+        mokv.NullKVCacheManager(params, 2, 32, NUM_LAYERS, [CPU()], session, 1 << 20)
