@@ -140,6 +140,8 @@ def test_max_s_state_tree_becomes_mokv_s_params():
         "attn": max_params(num_layers=1, enable_prefix_caching=False),
         "state": qwen_like().children["state"]}))
     assert without.recurrent is not None and without.recurrent.num_checkpoints == 0
+    with pytest.raises(UnsupportedMaxParamsError, match="state_checkpoints=.* no recurrent state"):
+        mokv_params(max_params(), MokvOptions.from_mapping({"state_checkpoints": {}}))
     with pytest.raises(MokvConfigError, match="checkpoint_every must be an int >= 1, got 0"):
         MokvOptions.from_mapping({"state_checkpoints": {"checkpoint_every": 0}})
 

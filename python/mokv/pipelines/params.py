@@ -170,6 +170,8 @@ def mokv_state(
     checkpointed as `checkpoints` says (none without prefix caching)."""
     found = max_state(params)
     if found is None:
+        if checkpoints is not None:
+            raise refuse(f"state_checkpoints={checkpoints!r} for a model with no recurrent state")
         return None
     key, state = found
     checkpoints = checkpoints or StateCheckpointConfig()
