@@ -36,8 +36,9 @@ Where mokv differs on purpose (docs/serve.md):
 - `alloc_dummy` (data-parallel padding) holds one real page for the dummy where MAX maps
   it onto a null page mokv does not have; a full pool refuses it
   (InsufficientBlocksError).
-- `block_count` of a cache of groups counts every group's pages (MAX: its Jenga pool's
-  huge blocks, which every group shares).
+- `block_count` of a cache of groups counts the slots of the budget its groups share
+  (MAX: its Jenga pool's huge blocks, the null block among them), free ones as slots'
+  worth of free pages.
 """
 
 from __future__ import annotations
@@ -321,7 +322,10 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         return BlockCount(free=free, total=total)
 
     def pressure_pct(self, replica_idx: int = 0) -> float:
-        """The fullest group's page occupancy, in [0, 100] (MAX: the fullest leaf's)."""
+        """The fullest group's page occupancy, in [0, 100] (MAX: the fullest leaf's); for
+        groups sharing one budget, the budget's (a group has the slots it needs)."""
+        if self.manager.params.is_hybrid:
+            return self.block_count(replica_idx).used_pct
         counts = self.manager.group_page_counts(replica_idx).values()
         return max(BlockCount(free=free, total=total).used_pct for free, total in counts)
 

@@ -60,8 +60,10 @@ from dataclasses import replace
 from operator import attrgetter, itemgetter
 
 from max.driver import Buffer, Device
+from max.dtype import DType
 from max.nn.kv_cache import RecurrentStateInputsPerDevice
 
+from ...cache.cache_memory import cache_buffer
 from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
 from ...config.params import KVCacheParams
@@ -81,13 +83,14 @@ from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from ..base import check_request_id
 from .commit import plan_commit
-from .groups import FullAttentionGroup, JointGroups, build_group
+from .groups import FullAttentionGroup, JointGroups, SharedBudget, build_group
 from .groups.state import RecurrentStateGroup
 from .inputs import ceil_div
 from .pins import NO_GRANT, PinGrant, PinTable
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
+from .sizing import SlotGeometry
 
 _page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
 _num_fresh = attrgetter("num_fresh")  # of a `Reservation`
@@ -108,6 +111,7 @@ class PagedReplica:
         hash_fn: PageHashFn,
         root_hash: int,
         undo: UndoLog,
+        slots: SlotGeometry | None = None,
     ) -> None:
         self.params = params
         self.undo = undo
@@ -116,10 +120,28 @@ class PagedReplica:
         self.max_requests = max_requests
         self.devices = devices
         self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
-        # `num_pages[g]` pages for group `g`; `pool` and `blocks` are the first group's.
+        # `num_pages[g]` pages for group `g`, or, with groups, views of one budget's
+        # slabs; `pool` and `blocks` are the first group's.
+        slabs = (
+            []
+            if slots is None
+            else [
+                cache_buffer(DType.uint8, [slots.num_slots * slots.slot_bytes], d) for d in devices
+            ]
+        )
+        if slots is not None:
+            num_pages = [slots.num_slots * r for r in slots.ratios]
         self.groups: list[FullAttentionGroup] = [
             build_group(
-                params, config, index, pages, devices, max_requests, self.max_pages_per_seq, undo
+                params,
+                config,
+                index,
+                pages,
+                devices,
+                max_requests,
+                self.max_pages_per_seq,
+                undo,
+                slabs,
             )
             for index, (config, pages) in enumerate(zip(params.cache_groups(num_layers), num_pages))
         ]
@@ -127,6 +149,13 @@ class PagedReplica:
         self.pool = self.group.pool
         self.blocks = self.group.blocks
         self.chains = PrefixChains(params, self.pool, hash_fn, root_hash, max_seq_len)
+        self.budget = (
+            None
+            if slots is None
+            else SharedBudget([g.pool for g in self.groups], slots.ratios, slots.num_slots)
+        )
+        if self.budget is not None:
+            self.budget.undo = undo
         states = None
         if params.recurrent is not None:
             states = RecurrentStateGroup(
@@ -135,7 +164,9 @@ class PagedReplica:
         self.states = states
         """The state layers' live blocks and checkpoints (`groups/state.py`), if any."""
         self.joint = (
-            JointGroups(self.groups, self.chains, undo, states) if params.is_hybrid else None
+            JointGroups(self.groups, self.chains, undo, self.budget, states)
+            if params.is_hybrid
+            else None
         )
         self._prefix_caching = params.enable_prefix_caching
         self._free_slots = list(range(max_requests - 1, -1, -1))
@@ -240,13 +271,19 @@ class PagedReplica:
 
     @property
     def num_free_pages(self) -> int:
-        """Pages of every group that can be handed out now (cached ones included)."""
-        return sum(g.pool.num_free for g in self.groups)
+        """Pages of every group that can be handed out now (cached ones included); with
+        a shared budget, slots' worth of them (free slots and every group's free pages,
+        by bytes)."""
+        budget = self.budget
+        if budget is None:
+            return sum(g.pool.num_free for g in self.groups)
+        return budget.num_free
 
     @property
     def num_pages(self) -> int:
-        """Pages of every group."""
-        return sum(g.pool.num_pages for g in self.groups)
+        """Pages of every group; with a shared budget, its slots."""
+        budget = self.budget
+        return sum(g.pool.num_pages for g in self.groups) if budget is None else budget.num_slots
 
     def committed_hashes(self, request_id: RequestID) -> list[int]:
         """The hash chain of the request's committed (or found) pages, in token order."""

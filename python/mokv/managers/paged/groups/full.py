@@ -36,7 +36,9 @@ class FullAttentionGroup:
 
     `name` is the group's (`CacheGroupConfig.name`) and `index` its place among the
     replica's groups: its row of a request is `req.rows[index]` in a replica of several
-    groups, `req.pages` in one of a single group (`row`)."""
+    groups, `req.pages` in one of a single group (`row`). `slabs` (one per device): the
+    memory its buffers view, shared with the other groups (`budget.py`); none: buffers
+    of its own."""
 
     kind: ClassVar[str] = "full"
     window_size: int | None = None
@@ -55,6 +57,7 @@ class FullAttentionGroup:
         undo: UndoLog,
         name: str = "full_attention",
         index: int = 0,
+        slabs: Sequence[Buffer] = (),
     ) -> None:
         self.name = name
         self.index = index
@@ -72,7 +75,10 @@ class FullAttentionGroup:
             params.n_kv_heads_per_device,
             params.head_dim,
         ]
-        self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
+        if slabs:  # views of a budget shared with other groups (`budget.py`)
+            self.blocks = [slab.view(params.dtype, shape) for slab in slabs]
+        else:
+            self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
         self.page_table = PageTable(max_requests, max_pages_per_seq)
 
     def row(self, req: RequestState) -> list[int]:
@@ -96,7 +102,7 @@ class FullAttentionGroup:
         """The first page a step whose cache ends at `start_idx` reads: 0 (every page)."""
         return 0
 
-    def slide(self, req: RequestState, start_idx: int) -> None:
+    def slide(self, req: RequestState, start_idx: int, keep_ends: Sequence[int] = ()) -> None:
         """Releases the pages no step from `start_idx` on reads: none here."""
 
     def release(self, req: RequestState) -> None:
