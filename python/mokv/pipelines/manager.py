@@ -304,11 +304,15 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         ]
 
     def get_req_blocks_per_leaf(self, ctx: Any) -> dict[str, list[int]]:
-        """Each group's page ids by MAX's leaf id, the pad page below a window."""
+        """Each group's page ids by MAX's leaf id, the pad page below a window; for
+        scaled FP8 pages each group's scales leaf too (MAX's `<leaf>/scales`), with the
+        same page ids (mokv's scales share them)."""
         rows = self.manager.get_req_blocks_per_group(self._view(ctx).request_id).values()
+        suffixes = ("", "/scales") if self.manager.params.quantization is not None else ("",)
         return {
-            leaf_id: [LOOKUP_PAD_PAGE] * first + pages
+            leaf_id + suffix: [LOOKUP_PAD_PAGE] * first + pages
             for leaf_id, (first, pages) in zip(self._leaf_ids, rows)
+            for suffix in suffixes
         }
 
     def num_req_blocks(self, ctx: Any) -> int:
@@ -348,6 +352,7 @@ class KVCacheManager(PagedKVCacheManagerInterface):
                 leaf_id=leaf_id,
                 replicates_kv_across_tp=False,
                 values=self.manager.device_buffers(replica_idx, g),
+                scales=self.manager.device_scales(replica_idx, g),
             )
             for g, leaf_id in enumerate(self._leaf_ids)
         ]

@@ -10,7 +10,8 @@ is refused with `UnsupportedMaxParamsError` naming it, never accepted and ignore
       scratch regions                         scratch (speculative verify rings)
     MSAKVCacheParams                          multi-step attention
     MLA beside other children, or windowed    a latent cache in a tree, a latent window
-    an FP8 / FP4 dtype, kvcache_quant_config  quantized KV pages (docs/quantized.md)
+    int8, FP4, float8_e4m3fnuz dtypes; FP8     quantized KV pages mokv does not store
+      scales that are not float32             (docs/quantized.md)
     num_draft_tokens, speculative_method      speculative decoding's draft slots
     is_di_enabled                             disaggregated prefill / decode
     kv_connector_config (not null)            MAX's host / disk / dKV tiers (mokv's own
@@ -32,6 +33,11 @@ tree: "attn" and "state"; Nemotron-H's) becomes `KVCacheParams.recurrent`, one
 `StateRegion` per region in MAX's order, checkpointed as `MokvOptions.state_checkpoints`
 says (docs/recurrent.md); its devices and replicas must be the attention children's.
 
+FP8 pages. float8_e4m3fn with a `kvcache_quant_config` (float32 scales) becomes
+`KVCacheParams.quantization` (`KVCacheQuantization` of the config's scale dtype and
+granularity): scaled pages. float8_e4m3fn without one, what MAX's Llama builds for
+`--kv-cache-format float8_e4m3fn`, is mokv's unscaled FP8 format (docs/quantized.md).
+
 MLA. MAX's `MLAKVCacheParams` (DeepSeek V2 and V3, Kimi K2, GLM-5: one latent of
 `head_dim` per token and layer) becomes a cache of one MLA group
 (`CacheGroupConfig(latent_dim=, rope_dim=)`, named `MLA_GROUP`). MAX's params do not
@@ -52,6 +58,7 @@ from typing import Any
 from ..config.base import CACHE_DTYPES
 from ..config.groups import CacheGroupConfig
 from ..config.params import KVCacheParams
+from ..config.quantization import QUANTIZED_DTYPES, SCALE_DTYPES, KVCacheQuantization
 from ..config.recurrent import RecurrentStateConfig, StateCheckpointConfig, StateRegion
 from ..errors import MokvError
 from .options import MokvOptions
@@ -121,6 +128,9 @@ def max_leaves(params: Any) -> list[tuple[str | None, Any]]:
     dtypes = {child.dtype for _, child in leaves}
     if len(dtypes) > 1:
         raise refuse(f"cache groups of different dtypes ({sorted(d.name for d in dtypes)})")
+    configs = {repr(child.kvcache_quant_config) for _, child in leaves}
+    if len(configs) > 1:
+        raise refuse(f"cache groups of different kvcache_quant_config ({sorted(configs)})")
     return leaves
 
 
@@ -204,12 +214,7 @@ def _check_leaf(params: Any) -> None:
     if type(params) is MLAKVCacheParams:
         _check_mla(params)
 
-    if params.dtype not in CACHE_DTYPES or params.kvcache_quant_config is not None:
-        raise refuse(
-            f"quantized KV pages ({_quantized_kind(params)}: dtype={params.dtype}, "
-            f"kvcache_quant_config={params.kvcache_quant_config!r}); it stores "
-            f"{[d.name for d in CACHE_DTYPES]}"
-        )
+    quantization(params)
     if params.num_draft_tokens or params.speculative_method is not None:
         raise refuse(
             f"speculative decoding's draft tokens (num_draft_tokens={params.num_draft_tokens}, "
@@ -265,13 +270,24 @@ def mla_q_heads(params: Any) -> int | None:
     return params.num_q_heads_per_device if type(params) is MLAKVCacheParams else None
 
 
-def _quantized_kind(params: Any) -> str:
-    """What a quantized `MHAKVCacheParams` holds, for its refusal (docs/quantized.md)."""
-    if params.dtype.name != "float8_e4m3fn":
-        return "quantized values"
-    if params.kvcache_quant_config is None:
-        return "unscaled FP8, what MAX's Llama builds for --kv-cache-format float8_e4m3fn"
-    return "FP8 with per-block scales, whose format mokv.KVCacheParams takes"
+def quantization(params: Any) -> KVCacheQuantization | None:
+    """mokv's `KVCacheQuantization` of a MAX leaf's `kvcache_quant_config` (None:
+    unquantized or unscaled FP8 pages); UnsupportedMaxParamsError naming a quantized
+    format mokv does not store (module docstring)."""
+    config = params.kvcache_quant_config
+    stored = [d.name for d in CACHE_DTYPES + QUANTIZED_DTYPES]
+    if params.dtype not in CACHE_DTYPES + QUANTIZED_DTYPES:
+        raise refuse(f"quantized KV pages of dtype={params.dtype}; it stores {stored}")
+    if config is None:
+        return None
+    if params.dtype not in QUANTIZED_DTYPES or config.scale_dtype not in SCALE_DTYPES:
+        raise refuse(
+            f"quantized KV pages of dtype={params.dtype} with scale_dtype="
+            f"{config.scale_dtype} (kvcache_quant_config={config!r}); it stores "
+            f"{[d.name for d in QUANTIZED_DTYPES]} pages with "
+            f"{[d.name for d in SCALE_DTYPES]} scales"
+        )
+    return KVCacheQuantization(config.scale_dtype, config.quantization_granularity)
 
 
 def mokv_groups(params: Any) -> tuple[CacheGroupConfig, ...]:
@@ -324,4 +340,5 @@ def mokv_params(
         pins=options.pins,
         groups=mokv_groups(params),
         recurrent=mokv_state(params, options.state_checkpoints, first.enable_prefix_caching),
+        quantization=quantization(first),
     )

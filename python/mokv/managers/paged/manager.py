@@ -43,7 +43,8 @@ from ...errors import (
     InvalidReplicaError,
     UnknownRequestError,
 )
-from ...layouts import PAGED, RaggedKVCacheInputs
+from ...layouts import PAGED
+from ...layouts.paged import PagedInputs
 from ...metrics import KVCacheMetrics
 from ...registry import BUILDERS
 from ...remote import RemoteMetrics
@@ -391,8 +392,9 @@ class PagedKVCacheManager(MaxManagerAPI):
     @atomic
     def fetch(
         self, batch: Sequence[TextGenerationContext], num_steps: int = 1
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
-        """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device.
+    ) -> list[PagedInputs[Buffer, Buffer]]:
+        """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device
+        (`ScaledRaggedKVCacheInputs`, with the scales leaf, for scaled pages).
 
         The batch may mix replicas in any order: each replica's inputs describe its own
         requests in batch order (as MAX regroups a batch), and devices come replica by
@@ -551,6 +553,13 @@ class PagedKVCacheManager(MaxManagerAPI):
         replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
         return list(replica.groups[group].blocks)
 
+    def device_scales(self, replica_idx: int, group: int = 0) -> list[Buffer] | None:
+        """The scales beside `device_buffers` of scaled FP8 pages, one per device, under
+        the same page ids (`fetch`'s `scales`); None for pages without scales."""
+        replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
+        scales = replica.groups[group].scales
+        return None if scales is None else list(scales)
+
     @property
     def free_blocks_pct(self) -> float:
         """Fraction (0.0-1.0) of all pages that are free or cached-free."""
@@ -594,9 +603,9 @@ class PagedKVCacheManager(MaxManagerAPI):
     @synchronized
     def increment_cache_lengths(
         self,
-        kv_cache_inputs: Sequence[RaggedKVCacheInputs[Buffer, Buffer]],
+        kv_cache_inputs: Sequence[PagedInputs[Buffer, Buffer]],
         prev_model_inputs: Any,
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """`multistep.increment_cache_lengths`: the next step's inputs, on the device."""
         return multistep.increment_cache_lengths(
             self._increment, self.params, len(self.replicas), kv_cache_inputs, prev_model_inputs

@@ -75,7 +75,7 @@ from ...errors import (
     UnknownRequestError,
 )
 from ...events.publisher import EventRecorder
-from ...layouts import RaggedKVCacheInputs
+from ...layouts.paged import PagedInputs
 from ...metrics import prompt_tokens_in
 from ...registry import BUILDERS
 from ...tiers.base import CommittedPages
@@ -173,7 +173,9 @@ class PagedReplica:
         self._requests: dict[RequestID, RequestState] = {}
         self.input_tokens = 0
         self.cache_tokens = 0
-        self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)
+        self.tiers = TierStack(
+            params.tiers, params, num_layers, self.pool, self.blocks, undo, self.group.scales
+        )
         self._tiered = bool(self.tiers)  # read on every reservation
         self.sessions: SessionTable | None = (
             BUILDERS.build(params.sessions, self.pool, self.tiers, undo)
@@ -678,7 +680,7 @@ class PagedReplica:
 
     def runtime_inputs(
         self, batch: list[TextGenerationContext], num_steps: int
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """The batch's lookup table, cache lengths and max lengths on each device
         (`PageTable.inputs`). Every request must already hold its pages."""
         reqs = [self._requests[ctx.request_id] for ctx in batch]

@@ -50,7 +50,7 @@ from typing import ClassVar, Protocol
 from max.driver import Buffer
 
 from ....cache.page_pool import PagePool
-from ....layouts import RaggedKVCacheInputs
+from ....layouts.paged import PagedInputs
 from ..inputs import PageTable
 from ..plans import CommitPlan, RequestState
 
@@ -119,7 +119,7 @@ class CacheGroup(Protocol):
 
     def runtime_inputs(
         self, slots: Sequence[int], starts: Sequence[int], actives: Sequence[int], num_steps: int
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """The group's graph inputs for a batch, one per device of the replica."""
         ...
 

@@ -48,8 +48,8 @@ from max.driver import Buffer
 
 from ....context import RequestID, TextGenerationContext
 from ....errors import InvariantError, StaleContextError
-from ....layouts import RaggedKVCacheInputs
 from ....layouts.max_paged import LOOKUP_PAD_PAGE
+from ....layouts.paged import PagedInputs
 from ....undo import UndoLog
 from ..plans import CommitPlan, JointHit, RequestState, Reservation
 from ..prefix import PrefixChains
@@ -292,7 +292,7 @@ class JointGroups:
 
     def runtime_inputs(
         self, slots: Sequence[int], starts: Sequence[int], actives: Sequence[int], num_steps: int
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """Every group's inputs for a batch, group by group, each one per device."""
         return [
             device_inputs
