@@ -13,6 +13,7 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from max.dtype import DType
 from mokv import TextContext
 from mokv.events import PrefixRouterIndex
 
@@ -471,6 +472,36 @@ class GroupHostMachine(GroupMachine, HostTierMachine):
 
     def teardown(self):
         GroupHostMachine.group_tokens_loaded += self.m.metrics.host_cache_tokens
+
+
+class StateMachine(PagedManagerMachine):
+    """The same rules on a cache with recurrent-state layers beside a full group: the
+    state (one float64 per request) is the rolling hash of the tokens it absorbed. Before
+    every step a request's live state must be the hash of exactly its cached tokens (0
+    before any): a fresh request starts from zeros, a prefix hit resumes from a
+    checkpoint of the same tokens, and no request runs on another's state. Checkpoints
+    land where steps end on a page boundary (random chunks), at most 3 kept."""
+
+    resumed_tokens = 0  # over every example: resumes from checkpoints really happened
+
+    def options(self) -> dict:
+        state = mokv.RecurrentStateConfig(
+            "state", (mokv.StateRegion("h", 1, (1,), DType.float64),), num_checkpoints=3)
+        return dict(groups=(mokv.CacheGroupConfig("full", NUM_LAYERS),), recurrent=state)
+
+    def read_back_and_write(self, ctx):
+        super().read_back_and_write(ctx)
+        (inputs,) = self.m.state_inputs([ctx])
+        (leaf,) = inputs.leaves
+        row = leaf.live_row_ids.to_numpy()[0, 0]
+        pool = leaf.pool.to_numpy()
+        expected = prefix_values(ctx.tokens)
+        start, end = ctx.start_idx, ctx.active_idx
+        assert pool[row, 0] == (expected[start - 1] if start else 0), (ctx.request_id, start)
+        pool[row, 0] = expected[end - 1]
+
+    def teardown(self):
+        StateMachine.resumed_tokens += self.m.metrics.cache_tokens
         super().teardown()
 
 
@@ -630,6 +661,11 @@ def test_random_operations_on_a_cache_of_two_groups(session):
 def test_random_operations_on_groups_with_host_tiers(session):
     run_machine(session, GroupHostMachine, 100)
     assert GroupHostMachine.group_tokens_loaded > 0
+
+
+def test_random_operations_with_recurrent_state(session):
+    run_machine(session, StateMachine, 80)
+    assert StateMachine.resumed_tokens > 0
 
 
 def test_random_operations_on_groups_sharing_one_budget(session):

@@ -28,6 +28,7 @@ from typing import Any
 
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
+from max.nn.kv_cache import RecurrentStateInputsPerDevice
 
 from ...cache.hashing import page_hash_fn, root_hash
 from ...config.cache_control import CacheControl
@@ -340,6 +341,20 @@ class PagedKVCacheManager(MaxManagerAPI):
         request holds there (a sliding window's pages before it were released) and the
         page ids it holds from there on, in token order."""
         return self._replica(request_id).pages_by_group(request_id)
+
+    @synchronized
+    def state_inputs(
+        self, batch: Sequence[TextGenerationContext]
+    ) -> list[RecurrentStateInputsPerDevice]:
+        """The graph inputs of the state layers (`KVCacheParams.recurrent`) for `batch`,
+        after its `fetch`: MAX's `RecurrentStateInputsPerDevice`, one per device, replica
+        by replica as `fetch`'s. ValueError when the cache has no state layers."""
+        if self.params.recurrent is None:
+            raise ValueError("state_inputs: this cache has no recurrent state (params.recurrent)")
+        ids: list[list[RequestID]] = [[] for _ in self.replicas]
+        for ctx in batch:
+            ids[self._replica_index(ctx.request_id)].append(ctx.request_id)
+        return [x for replica, r in zip(self.replicas, ids) for x in replica.state_inputs(r)]
 
     # --- steps ----------------------------------------------------------------------
 

@@ -123,6 +123,9 @@ class JointHit:
 
     hashes: list[int]
     pages: list[list[int | PendingLoad]]
+    checkpoint: int | None = None
+    """The recurrent state's checkpoint at the hit's end (`groups/state.py`), in a
+    replica with state layers."""
     num_device: int = -1
     """Pages of the joint hit the groups' device pages alone serve (the rest need a
     tier's pages in some group); -1: all of them (a replica without tiers)."""

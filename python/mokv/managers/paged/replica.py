@@ -62,6 +62,7 @@ from operator import attrgetter, itemgetter
 
 from max.driver import Buffer, Device
 from max.dtype import DType
+from max.nn.kv_cache import RecurrentStateInputsPerDevice
 
 from ...cache.cache_memory import cache_buffer
 from ...cache.extra_keys import request_keys
@@ -86,6 +87,7 @@ from ..base import check_request_id
 from .commit import plan_commit
 from .group_tiers import build_group_tiers
 from .groups import FullAttentionGroup, JointGroups, SharedBudget, build_group
+from .groups.state import RecurrentStateGroup
 from .inputs import ceil_div
 from .pins import NO_GRANT, PinGrant, PinTable
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
@@ -157,6 +159,13 @@ class PagedReplica:
         )
         if self.budget is not None:
             self.budget.undo = undo
+        states = None
+        if params.recurrent is not None:
+            states = RecurrentStateGroup(
+                params.recurrent, params.page_size, devices, max_requests, undo
+            )
+        self.states = states
+        """The state layers' live blocks and checkpoints (`groups/state.py`), if any."""
         self._prefix_caching = params.enable_prefix_caching
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}
@@ -196,6 +205,7 @@ class PagedReplica:
                 undo,
                 self.group_tiers if self._tiered else None,
                 self.budget,
+                self.states,
             )
             if params.is_hybrid
             else None
@@ -318,6 +328,12 @@ class PagedReplica:
     def committed_hashes(self, request_id: RequestID) -> list[int]:
         """The hash chain of the request's committed (or found) pages, in token order."""
         return list(self._request(request_id).hashes)
+
+    def state_inputs(self, request_ids: Sequence[RequestID]) -> list[RecurrentStateInputsPerDevice]:
+        """The state layers' graph inputs for these requests (`RecurrentStateGroup`)."""
+        if self.states is None:
+            raise InvariantError("state inputs asked of a replica without state layers")
+        return self.states.runtime_inputs([self._request(r).slot for r in request_ids])
 
     def pending_loads(self, request_id: RequestID) -> list[tuple[str, int, int]]:
         """(tier name, device page, page hash) of each tier hit reserved for the request

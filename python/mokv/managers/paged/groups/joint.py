@@ -20,6 +20,11 @@ takes the same fresh pages a reservation counts (`Reservation.num_fresh`: a page
 new page index), so a plan fits when every group's pool has room for them besides its
 hits (`Reservation.room` is the least room).
 
+A replica with state layers (`states`: `state.py`) adds their rule to the joint hit (a
+checkpoint at the hit's end), resumes each taken request's state, and takes checkpoints
+when steps end on their boundaries (`slide`); its checkpoints take no room from the
+attention groups' pools.
+
 Per request, every group has a row of page ids of the same length (`RequestState.rows`)
 and a first page it holds (`RequestState.firsts`); a sliding group's first moves up as
 the window does (`slide`, after each step's commits and when a hit moves the window).
@@ -54,6 +59,7 @@ from ..plans import CommitPlan, JointHit, RequestState, Reservation
 from ..prefix import PrefixChains
 from .budget import SharedBudget
 from .full import FullAttentionGroup
+from .state import RecurrentStateGroup
 
 
 class JointGroups:
@@ -67,8 +73,10 @@ class JointGroups:
         undo: UndoLog,
         tiers: Sequence[TierStack] | None = None,
         budget: SharedBudget | None = None,
+        states: RecurrentStateGroup | None = None,
     ) -> None:
         self.groups = list(groups)
+        self.states = states
         self.chains = chains
         self.page_size = chains.page_size
         self.undo = undo
@@ -88,6 +96,8 @@ class JointGroups:
         context's `start_idx` reads (a context moved back, e.g. by `ctx.reset()` without
         a release, would read pages a window released)."""
         start = ctx.start_idx
+        if self.states is not None:
+            self.states.check_window(ctx, req)
         for group in self.groups:
             if group.window_start(start) < group.first(req):
                 raise StaleContextError(
@@ -121,6 +131,9 @@ class JointGroups:
             partial(group.longest_hit, cast(list[int | None], pages))  # found: not None
             for group, pages in zip(self.groups, found)
         ]
+        checkpoints = self.states.found(chain) if self.states is not None else []
+        if self.states is not None:
+            rules.append(partial(self.states.longest_hit, checkpoints))
         n = longest_joint_hit(rules, len(chain))
         if not n:
             return None
@@ -129,7 +142,8 @@ class JointGroups:
             self._loads(g, cast(list[int | TierFind], f[n - k : n]), n - k, chain, ctx, req)
             for g, (f, k) in enumerate(zip(found, held))
         ]  # all found
-        hit = JointHit([h for h, _ in chain[:n]], pages)
+        checkpoint = checkpoints[n - 1] if checkpoints else None
+        hit = JointHit([h for h, _ in chain[:n]], pages, checkpoint)
         tiers = [p.tier for row in pages for p in row if isinstance(p, PendingLoad)]
         if tiers:  # the tokens the devices alone would not serve count as a tier's
             # (the groups' joint device hit: vLLM's and MAX's, before a connector's)
@@ -287,6 +301,8 @@ class JointGroups:
                 if hit is not None and group.pages_in_window:
                     self._skip(group, req, held, (held + n) * ps)
                 group.write_row(req)
+            if self.states is not None:
+                self.states.resume(req, hit.checkpoint if hit is not None else None, held)
         return taken_loads
 
     def _skip(self, group: FullAttentionGroup, req: RequestState, held: int, hit_end: int) -> None:
@@ -300,12 +316,20 @@ class JointGroups:
 
     def slide(self, req: RequestState, start_idx: int) -> None:
         """Every group releases the request's pages that no step from `start_idx` reads,
-        a sliding group's evicted first but for the windows before `keep_ends`."""
+        a sliding group's evicted first but for the windows before `keep_ends`; the state
+        layers take a checkpoint if the step ended on their boundary."""
         ends: tuple[int, ...] | None = None
         for group in self.groups:
             if group.pages_in_window and group.window_start(start_idx) > group.first(req):
                 ends = self.keep_ends(req) if ends is None else ends
                 group.slide(req, start_idx, ends)
+        if self.states is not None:
+            page = start_idx // self.page_size - 1
+            first = self.groups[0]  # the page's tokens: the page was just committed there
+            tokens = None
+            if first.first(req) <= page < len(first.row(req)):
+                tokens = first.pool.page_tokens(first.row(req)[page])
+            self.states.slide(req, start_idx, tokens)
 
     def keep_ends(self, req: RequestState) -> tuple[int, int]:
         """Where a later joint hit on the request's prefix is likely to end: after the
@@ -324,6 +348,8 @@ class JointGroups:
         """Hands back every page the request holds, in every group."""
         for group in self.groups:
             group.release(req)
+        if self.states is not None:
+            self.states.release(req)
 
     def commit_pages(self, plan: CommitPlan) -> list[list[bool]]:
         """Indexes the planned pages in every group (each shares its own duplicates);
@@ -333,6 +359,8 @@ class JointGroups:
     def reset_prefix_cache(self) -> None:
         for group in self.groups:
             group.pool.reset_prefix_cache()
+        if self.states is not None:
+            self.states.reset_prefix_cache()
 
     def _truncate(
         self,
@@ -417,6 +445,8 @@ class JointGroups:
             group.check_invariants(owners)
         if budget is not None:
             budget.check_invariants()
+        if self.states is not None:
+            self.states.check_invariants()
 
 
 def longest_joint_hit(rules: Sequence[Callable[[int], int]], n: int) -> int:
