@@ -232,14 +232,21 @@ def save_checkpoint(
     serve extra)."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     check_weights(config, weights)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2))
     save_safetensors(out / _SINGLE_FILE, weights, None if dtype == "float32" else dtype)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    save_word_tokenizer(out, config.vocab_size)
+    return out
+
+
+def save_word_tokenizer(out: Path, vocab_size: int) -> None:
+    """Writes the word-level tokenizer of a checkpoint of `vocab_size` tokens (token `i`
+    is the word `t{i}`; `tokenizer.json`, `tokenizer_config.json`) into `out`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # Words joined by spaces; a tokenizer.json without a decoder makes the grammar
@@ -252,7 +259,6 @@ def save_checkpoint(
             {"tokenizer_class": "PreTrainedTokenizerFast", **special, "chat_template": CHAT_TEMPLATE}
         )
     )
-    return out
 
 
 CHAT_TEMPLATE = (
