@@ -8,6 +8,8 @@ it skips."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import mokv
@@ -141,3 +143,13 @@ def test_hugging_face_deepseek_v2_gives_the_same_logits(session, model, tmp_path
             ctx.update(token)
             manager.step([ctx])
             out = hf(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+
+
+def test_the_gpu_deepseek_script_writes_its_checkpoint_and_imports():
+    """benchmarks/gpu/deepseek.py runs MAX's deepseekV2 pipeline on a GPU only; here it
+    writes its checkpoint, imports the pipeline and reads the config back."""
+    root = Path(__file__).parents[2]
+    proc = subprocess.run([sys.executable, "benchmarks/gpu/deepseek.py", "--check"], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CHECKED DeepseekV2ForCausalLM deepseek_v2 512" in proc.stdout
