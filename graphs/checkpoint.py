@@ -237,15 +237,17 @@ def save_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2))
     save_safetensors(out / _SINGLE_FILE, weights, None if dtype == "float32" else dtype)
-    save_word_tokenizer(out, config.vocab_size)
-    return out
+    return save_word_tokenizer(out, config.vocab_size)
 
 
-def save_word_tokenizer(out: Path, vocab_size: int) -> None:
-    """Writes the word-level tokenizer of a checkpoint of `vocab_size` tokens (token `i`
-    is the word `t{i}`; `tokenizer.json`, `tokenizer_config.json`) into `out`."""
+def save_word_tokenizer(directory: str | PathLike[str], vocab_size: int) -> Path:
+    """Writes the word-level tokenizer of `save_checkpoint` (token `i` is the word `t{i}`,
+    `t1` BOS, `t2` EOS, a chat template of plain words) for `vocab_size` tokens into
+    `directory`, beside a checkpoint written by other means (a Hugging Face model's
+    `save_pretrained`); returns the directory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+    out = Path(directory)
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -259,6 +261,7 @@ def save_word_tokenizer(out: Path, vocab_size: int) -> None:
             {"tokenizer_class": "PreTrainedTokenizerFast", **special, "chat_template": CHAT_TEMPLATE}
         )
     )
+    return out
 
 
 CHAT_TEMPLATE = (
