@@ -10,10 +10,10 @@ DeepSeek-V2-Lite's attention shapes (16 heads of 128 + 64, values of 128, a late
 512 and a RoPE key of 64: what MAX's MLA kernels take), hidden size 256, two dense
 layers, written as an HF checkpoint in bfloat16 (graphs/mla_hf.py) with the fields MAX's
 DeepseekV2Config reads (a YaRN `rope_scaling` of factor 1). MAX's pipeline is built
-twice from one `PipelineConfig`: with its own manager, then with mokv's through the
-seam `mokv serve` uses (`seams.install_kv_manager_loader`). Prompts share a first page
-of 128 tokens, and mokv's second run finds it in its prefix cache. Prints TOKENS_EQUAL
-or TOKENS_DIFFER and exits 0 only on the first.
+twice from one `PipelineConfig` as for the other cache kinds (benchmarks/gpu/pipelines.py's
+`compare`): with its own manager, then twice with mokv's through the seam `mokv serve`
+uses; prompts share a prefix of 300 tokens, which mokv's second run finds in its prefix
+cache. Prints TOKENS_EQUAL or TOKENS_DIFFER and exits 0 only on the first.
 """
 
 from __future__ import annotations
@@ -22,16 +22,13 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 from mokv_graphs.checkpoint import save_word_tokenizer
 from mokv_graphs.mla_decoder import MLADecoderConfig, init_mla_weights
 from mokv_graphs.mla_hf import hf_config, hf_state_dict
 from mokv_graphs.weights import save_safetensors
 
-PAGE_SIZE = 128
 CONFIG = MLADecoderConfig(
     vocab_size=256, hidden_size=256, n_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64,
     v_head_dim=128, kv_lora_rank=512, intermediate_size=512, num_layers=2, max_seq_len=1024,
@@ -51,32 +48,13 @@ MAX_FIELDS = {
 
 
 def write_checkpoint(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
+    """The tiny model's bfloat16 checkpoint and word tokenizer in `path`; returns it."""
     config = hf_config(CONFIG) | MAX_FIELDS
     del config["rope_parameters"]  # transformers derives it from rope_scaling
     (path / "config.json").write_text(json.dumps(config, indent=1))
     save_safetensors(path / "model.safetensors",
                      hf_state_dict(CONFIG, init_mla_weights(CONFIG, seed=0)), "bfloat16")
-    save_word_tokenizer(path, CONFIG.vocab_size)
-    return path
-
-
-def pipeline_config(path: Path):
-    from max.driver import DeviceSpec
-    from max.pipelines import PipelineConfig
-    from max.pipelines.kv_cache.config import KVCacheConfig
-    from max.pipelines.lib.config.model_config import MAXModelConfig
-    from max.pipelines.lib.pipeline_runtime_config import PipelineRuntimeConfig
-
-    return PipelineConfig(
-        models={"main": MAXModelConfig(
-            model_path=str(path), weight_path=[path / "model.safetensors"],
-            device_specs=[DeviceSpec.accelerator()], quantization_encoding="bfloat16",
-            max_length=1024,
-            kv_cache=KVCacheConfig(kv_cache_page_size=PAGE_SIZE, enable_prefix_caching=True),
-        )},
-        runtime=PipelineRuntimeConfig(max_batch_size=2),
-    )
+    return save_word_tokenizer(path, CONFIG.vocab_size)
 
 
 def main() -> int:
@@ -84,41 +62,20 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="write and import only")
     parser.add_argument("--json", type=Path, help="where to write the result")
     args = parser.parse_args()
-    from max.pipelines import PIPELINE_REGISTRY
     from max.pipelines.architectures.deepseekV2.arch import deepseekV2_arch
-    from max.pipelines.lib.generate import generate
-    from mokv.pipelines import KVCacheManager, MokvOptions, seams
-    from mokv.pipelines.serve import MokvLoader
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(Path(tmp) / "deepseek-v2-tiny")
+    # benchmarks/gpu/pipelines.py, this script's sibling (found through sys.path[0])
+    from pipelines import compare  # type: ignore[import-not-found]
+
+    with tempfile.TemporaryDirectory(prefix="mokv-deepseekV2-") as tmp:
+        path = write_checkpoint(Path(tmp))
         if args.check:
             from transformers import AutoConfig
 
             hf = AutoConfig.from_pretrained(path)
             print("CHECKED", deepseekV2_arch.name, hf.model_type, hf.kv_lora_rank)
             return 0
-        config = pipeline_config(path)
-        system = [int(t) for t in np.random.default_rng(1).integers(3, 256, 140)]
-        prompts = [system + [60, 61, 62], system + [70, 71]]
-
-        def run(pipeline) -> list[list[int]]:
-            return generate(pipeline, prompts, max_new_tokens=16, ignore_eos=True).sequences
-
-        start = time.perf_counter()
-        _, theirs = PIPELINE_REGISTRY.retrieve(config)
-        expected = run(theirs)
-        del theirs
-        seams.install_kv_manager_loader(MokvLoader(MokvOptions()))
-        _, ours = PIPELINE_REGISTRY.retrieve(config)
-        assert isinstance(ours.kv_manager, KVCacheManager), type(ours.kv_manager)
-        first, second = run(ours), run(ours)
-        metrics = ours.kv_manager.manager.metrics
-        result = {
-            "tokens_equal": first == expected and second == expected,
-            "max": expected, "mokv": [first, second],
-            "mokv_cache_tokens": metrics.cache_tokens, "seconds": time.perf_counter() - start,
-        }
+        result = {"arch": "deepseekV2", **compare("deepseekV2", path)}
     print(json.dumps(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -29,38 +29,26 @@ driver.set_virtual_device_target_arch(sys.argv[2])
 driver.set_virtual_device_count(1)
 
 import mokv  # noqa: E402
-from max import tree  # noqa: E402
 from max.driver import CPU, Accelerator  # noqa: E402
 from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession  # noqa: E402
-from max.graph import DeviceRef, Graph, TensorType, ops  # noqa: E402
+from max.graph import DeviceRef, Graph, TensorType  # noqa: E402
 from max.nn import LayerList  # noqa: E402
 from max.nn.attention import LatentAttentionWithRope  # noqa: E402
 from max.nn.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _max_layers import layers_graph  # type: ignore[import-not-found]  # noqa: E402
 from _virtual_gpu_load import load_then_execute  # type: ignore[import-not-found]  # noqa: E402
 
 HIDDEN, HEADS, NOPE, ROPE, V_DIM, LATENT = 256, 16, 128, 64, 128, 512
 LAYERS, PAGE, MAX_SEQ = 2, 128, 256
 
 
-def build(layers: LayerList, cache_symbols, device: DeviceRef) -> Graph:
-    cache_types = tree.leaves(cache_symbols)
-    input_types = [
-        *cache_types,
-        TensorType(DType.bfloat16, ["tokens", HIDDEN], device=device),
-        TensorType(DType.uint32, ["batch_plus_1"], device=device),
-        TensorType(DType.float32, [MAX_SEQ, ROPE], device=device),
-    ]
-    with Graph("max_mla_on_a_cache", input_types=input_types) as graph:
-        kv = mokv.max_cache_values(graph.inputs[: len(cache_types)])
-        h, offsets, freqs_cis = (v.tensor for v in graph.inputs[len(cache_types) :])
-        for i, layer in enumerate(layers):
-            layer_idx = ops.constant(i, DType.uint32, device=DeviceRef.CPU())
-            h = h + layer(layer_idx, h, kv, freqs_cis, offsets)
-        graph.output(h)
-    return graph
+def build(layers: LayerList, cache_symbols) -> Graph:
+    return layers_graph(cache_symbols, layers,
+                        TensorType(DType.bfloat16, ["tokens", HIDDEN], device=DeviceRef.GPU()),
+                        TensorType(DType.float32, [MAX_SEQ, ROPE], device=DeviceRef.GPU()))
 
 
 def mla_layers(max_params) -> LayerList:
@@ -99,8 +87,8 @@ def main() -> None:
     manager = mokv.NullKVCacheManager(params, 4, MAX_SEQ, LAYERS, [gpu], session,
                                       available_cache_memory=0, page_size=PAGE)
     layers = mla_layers(max_params)
-    ours = build(layers, manager.max_input_symbols()[0], dev)
-    theirs = build(mla_layers(max_params), max_params.get_symbolic_inputs()[0], dev)
+    ours = build(layers, manager.max_input_symbols()[0])
+    theirs = build(mla_layers(max_params), max_params.get_symbolic_inputs()[0])
     same = without_dim_names(ours) == without_dim_names(theirs)
     print("SAME_GRAPH" if same else "GRAPHS_DIFFER", flush=True)
     load_then_execute(session, ours, weights_registry=layers.state_dict())
