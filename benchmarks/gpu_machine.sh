@@ -8,6 +8,7 @@
 #   benchmarks/gpu_machine.sh all              # tests and every GPU benchmark, in $OUT
 #   benchmarks/gpu_machine.sh serve [limit_s]  # mokv serve beside max serve (bench_serving.py --gpu)
 #   benchmarks/gpu_machine.sh pipelines [arch ...]  # MAX's pipelines per cache kind on mokv vs MAX's manager
+#   benchmarks/gpu_machine.sh shared-budget    # cache groups' shared device allocation (views of one buffer)
 #
 # MAX arrives as site-packages built for Python 3.12 (`pip install --target`), xz-compressed
 # and split into parts by benchmarks/gpu_stage.sh; they are unpacked into
@@ -77,5 +78,8 @@ case "$cmd" in
   pipelines)  # MAX's own pipelines (sliding window, ...) on mokv's manager against MAX's own
     timeout 560 python3 benchmarks/gpu/pipelines.py "$@" --limit 540 --json "$OUT/pipelines.json" \
       2>&1 | tee "$OUT/pipelines.log" | grep -v -i "warning" | tail -40
+    ;;
+  shared-budget)
+    timeout 120 python3 benchmarks/gpu/shared_budget.py 2>&1 | tee "$OUT/shared_budget.log"
     ;;
 esac

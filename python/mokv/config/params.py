@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from max.dtype import DType
 
@@ -33,8 +35,12 @@ from .quantization import (
     check_format,
     refuse_other_formats,
 )
+from .recurrent import RecurrentStateConfig
 from .sessions import SessionConfig
 from .tiers import TierConfig
+
+Dim = TypeVar("Dim", bound=int | str)
+"""A dim of a shape: static (int) or symbolic (str)."""
 
 
 class KVCacheStrategy(str, enum.Enum):
@@ -55,7 +61,9 @@ class KVCacheParams:
 
     Attributes:
         dtype: element type of the cached keys and values: float32, bfloat16, float16,
-            or float8_e4m3fn with `quantization` (MAX's FP8 pages with per-block scales).
+            or float8_e4m3fn: with `quantization`, MAX's FP8 pages with per-block scales;
+            without, MAX's unscaled FP8 pages (what its Llama pipeline builds for
+            `--kv-cache-format float8_e4m3fn`; docs/quantized.md).
         n_kv_heads: key/value heads of the model (all devices together).
         head_dim: size of one head's key or value vector.
         page_size: tokens per page of the paged cache.
@@ -90,7 +98,11 @@ class KVCacheParams:
             request that asks for a pin is refused.
         quantization: the scales of quantized pages (`KVCacheQuantization`: float32
             scales, one per token, head and 128 lanes), given with a float8_e4m3fn
-            `dtype` and only then; None: the pages hold their values as they are.
+            `dtype` and only then; None: the pages hold their values as they are (or
+            cast to FP8, unscaled).
+        recurrent: the recurrent state of a hybrid model's linear-attention or
+            state-space layers, with its checkpoints (`RecurrentStateConfig`; paged
+            strategy, beside `groups`' attention layers); None: no state layers.
     """
 
     dtype: DType
@@ -109,6 +121,7 @@ class KVCacheParams:
     groups: tuple[CacheGroupConfig, ...] = ()
     pins: PinConfig | None = None
     quantization: KVCacheQuantization | None = None
+    recurrent: RecurrentStateConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -167,6 +180,7 @@ class KVCacheParams:
             if not isinstance(self.pins, PinConfig):
                 raise TypeError(f"pins must be a mokv.PinConfig or None, got {self.pins!r}")
             self.pins.check(self)
+        self._check_recurrent()
 
     def _check_groups(self) -> None:
         """The groups, and the heads a replica's devices split (none in an MLA cache)."""
@@ -175,6 +189,10 @@ class KVCacheParams:
         object.__setattr__(self, "groups", tuple(self.groups))
         check_groups(self.groups)
         mla = self.mla_group
+        if mla is not None and self.dtype in QUANTIZED_DTYPES:
+            raise ValueError(
+                f"dtype={self.dtype}: mokv does not store FP8 MLA latents (group {mla.name!r})"
+            )
         if mla is not None:  # the whole cache is one MLA group: its shape is the params'
             if (self.n_kv_heads, self.head_dim) != (1, mla.mla_head_dim):
                 raise ValueError(
@@ -194,6 +212,30 @@ class KVCacheParams:
             )
         for group in self.groups:  # each group's shape is a KVCacheParams of its own
             self.group_params(group)
+
+    def _check_recurrent(self) -> None:
+        """TypeError / ValueError naming what a cache with state layers cannot honour
+        yet: another strategy, checkpoints without prefix caching, and the features
+        that would keep pages without their checkpoints (tiers, sessions, pins, events:
+        each refused by name)."""
+        state = self.recurrent
+        if state is None:
+            return
+        if not isinstance(state, RecurrentStateConfig):
+            raise TypeError(f"recurrent must be a mokv.RecurrentStateConfig or None, got {state!r}")
+        if self.cache_strategy is not KVCacheStrategy.PAGED:
+            raise ValueError(f"recurrent state needs the paged strategy, not {self.cache_strategy}")
+        if state.num_checkpoints and not self.enable_prefix_caching:
+            raise ValueError(
+                f"recurrent state {state.name!r}: num_checkpoints={state.num_checkpoints} "
+                "needs enable_prefix_caching (checkpoints are found by prefix hashes)"
+            )
+        for name in ("tiers", "kv_events", "sessions", "pins"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} with recurrent state {state.name!r}: mokv does not keep state "
+                    "checkpoints beside tier pages, events, sessions or pins yet"
+                )
 
     def _check_tiers(self) -> None:
         if not isinstance(self.tiers, (tuple, list)):
@@ -246,13 +288,21 @@ class KVCacheParams:
     @property
     def page_format(self) -> str:
         """The format a page's hash is keyed by (`mokv.cache.hashing`, "Formats"): for
-        quantized pages "dtype:scale dtype:granularity" (MAX's dKV layout tag, e.g.
-        "float8_e4m3fn:float32:128"); "" for unquantized pages, whose hashes predate
-        formats."""
+        scaled pages "dtype:scale dtype:granularity" (MAX's dKV layout tag, e.g.
+        "float8_e4m3fn:float32:128"); for unscaled FP8 pages the dtype alone
+        ("float8_e4m3fn"); "" for unquantized pages, whose hashes predate formats."""
         q = self.quantization
         if q is None:
-            return ""
+            return self.dtype.name if self.dtype in QUANTIZED_DTYPES else ""
         return f"{self.dtype.name}:{q.scale_dtype.name}:{q.granularity}"
+
+    def scales_shape(self, values_shape: Sequence[Dim]) -> list[Dim | int] | None:
+        """The shape of the scales leaf beside a values buffer of `values_shape` (its last
+        dim, the head, holds `scales_per_head` scales instead: MAX's
+        `shape_per_scale_block`); None for pages without scales."""
+        if self.quantization is None:
+            return None
+        return [*values_shape[:-1], self.scales_per_head]
 
     def bytes_per_token(self, num_layers: int) -> int:
         """Bytes that one token occupies in one replica (all its devices), its scales
@@ -278,6 +328,8 @@ class KVCacheParams:
         """Whether the cache is anything but one group of every token: several groups,
         or a sliding window (one MLA group is not: its pages are one full group's)."""
         groups = self.groups
+        if self.recurrent is not None:
+            return True
         return len(groups) > 1 or (len(groups) == 1 and groups[0].window_size is not None)
 
     def cache_groups(self, num_layers: int) -> tuple[CacheGroupConfig, ...]:
@@ -307,6 +359,7 @@ class KVCacheParams:
                 kv_events=None,
                 sessions=None,
                 groups=(group,),
+                recurrent=None,
             )
         return dataclasses.replace(
             self,
@@ -316,6 +369,7 @@ class KVCacheParams:
             kv_events=None,
             sessions=None,
             groups=(),
+            recurrent=None,
         )
 
 

@@ -36,8 +36,9 @@ Where mokv differs on purpose (docs/serve.md):
 - `alloc_dummy` (data-parallel padding) holds one real page for the dummy where MAX maps
   it onto a null page mokv does not have; a full pool refuses it
   (InsufficientBlocksError).
-- `block_count` of a cache of groups counts every group's pages (MAX: its Jenga pool's
-  huge blocks, which every group shares).
+- `block_count` of a cache of groups counts the slots of the budget its groups share
+  (MAX: its Jenga pool's huge blocks, the null block among them), free ones as slots'
+  worth of free pages.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from max.driver import Buffer
+from max.dtype import DType
 from max.engine import InferenceSession
 from max.nn.kv_cache import BatchCharacteristics, KVCacheInputsPerDevice
-from max.nn.kv_cache.cache_params import KVCacheBuffer, MultiKVCacheBuffer
+from max.nn.kv_cache.cache_params import KVCacheBuffer, MultiKVCacheBuffer, RecurrentStateBuffer
 from max.nn.kv_cache.metrics import KVCacheMetrics as MaxKVCacheMetrics
 from max.pipelines.kv_cache import (
     BlockCount,
@@ -66,7 +68,7 @@ from ..layouts.max_paged import LOOKUP_PAD_PAGE, DispatchShape, max_runtime_inpu
 from ..managers.paged import PagedKVCacheManager
 from ..metrics import KVCacheMetrics
 from .context_view import MaxContextView
-from .params import max_leaves, max_num_layers, mla_q_heads, n_kv_heads
+from .params import max_leaves, max_num_layers, max_state, mla_q_heads, n_kv_heads
 
 logger = logging.getLogger("mokv.pipelines")
 
@@ -135,6 +137,9 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         self._max_num_input_tokens = max_num_input_tokens
         self._leaf_ids = [leaf.leaf_id(f"{key}." if key else "") for key, leaf in leaves]
         self._keys = [key for key, _ in leaves]
+        state = max_state(params)
+        self._state_key = state[0] if state is not None else None
+        self._tree_keys = list(params.children) if state is not None else self._keys
         self._heads = [manager.params.group_params(g).n_kv_heads_per_device for g in groups]
         self._mla_q_heads = [mla_q_heads(leaf) for _, leaf in leaves]
         self._taken = MaxKVCacheMetrics()
@@ -254,7 +259,10 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         ]
         if self._keys == [None]:
             return trees[0]
-        return OrderedDict(zip(self._keys, trees))
+        inputs = OrderedDict(zip(self._keys, trees))
+        if self._state_key is not None:  # the state layers' inputs, at their key's place
+            inputs[self._state_key] = tuple(self.manager.state_inputs(views))
+        return OrderedDict((key, inputs[key]) for key in self._tree_keys)
 
     def runtime_inputs_for_leaf(
         self,
@@ -296,11 +304,15 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         ]
 
     def get_req_blocks_per_leaf(self, ctx: Any) -> dict[str, list[int]]:
-        """Each group's page ids by MAX's leaf id, the pad page below a window."""
+        """Each group's page ids by MAX's leaf id, the pad page below a window; for
+        scaled FP8 pages each group's scales leaf too (MAX's `<leaf>/scales`), with the
+        same page ids (mokv's scales share them)."""
         rows = self.manager.get_req_blocks_per_group(self._view(ctx).request_id).values()
+        suffixes = ("", "/scales") if self.manager.params.quantization is not None else ("",)
         return {
-            leaf_id: [LOOKUP_PAD_PAGE] * first + pages
+            leaf_id + suffix: [LOOKUP_PAD_PAGE] * first + pages
             for leaf_id, (first, pages) in zip(self._leaf_ids, rows)
+            for suffix in suffixes
         }
 
     def num_req_blocks(self, ctx: Any) -> int:
@@ -314,7 +326,10 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         return BlockCount(free=free, total=total)
 
     def pressure_pct(self, replica_idx: int = 0) -> float:
-        """The fullest group's page occupancy, in [0, 100] (MAX: the fullest leaf's)."""
+        """The fullest group's page occupancy, in [0, 100] (MAX: the fullest leaf's); for
+        groups sharing one budget, the budget's (a group has the slots it needs)."""
+        if self.manager.params.is_hybrid:
+            return self.block_count(replica_idx).used_pct
         counts = self.manager.group_page_counts(replica_idx).values()
         return max(BlockCount(free=free, total=total).used_pct for free, total in counts)
 
@@ -337,12 +352,26 @@ class KVCacheManager(PagedKVCacheManagerInterface):
                 leaf_id=leaf_id,
                 replicates_kv_across_tp=False,
                 values=self.manager.device_buffers(replica_idx, g),
+                scales=self.manager.device_scales(replica_idx, g),
             )
             for g, leaf_id in enumerate(self._leaf_ids)
         ]
         if self._keys == [None]:
             return buffers[0]
-        return MultiKVCacheBuffer(children=dict(zip(self._keys, buffers)))
+        children: dict[Any, Any] = dict(zip(self._keys, buffers))
+        states = self.manager.replicas[replica_idx].states
+        if states is not None and self._state_key is not None:
+            # MAX's view of a state pool: each region's blocks as rows of bytes.
+            children[self._state_key] = RecurrentStateBuffer(
+                pages={
+                    region.leaf_id: [
+                        b.view(DType.uint8, [states.num_blocks, region.bytes_per_state])
+                        for b in pools
+                    ]
+                    for region, pools in zip(states.config.regions, states.states)
+                }
+            )
+        return MultiKVCacheBuffer(children={key: children[key] for key in self._tree_keys})
 
     @property
     def effective_max_seq_length(self) -> int | None:

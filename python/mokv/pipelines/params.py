@@ -5,10 +5,13 @@ reads them into mokv's `KVCacheParams`. A params kind or setting mokv does not h
 is refused with `UnsupportedMaxParamsError` naming it, never accepted and ignored:
 
     refused                                   what it is in MAX
-    RecurrentStateParams, nested trees        recurrent state, drafts' caches
+    nested trees, two RecurrentStateParams,   drafts' caches, a state with no
+      one without an attention child,         attention beside it, per-request
+      scratch regions                         scratch (speculative verify rings)
     MSAKVCacheParams                          multi-step attention
     a windowed MLA cache                      a latent window
-    an FP8 / FP4 dtype, kvcache_quant_config  quantized KV pages (docs/quantized.md)
+    int8, FP4, float8_e4m3fnuz dtypes; FP8     quantized KV pages mokv does not store
+      scales that are not float32             (docs/quantized.md)
     num_draft_tokens, speculative_method      speculative decoding's draft slots
     is_di_enabled                             disaggregated prefill / decode
     kv_connector_config (not null)            MAX's host / disk / dKV tiers (mokv's own
@@ -24,6 +27,16 @@ GPT-OSS, Olmo 3: "sliding_attention" and "full_attention") becomes mokv's
 with the child's layers, heads, head size and `window_size`; a single
 `MHAKVCacheParams` with a `window_size` is one sliding-window group. Children must share
 a dtype (each is checked as above).
+
+Recurrent state. A `RecurrentStateParams` child beside the attention children (Qwen3.5's
+tree: "attn" and "state"; Nemotron-H's) becomes `KVCacheParams.recurrent`, one
+`StateRegion` per region in MAX's order, checkpointed as `MokvOptions.state_checkpoints`
+says (docs/recurrent.md); its devices and replicas must be the attention children's.
+
+FP8 pages. float8_e4m3fn with a `kvcache_quant_config` (float32 scales) becomes
+`KVCacheParams.quantization` (`KVCacheQuantization` of the config's scale dtype and
+granularity): scaled pages. float8_e4m3fn without one, what MAX's Llama builds for
+`--kv-cache-format float8_e4m3fn`, is mokv's unscaled FP8 format (docs/quantized.md).
 
 MLA. MAX's `MLAKVCacheParams` (DeepSeek V2 and V3, Kimi K2, GLM-5: one latent of
 `head_dim` per token and layer) becomes a cache of one MLA group
@@ -47,6 +60,8 @@ from typing import Any
 from ..config.base import CACHE_DTYPES
 from ..config.groups import CacheGroupConfig
 from ..config.params import KVCacheParams
+from ..config.quantization import QUANTIZED_DTYPES, SCALE_DTYPES, KVCacheQuantization
+from ..config.recurrent import RecurrentStateConfig, StateCheckpointConfig, StateRegion
 from ..errors import MokvError
 from .options import MokvOptions
 
@@ -100,6 +115,8 @@ def max_leaves(params: Any) -> list[tuple[str | None, Any]]:
         raise refuse(f"{type(params).__name__} caches (it holds {what})")
     leaves = []
     for key, child in params.children.items():
+        if key == _state_key(params):
+            continue
         if type(child) not in (MHAKVCacheParams, MLAKVCacheParams):
             raise refuse(
                 f"{type(child).__name__} caches (child {key!r} of the MultiKVCacheParams; "
@@ -108,10 +125,74 @@ def max_leaves(params: Any) -> list[tuple[str | None, Any]]:
         if not key.isidentifier():
             raise refuse(f"a cache child named {key!r} (a group's name is an identifier)")
         leaves.append((key, child))
+    if not leaves:
+        raise refuse("a recurrent state with no attention cache beside it")
     dtypes = {child.dtype for _, child in leaves}
     if len(dtypes) > 1:
         raise refuse(f"cache groups of different dtypes ({sorted(d.name for d in dtypes)})")
+    configs = {repr(child.kvcache_quant_config) for _, child in leaves}
+    if len(configs) > 1:
+        raise refuse(f"cache groups of different kvcache_quant_config ({sorted(configs)})")
     return leaves
+
+
+def _state_key(params: Any) -> str | None:
+    """The key of the `RecurrentStateParams` child of MAX's `MultiKVCacheParams`, if one
+    (UnsupportedMaxParamsError for two)."""
+    from max.nn.kv_cache import RecurrentStateParams
+
+    keys = [k for k, c in params.children.items() if type(c) is RecurrentStateParams]
+    if len(keys) > 1:
+        raise refuse(f"two RecurrentStateParams children ({keys}: a speculative pair's)")
+    return keys[0] if keys else None
+
+
+def max_state(params: Any) -> tuple[str, Any] | None:
+    """`(child key, RecurrentStateParams)` of MAX's `params`, or None: checked against
+    the attention children (module docstring)."""
+    from max.nn.kv_cache import KVConnectorType, MultiKVCacheParams
+
+    if type(params) is not MultiKVCacheParams:
+        return None
+    key = _state_key(params)
+    if key is None:
+        return None
+    state = params.children[key]
+    (_, first), *_ = max_leaves(params)
+    scratch = [r.leaf_id for r in state.regions if r.scratch]
+    if scratch:
+        raise refuse(f"scratch state regions ({scratch}: a speculative verify's)")
+    if state.num_draft_tokens or state.speculative_method is not None:
+        raise refuse(f"a state with draft tokens (num_draft_tokens={state.num_draft_tokens})")
+    if state.kv_connector_config.type != KVConnectorType.null:
+        raise refuse(f"MAX's KV connector {state.kv_connector_config.type.value!r} on a state")
+    where = (list(state.devices), state.data_parallel_degree)
+    if where != (list(first.devices), first.data_parallel_degree):
+        raise refuse(
+            f"a state on other devices or replicas than its attention ({where[0]}, "
+            f"data_parallel_degree={where[1]})"
+        )
+    return key, state
+
+
+def mokv_state(
+    params: Any, checkpoints: StateCheckpointConfig | None, enable_prefix_caching: bool
+) -> RecurrentStateConfig | None:
+    """mokv's recurrent state of MAX's `params` (None without a state child): its regions,
+    checkpointed as `checkpoints` says (none without prefix caching)."""
+    found = max_state(params)
+    if found is None:
+        if checkpoints is not None:
+            raise refuse(f"state_checkpoints={checkpoints!r} for a model with no recurrent state")
+        return None
+    key, state = found
+    checkpoints = checkpoints or StateCheckpointConfig()
+    return RecurrentStateConfig(
+        key,
+        tuple(StateRegion(r.leaf_id, r.num_layers, r.row_shape, r.dtype) for r in state.regions),
+        checkpoints.checkpoint_every,
+        checkpoints.num_checkpoints if enable_prefix_caching else 0,
+    )
 
 
 def max_num_layers(params: Any) -> int:
@@ -135,12 +216,7 @@ def _check_leaf(params: Any) -> None:
     if type(params) is MLAKVCacheParams:
         _check_mla(params)
 
-    if params.dtype not in CACHE_DTYPES or params.kvcache_quant_config is not None:
-        raise refuse(
-            f"quantized KV pages ({_quantized_kind(params)}: dtype={params.dtype}, "
-            f"kvcache_quant_config={params.kvcache_quant_config!r}); it stores "
-            f"{[d.name for d in CACHE_DTYPES]}"
-        )
+    quantization(params)
     if params.num_draft_tokens or params.speculative_method is not None:
         raise refuse(
             f"speculative decoding's draft tokens (num_draft_tokens={params.num_draft_tokens}, "
@@ -196,13 +272,24 @@ def mla_q_heads(params: Any) -> int | None:
     return params.num_q_heads_per_device if type(params) is MLAKVCacheParams else None
 
 
-def _quantized_kind(params: Any) -> str:
-    """What a quantized `MHAKVCacheParams` holds, for its refusal (docs/quantized.md)."""
-    if params.dtype.name != "float8_e4m3fn":
-        return "quantized values"
-    if params.kvcache_quant_config is None:
-        return "unscaled FP8, what MAX's Llama builds for --kv-cache-format float8_e4m3fn"
-    return "FP8 with per-block scales, whose format mokv.KVCacheParams takes"
+def quantization(params: Any) -> KVCacheQuantization | None:
+    """mokv's `KVCacheQuantization` of a MAX leaf's `kvcache_quant_config` (None:
+    unquantized or unscaled FP8 pages); UnsupportedMaxParamsError naming a quantized
+    format mokv does not store (module docstring)."""
+    config = params.kvcache_quant_config
+    stored = [d.name for d in CACHE_DTYPES + QUANTIZED_DTYPES]
+    if params.dtype not in CACHE_DTYPES + QUANTIZED_DTYPES:
+        raise refuse(f"quantized KV pages of dtype={params.dtype}; it stores {stored}")
+    if config is None:
+        return None
+    if params.dtype not in QUANTIZED_DTYPES or config.scale_dtype not in SCALE_DTYPES:
+        raise refuse(
+            f"quantized KV pages of dtype={params.dtype} with scale_dtype="
+            f"{config.scale_dtype} (kvcache_quant_config={config!r}); it stores "
+            f"{[d.name for d in QUANTIZED_DTYPES]} pages with "
+            f"{[d.name for d in SCALE_DTYPES]} scales"
+        )
+    return KVCacheQuantization(config.scale_dtype, config.quantization_granularity)
 
 
 def mokv_groups(params: Any) -> tuple[CacheGroupConfig, ...]:
@@ -260,4 +347,6 @@ def mokv_params(
         sessions=options.sessions,
         pins=options.pins,
         groups=mokv_groups(params),
+        recurrent=mokv_state(params, options.state_checkpoints, first.enable_prefix_caching),
+        quantization=quantization(first),
     )
