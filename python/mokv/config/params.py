@@ -202,7 +202,10 @@ class KVCacheParams:
                     f"head_dim={self.head_dim}"
                 )
             return
-        if self.n_kv_heads % self.tensor_parallel_degree:
+        # The params' own heads are split only where a group has no heads of its own (an
+        # MLA group's latent is whole on each device).
+        own_heads = [g for g in self.groups if g.kind != "mla" and g.n_kv_heads is None]
+        if (own_heads or not self.groups) and self.n_kv_heads % self.tensor_parallel_degree:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads} cannot be split evenly across the "
                 f"{self.tensor_parallel_degree} devices of a replica"

@@ -9,7 +9,7 @@ is refused with `UnsupportedMaxParamsError` naming it, never accepted and ignore
       one without an attention child,         attention beside it, per-request
       scratch regions                         scratch (speculative verify rings)
     MSAKVCacheParams                          multi-step attention
-    MLA beside other children, or windowed    a latent cache in a tree, a latent window
+    a windowed MLA cache                      a latent window
     int8, FP4, float8_e4m3fnuz dtypes; FP8     quantized KV pages mokv does not store
       scales that are not float32             (docs/quantized.md)
     num_draft_tokens, speculative_method      speculative decoding's draft slots
@@ -43,7 +43,9 @@ MLA. MAX's `MLAKVCacheParams` (DeepSeek V2 and V3, Kimi K2, GLM-5: one latent of
 (`CacheGroupConfig(latent_dim=, rope_dim=)`, named `MLA_GROUP`). MAX's params do not
 split the latent from its RoPE key; MAX's MLA kernels take `qk_rope_dim=64` (every
 MLA model MAX 26.7 serves), so mokv reads `rope_dim = MLA_ROPE_DIM` and `latent_dim =
-head_dim - 64` (a head_dim of 64 or less is refused).
+head_dim - 64` (a head_dim of 64 or less is refused). A `MultiKVCacheParams` may hold
+`MLAKVCacheParams` children, as MAX's own manager takes them (DeepSeek V3.2's "mla" and
+"indexer", an MTP draft's "target" and "draft"): each is an MLA group of that name.
 
 The page hash follows `kv_hash_algo`: MAX's default "ahash64" (64-bit, not
 cryptographic) becomes mokv's default "xxh3" (the same kind of key, and mokv confirms a
@@ -104,21 +106,21 @@ def max_leaves(params: Any) -> list[tuple[str | None, Any]]:
     from max.nn.kv_cache import MHAKVCacheParams, MLAKVCacheParams, MultiKVCacheParams
 
     what = (
-        "one full-attention or sliding-window cache of K and V pages, a tree of them, "
-        "or one MLA cache"
+        "one full-attention, sliding-window or MLA cache, or a tree of them "
+        "(MHAKVCacheParams and MLAKVCacheParams)"
     )
     if type(params) in (MHAKVCacheParams, MLAKVCacheParams):
         return [(None, params)]
     if type(params) is not MultiKVCacheParams:
-        raise refuse(f"{type(params).__name__} caches (it holds MAX's MHAKVCacheParams: {what})")
+        raise refuse(f"{type(params).__name__} caches (it holds {what})")
     leaves = []
     for key, child in params.children.items():
         if key == _state_key(params):
             continue
-        if type(child) is not MHAKVCacheParams:
+        if type(child) not in (MHAKVCacheParams, MLAKVCacheParams):
             raise refuse(
                 f"{type(child).__name__} caches (child {key!r} of the MultiKVCacheParams; "
-                f"it holds MHAKVCacheParams children: {what})"
+                f"it holds {what})"
             )
         if not key.isidentifier():
             raise refuse(f"a cache child named {key!r} (a group's name is an identifier)")
@@ -308,7 +310,13 @@ def mokv_groups(params: Any) -> tuple[CacheGroupConfig, ...]:
             return ()
         return (CacheGroupConfig(SLIDING_GROUP, params.num_layers, params.window_size),)
     return tuple(
-        CacheGroupConfig(key, leaf.num_layers, leaf.window_size, leaf.n_kv_heads, leaf.head_dim)
+        CacheGroupConfig(
+            key, leaf.num_layers, latent_dim=leaf.head_dim - MLA_ROPE_DIM, rope_dim=MLA_ROPE_DIM
+        )
+        if type(leaf) is MLAKVCacheParams
+        else CacheGroupConfig(
+            key, leaf.num_layers, leaf.window_size, leaf.n_kv_heads, leaf.head_dim
+        )
         for key, leaf in leaves
         if key is not None
     )
