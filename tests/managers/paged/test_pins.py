@@ -44,6 +44,13 @@ def test_a_pinned_prefix_survives_pressure_that_evicts_a_session(session):
     assert found(m, nxt) == 24 > kept_by_retention
     c = m.metrics.cache_control
     assert (c.pins, c.pinned_pages, c.granted, c.partial, c.refreshed) == (1, 6, 1, 0, 1)
+    clock.now = 3599.0 + 3600  # the renewed pin's deadline: overdue, not ended yet
+    assert m.replicas[0].pool.num_pinned == 6
+    big = TextContext(np.arange(43) + 6000)  # its pages are room: the 11 pages fit
+    m.external_claim(big.request_id)
+    assert m.maybe_reserve(big) and m.replicas[0].pool.num_pinned == 0
+    assert m.metrics.cache_control.expired == 1
+    m.release(big.request_id)
 
 
 def test_a_hit_renews_the_pin_and_expiry_is_exact_to_the_clock(session):

@@ -567,7 +567,9 @@ class PinMachine(SessionMachine):
     - every hash of a live pin is held by the device or the host tier (never lost);
     - pins hold at most the budget, and the pool pins exactly their hashes (checks);
     - the pages add up: free + owned + pinned pages that cannot spill = all;
-    - a pin past its deadline is ended by the next reservation."""
+    - a pin past its deadline is ended by the next reservation, one that does not fit
+      included (an overdue pin's pages are room: hypothesis found a refusal that left
+      it)."""
 
     totals_pins = mokv.CacheControlMetrics()
 

@@ -361,7 +361,8 @@ class PagedKVCacheManager(MaxManagerAPI):
     def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
         """Holds the pages `data` needs for `num_steps` steps, reusing its cached prefix.
 
-        Returns False, changing nothing, when they do not fit; after True, `fetch` for
+        Returns False, changing nothing (but ending the sessions and pins past their time
+        to live, whose pages are room), when they do not fit; after True, `fetch` for
         the same steps cannot run out of pages. On a prefix hit the context moves its
         window past the reused tokens (`data.skip_cached_prefix`).
         """
@@ -379,7 +380,11 @@ class PagedKVCacheManager(MaxManagerAPI):
             if plan is HELD:
                 return True
             if not plan.fits:  # asked of the pool once, by `plan`; nothing changed since
-                return False
+                if not self._undo.run(replica.end_overdue):
+                    return False
+                plan = replica.plan(data, num_steps)  # what the overdue pins held is room
+                if plan is HELD or not plan.fits:
+                    return plan is HELD
             self._undo.run(self._apply, replica, plan)
             return True
         finally:

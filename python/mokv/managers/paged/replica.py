@@ -517,6 +517,25 @@ class PagedReplica:
             raise
         self.undo.commit()
 
+    def end_overdue(self) -> bool:
+        """Ends the sessions and pins past their time to live (with undo records); whether
+        any ended. `_take` ends them before it evicts, and a refused reservation ends them
+        and plans again (`PagedKVCacheManager.maybe_reserve`): until ended, an overdue pin
+        still holds its pages out of the room, and must not refuse a request."""
+        ended = False
+        sessions, pins = self.sessions, self.pins
+        if sessions is not None:
+            retention = sessions.plan_expiry()
+            if retention:
+                sessions.apply(retention)
+                ended = True
+        if pins is not None:
+            expiry = pins.plan_expiry()
+            if expiry:
+                pins.apply(expiry)
+                ended = True
+        return ended
+
     def _take(self, plans: list[Reservation]) -> None:
         """The pages, pins and counters of `plans`, with their undo records; no window
         moves."""
@@ -524,12 +543,9 @@ class PagedReplica:
             self._take_joint(self.joint, plans)
             return
         hit_pages = [page_id for plan in plans if plan.hits for page_id, _ in plan.hits]
-        sessions = self.sessions
-        if sessions is not None:  # sessions past their time-to-live, before evicting
-            sessions.apply(sessions.plan_expiry())
-        pins = self.pins
-        if pins is not None:  # pins past their time to live, before evicting
-            pins.apply(pins.plan_expiry())
+        sessions, pins = self.sessions, self.pins
+        if sessions is not None or pins is not None:
+            self.end_overdue()  # before evicting
         new_pages = self.pool.take(hit_pages, sum(map(_num_fresh, plans)))
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
@@ -572,10 +588,8 @@ class PagedReplica:
         group, their tier hits pinned in their groups' tiers, their sessions started,
         the pins they hit renewed."""
         sessions, pins = self.sessions, self.pins
-        if sessions is not None:  # sessions past their time-to-live, before evicting
-            sessions.apply(sessions.plan_expiry())
-        if pins is not None:  # pins past their time to live, before evicting
-            pins.apply(pins.plan_expiry())
+        if sessions is not None or pins is not None:
+            self.end_overdue()  # before evicting
         firsts = [not plan.req.pages for plan in plans]
         for plan, first in zip(plans, firsts):
             if first and plan.req.control is None:
