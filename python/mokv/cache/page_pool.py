@@ -152,6 +152,13 @@ class PagePool:
         order = list(self._cached) + list(self._kept)
         return dict(zip(order, range(len(order))))
 
+    def next_evicted(self) -> int | None:
+        """The page `take((), 1)` would evict now: None while a free page is left (or
+        only pinned pages could give theirs)."""
+        if self._free:
+            return None
+        return next(iter(self._cached), next(iter(self._kept), None))
+
     @property
     def num_cached(self) -> int:
         """Pages that hold a reusable prefix but no owner (kept and pinned ones included)."""

@@ -37,7 +37,7 @@ from .quantization import (
 )
 from .recurrent import RecurrentStateConfig
 from .sessions import SessionConfig
-from .tiers import TierConfig
+from .tiers import HostTierConfig, TierConfig
 
 Dim = TypeVar("Dim", bound=int | str)
 """A dim of a shape: static (int) or symbolic (str)."""
@@ -216,8 +216,8 @@ class KVCacheParams:
     def _check_recurrent(self) -> None:
         """TypeError / ValueError naming what a cache with state layers cannot honour
         yet: another strategy, checkpoints without prefix caching, and the features
-        that would keep pages without their checkpoints (tiers, sessions, pins, events:
-        each refused by name)."""
+        that would keep pages without their checkpoints (a tier other than the host
+        tier, sessions, pins, events: each refused by name)."""
         state = self.recurrent
         if state is None:
             return
@@ -230,11 +230,17 @@ class KVCacheParams:
                 f"recurrent state {state.name!r}: num_checkpoints={state.num_checkpoints} "
                 "needs enable_prefix_caching (checkpoints are found by prefix hashes)"
             )
-        for name in ("tiers", "kv_events", "sessions", "pins"):
+        for name in ("kv_events", "sessions", "pins"):
             if getattr(self, name):
                 raise ValueError(
                     f"{name} with recurrent state {state.name!r}: mokv does not keep state "
-                    "checkpoints beside tier pages, events, sessions or pins yet"
+                    "checkpoints beside events, sessions or pins yet"
+                )
+        for tier in self.tiers:  # the host tier keeps checkpoints (`groups/state_host.py`)
+            if not isinstance(tier, HostTierConfig):
+                raise ValueError(
+                    f"tier {tier.name!r} with recurrent state {state.name!r}: mokv keeps "
+                    "state checkpoints in the host tier only, not yet in this one"
                 )
 
     def _check_tiers(self) -> None:

@@ -7,7 +7,8 @@ pages have the group's page layout, and a shared tier whose keys name the group
 tokens). The host memory (`HostTierConfig.swap_space_gb`) is split between the groups
 in proportion to their bytes per page, so each group's host tier holds as many pages
 (the same prefixes' worth; with a shared budget of device memory, `groups/budget.py`,
-no group has a fixed share of the device's).
+no group has a fixed share of the device's). A recurrent state's checkpoints take
+their share too (`host_shares`, `groups/state_host.py`).
 
 A page of a request's chain is found, for one group, on the device or in one of that
 group's tiers (`found_in_tiers`); the joint prefix hit (`groups/joint.py`) counts a
@@ -29,6 +30,7 @@ from max.driver import Buffer
 
 from ...cache.page_pool import PagePool
 from ...config.params import KVCacheParams
+from ...config.recurrent import RecurrentStateConfig
 from ...config.tiers import HostTierConfig, TierConfig
 from ...tiers.base import TierHit
 from ...tiers.stack import TierStack
@@ -58,11 +60,10 @@ def build_group_tiers(
     `mokv.remote.layout.group_key`), each with its share of the host memory. All or
     nothing: the stacks built before a failure are closed."""
     configs = params.cache_groups(num_layers)
-    page_bytes = [group_bytes_per_page(params, config) for config in configs]
+    shares, _ = host_shares(params, num_layers)
     stacks: list[TierStack] = []
     try:
-        for (pool, blocks, key), config, nbytes in zip(groups, configs, page_bytes):
-            share = nbytes / sum(page_bytes)
+        for (pool, blocks, key), config, share in zip(groups, configs, shares):
             stacks.append(
                 TierStack(
                     [_share_of(tier, share) for tier in params.tiers],
@@ -79,6 +80,37 @@ def build_group_tiers(
             stack.close()
         raise
     return stacks
+
+
+def host_shares(params: KVCacheParams, num_layers: int) -> tuple[list[float], float]:
+    """The share of the host tier's memory each group's pages take, and the recurrent
+    state's checkpoints (0 without state layers): in proportion to the bytes each keeps
+    per page of prefix (a checkpoint, on every device of the replica, per
+    `checkpoint_every` pages)."""
+    page_bytes = [group_bytes_per_page(params, c) for c in params.cache_groups(num_layers)]
+    state = params.recurrent
+    state_bytes = 0.0
+    if state is not None:
+        state_bytes = checkpoint_bytes(params, state) / state.checkpoint_every
+    total = sum(page_bytes) + state_bytes
+    return [nbytes / total for nbytes in page_bytes], state_bytes / total
+
+
+def checkpoint_bytes(params: KVCacheParams, state: RecurrentStateConfig) -> int:
+    """Bytes of one checkpoint of `state` in one replica (a copy per device)."""
+    return state.bytes_per_state * (params.n_devices // params.data_parallel_degree)
+
+
+def host_checkpoint_capacity(params: KVCacheParams, num_layers: int) -> int:
+    """Checkpoints one replica's host tier keeps (`groups/state_host.py`): its share of
+    the host tier's memory, 0 without a host tier."""
+    host = next((t for t in params.tiers if isinstance(t, HostTierConfig)), None)
+    state = params.recurrent
+    if host is None or state is None:
+        return 0
+    _, share = host_shares(params, num_layers)
+    replica_bytes = host.swap_space_gb * 2**30 / params.data_parallel_degree
+    return int(replica_bytes * share // checkpoint_bytes(params, state))
 
 
 def _share_of(config: TierConfig, share: float) -> TierConfig:

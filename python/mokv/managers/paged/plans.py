@@ -16,6 +16,7 @@ from ...errors import StaleContextError
 from ...tiers.base import DeviceHit
 from ...tiers.stack import PendingLoad
 from ..base import sequence_too_long
+from .groups.state_host import StoredCheckpoint
 
 
 @dataclass(eq=False, slots=True)
@@ -123,9 +124,9 @@ class JointHit:
 
     hashes: list[int]
     pages: list[list[int | PendingLoad]]
-    checkpoint: int | None = None
+    checkpoint: int | StoredCheckpoint | None = None
     """The recurrent state's checkpoint at the hit's end (`groups/state.py`), in a
-    replica with state layers."""
+    replica with state layers: a device slot, or the host tier's copy."""
     num_device: int = -1
     """Pages of the joint hit the groups' device pages alone serve (the rest need a
     tier's pages in some group); -1: all of them (a replica without tiers)."""

@@ -85,9 +85,10 @@ from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from ..base import check_request_id
 from .commit import plan_commit
-from .group_tiers import build_group_tiers
+from .group_tiers import build_group_tiers, host_checkpoint_capacity
 from .groups import FullAttentionGroup, JointGroups, SharedBudget, build_group
 from .groups.state import RecurrentStateGroup
+from .groups.state_host import HostCheckpoints
 from .inputs import ceil_div
 from .pins import NO_GRANT, PinGrant, PinTable
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
@@ -161,8 +162,14 @@ class PagedReplica:
             self.budget.undo = undo
         states = None
         if params.recurrent is not None:
+            capacity = host_checkpoint_capacity(params, num_layers)
             states = RecurrentStateGroup(
-                params.recurrent, params.page_size, devices, max_requests, undo
+                params.recurrent,
+                params.page_size,
+                devices,
+                max_requests,
+                undo,
+                HostCheckpoints(capacity, undo) if capacity else None,
             )
         self.states = states
         """The state layers' live blocks and checkpoints (`groups/state.py`), if any."""

@@ -25,7 +25,8 @@ from. Taking a hit copies the checkpoint into the live block (`resume`); a reque
 starts from its first token gets zeros.
 
 Checkpoints are evicted least recently used first when a new one needs a slot; a hit
-touches the one it resumes from. One whose attention pages were evicted can serve no
+touches the one it resumes from. With a host tier (`host`: `state_host.py`) the evicted
+one is kept there, and a hit may resume from it. One whose attention pages were evicted can serve no
 hit (the attention groups no longer reach it) and waits for its turn to be evicted.
 
 All or nothing: every change records its undo (the pool's, and for each copy that
@@ -49,6 +50,10 @@ from ....context import TextGenerationContext
 from ....errors import InvariantError, StaleContextError
 from ....undo import UndoLog
 from ..plans import RequestState
+from .state_host import HostCheckpoints, StoredCheckpoint
+
+Checkpoint = int | StoredCheckpoint
+"""Where a checkpoint stands: a slot of the device pool, or the host tier's copy."""
 
 
 class RecurrentStateGroup:
@@ -63,8 +68,11 @@ class RecurrentStateGroup:
         devices: Sequence[Device],
         max_requests: int,
         undo: UndoLog,
+        host: HostCheckpoints | None = None,
     ) -> None:
         self.config = config
+        self.host = host
+        """The checkpoints evicted from the device, in the host tier (None without one)."""
         self.name = config.name
         self.page_size = page_size
         self.devices = devices
@@ -110,12 +118,19 @@ class RecurrentStateGroup:
 
     # --- the joint prefix hit (pure) ------------------------------------------------
 
-    def found(self, chain: Sequence[tuple[int, bytes]]) -> list[int | None]:
-        """The checkpoint standing after each `(hash, token bytes)` page of the chain,
-        None where there is none."""
-        return [self.pool.lookup(h, data) for h, data in chain]
+    def found(self, chain: Sequence[tuple[int, bytes]]) -> list[Checkpoint | None]:
+        """The checkpoint standing after each `(hash, token bytes)` page of the chain, on
+        the device or else in the host tier, None where there is none."""
+        host, lookup = self.host, self.pool.lookup
+        out: list[Checkpoint | None] = []
+        for h, data in chain:
+            found: Checkpoint | None = lookup(h, data)
+            if found is None and host is not None:
+                found = host.lookup(h, data)
+            out.append(found)
+        return out
 
-    def longest_hit(self, checkpoints: Sequence[int | None], n: int) -> int:
+    def longest_hit(self, checkpoints: Sequence[Checkpoint | None], n: int) -> int:
         """The longest hit of at most `n` pages the group can resume: up to the last
         checkpoint at or before page `n`; 0 when none stands there."""
         for m in range(min(n, len(checkpoints)), 0, -1):
@@ -137,16 +152,24 @@ class RecurrentStateGroup:
 
     # --- changes --------------------------------------------------------------------
 
-    def resume(self, req: RequestState, checkpoint: int | None, num_held: int) -> None:
+    def resume(self, req: RequestState, checkpoint: Checkpoint | None, num_held: int) -> None:
         """After a reservation of a request that held `num_held` pages: its live block
-        takes `checkpoint`'s state (a hit), or zeros when it starts from its first token
-        (no hit, nothing held); a request continuing its own state keeps it."""
+        takes `checkpoint`'s state (a hit; from the host tier's copy, bit for bit, when
+        the device evicted it), or zeros when it starts from its first token (no hit,
+        nothing held); a request continuing its own state keeps it."""
         live = self.live_block(req.slot)
         if checkpoint is None:
             if not num_held:
                 self._copy(self.zero_block, live, keep_old=False)
             return
         self._set_position(req.slot, len(req.hashes) * self.page_size)  # the hit's end
+        if isinstance(checkpoint, StoredCheckpoint):
+            if num_held:
+                self._keep(live)
+            self._restore(live, checkpoint.copies)
+            if self.host is not None:  # it found the checkpoint
+                self.host.touch(checkpoint.page_hash)
+            return
         self.pool.acquire(checkpoint)  # out of the LRU while it is read...
         self._copy(self.checkpoint_block(checkpoint), live, keep_old=num_held > 0)
         self.pool.release([checkpoint])  # ...and back as its most recently used page
@@ -156,7 +179,8 @@ class RecurrentStateGroup:
         where its state is; when that is a boundary of `checkpoint_every` pages whose page
         is committed (`token_bytes`, None if it is not indexed) and no checkpoint stands
         there yet, copies the live block into a checkpoint slot, indexed under the page's
-        chain hash. True if it took one."""
+        chain hash (the checkpoint whose slot it takes goes to the host tier, if any).
+        True if it took one."""
         self._set_position(req.slot, start_idx)
         page, rest = divmod(start_idx, self.page_size)
         if (
@@ -172,12 +196,19 @@ class RecurrentStateGroup:
         if self.pool.lookup(page_hash, token_bytes) is not None:
             return False
         # No unused slot left: the oldest checkpoint gives its own (no session keeps one).
-        evicts = self.pool.num_free == self.pool.num_cached
+        evicted = self.pool.next_evicted()
+        old = None if evicted is None else self.pool.page_hash(evicted)
+        old_tokens = None if evicted is None else self.pool.page_tokens(evicted)
         taken = self.pool.take((), 1)
         if taken is None:  # every slot is being read: impossible between calls
             return False
         (slot,) = taken
-        self._copy(self.live_block(req.slot), self.checkpoint_block(slot), keep_old=evicts)
+        block = self.checkpoint_block(slot)
+        if old is not None and old_tokens is not None:
+            copies = self._keep(block)  # the rollback's copy, and the host tier's
+            if self.host is not None:
+                self.host.store(old, old_tokens, copies)
+        self._copy(self.live_block(req.slot), block, keep_old=False)
         self.pool.commit_pages([slot], [page_hash], [token_bytes])
         self.pool.release([slot])
         self.undo.push(setattr, self, "checkpoints_taken", self.checkpoints_taken)
@@ -193,18 +224,27 @@ class RecurrentStateGroup:
         self.positions[slot] = tokens
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every checkpoint."""
+        """Forgets every checkpoint, on the device and in the host tier."""
         self.pool.reset_prefix_cache()
+        if self.host is not None:
+            self.host.reset()
 
     def _copy(self, src: int, dst: int, keep_old: bool) -> None:
         """Copies block `src` onto block `dst` in every region and device; with
         `keep_old`, a host copy of `dst`'s state is written back on rollback."""
         if keep_old:
-            self.undo.push(self._restore, dst, self._host_copy(dst))
+            self._keep(dst)
         for region, buffers in zip(self.config.regions, self.states):
             for buffer in buffers:
                 layers = region.num_layers
                 self._rows(buffer, layers, dst).inplace_copy_from(self._rows(buffer, layers, src))
+
+    def _keep(self, block: int) -> list[list[Buffer]]:
+        """Records the undo of an overwrite of block `block`: a host copy of its state
+        (returned; never written), written back on rollback."""
+        copies = self._host_copy(block)
+        self.undo.push(self._restore, block, copies)
+        return copies
 
     def _host_copy(self, block: int) -> list[list[Buffer]]:
         """Block `block`'s state, copied to host buffers (region, then device)."""
@@ -268,3 +308,5 @@ class RecurrentStateGroup:
                 "between calls"
             )
         self.pool.check_invariants([])
+        if self.host is not None:
+            self.host.check_invariants()
