@@ -43,6 +43,22 @@ def checkpoint_memory(states):
     ]
 
 
+def until_it_runs(faults, mode, call, check) -> int:
+    """Runs `call` with a fault at its first inner call, then its second, ..., `check`ing
+    the state after each failure, until it runs through; returns the failures."""
+    for fault_at in range(1, 10):
+        faults.arm(fault_at, mode)
+        try:
+            call()
+        except Injected:
+            check()
+            continue
+        finally:
+            faults.disarm()
+        return fault_at - 1
+    raise AssertionError("a fault at each of 9 inner calls")
+
+
 def test_an_evicted_checkpoint_resumes_from_the_host_bit_for_bit(session):
     """A's checkpoints at pages 1 and 2 share one device slot: the one at page 1 goes to
     the host. B, sharing A's first page only, resumes there from the host's copy: its
@@ -89,23 +105,10 @@ def test_attention_pages_from_the_host_tier_resume_from_a_host_checkpoint(sessio
     (host_tier,) = replica.group_tiers[0]
     assert len(host_tier.lookup(iter(chain))) == 3  # the attention pages reach page 3
     assert replica.joint.hit_pages(ctx, req) == (0, 2)  # the state's, page 2
-    m.fetch([ctx])
-    assert ctx.start_idx == 8
-    for ours, theirs in zip(live_state(m, ctx), reference(prompt[:8])[1]):
-        np.testing.assert_array_equal(ours, theirs)
-    outputs: list = [None] * len(prompt)
-    while True:
-        start, end = ctx.start_idx, ctx.active_idx
-        (inputs,) = m.state_inputs([ctx])
-        (out,) = STACK.run(inputs.leaves, [ctx.tokens[start:end]])
-        outputs[start:end] = list(out)
-        ctx.update(0)
-        m.step([ctx])
-        if ctx.start_idx >= len(prompt):
-            break
-        ctx.chunk(PAGE)
-        m.fetch([ctx])
-    np.testing.assert_array_equal(np.array(outputs[8:]), reference(prompt)[0][8:])
+    m.release("B")
+    _, out = prefill(m, "B", prompt)
+    assert skipped(out) == 8
+    np.testing.assert_array_equal(np.array(out[8:]), reference(prompt)[0][8:])
     replica.check_invariants()
 
 
@@ -167,41 +170,30 @@ def test_a_fault_in_an_eviction_to_the_host_or_a_resume_from_it_leaves_the_old_s
             m.step([ctx])
             continue
         saved, hosted = memory(states), list(states.host._lru)
-        failed = 0
-        for fault_at in range(1, 10):
-            faults.arm(fault_at, mode)
-            try:
-                m.step([ctx])
-            except Injected:
-                failed += 1
-                assert list(states.host._lru) == hosted
-                for ours, old in zip(memory(states), saved):
-                    np.testing.assert_array_equal(ours, old)
-                continue
-            finally:
-                faults.disarm()
-            break
+
+        def unchanged(saved=saved, hosted=hosted):
+            assert list(states.host._lru) == hosted
+            for ours, old in zip(memory(states), saved):
+                np.testing.assert_array_equal(ours, old)
+
+        failed = until_it_runs(faults, mode, lambda: m.step([ctx]), unchanged)
     assert failed >= 3 and len(states.host) == 1
     m.release("A")
     prompt = SHARED[:4] + [60, 61]
     ctx = TextContext(np.array(prompt), "B")
     m.external_claim("B")
     saved = checkpoint_memory(states)  # a fresh request's live block holds nothing yet
-    failed = 0
-    for fault_at in range(1, 10):
-        faults.arm(fault_at, mode)
-        try:
-            ctx.chunk(PAGE)
-            m.fetch([ctx])
-        except Injected:
-            failed += 1
-            assert ctx.start_idx == 0 and len(states.host) == 1
-            for ours, old in zip(checkpoint_memory(states), saved):
-                np.testing.assert_array_equal(ours, old)
-            continue
-        finally:
-            faults.disarm()
-        break
+
+    def fetch():
+        ctx.chunk(PAGE)
+        m.fetch([ctx])
+
+    def untouched():
+        assert ctx.start_idx == 0 and len(states.host) == 1
+        for ours, old in zip(checkpoint_memory(states), saved):
+            np.testing.assert_array_equal(ours, old)
+
+    failed = until_it_runs(faults, mode, fetch, untouched)
     assert failed >= 1 and ctx.start_idx == 4
     for ours, theirs in zip(live_state(m, ctx), reference(prompt[:4])[1]):
         np.testing.assert_array_equal(ours, theirs)
