@@ -29,6 +29,32 @@ def test_free_pages_are_used_before_cached_ones_are_evicted():
     pool.check_invariants([[b, c, a]])
 
 
+def test_drop_frees_one_chosen_cached_page_and_is_undone_exactly():
+    """`drop` (a checkpoint leaving with its boundary page) frees one unowned cached page
+    out of the index; its undo puts back the index and the LRU's order; `next_evicted`
+    and `on_evict` name what `take` evicts."""
+    pool = PagePool(3)
+    pool.undo = undo = UndoLog()
+    pages = pool.take((), 3)
+    for i, p in enumerate(pages):
+        pool.commit(p, 100 + i, bytes([i]))
+    pool.release(pages)
+    heard: list[list[int]] = []
+    pool.on_evict = heard.append
+    mark = undo.begin()
+    pool.drop(pages[1])
+    assert pool.page_of(101) is None and pool.num_blank == 1 and pool.page_of(100) == pages[0]
+    with pytest.raises(InvariantError, match="not an unowned cached page"):
+        pool.drop(pages[1])
+    assert pool.next_evicted() is None  # a free page is left
+    undo.rollback(mark)
+    undo.end()
+    assert pool.page_of(101) == pages[1] and pool.num_blank == 0
+    assert pool.next_evicted() == pages[0]
+    assert pool.take((), 2) == [pages[0], pages[1]] and heard == [[100, 101]]
+    pool.check_invariants([[pages[0], pages[1]]])
+
+
 def test_cached_pages_are_evicted_in_release_order():
     pool = PagePool(3)
     pages = pool.take((), 3)

@@ -128,6 +128,9 @@ class PagePool:
         self.num_evicted_retained = 0
         """Kept pages evicted (no free or cached page was left): pages lost by a session."""
         self.events: PageEventSink | None = None
+        self.on_evict: Callable[[list[int]], None] | None = None
+        """Told the hashes of the pages `take` or `claim` evicted, after their undo is
+        recorded (a recurrent state's checkpoints leave with their boundary pages)."""
         self.undo: UndoLog | None = None
         self.num_freed = 0
         self.unindexed = UnindexedLog()
@@ -202,6 +205,10 @@ class PagePool:
     def page_tokens(self, page_id: int) -> bytes | None:
         """The token bytes a hashed page was committed with (None if unhashed)."""
         return self._page_tokens[page_id]
+
+    def page_of(self, page_hash: int) -> int | None:
+        """The page indexed under this hash, None if none is (tokens not compared)."""
+        return self._index.get(page_hash)
 
     def lookup(self, page_hash: int, token_bytes: bytes) -> int | None:
         """The page committed under `page_hash` holding exactly `token_bytes`, if any."""
@@ -372,6 +379,8 @@ class PagePool:
         if self.events is not None:
             for page_hash in evicted_hashes:
                 self.events.removed(page_hash)  # type: ignore[arg-type]
+        if self.on_evict is not None and evicted_hashes:
+            self.on_evict(evicted_hashes)  # type: ignore[arg-type]
         return pages
 
     def _take_one(self) -> list[int]:
@@ -403,8 +412,11 @@ class PagePool:
                 num_evicted,
                 0,
             )
-        if self.events is not None and num_evicted:
-            self.events.removed(evicted_hashes[0])  # type: ignore[arg-type]
+        if num_evicted:
+            if self.events is not None:
+                self.events.removed(evicted_hashes[0])  # type: ignore[arg-type]
+            if self.on_evict is not None:
+                self.on_evict(evicted_hashes)  # type: ignore[arg-type]
         return [page_id]
 
     def _evict(
@@ -460,6 +472,22 @@ class PagePool:
         if self.undo is not None:
             self.undo.push(self._unrelease, page_ids)
 
+    def drop(self, page_id: int) -> None:
+        """An unowned cached page leaves the index and becomes free (its prefix is of no
+        use any more: a checkpoint whose boundary page every group evicted)."""
+        page_hash = self._page_hash[page_id]
+        if self._ref_count[page_id] or page_id not in self._cached or page_hash is None:
+            raise InvariantError(f"page {page_id} is not an unowned cached page to drop")
+        if self.undo is not None:
+            # the LRU's order whole: drops are rare (a checkpoint pool's, small)
+            order = list(self._cached)
+            self.undo.push(self._undrop, page_id, page_hash, self._page_tokens[page_id], order)
+        del self._cached[page_id]
+        del self._index[page_hash]
+        self._page_hash[page_id] = self._page_tokens[page_id] = None
+        self.unindexed.note([page_hash])
+        self._free.append(page_id)
+
     def release_cold(self, page_ids: Sequence[int]) -> None:
         """`release`, but the hashed pages left without owners join the *old* end of the
         LRU, the first given evicted first: pages their owner knows no later hit is
@@ -514,6 +542,8 @@ class PagePool:
         if self.events is not None:
             for page_hash in evicted_hashes:
                 self.events.removed(page_hash)  # type: ignore[arg-type]
+        if self.on_evict is not None and evicted_hashes:
+            self.on_evict(evicted_hashes)  # type: ignore[arg-type]
 
     def retain(self, page_hashes: Iterable[int]) -> None:
         """Retains these hashes (not retained yet): their unowned pages become kept, the
@@ -666,6 +696,14 @@ class PagePool:
             self._ref_count[page_id] -= 1
         for page_id in revived:
             self._retention.lru(self._page_hash[page_id])[page_id] = None
+
+    def _undrop(self, page_id: int, page_hash: int, data: bytes | None, order: list[int]) -> None:
+        self._free.remove(page_id)
+        self._page_hash[page_id] = page_hash
+        self._page_tokens[page_id] = data
+        self._index[page_hash] = page_id
+        self._cached.clear()  # the dict `Retention` shares
+        self._cached.update(dict.fromkeys(order))
 
     def _unrelease(self, page_ids: list[int]) -> None:
         for page_id in reversed(page_ids):

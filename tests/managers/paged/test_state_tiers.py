@@ -31,7 +31,7 @@ def hybrid(session, every=1, checkpoints=1, num_pages=24, max_seq_len=64, tiers=
         max_seq_len=max_seq_len,
         groups=(CacheGroupConfig("full_attention", NUM_LAYERS),),
         recurrent=state,
-        tiers=tiers or (mokv.HostTierConfig(HOST_GB),),
+        tiers=(mokv.HostTierConfig(HOST_GB),) if tiers is None else tiers,
     )
 
 
@@ -198,3 +198,68 @@ def test_a_fault_in_an_eviction_to_the_host_or_a_resume_from_it_leaves_the_old_s
     for ours, theirs in zip(live_state(m, ctx), reference(prompt[:4])[1]):
         np.testing.assert_array_equal(ours, theirs)
     m.replicas[0].check_invariants()
+
+
+@pytest.mark.parametrize("tiers", [(), (mokv.HostTierConfig(HOST_GB),)], ids=["none", "host"])
+def test_a_checkpoint_leaves_its_slot_with_its_boundary_page(session, tiers):
+    """Six device pages, eight checkpoint slots: C's prompt evicts A's pages, and A's
+    checkpoints leave their slots with them (their own LRU would keep them: C's six
+    fill the rest), dropped, or kept by the host tier when there is one."""
+    m = hybrid(session, checkpoints=8, num_pages=6, max_seq_len=24, tiers=tiers)
+    states = m.replicas[0].states
+    prefill(m, "A", SHARED + [5])
+    m.release("A")
+    of_a = states.pool.indexed_hashes()
+    assert len(of_a) == 2
+    prefill(m, "C", [30 + i for i in range(24)])
+    assert not of_a & states.pool.indexed_hashes()
+    assert states.pool.num_blank == 8 - len(states.pool.indexed_hashes())  # theirs freed
+    if tiers:
+        assert of_a <= set(states.host._lru)
+    m.replicas[0].check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["instead", "after"])
+def test_a_fault_as_a_checkpoint_leaves_with_its_page_leaves_the_old_state(
+    session, monkeypatch, mode
+):
+    """A fault at every inner call of C's fetch that evicts A's first page: A's
+    checkpoint there stays in its slot and out of the host tier."""
+    from mokv.cache.page_pool import PagePool
+    from mokv.managers.paged.groups.state import RecurrentStateGroup
+    from mokv.managers.paged.groups.state_host import HostCheckpoints
+
+    m = hybrid(session, checkpoints=8, num_pages=6, max_seq_len=24)
+    replica = m.replicas[0]
+    states = replica.states
+    prefill(m, "A", SHARED + [5])
+    m.release("A")
+    faults = Faults(
+        monkeypatch,
+        [
+            (RecurrentStateGroup, "_host_copy"),
+            (HostCheckpoints, "store"),
+            (PagePool, "drop"),
+            (PagePool, "take"),
+        ],
+    )
+    ctx = TextContext(np.array([30 + i for i in range(24)]), "C")
+    m.external_claim("C")
+    failed = 0
+    while ctx.start_idx < 24:  # each fetch with faults: those that evict A's pages fail
+        indexed, hosted = states.pool.indexed_hashes(), list(states.host._lru)
+
+        def fetch():
+            ctx.chunk(PAGE)
+            m.fetch([ctx])
+
+        def unchanged(indexed=indexed, hosted=hosted):
+            assert states.pool.indexed_hashes() == indexed
+            assert list(states.host._lru) == hosted
+
+        failed += until_it_runs(faults, mode, fetch, unchanged)
+        ctx.update(0)
+        m.step([ctx])
+    assert failed >= 2 * 4  # A's two checkpoints: take, copy, store, drop
+    assert len(states.host) == 2
+    replica.check_invariants()

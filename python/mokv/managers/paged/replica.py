@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from operator import attrgetter, itemgetter
 
 from max.driver import Buffer, Device
@@ -173,6 +174,10 @@ class PagedReplica:
             )
         self.states = states
         """The state layers' live blocks and checkpoints (`groups/state.py`), if any."""
+        if states is not None:  # a checkpoint leaves with its boundary's pages
+            pools = [g.pool for g in self.groups]
+            for pool in pools:
+                pool.on_evict = partial(states.boundaries_evicted, pools)
         self._prefix_caching = params.enable_prefix_caching
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}

@@ -25,8 +25,10 @@ from. Taking a hit copies the checkpoint into the live block (`resume`); a reque
 starts from its first token gets zeros.
 
 Checkpoints are evicted least recently used first when a new one needs a slot; a hit
-touches the one it resumes from. With a host tier (`host`: `state_host.py`) the evicted
-one is kept there, and a hit may resume from it. One whose attention pages were evicted can serve no
+touches the one it resumes from. A checkpoint also leaves its slot when every attention
+group evicted its boundary page (`boundaries_evicted`: no device hit reaches it). With
+a host tier (`host`: `state_host.py`) an evicted one is kept there, and a hit may
+resume from it. One whose attention pages were evicted can serve no
 hit (the attention groups no longer reach it) and waits for its turn to be evicted.
 
 All or nothing: every change records its undo (the pool's, and for each copy that
@@ -214,6 +216,23 @@ class RecurrentStateGroup:
         self.undo.push(setattr, self, "checkpoints_taken", self.checkpoints_taken)
         self.checkpoints_taken += 1
         return True
+
+    def boundaries_evicted(self, pools: Sequence[PagePool], page_hashes: list[int]) -> None:
+        """The attention groups' pools (`pools`) evicted pages of these hashes: a
+        checkpoint at a boundary no group's device holds any more leaves its slot (it
+        serves no device hit: the groups need its page), kept by the host tier if there
+        is one (the attention pages may come back from their tiers)."""
+        pool = self.pool
+        for page_hash in page_hashes:
+            slot = pool.page_of(page_hash)
+            if slot is None or pool.ref_count(slot):
+                continue
+            if any(p.page_of(page_hash) is not None for p in pools):
+                continue
+            tokens = pool.page_tokens(slot)
+            if self.host is not None and tokens is not None:
+                self.host.store(page_hash, tokens, self._host_copy(self.checkpoint_block(slot)))
+            pool.drop(slot)
 
     def release(self, req: RequestState) -> None:
         """The request's slot starts its next request from a fresh state."""
