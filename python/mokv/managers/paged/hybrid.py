@@ -3,8 +3,8 @@
 Scaled FP8 pages (the groups' shared budget of slots holds values only); refused by
 name on a cache of groups, never accepted and ignored. Tiers, KV-cache events, sessions
 and pins hold every group's pages (`group_tiers.py`, `EventRecorder.group_sink`,
-`window_tails.py`); beside recurrent state layers `KVCacheParams` refuses them (the
-state's checkpoints live on the device only).
+`window_tails.py`); beside recurrent state layers `KVCacheParams` refuses all but the
+host tier (the state's checkpoints live on the device and in the host tier only).
 """
 
 from __future__ import annotations
