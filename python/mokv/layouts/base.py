@@ -39,7 +39,12 @@ from ..checks import check_dtype, check_rank, check_static_dim
 from ..config.params import KVCacheParams
 from ..mojo_package import kernels_path
 
-DTYPE_CODES: dict[DType, int] = {DType.float32: 0, DType.bfloat16: 1, DType.float16: 2}
+DTYPE_CODES: dict[DType, int] = {
+    DType.float32: 0,
+    DType.bfloat16: 1,
+    DType.float16: 2,
+    DType.float8_e4m3fn: 3,  # with its scales: `mokv.kv_collection_ctor.paged.scaled`
+}
 """Cache dtypes the kernels support, and their codes (`dtype_of` in mojo/mokv/types.mojo)."""
 
 
