@@ -74,7 +74,7 @@ struct ContinuousBatchingKVCache[dtype_: DType, num_heads: Int, head_size: Int](
     def scale_ptr(self, batch_idx: Int, head_idx: Int, tok: Int) -> ScalePtr:
         # MAX 26.7 has no scaled continuous cache either; the collection refuses FP8.
         comptime assert not is_quantized[Self.dtype](), "continuous caches hold no FP8 values (issue 53: paged only)"
-        return ScalePtr(unsafe_from_address=0)
+        return self.cache_lengths.unsafe_bitcast[Float32]()
 
 
 struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int](KVCollectionT):

@@ -17,7 +17,7 @@ from max.gpu.host import DeviceContext
 
 from .continuous import ContinuousBatchingKVCacheCollection
 from .paged import PagedKVCacheCollection
-from .types import Ptr, ScalePtr, U32Ptr, is_quantized
+from .types import Ptr, U32Ptr, is_quantized
 from .kernels.attention import flash_attention
 from .kernels.fused_qkv import fused_qkv_matmul, qkv_epilogue
 from .kernels.max_kernels import continuous_attention_with_max, paged_attention_with_max, uses_max_attention
@@ -82,7 +82,8 @@ struct PagedKVCollectionCtor:
         var ml = max_lengths.unsafe_ptr()
         return Coll(
             _elems(blocks.unsafe_ptr()),
-            ScalePtr(unsafe_from_address=0),
+            # No scales: any valid address (Mojo's pointers are non-null), never read.
+            _u32(cache_lengths.unsafe_ptr()).unsafe_bitcast[Float32](),
             _u32(cache_lengths.unsafe_ptr()),
             _u32(lookup_table.unsafe_ptr()),
             cache_lengths.dim_size(0),
