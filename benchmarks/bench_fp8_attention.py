@@ -4,7 +4,7 @@ in one run.
 One layer of Llama-3-8B-shaped attention (32 query heads, 8 KV heads, head_dim 128,
 pages of 128): mokv's `flash_attention` over its paged cache of float32, bfloat16 and
 float8_e4m3fn values (the last with MAX's per-128-lane float32 scales,
-`mokv.ops.fp8_paged_collection`), each side timed with bench_attention's interleaved
+`mokv.FetchPagedKVCacheCollection`), each side timed with bench_attention's interleaved
 read probes (`_decode_cells`). Decode streams every cached K and V row once: FP8 pages
 are 0.52x the bytes of bfloat16 pages (scales included), so a memory-bound kernel would
 run in about half bfloat16's time. mokv's FP8 path stages each K and V tile as float32
@@ -60,7 +60,7 @@ class Fp8Side:
             TensorType(DType.uint32, [1, 2], cpu),
         ]) as g:
             q, offsets, blocks, scales, *tables = g.inputs
-            coll = mokv.ops.fp8_paged_collection(FP8, blocks.buffer, scales.buffer, *tables)
+            coll = mokv.FetchPagedKVCacheCollection(FP8)(blocks.buffer, *tables, scales.buffer)
             g.output(mokv.ops.flash_attention(coll, q.tensor, offsets.tensor, 0, 1 / math.sqrt(D)))
         with mokv.ops.portable_cpu_paths(session, portable), mokv.filter_collection_warnings():
             self.model = session.load(g)

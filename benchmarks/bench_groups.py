@@ -5,7 +5,7 @@ attention (MAX's `MultiKVCacheParams` of a `sliding_attention` and a `full_atten
 child), pages of 128 tokens. Three managers, the same bytes, the same trace:
 
 - **mokv, groups**: `mokv.pipelines.load_kv_manager` on MAX's tree (a sliding-window
-  group and a full group, each with its own pool; docs/groups.md);
+  group and a full group sharing one budget; docs/groups.md);
 - **mokv, no groups**: the same 6 layers as one full-attention cache (what a cache
   without groups holds: every token of every layer);
 - **MAX 26.7, Jenga**: MAX's own hybrid manager (`max.pipelines.kv_cache.load_kv_manager`
@@ -18,7 +18,8 @@ a running request whose next step does not fit is preempted and queued again). T
 figures: peak requests running at once, mean requests running per step, steps to finish
 the trace, prefix-hit rate (prompt tokens served from the cache / prompt tokens
 admitted), preemptions, and the peak share of the budget in use (`used_share`: MAX's
-huge blocks in use, from its `block_count`; mokv's pages that requests own, by bytes).
+huge blocks in use, from its `block_count`; mokv's pages that requests own, by bytes,
+over the budget's).
 The KV tensors are allocated but never written: the bookkeeping does not read them.
 """
 
@@ -72,21 +73,22 @@ def make_trace(num_requests: int, seed: int = 0) -> list[np.ndarray]:
             for i in range(num_requests)]
 
 
-def used_share(manager) -> float:
+def used_share(manager, budget_bytes: int) -> float:
     """The share of the budget in use: MAX's huge blocks (`block_count`), or mokv's
     pages that requests own, each group's by their bytes (a sliding group's page holds 5
-    layers, the full group's 1; cached pages without an owner count as free)."""
+    layers, the full group's 1; cached pages without an owner count as free), over the
+    budget's bytes."""
     inner = getattr(manager, "manager", None)  # mokv.pipelines.KVCacheManager's own manager
     if inner is None:
         count = manager.block_count()
         return (count.total - count.free) / count.total
     layers = {g.name: g.num_layers for g in inner.params.cache_groups(inner.num_layers)}
-    counts = inner.group_page_counts(0)
+    counts = inner.group_page_counts(0)  # (free, the pages the group has now)
     used = sum((total - free) * layers[name] for name, (free, total) in counts.items())
-    return used / sum(total * layers[name] for name, (_, total) in counts.items())
+    return used * LAYER_PAGE_BYTES / budget_bytes
 
 
-def replay(manager, trace: list[np.ndarray]) -> dict:
+def replay(manager, trace: list[np.ndarray], budget_bytes: int) -> dict:
     """Runs the trace to its end on `manager` (MAX's manager interface)."""
     from max.pipelines.context import TextContext, TokenBuffer
     from max.pipelines.kv_cache import InsufficientBlocksError
@@ -112,7 +114,7 @@ def replay(manager, trace: list[np.ndarray]) -> dict:
             raise RuntimeError("one request does not fit the budget")
         steps += 1
         peak, running_sum = max(peak, len(running)), running_sum + len(running)
-        peak_used = max(peak_used, used_share(manager))
+        peak_used = max(peak_used, used_share(manager, budget_bytes))
         still = []
         for req, ctx in running:
             ctx.update(7)
@@ -145,7 +147,7 @@ def run(quick: bool, progress=None) -> dict:
                  "managers": {}}
     for name, manager in managers(budget).items():
         try:
-            out["managers"][name] = replay(manager, trace)
+            out["managers"][name] = replay(manager, trace, budget)
         except Exception as e:  # noqa: BLE001 - reported beside the others
             out["managers"][name] = {"error": f"{type(e).__name__}: {e}"[:600]}
         manager.shutdown()

@@ -7,6 +7,8 @@
 #   benchmarks/gpu_machine.sh bench [args]     # benchmarks/bench_gpu_attention.py
 #   benchmarks/gpu_machine.sh all              # tests and every GPU benchmark, in $OUT
 #   benchmarks/gpu_machine.sh serve [limit_s]  # mokv serve beside max serve (bench_serving.py --gpu)
+#   benchmarks/gpu_machine.sh pipelines [arch ...]  # MAX's pipelines per cache kind on mokv vs MAX's manager
+#   benchmarks/gpu_machine.sh shared-budget    # cache groups' shared device allocation (views of one buffer)
 #
 # MAX arrives as site-packages built for Python 3.12 (`pip install --target`), xz-compressed
 # and split into parts by benchmarks/gpu_stage.sh; they are unpacked into
@@ -72,5 +74,12 @@ case "$cmd" in
     timeout "$limit" python3 benchmarks/bench_serving.py --quick --gpu --json "$OUT/serve.json" \
       > "$OUT/serve.log" 2>&1
     echo "rc=$?"; grep -v -i "warning" "$OUT/serve.log" | tail -40
+    ;;
+  pipelines)  # MAX's own pipelines (sliding window, ...) on mokv's manager against MAX's own
+    timeout 560 python3 benchmarks/gpu/pipelines.py "$@" --limit 540 --json "$OUT/pipelines.json" \
+      2>&1 | tee "$OUT/pipelines.log" | grep -v -i "warning" | tail -40
+    ;;
+  shared-budget)
+    timeout 120 python3 benchmarks/gpu/shared_budget.py 2>&1 | tee "$OUT/shared_budget.log"
     ;;
 esac

@@ -19,6 +19,7 @@ from .checkpoint import (
     hf_config,
     load_checkpoint,
     save_checkpoint,
+    save_word_tokenizer,
     tiny_llama_checkpoint,
 )
 from .config import TINY_LLAMA, DecoderConfig, rope_table
@@ -62,6 +63,7 @@ __all__ = [
     "reference_logits",
     "rope_table",
     "save_checkpoint",
+    "save_word_tokenizer",
     "save_safetensors",
     "tiny_llama_checkpoint",
 ]

@@ -232,14 +232,23 @@ def save_checkpoint(
     serve extra)."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     check_weights(config, weights)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2))
     save_safetensors(out / _SINGLE_FILE, weights, None if dtype == "float32" else dtype)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    return save_word_tokenizer(out, config.vocab_size)
+
+
+def save_word_tokenizer(directory: str | PathLike[str], vocab_size: int) -> Path:
+    """Writes the word-level tokenizer of `save_checkpoint` (token `i` is the word `t{i}`,
+    `t1` BOS, `t2` EOS, a chat template of plain words) for `vocab_size` tokens into
+    `directory`, beside a checkpoint written by other means (a Hugging Face model's
+    `save_pretrained`); returns the directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out = Path(directory)
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # Words joined by spaces; a tokenizer.json without a decoder makes the grammar

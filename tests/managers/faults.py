@@ -51,8 +51,8 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
     """Everything the paged manager and the contexts hold but the metrics, read through
     public calls: (replicas, requests, windows, events).
 
-    A replica is each page's (owners, hash, tokens, cached) in every cache group, its
-    free request slots,
+    A replica is each page's (owners, hash, tokens, cached) in every cache group, the
+    group of each slot of its shared budget (with groups), its free request slots,
     each tier's state and its sessions' (`session_state`); a request is its replica,
     pages (every group's, from the first it holds), hash chain and pending loads; the events are every record each publisher
     holds or handed over. The
@@ -62,11 +62,14 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
     """
     replicas = []
     for r in m.replicas:
-        pages = tuple(
+        pages: tuple = tuple(
             (pool.ref_count(p), pool.page_hash(p), pool.page_tokens(p), pool.is_cached(p))
             for pool in (g.pool for g in r.groups)
             for p in range(pool.num_pages)
         )
+        budget = r.budget  # with groups: which group each slot of the shared budget is
+        if budget is not None:
+            pages += ((tuple(budget.owner), tuple(sorted(budget.free_slots))),)
         replicas.append(
             (pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers), session_state(r))
         )

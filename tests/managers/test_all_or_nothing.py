@@ -18,7 +18,12 @@ from mokv.cache.page_pool import PagePool
 from mokv.events import KVEventBatch, PrefixRouterIndex, build_events
 from mokv.events.publisher import _REMOVED, EventPublisher, EventRecorder, MediumSink
 from mokv.managers.paged import commit, prefix, replica
-from mokv.managers.paged.groups import FullAttentionGroup, JointGroups, SlidingWindowGroup
+from mokv.managers.paged.groups import (
+    FullAttentionGroup,
+    JointGroups,
+    SharedBudget,
+    SlidingWindowGroup,
+)
 from mokv.managers.paged.inputs import PageTable
 from mokv.managers.paged.pins import PinTable
 from mokv.managers.paged.prefix import PrefixChains
@@ -116,6 +121,44 @@ class GroupWorld(World):
     def options(self) -> dict:
         return dict(groups=(mokv.CacheGroupConfig("sliding", 1, window_size=5),
                             mokv.CacheGroupConfig("full", 1)))
+
+
+class WideGroupWorld(GroupWorld):
+    """Groups of different page sizes in one budget of 10 slots (a slot: one sliding
+    page, or two full ones). A (6 pages) takes 9 slots at its fetch; its step slides 4
+    sliding pages off its window; C's 3 pages in the full group then take the free slot
+    and one of the sliding group's cached pages (evicting it), and B, after A's release,
+    takes a slot of two full pages back for the sliding group (evicting a cached one)."""
+
+    num_pages = 5
+
+    def __init__(self, session):
+        super().__init__(session)
+        self.A = TextContext(np.arange(1, 24), request_id="A")
+        self.B = TextContext(np.arange(1, 14), request_id="B")
+        self.C = TextContext([3] * 10, request_id="C")
+        self.contexts = [self.A, self.B, self.C]
+
+    def options(self) -> dict:
+        return dict(groups=(mokv.CacheGroupConfig("sliding", 1, window_size=5),
+                            mokv.CacheGroupConfig("full", 1, n_kv_heads=1)))
+
+
+WIDE_SCENARIO = [
+    (None, lambda w: w.m.external_claim(w.A.request_id)),
+    (None, lambda w: w.m.fetch([w.A])),
+    (lambda w: w.A.update(11), lambda w: _step(w, [w.A])),
+    (None, lambda w: w.m.external_claim(w.C.request_id)),
+    (None, lambda w: w.m.fetch([w.C])),  # a slot moves from the sliding group
+    (lambda w: w.C.update(13), lambda w: _step(w, [w.C])),
+    (None, lambda w: w.m.release(w.A.request_id)),
+    (None, lambda w: w.m.external_claim(w.B.request_id)),
+    (None, lambda w: w.m.fetch([w.B])),
+    (lambda w: w.B.update(12), lambda w: _step(w, [w.B])),
+    (None, lambda w: w.m.release(w.B.request_id)),
+    (None, lambda w: w.m.release(w.C.request_id)),
+    (None, lambda w: w.m.reset_prefix_cache()),
+]
 
 
 class Clock:
@@ -284,6 +327,7 @@ SCENARIOS = {
     "host-events": (HostEventsWorld, HOST_SCENARIO),
     "sessions": (SessionWorld, SESSION_SCENARIO),
     "groups": (GroupWorld, SCENARIO),
+    "wide-groups": (WideGroupWorld, WIDE_SCENARIO),
     "pins": (PinWorld, PIN_SCENARIO),
 }
 
@@ -325,7 +369,8 @@ def _fault_targets():
         (PinTable, "clear"), (PagePool, "pin"), (PagePool, "unpin"),
         (PagePool, "note_spillable"), (TierStack, "pin_prefixes"),
         (TierStack, "unpin_prefixes"), (HostTier, "pin_prefixes"),
-        (HostTier, "unpin_prefixes"),
+        (HostTier, "unpin_prefixes"), (PagePool, "claim"), (PagePool, "release_cold"),
+        (SharedBudget, "grants"), (SharedBudget, "room"), (SharedBudget, "move"),
     ]
 
 

@@ -131,6 +131,40 @@ def test_undone_changes_count_what_they_free_and_unindex():
     assert pool.num_unindexed > unindexed and pool.lookup(2, b"b") is None
 
 
+def test_claim_takes_given_unowned_pages_evicting_the_hashed_ones_all_or_nothing():
+    """What a shared budget does to move a slot's pages to another group's pool: the
+    pages, free or cached, get the budget as owner; cached ones leave the index; a page
+    owned (or given twice) refuses the whole call; an undo restores every page."""
+    pool = PagePool(5)
+    pool.undo = UndoLog()
+    a, b, c = pool.take((), 3)
+    pool.commit_pages([a, b], [1, 2], [b"a", b"b"])
+    pool.release([a, b])  # cached; c stays owned, 3 and 4 free
+    pool.undo.commit()
+    for bad in ([c, 3], [3, 3]):
+        with pytest.raises(InvariantError):
+            pool.claim(bad)
+        assert (pool.num_free, pool.num_blank, pool.num_cached) == (4, 2, 2)
+    pool.claim([3, a])
+    assert (pool.num_free, pool.num_blank, pool.num_cached, pool.num_unindexed) == (2, 1, 1, 1)
+    assert pool.ref_count(3) == pool.ref_count(a) == 1 and pool.lookup(1, b"a") is None
+    assert pool.eviction_rank() == {b: 0}
+    pool.check_invariants([[c], [3, a]])
+    pool.undo.rollback()
+    assert pool.lookup(1, b"a") == a and (pool.num_free, pool.num_blank) == (4, 2)
+    pool.check_invariants([[c]])
+
+
+def test_release_cold_puts_its_pages_at_the_old_end_of_the_lru():
+    pool = PagePool(4)
+    pages = pool.take((), 4)
+    pool.commit_pages(pages, [1, 2, 3, 4], [b"1", b"2", b"3", b"4"])
+    pool.release(pages[:2])
+    pool.release_cold(pages[2:])  # evicted before the pages released the usual way
+    assert pool.eviction_rank() == {pages[2]: 0, pages[3]: 1, pages[0]: 2, pages[1]: 3}
+    assert pool.take((), 1) == [pages[2]]
+
+
 def test_num_still_indexed_counts_the_leading_pages_that_keep_their_hash_and_tokens():
     pool = PagePool(3)
     a, b, c = pool.take((), 3)

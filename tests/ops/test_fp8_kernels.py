@@ -23,7 +23,7 @@ import pytest
 from max.driver import Buffer
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
-from mokv.ops import fp8_paged_collection, portable_cpu_paths
+from mokv.ops import portable_cpu_paths
 from mokv.ops.cpu_paths import host_takes_portable_paths
 
 from ..fp8_reference import dequantize_blocks, quantize_blocks
@@ -59,7 +59,7 @@ def _build() -> Graph:
         TensorType(DType.uint32, ["offsets"], device=cpu),
     ]) as g:
         blocks, scales, lengths, table, max_lengths, k, v, q, hidden, wqkv, offsets = g.inputs
-        kv = fp8_paged_collection(PARAMS, blocks.buffer, scales.buffer, lengths, table, max_lengths)
+        kv = mokv.FetchPagedKVCacheCollection(PARAMS)(blocks.buffer, lengths, table, max_lengths, scales.buffer)
         mokv.ops.store_kv(kv, k, v, offsets, 0)
         q1 = mokv.ops.fused_qkv_matmul(kv, hidden, wqkv, offsets, 1, N_Q)
         out0 = mokv.ops.flash_attention(kv, q, offsets, 0, SCALES[0])

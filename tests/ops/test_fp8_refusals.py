@@ -12,7 +12,6 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 from max.nn import LayerList
 from max.nn.attention import AttentionWithRope
 from max.nn.rotary_embedding import RotaryEmbedding
-from mokv.ops import fp8_paged_collection
 
 FP8 = mokv.KVCacheParams(
     dtype=DType.float8_e4m3fn, n_kv_heads=2, head_dim=128, page_size=16,
@@ -31,14 +30,6 @@ def cache_types(device: DeviceRef) -> list:
     ]
 
 
-def test_an_fp8_cache_on_a_gpu_is_refused_by_name():
-    gpu = DeviceRef.GPU()
-    with Graph("fp8_on_gpu", input_types=cache_types(gpu)) as g:
-        blocks, scales, *tables = g.inputs
-        with pytest.raises(ValueError, match="blocks: an FP8 cache runs on mokv's CPU kernels only"):
-            fp8_paged_collection(FP8, blocks.buffer, scales.buffer, *tables)
-
-
 @pytest.mark.parametrize("op", ["store_kv", "fused_qkv_matmul", "flash_attention"])
 def test_activations_on_a_gpu_over_an_fp8_cache_are_refused_by_name(op):
     gpu = DeviceRef.GPU()
@@ -51,7 +42,7 @@ def test_activations_on_a_gpu_over_an_fp8_cache_are_refused_by_name(op):
         TensorType(DType.uint32, ["offsets"], device=gpu),
     ]) as g:
         blocks, scales, lengths, table, max_lengths, kv, q, hidden, w, offsets = g.inputs
-        coll = fp8_paged_collection(FP8, blocks.buffer, scales.buffer, lengths, table, max_lengths)
+        coll = mokv.FetchPagedKVCacheCollection(FP8)(blocks.buffer, lengths, table, max_lengths, scales.buffer)
         calls = {
             "store_kv": lambda: mokv.ops.store_kv(coll, kv, kv, offsets, 0),
             "fused_qkv_matmul": lambda: mokv.ops.fused_qkv_matmul(coll, hidden, w, offsets, 0, 8),
@@ -68,7 +59,7 @@ def test_an_fp8_cache_takes_float_activations_and_no_other():
         TensorType(DType.uint32, ["offsets"], device=CPU),
     ]) as g:
         blocks, scales, lengths, table, max_lengths, q, offsets = g.inputs
-        coll = fp8_paged_collection(FP8, blocks.buffer, scales.buffer, lengths, table, max_lengths)
+        coll = mokv.FetchPagedKVCacheCollection(FP8)(blocks.buffer, lengths, table, max_lengths, scales.buffer)
         with pytest.raises(TypeError, match="q must have dtype float32 or bfloat16 or float16, got int32"):
             mokv.ops.flash_attention(coll, q, offsets, 0, 0.1)
 

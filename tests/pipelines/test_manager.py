@@ -189,12 +189,17 @@ def test_host_tier_loads_report_their_tokens_as_external(session):
 
 
 UNSUPPORTED = {
-    "quantized": dict(
-        dtype=DType.float8_e4m3fn,
-        kvcache_quant_config=KVCacheQuantizationConfig(quantization_granularity=16),
+    "quantized KV pages of dtype=int8": dict(
+        dtype=DType.int8,
+        kvcache_quant_config=KVCacheQuantizationConfig(
+            scale_dtype=DType.float16, quantization_granularity=16
+        ),
     ),
-    "unscaled FP8 pages (MAX's Llama --kv-cache-format float8_e4m3fn)": dict(
-        dtype=DType.float8_e4m3fn
+    "quantized KV pages of dtype=float8_e4m3fn with scale_dtype=float8_e8m0fnu": dict(
+        dtype=DType.float8_e4m3fn,
+        kvcache_quant_config=KVCacheQuantizationConfig(
+            scale_dtype=DType.float8_e8m0fnu, quantization_granularity=16
+        ),
     ),
     "draft tokens": dict(num_draft_tokens=2),
     "per_layer_buffers": dict(per_layer_buffers=True),

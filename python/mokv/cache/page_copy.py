@@ -6,7 +6,10 @@ shared tier's values, see `mokv.remote`).
 A host page has the device page layout `[2, num_layers, page_size, n_kv_heads_per_device,
 head_dim]`, one buffer per device of the replica (tensor parallelism splits the heads,
 so shard `d` of a page lives in `buffers[d][page_id]`), and one page is one contiguous
-copy. Copies go one batch per device and direction per call:
+copy. Scaled FP8 pages have a second leaf, their scales (`[2, num_layers, page_size,
+heads, head_dim // granularity]` float32 per page): one more buffer per device after the
+values' (`buffers[n_devices + d]`), copied in the same calls under the same page ids.
+Copies go one batch per device and direction per call:
 
 - a device in host memory (the CPU device) is copied with numpy on aliasing views, as
   one `np.take(src, src_ids, axis=0, out=dst[run])` per run of consecutive destination
@@ -154,11 +157,21 @@ class HostPages:
     """The host tier's page bytes for one replica: one buffer per device shard."""
 
     def __init__(
-        self, dtype: DType, num_pages: int, page_shape: Sequence[int], devices: Sequence[Device]
+        self,
+        dtype: DType,
+        num_pages: int,
+        page_shape: Sequence[int],
+        devices: Sequence[Device],
+        scales: tuple[DType, Sequence[int]] | None = None,
     ) -> None:
+        """`num_pages` pages of `page_shape` values of `dtype` per device, and with
+        `scales` (their dtype and page shape) the scales leaf beside them."""
         self.num_pages = num_pages
-        self.buffers = [_host_buffer(dtype, [num_pages, *page_shape], d) for d in devices]
-        self.bytes_per_page = len(devices) * int(np.prod(page_shape)) * dtype.size_in_bytes
+        leaves = [(dtype, page_shape, d) for d in devices]
+        if scales is not None:
+            leaves += [(scales[0], scales[1], d) for d in devices]
+        self.buffers = [_host_buffer(t, [num_pages, *shape], d) for t, shape, d in leaves]
+        self.bytes_per_page = sum(int(np.prod(shape)) * t.size_in_bytes for t, shape, _ in leaves)
         self._views: dict[int, np.ndarray] = {}
         self.bytes_to_host = 0
         self.bytes_from_host = 0
@@ -166,7 +179,8 @@ class HostPages:
     def offload(
         self, blocks: Sequence[Buffer], device_pages: Sequence[int], host_pages: Sequence[int]
     ) -> None:
-        """Device pages -> host pages (one batch per device)."""
+        """Device pages -> host pages (one batch per device and leaf; `blocks` are the
+        device buffers in `buffers` order)."""
         copy_pages(blocks, device_pages, self.buffers, host_pages, self._views)
         self.bytes_to_host += len(host_pages) * self.bytes_per_page
 

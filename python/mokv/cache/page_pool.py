@@ -142,6 +142,17 @@ class PagePool:
         return num_free + len(self._spillable(_NO_PAGES)) if self._pinned else num_free
 
     @property
+    def num_blank(self) -> int:
+        """Free pages without a hash: what `take` hands out before it evicts."""
+        return len(self._free)
+
+    def eviction_rank(self) -> dict[int, int]:
+        """Each evictable unowned hashed page's place in the order `take` evicts them
+        (cached pages, oldest first, then kept ones); pinned pages are not in it."""
+        order = list(self._cached) + list(self._kept)
+        return dict(zip(order, range(len(order))))
+
+    @property
     def num_cached(self) -> int:
         """Pages that hold a reusable prefix but no owner (kept and pinned ones included)."""
         return len(self._cached) + len(self._kept) + len(self._pinned)
@@ -441,6 +452,61 @@ class PagePool:
         self.num_freed += freed
         if self.undo is not None:
             self.undo.push(self._unrelease, page_ids)
+
+    def release_cold(self, page_ids: Sequence[int]) -> None:
+        """`release`, but the hashed pages left without owners join the *old* end of the
+        LRU, the first given evicted first: pages their owner knows no later hit is
+        likely to read (a sliding window's pages that no joint hit ends after), evicted
+        before every page released the usual way."""
+        self.release(page_ids)
+        cached, ref_count, hash_of = self._cached, self._ref_count, self._page_hash
+        for page_id in reversed(page_ids):
+            if not ref_count[page_id] and hash_of[page_id] is not None and page_id in cached:
+                cached.move_to_end(page_id, last=False)
+
+    def claim(self, page_ids: Sequence[int]) -> None:
+        """Adds an owner to each of `page_ids`, which have none (free, cached or kept
+        pages; not pinned), taking the hashed ones out of the index as `take` evicts:
+        how a budget shared by several pools takes a page's memory for another pool
+        (`mokv.managers.paged.groups.budget`). All or nothing; InvariantError, before
+        any change, unless every page is unowned and unpinned, each once."""
+        ref_count, pinned = self._ref_count, self._pinned
+        if len(set(page_ids)) != len(page_ids):
+            raise InvariantError(f"pages {list(page_ids)} claimed twice in one call")
+        for page_id in page_ids:
+            if ref_count[page_id] or page_id in pinned:
+                raise InvariantError(f"page {page_id} claimed while owned or pinned")
+        hash_of, kept = self._page_hash, self._kept
+        unhashed = [p for p in page_ids if hash_of[p] is None]
+        evicted = [p for p in page_ids if hash_of[p] is not None and p not in kept]
+        num_unretained = len(evicted)
+        evicted += [p for p in page_ids if p in kept]
+        # Everything is decided: apply it.
+        if unhashed:
+            claimed = set(unhashed)
+            self._free[:] = [p for p in self._free if p not in claimed]
+        evicted_hashes = [hash_of[p] for p in evicted]
+        evicted_tokens = [self._page_tokens[p] for p in evicted]
+        if evicted:
+            self._evict(evicted, evicted_hashes, num_unretained, len(evicted) - num_unretained)
+        pages = tuple(unhashed + evicted)
+        for page_id in pages:
+            ref_count[page_id] = 1
+        if self.undo is not None:
+            self.undo.push(
+                self._untake,
+                [],
+                _NO_PAGES,
+                pages,
+                len(unhashed),
+                evicted_hashes,
+                evicted_tokens,
+                num_unretained,
+                len(evicted) - num_unretained,
+            )
+        if self.events is not None:
+            for page_hash in evicted_hashes:
+                self.events.removed(page_hash)  # type: ignore[arg-type]
 
     def retain(self, page_hashes: Iterable[int]) -> None:
         """Retains these hashes (not retained yet): their unowned pages become kept, the

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from max.dtype import DType
 
@@ -35,6 +37,9 @@ from .quantization import (
 )
 from .sessions import SessionConfig
 from .tiers import TierConfig
+
+Dim = TypeVar("Dim", bound=int | str)
+"""A dim of a shape: static (int) or symbolic (str)."""
 
 
 class KVCacheStrategy(str, enum.Enum):
@@ -55,7 +60,9 @@ class KVCacheParams:
 
     Attributes:
         dtype: element type of the cached keys and values: float32, bfloat16, float16,
-            or float8_e4m3fn with `quantization` (MAX's FP8 pages with per-block scales).
+            or float8_e4m3fn: with `quantization`, MAX's FP8 pages with per-block scales;
+            without, MAX's unscaled FP8 pages (what its Llama pipeline builds for
+            `--kv-cache-format float8_e4m3fn`; docs/quantized.md).
         n_kv_heads: key/value heads of the model (all devices together).
         head_dim: size of one head's key or value vector.
         page_size: tokens per page of the paged cache.
@@ -90,7 +97,8 @@ class KVCacheParams:
             request that asks for a pin is refused.
         quantization: the scales of quantized pages (`KVCacheQuantization`: float32
             scales, one per token, head and 128 lanes), given with a float8_e4m3fn
-            `dtype` and only then; None: the pages hold their values as they are.
+            `dtype` and only then; None: the pages hold their values as they are (or
+            cast to FP8, unscaled).
     """
 
     dtype: DType
@@ -175,6 +183,10 @@ class KVCacheParams:
         object.__setattr__(self, "groups", tuple(self.groups))
         check_groups(self.groups)
         mla = self.mla_group
+        if mla is not None and self.dtype in QUANTIZED_DTYPES:
+            raise ValueError(
+                f"dtype={self.dtype}: mokv does not store FP8 MLA latents (group {mla.name!r})"
+            )
         if mla is not None:  # the whole cache is one MLA group: its shape is the params'
             if (self.n_kv_heads, self.head_dim) != (1, mla.mla_head_dim):
                 raise ValueError(
@@ -243,13 +255,21 @@ class KVCacheParams:
     @property
     def page_format(self) -> str:
         """The format a page's hash is keyed by (`mokv.cache.hashing`, "Formats"): for
-        quantized pages "dtype:scale dtype:granularity" (MAX's dKV layout tag, e.g.
-        "float8_e4m3fn:float32:128"); "" for unquantized pages, whose hashes predate
-        formats."""
+        scaled pages "dtype:scale dtype:granularity" (MAX's dKV layout tag, e.g.
+        "float8_e4m3fn:float32:128"); for unscaled FP8 pages the dtype alone
+        ("float8_e4m3fn"); "" for unquantized pages, whose hashes predate formats."""
         q = self.quantization
         if q is None:
-            return ""
+            return self.dtype.name if self.dtype in QUANTIZED_DTYPES else ""
         return f"{self.dtype.name}:{q.scale_dtype.name}:{q.granularity}"
+
+    def scales_shape(self, values_shape: Sequence[Dim]) -> list[Dim | int] | None:
+        """The shape of the scales leaf beside a values buffer of `values_shape` (its last
+        dim, the head, holds `scales_per_head` scales instead: MAX's
+        `shape_per_scale_block`); None for pages without scales."""
+        if self.quantization is None:
+            return None
+        return [*values_shape[:-1], self.scales_per_head]
 
     def bytes_per_token(self, num_layers: int) -> int:
         """Bytes that one token occupies in one replica (all its devices), its scales

@@ -12,13 +12,16 @@ A value `x` is stored as `q = e4m3fn(x / s)` with `s = absmax(block) / 448` (448
 e4m3fn's largest finite value), and read back as `q * s`. The scales use the values'
 page ids, so one page id names both.
 
-What MAX's config allows beyond this is refused by name rather than stored differently:
-int8 values, float8_e4m3fnuz values, NVFP4 (`uint8` values with e4m3 scales),
-float16 or float8_e8m0fnu scales, and FP8 values without scales (MAX 26.7's Llama
-pipeline builds those for `--kv-cache-format float8_e4m3fn`: its `construct_kv_params`
-passes no `kvcache_quant_config`, and its `rope_split_store_ragged` refuses a scaled
-cache; MAX writes scaled FP8 pages only in its MLA paths, through
-`store_k_scale_cache_ragged`).
+A second, unscaled format is stored too: float8_e4m3fn values without a
+`KVCacheQuantization` (no scales leaf), which is what MAX 26.7's Llama pipeline builds
+for `--kv-cache-format float8_e4m3fn` (its `construct_kv_params` passes no
+`kvcache_quant_config`; MAX's kernels cast each value, saturated, on store and read).
+Its pages are a format of their own: their hashes are keyed apart from scaled FP8 and
+from unquantized pages (`KVCacheParams.page_format`).
+
+What MAX's config allows beyond these is refused by name rather than stored
+differently: int8 values, float8_e4m3fnuz values, NVFP4 (`uint8` values with e4m3
+scales), float16 or float8_e8m0fnu scales.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from dataclasses import dataclass
 from max.dtype import DType
 
 QUANTIZED_DTYPES = (DType.float8_e4m3fn,)
-"""Value dtypes of quantized pages that mokv stores (each needs a `KVCacheQuantization`)."""
+"""Value dtypes of quantized pages that mokv stores, with a `KVCacheQuantization` (scaled)
+or without (MAX's unscaled format)."""
 
 REFUSED_QUANTIZED_DTYPES = {
     DType.float8_e4m3fnuz: "float8_e4m3fnuz values (AMD's FP8)",
@@ -93,24 +97,18 @@ def refuse_other_formats(dtype: DType) -> None:
 
 def check_format(dtype: DType, quantization: KVCacheQuantization | None, head_dim: int) -> None:
     """TypeError / ValueError naming what is wrong with a cache of `dtype` values (a
-    dtype mokv stores) and `quantization` scales over heads of `head_dim`: a quantized
-    dtype without scales, scales that do not divide the head, or a quantization of a
-    dtype that is not quantized."""
+    dtype mokv stores) and `quantization` scales over heads of `head_dim`: scales that
+    do not divide the head, or a quantization of a dtype that is not quantized. A
+    quantized dtype without scales is MAX's unscaled format (module docstring)."""
     if quantization is not None and not isinstance(quantization, KVCacheQuantization):
         raise TypeError(
             f"quantization must be a mokv.KVCacheQuantization or None, got {quantization!r}"
         )
+    if quantization is None:
+        return
     if dtype in QUANTIZED_DTYPES:
-        if quantization is None:
-            # MAX also has unscaled FP8 pages (`kvcache_quant_config=None`: what its Llama
-            # pipeline builds for `--kv-cache-format float8_e4m3fn`); mokv stores the
-            # scaled format only.
-            raise ValueError(
-                f"dtype={dtype} pages need their scales (unscaled FP8 pages are not "
-                "stored): pass quantization=mokv.KVCacheQuantization()"
-            )
         quantization.scales_per_head(head_dim)
-    elif quantization is not None:
+    else:
         raise ValueError(
             f"quantization={quantization!r} is for quantized pages "
             f"({[d.name for d in QUANTIZED_DTYPES]}), but dtype={dtype}"

@@ -21,6 +21,7 @@ from .continuous import (
     ContinuousBatchingKVCacheInputs,
     ContinuousBatchingKVCacheType,
     FetchContinuousBatchingKVCacheCollection,
+    ScaledContinuousBatchingKVCacheInputs,
 )
 from .paged import (
     PAGED,
@@ -28,6 +29,7 @@ from .paged import (
     PagedKVCacheCollection,
     PagedKVCacheCollectionType,
     RaggedKVCacheInputs,
+    ScaledRaggedKVCacheInputs,
 )
 
 LAYOUTS: dict[str, CacheLayout] = {PAGED.name: PAGED, CONTINUOUS.name: CONTINUOUS}
@@ -46,7 +48,7 @@ def layout_for(params: KVCacheParams | KVCacheStrategy | str) -> CacheLayout:
 def layout_of_inputs(inputs: Any) -> CacheLayout:
     """The layout whose `Inputs` tuple `inputs` is (symbols or buffers)."""
     for layout in LAYOUTS.values():
-        if isinstance(inputs, layout.Inputs):
+        if isinstance(inputs, (layout.Inputs, layout.ScaledInputs)):
             return layout
     raise TypeError(
         "expected one device's cache inputs as a manager's input_symbols() or fetch() returns "
@@ -83,6 +85,8 @@ __all__ = [
     "PagedKVCacheCollection",
     "PagedKVCacheCollectionType",
     "RaggedKVCacheInputs",
+    "ScaledContinuousBatchingKVCacheInputs",
+    "ScaledRaggedKVCacheInputs",
     "collection_info",
     "dtype_code",
     "layout_for",

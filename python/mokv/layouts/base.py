@@ -10,6 +10,8 @@ A `CacheLayout` names all of it for one cache kind:
     name                 "paged" / "continuous": the `KVCacheStrategy` value and the last
                          part of every op name (`mokv.store_kv.ragged.<name>`)
     Inputs               the NamedTuple of flat tensors, in constructor-op argument order
+    ScaledInputs         the same with the scales leaf last, for scaled pages
+                         (`KVCacheParams.quantization`; docs/quantized.md)
     input_symbols(...)   the graph types of one device's inputs
     empty_inputs(...)    runtime inputs of those dtypes and ranks that hold no memory
                          (the null manager's, for compile-only builds)
@@ -28,6 +30,7 @@ name every struct parameter. A `DType` parameter is mis-emitted by MAX 26.7
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 from max.dtype import DType
@@ -37,6 +40,7 @@ from max.graph.value import _OpaqueValue
 
 from ..checks import check_dtype, check_rank, check_static_dim
 from ..config.params import KVCacheParams
+from ..config.quantization import QUANTIZED_DTYPES
 from ..mojo_package import kernels_path
 
 DTYPE_CODES: dict[DType, int] = {
@@ -99,6 +103,7 @@ class CacheLayout(ABC):
 
     name: ClassVar[str]
     Inputs: ClassVar[Any]  # a NamedTuple class: (blocks, *tensors)
+    ScaledInputs: ClassVar[Any]  # a NamedTuple class: (blocks, *tensors, scales)
     CollectionType: ClassVar[type[_OpaqueType]]
     Collection: ClassVar[type[_OpaqueValue]]
     tensors: ClassVar[tuple[TensorSpec, ...]]  # the flat inputs after `blocks`
@@ -129,6 +134,22 @@ class CacheLayout(ABC):
     ) -> Any:
         """Host buffers of the input dtypes and ranks that hold no cache memory
         (compile-only mode)."""
+
+    def with_scales(
+        self,
+        params: KVCacheParams,
+        inputs: Any,
+        values_shape: Sequence[Any],
+        make: Callable[[DType, list[Any]], Any],
+    ) -> Any:
+        """`inputs` (an `Inputs`) as they are, or for scaled pages a `ScaledInputs` whose
+        scales leaf is `make(scale dtype, shape)`: a type or a buffer of the shape of
+        `params.scales_shape(values_shape)` beside values of `values_shape`."""
+        quantization = params.quantization
+        shape = params.scales_shape(list(values_shape))
+        if quantization is None or shape is None:
+            return inputs
+        return self.ScaledInputs(*inputs, make(quantization.scale_dtype, shape))
 
     def collection_parameters(self, params: KVCacheParams) -> dict[str, int]:
         """The Mojo collection struct's parameters."""
@@ -202,6 +223,11 @@ class FetchKVCacheCollection:
     letting the kernel read or write outside the cache. For tables built by hand;
     a manager's `fetch` output is valid by construction. CPU caches only: on another
     device it is refused here, at graph build.
+
+    Scaled FP8 pages (`kv_params.quantization`) take the layout's `ScaledInputs`, the
+    scales last, and build the collection over both (`mokv.kv_collection_ctor.<name>
+    .scaled`); the paged layout's kernels hold them, nothing else does: unscaled FP8
+    pages and a continuous cache of FP8 pages are refused by name at construction.
     """
 
     layout: CacheLayout
@@ -226,6 +252,17 @@ class FetchKVCacheCollection:
             raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
         if not isinstance(checked, bool):
             raise TypeError(f"checked must be a bool, got {checked!r}")
+        if kv_params.dtype in QUANTIZED_DTYPES:
+            if kv_params.quantization is None:
+                raise ValueError(
+                    f"dtype={kv_params.dtype} without scales (MAX's unscaled FP8 pages): "
+                    "mokv's kernels do not read them; MAX's own ops do (docs/quantized.md)"
+                )
+            if self.layout.name != "paged":
+                raise ValueError(
+                    f"dtype={kv_params.dtype}: mokv's kernels hold FP8 pages in the paged "
+                    f"layout only, not the {self.layout.name} one"
+                )
         dtype_code(kv_params.dtype)  # fail at construction for an unsupported dtype
         self.kv_params = kv_params
         self.num_layers = num_layers
@@ -235,13 +272,16 @@ class FetchKVCacheCollection:
         layout, params = self.layout, self.kv_params
         if len(inputs) == 1 and isinstance(inputs[0], tuple):
             inputs = tuple(inputs[0])
-        expected = 1 + len(layout.tensors)
+        scaled = params.quantization is not None
+        expected = 1 + len(layout.tensors) + scaled
         if len(inputs) != expected:
             raise TypeError(
                 f"{type(self).__name__} expects the {expected} {layout.name} cache inputs "
-                f"(or their NamedTuple), got {len(inputs)}"
+                f"{'of scaled pages, the scales last ' if scaled else ''}(or their "
+                f"NamedTuple), got {len(inputs)}"
             )
         blocks, *tensors = inputs
+        scales = [tensors.pop()] if scaled else []
         if not isinstance(blocks, BufferValue):
             raise TypeError(
                 f"blocks must be a BufferValue (a mutable graph input), got {type(blocks).__name__}"
@@ -257,6 +297,8 @@ class FetchKVCacheCollection:
         for spec, value in zip(layout.tensors, tensors):
             check_dtype(spec.name, value, spec.dtype)
             check_rank(spec.name, value, spec.rank)
+        for value in scales:
+            _check_scales(value, blocks, params)
         if self.checked and blocks.device != DeviceRef.CPU():
             raise ValueError(
                 f"checked=True needs a cache on the CPU (the table check reads the tables on "
@@ -266,9 +308,9 @@ class FetchKVCacheCollection:
         out_type = layout.CollectionType(params)
         tensors = [TensorValue(t) for t in tensors]
         value = ops.inplace_custom(
-            f"mokv.kv_collection_ctor.{layout.name}",
+            f"mokv.kv_collection_ctor.{layout.name}" + (".scaled" if scaled else ""),
             blocks.device,
-            [blocks, *tensors],
+            [blocks, *scales, *tensors],
             out_types=[out_type],
             parameters=dict(out_type.parameters),
         )[0]
@@ -282,5 +324,21 @@ class FetchKVCacheCollection:
             else None
         )
         collection.checked = self.checked
-        collection.inputs = (blocks, *tensors)
+        collection.inputs = (blocks, *tensors)  # what the checked mode's table check reads
         return collection
+
+
+def _check_scales(scales: Any, blocks: BufferValue, params: KVCacheParams) -> None:
+    """TypeError / ValueError unless `scales` is the scales leaf of `blocks`: a buffer
+    of the scale dtype, of the values' shape with `scales_per_head` in the last dim."""
+    if not isinstance(scales, BufferValue):
+        raise TypeError(
+            f"scales must be a BufferValue (a mutable graph input), got {type(scales).__name__}"
+        )
+    assert params.quantization is not None  # only scaled pages have a scales input
+    check_dtype("scales", scales, params.quantization.scale_dtype)
+    check_rank("scales", scales, 6)
+    for axis, dim in enumerate(blocks.shape[1:-1], start=1):
+        if isinstance(dim, StaticDim):
+            check_static_dim("scales", scales, axis, int(dim))
+    check_static_dim("scales", scales, 5, params.scales_per_head)

@@ -11,12 +11,19 @@ One device's inputs (`ContinuousBatchingKVCacheInputs`, in constructor-op order)
                           Carried for compatibility with MAX's continuous-batching
                           signature; mokv's kernels read `cache_lengths` instead.
 
+A cache of scaled FP8 pages (`KVCacheParams.quantization`) has one more input, last
+(`ScaledContinuousBatchingKVCacheInputs`):
+
+    scales         float32 [max_batch_size, 2, num_layers, max_seq_len,
+                          n_kv_heads_per_device, head_dim // granularity]: the scales of
+                          the values in `blocks`, slot by slot.
+
 Mojo side: `ContinuousBatchingKVCacheCollection` in mojo/mokv/continuous.mojo.
 """
 
 from __future__ import annotations
 
-from typing import Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 from max.driver import Buffer
@@ -39,6 +46,17 @@ class ContinuousBatchingKVCacheInputs(NamedTuple, Generic[B, T]):
     cache_lengths: T
     lookup_table: T
     is_cache_empty: T
+
+
+class ScaledContinuousBatchingKVCacheInputs(NamedTuple, Generic[B, T]):
+    """One device's inputs of a continuous cache of scaled pages: the inputs and the
+    scales leaf (module docstring)."""
+
+    blocks: B
+    cache_lengths: T
+    lookup_table: T
+    is_cache_empty: T
+    scales: B
 
 
 class ContinuousBatchingKVCacheCollectionType(_OpaqueType):
@@ -75,6 +93,7 @@ class ContinuousBatchingKVCache(_OpaqueValue):
 class ContinuousLayout(CacheLayout):
     name = "continuous"
     Inputs = ContinuousBatchingKVCacheInputs
+    ScaledInputs = ScaledContinuousBatchingKVCacheInputs
     CollectionType = ContinuousBatchingKVCacheCollectionType
     Collection = ContinuousBatchingKVCacheCollection
     tensors = (
@@ -90,8 +109,9 @@ class ContinuousLayout(CacheLayout):
         max_seq_len: int,
         device: DeviceRef,
         dim_prefix: str = "",
-    ) -> ContinuousBatchingKVCacheInputs[BufferType, TensorType]:
-        """Graph types of one device's inputs; `max_seq_len` is a static dim of `blocks`."""
+    ) -> Any:
+        """Graph types of one device's inputs (`ScaledInputs` for scaled pages);
+        `max_seq_len` is a static dim of `blocks`."""
         batch = dim_prefix + "batch_size"
         blocks_shape = [
             "max_batch_size",
@@ -101,11 +121,14 @@ class ContinuousLayout(CacheLayout):
             params.n_kv_heads_per_device,
             params.head_dim,
         ]
-        return ContinuousBatchingKVCacheInputs(
+        inputs = ContinuousBatchingKVCacheInputs(
             blocks=BufferType(params.dtype, blocks_shape, device=device),
             cache_lengths=TensorType(DType.uint32, [batch], device=device),
             lookup_table=TensorType(DType.uint32, [batch], device=device),
             is_cache_empty=TensorType(DType.bool, [1], device=DeviceRef.CPU()),
+        )
+        return self.with_scales(
+            params, inputs, blocks_shape, lambda dtype, dims: BufferType(dtype, dims, device)
         )
 
     def empty_inputs(
@@ -115,15 +138,16 @@ class ContinuousLayout(CacheLayout):
         max_seq_len: int,
         batch_size: int,
         num_steps: int,
-    ) -> ContinuousBatchingKVCacheInputs[Buffer, Buffer]:
+    ) -> Any:
         """Zero slots."""
         shape = (0, 2, num_layers, max_seq_len, params.n_kv_heads_per_device, params.head_dim)
-        return ContinuousBatchingKVCacheInputs(
+        inputs = ContinuousBatchingKVCacheInputs(
             blocks=Buffer(params.dtype, shape),
             cache_lengths=Buffer(DType.uint32, (batch_size,)),
             lookup_table=Buffer(DType.uint32, (batch_size,)),
             is_cache_empty=Buffer.from_numpy(np.ones(1, dtype=np.bool_)),
         )
+        return self.with_scales(params, inputs, shape, Buffer)
 
 
 CONTINUOUS = ContinuousLayout()

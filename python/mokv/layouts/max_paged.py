@@ -18,6 +18,16 @@ once they get the inputs in MAX's form, a `max.nn.kv_cache.KVCacheInputsPerDevic
     attention_dispatch_metadata int64 [4], host   (batch_size, max_prompt_length,
                                  num_partitions, max_cache_length), MAX's `MHAAttnKey`
 
+A cache of scaled FP8 pages (`KVCacheParams.quantization`) has MAX's three scale
+fields too, before `attention_dispatch_metadata` (MAX's field order, so its
+`max.tree.leaves` order):
+
+    kv_scales                    scales (`ScaledRaggedKVCacheInputs.scales`, the same buffer)
+    scales_page_stride int64 [1], host   -1: the scale pages are packed
+    scales_lookup_table          lookup_table (the same buffer: the scales share the
+                                 values' page ids, as in every MAX cache but its
+                                 pooled one)
+
 An MLA cache (`KVCacheParams.kv_dim` 1, MAX's `MLAKVCacheParams`) has MAX's MLA form
 instead of the last field, with the query heads of a device (`mla_q_heads`):
 
@@ -57,7 +67,7 @@ from max.dtype import DType
 from max.graph import BufferType, BufferValue, DeviceRef, TensorType, TensorValue, Value
 
 from ..config.params import KVCacheParams
-from .paged import RaggedKVCacheInputs
+from .paged import PagedInputs, RaggedKVCacheInputs, ScaledRaggedKVCacheInputs
 
 if TYPE_CHECKING:  # `max.nn` takes ~0.25 s to import: loaded on first use, not with mokv
     from max.nn.kv_cache import (
@@ -79,7 +89,11 @@ PACKED_PAGE_STRIDE = -1
 
 NUM_MAX_INPUTS = 7
 """Leaves of one device's `KVCacheInputsPerDevice` here (`max.tree.leaves` order); an
-MLA cache's has one more (`mla_num_partitions`)."""
+MLA cache's has one more (`mla_num_partitions`), a cache of scaled pages
+`NUM_SCALE_INPUTS` more."""
+
+NUM_SCALE_INPUTS = 3
+"""MAX's scale leaves: `kv_scales`, `scales_page_stride`, `scales_lookup_table`."""
 
 
 def lookup_table_width(num_pages: int) -> int:
@@ -119,21 +133,22 @@ def mla_dispatch(shape: DispatchShape, mla_q_heads: int, device: Device) -> np.n
         shape.max_cache_length,
         shape.max_prompt_length,
         mla_q_heads,
-        False,  # mokv's pages are never FP8
+        False,  # mokv's MLA latents are never FP8 (`KVCacheParams` refuses them)
         device,
     )
     return np.array([int(n) for n in args], np.int64)
 
 
 def max_input_symbols(
-    symbols: RaggedKVCacheInputs[BufferType, TensorType], mla: bool = False
+    symbols: PagedInputs[BufferType, TensorType], mla: bool = False
 ) -> KVCacheInputsPerDevice[TensorType, BufferType]:
     """The graph types of one device's inputs in MAX's form, from mokv's
     `input_symbols()` entry for that device (the extras are host tensors; an MLA
-    cache's dispatch metadata is on the cache's device, as MAX declares it)."""
+    cache's dispatch metadata is on the cache's device, as MAX declares it; scaled
+    pages have MAX's scale fields)."""
     from max.nn.kv_cache import KVCacheInputsPerDevice
 
-    if not isinstance(symbols, RaggedKVCacheInputs):
+    if not isinstance(symbols, (RaggedKVCacheInputs, ScaledRaggedKVCacheInputs)):
         raise TypeError(
             "max_input_symbols takes one device's paged input_symbols() entry "
             f"(RaggedKVCacheInputs), got {type(symbols).__name__}"
@@ -145,6 +160,8 @@ def max_input_symbols(
     metadata = host(DType.int64, 4)
     if mla:
         metadata = TensorType(DType.int64, [3], device=symbols.blocks.device)
+    scales = symbols.scales if isinstance(symbols, ScaledRaggedKVCacheInputs) else None
+    scaled = scales is not None
     return KVCacheInputsPerDevice(
         kv_blocks=symbols.blocks,
         cache_lengths=symbols.cache_lengths,
@@ -152,6 +169,9 @@ def max_input_symbols(
         max_prompt_length=host(DType.uint32, 1),
         max_cache_length=host(DType.uint32, 1),
         page_stride=host(DType.int64, 1),
+        kv_scales=scales,
+        scales_page_stride=host(DType.int64, 1) if scaled else None,
+        scales_lookup_table=symbols.lookup_table if scaled else None,
         attention_dispatch_metadata=metadata,
         mla_num_partitions=host(DType.int64, 1) if mla else None,
     )
@@ -167,7 +187,7 @@ class DispatchShape(NamedTuple):
 
 
 def max_runtime_inputs(
-    inputs: RaggedKVCacheInputs[Buffer, Buffer],
+    inputs: PagedInputs[Buffer, Buffer],
     n_kv_heads_per_device: int,
     lookup_pages: int | None = None,
     dispatch_shape: DispatchShape | None = None,
@@ -182,7 +202,8 @@ def max_runtime_inputs(
     lookup table to that many pages (padded as MAX pads, `lookup_table_width`), and
     `dispatch_shape` replaces the batch's own lengths and size in the scalars and the
     dispatch metadata. ValueError if the real batch exceeds either."""
-    if not isinstance(inputs, RaggedKVCacheInputs) or not isinstance(inputs.blocks, Buffer):
+    paged = (RaggedKVCacheInputs, ScaledRaggedKVCacheInputs)
+    if not isinstance(inputs, paged) or not isinstance(inputs.blocks, Buffer):
         raise TypeError(
             "max_runtime_inputs takes one device's paged fetch() entry "
             f"(RaggedKVCacheInputs of Buffers), got {type(inputs).__name__}"
@@ -223,16 +244,26 @@ def max_runtime_inputs(
         metadata = Buffer.from_numpy(packed)
         metadata = metadata if device.is_host else metadata.to(device)
         mla_partitions = Buffer.from_numpy(packed[2:])
+    scales = inputs.scales if isinstance(inputs, ScaledRaggedKVCacheInputs) else None
+    scaled = scales is not None
     return KVCacheInputsPerDevice(
         kv_blocks=inputs.blocks,
         cache_lengths=inputs.cache_lengths,
         lookup_table=lookup_table,
         max_prompt_length=Buffer.from_numpy(np.array([shape.max_prompt_length], np.uint32)),
         max_cache_length=Buffer.from_numpy(np.array([shape.max_cache_length], np.uint32)),
-        page_stride=Buffer.from_numpy(np.array([PACKED_PAGE_STRIDE], np.int64)),
+        page_stride=_packed_stride(),
+        kv_scales=scales,
+        scales_page_stride=_packed_stride() if scaled else None,
+        scales_lookup_table=lookup_table if scaled else None,
         attention_dispatch_metadata=metadata,
         mla_num_partitions=mla_partitions,
     )
+
+
+def _packed_stride() -> Buffer:
+    """int64 `[1]`, host: MAX's `page_stride` of packed pages."""
+    return Buffer.from_numpy(np.array([PACKED_PAGE_STRIDE], np.int64))
 
 
 def _widened(lookup_table: Buffer, width: int, max_cache_length: int) -> Buffer:
@@ -259,32 +290,48 @@ def _widened(lookup_table: Buffer, width: int, max_cache_length: int) -> Buffer:
 
 def max_cache_values(values: Sequence[Value[Any]]) -> KVCacheInputsPerDevice[TensorValue, Any]:
     """`PagedCacheValues` (what `max.nn`'s attention layers take) from one device's
-    `NUM_MAX_INPUTS` graph input values (one more for an MLA cache), in the order
-    `max.tree.leaves` gives `max_input_symbols`'s types."""
+    `NUM_MAX_INPUTS` graph input values (one more for an MLA cache, `NUM_SCALE_INPUTS`
+    more for a cache of scaled pages), in the order `max.tree.leaves` gives
+    `max_input_symbols`'s types."""
     from max.nn.kv_cache import KVCacheInputsPerDevice
 
     values = list(values)
-    if len(values) not in (NUM_MAX_INPUTS, NUM_MAX_INPUTS + 1):
+    counts = (NUM_MAX_INPUTS, NUM_MAX_INPUTS + 1)
+    if len(values) not in counts and len(values) - NUM_SCALE_INPUTS not in counts:
         raise ValueError(
-            f"expected the {NUM_MAX_INPUTS} MAX cache inputs (or {NUM_MAX_INPUTS + 1} of an "
-            f"MLA cache), got {len(values)}"
+            f"expected the {NUM_MAX_INPUTS} MAX cache inputs (one more of an MLA cache, "
+            f"{NUM_SCALE_INPUTS} more of scaled pages), got {len(values)}"
         )
+    scale_inputs = NUM_SCALE_INPUTS if len(values) - NUM_SCALE_INPUTS in counts else 0
     blocks, *tensors = values
     if not isinstance(blocks, BufferValue):
         blocks = blocks.buffer
-    cache_lengths, lookup_table, max_prompt, max_cache, page_stride, metadata, *mla = (
-        t if isinstance(t, TensorValue) else t.tensor for t in tensors
-    )
+    cache_lengths, lookup_table, max_prompt, max_cache, page_stride, *rest = tensors
+    scales: list[Any] = rest[:scale_inputs]
+    metadata, *mla = rest[scale_inputs:]
+    if scales:  # a buffer, then two tensors
+        kv_scales = scales[0]
+        scales = [
+            kv_scales if isinstance(kv_scales, BufferValue) else kv_scales.buffer,
+            *(_tensor(t) for t in scales[1:]),
+        ]
     return KVCacheInputsPerDevice(
         kv_blocks=blocks,
-        cache_lengths=cache_lengths,
-        lookup_table=lookup_table,
-        max_prompt_length=max_prompt,
-        max_cache_length=max_cache,
-        page_stride=page_stride,
-        attention_dispatch_metadata=metadata,
-        mla_num_partitions=mla[0] if mla else None,
+        cache_lengths=_tensor(cache_lengths),
+        lookup_table=_tensor(lookup_table),
+        max_prompt_length=_tensor(max_prompt),
+        max_cache_length=_tensor(max_cache),
+        page_stride=_tensor(page_stride),
+        kv_scales=scales[0] if scales else None,
+        scales_page_stride=scales[1] if scales else None,
+        scales_lookup_table=scales[2] if scales else None,
+        attention_dispatch_metadata=_tensor(metadata),
+        mla_num_partitions=_tensor(mla[0]) if mla else None,
     )
+
+
+def _tensor(value: Any) -> TensorValue:
+    return value if isinstance(value, TensorValue) else value.tensor
 
 
 def max_kv_params(

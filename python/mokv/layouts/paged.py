@@ -20,6 +20,14 @@ One device's inputs (`RaggedKVCacheInputs`, in constructor-op order):
                           GPU attention sizes its work by the second); mokv's kernels
                           read the per-sequence `cache_lengths` instead.
 
+A cache of scaled FP8 pages (`KVCacheParams.quantization`) has one more input, last
+(`ScaledRaggedKVCacheInputs`):
+
+    scales        float32 [total_num_pages, kv_dim, num_layers, page_size,
+                          n_kv_heads_per_device, head_dim // granularity]: the scales of
+                          the values in `blocks` (MAX's scales leaf,
+                          `shape_per_scale_block`), under the same page ids.
+
 Mojo side: `PagedKVCacheCollection` in mojo/mokv/paged.mojo. MAX's own paged ops take
 these inputs in MAX's form: `mokv.layouts.max_paged`.
 """
@@ -52,6 +60,21 @@ class RaggedKVCacheInputs(NamedTuple, Generic[B, T]):
     max_lengths: T
 
 
+class ScaledRaggedKVCacheInputs(NamedTuple, Generic[B, T]):
+    """One device's inputs of a cache of scaled pages: `RaggedKVCacheInputs` and the
+    scales leaf (module docstring)."""
+
+    blocks: B
+    cache_lengths: T
+    lookup_table: T
+    max_lengths: T
+    scales: B
+
+
+PagedInputs = RaggedKVCacheInputs[B, T] | ScaledRaggedKVCacheInputs[B, T]
+"""One device's paged inputs, with or without scales."""
+
+
 class PagedKVCacheCollectionType(_OpaqueType):
     """Graph type of the K/V view over every layer of a paged cache (owns no memory)."""
 
@@ -66,6 +89,7 @@ class PagedKVCacheCollection(KVCollectionValue):
 class PagedLayout(CacheLayout):
     name = "paged"
     Inputs = RaggedKVCacheInputs
+    ScaledInputs = ScaledRaggedKVCacheInputs
     CollectionType = PagedKVCacheCollectionType
     Collection = PagedKVCacheCollection
     tensors = (
@@ -82,7 +106,7 @@ class PagedLayout(CacheLayout):
         device: DeviceRef,
         dim_prefix: str = "",
         pages_dim: str = "total_num_pages",
-    ) -> RaggedKVCacheInputs[BufferType, TensorType]:
+    ) -> PagedInputs[BufferType, TensorType]:
         """Graph types of one device's inputs; `max_seq_len` does not appear in them.
         `pages_dim` names the pool's size (one per cache group of a manager)."""
         batch, pages, steps = (
@@ -96,11 +120,14 @@ class PagedLayout(CacheLayout):
             params.n_kv_heads_per_device,
             params.head_dim,
         ]
-        return RaggedKVCacheInputs(
+        inputs = RaggedKVCacheInputs(
             blocks=BufferType(params.dtype, blocks_shape, device=device),
             cache_lengths=TensorType(DType.uint32, [batch], device=device),
             lookup_table=TensorType(DType.uint32, [batch, pages], device=device),
             max_lengths=TensorType(DType.uint32, [steps, 2], device=DeviceRef.CPU()),
+        )
+        return self.with_scales(
+            params, inputs, blocks_shape, lambda dtype, dims: BufferType(dtype, dims, device)
         )
 
     def empty_inputs(
@@ -110,7 +137,7 @@ class PagedLayout(CacheLayout):
         max_seq_len: int,
         batch_size: int,
         num_steps: int,
-    ) -> RaggedKVCacheInputs[Buffer, Buffer]:
+    ) -> PagedInputs[Buffer, Buffer]:
         """Zero pages; a one-column lookup table of zeros."""
         shape = (
             0,
@@ -120,12 +147,13 @@ class PagedLayout(CacheLayout):
             params.n_kv_heads_per_device,
             params.head_dim,
         )
-        return RaggedKVCacheInputs(
+        inputs = RaggedKVCacheInputs(
             blocks=Buffer(params.dtype, shape),
             cache_lengths=Buffer(DType.uint32, (batch_size,)),
             lookup_table=Buffer(DType.uint32, (batch_size, 1)),
             max_lengths=Buffer.from_numpy(np.zeros((num_steps, 2), dtype=np.uint32)),
         )
+        return self.with_scales(params, inputs, shape, Buffer)
 
     def collection_parameters(self, params: KVCacheParams) -> dict[str, int]:
         return {**super().collection_parameters(params), "page_size": params.page_size}
@@ -139,7 +167,7 @@ PAGED = PagedLayout()
 
 def group_input_symbols(
     params: KVCacheParams, num_layers: int, max_seq_len: int, devices: Sequence[DeviceRef]
-) -> list[RaggedKVCacheInputs[BufferType, TensorType]]:
+) -> list[PagedInputs[BufferType, TensorType]]:
     """The graph types of a cache of groups (`KVCacheParams.groups`), in `fetch` order:
     every group's in turn (`params.groups` order), each group's one tuple per device
     (replica by replica: device `i` is replica `i // tensor_parallel_degree`'s), as MAX

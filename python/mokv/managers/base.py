@@ -271,13 +271,6 @@ class ManagerFields:
     ) -> None:
         if not isinstance(params, KVCacheParams):
             raise TypeError(f"params must be a mokv.KVCacheParams, got {type(params).__name__}")
-        if params.quantization is not None:
-            # KVCacheParams describes the format (shape, bytes); pages that hold it need a
-            # scales leaf beside the values in every layout and kernel (issue 53).
-            raise ValueError(
-                f"dtype={params.dtype} with quantization={params.quantization!r}: mokv's "
-                "managers do not hold quantized pages yet"
-            )
         check_positive(
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_layers=num_layers
         )

@@ -11,7 +11,8 @@ MAX's sequence-id flow (`claim(n) -> seq_ids`, `fetch(seq_ids)`,
 through `take_slots` / `give_back_slots` and builds its inputs with `slot_inputs`.
 
 Memory: `max_cache_batch_size * 2 * num_layers * max_seq_len * n_kv_heads * head_dim *
-dtype size` bytes, split over the devices by KV head (layout in `mokv.layouts.continuous`).
+dtype size` bytes (and the scales of scaled FP8 pages), split over the devices by KV
+head (layout in `mokv.layouts.continuous`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ from ..errors import (
     StaleContextError,
     UnknownRequestError,
 )
-from ..layouts import CONTINUOUS, ContinuousBatchingKVCacheInputs
+from ..layouts import (
+    CONTINUOUS,
+    ContinuousBatchingKVCacheInputs,
+    ScaledContinuousBatchingKVCacheInputs,
+)
 from ..metrics import KVCacheMetrics, prompt_tokens_in
 from .base import (
     MaxManagerAPI,
@@ -82,10 +87,17 @@ class ContinuousKVCacheManager(MaxManagerAPI):
             )
         refuse_paged_features(params, "the continuous-batching cache")
         self.max_cache_batch_size = max_cache_batch_size
-        self.blocks = [
-            cache_buffer(params.dtype, self.block_shape(max_cache_batch_size), d)
-            for d in self.devices
-        ]
+        shape = self.block_shape(max_cache_batch_size)
+        self.blocks = [cache_buffer(params.dtype, shape, d) for d in self.devices]
+        scales_shape = params.scales_shape(shape)
+        # Scaled FP8 pages: the scales of each slot, beside `blocks` on each device.
+        self.scales: list[Buffer] | None = (
+            None
+            if params.quantization is None or scales_shape is None
+            else [
+                cache_buffer(params.quantization.scale_dtype, scales_shape, d) for d in self.devices
+            ]
+        )
         self._free_slots = list(range(max_cache_batch_size - 1, -1, -1))
         self._slot_of: dict[RequestID, int] = {}
         self._prompt_end: dict[RequestID, int] = {}  # end_idx at a request's first fetch
@@ -150,10 +162,9 @@ class ContinuousKVCacheManager(MaxManagerAPI):
         self._undo.push(self._free_slots.__delitem__, slice(len(self._free_slots), None))
         self._free_slots.extend(slots)
 
-    def slot_inputs(
-        self, slots: list[int], lengths: list[int]
-    ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
-        """One tuple per device for a batch of slots and their cache lengths."""
+    def slot_inputs(self, slots: list[int], lengths: list[int]) -> list[Any]:
+        """One tuple per device for a batch of slots and their cache lengths
+        (`ScaledContinuousBatchingKVCacheInputs` for scaled pages)."""
         cache_lengths = np.array(lengths, dtype=np.uint32)
         host = [
             Buffer.from_numpy(cache_lengths),
@@ -161,9 +172,15 @@ class ContinuousKVCacheManager(MaxManagerAPI):
         ]
         is_empty = Buffer.from_numpy(np.array([not cache_lengths.any()], dtype=np.bool_))
         tables = [host if d.is_host else [b.to(d) for b in host] for d in self.devices]
-        return [
+        inputs = [
             ContinuousBatchingKVCacheInputs(blocks, device_lengths, device_slots, is_empty)
             for blocks, (device_lengths, device_slots) in zip(self.blocks, tables)
+        ]
+        if self.scales is None:
+            return inputs
+        return [
+            ScaledContinuousBatchingKVCacheInputs(*device_inputs, scales)
+            for device_inputs, scales in zip(inputs, self.scales)
         ]
 
     # --- requests (the manager contract) ----------------------------------------------
@@ -246,10 +263,8 @@ class ContinuousKVCacheManager(MaxManagerAPI):
         return True
 
     @atomic
-    def fetch(
-        self, batch: Sequence[TextGenerationContext], num_steps: int = 1
-    ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
-        """Graph inputs for a batch of contexts, one tuple per device."""
+    def fetch(self, batch: Sequence[TextGenerationContext], num_steps: int = 1) -> list[Any]:
+        """Graph inputs for a batch of contexts, one tuple per device (`slot_inputs`)."""
         check_num_steps(num_steps)
         if len(batch) > self.max_cache_batch_size:
             raise BatchTooLargeError(
@@ -288,9 +303,9 @@ class ContinuousKVCacheManager(MaxManagerAPI):
     @synchronized
     def increment_cache_lengths(
         self,
-        kv_cache_inputs: Sequence[ContinuousBatchingKVCacheInputs[Buffer, Buffer]],
+        kv_cache_inputs: Sequence[Any],
         prev_model_inputs: Any,
-    ) -> list[ContinuousBatchingKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[Any]:
         """Inputs for the next step of multistep decoding: cache lengths grow by the rows
         each sequence processed, and `is_cache_empty` is False (only a first step encodes
         a context)."""

@@ -9,14 +9,12 @@ adds mokv's kernel package to the graph, so no `custom_extensions` are needed.
 from ..mojo_package import kernels_path
 from .attention import flash_attention
 from .cpu_paths import portable_cpu_paths
-from .fp8_pages import fp8_paged_collection
 from .kv_cache import store_kv
 from .matmul import fused_qkv_matmul, rope_freqs_cis
 from .mla import mla_attention, mla_store
 
 __all__ = [
     "flash_attention",
-    "fp8_paged_collection",
     "fused_qkv_matmul",
     "kernels_path",
     "mla_attention",

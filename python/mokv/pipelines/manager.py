@@ -36,8 +36,9 @@ Where mokv differs on purpose (docs/serve.md):
 - `alloc_dummy` (data-parallel padding) holds one real page for the dummy where MAX maps
   it onto a null page mokv does not have; a full pool refuses it
   (InsufficientBlocksError).
-- `block_count` of a cache of groups counts every group's pages (MAX: its Jenga pool's
-  huge blocks, which every group shares).
+- `block_count` of a cache of groups counts the slots of the budget its groups share
+  (MAX: its Jenga pool's huge blocks, the null block among them), free ones as slots'
+  worth of free pages.
 """
 
 from __future__ import annotations
@@ -296,11 +297,15 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         ]
 
     def get_req_blocks_per_leaf(self, ctx: Any) -> dict[str, list[int]]:
-        """Each group's page ids by MAX's leaf id, the pad page below a window."""
+        """Each group's page ids by MAX's leaf id, the pad page below a window; for
+        scaled FP8 pages each group's scales leaf too (MAX's `<leaf>/scales`), with the
+        same page ids (mokv's scales share them)."""
         rows = self.manager.get_req_blocks_per_group(self._view(ctx).request_id).values()
+        suffixes = ("", "/scales") if self.manager.params.quantization is not None else ("",)
         return {
-            leaf_id: [LOOKUP_PAD_PAGE] * first + pages
+            leaf_id + suffix: [LOOKUP_PAD_PAGE] * first + pages
             for leaf_id, (first, pages) in zip(self._leaf_ids, rows)
+            for suffix in suffixes
         }
 
     def num_req_blocks(self, ctx: Any) -> int:
@@ -314,7 +319,10 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         return BlockCount(free=free, total=total)
 
     def pressure_pct(self, replica_idx: int = 0) -> float:
-        """The fullest group's page occupancy, in [0, 100] (MAX: the fullest leaf's)."""
+        """The fullest group's page occupancy, in [0, 100] (MAX: the fullest leaf's); for
+        groups sharing one budget, the budget's (a group has the slots it needs)."""
+        if self.manager.params.is_hybrid:
+            return self.block_count(replica_idx).used_pct
         counts = self.manager.group_page_counts(replica_idx).values()
         return max(BlockCount(free=free, total=total).used_pct for free, total in counts)
 
@@ -337,6 +345,7 @@ class KVCacheManager(PagedKVCacheManagerInterface):
                 leaf_id=leaf_id,
                 replicates_kv_across_tp=False,
                 values=self.manager.device_buffers(replica_idx, g),
+                scales=self.manager.device_scales(replica_idx, g),
             )
             for g, leaf_id in enumerate(self._leaf_ids)
         ]

@@ -8,7 +8,8 @@ is refused with `UnsupportedMaxParamsError` naming it, never accepted and ignore
     RecurrentStateParams, nested trees        recurrent state, drafts' caches
     MSAKVCacheParams                          multi-step attention
     MLA beside other children, or windowed    a latent cache in a tree, a latent window
-    an FP8 / FP4 dtype, kvcache_quant_config  quantized KV pages (docs/quantized.md)
+    int8, FP4, float8_e4m3fnuz dtypes; FP8     quantized KV pages mokv does not store
+      scales that are not float32             (docs/quantized.md)
     num_draft_tokens, speculative_method      speculative decoding's draft slots
     is_di_enabled                             disaggregated prefill / decode
     kv_connector_config (not null)            MAX's host / disk / dKV tiers (mokv's own
@@ -24,6 +25,11 @@ GPT-OSS, Olmo 3: "sliding_attention" and "full_attention") becomes mokv's
 with the child's layers, heads, head size and `window_size`; a single
 `MHAKVCacheParams` with a `window_size` is one sliding-window group. Children must share
 a dtype (each is checked as above).
+
+FP8 pages. float8_e4m3fn with a `kvcache_quant_config` (float32 scales) becomes
+`KVCacheParams.quantization` (`KVCacheQuantization` of the config's scale dtype and
+granularity): scaled pages. float8_e4m3fn without one, what MAX's Llama builds for
+`--kv-cache-format float8_e4m3fn`, is mokv's unscaled FP8 format (docs/quantized.md).
 
 MLA. MAX's `MLAKVCacheParams` (DeepSeek V2 and V3, Kimi K2, GLM-5: one latent of
 `head_dim` per token and layer) becomes a cache of one MLA group
@@ -45,6 +51,7 @@ from typing import Any
 from ..config.base import CACHE_DTYPES
 from ..config.groups import CacheGroupConfig
 from ..config.params import KVCacheParams
+from ..config.quantization import QUANTIZED_DTYPES, SCALE_DTYPES, KVCacheQuantization
 from ..errors import MokvError
 from .options import MokvOptions
 
@@ -109,6 +116,9 @@ def max_leaves(params: Any) -> list[tuple[str | None, Any]]:
     dtypes = {child.dtype for _, child in leaves}
     if len(dtypes) > 1:
         raise refuse(f"cache groups of different dtypes ({sorted(d.name for d in dtypes)})")
+    configs = {repr(child.kvcache_quant_config) for _, child in leaves}
+    if len(configs) > 1:
+        raise refuse(f"cache groups of different kvcache_quant_config ({sorted(configs)})")
     return leaves
 
 
@@ -133,12 +143,7 @@ def _check_leaf(params: Any) -> None:
     if type(params) is MLAKVCacheParams:
         _check_mla(params)
 
-    if params.dtype not in CACHE_DTYPES or params.kvcache_quant_config is not None:
-        raise refuse(
-            f"quantized KV pages ({_quantized_kind(params)}: dtype={params.dtype}, "
-            f"kvcache_quant_config={params.kvcache_quant_config!r}); it stores "
-            f"{[d.name for d in CACHE_DTYPES]}"
-        )
+    quantization(params)
     if params.num_draft_tokens or params.speculative_method is not None:
         raise refuse(
             f"speculative decoding's draft tokens (num_draft_tokens={params.num_draft_tokens}, "
@@ -194,13 +199,24 @@ def mla_q_heads(params: Any) -> int | None:
     return params.num_q_heads_per_device if type(params) is MLAKVCacheParams else None
 
 
-def _quantized_kind(params: Any) -> str:
-    """What a quantized `MHAKVCacheParams` holds, for its refusal (docs/quantized.md)."""
-    if params.dtype.name != "float8_e4m3fn":
-        return "quantized values"
-    if params.kvcache_quant_config is None:
-        return "unscaled FP8, what MAX's Llama builds for --kv-cache-format float8_e4m3fn"
-    return "FP8 with per-block scales, whose format mokv.KVCacheParams takes"
+def quantization(params: Any) -> KVCacheQuantization | None:
+    """mokv's `KVCacheQuantization` of a MAX leaf's `kvcache_quant_config` (None:
+    unquantized or unscaled FP8 pages); UnsupportedMaxParamsError naming a quantized
+    format mokv does not store (module docstring)."""
+    config = params.kvcache_quant_config
+    stored = [d.name for d in CACHE_DTYPES + QUANTIZED_DTYPES]
+    if params.dtype not in CACHE_DTYPES + QUANTIZED_DTYPES:
+        raise refuse(f"quantized KV pages of dtype={params.dtype}; it stores {stored}")
+    if config is None:
+        return None
+    if params.dtype not in QUANTIZED_DTYPES or config.scale_dtype not in SCALE_DTYPES:
+        raise refuse(
+            f"quantized KV pages of dtype={params.dtype} with scale_dtype="
+            f"{config.scale_dtype} (kvcache_quant_config={config!r}); it stores "
+            f"{[d.name for d in QUANTIZED_DTYPES]} pages with "
+            f"{[d.name for d in SCALE_DTYPES]} scales"
+        )
+    return KVCacheQuantization(config.scale_dtype, config.quantization_granularity)
 
 
 def mokv_groups(params: Any) -> tuple[CacheGroupConfig, ...]:
@@ -252,4 +268,5 @@ def mokv_params(
         sessions=options.sessions,
         pins=options.pins,
         groups=mokv_groups(params),
+        quantization=quantization(first),
     )

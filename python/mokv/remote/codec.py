@@ -5,12 +5,13 @@ Value = a 64-byte header, the page's token ids (int64 little-endian, the bytes t
 hash was computed over), the digest of the page's extra keys (32 bytes: SHA-256 of the
 keys of a `KeyedTokens` page, its tenant's salt, its adapter and images; zeros for a
 page without), the page's bytes (the device layout `[2, layers, page_size, kv heads per
-device, head_dim]`, C order), then, with a MAC key, a 32-byte tag:
+device, head_dim]`, C order; a scaled FP8 page's scales follow its values,
+`RemoteLayout.scales_shape` float32), then, with a MAC key, a 32-byte tag:
 
     offset size  field
          0    4  magic b"MKVP"
          4    2  version (3)
-         6    2  dtype code (1 float32, 2 bfloat16, 3 float16)
+         6    2  dtype code (1 float32, 2 bfloat16, 3 float16, 4 float8_e4m3fn)
          8   20  shape: 5 x uint32 [2, layers, page_size, heads, head_dim]
         28    8  key space digest: xxh3-64 of the key prefix (`RemoteLayout.key_prefix`:
                  the namespace, the layout fingerprint, the MAC key's id)
@@ -127,9 +128,11 @@ class PageCodec:
 
     def new_value(self, page_hash: int, token_bytes: bytes, page) -> bytearray:
         """A value with `token_bytes`, their keys' digest (`keys_digest`) and a copy of
-        `page` (any buffer of `page_nbytes` contiguous bytes, or an array of
-        `page_shape`) in place and the header and tag still blank (`seal` fills them):
-        the one copy a caller pays. ValueError naming what does not fit."""
+        `page` in place, and the header and tag still blank (`seal` fills them): the one
+        copy a caller pays. `page`: any buffer of `page_nbytes` contiguous bytes, an
+        array of `page_shape`, or a tuple of contiguous buffers whose bytes follow each
+        other (a scaled page's values and scales, copied in turn). ValueError naming
+        what does not fit."""
         layout = self.layout
         if page_hash.__class__ is not int or not 0 <= page_hash < 1 << 64:
             raise ValueError(f"page_hash must be an unsigned 64-bit int, got {page_hash!r}")
@@ -141,18 +144,21 @@ class PageCodec:
         shape = getattr(page, "shape", None)
         if shape is not None and tuple(shape) != layout.page_shape:
             raise ValueError(f"page has shape {tuple(shape)}, expected {layout.page_shape}")
-        data = memoryview(page)
-        if not data.c_contiguous or data.nbytes != layout.page_nbytes:
+        parts = [memoryview(p) for p in (page if isinstance(page, tuple) else (page,))]
+        nbytes = sum(part.nbytes for part in parts)
+        if not all(part.c_contiguous for part in parts) or nbytes != layout.page_nbytes:
             raise ValueError(
-                f"page must be {layout.page_nbytes} contiguous bytes, got {data.nbytes} "
-                f"(contiguous={data.c_contiguous})"
+                f"page must be {layout.page_nbytes} contiguous bytes, got {nbytes} "
+                f"(contiguous={all(part.c_contiguous for part in parts)})"
             )
         value = bytearray(self.value_nbytes)
         tokens_end = HEADER_SIZE + len(token_bytes)
-        page_start = tokens_end + KEYS_DIGEST_SIZE
+        start = tokens_end + KEYS_DIGEST_SIZE
         value[HEADER_SIZE:tokens_end] = token_bytes
-        value[tokens_end:page_start] = keys_digest(token_bytes)
-        value[page_start : page_start + layout.page_nbytes] = data.cast("B")
+        value[tokens_end:start] = keys_digest(token_bytes)
+        for part in parts:
+            value[start : start + part.nbytes] = part.cast("B")
+            start += part.nbytes
         return value
 
     def seal(self, value: bytearray, page_hash: int) -> None:

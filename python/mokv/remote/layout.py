@@ -5,8 +5,15 @@ Key (readable, so an operator can `redis-cli --scan --pattern 'mokv:v4:<namespac
 
     mokv:v4:{namespace}:{fingerprint}[.mac-{key id}]:{page hash as 16 hex digits}
     fingerprint = {dtype}.p{page_size}.l{layers}.h{kv heads per device}.d{head_dim}
-                  .tp{rank}-{degree}.{group kind}.{prefix hash algorithm}
+                  [.s{scales per head}f32].tp{rank}-{degree}.{group kind}.{prefix hash
+                  algorithm}
     e.g. mokv:v4:llama-3.2-1b:bfloat16.p128.l16.h8.d64.tp0-1.full.xxh3:9f0c1e2d3a4b5c6d
+
+Scaled FP8 pages (`KVCacheParams.quantization`) store their scales with their values:
+the page's bytes are the values' (`page_shape`) and then the scales'
+(`scales_shape`, float32), and their fingerprint names the scales per head
+(`.s1f32` for heads of 128 lanes at MAX's granularity). Unscaled FP8 pages have no `.s`
+part; their dtype tells them apart.
 
 The fingerprint is the cache layout: two servers whose pages differ in any of dtype,
 page size, layers, heads, head_dim, shard, group kind or hash scheme write and read
@@ -33,11 +40,14 @@ from max.dtype import DType
 
 from ..config.base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS
 from ..config.params import KVCacheParams
+from ..config.quantization import QUANTIZED_DTYPES
 from ..config.tiers import REMOTE_NAMESPACE
 
 KEY_PREFIX = "mokv:v4"  # v4: the fingerprint names the group kind (v3: keys digest)
-DTYPE_CODES = {DType.float32: 1, DType.bfloat16: 2, DType.float16: 3}
-assert set(DTYPE_CODES) == set(CACHE_DTYPES)
+DTYPE_CODES = {DType.float32: 1, DType.bfloat16: 2, DType.float16: 3, DType.float8_e4m3fn: 4}
+assert set(DTYPE_CODES) == {*CACHE_DTYPES, *QUANTIZED_DTYPES}
+SCALE_DTYPE = DType.float32
+"""The dtype of a scaled page's scales (the one `KVCacheQuantization` stores)."""
 GROUP_KIND = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 """A group kind in a fingerprint: a lowercase name, with its own parameters after a '-'
 (e.g. a sliding window's size), never a '.' or ':' that would make keys ambiguous."""
@@ -68,6 +78,8 @@ class RemoteLayout:
     group: str = FULL_ATTENTION
     kv_dim: int = 2
     """2 (K and V), or 1 (an MLA latent, whole on every shard: group "mla")."""
+    scales_per_head: int = 0
+    """float32 scales of each head of a token (scaled FP8 pages); 0: no scales."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CODES:
@@ -80,6 +92,12 @@ class RemoteLayout:
             value = getattr(self, name)
             if value.__class__ is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        sph = self.scales_per_head
+        if sph.__class__ is not int or sph < 0 or (sph and self.dtype not in QUANTIZED_DTYPES):
+            raise ValueError(
+                f"scales_per_head must be an int >= 0, and 0 but for {QUANTIZED_DTYPES} "
+                f"pages, got {sph!r} for dtype={self.dtype}"
+            )
         if self.tp_rank.__class__ is not int or not 0 <= self.tp_rank < self.tp_degree:
             raise ValueError(f"tp_rank must be in [0, {self.tp_degree}), got {self.tp_rank!r}")
         if self.prefix_hash not in PREFIX_HASH_ALGORITHMS or self.prefix_hash == "builtin":
@@ -108,6 +126,7 @@ class RemoteLayout:
             params.prefix_hash,
             group=FULL_ATTENTION if params.mla_group is None else MLA,
             kv_dim=params.kv_dim,
+            scales_per_head=params.scales_per_head,
         )
 
     @property
@@ -121,18 +140,40 @@ class RemoteLayout:
             self.head_dim,
         )
 
+    @property
+    def scales_shape(self) -> tuple[int, int, int, int, int]:
+        """`[kv_dim, layers, page_size, kv heads per device, scales_per_head]`: one device
+        page's scales (a zero dim without scales)."""
+        return (
+            self.kv_dim,
+            self.num_layers,
+            self.page_size,
+            self.n_kv_heads_per_device,
+            self.scales_per_head,
+        )
+
     @cached_property
-    def page_nbytes(self) -> int:
+    def values_nbytes(self) -> int:
+        """Bytes of one page's values: the first part of its bytes."""
         n = self.dtype.size_in_bytes
         for dim in self.page_shape:
             n *= dim
         return n
 
     @cached_property
+    def page_nbytes(self) -> int:
+        """Bytes of one page: its values and then its scales."""
+        n = SCALE_DTYPE.size_in_bytes
+        for dim in self.scales_shape:
+            n *= dim
+        return self.values_nbytes + n
+
+    @cached_property
     def fingerprint(self) -> str:
+        scales = f".s{self.scales_per_head}f32" if self.scales_per_head else ""
         return (
             f"{self.dtype.name}.p{self.page_size}.l{self.num_layers}"
-            f".h{self.n_kv_heads_per_device}.d{self.head_dim}"
+            f".h{self.n_kv_heads_per_device}.d{self.head_dim}{scales}"
             f".tp{self.tp_rank}-{self.tp_degree}.{self.group}.{self.prefix_hash}"
         )
 

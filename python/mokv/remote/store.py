@@ -192,7 +192,8 @@ class RemotePageStore:
     # --- writes ---------------------------------------------------------------------
 
     def put(self, page_hash: int, token_bytes: bytes, page) -> bool:
-        """Queues a copy of `page` (any buffer of `layout.page_shape`'s bytes) for the
+        """Queues a copy of `page` (any buffer of `layout.page_shape`'s bytes, or a
+        scaled page's values and scales as a tuple, `PageCodec.new_value`) for the
         writer; returns False, counted in `metrics.drops`, if the queue is full.
 
         The caller pays one copy (into the value); the header, the checksum, the MAC tag

@@ -56,9 +56,11 @@ def build_host_tier(
     num_layers: int,
     pool: PagePool,
     blocks: list[Buffer],
+    scales: list[Buffer] | None = None,
 ) -> HostTier:
-    """The host tier of one replica (registered for `HostTierConfig`);
-    InsufficientMemoryError when the machine cannot hold it."""
+    """The host tier of one replica (registered for `HostTierConfig`), over its values
+    `blocks` and, for scaled pages, their `scales`; InsufficientMemoryError when the
+    machine cannot hold it."""
     num_pages = config.num_pages(params, num_layers)
     memory = host_memory_bytes()
     if memory is not None and config.swap_space_gb * 2**30 > memory:
@@ -67,7 +69,7 @@ def build_host_tier(
             f"machine's {memory / 2**30:.1f} GiB of memory"
         )
     try:
-        return HostTier(config, num_pages, pool, blocks)
+        return HostTier(config, num_pages, pool, blocks, scales)
     except MemoryError:  # a bare MemoryError would not say which setting asked
         raise InsufficientMemoryError(
             f"HostTierConfig.swap_space_gb={config.swap_space_gb!r}: {num_pages} host "
@@ -83,14 +85,25 @@ class HostTier:
     shared = False
 
     def __init__(
-        self, config: HostTierConfig, num_pages: int, device_pool: PagePool, blocks: list[Buffer]
+        self,
+        config: HostTierConfig,
+        num_pages: int,
+        device_pool: PagePool,
+        blocks: list[Buffer],
+        scales: list[Buffer] | None = None,
     ) -> None:
         self.pool = HostPagePool(num_pages)
         self.pages = HostPages(
-            blocks[0].dtype, num_pages, list(blocks[0].shape[1:]), [b.device for b in blocks]
+            blocks[0].dtype,
+            num_pages,
+            list(blocks[0].shape[1:]),
+            [b.device for b in blocks],
+            None if scales is None else (scales[0].dtype, list(scales[0].shape[1:])),
         )
         self._device_pool = device_pool
-        self._blocks = blocks
+        # Every device buffer a page lives in, in `pages.buffers` order: each device's
+        # values, then each device's scales (scaled pages), copied together.
+        self._blocks = [*blocks, *(scales or ())]
         self._pinned: Counter[int] = Counter()  # host page -> pending loads (no zeros)
         # min_hits > 0: device hits per device page since it was handed out, and the
         # hits that reached the threshold, written through at the next `store`.

@@ -15,6 +15,8 @@ nothing is sent before the first request.
   more pages than the shards before it returned): a page counts only if every shard
   holds it. The validated bytes ride in the hits, so there is nothing to pin, and
   `load` copies them into the device pages (one pass per shard).
+- Scaled FP8 pages: a page's value holds each shard's values and then its scales
+  (`RemoteLayout`), so a loaded page is both, bit for bit, or a miss.
 - A failing server is a miss, never an error or a wrong page (see `RemotePageStore`).
 - Events: the pages every shard queued are announced with medium "EXTERNAL"; evictions
   never are (the server evicts by itself).
@@ -23,6 +25,7 @@ nothing is sent before the first request.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from max.driver import Buffer
@@ -55,7 +58,11 @@ class RemoteTier:
     shared = True
 
     def __init__(
-        self, config: RemoteTierConfig, layouts: list[RemoteLayout], blocks: list[Buffer]
+        self,
+        config: RemoteTierConfig,
+        layouts: list[RemoteLayout],
+        blocks: list[Buffer],
+        scales: list[Buffer] | None = None,
     ) -> None:
         self.stores: list[RemotePageStore] = []
         try:
@@ -75,7 +82,8 @@ class RemoteTier:
             self.close()  # each store runs a writer thread
             raise
         self._blocks = blocks
-        self._views: dict[int, np.ndarray] = {}  # numpy views of the blocks, by buffer id
+        self._scales = scales  # each shard's scales beside its values (scaled pages)
+        self._views: dict[int, np.ndarray] = {}  # numpy views of the buffers, by buffer id
         self._bytes_loaded = 0
         self._events: PageEventSink | None = None
 
@@ -99,7 +107,13 @@ class RemoteTier:
 
     def load(self, hits: Sequence[TierHit], device_pages: Sequence[int]) -> None:
         for shard, block in enumerate(self._blocks):
-            write_pages([hit.handle[shard] for hit in hits], block, device_pages, self._views)
+            pages = [hit.handle[shard] for hit in hits]
+            if self._scales is None:
+                write_pages(pages, block, device_pages, self._views)
+                continue
+            split = self.stores[shard].layout.values_nbytes  # values, then scales
+            write_pages([p[:split] for p in pages], block, device_pages, self._views)
+            write_pages([p[split:] for p in pages], self._scales[shard], device_pages, self._views)
         self._bytes_loaded += sum(page.nbytes for hit in hits for page in hit.handle)
 
     # --- writes ---------------------------------------------------------------------
@@ -111,9 +125,13 @@ class RemoteTier:
         if not pages.page_ids:
             return
         queued = [True] * len(pages.page_ids)
-        for store, block in zip(self.stores, self._blocks):
+        for shard, (store, block) in enumerate(zip(self.stores, self._blocks)):
+            values: list[Any] = read_pages(block, pages.page_ids, self._views)
+            if self._scales is not None:  # one value: the page's values, then its scales
+                scales = read_pages(self._scales[shard], pages.page_ids, self._views)
+                values = list(zip(values, scales))
             for i, (page_hash, data, page) in enumerate(
-                zip(pages.hashes, pages.token_bytes, read_pages(block, pages.page_ids, self._views))
+                zip(pages.hashes, pages.token_bytes, values)
             ):
                 queued[i] &= store.put(page_hash, data, page)
         if self._events is not None:
@@ -163,11 +181,13 @@ def build_remote_tier(
     num_layers: int,
     pool: PagePool,
     blocks: list[Buffer],
+    scales: list[Buffer] | None = None,
 ) -> RemoteTier:
     """The shared tier of one replica (registered for `RemoteTierConfig`): one store
-    per device shard, each under its own layout."""
+    per device shard, each under its own layout; a scaled page's value holds its
+    scales after its values."""
     layouts = [RemoteLayout.from_params(params, num_layers, shard) for shard in range(len(blocks))]
-    return RemoteTier(config, layouts, blocks)
+    return RemoteTier(config, layouts, blocks, scales)
 
 
 BUILDERS.register(RemoteTierConfig, build_remote_tier)

@@ -69,11 +69,12 @@ class TierStack:
         pool: PagePool,
         blocks: list[Buffer],
         undo: UndoLog | None = None,
+        scales: list[Buffer] | None = None,
     ) -> None:
         self.tiers: list[Tier] = []
         try:
             for config in configs:
-                self.tiers.append(BUILDERS.build(config, params, num_layers, pool, blocks))
+                self.tiers.append(BUILDERS.build(config, params, num_layers, pool, blocks, scales))
         except BaseException:
             self.close()  # a tier built before may run threads
             raise

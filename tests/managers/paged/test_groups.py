@@ -15,7 +15,13 @@ from mokv import CacheGroupConfig, TextContext
 from mokv.managers.paged.groups.full import run_hit
 from mokv.managers.paged.groups.joint import longest_joint_hit
 from mokv.managers.paged.groups.sliding import window_hit
-from mokv.managers.paged.sizing import group_pages, max_supported_sequence_length
+from mokv.managers.paged.sizing import (
+    SlotGeometry,
+    estimated_memory_size,
+    group_slots,
+    infer_optimal_batch_size,
+    max_supported_sequence_length,
+)
 
 from ..conftest import NUM_LAYERS, make_paged, small_params
 
@@ -130,14 +136,17 @@ def test_without_prefix_caching_a_window_frees_its_pages(session):
     served(m, ctx, 1)
     first, pages = held(m, "A")["sliding"]
     assert (first, len(pages)) == (6, 2)  # window_start(30) = 26 // 4
-    sliding = pools(m)["sliding"]
-    assert sliding.num_cached == 0 and sliding.num_free == sliding.num_pages - 2
+    sliding, budget = pools(m)["sliding"], m.replicas[0].budget
+    # each group took 8 of the 32 slots for the step; the window gave 6 back, free
+    assert budget.num_owned == [8, 8] and len(budget.free_slots) == 16
+    assert sliding.num_cached == 0 and sliding.num_free == budget.present(0) - 2
 
 
 def test_a_released_window_goes_back_head_first(session):
     """The full group hands its pages back tail first (the shared prefix is evicted
     last); the sliding group head first (a later hit reads the window before its end),
-    after the pages its window left, oldest first."""
+    after the pages its window left, which no joint hit ends after: those at the old end
+    of the LRU, tail first."""
     m = make_paged(session, num_pages=16, max_seq_len=64, groups=hybrid(9))
     ctx = TextContext(np.arange(17), "A")  # four full pages and one token
     m.external_claim("A")
@@ -148,7 +157,8 @@ def test_a_released_window_goes_back_head_first(session):
     assert held(m, "A")["sliding"][0] == 2
     m.release("A")
     sliding, full = pools(m)["sliding"], pools(m)["full"]
-    assert list(sliding._cached) == rows["sliding"][1][:4]  # page 4 (one token) is free
+    pages = rows["sliding"][1]
+    assert list(sliding._cached) == [pages[1], pages[0], pages[2], pages[3]]  # 4: free
     assert list(full._cached) == rows["full"][1][3::-1]
 
 
@@ -251,21 +261,25 @@ def test_fetch_hands_out_every_groups_inputs_as_input_symbols_names_them(session
 # --- sizing and what a cache of groups refuses ------------------------------------------
 
 
-def test_each_group_gets_one_request_then_shares_by_what_requests_hold():
+def test_one_budget_of_slots_holds_what_requests_hold_in_every_group():
     params = small_params(groups=hybrid(5))  # 512-byte pages; a window of one page
     per_layer = small_params().bytes_per_page(1)
-    memory = 40 * per_layer
-    # 6 pages each for one request of 24 tokens; the 28 left shared 6 : 2 (a request of
-    # 24 tokens holds 6 full pages, 2 windowed ones)
-    assert group_pages(params, NUM_LAYERS, 24, memory) == [6 + 7, 6 + 21]
-    assert group_pages(small_params(), NUM_LAYERS, 24, memory) == [20]
-    longest = max_supported_sequence_length(params, NUM_LAYERS, memory)
-    assert min(group_pages(params, NUM_LAYERS, longest, memory)) >= longest // PAGE
-    assert min(group_pages(params, NUM_LAYERS, longest + PAGE, memory)) < longest // PAGE + 1
+    memory = 40 * per_layer + per_layer // 2  # 40 slots of one page of either group
+    assert group_slots(params, NUM_LAYERS, memory) == SlotGeometry(per_layer, (1, 1), 40)
+    # one request of 24 tokens: 6 pages each in its step; between steps 6 full pages
+    # and 2 windowed ones, so 5 of them fit (40 slots), not 6
+    assert infer_optimal_batch_size(params, 24, NUM_LAYERS, memory) == 5
+    assert estimated_memory_size(params, 2, 24, NUM_LAYERS, memory) == 16 * per_layer
+    assert estimated_memory_size(params, 9, 24, NUM_LAYERS, memory) == 40 * per_layer
+    # the longest request whose step's pages (as many in each group) the 40 slots hold
+    assert max_supported_sequence_length(params, NUM_LAYERS, memory) == 20 * PAGE
+    wide = small_params(groups=(CacheGroupConfig("sliding", 1, window_size=5, head_dim=16),
+                                CacheGroupConfig("full", 1, n_kv_heads=1)))
+    assert group_slots(wide, NUM_LAYERS, 10 * 1024).ratios == (1, 4)  # 1024 : 256 bytes
 
 
 def test_a_budget_short_of_one_request_names_the_group(session):
-    with pytest.raises(mokv.InsufficientMemoryError, match="group 'sliding'"):
+    with pytest.raises(mokv.InsufficientMemoryError, match=r"4 slot.*groups \['sliding', 'full'\].*needs 32"):
         make_paged(session, num_pages=2, max_seq_len=64, groups=hybrid(5))
 
 

@@ -453,8 +453,58 @@ class GroupMachine(PagedManagerMachine):
             GroupMachine.slid_windows += first > 0
 
     def teardown(self):
-        GroupMachine.hit_tokens += self.m.metrics.cache_tokens
+        type(self).hit_tokens += self.m.metrics.cache_tokens
         super().teardown()
+
+
+class WideGroupMachine(GroupMachine):
+    """GroupMachine's rules on groups of different page sizes in one shared budget: a
+    sliding page (two heads) is twice a full one (one head), so a slot holds one sliding
+    page or two full ones, 10 slots in all (a request of 24 tokens takes 9 in its
+    step), and slots move between the groups (evicting the cached pages of the group
+    they leave) as requests come, decode (`decode`: the full group grows, the window
+    slides) and go. The values read back prove that no group's page is written through
+    another's view of a slot. Between calls: each group's free pages and the pages its
+    requests hold are the pages of its slots; every slot is free or one group's."""
+
+    num_pages = 5
+    moved_slots = 0  # over every example: a slot went from one group to the other
+
+    def options(self) -> dict:
+        return dict(groups=(mokv.CacheGroupConfig("sliding", 1, window_size=WINDOW),
+                            mokv.CacheGroupConfig("full", 1, n_kv_heads=1)))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), num_steps=st.integers(4, 16), token=st.integers(0, 2))
+    def decode(self, data, num_steps, token):
+        """One request decodes token by token: its full group's pages grow while its
+        window's slide back, so the full group comes to need the sliding group's slots."""
+        ctx = data.draw(st.sampled_from(sorted(self.running.values(), key=lambda c: c.request_id)))
+        for _ in range(num_steps):
+            if ctx.active_idx >= MAX_SEQ_LEN:
+                return
+            try:
+                self.m.fetch([ctx])
+            except mokv.InsufficientPagesError:
+                return
+            self.read_back_and_write(ctx)
+            ctx.update(token)
+            self.m.step([ctx])
+
+    @invariant()
+    def pages_add_up(self):
+        replica = self.m.replicas[0]
+        budget = replica.budget
+        assert budget.ratios == [1, 2] and budget.num_slots == 10
+        for g, group in enumerate(replica.groups):
+            held = {p for rid in self.running
+                    for p in self.m.get_req_blocks_per_group(rid)[group.name][1]}
+            assert group.pool.num_free + len(held) == budget.present(g)
+        assert len(budget.free_slots) + sum(budget.num_owned) == budget.num_slots
+        budget.check_invariants()
+        owners = getattr(self, "owners", budget.owner)
+        WideGroupMachine.moved_slots += sum(0 <= a != b >= 0 for a, b in zip(owners, budget.owner))
+        self.owners = list(budget.owner)
 
 
 PIN_TTL_S = (5.0, 30.0)
@@ -558,6 +608,11 @@ def test_random_operations_with_sessions(session):
 def test_random_operations_on_a_cache_of_two_groups(session):
     run_machine(session, GroupMachine, 120)
     assert GroupMachine.hit_tokens > 0 and GroupMachine.slid_windows > 0
+
+
+def test_random_operations_on_groups_sharing_one_budget(session):
+    run_machine(session, WideGroupMachine, 120)
+    assert WideGroupMachine.hit_tokens > 0 and WideGroupMachine.moved_slots > 0
 
 
 def test_random_operations_with_pins(session):

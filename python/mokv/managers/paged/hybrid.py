@@ -11,8 +11,9 @@ from ...config.params import KVCacheParams
 
 def check_groups_supported(params: KVCacheParams, num_layers: int) -> None:
     """ValueError naming what a cache of groups does not hold yet: host and shared tiers,
-    sessions, KV-cache events and pins (each keyed to one pool of pages today); or groups whose
-    layers do not add up to `num_layers`."""
+    sessions, KV-cache events and pins (each keyed to one pool of pages today), scaled FP8
+    pages (the groups' shared budget of slots holds values only); or groups whose layers
+    do not add up to `num_layers`."""
     params.cache_groups(num_layers)  # raises for layers that do not add up
     if not params.is_hybrid:
         return
@@ -28,3 +29,9 @@ def check_groups_supported(params: KVCacheParams, num_layers: int) -> None:
                 f"mokv does not hold {feature}={value!r} on a cache of groups {names} yet "
                 "(they hold one full-attention group's pages): drop them, or use one group"
             )
+    if params.quantization is not None:
+        raise ValueError(
+            f"mokv does not hold scaled FP8 pages (quantization={params.quantization!r}) on "
+            f"a cache of groups {names} yet (their shared budget of slots holds values "
+            "only): use unscaled FP8 pages, or one group"
+        )

@@ -10,6 +10,8 @@ Per device, `fetch` hands the graph a `RaggedKVCacheInputs` (layout in
                    t % page_size; every entry is a valid page id
     max_lengths    uint32 [num_steps, 2], host: per step s, MAX's (most new tokens of
                    one request, most cache + new tokens of one request)
+    scales         scaled FP8 pages only (`ScaledRaggedKVCacheInputs`): the scales
+                   buffer beside `blocks` on that device
 
 A request's window, in tokens: `[start_idx, active_idx)` is processed in the first step
 and each later step adds one token, so the table covers
@@ -24,8 +26,9 @@ from collections.abc import Sequence
 import numpy as np
 from max.driver import Buffer, Device
 
-from ...layouts import RaggedKVCacheInputs
+from ...layouts import RaggedKVCacheInputs, ScaledRaggedKVCacheInputs
 from ...layouts.max_paged import LOOKUP_PAD_PAGE, lookup_table_width
+from ...layouts.paged import PagedInputs
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -65,7 +68,8 @@ class PageTable:
         actives: Sequence[int],
         num_steps: int,
         page_size: int,
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+        scales: Sequence[Buffer] | None = None,
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """One tuple per device for a batch: request `i` holds row `slots[i]`, its cache
         ends at `starts[i]` and it processes `actives[i]` tokens in the first step.
 
@@ -87,6 +91,11 @@ class PageTable:
         host = [Buffer.from_numpy(cache_lengths), Buffer.from_numpy(lookup_table)]
         max_lengths_buf = Buffer.from_numpy(max_lengths)
         tables = [host if d.is_host else [t.to(d) for t in host] for d in devices]
+        if scales is not None:
+            return [
+                ScaledRaggedKVCacheInputs(b, lengths, table, max_lengths_buf, s)
+                for b, s, (lengths, table) in zip(blocks, scales, tables)
+            ]
         return [
             RaggedKVCacheInputs(b, lengths, table, max_lengths_buf)
             for b, (lengths, table) in zip(blocks, tables)

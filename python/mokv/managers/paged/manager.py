@@ -42,7 +42,8 @@ from ...errors import (
     InvalidReplicaError,
     UnknownRequestError,
 )
-from ...layouts import PAGED, RaggedKVCacheInputs
+from ...layouts import PAGED
+from ...layouts.paged import PagedInputs
 from ...metrics import KVCacheMetrics
 from ...registry import BUILDERS
 from ...remote import RemoteMetrics
@@ -63,7 +64,7 @@ from .metrics import cache_metrics, num_free_pages, shared_tier_metrics
 from .pins import NO_GRANT, PinGrant
 from .plans import HELD
 from .replica import PagedReplica, Reservation
-from .sizing import check_devices_hold, group_bytes_per_page, group_pages
+from .sizing import check_devices_hold, group_slots, pages_per_replica
 
 _request_id = attrgetter("request_id")  # of a context
 
@@ -119,16 +120,29 @@ class PagedKVCacheManager(MaxManagerAPI):
         check_devices_hold(params, available_cache_memory, self.devices)
         dp = params.data_parallel_degree
         check_groups_supported(params, num_layers)
-        num_pages = group_pages(params, num_layers, max_seq_len, available_cache_memory)
         pages_per_seq = ceil_div(max_seq_len, params.page_size)
-        for group, pages in zip(params.cache_groups(num_layers), num_pages):
-            if pages < pages_per_seq:
-                where = f" for group {group.name!r}" if params.groups else ""
+        slots = None
+        if params.is_hybrid:  # one budget of slots for every group (`groups/budget.py`)
+            slots = group_slots(params, num_layers, available_cache_memory)
+            num_pages = [slots.num_slots * r for r in slots.ratios]
+            needed = slots.slots_for([pages_per_seq] * len(num_pages))
+            if needed > slots.num_slots:
+                names = [g.name for g in params.groups]
                 raise InsufficientMemoryError(
-                    f"available_cache_memory={available_cache_memory} bytes gives {pages} "
-                    f"page(s) per replica{where}; one sequence of max_seq_len={max_seq_len} "
-                    f"needs {pages_per_seq} (at {group_bytes_per_page(params, group)} bytes "
-                    "per page)"
+                    f"available_cache_memory={available_cache_memory} bytes gives "
+                    f"{slots.num_slots} slot(s) of {slots.slot_bytes} bytes per device "
+                    f"and replica for groups {names}; one sequence of "
+                    f"max_seq_len={max_seq_len} needs {needed} ({pages_per_seq} pages "
+                    f"of each group, {list(slots.ratios)} to a slot)"
+                )
+        else:
+            num_pages = [pages_per_replica(params, num_layers, available_cache_memory)]
+            if num_pages[0] < pages_per_seq:
+                raise InsufficientMemoryError(
+                    f"available_cache_memory={available_cache_memory} bytes gives "
+                    f"{num_pages[0]} page(s) per replica; one sequence of "
+                    f"max_seq_len={max_seq_len} needs {pages_per_seq} (at "
+                    f"{params.bytes_per_page(num_layers)} bytes per page)"
                 )
         if max_batch_size < dp:
             raise ValueError(
@@ -151,6 +165,7 @@ class PagedKVCacheManager(MaxManagerAPI):
                         hash_fn,
                         root,
                         self._undo,
+                        slots,
                     )
                 )
             # One publisher per replica (its own PUB socket), opened last so that nothing
@@ -171,7 +186,7 @@ class PagedKVCacheManager(MaxManagerAPI):
         for replica, publisher in zip(self.replicas, self.kv_event_publishers):
             replica.publish_to(publisher)
         self.page_size = params.page_size
-        self.total_num_pages = sum(num_pages) * dp
+        self.total_num_pages = self.replicas[0].num_pages * dp
         self.enable_runtime_checks = enable_runtime_checks
         self._replica_of: dict[RequestID, int] = {}
         self._increment = CacheLengthIncrementer(session, with_max_lengths=True)
@@ -362,8 +377,9 @@ class PagedKVCacheManager(MaxManagerAPI):
     @atomic
     def fetch(
         self, batch: Sequence[TextGenerationContext], num_steps: int = 1
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
-        """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device.
+    ) -> list[PagedInputs[Buffer, Buffer]]:
+        """Graph inputs for `batch`, one `RaggedKVCacheInputs` per device
+        (`ScaledRaggedKVCacheInputs`, with the scales leaf, for scaled pages).
 
         The batch may mix replicas in any order: each replica's inputs describe its own
         requests in batch order (as MAX regroups a batch), and devices come replica by
@@ -499,15 +515,20 @@ class PagedKVCacheManager(MaxManagerAPI):
     @synchronized
     def page_counts(self, replica_idx: int) -> tuple[int, int]:
         """(free, total) pages of one replica, every group's: free counts cached-free
-        pages too."""
+        pages too; with a shared budget (groups), slots (free: slots' worth)."""
         replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
         return replica.num_free_pages, replica.num_pages
 
     @synchronized
     def group_page_counts(self, replica_idx: int) -> dict[str, tuple[int, int]]:
-        """(free, total) pages of each cache group of one replica, by group name."""
+        """(free, total) pages of each cache group of one replica, by group name; with a
+        shared budget (groups), total is the pages of the slots the group has now."""
         replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
-        return {g.name: (g.pool.num_free, g.pool.num_pages) for g in replica.groups}
+        budget = replica.budget
+        return {
+            g.name: (g.pool.num_free, g.pool.num_pages if budget is None else budget.present(i))
+            for i, g in enumerate(replica.groups)
+        }
 
     @synchronized
     def device_buffers(self, replica_idx: int, group: int = 0) -> list[Buffer]:
@@ -516,6 +537,13 @@ class PagedKVCacheManager(MaxManagerAPI):
         hands the graph as `blocks`."""
         replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
         return list(replica.groups[group].blocks)
+
+    def device_scales(self, replica_idx: int, group: int = 0) -> list[Buffer] | None:
+        """The scales beside `device_buffers` of scaled FP8 pages, one per device, under
+        the same page ids (`fetch`'s `scales`); None for pages without scales."""
+        replica = self.replicas[replica_index(replica_idx, len(self.replicas))]
+        scales = replica.groups[group].scales
+        return None if scales is None else list(scales)
 
     @property
     def free_blocks_pct(self) -> float:
@@ -560,9 +588,9 @@ class PagedKVCacheManager(MaxManagerAPI):
     @synchronized
     def increment_cache_lengths(
         self,
-        kv_cache_inputs: Sequence[RaggedKVCacheInputs[Buffer, Buffer]],
+        kv_cache_inputs: Sequence[PagedInputs[Buffer, Buffer]],
         prev_model_inputs: Any,
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """`multistep.increment_cache_lengths`: the next step's inputs, on the device."""
         return multistep.increment_cache_lengths(
             self._increment, self.params, len(self.replicas), kv_cache_inputs, prev_model_inputs

@@ -11,7 +11,7 @@ import numpy as np
 from max.driver import Buffer
 
 from ...config.params import KVCacheParams
-from ...layouts import RaggedKVCacheInputs
+from ...layouts.paged import PagedInputs
 from ..increment import CacheLengthIncrementer, row_offsets_for
 
 
@@ -19,9 +19,9 @@ def increment_cache_lengths(
     increment: CacheLengthIncrementer,
     params: KVCacheParams,
     num_replicas: int,
-    kv_cache_inputs: Sequence[RaggedKVCacheInputs[Buffer, Buffer]],
+    kv_cache_inputs: Sequence[PagedInputs[Buffer, Buffer]],
     prev_model_inputs: Any,
-) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+) -> list[PagedInputs[Buffer, Buffer]]:
     """Inputs for the next step of multistep decoding, computed on the device.
 
     `prev_model_inputs.input_row_offsets` (or the offsets themselves) gives the rows

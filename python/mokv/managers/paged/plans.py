@@ -63,6 +63,9 @@ class RequestState:
     reservation): its pin at release, its write policy."""
     num_withheld: int = 0
     """Full pages its write policy kept out of the index so far."""
+    hit_end: int = 0
+    """With groups: the page index after the last joint prefix hit it took (0: none);
+    a sliding group keeps the window before it (`JointGroups.keep_ends`)."""
 
     def check_window(self, ctx: TextGenerationContext, page_size: int) -> None:
         """StaleContextError unless the context's cache ends between the request's

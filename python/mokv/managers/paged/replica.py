@@ -60,7 +60,9 @@ from dataclasses import replace
 from operator import attrgetter, itemgetter
 
 from max.driver import Buffer, Device
+from max.dtype import DType
 
+from ...cache.cache_memory import cache_buffer
 from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
 from ...config.params import KVCacheParams
@@ -72,7 +74,7 @@ from ...errors import (
     UnknownRequestError,
 )
 from ...events.publisher import EventRecorder
-from ...layouts import RaggedKVCacheInputs
+from ...layouts.paged import PagedInputs
 from ...metrics import prompt_tokens_in
 from ...registry import BUILDERS
 from ...tiers.base import CommittedPages
@@ -80,12 +82,13 @@ from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from ..base import check_request_id
 from .commit import plan_commit
-from .groups import FullAttentionGroup, JointGroups, build_group
+from .groups import FullAttentionGroup, JointGroups, SharedBudget, build_group
 from .inputs import ceil_div
 from .pins import NO_GRANT, PinGrant, PinTable
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
+from .sizing import SlotGeometry
 
 _page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
 _num_fresh = attrgetter("num_fresh")  # of a `Reservation`
@@ -106,6 +109,7 @@ class PagedReplica:
         hash_fn: PageHashFn,
         root_hash: int,
         undo: UndoLog,
+        slots: SlotGeometry | None = None,
     ) -> None:
         self.params = params
         self.undo = undo
@@ -114,10 +118,28 @@ class PagedReplica:
         self.max_requests = max_requests
         self.devices = devices
         self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
-        # `num_pages[g]` pages for group `g`; `pool` and `blocks` are the first group's.
+        # `num_pages[g]` pages for group `g`, or, with groups, views of one budget's
+        # slabs; `pool` and `blocks` are the first group's.
+        slabs = (
+            []
+            if slots is None
+            else [
+                cache_buffer(DType.uint8, [slots.num_slots * slots.slot_bytes], d) for d in devices
+            ]
+        )
+        if slots is not None:
+            num_pages = [slots.num_slots * r for r in slots.ratios]
         self.groups: list[FullAttentionGroup] = [
             build_group(
-                params, config, index, pages, devices, max_requests, self.max_pages_per_seq, undo
+                params,
+                config,
+                index,
+                pages,
+                devices,
+                max_requests,
+                self.max_pages_per_seq,
+                undo,
+                slabs,
             )
             for index, (config, pages) in enumerate(zip(params.cache_groups(num_layers), num_pages))
         ]
@@ -125,13 +147,24 @@ class PagedReplica:
         self.pool = self.group.pool
         self.blocks = self.group.blocks
         self.chains = PrefixChains(params, self.pool, hash_fn, root_hash, max_seq_len)
-        self.joint = JointGroups(self.groups, self.chains, undo) if params.is_hybrid else None
+        self.budget = (
+            None
+            if slots is None
+            else SharedBudget([g.pool for g in self.groups], slots.ratios, slots.num_slots)
+        )
+        if self.budget is not None:
+            self.budget.undo = undo
+        self.joint = (
+            JointGroups(self.groups, self.chains, undo, self.budget) if params.is_hybrid else None
+        )
         self._prefix_caching = params.enable_prefix_caching
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}
         self.input_tokens = 0
         self.cache_tokens = 0
-        self.tiers = TierStack(params.tiers, params, num_layers, self.pool, self.blocks, undo)
+        self.tiers = TierStack(
+            params.tiers, params, num_layers, self.pool, self.blocks, undo, self.group.scales
+        )
         self._tiered = bool(self.tiers)  # read on every reservation
         self.sessions: SessionTable | None = (
             BUILDERS.build(params.sessions, self.pool, self.tiers, undo)
@@ -229,13 +262,19 @@ class PagedReplica:
 
     @property
     def num_free_pages(self) -> int:
-        """Pages of every group that can be handed out now (cached ones included)."""
-        return sum(g.pool.num_free for g in self.groups)
+        """Pages of every group that can be handed out now (cached ones included); with
+        a shared budget, slots' worth of them (free slots and every group's free pages,
+        by bytes)."""
+        budget = self.budget
+        if budget is None:
+            return sum(g.pool.num_free for g in self.groups)
+        return budget.num_free
 
     @property
     def num_pages(self) -> int:
-        """Pages of every group."""
-        return sum(g.pool.num_pages for g in self.groups)
+        """Pages of every group; with a shared budget, its slots."""
+        budget = self.budget
+        return sum(g.pool.num_pages for g in self.groups) if budget is None else budget.num_slots
 
     def committed_hashes(self, request_id: RequestID) -> list[int]:
         """The hash chain of the request's committed (or found) pages, in token order."""
@@ -624,7 +663,7 @@ class PagedReplica:
 
     def runtime_inputs(
         self, batch: list[TextGenerationContext], num_steps: int
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """The batch's lookup table, cache lengths and max lengths on each device
         (`PageTable.inputs`). Every request must already hold its pages."""
         reqs = [self._requests[ctx.request_id] for ctx in batch]

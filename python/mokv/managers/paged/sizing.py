@@ -9,28 +9,26 @@ on every device, so its bytes count once per device (`kv_dim` 1, one head of
 `latent_dim + rope_dim`, times `tensor_parallel_degree`). Pure functions (they
 allocate nothing): the manager's sizing classmethods, MAX's, call them.
 
-Groups (`KVCacheParams.groups`, `group_pages`). Each group has a pool of its own, so a
-replica's memory is split between them when the manager is built:
+Groups (`KVCacheParams.groups`, `group_slots`). A replica's groups share one budget
+(`groups/budget.py`): each device's share is cut into slots of the least common multiple
+of the groups' page sizes there, so a slot holds a whole number of pages of any group,
+and the manager hands slots to the group that needs them as it runs. What a budget holds
+is counted in slots: one request of `max_seq_len` tokens processed in one step (all its
+tokens written before they are read) needs `ceil(pages_per_seq / ratio)` slots in each
+group, and holds between steps `request_pages` of each group (a sliding-window group
+`min(pages_per_seq, pages_in_window + 1)`, MAX 26.7's `blocks_to_reserve`).
 
-    1. every group first gets `ceil(max_seq_len / page_size)` pages: one request of
-       `max_seq_len` tokens processed in one step (all its tokens written before they
-       are read) fits any empty pool;
-    2. the rest is shared in proportion to the bytes one request of `max_seq_len`
-       tokens holds in each group between steps: a full group its every page, a
-       sliding-window group `min(pages_per_seq, pages_in_window + 1)` (MAX 26.7's
-       `blocks_to_reserve`), so that every group runs out at about the same number of
-       requests.
-
-mokv differs from MAX 26.7 on purpose: MAX's Jenga pool lets any group take any huge
-block, so memory moves to the group under pressure; mokv's shares are fixed (each
-pool's accounting stays exact, and no group evicts another's prefix pages), at the
-price of step 1's pages per group (`docs/benchmarks.md` measures both).
+mokv does as MAX 26.7's Jenga pool does (its huge blocks are these slots), without its
+padding: a slot is the exact least common multiple, so no byte of a page is padding
+(`docs/groups.md#memory`; `docs/benchmarks.md` measures both).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
+from dataclasses import dataclass
+from math import lcm
 
 from max.driver import Device
 
@@ -45,6 +43,21 @@ def group_bytes_per_page(params: KVCacheParams, group: CacheGroupConfig) -> int:
     return params.group_params(group).bytes_per_page(group.num_layers)
 
 
+def device_page_bytes(params: KVCacheParams, group: CacheGroupConfig) -> int:
+    """Bytes of one page of `group` on one device of a replica: one page of its buffer
+    there (`FullAttentionGroup.blocks`: `[pages, kv_dim, layers, page_size, heads on the
+    device, head_dim]`)."""
+    shape = params.group_params(group)
+    return (
+        shape.kv_dim
+        * group.num_layers
+        * shape.page_size
+        * shape.n_kv_heads_per_device
+        * shape.head_dim
+        * shape.dtype.size_in_bytes
+    )
+
+
 def request_pages(group: CacheGroupConfig, pages_per_seq: int, page_size: int) -> int:
     """Pages one request of `pages_per_seq` pages holds in `group` between steps."""
     if group.window_size is None:
@@ -52,22 +65,38 @@ def request_pages(group: CacheGroupConfig, pages_per_seq: int, page_size: int) -
     return min(pages_per_seq, group.pages_in_window(page_size) + 1)
 
 
-def group_pages(params: KVCacheParams, num_layers: int, max_seq_len: int, memory: int) -> list[int]:
-    """Pages of each group of one replica (the module docstring's split; with one full
-    group, `pages_per_replica`). A budget below step 1's pages is split by step 2
-    alone, which leaves some group short of one request (the manager then refuses it)."""
-    if not params.is_hybrid:
-        return [pages_per_replica(params, num_layers, memory)]
+@dataclass(frozen=True)
+class SlotGeometry:
+    """How a replica's budget is cut for its groups (`groups/budget.py`)."""
+
+    slot_bytes: int
+    """Bytes of one slot on one device: the least common multiple of the page sizes."""
+    ratios: tuple[int, ...]
+    """Pages of each group one slot holds."""
+    num_slots: int
+
+    def slots_for(self, pages: Sequence[int]) -> int:
+        """Slots that hold `pages[g]` pages of each group."""
+        return sum(ceil_div(n, r) for n, r in zip(pages, self.ratios))
+
+
+def group_slots(params: KVCacheParams, num_layers: int, memory: int) -> SlotGeometry:
+    """The slots of one replica's share of `memory` (each device holds its share of a
+    replica's, `tensor_parallel_degree` of them)."""
+    sizes = [device_page_bytes(params, g) for g in params.cache_groups(num_layers)]
+    slot = lcm(*sizes)
+    per_device = memory // params.data_parallel_degree // params.tensor_parallel_degree
+    return SlotGeometry(slot, tuple(slot // b for b in sizes), per_device // slot)
+
+
+def request_slots(
+    params: KVCacheParams, num_layers: int, geometry: SlotGeometry, per_seq: int, requests: int
+) -> int:
+    """Slots `requests` requests of `per_seq` pages hold between steps (at least the
+    slots one of them needs in its step)."""
     groups = params.cache_groups(num_layers)
-    per_replica = memory // params.data_parallel_degree
-    per_seq = ceil_div(max_seq_len, params.page_size)
-    sizes = [group_bytes_per_page(params, g) for g in groups]
-    shares = [request_pages(g, per_seq, params.page_size) * b for g, b in zip(groups, sizes)]
-    floor = per_seq * sum(sizes)
-    if per_replica < floor:
-        return [per_replica * share // sum(shares) // b for share, b in zip(shares, sizes)]
-    rest = per_replica - floor
-    return [per_seq + rest * share // sum(shares) // b for share, b in zip(shares, sizes)]
+    held = [requests * request_pages(g, per_seq, params.page_size) for g in groups]
+    return max(geometry.slots_for([per_seq] * len(groups)), geometry.slots_for(held))
 
 
 def pages_per_replica(params: KVCacheParams, num_layers: int, memory: int) -> int:
@@ -109,16 +138,12 @@ def estimated_memory_size(
     figure is `data_parallel_degree` times too large there).
     """
     dp = params.data_parallel_degree
-    if params.is_hybrid:  # per group: its pages, or what its requests hold, if fewer
-        groups = params.cache_groups(num_layers)
-        split = group_pages(params, num_layers, max_seq_len, available_cache_memory)
+    if params.is_hybrid:  # slots: the budget's, or what its requests hold, if fewer
+        geometry = group_slots(params, num_layers, available_cache_memory)
         per_seq = ceil_div(max_seq_len, params.page_size)
-        reqs = ceil_div(max_batch_size, dp)
-        return dp * sum(
-            min(n, max(per_seq, reqs * request_pages(g, per_seq, params.page_size)))
-            * group_bytes_per_page(params, g)
-            for g, n in zip(groups, split)
-        )
+        slots = request_slots(params, num_layers, geometry, per_seq, ceil_div(max_batch_size, dp))
+        per_device = min(geometry.num_slots, slots) * geometry.slot_bytes
+        return dp * params.tensor_parallel_degree * per_device
     pages = pages_per_replica(params, num_layers, available_cache_memory)
     needed = ceil_div(max_batch_size, dp) * ceil_div(max_seq_len, params.page_size)
     return dp * min(pages, needed) * params.bytes_per_page(num_layers)
@@ -135,11 +160,14 @@ def infer_optimal_batch_size(
     `max(1, data_parallel_degree * floor(pages_per_replica / ceil(max_seq_len / page_size)))`.
     """
     per_seq = ceil_div(max_seq_len, params.page_size)
-    if params.is_hybrid:  # the group that runs out first
-        groups = params.cache_groups(num_layers)
-        split = group_pages(params, num_layers, max_seq_len, available_cache_memory)
-        fit = min(n // request_pages(g, per_seq, params.page_size) for g, n in zip(groups, split))
-        return max(1, params.data_parallel_degree * fit)
+    if params.is_hybrid:  # the most requests whose slots the budget holds
+        geometry = group_slots(params, num_layers, available_cache_memory)
+
+        def over(n: int) -> bool:  # n requests hold more slots than the budget's
+            return request_slots(params, num_layers, geometry, per_seq, n) > geometry.num_slots
+
+        fit = bisect_left(range(geometry.num_slots + 2), True, key=over)
+        return max(1, params.data_parallel_degree * (fit - 1))
     pages = pages_per_replica(params, num_layers, available_cache_memory)
     return max(1, params.data_parallel_degree * (pages // per_seq))
 
@@ -151,16 +179,16 @@ def max_supported_sequence_length(
 
     Replicas get equal shares of `memory_available`, so the minimum over replicas is
     the value of any one of them; it is a multiple of `page_size`. With groups, the
-    longest `max_seq_len` whose split (`group_pages`) gives every group step 1's pages
-    (found by bisection: a longer one never needs fewer).
+    longest `max_seq_len` one of whose requests, in one step, the slots hold
+    (`group_slots`; found by bisection: a longer one never needs fewer).
     """
     if not params.is_hybrid:
         return pages_per_replica(params, num_layers, memory_available) * params.page_size
-    ps = params.page_size
+    geometry = group_slots(params, num_layers, memory_available)
+    num_groups = len(geometry.ratios)
 
-    def short(num_pages: int) -> bool:  # some group lacks one request of num_pages pages
-        split = group_pages(params, num_layers, num_pages * ps, memory_available)
-        return min(split) < num_pages
+    def short(num_pages: int) -> bool:  # one request of num_pages pages does not fit
+        return geometry.slots_for([num_pages] * num_groups) > geometry.num_slots
 
-    bound = memory_available // params.data_parallel_degree // ps + 2
-    return (bisect_left(range(bound), True, key=short) - 1) * ps
+    bound = geometry.num_slots * max(geometry.ratios) + 2
+    return (bisect_left(range(bound), True, key=short) - 1) * params.page_size

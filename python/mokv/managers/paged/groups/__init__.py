@@ -5,6 +5,8 @@ base.py     CacheGroup: what the replica asks of every group kind (the protocol)
 full.py     FullAttentionGroup: layers that read every token before them
 sliding.py  SlidingWindowGroup: layers that read the last `window_size` tokens
 mla.py      LatentGroup: multi-head latent attention layers, one latent per token
+budget.py   SharedBudget: one allocation for every group, moved to the group that
+            needs it
 joint.py    JointGroups: several groups (or a window) driven together, the joint
             prefix hit in one place
 """
@@ -13,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from max.driver import Device
+from max.driver import Buffer, Device
 
 from ....config.groups import CacheGroupConfig
 from ....config.params import KVCacheParams
 from ....undo import UndoLog
 from .base import CacheGroup
+from .budget import SharedBudget
 from .full import FullAttentionGroup
 from .joint import JointGroups
 from .mla import LatentGroup
@@ -29,6 +32,7 @@ __all__ = [
     "FullAttentionGroup",
     "JointGroups",
     "LatentGroup",
+    "SharedBudget",
     "SlidingWindowGroup",
     "build_group",
 ]
@@ -43,8 +47,10 @@ def build_group(
     max_requests: int,
     max_pages_per_seq: int,
     undo: UndoLog,
+    slabs: Sequence[Buffer] = (),
 ) -> FullAttentionGroup:
-    """The group of kind `config.kind`, `index`-th of its replica, on `num_pages` pages."""
+    """The group of kind `config.kind`, `index`-th of its replica, on `num_pages` pages
+    (views of `slabs`, if any)."""
     args = (
         params.group_params(config),
         range(config.num_layers),
@@ -59,9 +65,12 @@ def build_group(
             *args,
             name=config.name,
             index=index,
+            slabs=slabs,
             latent_dim=config.latent_dim,
             rope_dim=config.mla_head_dim - config.latent_dim,
         )
     if config.window_size is None:
-        return FullAttentionGroup(*args, name=config.name, index=index)
-    return SlidingWindowGroup(*args, name=config.name, index=index, window_size=config.window_size)
+        return FullAttentionGroup(*args, name=config.name, index=index, slabs=slabs)
+    return SlidingWindowGroup(
+        *args, name=config.name, index=index, slabs=slabs, window_size=config.window_size
+    )

@@ -36,9 +36,10 @@ mokv differs from MAX 26.7 on purpose in two places:
   and ANDs their residency in the manager; mokv's leaves of a group share one page id
   (the layout of `blocks`: `[pages, 2, layers, page_size, heads, head_dim]`), so a
   group's pages are found or lost together;
-- one pool per group, not MAX's "Jenga" pool of huge blocks cut into per-leaf little
-  blocks: the share of memory each group gets is fixed when the manager is built
-  (`sizing.py`), which keeps each pool's accounting (room, eviction order) exact.
+- one pool per group over a budget they share (`budget.py`): MAX's "Jenga" pool of
+  huge blocks cut into per-leaf little blocks, each group's pool a view of the slots it
+  has, so memory moves to the group under pressure while each pool's accounting (room,
+  eviction order) stays exact.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from typing import ClassVar, Protocol
 from max.driver import Buffer
 
 from ....cache.page_pool import PagePool
-from ....layouts import RaggedKVCacheInputs
+from ....layouts.paged import PagedInputs
 from ..inputs import PageTable
 from ..plans import CommitPlan, RequestState
 
@@ -107,8 +108,9 @@ class CacheGroup(Protocol):
         one. True where a page was indexed."""
         ...
 
-    def slide(self, req: RequestState, start_idx: int) -> None:
-        """Releases the request's pages no step from `start_idx` on reads."""
+    def slide(self, req: RequestState, start_idx: int, keep_ends: Sequence[int] = ()) -> None:
+        """Releases the request's pages no step from `start_idx` on reads (those in
+        the window before one of `keep_ends` evicted last)."""
         ...
 
     def release(self, req: RequestState) -> None:
@@ -117,7 +119,7 @@ class CacheGroup(Protocol):
 
     def runtime_inputs(
         self, slots: Sequence[int], starts: Sequence[int], actives: Sequence[int], num_steps: int
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """The group's graph inputs for a batch, one per device of the replica."""
         ...
 

@@ -1,8 +1,10 @@
 """FullAttentionGroup: the layers that read every token before them, on one page pool.
 
 Its pages hold K and V of every layer of the group (`blocks`, one buffer per device:
-`[num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]`), so a page is
-found, shared, evicted and loaded for all of them at once. A prefix hit is a run from
+`[num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]`), and for
+scaled FP8 pages their scales (`scales`, one buffer per device beside each of
+`blocks`, under the same page ids), so a page is found, shared, evicted and loaded for
+all of them at once. A prefix hit is a run from
 the root: the group holds every page of it, and keeps every page a
 request wrote until the request is released. The sliding-window group
 (`sliding.py`) is this group with a window: the same pool, buffers and commits, less
@@ -25,7 +27,7 @@ from ....cache.cache_memory import cache_buffer
 from ....cache.page_pool import PagePool
 from ....config.params import KVCacheParams
 from ....errors import InvariantError
-from ....layouts import RaggedKVCacheInputs
+from ....layouts.paged import PagedInputs
 from ....undo import UndoLog
 from ..inputs import PageTable, ceil_div
 from ..plans import CommitPlan, RequestState
@@ -36,7 +38,9 @@ class FullAttentionGroup:
 
     `name` is the group's (`CacheGroupConfig.name`) and `index` its place among the
     replica's groups: its row of a request is `req.rows[index]` in a replica of several
-    groups, `req.pages` in one of a single group (`row`)."""
+    groups, `req.pages` in one of a single group (`row`). `slabs` (one per device): the
+    memory its buffers view, shared with the other groups (`budget.py`); none: buffers
+    of its own."""
 
     kind: ClassVar[str] = "full"
     window_size: int | None = None
@@ -55,6 +59,7 @@ class FullAttentionGroup:
         undo: UndoLog,
         name: str = "full_attention",
         index: int = 0,
+        slabs: Sequence[Buffer] = (),
     ) -> None:
         self.name = name
         self.index = index
@@ -72,7 +77,17 @@ class FullAttentionGroup:
             params.n_kv_heads_per_device,
             params.head_dim,
         ]
-        self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
+        if slabs:  # views of a budget shared with other groups (`budget.py`)
+            self.blocks = [slab.view(params.dtype, shape) for slab in slabs]
+        else:
+            self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
+        # A shared budget holds values only: `check_groups_supported` refuses scales there.
+        scales_shape = params.scales_shape(shape)
+        self.scales: list[Buffer] | None = (
+            None
+            if params.quantization is None or scales_shape is None
+            else [cache_buffer(params.quantization.scale_dtype, scales_shape, d) for d in devices]
+        )
         self.page_table = PageTable(max_requests, max_pages_per_seq)
 
     def row(self, req: RequestState) -> list[int]:
@@ -96,7 +111,7 @@ class FullAttentionGroup:
         """The first page a step whose cache ends at `start_idx` reads: 0 (every page)."""
         return 0
 
-    def slide(self, req: RequestState, start_idx: int) -> None:
+    def slide(self, req: RequestState, start_idx: int, keep_ends: Sequence[int] = ()) -> None:
         """Releases the pages no step from `start_idx` on reads: none here."""
 
     def release(self, req: RequestState) -> None:
@@ -175,11 +190,18 @@ class FullAttentionGroup:
 
     def runtime_inputs(
         self, slots: Sequence[int], starts: Sequence[int], actives: Sequence[int], num_steps: int
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """The batch's lookup table, cache lengths and max lengths on each device
-        (`PageTable.inputs`)."""
+        (`PageTable.inputs`), with the scales of scaled pages."""
         return self.page_table.inputs(
-            self.blocks, self.devices, slots, starts, actives, num_steps, self.page_size
+            self.blocks,
+            self.devices,
+            slots,
+            starts,
+            actives,
+            num_steps,
+            self.page_size,
+            self.scales,
         )
 
     def check_write_windows(

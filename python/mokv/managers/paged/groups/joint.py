@@ -24,10 +24,13 @@ Per request, every group has a row of page ids of the same length (`RequestState
 and a first page it holds (`RequestState.firsts`); a sliding group's first moves up as
 the window does (`slide`, after each step's commits and when a hit moves the window).
 
-mokv differs from MAX 26.7 here on purpose: one pool per group with fixed shares of the
-memory (`sizing.group_pages`), not MAX's Jenga pool whose huge blocks any group can
-take; so no group's pressure evicts another group's prefix pages, and each pool's
-accounting (room, eviction order) stays exact.
+Memory. With a shared budget (`budget.py`, MAX 26.7's Jenga pool), the groups' pools
+are views of one allocation whose slots move to the group that needs them: `fits`,
+`room` and `take` ask the budget which slots each group must (and may cheaply) take
+before each pool takes its pages, so a group under pressure gets memory another group
+does not use, and each pool's accounting (room, eviction order) stays exact. A sliding
+group's slides keep the window before `keep_ends` (where a later joint hit ends) ahead
+of the pages no joint hit can read.
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ from max.driver import Buffer
 
 from ....context import RequestID, TextGenerationContext
 from ....errors import InvariantError, StaleContextError
-from ....layouts import RaggedKVCacheInputs
 from ....layouts.max_paged import LOOKUP_PAD_PAGE
+from ....layouts.paged import PagedInputs
 from ....undo import UndoLog
 from ..plans import CommitPlan, JointHit, RequestState, Reservation
 from ..prefix import PrefixChains
+from .budget import SharedBudget
 from .full import FullAttentionGroup
 
 
@@ -56,11 +60,16 @@ class JointGroups:
         groups: Sequence[FullAttentionGroup],
         chains: PrefixChains,
         undo: UndoLog,
+        budget: SharedBudget | None = None,
     ) -> None:
         self.groups = list(groups)
         self.chains = chains
         self.page_size = chains.page_size
         self.undo = undo
+        self.budget = budget
+        self.full = next((g for g in self.groups if not g.pages_in_window), None)
+        """The first group whose layers read every token (its shared pages show where
+        requests' prompts part: `keep_ends`), if any."""
 
     def new_request(self, slot: int) -> RequestState:
         """A claimed request's state, with an empty row in every group."""
@@ -133,19 +142,20 @@ class JointGroups:
         return len(hit.hashes) if hit is not None else 0
 
     def room(self, hit: JointHit | None) -> int:
-        """The least fresh pages any group's pool could hand out with its pages of `hit`
-        taken."""
-        if hit is None:
-            return min(group.pool.num_free for group in self.groups)
-        return min(group.pool.room(pages) for group, pages in zip(self.groups, hit.pages))
+        """The most fresh pages every group could hand out at once with its pages of
+        `hit` taken (a shared budget's, or the least of the groups' pools)."""
+        hits = [()] * len(self.groups) if hit is None else hit.pages
+        if self.budget is not None:
+            return self.budget.room(hits)
+        return min(group.pool.room(pages) for group, pages in zip(self.groups, hits))
 
     def fits(self, plans: Sequence[Reservation]) -> bool:
-        """Whether every group's pool can take the plans' hits and fresh pages at once."""
+        """Whether every group can take the plans' hits and fresh pages at once."""
         num_fresh = sum(plan.num_fresh for plan in plans)
-        return all(
-            group.pool.can_take(self._hit_pages(plans, g), num_fresh)
-            for g, group in enumerate(self.groups)
-        )
+        hits = [self._hit_pages(plans, g) for g in range(len(self.groups))]
+        if self.budget is not None:
+            return self.budget.grants(num_fresh, hits) is not None
+        return all(group.pool.can_take(h, num_fresh) for group, h in zip(self.groups, hits))
 
     @staticmethod
     def _hit_pages(plans: Sequence[Reservation], g: int) -> list[int]:
@@ -158,6 +168,13 @@ class JointGroups:
         extends each request's rows and chain, and slides each window to where the hit
         moved it."""
         num_fresh = sum(plan.num_fresh for plan in plans)
+        if self.budget is not None:  # the slots each group needs first
+            moves = self.budget.grants(
+                num_fresh, [self._hit_pages(plans, g) for g in range(len(self.groups))]
+            )
+            if moves is None:
+                raise InvariantError("a reservation that fits could not take its slots")
+            self.budget.move(moves)
         fresh = []
         for g, group in enumerate(self.groups):
             pages = group.pool.take(self._hit_pages(plans, g), num_fresh)
@@ -168,10 +185,13 @@ class JointGroups:
         for plan in plans:
             req, hit = plan.req, plan.joint
             held = len(req.pages)
-            self.undo.push(self._truncate, req, held, len(req.hashes), list(req.firsts))
+            self.undo.push(
+                self._truncate, req, held, len(req.hashes), list(req.firsts), req.hit_end
+            )
             n = len(hit.hashes) if hit is not None else 0
             if hit is not None:
                 req.hashes.extend(hit.hashes)
+                req.hit_end = held + n
             for g, group in enumerate(self.groups):
                 row = req.rows[g]
                 if hit is not None:
@@ -194,9 +214,26 @@ class JointGroups:
             req.firsts[group.index] = new_first
 
     def slide(self, req: RequestState, start_idx: int) -> None:
-        """Every group releases the request's pages that no step from `start_idx` reads."""
+        """Every group releases the request's pages that no step from `start_idx` reads,
+        a sliding group's evicted first but for the windows before `keep_ends`."""
+        ends: tuple[int, ...] | None = None
         for group in self.groups:
-            group.slide(req, start_idx)
+            if group.pages_in_window and group.window_start(start_idx) > group.first(req):
+                ends = self.keep_ends(req) if ends is None else ends
+                group.slide(req, start_idx, ends)
+
+    def keep_ends(self, req: RequestState) -> tuple[int, int]:
+        """Where a later joint hit on the request's prefix is likely to end: after the
+        last joint hit it took (`hit_end`), and after the leading pages it shares with
+        other requests in the full group (their prompts part there). A sliding group
+        keeps the windows before these ends ahead of its other pages."""
+        shared = 0
+        full = self.full
+        if full is not None:
+            pool, row = full.pool, req.pages if full.index == 0 else full.row(req)
+            while shared < len(row) and pool.ref_count(row[shared]) > 1:
+                shared += 1
+        return req.hit_end, shared
 
     def release(self, req: RequestState) -> None:
         """Hands back every page the request holds, in every group."""
@@ -213,11 +250,12 @@ class JointGroups:
             group.pool.reset_prefix_cache()
 
     def _truncate(
-        self, req: RequestState, num_pages: int, num_hashes: int, firsts: list[int]
+        self, req: RequestState, num_pages: int, num_hashes: int, firsts: list[int], hit_end: int
     ) -> None:
-        """Undoes what a request's rows, chain and firsts gained (idempotent)."""
+        """Undoes what a request's rows, chain, firsts and hit end gained (idempotent)."""
         del req.hashes[num_hashes:]
         req.firsts[:] = firsts
+        req.hit_end = hit_end
         for group in self.groups:
             del group.row(req)[num_pages:]
             group.write_row(req)
@@ -226,7 +264,7 @@ class JointGroups:
 
     def runtime_inputs(
         self, slots: Sequence[int], starts: Sequence[int], actives: Sequence[int], num_steps: int
-    ) -> list[RaggedKVCacheInputs[Buffer, Buffer]]:
+    ) -> list[PagedInputs[Buffer, Buffer]]:
         """Every group's inputs for a batch, group by group, each one per device."""
         return [
             device_inputs
@@ -278,8 +316,14 @@ class JointGroups:
                         f"request in slot {req.slot}: group {group.name!r} holds pages "
                         f"[{first}, {len(row)}) of {len(req.pages)}"
                     )
-        for group in self.groups:
-            group.check_invariants(group.held(req) for req in requests)
+        budget = self.budget
+        for g, group in enumerate(self.groups):
+            owners = [group.held(req) for req in requests]
+            if budget is not None:  # the pages of the slots the group does not have
+                owners.append(budget.held(g))
+            group.check_invariants(owners)
+        if budget is not None:
+            budget.check_invariants()
 
 
 def longest_joint_hit(rules: Sequence[Callable[[int], int]], n: int) -> int:

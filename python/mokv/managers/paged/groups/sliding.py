@@ -16,7 +16,11 @@ no later step of the request. So the group holds only a request's pages from the
 A request's pages here are bounded by its window plus the tokens of one step, not by
 its length. The pages that leave the window are released (`slide`, at `step` and when a
 prefix hit moves the window): a committed page becomes a cached page of the pool (found
-by a later prefix hit, evicted first when room is needed); an uncommitted one is free.
+by a later prefix hit); an uncommitted one is free. Of the committed ones, a later
+joint hit can read only those in the window before where it ends, so `slide` keeps the
+window before each of `keep_ends` (the end of the request's last joint hit, and of the
+prefix it shares with other requests: `JointGroups.keep_ends`) at the young end of the
+LRU and puts the others at its old end, evicted before any page released the usual way.
 
 Prefix hits. A hit of `n` pages needs, here, only the pages the query after it reads:
 the `pages_in_window = ceil((window_size - 1) / page_size)` pages before page `n` (all
@@ -32,7 +36,11 @@ Where mokv differs from MAX 26.7 on purpose:
   more than any step reads whenever `start_idx` is not on a page boundary;
 - a released request hands its pages back head first (MAX and vLLM: tail first, as for
   a full group): the pages a later hit here needs are the window before its end, and
-  the next turn of a conversation continues from the end, so the tail is evicted last.
+  the next turn of a conversation continues from the end, so the tail is evicted last;
+- the pages a slide releases outside the windows a later joint hit reads go to the old
+  end of the LRU (MAX and vLLM: the young end, tail first), so they are evicted before
+  a shared prefix's last window (`docs/benchmarks.md`: 0.381 against 0.397 of prompt
+  tokens hit on the Gemma-3-like trace).
 """
 
 from __future__ import annotations
@@ -70,14 +78,21 @@ class SlidingWindowGroup(FullAttentionGroup):
         `pages_in_window`."""
         return min(n, self.pages_in_window)
 
-    def slide(self, req: RequestState, start_idx: int) -> None:
-        """Releases the request's pages before `window_start(start_idx)`, head first
-        (the oldest evicted first), and pads their page-table entries."""
+    def slide(self, req: RequestState, start_idx: int, keep_ends: Sequence[int] = ()) -> None:
+        """Releases the request's pages before `window_start(start_idx)` and pads their
+        page-table entries. The pages in the window before one of `keep_ends` (where a
+        later joint hit may end: `JointGroups.keep_ends`) join the pool's LRU as usual,
+        head first; the others, which only a hit ending inside the request's own tokens
+        could read, join its old end, tail first (evicted before any other page)."""
         first, new_first = req.firsts[self.index], self.window_start(start_idx)
         if new_first <= first:
             return
         self.undo.push(self.unslide, req, first)  # idempotent: before the changes
-        self.pool.release(self.row(req)[first:new_first])
+        row, w = self.row(req), self.pages_in_window
+        keep = {i for end in keep_ends for i in range(max(first, end - w), min(end, new_first))}
+        cold = [row[i] for i in range(new_first - 1, first - 1, -1) if i not in keep]
+        self.pool.release_cold(cold)
+        self.pool.release([row[i] for i in sorted(keep)])
         req.firsts[self.index] = new_first
         self.page_table.pad(req.slot, first, new_first)
 

@@ -1,0 +1,98 @@
+"""One budget for every cache group (groups/budget.py): memory moves to the group that
+needs it, and a sliding group keeps the window a later joint hit reads ahead of the
+pages no hit can use. Exact states on small caches (pages of 4 tokens)."""
+
+from __future__ import annotations
+
+import numpy as np
+from mokv import CacheGroupConfig, TextContext
+
+from ..conftest import make_paged
+from .test_groups import held, pools, served
+
+PAGE = 4
+
+
+def two_groups(window: int) -> tuple[CacheGroupConfig, ...]:
+    """A sliding group and a full group of one layer each: a slot holds one page of
+    either."""
+    return (CacheGroupConfig("sliding", 1, window_size=window), CacheGroupConfig("full", 1))
+
+
+def test_memory_moves_to_the_group_that_needs_it(session):
+    """32 slots. Fixed shares (the old split: each group one request of 64 tokens, 16
+    pages, nothing left to share) gave the full group 16 pages, so B, whose 10 full
+    pages come on top of A's 10, was refused; the shared budget admits it, the full
+    group taking the slots the sliding group's window gave back."""
+    m = make_paged(session, num_pages=16, max_seq_len=64, groups=two_groups(5))
+    budget = m.replicas[0].budget
+    assert budget.num_slots == 32 and budget.ratios == [1, 1]
+    served(m, TextContext(np.arange(40), "A"), 1)  # 10 full pages and 1 token
+    assert held(m, "A")["sliding"][0] == 9  # window_start(40) = 36 // 4: pages 0-8 left
+    assert budget.num_owned == [10, 10] and len(budget.free_slots) == 12
+    sliding = pools(m)["sliding"]
+    assert sliding.num_cached == 9  # pages 0-8, cached
+    b = TextContext(np.arange(1000, 1040), "B")  # no prefix in common with A
+    m.external_claim("B")
+    assert m.maybe_reserve(b)
+    # the full group: A's 10 and B's 10, more than its fixed share of 16
+    assert budget.present(1) == 20 and len(held(m, "B")["full"][1]) == 10
+    # the sliding group needed 1 slot past its cache and took the last 2 free ones,
+    # so it evicted 8 of its 9 cached pages, not 9
+    assert budget.num_owned == [12, 20] and budget.free_slots == []
+    assert sliding.num_cached == 1 and sliding.num_free == 1
+    c = TextContext(np.arange(2000, 2004), "C")  # one more page in each group: none left
+    m.external_claim("C")
+    assert not m.maybe_reserve(c)
+    m.release("C")
+    m.release("B")
+    m.release("A")
+    assert m.num_free_blocks == m.total_num_pages == 32
+    m.check_invariants()
+
+
+def test_the_window_before_a_shared_prefix_end_outlives_older_pages(session):
+    """Window 9 (two pages before the one written), 32 slots. A and B share a prefix of
+    4 pages and then part: the sliding group keeps that prefix's last window (pages 2
+    and 3) ahead of the pages of their own tokens and of the prefix's head, which no
+    joint hit can read (those go to the old end of the LRU, tail first). C, with none of
+    those tokens, evicts 6 cached sliding pages: exactly those; D, with the prefix, then
+    gets the full joint hit of 4 pages."""
+    m = make_paged(session, num_pages=16, max_batch_size=4, max_seq_len=48,
+                   groups=two_groups(9))
+    budget = m.replicas[0].budget
+    prefix = list(range(100, 116))
+    a = TextContext(np.array(prefix + list(range(200, 216))), "A")  # 8 pages
+    b = TextContext(np.array(prefix + list(range(300, 316))), "B")
+    for ctx in (a, b):
+        m.external_claim(ctx.request_id)
+    m.fetch([a, b])
+    for ctx in (a, b):
+        ctx.update(1)
+    m.step([a, b])  # both commit 8 pages; B's prefix pages become A's
+    rows_a, rows_b = held(m, "A"), held(m, "B")
+    assert rows_a["full"][1][:4] == rows_b["full"][1][:4]  # the prefix, shared
+    assert budget.num_owned == [16, 16] and budget.free_slots == []
+    m.release("A")
+    m.release("B")
+    sliding, full = pools(m)["sliding"], pools(m)["full"]
+    hashes = [full.page_hash(p) for p in rows_a["full"][1][:4]]
+    datas = [full.page_tokens(p) for p in rows_a["full"][1][:4]]
+    window = [sliding.lookup(h, d) for h, d in zip(hashes[2:], datas[2:])]
+    # 12 cached sliding pages: the 6 that no hit can read oldest, then the prefix's
+    # window, then the windows A and B held at their release
+    finals = rows_a["sliding"][1] + rows_b["sliding"][1]
+    assert list(sliding._cached)[6:] == window + finals and sliding.num_cached == 12
+    c = TextContext(np.arange(1000, 1040), "C")  # 10 pages in each group
+    m.external_claim("C")
+    assert m.maybe_reserve(c)
+    assert list(sliding._cached) == window + finals  # the 6 others evicted
+    assert sliding.lookup(hashes[0], datas[0]) is None  # the prefix's head among them
+    m.release("C")
+    d = TextContext(np.array(prefix + list(range(400, 408))), "D")
+    m.external_claim("D")
+    assert m.maybe_reserve(d)
+    assert d.start_idx == 4 * PAGE  # the full joint hit
+    assert held(m, "D")["sliding"][1][:2] == window
+    m.release("D")
+    m.check_invariants()
