@@ -67,8 +67,8 @@ import bench_attention  # noqa: E402
 import bench_cache_control  # noqa: E402
 import bench_compile  # noqa: E402
 import bench_events  # noqa: E402
-import bench_fp8_tiers  # noqa: E402
 import bench_fp8_attention  # noqa: E402
+import bench_fp8_tiers  # noqa: E402
 import bench_groups  # noqa: E402
 import bench_hashing  # noqa: E402
 import bench_managers  # noqa: E402
