@@ -17,6 +17,8 @@ its side is attempted with an FP8 cache and the refusal recorded.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import mokv
 import mokv.ops
@@ -103,12 +105,13 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
     probe = ReadProbe(1 << (28 if quick else 29))
     out: dict = {"shape": {"n_heads": H, "n_kv_heads": HKV, "head_dim": D, "page_size": PAGE},
                  "errors": {}, "decode": []}
-    makers = [(DType.float32, lambda: MokvSide(session, "paged", HKV, DType.float32)),
+    makers: list[tuple[DType, Callable[[], Any]]] = [
+              (DType.float32, lambda: MokvSide(session, "paged", HKV, DType.float32)),
               (DType.bfloat16, lambda: MokvSide(session, "paged", HKV, DType.bfloat16)),
               (DType.float8_e4m3fn, lambda: Fp8Side(session))]
     if portable:
         makers.append((DType.float8_e4m3fn, lambda: Fp8Side(session, portable=True)))
-    sides = []
+    sides: list[tuple[DType, Any]] = []
     for dtype, make in makers:
         side = make()
         side.name = f"{side.name}-{dtype.name}" if dtype != DType.float8_e4m3fn else side.name
