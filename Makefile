@@ -9,6 +9,8 @@
 #               Redis Cluster of six; make test runs them too)
 #   make test-consumers  installs vLLM's event classes and NVIDIA Dynamo's KV indexer (CPU
 #               builds) and runs tests/consumers/: routers others wrote read mokv's events
+#   make test-hf  installs torch (CPU build) and checks the MLA decoder against Hugging
+#               Face's DeepSeek-V2 on the same weights (make test skips that test)
 #   make test-virtual-gpu  MAX's own layers on a mokv cache, compiled for a virtual sm_90
 #               (minutes: outside make test)
 #   make test-max-pipeline  MAX's own Llama pipeline generating on a mokv cache, against
@@ -20,7 +22,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo serve test test-remote test-consumers test-virtual-gpu test-max-pipeline bench bench-quick bench-vllm docs install redis-server
+.PHONY: demo serve test test-remote test-consumers test-hf test-virtual-gpu test-max-pipeline bench bench-quick bench-vllm docs install redis-server
 
 # The shared-tier tests start their own redis-server (only the binary is used; a service
 # the package may start is never contacted). Under CI=true they fail without it.
@@ -66,6 +68,11 @@ $(VENV)/.consumers: $(VENV)/.installed tests/consumers/requirements.txt
 
 test-consumers: $(VENV)/.consumers
 	$(PY) -m pytest -q -m consumers tests/consumers
+
+# torch for transformers' DeepSeek-V2 (the hf extra); without it make test skips that test.
+test-hf: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[hf]"
+	$(PY) -m pytest -q tests/model/test_mla_decoder.py
 
 # Marked max_virtual_gpu (pyproject.toml): deselected by make test, selected here.
 test-virtual-gpu: $(VENV)/.installed

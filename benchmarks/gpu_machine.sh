@@ -9,6 +9,8 @@
 #   benchmarks/gpu_machine.sh serve [limit_s]  # mokv serve beside max serve (bench_serving.py --gpu)
 #   benchmarks/gpu_machine.sh pipelines [arch ...]  # MAX's pipelines per cache kind on mokv vs MAX's manager
 #   benchmarks/gpu_machine.sh shared-budget    # cache groups' shared device allocation (views of one buffer)
+#   benchmarks/gpu_machine.sh deepseek         # MAX's deepseekV2 (MLA) pipeline on mokv vs MAX's manager
+#   benchmarks/gpu_machine.sh llama_fp8        # MAX's Llama with an FP8 KV cache on mokv vs MAX's manager
 #
 # MAX arrives as site-packages built for Python 3.12 (`pip install --target`), xz-compressed
 # and split into parts by benchmarks/gpu_stage.sh; they are unpacked into
@@ -81,5 +83,13 @@ case "$cmd" in
     ;;
   shared-budget)
     timeout 120 python3 benchmarks/gpu/shared_budget.py 2>&1 | tee "$OUT/shared_budget.log"
+    ;;
+  deepseek)
+    timeout 560 python3 benchmarks/gpu/deepseek.py --json "$OUT/deepseek.json" 2>&1 | tee "$OUT/deepseek.log" \
+      | grep -v -i warning | tail -40
+    ;;
+  llama_fp8)
+    timeout 300 python3 benchmarks/gpu/llama_fp8.py --json "$OUT/llama_fp8.json" 2>&1 | tee "$OUT/llama_fp8.log" \
+      | grep -v -i warning | tail -40
     ;;
 esac

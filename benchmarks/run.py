@@ -2,7 +2,7 @@
 
     python benchmarks/run.py [--quick] [--portable] [--out DIR]
                              [--parts hashing,events,managers,groups,attention,qkv,compile,serving,
-                                      remote,cache_control,mla,fp8_tiers,fp8_attention]
+                                      remote,cache_control,mla,fp8_tiers,recurrent,fp8_attention]
 
 Parts (each module's docstring says what it measures and why):
   hashing    bench_hashing.py   prefix-hash throughput per algorithm, beside MAX's
@@ -17,6 +17,9 @@ Parts (each module's docstring says what it measures and why):
   groups     bench_groups.py    a sliding-window model's cache (Gemma-3-like, window 1024, 8k
                                 contexts, shared prefixes): mokv with groups, without, and
                                 MAX 26.7's hybrid (Jenga) manager on one trace and budget
+  recurrent  bench_recurrent.py a hybrid linear-attention model's cache (Qwen3.5-like):
+                                prefix hits with state checkpoints every page, every 4, none,
+                                and MAX 26.7's own manager on one trace; checkpoint memory
   attention  bench_attention.py CPU ragged flash attention, mokv vs MAX, vs copy bandwidth
   qkv        bench_qkv.py       CPU QKV projection: mokv's fused_qkv_matmul vs MAX's matmul
   compile    bench_compile.py   cold and warm build+load of a graph with mokv's kernels
@@ -74,6 +77,7 @@ import bench_hashing  # noqa: E402
 import bench_managers  # noqa: E402
 import bench_mla  # noqa: E402
 import bench_qkv  # noqa: E402
+import bench_recurrent  # noqa: E402
 import bench_remote  # noqa: E402
 import bench_serving  # noqa: E402
 import plots  # noqa: E402
@@ -81,7 +85,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 PARTS = ("hashing", "events", "managers", "groups", "attention", "qkv", "compile", "serving", "remote",
-         "cache_control", "mla", "fp8_tiers", "fp8_attention")
+         "cache_control", "mla", "fp8_tiers", "recurrent", "fp8_attention")
 SHARE = ("share of the two-thread read: median over seven rounds, each a probe read then "
          "the kernel's calls with the three sides taking turns, of kernel GB/s / probe GB/s")
 
@@ -104,6 +108,7 @@ def _plan(parts: list[str], quick: bool, portable: bool) -> int:
              "qkv": len(bench_qkv.tokens(quick)),
              "compile": bench_compile.plan_size(quick), "serving": len(bench_serving.SERVERS),
              "groups": 3,
+             "recurrent": len(bench_recurrent.RUNS),
              "remote": bench_remote.plan_size(quick),
              "cache_control": len(bench_cache_control.RUNS),
              "mla": len(bench_mla.cases(quick)),
@@ -160,6 +165,9 @@ def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dic
         if "groups" in parts:
             results["groups"] = part("groups", "sliding-window cache memory",
                                      lambda: bench_groups.run(quick, tick))
+        if "recurrent" in parts:
+            results["recurrent"] = part("recurrent", "state checkpoints (hybrid cache)",
+                                        lambda: bench_recurrent.run(quick, tick))
         if "attention" in parts:
             results["attention"] = part("attention", "attention kernels (CPU)",
                                         lambda: bench_attention.run(quick, tick, portable))
@@ -272,6 +280,8 @@ def summary(r: dict) -> str:
     lines += _session_table(r.get("managers", {}).get("sessions", {}))
     if r.get("groups", {}).get("managers"):
         lines += bench_groups.table(r["groups"])
+    if r.get("recurrent", {}).get("managers"):
+        lines += bench_recurrent.table(r["recurrent"])
     if r.get("serving", {}).get("servers"):
         lines += bench_serving.table(r["serving"])
     if r.get("remote", {}).get("layouts"):

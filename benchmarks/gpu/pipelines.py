@@ -7,7 +7,9 @@ only, so on GPUs only) beside `mokv_graphs.save_word_tokenizer`'s tokenizer. MAX
 pipeline then generates greedy tokens for prompts that share a prefix longer than the
 sliding window, first with MAX's own KV manager, then with mokv's (built by MAX's
 pipeline through `mokv.pipelines`, the seam `mokv serve` uses) twice: the tokens must be
-identical each time, and mokv's second run must find the shared prefix in its cache.
+identical each time, and mokv's second run must find the shared prefix in its cache
+(for Qwen3.5, through a recurrent-state checkpoint: `prompts_of`; MAX 26.7's Qwen3.5
+does not run on the CPU, so this is its only end-to-end check, not yet run).
 
     python benchmarks/gpu/pipelines.py [ARCH ...] [--json PATH] [--limit SECONDS]
 
@@ -66,7 +68,22 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
                              "original_max_position_embeddings": 512}},
     ),
+    # Qwen3.5 (text): a Gated DeltaNet layer beside a full-attention one; mokv's recurrent
+    # state (docs/recurrent.md). MAX's tokenizer wants its media token ids in the config
+    # and `<think>` tokens in the vocabulary (`STATE_ARCHITECTURES`).
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+         "layer_types": ["linear_attention", "full_attention"], "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 128, "linear_key_head_dim": 128,
+         "linear_value_head_dim": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+         "image_token_id": 252, "video_token_id": 253, "vision_start_token_id": 254,
+         "vision_end_token_id": 255},
+    ),
 }
+STATE_ARCHITECTURES = {"qwen3_5": ("<think>", "</think>")}
+"""Architectures with recurrent state, and the reasoning tokens their tokenizers want
+(the vocabulary's words `t250` and `t251` become them)."""
 
 
 def write_checkpoint(arch: str, directory: Path) -> Path:
@@ -81,7 +98,24 @@ def write_checkpoint(arch: str, directory: Path) -> Path:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
-    return mg.save_word_tokenizer(directory, COMMON["vocab_size"])
+    mg.save_word_tokenizer(directory, COMMON["vocab_size"])
+    if arch in STATE_ARCHITECTURES:
+        tokenizer = json.loads((directory / "tokenizer.json").read_text())
+        vocab = tokenizer["model"]["vocab"]
+        for word, token in zip(STATE_ARCHITECTURES[arch], (250, 251)):
+            del vocab[f"t{token}"]
+            vocab[word] = token
+        (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return directory
+
+
+def prompts_of(arch: str, shared: list[int]) -> list[list[int]]:
+    """Two prompts sharing a prefix. A recurrent state is checkpointed only where a
+    forward ends on a page boundary, and `generate` runs a prompt in one forward: there
+    the first prompt is two pages exactly, and the second extends it."""
+    if arch in STATE_ARCHITECTURES:
+        return [shared[: 2 * PAGE_SIZE], shared[: 2 * PAGE_SIZE] + [70, 71]]
+    return [shared + [60, 61, 62], shared + [70, 71]]
 
 
 def compare(arch: str, directory: Path) -> dict[str, Any]:
@@ -111,7 +145,7 @@ def compare(arch: str, directory: Path) -> dict[str, Any]:
         runtime=PipelineRuntimeConfig(max_batch_size=2),
     )
     shared = [int(t) for t in np.random.default_rng(1).integers(3, 256, 300)]
-    prompts = [shared + [60, 61, 62], shared + [70, 71]]
+    prompts = prompts_of(arch, shared)
 
     def run(pipeline: Any) -> list[list[int]]:
         return generate(pipeline, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True).sequences

@@ -23,8 +23,10 @@ from .config import (
     KVCacheStrategy,
     KVEventsConfig,
     PinConfig,
+    RecurrentStateConfig,
     RemoteTierConfig,
     SessionConfig,
+    StateRegion,
 )
 from .context import MultimodalInput, RequestID, TextContext, TextGenerationContext
 from .errors import (
@@ -95,12 +97,14 @@ __all__ = [
     "PinConfig",
     "PinGrant",
     "RaggedKVCacheInputs",
+    "RecurrentStateConfig",
     "RemoteTierConfig",
     "RequestID",
     "SequenceTooLongError",
     "SessionConfig",
     "SessionMetrics",
     "StaleContextError",
+    "StateRegion",
     "TextContext",
     "TextGenerationContext",
     "TierMetrics",

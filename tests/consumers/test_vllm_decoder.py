@@ -138,3 +138,26 @@ def test_extra_keys_are_those_vllm_publishes_for_the_same_request(session):
         to_event_extra_keys(keys))
     assert event.extra_keys[0] == ("math", "tenant-a") and event.extra_keys[3][1] == ["img-b", 1]
     assert (event.lora_id, event.lora_name) == (theirs.lora_request.adapter_id, "math")
+
+
+def test_vllm_reads_each_cache_groups_fields(session):
+    """A cache of a sliding and a full group: vLLM's classes decode each group's events
+    with vLLM 0.33's `group_idx`, `kv_cache_spec_kind` and `kv_cache_spec_sliding_window`,
+    and re-encode them to the same bytes."""
+    groups = (mokv.CacheGroupConfig("sliding", 1, window_size=6),
+              mokv.CacheGroupConfig("full", 1))
+    m = make_paged(session, num_pages=16, max_seq_len=32, groups=groups)
+    recorder = EventRecorder()
+    m.replicas[0].publish_to(recorder)
+    ctx = mokv.TextContext(list(range(17)), "A")
+    m.external_claim("A")
+    m.fetch([ctx])
+    ctx.update(1)
+    m.step([ctx])
+    payload = msgspec.msgpack.encode(KVEventBatch(1.5, build_events(recorder.take(), 4), 0))
+    theirs = msgspec.msgpack.decode(payload, type=kv_events.KVEventBatch)
+    assert [(type(e).__name__, e.block_hashes, e.group_idx, e.kv_cache_spec_kind,
+             e.kv_cache_spec_sliding_window) for e in theirs.events] == [
+        ("BlockStored", m.replicas[0].committed_hashes("A"), 0, "sliding_window", 6),
+        ("BlockStored", m.replicas[0].committed_hashes("A"), 1, "full_attention", None)]
+    assert msgspec.msgpack.encode(theirs) == payload

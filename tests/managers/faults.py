@@ -71,7 +71,12 @@ def snapshot(m: mokv.PagedKVCacheManager, contexts: list[TextContext]) -> tuple:
         if budget is not None:
             pages += ((tuple(budget.owner), tuple(sorted(budget.free_slots))),)
         replicas.append(
-            (pages, r.num_free_slots, tuple(tier_state(t) for t in r.tiers), session_state(r))
+            (
+                pages,
+                r.num_free_slots,
+                tuple(tier_state(t) for stack in r.group_tiers for t in stack),
+                session_state(r),
+            )
         )
     requests: list[tuple] = []
     for ctx in contexts:
@@ -120,12 +125,14 @@ def session_state(replica) -> tuple:
     state: tuple = ()
     if table is not None:
         state = (tuple((sid, s.chain, s.running, s.deadline) for sid, s in table.sessions.items()),
-                 table.retained_hashes, replica.pool.retained_hashes, replica.pool.num_kept)
+                 table.retained_hashes,
+                 tuple((g.pool.retained_hashes, g.pool.num_kept) for g in replica.groups))
     if pins is not None:  # and the pins: each one's chain, deadline and ttl, where pinned
-        host = replica.tiers.named("host")
+        hosts = [stack.named("host") for stack in replica.group_tiers]
         state += (tuple(sorted((k, p.chain, p.deadline, p.ttl_s) for k, p in pins.pins.items())),
-                  pins.pinned_hashes, replica.pool.pinned_hashes, replica.pool.num_pinned,
-                  host.pinned_prefixes if host is not None else None)
+                  pins.pinned_hashes,
+                  tuple((g.pool.pinned_hashes, g.pool.num_pinned) for g in replica.groups),
+                  tuple(host.pinned_prefixes if host is not None else None for host in hosts))
     return state
 
 

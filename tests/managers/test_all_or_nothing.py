@@ -94,10 +94,11 @@ class EventsMixin(World):
         index = PrefixRouterIndex(page_size=self.m.page_size)
         index.apply(("m", 0), KVEventBatch(0.0, build_events(records, self.m.page_size), 0))
         replica = self.m.replicas[0]
-        assert index.hashes(("m", 0), "device") == replica.pool.indexed_hashes()
-        host = replica.tiers.named("host")
-        assert index.hashes(("m", 0), "host") == (
-            host.pool.indexed_hashes() if host is not None else set())
+        for g, (group, stack) in enumerate(zip(replica.groups, replica.group_tiers)):
+            assert index.hashes(("m", 0), "device", g) == group.pool.indexed_hashes()
+            host = stack.named("host")
+            assert index.hashes(("m", 0), "host", g) == (
+                host.pool.indexed_hashes() if host is not None else set())
 
 
 class EventsWorld(EventsMixin, World):
@@ -121,6 +122,23 @@ class GroupWorld(World):
     def options(self) -> dict:
         return dict(groups=(mokv.CacheGroupConfig("sliding", 1, window_size=5),
                             mokv.CacheGroupConfig("full", 1)))
+
+
+class GroupsMixin(World):
+    """A world's requests on a cache of two groups, a window of 5 tokens and a full group,
+    each with its own device pages (6 in a host world) and tiers."""
+
+    def __init__(self, session):
+        super().__init__(session)
+        self.num_pages = self.m.total_num_pages
+
+    def options(self) -> dict:
+        return dict(super().options(), groups=(mokv.CacheGroupConfig("sliding", 1, window_size=5),
+                                               mokv.CacheGroupConfig("full", 1)))
+
+
+class GroupHostEventsWorld(GroupsMixin, EventsMixin, HostWorld):
+    """The host tier's requests on a cache of groups, publishing events."""
 
 
 class WideGroupWorld(GroupWorld):
@@ -195,6 +213,10 @@ class SessionWorld(EventsMixin, HostWorld):
                     sessions=mokv.SessionConfig(ttl_s=10.0, max_share=0.25, clock=self.clock))
 
 
+class GroupSessionWorld(GroupsMixin, SessionWorld):
+    """The sessions' requests on a cache of groups."""
+
+
 class PinWorld(EventsMixin, HostWorld):
     """Pins over the host tier's 6 device and 10 host pages (a budget of 3 pages), with
     events: A pins its two pages at release (read-only B hits them, renewing the pin), C
@@ -212,6 +234,10 @@ class PinWorld(EventsMixin, HostWorld):
 
     def options(self) -> dict:
         return dict(super().options(), pins=mokv.PinConfig(max_share=0.5, clock=self.clock))
+
+
+class GroupPinWorld(GroupsMixin, PinWorld):
+    """The pins' requests on a cache of groups."""
 
 
 def _expire(w: SessionWorld | PinWorld) -> None:
@@ -327,6 +353,9 @@ SCENARIOS = {
     "host-events": (HostEventsWorld, HOST_SCENARIO),
     "sessions": (SessionWorld, SESSION_SCENARIO),
     "groups": (GroupWorld, SCENARIO),
+    "group-tiers": (GroupHostEventsWorld, HOST_SCENARIO),
+    "group-sessions": (GroupSessionWorld, SESSION_SCENARIO),
+    "group-pins": (GroupPinWorld, PIN_SCENARIO),
     "wide-groups": (WideGroupWorld, WIDE_SCENARIO),
     "pins": (PinWorld, PIN_SCENARIO),
 }
@@ -416,6 +445,17 @@ def test_host_scenario_runs_clean_and_hits_the_host(session):
     _release_all_and_check(w)
 
 
+def test_group_tier_scenario_loads_each_groups_pages_from_its_host_tier(session):
+    """B's hit of A's two pages: the full group loads both, the window (5 tokens: one
+    page before the one written) only the second."""
+    w = GroupHostEventsWorld(session)
+    _run(w, HOST_SCENARIO)
+    page_bytes = small_params().bytes_per_page(1)
+    assert w.m.metrics.cache_tokens == w.m.metrics.host_cache_tokens == 8
+    assert w.m.metrics.bytes_from_host == (2 + 1) * page_bytes
+    _release_all_and_check(w)
+
+
 def test_session_scenario_runs_clean_and_keeps_the_session(session):
     w = SessionWorld(session)
     table = w.m.replicas[0].sessions
@@ -458,17 +498,19 @@ def _lost_host_entries_only(state, old) -> bool:
             state[0], old[0]):
         if (pages, slots, sessions) != (old_pages, old_slots, old_sessions):
             return False
-        (host_pages, hashes, pins, retained), (old_host_pages, old_hashes, old_pins, old_retained) = (
-            tiers[0], old_tiers[0])
-        if (pins, retained) != (old_pins, old_retained) or not hashes < old_hashes:
-            return False
-        if any(p not in (o, (None, None)) for p, o in zip(host_pages, old_host_pages)):
-            return False
-        lost |= old_hashes - hashes
+        for tier, old_tier in zip(tiers, old_tiers):  # each group's host tier
+            (host_pages, hashes, pins, retained) = tier
+            (old_host_pages, old_hashes, old_pins, old_retained) = old_tier
+            if (pins, retained) != (old_pins, old_retained) or not hashes <= old_hashes:
+                return False
+            if any(p not in (o, (None, None)) for p, o in zip(host_pages, old_host_pages)):
+                return False
+            lost |= old_hashes - hashes
     removed = {(_REMOVED, page_hash, "CPU") for page_hash in lost}
-    return all(records[:len(old_records)] == old_records
-               and set(records[len(old_records):]) <= removed
-               for records, old_records in zip(state[3], old[3]))
+    return bool(lost) and all(
+        records[:len(old_records)] == old_records
+        and {record[:3] for record in records[len(old_records):]} <= removed
+        for records, old_records in zip(state[3], old[3]))
 
 
 @pytest.mark.parametrize("mode", MODES)

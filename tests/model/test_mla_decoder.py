@@ -1,11 +1,16 @@
 """The DeepSeek-V2-Lite-shaped MLA decoder (graphs/mla_decoder.py) on a mokv MLA cache:
 its logits over prefill, decode steps and prefix hits equal the un-absorbed numpy
-float64 model without a cache, and the cached run equals an uncached one.
-
-Hugging Face transformers' DeepSeek-V2 model needs torch, which this environment does
-not have, so the numpy model (written from DeepSeek-V2's formulas) is the reference."""
+float64 model without a cache, and the cached run equals an uncached one; and Hugging
+Face transformers' DeepSeek-V2 on the same weights (an HF checkpoint, graphs/mla_hf.py)
+gives the same logits over its own prefill and cached decode. That test needs torch,
+which `make test` does not install (`make test-hf` does: the `hf` extra); without it,
+it skips."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import mokv
 import numpy as np
@@ -21,6 +26,7 @@ from mokv_graphs.mla_decoder import (
     mla_reference_logits,
     rope_tables,
 )
+from mokv_graphs.mla_hf import write_hf_checkpoint
 
 CONFIG = MLADecoderConfig()
 PAGE = 4
@@ -110,3 +116,40 @@ def test_a_cached_run_equals_an_uncached_one(session, model):
         seq.append(token)
         ctx.update(token)
         cached.step([ctx])
+
+
+def test_hugging_face_deepseek_v2_gives_the_same_logits(session, model, tmp_path: Path):
+    """transformers' DeepseekV2ForCausalLM, loaded from an HF checkpoint of the decoder's
+    weights (float32, eager attention, its own DynamicCache), against mokv's cached
+    decoder: a prompt's prefill, then greedy decode steps, logits within 1e-4."""
+    torch = pytest.importorskip("torch", reason="make test-hf installs torch (the CPU build)")
+    from transformers import DeepseekV2ForCausalLM
+
+    _, registry = model
+    weights = {name: registry[name] for name in CONFIG.weight_shapes()}
+    path = write_hf_checkpoint(CONFIG, weights, tmp_path / "deepseek-v2-tiny")
+    hf = DeepseekV2ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    manager = make_manager(session)
+    prompt = np.random.default_rng(2).integers(0, CONFIG.vocab_size, 10)
+    ctx = TextContext(prompt, "hf")
+    manager.external_claim("hf")
+    with torch.no_grad():
+        out = hf(torch.from_numpy(prompt[None].astype(np.int64)), use_cache=True)
+        for _ in range(6):
+            (ours,) = step(model, manager, [ctx])
+            theirs = out.logits[0, -1].numpy()
+            np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+            token = int(np.argmax(ours))
+            ctx.update(token)
+            manager.step([ctx])
+            out = hf(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+
+
+def test_the_gpu_deepseek_script_writes_its_checkpoint_and_imports():
+    """benchmarks/gpu/deepseek.py runs MAX's deepseekV2 pipeline on a GPU only; here it
+    writes its checkpoint, imports the pipeline and reads the config back."""
+    root = Path(__file__).parents[2]
+    proc = subprocess.run([sys.executable, "benchmarks/gpu/deepseek.py", "--check"], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CHECKED DeepseekV2ForCausalLM deepseek_v2 512" in proc.stdout

@@ -69,15 +69,22 @@ def build_layers(dims: Dims, params: mokv.KVCacheParams, device: DeviceRef):
 
 def build_graph(dims: Dims, manager, layers, device: DeviceRef) -> Graph:
     (symbols,) = manager.max_input_symbols()
-    cache_types = tree.leaves(symbols)
-    input_types = [*cache_types, TensorType(dims.dtype, ["tokens", dims.hidden], device=device),
-                   TensorType(DType.uint32, ["batch_plus_1"], device=device),
-                   TensorType(DType.float32, [dims.max_seq_len, dims.head_dim], device=device)]
+    return layers_graph(symbols, layers, TensorType(dims.dtype, ["tokens", dims.hidden], device=device),
+                        TensorType(DType.float32, [dims.max_seq_len, dims.head_dim], device=device))
+
+
+def layers_graph(cache_symbols, layers, hidden: TensorType, freqs_cis: TensorType) -> Graph:
+    """`h = h + layer_i(h)` over `layers` (MAX's attention layers: `AttentionWithRope`,
+    `LatentAttentionWithRope`) on the cache inputs `cache_symbols` (one device's
+    `KVCacheInputsPerDevice` of graph types, mokv's or MAX's own)."""
+    cache_types = tree.leaves(cache_symbols)
+    input_types = [*cache_types, hidden, TensorType(DType.uint32, ["batch_plus_1"], device=hidden.device),
+                   freqs_cis]
     with Graph("max_attention_on_mokv", input_types=input_types) as graph:
         kv = mokv.max_cache_values(graph.inputs[: len(cache_types)])
-        h, offsets, freqs_cis = (v.tensor for v in graph.inputs[len(cache_types):])
+        h, offsets, freqs = (v.tensor for v in graph.inputs[len(cache_types):])
         for i, layer in enumerate(layers):
             layer_idx = ops.constant(i, DType.uint32, device=DeviceRef.CPU())
-            h = h + layer(layer_idx, h, kv, freqs_cis, offsets)
+            h = h + layer(layer_idx, h, kv, freqs, offsets)
         graph.output(h)
     return graph

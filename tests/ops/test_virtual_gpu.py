@@ -11,7 +11,9 @@ compile for gfx942 ("MMA shape requires CDNA4 or newer", in its AMD MMA path).
 MAX's own layers on a mokv cache compile for sm_90 too (`_virtual_gpu_max_build.py`:
 test_max_ops.py's model at GPU sizes). That compile builds MAX's Hopper attention
 kernels: 289 s on the 2-core box (2026-11-26, under load), so it is outside `make test`
-(marker `max_virtual_gpu`; `make test-virtual-gpu` runs it).
+(marker `max_virtual_gpu`; `make test-virtual-gpu` runs it). So is MAX's own MLA layer
+on a mokv MLA cache (`_virtual_gpu_max_mla_build.py`): 1174 s to load on the 2-core box
+at a load average of 8 to 12 (5 min of CPU time; 2026-11-28).
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from mokv.ops import kernels_path
 SCRIPT = Path(__file__).with_name("_virtual_gpu_build.py")
 MAX_SCRIPT = Path(__file__).with_name("_virtual_gpu_max_build.py")
 MLA_SCRIPT = Path(__file__).with_name("_virtual_gpu_mla_build.py")
+MAX_MLA_SCRIPT = Path(__file__).with_name("_virtual_gpu_max_mla_build.py")
 
 
-def compiles_then_refuses(script: Path, api: str, arch: str, timeout: int) -> None:
+def compiles_then_refuses(script: Path, api: str, arch: str, timeout: int) -> str:
     """Runs `script` for a virtual `api`/`arch` device: it must load (COMPILED) and then
-    have its execute refused as compile-only."""
+    have its execute refused as compile-only. Returns its stdout."""
     proc = subprocess.run(
         [sys.executable, str(script), api, arch], capture_output=True, text=True, timeout=timeout
     )
@@ -38,6 +41,7 @@ def compiles_then_refuses(script: Path, api: str, arch: str, timeout: int) -> No
     assert proc.returncode == 0, out[-4000:]
     assert "COMPILED" in proc.stdout, out[-4000:]
     assert "EXEC_REFUSED:CompileOnlyExecutionError" in proc.stdout, out[-4000:]
+    return proc.stdout
 
 
 @pytest.mark.parametrize("api,arch", [("cuda", "sm_90"), ("hip", "gfx950")])
@@ -56,3 +60,12 @@ def test_mla_ops_compile_for_virtual_sm90() -> None:
     bfloat16): 130 s on the 2-core box under load (2026-11-28)."""
     kernels_path()
     compiles_then_refuses(MLA_SCRIPT, "cuda", "sm_90", 1200)
+
+
+@pytest.mark.max_virtual_gpu
+def test_max_s_mla_layer_on_a_mokv_cache_compiles_for_virtual_sm90() -> None:
+    """MAX's own LatentAttentionWithRope (deepseekV2's attention: bfloat16 weights, GPU
+    kernels only, so no CPU run) on a mokv MLA cache: the graph on mokv's inputs is the
+    graph on MAX's own params' inputs, and it compiles for sm_90."""
+    kernels_path()
+    assert "SAME_GRAPH" in compiles_then_refuses(MAX_MLA_SCRIPT, "cuda", "sm_90", 2400)

@@ -12,8 +12,7 @@ import pytest
 from max import tree
 from max.dtype import DType
 from max.graph import DeviceRef
-from max.nn.kv_cache import KVCacheInputsPerDevice, MultiKVCacheParams, RecurrentStateParams
-from max.nn.kv_cache.cache_params import RecurrentStateRegion
+from max.nn.kv_cache import KVCacheInputsPerDevice, MultiKVCacheParams
 from mokv import CacheGroupConfig, max_kv_params
 from mokv.pipelines import UnsupportedMaxParamsError, mokv_params
 from mokv.pipelines import load_kv_manager as mokv_loader
@@ -165,12 +164,8 @@ def test_max_s_tree_becomes_mokv_s_groups_and_back():
 
 
 def test_what_mokv_does_not_hold_in_a_tree_is_refused_naming_it(session):
-    recurrent = RecurrentStateParams(
-        regions=(RecurrentStateRegion("conv", 2, (4, 16), DType.float32),),
-        devices=[DeviceRef.CPU()])
-    cases = {
+    cases = {  # a RecurrentStateParams child: tests/pipelines/test_recurrent.py
         "nested": MultiKVCacheParams.from_params({"a": gemma_like(), "b": max_params()}),
-        "RecurrentStateParams": MultiKVCacheParams.from_params({"a": max_params(), "b": recurrent}),
         "different dtypes": MultiKVCacheParams.from_params(
             {"a": max_params(), "b": max_params(dtype=DType.bfloat16)}),
         "named 'full-attention'": MultiKVCacheParams.from_params(

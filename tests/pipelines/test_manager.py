@@ -11,7 +11,6 @@ from max.nn.kv_cache import (
     BatchCharacteristics,
     KVCacheQuantizationConfig,
     MHAKVCacheParams,
-    MLAKVCacheParams,
     MultiKVCacheParams,
 )
 from max.pipelines.context import TextContext, TokenBuffer
@@ -217,18 +216,11 @@ def test_max_settings_mokv_does_not_hold_are_refused_naming_them(session, what):
 
 
 def test_max_cache_kinds_mokv_does_not_hold_are_refused_naming_them(session):
-    mla = MLAKVCacheParams(
-        dtype=DType.float32,
-        head_dim=576,
-        num_layers=2,
-        devices=[DeviceRef.CPU()],
-        num_q_heads=4,
-        page_size=PAGE_SIZE,
-        enable_prefix_caching=True,
-    )
-    groups = MultiKVCacheParams.from_params({"full": max_params(), "latent": mla})
-    # One MLA cache is mokv's (tests/pipelines/test_mla.py); one in a tree is not yet.
-    with pytest.raises(UnsupportedMaxParamsError, match="MLAKVCacheParams caches .child 'latent'"):
+    # MLA caches, alone or in a tree, are mokv's (tests/pipelines/test_mla.py); a tree
+    # in a tree (a draft model's caches beside the target's) is not yet.
+    inner = MultiKVCacheParams.from_params({"full": max_params()})
+    groups = MultiKVCacheParams.from_params({"full": max_params(), "draft": inner})
+    with pytest.raises(UnsupportedMaxParamsError, match="MultiKVCacheParams caches .child 'draft'"):
         mokv_loader(**loader_args(session) | {"params": groups})
     with pytest.raises(UnsupportedMaxParamsError, match="disaggregated"):
         mokv_loader(**loader_args(session) | {"is_di_enabled": True})

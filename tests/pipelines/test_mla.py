@@ -1,6 +1,8 @@
 """MAX's MLAKVCacheParams through mokv.pipelines: the same trace on MAX's own manager and
 on mokv's gives the same inputs (MAX's MLA dispatch metadata and partitions included),
-of the types MAX's params declare; mokv.max_kv_params gives them back."""
+of the types MAX's params declare; mokv.max_kv_params gives them back. MLA children of a
+MultiKVCacheParams (DeepSeek V3.2's tree, an MTP draft's, one beside a K and V cache)
+too: MAX's own (Jenga) manager takes them, and so does mokv's."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ import dataclasses
 import pytest
 from max.dtype import DType
 from max.graph import DeviceRef
-from max.nn.kv_cache import MLAKVCacheParams
+from max.nn.kv_cache import MLAKVCacheParams, MultiKVCacheParams
 from mokv import CacheGroupConfig, KVCacheParams, max_kv_params
 from mokv.pipelines import UnsupportedMaxParamsError
 from mokv.pipelines import load_kv_manager as mokv_loader
 from mokv.pipelines.params import mokv_params
 
-from .conftest import BASE_FIELDS, NUM_PAGES, PAGE_SIZE, loader_args, max_context
+from .conftest import BASE_FIELDS, NUM_PAGES, PAGE_SIZE, loader_args, max_context, max_params
+from .test_groups import loaders, trace
 from .test_manager import observe, run_trace
 
 HEAD_DIM = 64 + 16  # MAX's 64-wide RoPE key after a latent of 16
@@ -94,3 +97,38 @@ def test_max_kv_params_of_an_mla_cache_are_max_s():
     assert mokv_params(theirs) == params
     with pytest.raises(ValueError, match="num_q_heads must be a positive int, got None"):
         max_kv_params(params, 2, [DeviceRef.CPU()])
+
+
+MLA_TREES = {
+    # DeepSeek V3.2: the latent, and its indexer's keys (one 128-wide row per token)
+    "v3.2": {"mla": mla_params(), "indexer": mla_params(head_dim=128)},
+    # a multi-token-prediction draft: the target's latent and the draft layer's
+    "mtp": {"target": mla_params(), "draft": mla_params(num_layers=1)},
+    "beside k and v": {"mla": mla_params(), "full_attention": max_params(num_layers=1)},
+}
+
+
+@pytest.mark.parametrize("name", list(MLA_TREES))
+def test_a_tree_of_mla_children_reads_as_on_max_s_own_manager(session, name):
+    params = MultiKVCacheParams.from_params(MLA_TREES[name])
+    ours = mokv_params(params)
+    assert [(g.name, g.kind) for g in ours.groups] == [
+        (key, "mla" if type(child) is MLAKVCacheParams else "full")
+        for key, child in MLA_TREES[name].items()
+    ]
+    theirs, mine = loaders(session, params, pages=200)
+    assert trace(mine) == trace(theirs)
+    for manager in (theirs, mine):
+        manager.shutdown()
+
+
+def test_a_tree_on_two_devices_keeps_each_latent_whole():
+    """Tensor parallelism splits a K and V child's heads; an MLA child's latent is whole on
+    each device (counted once per device), and needs no heads to split."""
+    two = {"devices": [DeviceRef.CPU()] * 2}
+    params = mokv_params(MultiKVCacheParams.from_params(
+        {"mla": mla_params(**two), "full_attention": max_params(num_layers=1, **two)}
+    ))
+    mla, full = (params.group_params(g) for g in params.groups)
+    assert (mla.n_kv_heads_per_device, full.n_kv_heads_per_device) == (1, 1)
+    assert mla.bytes_per_token(2) == 2 * HEAD_DIM * 4 * 2  # layers * row * float32 * devices

@@ -8,6 +8,7 @@
     events.py    KVEventsConfig: where and how events are published
     sessions.py  SessionConfig: sessions that retain their pages through a pause
     groups.py    CacheGroupConfig: a model's full-attention and sliding-window groups
+    recurrent.py RecurrentStateConfig, StateRegion: linear-attention / state-space state
     quantization.py  KVCacheQuantization: the scales of FP8 pages (MAX's format)
     cache_control.py  PinConfig (pinned prefixes' budget), CacheControl (a request's
                  pin and write policy)
@@ -24,6 +25,7 @@ from .events import KVEventsConfig
 from .groups import CacheGroupConfig
 from .params import KVCacheParams, KVCacheStrategy
 from .quantization import KVCacheQuantization
+from .recurrent import RecurrentStateConfig, StateRegion
 from .sessions import SessionConfig
 from .tiers import HostTierConfig, RemoteTierConfig, TierConfig
 
@@ -36,7 +38,9 @@ __all__ = [
     "KVCacheStrategy",
     "KVEventsConfig",
     "PinConfig",
+    "RecurrentStateConfig",
     "RemoteTierConfig",
     "SessionConfig",
+    "StateRegion",
     "TierConfig",
 ]

@@ -35,6 +35,7 @@ from .quantization import (
     check_format,
     refuse_other_formats,
 )
+from .recurrent import RecurrentStateConfig
 from .sessions import SessionConfig
 from .tiers import TierConfig
 
@@ -99,6 +100,9 @@ class KVCacheParams:
             scales, one per token, head and 128 lanes), given with a float8_e4m3fn
             `dtype` and only then; None: the pages hold their values as they are (or
             cast to FP8, unscaled).
+        recurrent: the recurrent state of a hybrid model's linear-attention or
+            state-space layers, with its checkpoints (`RecurrentStateConfig`; paged
+            strategy, beside `groups`' attention layers); None: no state layers.
     """
 
     dtype: DType
@@ -117,6 +121,7 @@ class KVCacheParams:
     groups: tuple[CacheGroupConfig, ...] = ()
     pins: PinConfig | None = None
     quantization: KVCacheQuantization | None = None
+    recurrent: RecurrentStateConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -175,6 +180,7 @@ class KVCacheParams:
             if not isinstance(self.pins, PinConfig):
                 raise TypeError(f"pins must be a mokv.PinConfig or None, got {self.pins!r}")
             self.pins.check(self)
+        self._check_recurrent()
 
     def _check_groups(self) -> None:
         """The groups, and the heads a replica's devices split (none in an MLA cache)."""
@@ -196,13 +202,40 @@ class KVCacheParams:
                     f"head_dim={self.head_dim}"
                 )
             return
-        if self.n_kv_heads % self.tensor_parallel_degree:
+        # The params' own heads are split only where a group has no heads of its own (an
+        # MLA group's latent is whole on each device).
+        own_heads = [g for g in self.groups if g.kind != "mla" and g.n_kv_heads is None]
+        if (own_heads or not self.groups) and self.n_kv_heads % self.tensor_parallel_degree:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads} cannot be split evenly across the "
                 f"{self.tensor_parallel_degree} devices of a replica"
             )
         for group in self.groups:  # each group's shape is a KVCacheParams of its own
             self.group_params(group)
+
+    def _check_recurrent(self) -> None:
+        """TypeError / ValueError naming what a cache with state layers cannot honour
+        yet: another strategy, checkpoints without prefix caching, and the features
+        that would keep pages without their checkpoints (tiers, sessions, pins, events:
+        each refused by name)."""
+        state = self.recurrent
+        if state is None:
+            return
+        if not isinstance(state, RecurrentStateConfig):
+            raise TypeError(f"recurrent must be a mokv.RecurrentStateConfig or None, got {state!r}")
+        if self.cache_strategy is not KVCacheStrategy.PAGED:
+            raise ValueError(f"recurrent state needs the paged strategy, not {self.cache_strategy}")
+        if state.num_checkpoints and not self.enable_prefix_caching:
+            raise ValueError(
+                f"recurrent state {state.name!r}: num_checkpoints={state.num_checkpoints} "
+                "needs enable_prefix_caching (checkpoints are found by prefix hashes)"
+            )
+        for name in ("tiers", "kv_events", "sessions", "pins"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} with recurrent state {state.name!r}: mokv does not keep state "
+                    "checkpoints beside tier pages, events, sessions or pins yet"
+                )
 
     def _check_tiers(self) -> None:
         if not isinstance(self.tiers, (tuple, list)):
@@ -295,6 +328,8 @@ class KVCacheParams:
         """Whether the cache is anything but one group of every token: several groups,
         or a sliding window (one MLA group is not: its pages are one full group's)."""
         groups = self.groups
+        if self.recurrent is not None:
+            return True
         return len(groups) > 1 or (len(groups) == 1 and groups[0].window_size is not None)
 
     def cache_groups(self, num_layers: int) -> tuple[CacheGroupConfig, ...]:
@@ -324,6 +359,7 @@ class KVCacheParams:
                 kv_events=None,
                 sessions=None,
                 groups=(group,),
+                recurrent=None,
             )
         return dataclasses.replace(
             self,
@@ -333,6 +369,7 @@ class KVCacheParams:
             kv_events=None,
             sessions=None,
             groups=(),
+            recurrent=None,
         )
 
 

@@ -52,6 +52,12 @@ MEDIUM_SHARED = "EXTERNAL"
 (`StorageTier::to_kv_medium`; it also reads "SHARED", "REMOTE", "NETWORK" as External)."""
 MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_SHARED)
 KV_CACHE_SPEC_KIND = "full_attention"
+SPEC_KINDS = {
+    "full": KV_CACHE_SPEC_KIND,
+    "sliding_window": "sliding_window",
+    "mla": "mla_attention",
+}
+"""vLLM 0.33's `KVCacheSpecKind` value of each group kind of mokv (`CacheGroup.kind`)."""
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay socket's end marker: the seq frame of the last reply to a request."""

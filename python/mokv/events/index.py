@@ -55,7 +55,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from functools import partial
+from typing import Protocol, cast
 
 from ..cache.extra_keys import chain_root, page_keys
 from ..cache.hashing import page_hash_fn, page_hashes
@@ -67,7 +68,12 @@ from ..context import (
     multimodal_inputs,
     token_ids,
 )
-from .format import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from ..managers.paged.groups.full import run_hit
+from ..managers.paged.groups.joint import longest_joint_hit
+from ..managers.paged.groups.sliding import window_hit
+from .format import SPEC_KINDS, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+SLIDING_WINDOW = SPEC_KINDS["sliding_window"]
 
 Source = tuple[str, int]
 """(server name, data-parallel replica)."""
@@ -175,7 +181,10 @@ class PrefixRouterIndex:
         self.shared = shared
         self._hash_fn = page_hash_fn(prefix_hash)
         self._roots: dict[tuple[str | None, str | None], int] = {}
-        self._sources: dict[Source, dict[str, set[int]]] = {}
+        # source -> cache group (`group_idx`) -> tier -> hashes; and each group's
+        # window (`kv_cache_spec_sliding_window` of its stores; None: every page)
+        self._sources: dict[Source, dict[int, dict[str, set[int]]]] = {}
+        self._windows: dict[Source, dict[int, int | None]] = {}
         self._pins: dict[Source, dict[int, float]] = {}  # pinned hash -> deadline
         self.clock = clock
         self.num_ignored = 0
@@ -184,23 +193,36 @@ class PrefixRouterIndex:
     def sources(self) -> list[Source]:
         return list(self._sources)
 
-    def hashes(self, source: Source, tier: str | None = None) -> set[int]:
+    def hashes(self, source: Source, tier: str | None = None, group: int | None = None) -> set[int]:
         """The hashes `source` holds in `tier` ("device", "host", "shared"), or in any
-        tier (a copy)."""
-        tiers = self._sources.get(source, {})
-        if tier is not None:
-            if tier not in TIERS:
-                raise ValueError(f"tier={tier!r} is not one of {TIERS}")
-            return set(tiers.get(tier, ()))
-        return set().union(*tiers.values())
+        tier, in cache group `group` (`group_idx`), or in any group (a copy)."""
+        if tier is not None and tier not in TIERS:
+            raise ValueError(f"tier={tier!r} is not one of {TIERS}")
+        groups = self._sources.get(source, {})
+        return set().union(
+            *(
+                held
+                for g, tiers in groups.items()
+                if group is None or g == group
+                for t, held in tiers.items()
+                if tier is None or t == tier
+            )
+        )
+
+    def windows(self, source: Source) -> dict[int, int | None]:
+        """Each cache group of `source` its events named, with its sliding window in
+        tokens (None: a group that needs every page of a prefix)."""
+        return dict(self._windows.get(source, {}))
 
     def apply(self, source: Source, batch: KVEventBatch) -> None:
         """Applies one batch of `source`'s events, in order."""
-        tiers = self._sources.setdefault(source, {tier: set() for tier in TIERS})
+        groups = self._sources.setdefault(source, {})
+        windows = self._windows.setdefault(source, {})
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
-                for held in tiers.values():
-                    held.clear()
+                for tiers in groups.values():
+                    for held in tiers.values():
+                        held.clear()
                 self._pins.pop(source, None)
                 continue
             if not isinstance(event, BlockStored | BlockRemoved):
@@ -212,14 +234,23 @@ class PrefixRouterIndex:
                 and event.block_size != self.page_size
             ):
                 self.num_ignored += 1
-            elif isinstance(event, BlockStored):
-                tiers[tier].update(event.block_hashes)
+                continue
+            group = event.group_idx or 0
+            by_tier = groups.get(group)
+            if by_tier is None:
+                by_tier = groups[group] = {t: set() for t in TIERS}
+                windows[group] = None
+            if isinstance(event, BlockStored):
+                if event.kv_cache_spec_kind == SLIDING_WINDOW:
+                    windows[group] = event.kv_cache_spec_sliding_window
+                by_tier[tier].update(event.block_hashes)
             else:
-                tiers[tier].difference_update(event.block_hashes)
+                by_tier[tier].difference_update(event.block_hashes)
 
     def drop_source(self, source: Source) -> None:
         """Forgets everything about `source` (after a restart or an unrecoverable gap)."""
         self._sources.pop(source, None)
+        self._windows.pop(source, None)
         self._pins.pop(source, None)
 
     def note_pin(
@@ -350,12 +381,19 @@ class PrefixRouterIndex:
         return out
 
     def _walk(self, hashes: list[int], order: list[str], present: int) -> dict[Source, list[float]]:
-        """`_page_weights` with the shared store holding the first `present` pages."""
+        """`_page_weights` with the shared store holding the first `present` pages. A
+        source of several cache groups (or a window) holds the joint hit
+        (`_joint_weights`)."""
         out = {}
-        for source, held in self._sources.items():
+        for source, groups in self._sources.items():
+            windows = self._windows[source]
+            if len(groups) > 1 or any(windows.values()):
+                out[source] = self._joint_weights(hashes, order, present, groups, windows)
+                continue
+            held = next(iter(groups.values()), None)
             weights = []
             for i, h in enumerate(hashes):
-                tier = next((t for t in order if h in held[t]), None)
+                tier = next((t for t in order if h in held[t]), None) if held else None
                 if tier is None and i < present:
                     tier = "shared"
                 if tier is None:
@@ -363,3 +401,39 @@ class PrefixRouterIndex:
                 weights.append(self.weights[tier])
             out[source] = weights
         return out
+
+    def _joint_weights(
+        self,
+        hashes: list[int],
+        order: list[str],
+        present: int,
+        groups: dict[int, dict[str, set[int]]],
+        windows: dict[int, int | None],
+    ) -> list[float]:
+        """The weights of the pages of the longest prefix of `hashes` every group of a
+        source can serve, as its manager finds it (`groups/joint.py`): a full group needs
+        every page of it, a sliding group only the pages its window reads before the
+        prefix's end. A page weighs the least, over the groups that need it, of each
+        one's best tier (the slowest copy is the one the request waits for); the shared
+        store's `present` pages count in every group."""
+        shapes, found = [], []
+        for g, held in groups.items():
+            weights: list[float | None] = []
+            for i, h in enumerate(hashes):
+                tier = next((t for t in order if h in held[t]), None)
+                if tier is None and i < present:
+                    tier = "shared"
+                weights.append(None if tier is None else self.weights[tier])
+            window = windows.get(g)
+            shapes.append(0 if window is None else -(-(window - 1) // self.page_size))
+            found.append(weights)
+        pages = [cast(list[int | None], f) for f in found]  # the rules read None or not
+        rules = [
+            partial(run_hit, p) if not k else partial(window_hit, p, pages_in_window=k)
+            for p, k in zip(pages, shapes)
+        ]
+        n = longest_joint_hit(rules, len(hashes))
+        return [
+            min(cast(float, f[i]) for f, k in zip(found, shapes) if not k or i >= n - k)
+            for i in range(n)
+        ]

@@ -32,6 +32,11 @@ What is published:
   session only.
 - `BlockRemoved` for each evicted hash; `AllBlocksCleared` at startup (batch seq 0)
   and on `reset_prefix_cache`.
+- In a cache of several groups (or a sliding window), each group's pages (device and
+  tiers) are announced on their own, under the same chain hashes, as vLLM 0.33 does:
+  `group_idx` the group's index, `kv_cache_spec_kind` its kind ("full_attention",
+  "sliding_window", "mla_attention") and `kv_cache_spec_sliding_window` its window
+  (`GroupSpec`); `BlockRemoved` carries `group_idx`. One event holds one group's pages.
 A parent is always a hash this stream announced before (the pool commits a page only
 after its parent page was committed or found in the index).
 """
@@ -42,6 +47,8 @@ import collections
 import logging
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -55,6 +62,7 @@ from .format import (
     END_SEQ,
     KV_CACHE_SPEC_KIND,
     MEDIUM_GPU,
+    SPEC_KINDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -118,26 +126,68 @@ class EventRecorder:
         records carry their own `medium`, in this recorder's order."""
         return MediumSink(self, medium)
 
+    def group_sink(self, group: GroupSpec) -> MediumSink:
+        """A sink for the device pages of one cache group of a cache of several, whose
+        records carry their group (`medium_sink` of it: that group's tiers). The first
+        group's sink records `cleared` for all: the groups are reset together."""
+        return MediumSink(self, None, group)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """What events say of a cache group's pages (vLLM 0.33's `BlockStored.group_idx`,
+    `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`; `BlockRemoved.group_idx`)."""
+
+    index: int
+    """The group's place among the replica's groups (`CacheGroupConfig` order)."""
+    kind: str
+    """vLLM's `KVCacheSpecKind` value: "full_attention", "sliding_window",
+    "mla_attention"."""
+    sliding_window: int | None = None
+    """The window in tokens, the query's own included (MAX's and vLLM's count)."""
+
+    @classmethod
+    def of(cls, index: int, kind: str, window_size: int | None) -> GroupSpec:
+        """The spec of the group `index` of mokv's `kind` ("full", "sliding_window",
+        "mla": `CacheGroup.kind`)."""
+        return cls(index, SPEC_KINDS[kind], window_size)
+
 
 class MediumSink:
-    """Records stores and removals of one tier into its recorder, tagged with `medium`.
-    `cleared` records nothing: the tiers are reset together and the recorder's own
-    `cleared` covers them all."""
+    """Records stores and removals of one tier (`medium`; None: the recorder's own)
+    or one cache group (`group`) into its recorder. `cleared` records nothing but for
+    the first group's device pages: the tiers and groups are reset together and the
+    recorder's own `cleared` covers them all."""
 
-    def __init__(self, recorder: EventRecorder, medium: str) -> None:
+    def __init__(
+        self, recorder: EventRecorder, medium: str | None, group: GroupSpec | None = None
+    ) -> None:
         self._recorder = recorder
         self.medium = medium
+        self.group = group
 
     def stored(
         self, page_hash: int, parent_hash: int | None, token_bytes: bytes, keys: EventKeys | None
     ) -> None:
-        self._recorder._record((_STORED, page_hash, parent_hash, token_bytes, keys, self.medium))
+        record = (_STORED, page_hash, parent_hash, token_bytes, keys, self.medium)
+        self._recorder._record(record if self.group is None else (*record, self.group))
 
     def removed(self, page_hash: int) -> None:
-        self._recorder._record((_REMOVED, page_hash, self.medium))
+        record = (_REMOVED, page_hash, self.medium)
+        self._recorder._record(record if self.group is None else (*record, self.group))
 
     def cleared(self) -> None:
-        pass
+        if self.medium is None and self.group is not None and self.group.index == 0:
+            self._recorder.cleared()
+
+    def medium_sink(self, medium: str) -> MediumSink:
+        """The sink of one of this group's tiers."""
+        return MediumSink(self._recorder, medium, self.group)
+
+
+TierEvents = EventRecorder | MediumSink
+"""Where a tier reports its stores and evictions (`Publishing.publish_to`): a replica's
+recorder, or one cache group's sink of it (`EventRecorder.group_sink`)."""
 
 
 def build_events(
@@ -149,28 +199,38 @@ def build_events(
     salted first page, which always starts its event, carries its salt as `salt_format`
     says (`KVEventsConfig`)."""
     events: list = []
-    run: list | None = None  # [hashes, parent, token chunks, keys, medium] of a BlockStored
+    # [hashes, parent, token chunks, keys, medium, group] of a BlockStored
+    run: list | None = None
     for rec in records:
         kind = rec[0]
         if kind == _STORED:
             page_hash, parent, data, keys = rec[1:5]
-            rec_medium = rec[5] if len(rec) > 5 else medium
+            rec_medium = rec[5] or medium if len(rec) > 5 else medium
+            group = rec[6] if len(rec) > 6 else None
             if (
                 run is not None
                 and parent == run[0][-1]
                 and rec_medium == run[4]
+                and group == run[5]
                 and _run_tag(keys) == _run_tag(run[3][0])
             ):
                 run[0].append(page_hash)
                 run[2].append(data)
                 run[3].append(keys)
                 continue
-            run = [[page_hash], parent, [data], [keys], rec_medium]
+            run = [[page_hash], parent, [data], [keys], rec_medium, group]
             events.append(run)
             continue
         run = None
         if kind == _REMOVED:
-            events.append(BlockRemoved([rec[1]], rec[2] if len(rec) > 2 else medium, group_idx=0))
+            group = rec[3] if len(rec) > 3 else None
+            events.append(
+                BlockRemoved(
+                    [rec[1]],
+                    rec[2] or medium if len(rec) > 2 else medium,
+                    group_idx=0 if group is None else group.index,
+                )
+            )
         else:
             events.append(AllBlocksCleared())
     for i, e in enumerate(events):
@@ -189,7 +249,7 @@ def _run_tag(keys: EventKeys | None) -> tuple:
 
 def _block_stored(run: list, block_size: int, salt_format: str) -> BlockStored:
     """The `BlockStored` of one run: only its first page can be a salted first page."""
-    hashes, parent, chunks, keys, medium = run
+    hashes, parent, chunks, keys, medium, group = run
     first: EventKeys | None = keys[0]
     salt = first.cache_salt if first is not None and parent is None else None
     tagged = DYNAMO_SALT_PREFIX + salt if salt is not None and salt_format == "dynamo" else salt
@@ -200,9 +260,15 @@ def _block_stored(run: list, block_size: int, salt_format: str) -> BlockStored:
     lora_id, lora_name, session = (
         (first.lora_id, first.lora_name, first.session_id) if first is not None else (None,) * 3
     )
-    fields = dict(
+    fields: dict[str, Any] = dict(
         extra_keys=extra, group_idx=0, kv_cache_spec_kind=KV_CACHE_SPEC_KIND, session_id=session
     )
+    if group is not None:
+        fields.update(
+            group_idx=group.index,
+            kv_cache_spec_kind=group.kind,
+            kv_cache_spec_sliding_window=group.sliding_window,
+        )
     if salt is not None and salt_format == "sglang":
         return SaltedBlockStored(
             hashes,

@@ -345,12 +345,15 @@ def max_kv_params(
     group, under the group's name, in order (a windowed child has its `window_size`);
     a cache of one MLA group is MAX's `MLAKVCacheParams`, which needs the model's query
     heads (`num_q_heads`, ValueError without them). Quantized pages carry MAX's
-    `kvcache_quant_config`."""
+    `kvcache_quant_config`. Recurrent state (`params.recurrent`) is a
+    `RecurrentStateParams` child after the attention children, under its name."""
     from max.nn.kv_cache import (
         KVCacheQuantizationConfig,
         MHAKVCacheParams,
         MLAKVCacheParams,
         MultiKVCacheParams,
+        RecurrentStateParams,
+        RecurrentStateRegion,
     )
 
     quantization = params.quantization
@@ -385,11 +388,20 @@ def max_kv_params(
             )
         return MLAKVCacheParams(num_q_heads=num_q_heads, **shared)
 
-    if not params.groups or params.mla_group is not None:
+    state = params.recurrent
+    if state is None and (not params.groups or params.mla_group is not None):
         return leaf(params, num_layers, None)
-    return MultiKVCacheParams.from_params(
-        {
-            g.name: leaf(params.group_params(g), g.num_layers, g.window_size)
-            for g in params.cache_groups(num_layers)
-        }
-    )
+    children: dict[str, Any] = {
+        g.name: leaf(params.group_params(g), g.num_layers, g.window_size)
+        for g in params.cache_groups(num_layers)
+    }
+    if state is not None:
+        children[state.name] = RecurrentStateParams(
+            regions=tuple(
+                RecurrentStateRegion(r.leaf_id, r.num_layers, r.row_shape, r.dtype)
+                for r in state.regions
+            ),
+            devices=list(devices),
+            data_parallel_degree=params.data_parallel_degree,
+        )
+    return MultiKVCacheParams.from_params(children)

@@ -146,6 +146,11 @@ def refuse_paged_features(params: KVCacheParams, manager: str) -> None:
             f"groups={[g.name for g in params.groups]} (a sliding window's pages are "
             "released as it slides; an MLA group's pages hold latents): use the paged manager"
         )
+    if params.recurrent is not None:
+        raise ValueError(
+            f"{manager} cannot honour recurrent={params.recurrent.name!r} (state "
+            "checkpoints are found by prefix hashes): use the paged manager"
+        )
 
 
 def check_window(ctx: TextGenerationContext) -> None:

@@ -59,6 +59,12 @@ class NullKVCacheManager(MaxManagerAPI):
             params, layout_for(params), max_batch_size, max_seq_len, num_layers, devices, session
         )
         params.cache_groups(num_layers)  # groups whose layers do not add up: ValueError
+        if params.recurrent is not None:
+            raise ValueError(
+                f"NullKVCacheManager gives no recurrent-state symbols (recurrent="
+                f"{params.recurrent.name!r}): build the graph on MAX's "
+                "`max_kv_params(params, ...).get_symbolic_inputs()`"
+            )
         if page_size != 128 and page_size != params.page_size:
             raise ValueError(
                 f"page_size={page_size} disagrees with params.page_size={params.page_size}; "

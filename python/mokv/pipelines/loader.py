@@ -12,6 +12,8 @@ from typing import Any
 from max.driver import is_virtual_device_mode
 from max.engine import InferenceSession
 
+from ..config.params import KVCacheParams
+from ..errors import InsufficientMemoryError
 from .manager import KVCacheManager
 from .options import MokvOptions
 from .params import mokv_params, refuse
@@ -51,6 +53,7 @@ def load_kv_manager(
         )
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size!r}")
+    available_cache_memory -= state_bytes(kv_params, max_batch_size, available_cache_memory)
     return KVCacheManager.create(
         params,
         kv_params,
@@ -61,6 +64,26 @@ def load_kv_manager(
         model_name=model_name,
         max_num_input_tokens=max_num_input_tokens,
     )
+
+
+def state_bytes(params: KVCacheParams, max_batch_size: int, available: int) -> int:
+    """Bytes the state layers take of the budget (none without them): per replica a
+    live block per request, the checkpoints and the zero block, each one state on each
+    of its devices (`groups/state.py`). InsufficientMemoryError when they leave no
+    bytes for the attention pages."""
+    state = params.recurrent
+    if state is None:
+        return 0
+    blocks = max_batch_size + state.num_checkpoints + 1
+    total = params.n_devices * blocks * state.bytes_per_state
+    if total >= available:
+        raise InsufficientMemoryError(
+            f"the recurrent state {state.name!r} takes {total} bytes ({blocks} states of "
+            f"{state.bytes_per_state} bytes per device: max_batch_size={max_batch_size}, "
+            f"num_checkpoints={state.num_checkpoints}) of available_cache_memory="
+            f"{available}, leaving none for the attention pages"
+        )
+    return total
 
 
 load_kv_manager.mokv_loader = True  # type: ignore[attr-defined]  # seams.check_seams

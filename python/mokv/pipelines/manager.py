@@ -49,9 +49,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from max.driver import Buffer
+from max.dtype import DType
 from max.engine import InferenceSession
 from max.nn.kv_cache import BatchCharacteristics, KVCacheInputsPerDevice
-from max.nn.kv_cache.cache_params import KVCacheBuffer, MultiKVCacheBuffer
+from max.nn.kv_cache.cache_params import KVCacheBuffer, MultiKVCacheBuffer, RecurrentStateBuffer
 from max.nn.kv_cache.metrics import KVCacheMetrics as MaxKVCacheMetrics
 from max.pipelines.kv_cache import (
     BlockCount,
@@ -67,7 +68,7 @@ from ..layouts.max_paged import LOOKUP_PAD_PAGE, DispatchShape, max_runtime_inpu
 from ..managers.paged import PagedKVCacheManager
 from ..metrics import KVCacheMetrics
 from .context_view import MaxContextView
-from .params import max_leaves, max_num_layers, mla_q_heads, n_kv_heads
+from .params import max_leaves, max_num_layers, max_state, mla_q_heads, n_kv_heads
 
 logger = logging.getLogger("mokv.pipelines")
 
@@ -136,6 +137,9 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         self._max_num_input_tokens = max_num_input_tokens
         self._leaf_ids = [leaf.leaf_id(f"{key}." if key else "") for key, leaf in leaves]
         self._keys = [key for key, _ in leaves]
+        state = max_state(params)
+        self._state_key = state[0] if state is not None else None
+        self._tree_keys = list(params.children) if state is not None else self._keys
         self._heads = [manager.params.group_params(g).n_kv_heads_per_device for g in groups]
         self._mla_q_heads = [mla_q_heads(leaf) for _, leaf in leaves]
         self._taken = MaxKVCacheMetrics()
@@ -255,7 +259,10 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         ]
         if self._keys == [None]:
             return trees[0]
-        return OrderedDict(zip(self._keys, trees))
+        inputs = OrderedDict(zip(self._keys, trees))
+        if self._state_key is not None:  # the state layers' inputs, at their key's place
+            inputs[self._state_key] = tuple(self.manager.state_inputs(views))
+        return OrderedDict((key, inputs[key]) for key in self._tree_keys)
 
     def runtime_inputs_for_leaf(
         self,
@@ -351,7 +358,20 @@ class KVCacheManager(PagedKVCacheManagerInterface):
         ]
         if self._keys == [None]:
             return buffers[0]
-        return MultiKVCacheBuffer(children=dict(zip(self._keys, buffers)))
+        children: dict[Any, Any] = dict(zip(self._keys, buffers))
+        states = self.manager.replicas[replica_idx].states
+        if states is not None and self._state_key is not None:
+            # MAX's view of a state pool: each region's blocks as rows of bytes.
+            children[self._state_key] = RecurrentStateBuffer(
+                pages={
+                    region.leaf_id: [
+                        b.view(DType.uint8, [states.num_blocks, region.bytes_per_state])
+                        for b in pools
+                    ]
+                    for region, pools in zip(states.config.regions, states.states)
+                }
+            )
+        return MultiKVCacheBuffer(children={key: children[key] for key in self._tree_keys})
 
     @property
     def effective_max_seq_length(self) -> int | None:

@@ -16,6 +16,9 @@ keyword arguments of mokv's config class of the same feature:
       ttl_s: 600
     pins:                  # mokv.PinConfig (a request's cache_control pins its prompt)
       max_share: 0.5
+    state_checkpoints:     # a hybrid model's state checkpoints (docs/recurrent.md)
+      checkpoint_every: 1
+      num_checkpoints: 64
 
 Every key is checked: an unknown section or keyword is an error naming it, never a
 setting silently dropped.
@@ -31,6 +34,7 @@ from typing import Any
 
 from ..config.cache_control import PinConfig
 from ..config.events import KVEventsConfig
+from ..config.recurrent import StateCheckpointConfig
 from ..config.sessions import SessionConfig
 from ..config.tiers import HostTierConfig, RemoteTierConfig, TierConfig
 from ..errors import MokvError
@@ -41,6 +45,7 @@ SECTIONS: dict[str, type] = {
     "kv_events": KVEventsConfig,
     "sessions": SessionConfig,
     "pins": PinConfig,
+    "state_checkpoints": StateCheckpointConfig,
 }
 """The sections of a mokv config file and the config class each one builds."""
 
@@ -59,12 +64,15 @@ class MokvOptions:
         kv_events: publish the prefix cache's changes (`mokv.KVCacheParams.kv_events`).
         sessions: retain sessions' pages through a pause (`mokv.KVCacheParams.sessions`).
         pins: let requests pin their prompt (`mokv.KVCacheParams.pins`; docs/serve.md).
+        state_checkpoints: a hybrid model's state checkpoints (docs/recurrent.md); None:
+            every page, `DEFAULT_CHECKPOINTS` of them.
     """
 
     tiers: tuple[TierConfig, ...] = ()
     kv_events: KVEventsConfig | None = None
     sessions: SessionConfig | None = None
     pins: PinConfig | None = None
+    state_checkpoints: StateCheckpointConfig | None = None
 
     @classmethod
     def from_mapping(cls, sections: Any, source: str = "the mokv config") -> MokvOptions:
@@ -101,7 +109,13 @@ class MokvOptions:
             except (TypeError, ValueError) as e:
                 raise MokvConfigError(f"{source}: section {name!r}: {e}") from e
         tiers = tuple(built[t] for t in ("host_tier", "remote_tier") if t in built)
-        return cls(tiers, built.get("kv_events"), built.get("sessions"), built.get("pins"))
+        return cls(
+            tiers,
+            built.get("kv_events"),
+            built.get("sessions"),
+            built.get("pins"),
+            built.get("state_checkpoints"),
+        )
 
     @classmethod
     def from_file(cls, path: str | PathLike[str]) -> MokvOptions:

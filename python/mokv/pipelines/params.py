@@ -5,9 +5,11 @@ reads them into mokv's `KVCacheParams`. A params kind or setting mokv does not h
 is refused with `UnsupportedMaxParamsError` naming it, never accepted and ignored:
 
     refused                                   what it is in MAX
-    RecurrentStateParams, nested trees        recurrent state, drafts' caches
+    nested trees, two RecurrentStateParams,   drafts' caches, a state with no
+      one without an attention child,         attention beside it, per-request
+      scratch regions                         scratch (speculative verify rings)
     MSAKVCacheParams                          multi-step attention
-    MLA beside other children, or windowed    a latent cache in a tree, a latent window
+    a windowed MLA cache                      a latent window
     int8, FP4, float8_e4m3fnuz dtypes; FP8     quantized KV pages mokv does not store
       scales that are not float32             (docs/quantized.md)
     num_draft_tokens, speculative_method      speculative decoding's draft slots
@@ -26,6 +28,11 @@ with the child's layers, heads, head size and `window_size`; a single
 `MHAKVCacheParams` with a `window_size` is one sliding-window group. Children must share
 a dtype (each is checked as above).
 
+Recurrent state. A `RecurrentStateParams` child beside the attention children (Qwen3.5's
+tree: "attn" and "state"; Nemotron-H's) becomes `KVCacheParams.recurrent`, one
+`StateRegion` per region in MAX's order, checkpointed as `MokvOptions.state_checkpoints`
+says (docs/recurrent.md); its devices and replicas must be the attention children's.
+
 FP8 pages. float8_e4m3fn with a `kvcache_quant_config` (float32 scales) becomes
 `KVCacheParams.quantization` (`KVCacheQuantization` of the config's scale dtype and
 granularity): scaled pages. float8_e4m3fn without one, what MAX's Llama builds for
@@ -36,7 +43,9 @@ MLA. MAX's `MLAKVCacheParams` (DeepSeek V2 and V3, Kimi K2, GLM-5: one latent of
 (`CacheGroupConfig(latent_dim=, rope_dim=)`, named `MLA_GROUP`). MAX's params do not
 split the latent from its RoPE key; MAX's MLA kernels take `qk_rope_dim=64` (every
 MLA model MAX 26.7 serves), so mokv reads `rope_dim = MLA_ROPE_DIM` and `latent_dim =
-head_dim - 64` (a head_dim of 64 or less is refused).
+head_dim - 64` (a head_dim of 64 or less is refused). A `MultiKVCacheParams` may hold
+`MLAKVCacheParams` children, as MAX's own manager takes them (DeepSeek V3.2's "mla" and
+"indexer", an MTP draft's "target" and "draft"): each is an MLA group of that name.
 
 The page hash follows `kv_hash_algo`: MAX's default "ahash64" (64-bit, not
 cryptographic) becomes mokv's default "xxh3" (the same kind of key, and mokv confirms a
@@ -52,6 +61,7 @@ from ..config.base import CACHE_DTYPES
 from ..config.groups import CacheGroupConfig
 from ..config.params import KVCacheParams
 from ..config.quantization import QUANTIZED_DTYPES, SCALE_DTYPES, KVCacheQuantization
+from ..config.recurrent import RecurrentStateConfig, StateCheckpointConfig, StateRegion
 from ..errors import MokvError
 from .options import MokvOptions
 
@@ -96,23 +106,27 @@ def max_leaves(params: Any) -> list[tuple[str | None, Any]]:
     from max.nn.kv_cache import MHAKVCacheParams, MLAKVCacheParams, MultiKVCacheParams
 
     what = (
-        "one full-attention or sliding-window cache of K and V pages, a tree of them, "
-        "or one MLA cache"
+        "one full-attention, sliding-window or MLA cache, or a tree of them "
+        "(MHAKVCacheParams and MLAKVCacheParams)"
     )
     if type(params) in (MHAKVCacheParams, MLAKVCacheParams):
         return [(None, params)]
     if type(params) is not MultiKVCacheParams:
-        raise refuse(f"{type(params).__name__} caches (it holds MAX's MHAKVCacheParams: {what})")
+        raise refuse(f"{type(params).__name__} caches (it holds {what})")
     leaves = []
     for key, child in params.children.items():
-        if type(child) is not MHAKVCacheParams:
+        if key == _state_key(params):
+            continue
+        if type(child) not in (MHAKVCacheParams, MLAKVCacheParams):
             raise refuse(
                 f"{type(child).__name__} caches (child {key!r} of the MultiKVCacheParams; "
-                f"it holds MHAKVCacheParams children: {what})"
+                f"it holds {what})"
             )
         if not key.isidentifier():
             raise refuse(f"a cache child named {key!r} (a group's name is an identifier)")
         leaves.append((key, child))
+    if not leaves:
+        raise refuse("a recurrent state with no attention cache beside it")
     dtypes = {child.dtype for _, child in leaves}
     if len(dtypes) > 1:
         raise refuse(f"cache groups of different dtypes ({sorted(d.name for d in dtypes)})")
@@ -120,6 +134,65 @@ def max_leaves(params: Any) -> list[tuple[str | None, Any]]:
     if len(configs) > 1:
         raise refuse(f"cache groups of different kvcache_quant_config ({sorted(configs)})")
     return leaves
+
+
+def _state_key(params: Any) -> str | None:
+    """The key of the `RecurrentStateParams` child of MAX's `MultiKVCacheParams`, if one
+    (UnsupportedMaxParamsError for two)."""
+    from max.nn.kv_cache import RecurrentStateParams
+
+    keys = [k for k, c in params.children.items() if type(c) is RecurrentStateParams]
+    if len(keys) > 1:
+        raise refuse(f"two RecurrentStateParams children ({keys}: a speculative pair's)")
+    return keys[0] if keys else None
+
+
+def max_state(params: Any) -> tuple[str, Any] | None:
+    """`(child key, RecurrentStateParams)` of MAX's `params`, or None: checked against
+    the attention children (module docstring)."""
+    from max.nn.kv_cache import KVConnectorType, MultiKVCacheParams
+
+    if type(params) is not MultiKVCacheParams:
+        return None
+    key = _state_key(params)
+    if key is None:
+        return None
+    state = params.children[key]
+    (_, first), *_ = max_leaves(params)
+    scratch = [r.leaf_id for r in state.regions if r.scratch]
+    if scratch:
+        raise refuse(f"scratch state regions ({scratch}: a speculative verify's)")
+    if state.num_draft_tokens or state.speculative_method is not None:
+        raise refuse(f"a state with draft tokens (num_draft_tokens={state.num_draft_tokens})")
+    if state.kv_connector_config.type != KVConnectorType.null:
+        raise refuse(f"MAX's KV connector {state.kv_connector_config.type.value!r} on a state")
+    where = (list(state.devices), state.data_parallel_degree)
+    if where != (list(first.devices), first.data_parallel_degree):
+        raise refuse(
+            f"a state on other devices or replicas than its attention ({where[0]}, "
+            f"data_parallel_degree={where[1]})"
+        )
+    return key, state
+
+
+def mokv_state(
+    params: Any, checkpoints: StateCheckpointConfig | None, enable_prefix_caching: bool
+) -> RecurrentStateConfig | None:
+    """mokv's recurrent state of MAX's `params` (None without a state child): its regions,
+    checkpointed as `checkpoints` says (none without prefix caching)."""
+    found = max_state(params)
+    if found is None:
+        if checkpoints is not None:
+            raise refuse(f"state_checkpoints={checkpoints!r} for a model with no recurrent state")
+        return None
+    key, state = found
+    checkpoints = checkpoints or StateCheckpointConfig()
+    return RecurrentStateConfig(
+        key,
+        tuple(StateRegion(r.leaf_id, r.num_layers, r.row_shape, r.dtype) for r in state.regions),
+        checkpoints.checkpoint_every,
+        checkpoints.num_checkpoints if enable_prefix_caching else 0,
+    )
 
 
 def max_num_layers(params: Any) -> int:
@@ -237,7 +310,13 @@ def mokv_groups(params: Any) -> tuple[CacheGroupConfig, ...]:
             return ()
         return (CacheGroupConfig(SLIDING_GROUP, params.num_layers, params.window_size),)
     return tuple(
-        CacheGroupConfig(key, leaf.num_layers, leaf.window_size, leaf.n_kv_heads, leaf.head_dim)
+        CacheGroupConfig(
+            key, leaf.num_layers, latent_dim=leaf.head_dim - MLA_ROPE_DIM, rope_dim=MLA_ROPE_DIM
+        )
+        if type(leaf) is MLAKVCacheParams
+        else CacheGroupConfig(
+            key, leaf.num_layers, leaf.window_size, leaf.n_kv_heads, leaf.head_dim
+        )
         for key, leaf in leaves
         if key is not None
     )
@@ -268,5 +347,6 @@ def mokv_params(
         sessions=options.sessions,
         pins=options.pins,
         groups=mokv_groups(params),
+        recurrent=mokv_state(params, options.state_checkpoints, first.enable_prefix_caching),
         quantization=quantization(first),
     )

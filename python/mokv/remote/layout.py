@@ -5,9 +5,11 @@ Key (readable, so an operator can `redis-cli --scan --pattern 'mokv:v4:<namespac
 
     mokv:v4:{namespace}:{fingerprint}[.mac-{key id}]:{page hash as 16 hex digits}
     fingerprint = {dtype}.p{page_size}.l{layers}.h{kv heads per device}.d{head_dim}
-                  [.s{scales per head}f32].tp{rank}-{degree}.{group kind}.{prefix hash
+                  [.s{scales per head}f32].tp{rank}-{degree}.{group}.{prefix hash
                   algorithm}
     e.g. mokv:v4:llama-3.2-1b:bfloat16.p128.l16.h8.d64.tp0-1.full.xxh3:9f0c1e2d3a4b5c6d
+    group = "full" or "mla" for a cache of one group; in a cache of several, each
+            group's own (`group_key`: kind, window, index), e.g. "sliding_window-w1024-g0"
 
 Scaled FP8 pages (`KVCacheParams.quantization`) store their scales with their values:
 the page's bytes are the values' (`page_shape`) and then the scales'
@@ -57,6 +59,16 @@ MLA = "mla"
 """The group kind of an MLA cache's pages: every token's latent, kept."""
 
 
+def group_key(kind: str, index: int, window_size: int | None) -> str:
+    """The `group` of the layout of a cache of several groups: the group's kind, its
+    window (tokens) and its index, e.g. "sliding_window-w1024-g0", "full-g1", "mla-g0".
+    Two groups of a model may share a head shape and layer count (then only the index
+    tells their pages apart), and a full and a sliding group hold different tokens of a
+    page's hash (a window's page is only what its layers wrote)."""
+    window = "" if window_size is None else f"-w{window_size}"
+    return f"{kind}{window}-g{index}"
+
+
 @dataclass(frozen=True)
 class RemoteLayout:
     """The shape of one stored page: everything two servers must agree on to share it.
@@ -64,7 +76,8 @@ class RemoteLayout:
     One layout per device shard: with tensor parallelism each device stores its own
     heads under its own `tp_rank`. `group` is the kind of cache group the pages belong
     to (`FULL_ATTENTION`: a paged manager's; another kind's pages hold other tokens
-    under the same hashes, so they must never be read for these).
+    under the same hashes, so they must never be read for these); in a cache of several
+    groups, the group itself (`group_key`: kind, window and index).
     """
 
     dtype: DType
@@ -113,8 +126,14 @@ class RemoteLayout:
             )
 
     @classmethod
-    def from_params(cls, params: KVCacheParams, num_layers: int, tp_rank: int = 0):
-        """The layout of device `tp_rank`'s shard of a replica built from `params`."""
+    def from_params(
+        cls, params: KVCacheParams, num_layers: int, tp_rank: int = 0, group: str | None = None
+    ):
+        """The layout of device `tp_rank`'s shard of a replica built from `params` (of
+        one group's pages, `params.group_params`, named `group`: `group_key`; None: the
+        one group of a cache of one, "full" or "mla")."""
+        if group is None:
+            group = FULL_ATTENTION if params.mla_group is None else MLA
         return cls(
             params.dtype,
             params.page_size,
@@ -124,7 +143,7 @@ class RemoteLayout:
             tp_rank,
             params.tensor_parallel_degree,
             params.prefix_hash,
-            group=FULL_ATTENTION if params.mla_group is None else MLA,
+            group=group,
             kv_dim=params.kv_dim,
             scales_per_head=params.scales_per_head,
         )

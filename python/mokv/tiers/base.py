@@ -30,7 +30,9 @@ evicts nothing (the shared tier) implements nothing for it.
 
 Adding a tier (a local disk, a peer server) is a `TierConfig` subclass (`mokv.config.tiers`:
 a frozen dataclass whose `__post_init__` checks its fields) and a module with a class
-that meets `Tier` and registers its builder for the config (`mokv.registry.BUILDERS`).
+that meets `Tier` and registers its builder for the config (`mokv.registry.BUILDERS`:
+`builder(config, params, num_layers, pool, blocks, scales, group_key)`, `group_key` naming the
+cache group in a cache of several, else None).
 Users list the config in `KVCacheParams.tiers`; nothing else names the tier.
 """
 
@@ -42,7 +44,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..cache.extra_keys import EventKeys
-    from ..events.publisher import EventRecorder
+    from ..events.publisher import TierEvents
     from ..metrics import TierMetrics
     from ..undo import UndoLog
 
@@ -209,7 +211,7 @@ class ReservationNoticed(Protocol):
 class Publishing(Protocol):
     """A tier whose stores (and evictions) the replica's KV-cache events announce."""
 
-    def publish_to(self, events: EventRecorder) -> None:
+    def publish_to(self, events: TierEvents) -> None:
         """Reports the tier's stores and evictions to the replica's event recorder."""
         ...
 

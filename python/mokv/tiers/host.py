@@ -34,7 +34,7 @@ from ..config.params import KVCacheParams
 from ..config.tiers import HostTierConfig
 from ..errors import InsufficientMemoryError, InvariantError
 from ..events.format import MEDIUM_CPU
-from ..events.publisher import EventRecorder
+from ..events.publisher import TierEvents
 from ..metrics import TierMetrics
 from ..registry import BUILDERS
 from ..undo import UndoLog
@@ -57,10 +57,11 @@ def build_host_tier(
     pool: PagePool,
     blocks: list[Buffer],
     scales: list[Buffer] | None = None,
+    group_key: str | None = None,
 ) -> HostTier:
-    """The host tier of one replica (registered for `HostTierConfig`), over its values
-    `blocks` and, for scaled pages, their `scales`; InsufficientMemoryError when the
-    machine cannot hold it."""
+    """The host tier of one replica (of its cache group `group_key`, which the errors
+    name; registered for `HostTierConfig`), over its values `blocks` and, for scaled
+    pages, their `scales`; InsufficientMemoryError when the machine cannot hold it."""
     num_pages = config.num_pages(params, num_layers)
     memory = host_memory_bytes()
     if memory is not None and config.swap_space_gb * 2**30 > memory:
@@ -73,7 +74,8 @@ def build_host_tier(
     except MemoryError:  # a bare MemoryError would not say which setting asked
         raise InsufficientMemoryError(
             f"HostTierConfig.swap_space_gb={config.swap_space_gb!r}: {num_pages} host "
-            f"pages of {params.bytes_per_page(num_layers)} bytes per replica could not "
+            f"pages of {params.bytes_per_page(num_layers)} bytes per replica"
+            f"{'' if group_key is None else f' for group {group_key}'} could not "
             "be allocated"
         ) from None
 
@@ -266,7 +268,7 @@ class HostTier:
     def close(self) -> None:
         """Nothing to close: the host buffers go with the tier."""
 
-    def publish_to(self, events: EventRecorder) -> None:
+    def publish_to(self, events: TierEvents) -> None:
         self.pool.events = events.medium_sink(MEDIUM_CPU)
 
     def metrics(self) -> TierMetrics:

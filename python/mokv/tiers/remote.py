@@ -36,7 +36,7 @@ from ..config.params import KVCacheParams
 from ..config.tiers import RemoteTierConfig
 from ..errors import InvariantError
 from ..events.format import MEDIUM_SHARED
-from ..events.publisher import EventRecorder
+from ..events.publisher import TierEvents
 from ..metrics import TierMetrics
 from ..registry import BUILDERS
 from ..remote import PageCodec, RemoteLayout, RemoteMetrics, RemotePageStore
@@ -151,7 +151,7 @@ class RemoteTier:
         for store in self.stores:
             store.close()
 
-    def publish_to(self, events: EventRecorder) -> None:
+    def publish_to(self, events: TierEvents) -> None:
         """Announces the pages this replica queued to the store, with medium "EXTERNAL".
         Never a removal: the server evicts by itself and tells no one (a router's view of
         the shared tier may hold pages already gone). Loaded pages are announced as the
@@ -182,11 +182,16 @@ def build_remote_tier(
     pool: PagePool,
     blocks: list[Buffer],
     scales: list[Buffer] | None = None,
+    group_key: str | None = None,
 ) -> RemoteTier:
     """The shared tier of one replica (registered for `RemoteTierConfig`): one store
-    per device shard, each under its own layout; a scaled page's value holds its
-    scales after its values."""
-    layouts = [RemoteLayout.from_params(params, num_layers, shard) for shard in range(len(blocks))]
+    per device shard, each under its own layout (which names the cache group
+    `group_key` of a cache of several, `RemoteLayout.group`); a scaled page's value
+    holds its scales after its values."""
+    layouts = [
+        RemoteLayout.from_params(params, num_layers, shard, group_key)
+        for shard in range(len(blocks))
+    ]
     return RemoteTier(config, layouts, blocks, scales)
 
 

@@ -16,7 +16,7 @@ from ..cache.extra_keys import EventKeys
 from ..cache.page_pool import PagePool
 from ..config.params import KVCacheParams
 from ..config.tiers import TierConfig
-from ..events.publisher import EventRecorder
+from ..events.publisher import TierEvents
 from ..metrics import TierMetrics
 from ..registry import BUILDERS
 from ..undo import UndoLog
@@ -50,6 +50,9 @@ class PendingLoad:
     """What events say of the page besides its tokens (`DeviceHit.keys`)."""
     device_page: int | None = None
     """The device page it loads into; taken when the reservation is applied."""
+    group: int = 0
+    """The cache group whose page it loads (its index in the replica; each group has
+    a stack of its own tiers, `managers/paged/group_tiers.py`)."""
 
     @property
     def page(self) -> int:
@@ -59,7 +62,9 @@ class PendingLoad:
 
 
 class TierStack:
-    """The tiers of one replica, built from `params.tiers` over its pool and buffers."""
+    """The tiers of one replica (of one of its cache groups), built from `params.tiers`
+    over its pool and buffers; `group_key` names the group in what the tiers share
+    (`RemoteLayout.group`), None for a cache of one group."""
 
     def __init__(
         self,
@@ -70,11 +75,14 @@ class TierStack:
         blocks: list[Buffer],
         undo: UndoLog | None = None,
         scales: list[Buffer] | None = None,
+        group_key: str | None = None,
     ) -> None:
         self.tiers: list[Tier] = []
         try:
             for config in configs:
-                self.tiers.append(BUILDERS.build(config, params, num_layers, pool, blocks, scales))
+                self.tiers.append(
+                    BUILDERS.build(config, params, num_layers, pool, blocks, scales, group_key)
+                )
         except BaseException:
             self.close()  # a tier built before may run threads
             raise
@@ -142,6 +150,13 @@ class TierStack:
             self.undo.push(setattr, self, "_cache_tokens", list(self._cache_tokens))
         for load in loads:
             self._cache_tokens[load.tier] += page_size
+
+    def count_tokens(self, index: int, tokens: int) -> None:
+        """`tokens` count as supplied by tier `index` (a joint hit of cache groups, whose
+        tokens past the groups' device hit count as the slowest tier's they load from)."""
+        if self.undo is not None:
+            self.undo.push(setattr, self, "_cache_tokens", list(self._cache_tokens))
+        self._cache_tokens[index] += tokens
 
     def note_reserved(
         self, fresh_pages: Sequence[int], device_hits: Sequence[Sequence[DeviceHit]]
@@ -220,7 +235,7 @@ class TierStack:
         for tier in self.tiers:
             tier.close()
 
-    def publish_to(self, events: EventRecorder) -> None:
+    def publish_to(self, events: TierEvents) -> None:
         for tier in self._publishing:
             tier.publish_to(events)
 

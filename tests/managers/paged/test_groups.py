@@ -283,19 +283,10 @@ def test_a_budget_short_of_one_request_names_the_group(session):
         make_paged(session, num_pages=2, max_seq_len=64, groups=hybrid(5))
 
 
-def test_a_cache_of_groups_refuses_what_it_does_not_hold(session):
+def test_groups_that_do_not_add_up_are_refused(session):
     with pytest.raises(ValueError, match="hold 3 layers, but num_layers=2"):
         make_paged(session, groups=(CacheGroupConfig("a", 2, window_size=4),
                                     CacheGroupConfig("b", 1)))
-    page = small_params().bytes_per_page(NUM_LAYERS)
-    for extra, name in [
-        (dict(tiers=(mokv.HostTierConfig(swap_space_gb=8 * page / 2**30),)), "tiers"),
-        (dict(sessions=mokv.SessionConfig()), "sessions"),
-        (dict(kv_events=mokv.KVEventsConfig(endpoint="inproc://groups")), "kv_events"),
-        (dict(pins=mokv.PinConfig(), enable_prefix_caching=True), "pins"),
-    ]:
-        with pytest.raises(ValueError, match=f"{name}=.*cache of groups"):
-            make_paged(session, groups=hybrid(5), **extra)
     for bad, match in [
         (dict(name="two words", num_layers=1), "identifier"),
         (dict(name="a", num_layers=0), "num_layers"),
@@ -342,3 +333,20 @@ def test_the_null_manager_names_every_groups_inputs(session):
     assert [list(i.blocks.shape) for i in inputs] == [[0, 2, 1, PAGE, 2, 8]] * 2
     with pytest.raises(ValueError, match="hold 2 layers, but num_layers=3"):
         mokv.NullKVCacheManager(params, 2, 16, 3, [CPU()], session, 0)
+
+
+def test_a_cache_of_groups_honours_a_requests_cache_control(session):
+    """A write policy caps what every group indexes; a pin, which a cache of groups cannot
+    hold (`pins` is refused), is refused naming it at the first reservation, not ignored."""
+    m = make_paged(session, num_pages=16, max_seq_len=32, groups=hybrid(6))
+    ctx = TextContext(np.arange(17), "A", cache_control=mokv.CacheControl(write="read_only"))
+    served(m, ctx)
+    assert m.replicas[0].committed_hashes("A") == []
+    assert all(not pool.indexed_hashes() for pool in pools(m).values())
+    assert m.metrics.cache_control.withheld_pages == 4
+    pinned = TextContext(np.arange(17), "B", cache_control=mokv.CacheControl(pin_ttl_s=5.0))
+    m.external_claim("B")
+    with pytest.raises(ValueError, match="asks for a pin .* KVCacheParams.pins is None"):
+        m.maybe_reserve(pinned)
+    assert pinned.start_idx == 0 and m.get_req_blocks_per_group("B") == {
+        "sliding": (0, []), "full": (0, [])}

@@ -44,6 +44,13 @@ def test_a_pinned_prefix_survives_pressure_that_evicts_a_session(session):
     assert found(m, nxt) == 24 > kept_by_retention
     c = m.metrics.cache_control
     assert (c.pins, c.pinned_pages, c.granted, c.partial, c.refreshed) == (1, 6, 1, 0, 1)
+    clock.now = 3599.0 + 3600  # the renewed pin's deadline: overdue, not ended yet
+    assert m.replicas[0].pool.num_pinned == 6
+    big = TextContext(np.arange(43) + 6000)  # its pages are room: the 11 pages fit
+    m.external_claim(big.request_id)
+    assert m.maybe_reserve(big) and m.replicas[0].pool.num_pinned == 0
+    assert m.metrics.cache_control.expired == 1
+    m.release(big.request_id)
 
 
 def test_a_hit_renews_the_pin_and_expiry_is_exact_to_the_clock(session):
@@ -232,3 +239,60 @@ def test_write_policies_reach_the_shared_tier(session, redis_server):  # noqa: F
         assert m.metrics.cache_control.withheld_pages == 2 - written
         m.check_invariants()
         m.close()
+
+
+def test_a_cache_of_groups_pins_whole_chains_and_a_windows_tail(session):
+    """On a sliding group (window 6: two pages before the one written) beside a full one,
+    a pin holds its whole chain in the full group and the two pages before its end in
+    the window's: pressure never evicts them, the next request finds the whole prefix,
+    renewing the pin; at its deadline every group lets go. A window's budget
+    refuses a pin whose tail it cannot hold."""
+    groups = (mokv.CacheGroupConfig("sliding", 1, window_size=6),
+              mokv.CacheGroupConfig("full", 1, n_kv_heads=1))  # half the sliding page
+    clock = Clock()
+    m = make_paged(session, num_pages=16, max_seq_len=32, groups=groups,
+                   pins=PinConfig(max_share=0.25, clock=clock))
+    sliding, full = (g.pool for g in m.replicas[0].groups)
+    turn(m, np.arange(17), cache_control=pinned(300))
+    chain = hashes(np.arange(16))
+    assert full.pinned_hashes == set(chain) and sliding.pinned_hashes == set(chain[2:])
+    for i in range(4):
+        turn(m, np.arange(15) + 1000 * (i + 1))  # 4 pages each, committed and released
+        m.check_invariants()
+    assert set(chain) <= full.indexed_hashes()
+    assert set(chain[2:]) <= sliding.indexed_hashes()
+    clock.now = 299.0
+    assert found(m, np.r_[np.arange(16), [5]]) == 16
+    (pin,) = m.replicas[0].pins.pins.values()
+    assert pin.deadline == 599.0
+    c = m.metrics.cache_control
+    assert (c.pins, c.pinned_pages, c.pinned_device_pages) == (1, 4, 4 + 2)
+    # Budgets: a quarter of each group's half of the shared memory, the full group's for
+    # whole chains, the window's for tails; a full page is half a sliding one, so the
+    # full group's budget has twice the pages. One-page chains: the window refuses first.
+    budgets = make_paged(session, num_pages=16, max_batch_size=8, max_seq_len=32, groups=groups,
+                         pins=PinConfig(max_share=0.25, clock=clock))
+    w_pool, f_pool = (g.pool for g in budgets.replicas[0].groups)
+    table = budgets.replicas[0].pins
+    k = table.group_cap(w_pool)
+    assert (k, table.cap) == (w_pool.num_pages // 2 // 4, f_pool.num_pages // 2 // 4)
+    assert table.cap == 2 * k
+    grants = [budgets.pin(turn_held(budgets, np.arange(5) + 100 * i), 300.0).pinned_tokens
+              for i in range(k + 1)]
+    assert grants == [4] * k + [0] and len(w_pool.pinned_hashes) == k
+    assert budgets.metrics.cache_control.refused == 1
+    budgets.check_invariants()
+    clock.now = 10_000.0
+    found(m, np.arange(5) + 7000)  # a reservation ends the pins past their deadline
+    assert not full.pinned_hashes and not sliding.pinned_hashes
+    m.check_invariants()
+
+
+def turn_held(m, tokens) -> str:
+    """A request of `tokens`, prefilled and stepped once, still held: its id."""
+    ctx = TextContext(np.asarray(tokens))
+    m.external_claim(ctx.request_id)
+    m.fetch([ctx])
+    ctx.update(1)
+    m.step([ctx])
+    return ctx.request_id

@@ -295,3 +295,32 @@ def test_a_dropped_session_falls_back_to_plain_lru_as_if_just_released(session):
     assert m.maybe_reserve(ctx)
     m.release(ctx.request_id)
     assert found(m, np.arange(10)) == 8 and found(m, np.arange(50, 60)) == 0
+
+
+def test_a_cache_of_groups_retains_whole_chains_and_a_windows_tail(session):
+    """On a sliding group (window 6: two pages before the one written) beside a full one,
+    a session retains its whole chain in the full group and only the two pages before
+    its end in the window's: the next turn's joint hit reads no more there. Unrelated
+    requests evict everything else; the turn after finds the whole chain on the device."""
+    groups = (mokv.CacheGroupConfig("sliding", 1, window_size=6),
+              mokv.CacheGroupConfig("full", 1))
+    m = make_paged(session, num_pages=16, max_seq_len=32, groups=groups,
+                   sessions=SessionConfig(max_share=0.5))
+    sliding, full = (g.pool for g in m.replicas[0].groups)
+    first = turn(m, np.arange(17), session_id="s", request_id="A")
+    chain = hashes(first.tokens[:16])
+    assert sessions(m).retained("s") == chain and len(chain) == 4
+    assert full.retained_hashes == set(chain)
+    assert sliding.retained_hashes == set(chain[2:])
+    storm(m, 100, 3)
+    assert set(chain) <= full.indexed_hashes()
+    assert set(chain[2:]) <= sliding.indexed_hashes() and not set(chain[:2]) & sliding.indexed_hashes()
+    assert found(m, np.r_[np.arange(16), [5]], session_id="s") == 16
+    second = turn(m, np.r_[np.arange(16), np.arange(50, 55)], session_id="s", request_id="B")
+    longer = hashes(second.tokens[:20])
+    assert sessions(m).retained("s") == longer
+    assert full.retained_hashes == set(longer)
+    assert sliding.retained_hashes == set(longer[3:])  # the tail moved with the chain
+    assert m.end_session("s") == 5
+    assert not full.retained_hashes and not sliding.retained_hashes
+    m.check_invariants()

@@ -13,6 +13,7 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from max.dtype import DType
 from mokv import TextContext
 from mokv.events import PrefixRouterIndex
 
@@ -457,6 +458,53 @@ class GroupMachine(PagedManagerMachine):
         super().teardown()
 
 
+class GroupHostMachine(GroupMachine, HostTierMachine):
+    """The groups' rules with a host tier per group (16 host pages of the two-layer
+    page's bytes, split between the groups) on few device pages: each group's prefixes
+    cycle device -> its host tier -> device, and every token read back in every group
+    (from pages loaded from a host tier too) must hold exactly its prefix's value."""
+
+    num_pages = 7
+    group_tokens_loaded = 0  # over every example: the groups' host tiers were exercised
+
+    def options(self) -> dict:
+        return dict(GroupMachine.options(self), **HostTierMachine.options(self))
+
+    def teardown(self):
+        GroupHostMachine.group_tokens_loaded += self.m.metrics.host_cache_tokens
+
+
+class StateMachine(PagedManagerMachine):
+    """The same rules on a cache with recurrent-state layers beside a full group: the
+    state (one float64 per request) is the rolling hash of the tokens it absorbed. Before
+    every step a request's live state must be the hash of exactly its cached tokens (0
+    before any): a fresh request starts from zeros, a prefix hit resumes from a
+    checkpoint of the same tokens, and no request runs on another's state. Checkpoints
+    land where steps end on a page boundary (random chunks), at most 3 kept."""
+
+    resumed_tokens = 0  # over every example: resumes from checkpoints really happened
+
+    def options(self) -> dict:
+        state = mokv.RecurrentStateConfig(
+            "state", (mokv.StateRegion("h", 1, (1,), DType.float64),), num_checkpoints=3)
+        return dict(groups=(mokv.CacheGroupConfig("full", NUM_LAYERS),), recurrent=state)
+
+    def read_back_and_write(self, ctx):
+        super().read_back_and_write(ctx)
+        (inputs,) = self.m.state_inputs([ctx])
+        (leaf,) = inputs.leaves
+        row = leaf.live_row_ids.to_numpy()[0, 0]
+        pool = leaf.pool.to_numpy()
+        expected = prefix_values(ctx.tokens)
+        start, end = ctx.start_idx, ctx.active_idx
+        assert pool[row, 0] == (expected[start - 1] if start else 0), (ctx.request_id, start)
+        pool[row, 0] = expected[end - 1]
+
+    def teardown(self):
+        StateMachine.resumed_tokens += self.m.metrics.cache_tokens
+        super().teardown()
+
+
 class WideGroupMachine(GroupMachine):
     """GroupMachine's rules on groups of different page sizes in one shared budget: a
     sliding page (two heads) is twice a full one (one head), so a slot holds one sliding
@@ -519,7 +567,9 @@ class PinMachine(SessionMachine):
     - every hash of a live pin is held by the device or the host tier (never lost);
     - pins hold at most the budget, and the pool pins exactly their hashes (checks);
     - the pages add up: free + owned + pinned pages that cannot spill = all;
-    - a pin past its deadline is ended by the next reservation."""
+    - a pin past its deadline is ended by the next reservation, one that does not fit
+      included (an overdue pin's pages are room: hypothesis found a refusal that left
+      it)."""
 
     totals_pins = mokv.CacheControlMetrics()
 
@@ -608,6 +658,16 @@ def test_random_operations_with_sessions(session):
 def test_random_operations_on_a_cache_of_two_groups(session):
     run_machine(session, GroupMachine, 120)
     assert GroupMachine.hit_tokens > 0 and GroupMachine.slid_windows > 0
+
+
+def test_random_operations_on_groups_with_host_tiers(session):
+    run_machine(session, GroupHostMachine, 100)
+    assert GroupHostMachine.group_tokens_loaded > 0
+
+
+def test_random_operations_with_recurrent_state(session):
+    run_machine(session, StateMachine, 80)
+    assert StateMachine.resumed_tokens > 0
 
 
 def test_random_operations_on_groups_sharing_one_budget(session):

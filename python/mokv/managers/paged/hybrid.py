@@ -1,7 +1,10 @@
 """What a paged cache of several groups or a sliding window does not hold yet.
 
-Tiers, sessions and KV-cache events each keep one full-attention group's pages today;
-on a cache of groups they are refused by name, never accepted and ignored.
+Scaled FP8 pages (the groups' shared budget of slots holds values only); refused by
+name on a cache of groups, never accepted and ignored. Tiers, KV-cache events, sessions
+and pins hold every group's pages (`group_tiers.py`, `EventRecorder.group_sink`,
+`window_tails.py`); beside recurrent state layers `KVCacheParams` refuses them (the
+state's checkpoints live on the device only).
 """
 
 from __future__ import annotations
@@ -10,26 +13,11 @@ from ...config.params import KVCacheParams
 
 
 def check_groups_supported(params: KVCacheParams, num_layers: int) -> None:
-    """ValueError naming what a cache of groups does not hold yet: host and shared tiers,
-    sessions, KV-cache events and pins (each keyed to one pool of pages today), scaled FP8
-    pages (the groups' shared budget of slots holds values only); or groups whose layers
-    do not add up to `num_layers`."""
+    """ValueError naming what a cache of groups does not hold yet: scaled FP8 pages; or
+    groups whose layers do not add up to `num_layers`."""
     params.cache_groups(num_layers)  # raises for layers that do not add up
-    if not params.is_hybrid:
-        return
-    names = [g.name for g in params.groups]
-    for feature, value in (
-        ("tiers", params.tiers),
-        ("sessions", params.sessions),
-        ("kv_events", params.kv_events),
-        ("pins", params.pins),
-    ):
-        if value:
-            raise ValueError(
-                f"mokv does not hold {feature}={value!r} on a cache of groups {names} yet "
-                "(they hold one full-attention group's pages): drop them, or use one group"
-            )
-    if params.quantization is not None:
+    if params.is_hybrid and params.quantization is not None:
+        names = [g.name for g in params.groups]
         raise ValueError(
             f"mokv does not hold scaled FP8 pages (quantization={params.quantization!r}) on "
             f"a cache of groups {names} yet (their shared budget of slots holds values "

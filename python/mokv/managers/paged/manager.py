@@ -28,6 +28,7 @@ from typing import Any
 
 from max.driver import Buffer, Device
 from max.engine import InferenceSession
+from max.nn.kv_cache import RecurrentStateInputsPerDevice
 
 from ...cache.hashing import page_hash_fn, root_hash
 from ...config.cache_control import CacheControl
@@ -341,12 +342,27 @@ class PagedKVCacheManager(MaxManagerAPI):
         page ids it holds from there on, in token order."""
         return self._replica(request_id).pages_by_group(request_id)
 
+    @synchronized
+    def state_inputs(
+        self, batch: Sequence[TextGenerationContext]
+    ) -> list[RecurrentStateInputsPerDevice]:
+        """The graph inputs of the state layers (`KVCacheParams.recurrent`) for `batch`,
+        after its `fetch`: MAX's `RecurrentStateInputsPerDevice`, one per device, replica
+        by replica as `fetch`'s. ValueError when the cache has no state layers."""
+        if self.params.recurrent is None:
+            raise ValueError("state_inputs: this cache has no recurrent state (params.recurrent)")
+        ids: list[list[RequestID]] = [[] for _ in self.replicas]
+        for ctx in batch:
+            ids[self._replica_index(ctx.request_id)].append(ctx.request_id)
+        return [x for replica, r in zip(self.replicas, ids) for x in replica.state_inputs(r)]
+
     # --- steps ----------------------------------------------------------------------
 
     def maybe_reserve(self, data: TextGenerationContext, num_steps: int = 1) -> bool:
         """Holds the pages `data` needs for `num_steps` steps, reusing its cached prefix.
 
-        Returns False, changing nothing, when they do not fit; after True, `fetch` for
+        Returns False, changing nothing (but ending the sessions and pins past their time
+        to live, whose pages are room), when they do not fit; after True, `fetch` for
         the same steps cannot run out of pages. On a prefix hit the context moves its
         window past the reused tokens (`data.skip_cached_prefix`).
         """
@@ -364,7 +380,11 @@ class PagedKVCacheManager(MaxManagerAPI):
             if plan is HELD:
                 return True
             if not plan.fits:  # asked of the pool once, by `plan`; nothing changed since
-                return False
+                if not self._undo.run(replica.end_overdue):
+                    return False
+                plan = replica.plan(data, num_steps)  # what the overdue pins held is room
+                if plan is HELD or not plan.fits:
+                    return plan is HELD
             self._undo.run(self._apply, replica, plan)
             return True
         finally:

@@ -30,8 +30,9 @@ def cache_metrics(replicas: Sequence[PagedReplica]) -> KVCacheMetrics:
         control.withheld_pages += replica.withheld_pages
         if replica.pins is not None:
             control += replica.pins.metrics()
-        for name, metrics in replica.tiers.metrics():
-            tiers[name] = tiers.get(name, TierMetrics()) + metrics
+        for stack in replica.group_tiers:  # a cache of groups: each group's tiers
+            for name, metrics in stack.metrics():
+                tiers[name] = tiers.get(name, TierMetrics()) + metrics
         if replica.sessions is not None:
             sessions += replica.sessions.metrics()
     return KVCacheMetrics(
@@ -50,5 +51,7 @@ def shared_tier_metrics(replicas: Sequence[PagedReplica]) -> RemoteMetrics:
     per replica, so with tensor parallelism each page counts once per shard): hits,
     misses, rejected values, bytes each way, errors, timeouts, drops. All zero with
     the tier off. The stores count from their own threads, so this takes no lock."""
-    tiers = (t for r in replicas for t in r.tiers if isinstance(t, RemoteTier))
+    tiers = (
+        t for r in replicas for stack in r.group_tiers for t in stack if isinstance(t, RemoteTier)
+    )
     return sum((tier.store_metrics() for tier in tiers), RemoteMetrics())

@@ -44,6 +44,7 @@ from ...registry import BUILDERS
 from ...tiers.stack import TierStack
 from ...undo import UndoLog, set_values, values_of
 from .chain_counts import check_counts
+from .window_tails import Change, at_either_end, in_both, split_groups
 
 
 class PinGrant(NamedTuple):
@@ -91,20 +92,42 @@ class PinPlan:
 
 
 class PinTable:
-    """The live pins of one replica, over its pool and tiers (see the module docstring)."""
+    """The live pins of one replica, over its pools and tiers (see the module
+    docstring): `groups` are its cache groups' `(pool, tiers, pages_in_window)`, one for
+    a replica of one group. A group without a window pins the whole chains, within
+    `cap`; a sliding group only their tails (`WindowTails`), within its own budget
+    (`group_cap`). `shared_by`: the groups whose pools are views of one shared budget
+    (`groups/budget.py`), each pool as large as the memory: each group's budget is of a
+    `1 / shared_by` part of it, so that all pins together stay within `max_share`."""
 
     def __init__(
-        self, config: PinConfig, pool: PagePool, tiers: TierStack, undo: UndoLog | None = None
+        self,
+        config: PinConfig,
+        groups: Sequence[tuple[PagePool, TierStack, int]],
+        undo: UndoLog | None = None,
+        shared_by: int = 1,
     ) -> None:
         self.config = config
         self.clock = config.clock
         self.undo = undo
-        self._pool = pool
-        self._tiers = tiers
-        self.cap = config.cap(pool.num_pages)
+        self._whole, self._windows = split_groups(
+            groups,
+            undo,
+            lambda pool, tiers: in_both(pool.pin, tiers.pin_prefixes),
+            lambda pool, tiers: at_either_end(in_both(pool.unpin, tiers.unpin_prefixes)),
+            "pinned_hashes",
+        )
+        self._pools = [pool for pool, _, _ in groups]
+        # The hashes pinned whole must fit the smallest group that holds them whole.
+        self._shared_by = shared_by
+        self.cap = min(self.group_cap(pool) for pool, _ in self._whole or [groups[0][:2]])
         self.pins: dict[int, Pin] = {}
         self._count: dict[int, int] = {}  # pinned hash -> pins holding it
         self.reset_metrics()
+
+    def group_cap(self, pool: PagePool) -> int:
+        """The most pages pins may hold in a group of `pool`."""
+        return self.config.cap(pool.num_pages // self._shared_by)
 
     def reset_metrics(self) -> None:
         self.num_granted = self.num_partial = self.num_refused = 0
@@ -120,13 +143,13 @@ class PinTable:
         return CacheControlMetrics(
             pins=len(self.pins),
             pinned_pages=len(self._count),
-            pinned_device_pages=self._pool.num_pinned,
+            pinned_device_pages=sum(pool.num_pinned for pool in self._pools),
             granted=self.num_granted,
             partial=self.num_partial,
             refused=self.num_refused,
             refreshed=self.num_refreshed,
             expired=self.num_expired,
-            spilled_pages=self._pool.num_spilled,
+            spilled_pages=sum(pool.num_spilled for pool in self._pools),
         )
 
     # --- plans (pure) -----------------------------------------------------------------
@@ -164,8 +187,22 @@ class PinTable:
             plan.pin = Pin(old.chain, max(old.ttl_s, ttl_s), max(old.deadline, deadline))
         else:
             plan.pin = Pin(tuple(chain[:granted]), ttl_s, deadline)
+            changes = self._changes(plan.expired, plan.pin)
+            if any(
+                tails.size_after(changes) > self.group_cap(pool) for tails, pool, _ in self._windows
+            ):
+                plan.pin = None  # a window's budget cannot take its tail: refused
+                return plan
         plan.key = key
         return plan
+
+    @staticmethod
+    def _changes(expired: Iterable[Pin], new: Pin | None) -> list[Change]:
+        """The pinned chains before and after (`WindowTails.apply`)."""
+        changes: list[Change] = [(pin.chain, (), True) for pin in expired]
+        if new is not None:
+            changes.append(((), new.chain, True))
+        return changes
 
     def grant(self, plan: PinPlan, page_size: int) -> PinGrant:
         """What `plan` (from `plan_pin`) grants, in tokens."""
@@ -192,8 +229,10 @@ class PinTable:
                     del count[h]
                     ended.append(h)
         self.num_expired += len(plan.expired)
+        added = None
         if plan.pin is not None and plan.key is not None:
             if plan.key not in self.pins:
+                added = plan.pin
                 for h in reversed(dict.fromkeys(plan.pin.chain)):  # tails first
                     count[h] = count.get(h, 0) + 1
                     if count[h] == 1:
@@ -202,11 +241,16 @@ class PinTable:
         # A hash an expired pin held and the new one holds again stays pinned throughout.
         gone = [h for h in ended if h not in count]
         again = set(ended)
-        self._pool.unpin(gone)
-        self._tiers.unpin_prefixes(gone)
         new = [h for h in new if h not in again]
-        self._pool.pin(new)
-        self._tiers.pin_prefixes(new)
+        for pool, tiers in self._whole:
+            pool.unpin(gone)
+            tiers.unpin_prefixes(gone)
+            pool.pin(new)
+            tiers.pin_prefixes(new)
+        if self._windows:
+            changes = self._changes(plan.expired, added)
+            for tails, _, _ in self._windows:
+                tails.apply(changes)
 
     def _count_grant(self, plan: PinPlan) -> None:
         if self.undo is not None:
@@ -233,7 +277,10 @@ class PinTable:
     def clear(self) -> None:
         """`reset_prefix_cache`: every pin ends (the pool forgets its pins itself)."""
         self._snapshot()
-        self._tiers.unpin_prefixes(list(self._count))
+        for _, tiers in self._whole:
+            tiers.unpin_prefixes(list(self._count))
+        for tails, _, tiers in self._windows:
+            tiers.unpin_prefixes(tails.clear())
         self.pins.clear()
         self._count.clear()
 
@@ -272,8 +319,11 @@ class PinTable:
         for key, pin in self.pins.items():
             if not pin.chain or pin.chain[-1] != key:
                 raise InvariantError(f"pin under {key} holds a chain ending elsewhere")
-        chains = (pin.chain for pin in self.pins.values())
-        check_counts("pins hold", chains, self._count, self._pool.pinned_hashes, self.cap)
+        chains = [pin.chain for pin in self.pins.values()]
+        for pool, _ in self._whole:
+            check_counts("pins hold", chains, self._count, pool.pinned_hashes, self.cap)
+        for tails, pool, _ in self._windows:
+            tails.check_invariants("pins hold", chains, self.group_cap(pool))
 
 
 BUILDERS.register(PinConfig, PinTable)

@@ -118,10 +118,28 @@ class JointHit:
     """The prefix every cache group of a replica can serve at once (`groups/joint.py`):
     `len(hashes)` pages continuing a request's chain, of which group `g` takes the
     last `len(pages[g])` (a full group all of them, a sliding-window group those its
-    window reads from the hit's end)."""
+    window reads from the hit's end): each a device page id, or a tier hit that a fresh
+    device page will load (a `PendingLoad` without its page yet)."""
 
     hashes: list[int]
-    pages: list[list[int]]
+    pages: list[list[int | PendingLoad]]
+    checkpoint: int | None = None
+    """The recurrent state's checkpoint at the hit's end (`groups/state.py`), in a
+    replica with state layers."""
+    num_device: int = -1
+    """Pages of the joint hit the groups' device pages alone serve (the rest need a
+    tier's pages in some group); -1: all of them (a replica without tiers)."""
+    slowest_tier: int = 0
+    """The last tier (in lookup order) any group loads a page of the hit from: the
+    hit's tokens past `num_device` count as that tier's (`TierStack.count_tokens`)."""
+
+    def device_pages(self, g: int) -> list[int]:
+        """Group `g`'s device pages of the hit."""
+        return [p for p in self.pages[g] if isinstance(p, int)]
+
+    def num_loads(self, g: int) -> int:
+        """Group `g`'s pages of the hit that a tier holds (each takes a fresh page)."""
+        return sum(p.__class__ is not int for p in self.pages[g])
 
 
 @dataclass(slots=True)

@@ -6,8 +6,9 @@ drives its cache groups (`groups/`: each a set of layers with its own page pool,
 buffers and page table). A cache of one full-attention group (`self.group`, whose
 `pool` and `blocks` the replica names too) runs on the paths below, tuned for it; a
 cache of several groups or a sliding window runs its hits, takes, commits, slides and
-graph inputs through `self.joint` (`groups/joint.py`: the joint prefix hit), without
-tiers or sessions.
+graph inputs through `self.joint` (`groups/joint.py`: the joint prefix hit), each group
+with its own tiers (`group_tiers`, `group_tiers.py`); sessions and pins hold a sliding
+group's tails of their chains (`window_tails.py`).
 
 A request's pages, drawn as token regions (page_size 4 here):
 
@@ -61,6 +62,7 @@ from operator import attrgetter, itemgetter
 
 from max.driver import Buffer, Device
 from max.dtype import DType
+from max.nn.kv_cache import RecurrentStateInputsPerDevice
 
 from ...cache.cache_memory import cache_buffer
 from ...cache.extra_keys import request_keys
@@ -73,16 +75,19 @@ from ...errors import (
     InvariantError,
     UnknownRequestError,
 )
-from ...events.publisher import EventRecorder
+from ...events.publisher import EventRecorder, GroupSpec
 from ...layouts.paged import PagedInputs
 from ...metrics import prompt_tokens_in
 from ...registry import BUILDERS
+from ...remote.layout import group_key
 from ...tiers.base import CommittedPages
 from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from ..base import check_request_id
 from .commit import plan_commit
+from .group_tiers import build_group_tiers
 from .groups import FullAttentionGroup, JointGroups, SharedBudget, build_group
+from .groups.state import RecurrentStateGroup
 from .inputs import ceil_div
 from .pins import NO_GRANT, PinGrant, PinTable
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
@@ -154,28 +159,71 @@ class PagedReplica:
         )
         if self.budget is not None:
             self.budget.undo = undo
-        self.joint = (
-            JointGroups(self.groups, self.chains, undo, self.budget) if params.is_hybrid else None
-        )
+        states = None
+        if params.recurrent is not None:
+            states = RecurrentStateGroup(
+                params.recurrent, params.page_size, devices, max_requests, undo
+            )
+        self.states = states
+        """The state layers' live blocks and checkpoints (`groups/state.py`), if any."""
         self._prefix_caching = params.enable_prefix_caching
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}
         self.input_tokens = 0
         self.cache_tokens = 0
-        self.tiers = TierStack(
-            params.tiers, params, num_layers, self.pool, self.blocks, undo, self.group.scales
+        # Each group's tiers (`group_tiers.py`, none without `params.tiers`); `tiers`
+        # are the first group's.
+        self.group_tiers = (
+            build_group_tiers(
+                params,
+                num_layers,
+                [
+                    (g.pool, g.blocks, group_key(g.kind, g.index, g.window_size))
+                    for g in self.groups
+                ],
+                undo,
+            )
+            if params.is_hybrid
+            else [
+                TierStack(
+                    params.tiers,
+                    params,
+                    num_layers,
+                    self.pool,
+                    self.blocks,
+                    undo,
+                    self.group.scales,
+                )
+            ]
         )
+        self.tiers = self.group_tiers[0]
         self._tiered = bool(self.tiers)  # read on every reservation
-        self.sessions: SessionTable | None = (
-            BUILDERS.build(params.sessions, self.pool, self.tiers, undo)
-            if params.sessions
+        self.joint = (
+            JointGroups(
+                self.groups,
+                self.chains,
+                undo,
+                self.group_tiers if self._tiered else None,
+                self.budget,
+                self.states,
+            )
+            if params.is_hybrid
             else None
         )
-        self.pins: PinTable | None = (
-            BUILDERS.build(params.pins, self.pool, self.tiers, undo) if params.pins else None
+        # Sessions and pins hold whole chains in a full group, tails in a window's.
+        held_in = [
+            (g.pool, stack, g.pages_in_window) for g, stack in zip(self.groups, self.group_tiers)
+        ]
+        shared_by = len(self.groups) if self.budget is not None else 1
+        self.sessions: SessionTable | None = (
+            BUILDERS.build(params.sessions, held_in, undo, shared_by) if params.sessions else None
         )
-        if self.pins is not None and self.tiers.keeps_pins:
-            self.pool.spill = self.tiers.holds_pinned
+        self.pins: PinTable | None = (
+            BUILDERS.build(params.pins, held_in, undo, shared_by) if params.pins else None
+        )
+        for group, stack in zip(self.groups, self.group_tiers):
+            if self.pins is not None and stack.keeps_pins:
+                group.pool.spill = stack.holds_pinned
         self.withheld_pages = 0
 
     # --- requests -------------------------------------------------------------------
@@ -220,7 +268,8 @@ class PagedReplica:
         elif req.pages:  # none: a request released after its admission did not fit
             self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
         if req.loads:
-            self.tiers.unpin(req.loads)
+            for g, loads in self._loads_by_group(req.loads):
+                self.group_tiers[g].unpin(loads)
         del self._requests[request_id]
         self._free_slots.append(req.slot)
         self.undo.push(self._unrelease, request_id, req)
@@ -280,12 +329,18 @@ class PagedReplica:
         """The hash chain of the request's committed (or found) pages, in token order."""
         return list(self._request(request_id).hashes)
 
+    def state_inputs(self, request_ids: Sequence[RequestID]) -> list[RecurrentStateInputsPerDevice]:
+        """The state layers' graph inputs for these requests (`RecurrentStateGroup`)."""
+        if self.states is None:
+            raise InvariantError("state inputs asked of a replica without state layers")
+        return self.states.runtime_inputs([self._request(r).slot for r in request_ids])
+
     def pending_loads(self, request_id: RequestID) -> list[tuple[str, int, int]]:
         """(tier name, device page, page hash) of each tier hit reserved for the request
         and not yet loaded, in chain order."""
-        names = [tier.name for tier in self.tiers]
         return [
-            (names[ld.tier], ld.page, ld.hit.page_hash) for ld in self._request(request_id).loads
+            (self.group_tiers[ld.group].tiers[ld.tier].name, ld.page, ld.hit.page_hash)
+            for ld in self._request(request_id).loads
         ]
 
     def _request(self, request_id: RequestID) -> RequestState:
@@ -302,10 +357,11 @@ class PagedReplica:
     def prefix_hit_pages(self, ctx: TextGenerationContext) -> tuple[int, int]:
         """Pages of `ctx`'s tokens this replica could serve from its device pages, and
         from its own tiers after them (a shared tier serves every replica alike, and is
-        not asked)."""
+        not asked; with several groups it is, by the joint hit of every group's tiers:
+        `JointGroups.hit_pages`)."""
         if self.joint is not None:
             probe = self._requests.get(ctx.request_id) or self.joint.new_request(-1)
-            return self.joint.hit_pages(ctx, probe), 0
+            return self.joint.hit_pages(ctx, probe)
         req = self._requests.get(ctx.request_id) or RequestState(-1)
         hits, tail = self.chains.device_hits(ctx, req, want_tail=bool(self.tiers))
         return len(hits), (self.tiers.local_hits(tail) if tail is not None else 0)
@@ -346,6 +402,9 @@ class PagedReplica:
             if needed <= held:  # then no prefix can match either (`PrefixChains.can_match`)
                 return HELD
             if self.joint is not None:
+                if not req.pages:  # a first reservation: its keys and control are checked
+                    request_keys(ctx)
+                    self._check_control(ctx)
                 return self.joint.plan(ctx, req, num_steps, self.max_seq_len)
             if req.pages:
                 if self.takes_fresh_only(ctx, req):
@@ -458,23 +517,35 @@ class PagedReplica:
             raise
         self.undo.commit()
 
+    def end_overdue(self) -> bool:
+        """Ends the sessions and pins past their time to live (with undo records); whether
+        any ended. `_take` ends them before it evicts, and a refused reservation ends them
+        and plans again (`PagedKVCacheManager.maybe_reserve`): until ended, an overdue pin
+        still holds its pages out of the room, and must not refuse a request."""
+        ended = False
+        sessions, pins = self.sessions, self.pins
+        if sessions is not None:
+            retention = sessions.plan_expiry()
+            if retention:
+                sessions.apply(retention)
+                ended = True
+        if pins is not None:
+            expiry = pins.plan_expiry()
+            if expiry:
+                pins.apply(expiry)
+                ended = True
+        return ended
+
     def _take(self, plans: list[Reservation]) -> None:
         """The pages, pins and counters of `plans`, with their undo records; no window
         moves."""
         if self.joint is not None:
-            for plan in plans:
-                if plan.joint is not None:
-                    self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
-                    self.cache_tokens += plan.hit_tokens - len(plan.req.hashes) * self.page_size
-            self.joint.take(plans)
+            self._take_joint(self.joint, plans)
             return
         hit_pages = [page_id for plan in plans if plan.hits for page_id, _ in plan.hits]
-        sessions = self.sessions
-        if sessions is not None:  # sessions past their time-to-live, before evicting
-            sessions.apply(sessions.plan_expiry())
-        pins = self.pins
-        if pins is not None:  # pins past their time to live, before evicting
-            pins.apply(pins.plan_expiry())
+        sessions, pins = self.sessions, self.pins
+        if sessions is not None or pins is not None:
+            self.end_overdue()  # before evicting
         new_pages = self.pool.take(hit_pages, sum(map(_num_fresh, plans)))
         if new_pages is None:
             raise InvariantError("a reservation that fits could not take its pages")
@@ -488,10 +559,7 @@ class PagedReplica:
                 self.cache_tokens += plan.hit_tokens - len(req.hashes) * self.page_size
             held = len(req.pages)
             if not held and req.control is None:
-                control = getattr(plan.ctx, "cache_control", None)
-                if control is not None:
-                    self.undo.push(setattr, req, "control", None)
-                    req.control = control
+                self._keep_control(req, plan.ctx)
             self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
             if plan.hits:
                 req.pages.extend(map(_page_id, plan.hits))  # in C: a prompt's hits
@@ -514,6 +582,40 @@ class PagedReplica:
             )
         if self._tiered:  # what the plans took (see `Tier.note_reserved`)
             self.tiers.note_reserved(fresh, [plan.device_hit_run(self.page_size) for plan in plans])
+
+    def _take_joint(self, joint: JointGroups, plans: list[Reservation]) -> None:
+        """`_take` on a cache of groups (`JointGroups.take`): the plans' pages in every
+        group, their tier hits pinned in their groups' tiers, their sessions started,
+        the pins they hit renewed."""
+        sessions, pins = self.sessions, self.pins
+        if sessions is not None or pins is not None:
+            self.end_overdue()  # before evicting
+        firsts = [not plan.req.pages for plan in plans]
+        for plan, first in zip(plans, firsts):
+            if first and plan.req.control is None:
+                self._keep_control(plan.req, plan.ctx)
+            if plan.joint is not None:
+                self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
+                self.cache_tokens += plan.hit_tokens - len(plan.req.hashes) * self.page_size
+        for g, group_loads in self._loads_by_group(joint.take(plans)):
+            self.group_tiers[g].pin(group_loads)
+        for plan in plans:
+            hit = plan.joint
+            if hit is not None and hit.num_device >= 0:
+                served = (len(hit.hashes) - hit.num_device) * self.page_size
+                self.tiers.count_tokens(hit.slowest_tier, served)
+        if sessions is not None:  # a request's first reservation starts its session
+            sessions.start_requests(plans, firsts)
+        if pins is not None and pins.pins:  # a hit on a whole pinned prefix renews it
+            pins.refresh(h for plan in plans if plan.joint for h in plan.joint.hashes)
+
+    def _keep_control(self, req: RequestState, ctx: TextGenerationContext) -> None:
+        """A request's first reservation keeps what its context asks of the cache (its
+        write policy, its pin at release)."""
+        control = getattr(ctx, "cache_control", None)
+        if control is not None:
+            self.undo.push(setattr, req, "control", None)
+            req.control = control
 
     def _settle(self, moving: list[Reservation], mark: int) -> None:
         """After a context's `skip_cached_prefix` raised: a plan stands if its context
@@ -539,29 +641,38 @@ class PagedReplica:
         off the pages that duplicate an indexed one (`FullAttentionGroup.commit_pages`),
         then hands the newly indexed pages to every tier (`Tier.store`: after the device commit, so
         a tier's failure can only leave that tier with fewer pages)."""
-        indexed: list[bool] = []
+        indexed: list[list[bool]] = []
         if plan.withheld:
             self._withhold(plan.withheld)
         if plan.page_ids:
             if self.joint is not None:
-                self.joint.commit_pages(plan)
+                indexed = self.joint.commit_pages(plan)
             else:
-                indexed = self.group.commit_pages(plan)
+                indexed = [self.group.commit_pages(plan)]
         for req, new_hashes in plan.requests:
             self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
             req.hashes.extend(new_hashes)
         if not self._tiered:
             return
-        new = [i for i, ok in enumerate(indexed) if ok]
-        self.tiers.store(
-            CommittedPages(
-                [plan.page_ids[i] for i in new],
-                [plan.hashes[i] for i in new],
-                [plan.datas[i] for i in new],
-                [plan.parents[i] for i in new],
-                [plan.keys[i] for i in new],
+        # Every tier hears every step (a host tier's `min_hits` stores at any step).
+        indexed = indexed or [[] for _ in self.group_tiers]
+        for stack, group, group_indexed in zip(self.group_tiers, self.groups, indexed):
+            new = [i for i, ok in enumerate(group_indexed) if ok]
+            page_ids = plan.page_ids if group is self.group else None
+            stack.store(
+                CommittedPages(
+                    [
+                        page_ids[i]
+                        if page_ids is not None
+                        else group.row(plan.owners[i][0])[plan.owners[i][1]]
+                        for i in new
+                    ],
+                    [plan.hashes[i] for i in new],
+                    [plan.datas[i] for i in new],
+                    [plan.parents[i] for i in new],
+                    [plan.keys[i] for i in new],
+                )
             )
-        )
 
     def _withhold(self, withheld: list[tuple[RequestState, int]]) -> None:
         """Counts the pages write policies newly kept out of the index."""
@@ -582,43 +693,75 @@ class PagedReplica:
         pending = [load for req in reqs for load in req.loads]
         if not pending:
             return
-        loads = self.tiers.load(pending)
-        hashes = [ld.hit.page_hash for ld in loads]
-        datas = [ld.hit.token_bytes for ld in loads]
-        # A page loaded while another request committed the same prefix on the device
-        # is shared as a duplicate commit is (`FullAttentionGroup.commit_pages`).
-        owner = {page: (req, idx) for req in reqs for idx, page in enumerate(req.pages)}
-        self.group.commit_pages(
-            CommitPlan(
-                [],
-                [owner[ld.page] for ld in loads],
-                [ld.page for ld in loads],
-                hashes,
-                datas,
-                [ld.parent_hash for ld in loads],
-                [ld.keys for ld in loads],
+        # Every group's copies first, then the index changes: a failing copy leaves
+        # every load pending.
+        by_group = [
+            (g, self.group_tiers[g].load(loads)) for g, loads in self._loads_by_group(pending)
+        ]
+        for g, loads in by_group:
+            group = self.groups[g]
+            # A page loaded while another request committed the same prefix on the
+            # device is shared as a duplicate commit is (`FullAttentionGroup.commit_pages`).
+            # Only the pages each request holds: a window's row below its first holds
+            # the pad page (0) or pages it released, which may be others' now.
+            owner = {
+                row[idx]: (req, idx)
+                for req in reqs
+                for row in (group.row(req),)
+                for idx in range(group.first(req), len(row))
+            }
+            group.commit_pages(
+                CommitPlan(
+                    [],
+                    [owner[ld.page] for ld in loads],
+                    [ld.page for ld in loads],
+                    [ld.hit.page_hash for ld in loads],
+                    [ld.hit.token_bytes for ld in loads],
+                    [ld.parent_hash for ld in loads],
+                    [ld.keys for ld in loads],
+                )
             )
-        )
         for req in reqs:
             if req.loads:
                 self.undo.push(req.loads.extend, list(req.loads))  # onto the emptied list
                 req.loads.clear()
-        self.tiers.unpin(loads)
+        for g, loads in by_group:
+            self.group_tiers[g].unpin(loads)
+
+    def _loads_by_group(self, loads: Sequence[PendingLoad]) -> list[tuple[int, list[PendingLoad]]]:
+        """`loads` by cache group, in group order (one group without groups)."""
+        if len(self.group_tiers) == 1:
+            return [(0, list(loads))] if loads else []
+        by_group: list[list[PendingLoad]] = [[] for _ in self.group_tiers]
+        for load in loads:
+            by_group[load.group].append(load)
+        return [(g, group_loads) for g, group_loads in enumerate(by_group) if group_loads]
 
     def reset_metrics(self) -> None:
-        self.input_tokens = self.cache_tokens = self.pool.num_evicted_retained = 0
-        self.tiers.reset_metrics()
+        self.input_tokens = self.cache_tokens = 0
+        for group in self.groups:
+            group.pool.num_evicted_retained = 0
+        for stack in self.group_tiers:
+            stack.reset_metrics()
         if self.sessions is not None:
             self.sessions.reset_metrics()
-        self.withheld_pages = self.pool.num_spilled = 0
+        self.withheld_pages = 0
+        for group in self.groups:
+            group.pool.num_spilled = 0
         if self.pins is not None:
             self.pins.reset_metrics()
 
     def publish_to(self, events: EventRecorder) -> None:
         """Reports the pool's and the tiers' changes to `events` (the replica's stream)."""
         events.undo = self.undo
-        self.pool.events = events
-        self.tiers.publish_to(events)
+        if self.joint is None:
+            self.pool.events = events
+            self.tiers.publish_to(events)
+            return
+        for group, stack in zip(self.groups, self.group_tiers):
+            sink = events.group_sink(GroupSpec.of(group.index, group.kind, group.window_size))
+            group.pool.events = sink
+            stack.publish_to(sink)
 
     def slide(self, batch: Sequence[TextGenerationContext]) -> None:
         """After a step's commits: every sliding-window group releases the pages of the
@@ -635,7 +778,8 @@ class PagedReplica:
             self.joint.reset_prefix_cache()
         else:
             self.pool.reset_prefix_cache()
-        self.tiers.reset()
+        for stack in self.group_tiers:
+            stack.reset()
         if self.sessions is not None:
             self.sessions.clear()
         if self.pins is not None:
@@ -643,7 +787,8 @@ class PagedReplica:
 
     def close(self) -> None:
         """Closes the tiers (they send what they queued, a bounded wait)."""
-        self.tiers.close()
+        for stack in self.group_tiers:
+            stack.close()
 
     def check_loads(self) -> None:
         """InvariantError unless every pending load writes a page its request owns
@@ -651,13 +796,16 @@ class PagedReplica:
         still holding its tokens (`Tier.check_invariants`)."""
         for request_id, req in self._requests.items():
             for load in req.loads:
-                page = load.page
-                if page not in req.pages or self.pool.page_hash(page) is not None:
+                page, group = load.page, self.groups[load.group]
+                if page not in group.held(req) or group.pool.page_hash(page) is not None:
                     raise InvariantError(
-                        f"request {request_id!r} loads into device page {page}, which it "
-                        "does not own or which is hashed"
+                        f"request {request_id!r} loads into device page {page} of group "
+                        f"{group.name!r}, which it does not own or which is hashed"
                     )
-        self.tiers.check_invariants([ld for req in self._requests.values() for ld in req.loads])
+        pending = [ld for req in self._requests.values() for ld in req.loads]
+        by_group = dict(self._loads_by_group(pending))
+        for g, stack in enumerate(self.group_tiers):
+            stack.check_invariants(by_group.get(g, []))
 
     # --- graph inputs ---------------------------------------------------------------
 

@@ -17,7 +17,9 @@ unless that chain is a prefix of it (a request preempted early, a chunk) and wou
 pages the session still has. Retention is counted per hash (sessions sharing a system
 prompt retain it once) and applied to the device pool and every tier
 (`PagePool.retain`, `Tier.retain`): a retained page without an owner is evicted only
-after every unretained one.
+after every unretained one. In a cache of groups, every full group's pool and tiers
+retain the chains, a sliding group's only their tails, the window a next turn reads
+(`window_tails.py`).
 
 The share cap: the distinct hashes all sessions retain never exceed `cap` =
 `max_share * (device pages + local tier pages)`. A release that would pass it drops the
@@ -49,6 +51,7 @@ from ...tiers.stack import TierStack
 from ...undo import UndoLog, set_values, values_of
 from .chain_counts import check_counts
 from .plans import RequestState, Reservation, Session
+from .window_tails import Change, in_both, split_groups
 
 
 @dataclass(slots=True)
@@ -80,17 +83,39 @@ class RetentionPlan:
 
 
 class SessionTable:
-    """The open sessions of one replica, over its pool and tiers (see the module docstring)."""
+    """The open sessions of one replica, over its pools and tiers (see the module
+    docstring): `groups` are its cache groups' `(pool, tiers, pages_in_window)`, one
+    for a replica of one group. A group without a window retains the sessions' whole
+    chains; a sliding group only their tails (`WindowTails`). `shared_by`: the groups
+    whose pools are views of one shared budget (`groups/budget.py`), each pool as large
+    as the memory: the share is of a `1 / shared_by` part of it."""
 
     def __init__(
-        self, config: SessionConfig, pool: PagePool, tiers: TierStack, undo: UndoLog | None = None
+        self,
+        config: SessionConfig,
+        groups: Sequence[tuple[PagePool, TierStack, int]],
+        undo: UndoLog | None = None,
+        shared_by: int = 1,
     ) -> None:
         self.config = config
         self.undo = undo
         self.clock = config.clock
-        self._pool = pool
-        self._tiers = tiers
-        self.cap = config.cap(pool.num_pages + tiers.local_pages)
+        self._whole, self._windows = split_groups(
+            groups,
+            undo,
+            lambda pool, tiers: in_both(pool.retain, tiers.retain),
+            lambda pool, tiers: in_both(pool.unretain, tiers.unretain),
+            "retained_hashes",
+        )
+        self._pools = [pool for pool, _, _ in groups]
+        self._tier_stacks = [tiers for _, tiers, _ in groups]
+        # The hashes retained whole must fit the smallest group that holds them whole.
+        self.cap = config.cap(
+            min(
+                pool.num_pages // shared_by + tiers.local_pages
+                for pool, tiers in self._whole or [groups[0][:2]]
+            )
+        )
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._count: dict[int, int] = {}  # retained hash -> sessions retaining it
         self.reset_metrics()
@@ -117,9 +142,10 @@ class SessionTable:
         return SessionMetrics(
             sessions=len(self.sessions),
             retained_pages=len(self._count),
-            kept_pages=self._pool.num_kept,
-            kept_host_pages=self._tiers.kept_pages,
-            evicted_pages=self._pool.num_evicted_retained + self._tiers.evicted_retained_pages,
+            kept_pages=sum(pool.num_kept for pool in self._pools),
+            kept_host_pages=sum(tiers.kept_pages for tiers in self._tier_stacks),
+            evicted_pages=sum(pool.num_evicted_retained for pool in self._pools)
+            + sum(tiers.evicted_retained_pages for tiers in self._tier_stacks),
             turns=self.turns,
             turn_hits=self.turn_hits,
             turn_prompt_tokens=self.turn_prompt_tokens,
@@ -261,6 +287,11 @@ class SessionTable:
                 [(h, count.get(h)) for h in touched],
                 values_of(self, self._COUNTERS),
             )
+        if self._windows:  # each session's chain before and after (`WindowTails`)
+            changes: list[Change] = [(s.chain, (), True) for s in (*plan.ended, *plan.expired)]
+            changes += [(s.chain, (), False) for s in plan.dropped]
+            if plan.released is not None:
+                changes.append((plan.released.chain, plan.chain, True))
         for session in (*plan.ended, *plan.expired, *plan.dropped):
             for h in set(session.chain):
                 count[h] -= 1
@@ -284,10 +315,13 @@ class SessionTable:
         self.num_ended += len(plan.ended)
         self.num_expired += len(plan.expired)
         self.num_dropped += len(plan.dropped)
-        for target in (self._pool, self._tiers):
-            target.retain(plan.retain)
-            target.unretain(plan.unretain, old_end=True)
-            target.unretain(plan.fall_back, old_end=False)
+        for pool, tiers in self._whole:
+            for target in (pool, tiers):
+                target.retain(plan.retain)
+                target.unretain(plan.unretain, old_end=True)
+                target.unretain(plan.fall_back, old_end=False)
+        for tails, _, _ in self._windows:
+            tails.apply(changes)
         return len(plan.unretain) + len(plan.fall_back)
 
     def clear(self) -> None:
@@ -303,6 +337,8 @@ class SessionTable:
         self.num_ended += len(self.sessions)
         self.sessions.clear()
         self._count.clear()
+        for tails, _, _ in self._windows:
+            tails.clear()
 
     # --- undo (run by `UndoLog.rollback`, newest change first) ------------------------
 
@@ -360,8 +396,11 @@ class SessionTable:
                     f"session {session.session_id!r} counts {session.running} running "
                     f"requests, the replica holds {running.get(id(session), 0)}"
                 )
-        chains = (session.chain for session in self.sessions.values())
-        check_counts("sessions retain", chains, self._count, self._pool.retained_hashes, self.cap)
+        chains = [session.chain for session in self.sessions.values()]
+        for pool, _ in self._whole:
+            check_counts("sessions retain", chains, self._count, pool.retained_hashes, self.cap)
+        for tails, _, _ in self._windows:
+            tails.check_invariants("sessions retain", chains, self.cap)
 
 
 BUILDERS.register(SessionConfig, SessionTable)

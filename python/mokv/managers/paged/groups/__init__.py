@@ -5,6 +5,8 @@ base.py     CacheGroup: what the replica asks of every group kind (the protocol)
 full.py     FullAttentionGroup: layers that read every token before them
 sliding.py  SlidingWindowGroup: layers that read the last `window_size` tokens
 mla.py      LatentGroup: multi-head latent attention layers, one latent per token
+state.py    RecurrentStateGroup: linear-attention / state-space layers, one state per
+            request, with checkpoints at page boundaries
 budget.py   SharedBudget: one allocation for every group, moved to the group that
             needs it
 joint.py    JointGroups: several groups (or a window) driven together, the joint
@@ -26,12 +28,14 @@ from .full import FullAttentionGroup
 from .joint import JointGroups
 from .mla import LatentGroup
 from .sliding import SlidingWindowGroup
+from .state import RecurrentStateGroup
 
 __all__ = [
     "CacheGroup",
     "FullAttentionGroup",
     "JointGroups",
     "LatentGroup",
+    "RecurrentStateGroup",
     "SharedBudget",
     "SlidingWindowGroup",
     "build_group",

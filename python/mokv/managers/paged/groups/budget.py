@@ -30,7 +30,7 @@ once that group has none of its own left. The room (`room`, `fits`) is exact for
 order: a group's room is its pool's, plus `ratios[g]` pages per slot the others can
 spare.
 
-Slots whose pages a pin holds are never moved (hybrid caches refuse pins today).
+Slots whose pages a pin holds are never moved.
 """
 
 from __future__ import annotations
@@ -111,21 +111,24 @@ class SharedBudget:
                     cached.append((youngest, s))
         return blank, [s for _, s in sorted(cached)]
 
-    def grants(self, need: int, hits: Sequence[Sequence[int]]) -> list[tuple[int, int]] | None:
+    def grants(
+        self, need: int, hits: Sequence[Sequence[int]], extra: Sequence[int] | None = None
+    ) -> list[tuple[int, int]] | None:
         """The `(slot, group)` moves that let every group take `hits[g]` and `need` fresh
-        pages with the least eviction (the module docstring's order); None if no moves
-        can. Pure."""
+        pages (and `extra[g]` more: tier pages it loads) with the least eviction (the
+        module docstring's order); None if no moves can. Pure."""
         pools, ratios = self.pools, self.ratios
+        needs = [need + e for e in extra] if extra is not None else [need] * len(pools)
         blanks = [pool.num_blank for pool in pools]
-        wants = [max(0, ceil((need - b) / r)) for b, r in zip(blanks, ratios)]
+        wants = [max(0, ceil((n - b) / r)) for n, b, r in zip(needs, blanks, ratios)]
         if not any(wants):  # every group's free pages cover it
             return []
         rooms = [pool.room(h) for pool, h in zip(pools, hits)]
-        short = [max(0, ceil((need - room) / r)) for room, r in zip(rooms, ratios)]
+        short = [max(0, ceil((n - room) / r)) for n, room, r in zip(needs, rooms, ratios)]
         # What each group can give: with eviction (its own cache covers its need), and
         # without (its free pages do); only those that can give are scanned.
-        cap = [max(0, (room - need) // r) for room, r in zip(rooms, ratios)]
-        cap_blank = [max(0, (b - need) // r) for b, r in zip(blanks, ratios)]
+        cap = [max(0, (room - n) // r) for n, room, r in zip(needs, rooms, ratios)]
+        cap_blank = [max(0, (b - n) // r) for n, b, r in zip(needs, blanks, ratios)]
         scan = [bool(cap[h] and (any(short) or cap_blank[h])) for h in range(len(pools))]
         spare = [self._spare(h, set(hits[h])) if scan[h] else ([], []) for h in range(len(pools))]
         free_slots = list(self.free_slots)
@@ -168,13 +171,16 @@ class SharedBudget:
                     got += 1
         return got
 
-    def room(self, hits: Sequence[Sequence[int]]) -> int:
+    def room(self, hits: Sequence[Sequence[int]], extra: Sequence[int] | None = None) -> int:
         """The most fresh pages every group could take at once with its `hits[g]` taken
-        (each group takes the same number): the largest `need` that `grants` meets. Pure;
+        (each group takes the same number, and `extra[g]` more: tier pages it loads):
+        the largest `need` that `grants` meets (negative: not even none). Pure;
         arithmetic, with a scan of a group's slots only where one of several pages could
         move (a slot of one page moves when the page does: the pool's room counts it)."""
         pools, ratios = self.pools, self.ratios
-        rooms = [pool.room(h) for pool, h in zip(pools, hits)]
+        extra = extra if extra is not None else [0] * len(pools)
+        # A group's room for the common `need`: its pool's, less its extra pages.
+        rooms = [pool.room(h) - e for pool, h, e in zip(pools, hits, extra)]
         movable: dict[int, int] = {}
 
         def spare(h: int, need: int) -> int:  # slots group h can give up at `need`

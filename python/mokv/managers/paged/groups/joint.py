@@ -20,6 +20,11 @@ takes the same fresh pages a reservation counts (`Reservation.num_fresh`: a page
 new page index), so a plan fits when every group's pool has room for them besides its
 hits (`Reservation.room` is the least room).
 
+A replica with state layers (`states`: `state.py`) adds their rule to the joint hit (a
+checkpoint at the hit's end), resumes each taken request's state, and takes checkpoints
+when steps end on their boundaries (`slide`); its checkpoints take no room from the
+attention groups' pools.
+
 Per request, every group has a row of page ids of the same length (`RequestState.rows`)
 and a first page it holds (`RequestState.firsts`); a sliding group's first moves up as
 the window does (`slide`, after each step's commits and when a hit moves the window).
@@ -36,36 +41,46 @@ of the pages no joint hit can read.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import cast
 
 from max.driver import Buffer
 
+from ....cache.extra_keys import request_keys
 from ....context import RequestID, TextGenerationContext
 from ....errors import InvariantError, StaleContextError
 from ....layouts.max_paged import LOOKUP_PAD_PAGE
 from ....layouts.paged import PagedInputs
+from ....tiers.stack import PendingLoad, TierStack
 from ....undo import UndoLog
+from ..group_tiers import Found, TierFind, found_in_tiers
 from ..plans import CommitPlan, JointHit, RequestState, Reservation
 from ..prefix import PrefixChains
 from .budget import SharedBudget
 from .full import FullAttentionGroup
+from .state import RecurrentStateGroup
 
 
 class JointGroups:
-    """The groups of one replica (in graph-input order), over the replica's chains."""
+    """The groups of one replica (in graph-input order), over the replica's chains;
+    `tiers`: each group's tiers (`group_tiers.py`), None without tiers."""
 
     def __init__(
         self,
         groups: Sequence[FullAttentionGroup],
         chains: PrefixChains,
         undo: UndoLog,
+        tiers: Sequence[TierStack] | None = None,
         budget: SharedBudget | None = None,
+        states: RecurrentStateGroup | None = None,
     ) -> None:
         self.groups = list(groups)
+        self.states = states
         self.chains = chains
         self.page_size = chains.page_size
         self.undo = undo
+        self.tiers = list(tiers) if tiers else None
         self.budget = budget
         self.full = next((g for g in self.groups if not g.pages_in_window), None)
         """The first group whose layers read every token (its shared pages show where
@@ -81,6 +96,8 @@ class JointGroups:
         context's `start_idx` reads (a context moved back, e.g. by `ctx.reset()` without
         a release, would read pages a window released)."""
         start = ctx.start_idx
+        if self.states is not None:
+            self.states.check_window(ctx, req)
         for group in self.groups:
             if group.window_start(start) < group.first(req):
                 raise StaleContextError(
@@ -103,14 +120,65 @@ class JointGroups:
         if end <= first:
             return None
         chain, _ = chains.pages(ctx, req, end)
-        found = [self._found(group, chain) for group in self.groups]
-        rules = [partial(group.longest_hit, pages) for group, pages in zip(self.groups, found)]
+        device = [cast(list[Found], self._found(group, chain)) for group in self.groups]
+        found: list[Sequence[Found]] = list(device)
+        if self.tiers is not None:  # a tier's page counts as found (`group_tiers.py`)
+            found = [
+                found_in_tiers(stack, chain, f, group.pages_in_window)
+                for group, stack, f in zip(self.groups, self.tiers, device)
+            ]
+        rules = [
+            partial(group.longest_hit, cast(list[int | None], pages))  # found: not None
+            for group, pages in zip(self.groups, found)
+        ]
+        checkpoints = self.states.found(chain) if self.states is not None else []
+        if self.states is not None:
+            rules.append(partial(self.states.longest_hit, checkpoints))
         n = longest_joint_hit(rules, len(chain))
         if not n:
             return None
         held = [group.held_of_hit(n) for group in self.groups]
-        pages = [cast(list[int], f[n - k : n]) for f, k in zip(found, held)]  # all found
-        return JointHit([h for h, _ in chain[:n]], pages)
+        pages = [
+            self._loads(g, cast(list[int | TierFind], f[n - k : n]), n - k, chain, ctx, req)
+            for g, (f, k) in enumerate(zip(found, held))
+        ]  # all found
+        checkpoint = checkpoints[n - 1] if checkpoints else None
+        hit = JointHit([h for h, _ in chain[:n]], pages, checkpoint)
+        tiers = [p.tier for row in pages for p in row if isinstance(p, PendingLoad)]
+        if tiers:  # the tokens the devices alone would not serve count as a tier's
+            # (the groups' joint device hit: vLLM's and MAX's, before a connector's)
+            device_rules = [
+                partial(group.longest_hit, cast(list[int | None], pages))
+                for group, pages in zip(self.groups, device)
+            ]
+            hit.num_device = longest_joint_hit(device_rules, n)
+            hit.slowest_tier = max(tiers)
+        return hit
+
+    def _loads(
+        self,
+        g: int,
+        entries: list[int | TierFind],
+        start: int,
+        chain: list[tuple[int, bytes]],
+        ctx: TextGenerationContext,
+        req: RequestState,
+    ) -> list[int | PendingLoad]:
+        """Group `g`'s pages of a hit (`entries`, from chain page `start` on): each tier
+        page a `PendingLoad` of that group, with its parent hash and event keys."""
+        if all(entry.__class__ is int for entry in entries):
+            return cast(list[int | PendingLoad], entries)
+        keys, ps = request_keys(ctx), self.page_size
+        first = len(req.hashes)
+        out: list[int | PendingLoad] = []
+        for i, entry in enumerate(entries, start):
+            if isinstance(entry, TierFind):
+                parent = chain[i - 1][0] if i else (req.hashes[-1] if first else None)
+                page_keys = keys.page(first + i, ps) if keys is not None else None
+                out.append(PendingLoad(entry.tier, entry.hit, parent, page_keys, group=g))
+            else:
+                out.append(entry)
+        return out
 
     @staticmethod
     def _found(group: FullAttentionGroup, chain: list[tuple[int, bytes]]) -> list[int | None]:
@@ -136,73 +204,106 @@ class JointGroups:
         plan.room = self.room(hit)
         return plan
 
-    def hit_pages(self, ctx: TextGenerationContext, req: RequestState) -> int:
-        """Pages of `ctx`'s tokens the replica could serve now (the joint hit)."""
+    def hit_pages(self, ctx: TextGenerationContext, req: RequestState) -> tuple[int, int]:
+        """Pages of `ctx`'s tokens the replica could serve now (the joint hit): those
+        the groups' devices alone serve, and those past them that need a tier's pages."""
         hit = self.hit(ctx, req)
-        return len(hit.hashes) if hit is not None else 0
+        if hit is None:
+            return 0, 0
+        n = len(hit.hashes)
+        device = n if hit.num_device < 0 else hit.num_device
+        return device, n - device
 
     def room(self, hit: JointHit | None) -> int:
         """The most fresh pages every group could hand out at once with its pages of
-        `hit` taken (a shared budget's, or the least of the groups' pools)."""
-        hits = [()] * len(self.groups) if hit is None else hit.pages
+        `hit` taken, besides the fresh pages its tier pages load into (a shared
+        budget's, or the least of the groups' pools)."""
+        n = len(self.groups)
+        hits = [[]] * n if hit is None else [hit.device_pages(g) for g in range(n)]
+        loads = [0] * n if hit is None else [hit.num_loads(g) for g in range(n)]
         if self.budget is not None:
-            return self.budget.room(hits)
-        return min(group.pool.room(pages) for group, pages in zip(self.groups, hits))
+            return self.budget.room(hits, loads)
+        return min(group.pool.room(h) - k for group, h, k in zip(self.groups, hits, loads))
 
     def fits(self, plans: Sequence[Reservation]) -> bool:
         """Whether every group can take the plans' hits and fresh pages at once."""
         num_fresh = sum(plan.num_fresh for plan in plans)
         hits = [self._hit_pages(plans, g) for g in range(len(self.groups))]
+        loads = [self._num_loads(plans, g) for g in range(len(self.groups))]
         if self.budget is not None:
-            return self.budget.grants(num_fresh, hits) is not None
-        return all(group.pool.can_take(h, num_fresh) for group, h in zip(self.groups, hits))
+            return self.budget.grants(num_fresh, hits, loads) is not None
+        return all(
+            group.pool.can_take(h, num_fresh + k) for group, h, k in zip(self.groups, hits, loads)
+        )
 
     @staticmethod
     def _hit_pages(plans: Sequence[Reservation], g: int) -> list[int]:
-        return [p for plan in plans if plan.joint is not None for p in plan.joint.pages[g]]
+        return [p for plan in plans if plan.joint is not None for p in plan.joint.device_pages(g)]
+
+    @staticmethod
+    def _num_loads(plans: Sequence[Reservation], g: int) -> int:
+        return sum(plan.joint.num_loads(g) for plan in plans if plan.joint is not None)
 
     # --- changes --------------------------------------------------------------------
 
-    def take(self, plans: Sequence[Reservation]) -> None:
+    def take(self, plans: Sequence[Reservation]) -> list[PendingLoad]:
         """Takes the plans' hits and fresh pages in every group's pool (which `fits`),
         extends each request's rows and chain, and slides each window to where the hit
-        moved it."""
+        moved it. A tier page of a hit takes a fresh page, which becomes a pending load
+        of its request (`RequestState.loads`); returns those loads (to pin)."""
         num_fresh = sum(plan.num_fresh for plan in plans)
+        hits = [self._hit_pages(plans, g) for g in range(len(self.groups))]
+        loads = [self._num_loads(plans, g) for g in range(len(self.groups))]
         if self.budget is not None:  # the slots each group needs first
-            moves = self.budget.grants(
-                num_fresh, [self._hit_pages(plans, g) for g in range(len(self.groups))]
-            )
+            moves = self.budget.grants(num_fresh, hits, loads)
             if moves is None:
                 raise InvariantError("a reservation that fits could not take its slots")
             self.budget.move(moves)
         fresh = []
-        for g, group in enumerate(self.groups):
-            pages = group.pool.take(self._hit_pages(plans, g), num_fresh)
+        for group, group_hits, group_loads in zip(self.groups, hits, loads):
+            pages = group.pool.take(group_hits, num_fresh + group_loads)
             if pages is None:
                 raise InvariantError("a reservation that fits could not take its pages")
             fresh.append(pages)
         ps = self.page_size
+        taken_loads: list[PendingLoad] = []
         for plan in plans:
             req, hit = plan.req, plan.joint
             held = len(req.pages)
             self.undo.push(
-                self._truncate, req, held, len(req.hashes), list(req.firsts), req.hit_end
+                self._truncate,
+                req,
+                held,
+                len(req.hashes),
+                list(req.firsts),
+                len(req.loads),
+                req.hit_end,
             )
             n = len(hit.hashes) if hit is not None else 0
             if hit is not None:
                 req.hashes.extend(hit.hashes)
                 req.hit_end = held + n
             for g, group in enumerate(self.groups):
-                row = req.rows[g]
+                row, taken = req.rows[g], fresh[g]
                 if hit is not None:
                     hit_pages = hit.pages[g]
                     row.extend([LOOKUP_PAD_PAGE] * (n - len(hit_pages)))  # below the window
-                    row.extend(hit_pages)
-                row.extend(fresh[g][: plan.num_fresh])
-                del fresh[g][: plan.num_fresh]
+                    for entry in hit_pages:
+                        if isinstance(entry, PendingLoad):
+                            entry = replace(entry, device_page=taken.pop())
+                            taken_loads.append(entry)
+                            req.loads.append(entry)
+                            row.append(entry.page)
+                        else:
+                            row.append(entry)
+                row.extend(taken[: plan.num_fresh])
+                del taken[: plan.num_fresh]
                 if hit is not None and group.pages_in_window:
                     self._skip(group, req, held, (held + n) * ps)
                 group.write_row(req)
+            if self.states is not None:
+                self.states.resume(req, hit.checkpoint if hit is not None else None, held)
+        return taken_loads
 
     def _skip(self, group: FullAttentionGroup, req: RequestState, held: int, hit_end: int) -> None:
         """After a hit ending at token `hit_end` on a request that held `held` pages: the
@@ -215,12 +316,20 @@ class JointGroups:
 
     def slide(self, req: RequestState, start_idx: int) -> None:
         """Every group releases the request's pages that no step from `start_idx` reads,
-        a sliding group's evicted first but for the windows before `keep_ends`."""
+        a sliding group's evicted first but for the windows before `keep_ends`; the state
+        layers take a checkpoint if the step ended on their boundary."""
         ends: tuple[int, ...] | None = None
         for group in self.groups:
             if group.pages_in_window and group.window_start(start_idx) > group.first(req):
                 ends = self.keep_ends(req) if ends is None else ends
                 group.slide(req, start_idx, ends)
+        if self.states is not None:
+            page = start_idx // self.page_size - 1
+            first = self.groups[0]  # the page's tokens: the page was just committed there
+            tokens = None
+            if first.first(req) <= page < len(first.row(req)):
+                tokens = first.pool.page_tokens(first.row(req)[page])
+            self.states.slide(req, start_idx, tokens)
 
     def keep_ends(self, req: RequestState) -> tuple[int, int]:
         """Where a later joint hit on the request's prefix is likely to end: after the
@@ -239,21 +348,33 @@ class JointGroups:
         """Hands back every page the request holds, in every group."""
         for group in self.groups:
             group.release(req)
+        if self.states is not None:
+            self.states.release(req)
 
-    def commit_pages(self, plan: CommitPlan) -> None:
-        """Indexes the planned pages in every group (each shares its own duplicates)."""
-        for group in self.groups:
-            group.commit_pages(plan)
+    def commit_pages(self, plan: CommitPlan) -> list[list[bool]]:
+        """Indexes the planned pages in every group (each shares its own duplicates);
+        per group, True where a page was indexed."""
+        return [group.commit_pages(plan) for group in self.groups]
 
     def reset_prefix_cache(self) -> None:
         for group in self.groups:
             group.pool.reset_prefix_cache()
+        if self.states is not None:
+            self.states.reset_prefix_cache()
 
     def _truncate(
-        self, req: RequestState, num_pages: int, num_hashes: int, firsts: list[int], hit_end: int
+        self,
+        req: RequestState,
+        num_pages: int,
+        num_hashes: int,
+        firsts: list[int],
+        num_loads: int,
+        hit_end: int,
     ) -> None:
-        """Undoes what a request's rows, chain, firsts and hit end gained (idempotent)."""
+        """Undoes what a request's rows, chain, firsts, loads and hit end gained
+        (idempotent)."""
         del req.hashes[num_hashes:]
+        del req.loads[num_loads:]
         req.firsts[:] = firsts
         req.hit_end = hit_end
         for group in self.groups:
@@ -324,6 +445,8 @@ class JointGroups:
             group.check_invariants(owners)
         if budget is not None:
             budget.check_invariants()
+        if self.states is not None:
+            self.states.check_invariants()
 
 
 def longest_joint_hit(rules: Sequence[Callable[[int], int]], n: int) -> int:
