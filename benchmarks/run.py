@@ -2,7 +2,7 @@
 
     python benchmarks/run.py [--quick] [--portable] [--out DIR]
                              [--parts hashing,events,managers,groups,attention,qkv,compile,serving,
-                                      remote,cache_control,mla,fp8_tiers,recurrent]
+                                      remote,cache_control,mla,fp8_tiers,recurrent,fp8_attention]
 
 Parts (each module's docstring says what it measures and why):
   hashing    bench_hashing.py   prefix-hash throughput per algorithm, beside MAX's
@@ -37,6 +37,9 @@ Parts (each module's docstring says what it measures and why):
                                 decode attention's read bandwidth against the read probe
   fp8_tiers  bench_fp8_tiers.py the host and shared tiers' pages/s and bytes per page, FP8
                                 pages (scaled and unscaled) against bfloat16, in one run
+  fp8_attention  bench_fp8_attention.py  CPU decode attention over FP8 pages (with
+                                scales) against bfloat16 and float32 pages, in one run;
+                                MAX's CPU attention over an FP8 cache attempted, its refusal kept
 
 --cpu-target NAME compiles every CPU kernel of the run, MAX's and mokv's, for the LLVM CPU NAME
 (MAX's `max.driver.set_virtual_cpu_target`) and runs it on this host: `--cpu-target znver3` on an
@@ -67,6 +70,7 @@ import bench_attention  # noqa: E402
 import bench_cache_control  # noqa: E402
 import bench_compile  # noqa: E402
 import bench_events  # noqa: E402
+import bench_fp8_attention  # noqa: E402
 import bench_fp8_tiers  # noqa: E402
 import bench_groups  # noqa: E402
 import bench_hashing  # noqa: E402
@@ -81,7 +85,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 PARTS = ("hashing", "events", "managers", "groups", "attention", "qkv", "compile", "serving", "remote",
-         "cache_control", "mla", "fp8_tiers", "recurrent")
+         "cache_control", "mla", "fp8_tiers", "recurrent", "fp8_attention")
 SHARE = ("share of the two-thread read: median over seven rounds, each a probe read then "
          "the kernel's calls with the three sides taking turns, of kernel GB/s / probe GB/s")
 
@@ -109,6 +113,7 @@ def _plan(parts: list[str], quick: bool, portable: bool) -> int:
              "cache_control": len(bench_cache_control.RUNS),
              "mla": len(bench_mla.cases(quick)),
              "fp8_tiers": bench_fp8_tiers.plan_size(quick),
+             "fp8_attention": bench_fp8_attention.plan_size(quick, portable),
              "managers": 2 * len(bench_managers.MANAGERS) * s["repeats"] + len(s["batch_sizes"])
              + len(s["budgets"]) + 1 + 5}
     return sum(sizes[p] for p in parts)
@@ -185,6 +190,9 @@ def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dic
         if "fp8_tiers" in parts:
             results["fp8_tiers"] = part("fp8_tiers", "FP8 pages in the tiers",
                                         lambda: bench_fp8_tiers.run(quick, tick))
+        if "fp8_attention" in parts:
+            results["fp8_attention"] = part("fp8_attention", "FP8 pages' decode (CPU)",
+                                            lambda: bench_fp8_attention.run(quick, tick, portable))
         bar.update(task, description="done")
     results["machine"]["loadavg_end"] = os.getloadavg()
     out.mkdir(parents=True, exist_ok=True)
@@ -284,6 +292,8 @@ def summary(r: dict) -> str:
         lines += bench_cache_control.table(r["cache_control"])
     if r.get("mla", {}).get("sizing"):
         lines += bench_mla.table(r["mla"])
+    if r.get("fp8_attention", {}).get("decode"):
+        lines += bench_fp8_attention.table(r["fp8_attention"])
     sweep = r.get("managers", {}).get("batch_sweep", {})
     if isinstance(sweep, dict) and "error" not in sweep and sweep:
         names = list(sweep)

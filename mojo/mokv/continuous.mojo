@@ -10,7 +10,7 @@ Only the static dims (heads, head size) are struct parameters; slots, layers and
 `max_seq_len` come from the buffer's runtime shape so one kernel serves every model size.
 """
 
-from .types import KVCacheStaticParams, KVCacheT, KVCollectionT, Ptr, U32Ptr, dtype_of
+from .types import KVCacheStaticParams, KVCacheT, KVCollectionT, Ptr, ScalePtr, U32Ptr, dtype_of, is_quantized
 
 
 struct ContinuousBatchingKVCache[dtype_: DType, num_heads: Int, head_size: Int](KVCacheT):
@@ -71,6 +71,11 @@ struct ContinuousBatchingKVCache[dtype_: DType, num_heads: Int, head_size: Int](
     def token_stride() -> Int:
         return Self.num_heads * Self.head_size
 
+    def scale_ptr(self, batch_idx: Int, head_idx: Int, tok: Int) -> ScalePtr:
+        # MAX 26.7 has no scaled continuous cache either; the collection refuses FP8.
+        comptime assert not is_quantized[Self.dtype](), "continuous caches hold no FP8 values (issue 53: paged only)"
+        return self.cache_lengths.unsafe_bitcast[Float32]()
+
 
 struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int](KVCollectionT):
     """K and V of every layer of a continuous-batching cache (a view; owns nothing).
@@ -106,6 +111,7 @@ struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head
     ):
         # `dtype_of[code]()` does not fold at parse time, hence the inferred dtype + rebind.
         comptime assert blocks_dtype == Self.dtype, "blocks dtype does not match dtype_code"
+        comptime assert not is_quantized[Self.dtype](), "continuous caches hold no FP8 values (issue 53: paged only)"
         self.blocks = rebind[Ptr[Self.dtype]](blocks)
         self.cache_lengths = cache_lengths
         self.lookup_table = lookup_table

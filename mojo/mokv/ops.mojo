@@ -17,7 +17,7 @@ from max.gpu.host import DeviceContext
 
 from .continuous import ContinuousBatchingKVCacheCollection
 from .paged import PagedKVCacheCollection
-from .types import Ptr, U32Ptr
+from .types import Ptr, U32Ptr, is_quantized
 from .kernels.attention import flash_attention
 from .kernels.fused_qkv import fused_qkv_matmul, qkv_epilogue
 from .kernels.max_kernels import continuous_attention_with_max, paged_attention_with_max, uses_max_attention
@@ -77,9 +77,44 @@ struct PagedKVCollectionCtor:
         max_lengths: InputTensor[dtype=DType.uint32, rank=2, ...],  # [num_steps, 2], host
         ctx: DeviceContext,
     ) raises -> PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]:
+        comptime Coll = PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]
+        comptime assert not is_quantized[Coll.dtype](), "an FP8 cache's collection takes its scales: mokv.kv_collection_ctor.paged.scaled"
         var ml = max_lengths.unsafe_ptr()
-        return PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size](
+        return Coll(
             _elems(blocks.unsafe_ptr()),
+            # No scales: any valid address (Mojo's pointers are non-null), never read.
+            _u32(cache_lengths.unsafe_ptr()).unsafe_bitcast[Float32](),
+            _u32(cache_lengths.unsafe_ptr()),
+            _u32(lookup_table.unsafe_ptr()),
+            cache_lengths.dim_size(0),
+            lookup_table.dim_size(1),
+            blocks.dim_size(0),
+            blocks.dim_size(2),
+            Int(ml[unsafe_offset=0]),
+            Int(ml[unsafe_offset=1]),
+        )
+
+
+@register("mokv.kv_collection_ctor.paged.scaled")
+struct PagedScaledKVCollectionCtor:
+    """A float8_e4m3fn paged cache (MAX 26.7's scaled FP8 layout): the values and,
+    beside them, one float32 scale per (page, k|v, layer, token, head, 128 lanes)."""
+
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, page_size: Int, target: StaticString](
+        blocks: MutableInputTensor[rank=6, ...],  # [total_num_pages, 2, num_layers, page_size, H, D]
+        scales: MutableInputTensor[dtype=DType.float32, rank=6, ...],  # [total_num_pages, 2, num_layers, page_size, H, D // 128]
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size]
+        lookup_table: InputTensor[dtype=DType.uint32, rank=2, ...],  # [batch_size, max_num_pages]
+        max_lengths: InputTensor[dtype=DType.uint32, rank=2, ...],  # [num_steps, 2], host
+        ctx: DeviceContext,
+    ) raises -> PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]:
+        comptime Coll = PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]
+        comptime assert is_quantized[Coll.dtype](), "only an FP8 cache has scales"
+        var ml = max_lengths.unsafe_ptr()
+        return Coll(
+            _elems(blocks.unsafe_ptr()),
+            _f32(scales.unsafe_ptr()),
             _u32(cache_lengths.unsafe_ptr()),
             _u32(lookup_table.unsafe_ptr()),
             cache_lengths.dim_size(0),

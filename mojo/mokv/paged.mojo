@@ -8,12 +8,16 @@ Layout of the manager's buffers (python/mokv/layouts/paged.py, `RaggedKVCacheInp
     max_lengths   uint32 [num_steps, 2] (host)         row 0: (most new tokens of a sequence,
                                                        most cache + new tokens), MAX's meaning
 
+    scales        float32 [total_num_pages, 2, num_layers, page_size, num_heads,
+                  head_size // SCALE_BLOCK]   a float8_e4m3fn cache's per-block scales
+                  (MAX's `KVCacheQuantizationConfig` layout); none for other dtypes
+
 Token `tok` of entry `b` lives in page `lookup_table[b, tok // page_size]`, row
-`tok % page_size`. `page_size` is a parameter so that divisions become shifts when it
+`tok % page_size`, and so do its scales. `page_size` is a parameter so that divisions become shifts when it
 is a power of two; pages, layers and table width are runtime.
 """
 
-from .types import KVCacheStaticParams, KVCacheT, KVCollectionT, Ptr, U32Ptr, dtype_of
+from .types import KVCacheStaticParams, KVCacheT, KVCollectionT, Ptr, ScalePtr, U32Ptr, dtype_of, scales_per_head
 
 
 struct PagedKVCache[dtype_: DType, num_heads: Int, head_size: Int, page_size: Int](KVCacheT):
@@ -30,10 +34,14 @@ struct PagedKVCache[dtype_: DType, num_heads: Int, head_size: Int, page_size: In
     var num_pages: Int
     var page_stride: Int  # elements of one page: 2 * num_layers * page_size * H * D
     var layer_offset: Int  # elements from a page's start to this (kv, layer) plane
+    var scales: ScalePtr  # [total_num_pages, 2, num_layers, page_size, num_heads, D // SCALE_BLOCK]
+    var scales_page_stride: Int  # the same strides in scales
+    var scales_layer_offset: Int
 
     def __init__[blocks_dtype: DType, //](
         out self,
         blocks: Ptr[blocks_dtype],
+        scales: ScalePtr,
         cache_lengths: U32Ptr,
         lookup_table: U32Ptr,
         batch_size: Int,
@@ -55,6 +63,10 @@ struct PagedKVCache[dtype_: DType, num_heads: Int, head_size: Int, page_size: In
         comptime page_plane = Self.page_size * Self.num_heads * Self.head_size
         self.page_stride = 2 * num_layers * page_plane
         self.layer_offset = (kv_idx * num_layers + layer_idx) * page_plane
+        comptime scales_plane = Self.page_size * Self.scale_stride()
+        self.scales = scales
+        self.scales_page_stride = 2 * num_layers * scales_plane
+        self.scales_layer_offset = (kv_idx * num_layers + layer_idx) * scales_plane
 
     def batch_size(self) -> Int:
         return self._batch_size
@@ -62,14 +74,23 @@ struct PagedKVCache[dtype_: DType, num_heads: Int, head_size: Int, page_size: In
     def cache_length(self, batch_idx: Int) -> Int:
         return Int(self.cache_lengths[unsafe_offset=batch_idx])
 
-    def row_ptr(self, batch_idx: Int, head_idx: Int, tok: Int) -> Ptr[Self.dtype]:
+    def _page_id(self, batch_idx: Int, tok: Int) -> Int:
         var page_idx = tok // Self.page_size
         debug_assert(page_idx < self.max_num_pages, "token position past the lookup table")
         var page_id = Int(self.lookup_table[unsafe_offset=batch_idx * self.max_num_pages + page_idx])
         debug_assert(page_id < self.num_pages, "page id past the blocks buffer")
+        return page_id
+
+    def row_ptr(self, batch_idx: Int, head_idx: Int, tok: Int) -> Ptr[Self.dtype]:
         var row = tok % Self.page_size
-        var off = page_id * self.page_stride + self.layer_offset + (row * Self.num_heads + head_idx) * Self.head_size
+        var off = self._page_id(batch_idx, tok) * self.page_stride + self.layer_offset + (row * Self.num_heads + head_idx) * Self.head_size
         return self.blocks.unsafe_offset(off)
+
+    def scale_ptr(self, batch_idx: Int, head_idx: Int, tok: Int) -> ScalePtr:
+        comptime NB = scales_per_head[Self.head_size]()
+        var row = tok % Self.page_size
+        var off = self._page_id(batch_idx, tok) * self.scales_page_stride + self.scales_layer_offset + (row * Self.num_heads + head_idx) * NB
+        return self.scales.unsafe_offset(off)
 
     def max_positions(self) -> Int:
         return self.max_num_pages * Self.page_size
@@ -93,6 +114,7 @@ struct PagedKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int, p
     comptime dtype = dtype_of[Self.dtype_code]()
 
     var blocks: Ptr[Self.dtype]
+    var scales: ScalePtr  # a float8_e4m3fn cache's scales (`mokv.kv_collection_ctor.paged.scaled`); else unused
     var cache_lengths: U32Ptr
     var lookup_table: U32Ptr
     var _batch_size: Int
@@ -108,6 +130,7 @@ struct PagedKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int, p
     def __init__[blocks_dtype: DType, //](
         out self,
         blocks: Ptr[blocks_dtype],
+        scales: ScalePtr,
         cache_lengths: U32Ptr,
         lookup_table: U32Ptr,
         batch_size: Int,
@@ -120,6 +143,7 @@ struct PagedKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int, p
         # `dtype_of[code]()` does not fold at parse time, hence the inferred dtype + rebind.
         comptime assert blocks_dtype == Self.dtype, "blocks dtype does not match dtype_code"
         self.blocks = rebind[Ptr[Self.dtype]](blocks)
+        self.scales = scales
         self.cache_lengths = cache_lengths
         self.lookup_table = lookup_table
         self._batch_size = batch_size
@@ -133,6 +157,7 @@ struct PagedKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int, p
         debug_assert(layer_idx < self._num_layers, "layer_idx out of range")
         return Self.CacheType(
             self.blocks,
+            self.scales,
             self.cache_lengths,
             self.lookup_table,
             self._batch_size,

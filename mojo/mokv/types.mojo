@@ -19,34 +19,56 @@ comptime Ptr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin]
 """Untracked mutable element pointer: views outlive no graph buffer but the compiler cannot know."""
 
 comptime U32Ptr = Pointer[UInt32, MutUntrackedOrigin]
+comptime ScalePtr = Pointer[Float32, MutUntrackedOrigin]
+"""Float32 scales of a quantized cache (MAX 26.7's `KVCacheQuantizationConfig` scale dtype)."""
 
 comptime DTYPE_CODE_FLOAT32 = 0
 comptime DTYPE_CODE_BFLOAT16 = 1
 comptime DTYPE_CODE_FLOAT16 = 2
+comptime DTYPE_CODE_FLOAT8_E4M3FN = 3
+
+comptime SCALE_BLOCK = 128
+"""Lanes of a head that share one scale in a quantized cache: MAX 26.7's
+`quantization_granularity` (python/mokv/config/quantization.py). The scales buffer is
+[pages, 2, layers, page_size, heads, head_size // SCALE_BLOCK], beside the values."""
+
+
+def is_quantized[dtype: DType]() -> Bool:
+    """Whether a cache of `dtype` holds FP8 values with per-block scales."""
+    return dtype == DType.float8_e4m3fn
+
+
+def scales_per_head[head_size: Int]() -> Int:
+    """Scales of one token's head in a quantized cache."""
+    return head_size // SCALE_BLOCK
 
 
 def dtype_of[code: Int]() -> DType:
     """Returns the DType of a dtype code (the table in python/mokv/layouts/base.py)."""
-    comptime assert code >= 0 and code <= 2, "unknown mokv dtype code"
+    comptime assert code >= 0 and code <= 3, "unknown mokv dtype code"
     comptime if code == DTYPE_CODE_FLOAT32:
         return DType.float32
     elif code == DTYPE_CODE_BFLOAT16:
         return DType.bfloat16
-    else:
+    elif code == DTYPE_CODE_FLOAT16:
         return DType.float16
+    else:
+        return DType.float8_e4m3fn
 
 
 def dtype_code_of[dtype: DType]() -> Int:
     """Returns the dtype code of a DType (the inverse of `dtype_of`)."""
     comptime assert (
-        dtype == DType.float32 or dtype == DType.bfloat16 or dtype == DType.float16
-    ), "mokv caches hold float32, bfloat16 or float16"
+        dtype == DType.float32 or dtype == DType.bfloat16 or dtype == DType.float16 or is_quantized[dtype]()
+    ), "mokv caches hold float32, bfloat16, float16 or float8_e4m3fn"
     comptime if dtype == DType.float32:
         return DTYPE_CODE_FLOAT32
     elif dtype == DType.bfloat16:
         return DTYPE_CODE_BFLOAT16
-    else:
+    elif dtype == DType.float16:
         return DTYPE_CODE_FLOAT16
+    else:
+        return DTYPE_CODE_FLOAT8_E4M3FN
 
 
 @fieldwise_init
@@ -99,6 +121,17 @@ trait KVCacheT(TrivialRegisterPassable):
     def token_stride() -> Int:
         """Elements between the same head of two consecutive tokens in one run."""
         ...
+
+    def scale_ptr(self, batch_idx: Int, head_idx: Int, tok: Int) -> ScalePtr:
+        """Address of the `scales_per_head` scales of (batch entry, head, token) in a
+        quantized cache (their tokens `scale_stride()` apart in one run, as the values
+        `token_stride()`); a cache of another dtype has no scales to address."""
+        ...
+
+    @staticmethod
+    def scale_stride() -> Int:
+        """Scales between the same head of two consecutive tokens in one run."""
+        return Self.kv_params.num_heads * scales_per_head[Self.kv_params.head_size]()
 
     def load[width: Int](self, batch_idx: Int, head_idx: Int, tok: Int, dim: Int) -> SIMD[Self.dtype, width]:
         """Loads `width` elements of a K/V vector starting at element `dim`."""

@@ -25,7 +25,7 @@ def test_writes_land_in_looked_up_pages() raises:
     var blocks = storage.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var lengths = lengths_list.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var table = table_list.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var coll = PagedKVCacheCollection[0, H, D, PAGE](blocks, lengths, table, 2, 3, PAGES, LAYERS, 1, 6)
+    var coll = PagedKVCacheCollection[0, H, D, PAGE](blocks, lengths.unsafe_bitcast[Float32](), lengths, table, 2, 3, PAGES, LAYERS, 1, 6)
     assert_equal(coll.num_layers(), LAYERS)
     assert_equal(coll.max_cache_length, 6)
     # The collection's dtype comes from an Int code and does not fold at parse time: rebind.

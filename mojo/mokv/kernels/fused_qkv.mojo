@@ -45,10 +45,11 @@ from max.gpu import block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
-from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
+from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr, is_quantized
 from .parallel import parallel_units
 from .ragged import batch_of_token
 from .cpu import VECTOR_REGISTERS, W
+from .fp8 import store_row
 from .simd import F32Ptr, lane_sums, widen
 
 comptime TB = 64  # tokens per work unit: each weight row is read once per TB tokens
@@ -228,9 +229,7 @@ def _emit[Cache: KVCacheT, in_dtype: DType, rope: Bool](
         for d in range(D):
             dst.unsafe_store(d, vals.unsafe_load(d).cast[in_dtype]())
     else:
-        var dst = kc.row_ptr(b, head, pos) if band == 1 else vc.row_ptr(b, head, pos)
-        for d in range(D):
-            dst.unsafe_store(d, vals.unsafe_load(d).cast[Cache.dtype]())
+        store_row(kc if band == 1 else vc, b, head, pos, vals)
 
 
 def _fused_qkv_packed[Coll: KVCollectionT, in_dtype: DType, rope: Bool](
@@ -459,6 +458,7 @@ def _qkv_gpu[Coll: KVCollectionT, in_dtype: DType, rope: Bool, project: Bool](
     comptime H = Cache.kv_params.num_heads
     comptime D = Cache.kv_params.head_size
     comptime assert not rope or D % 2 == 0, "RoPE needs an even head_size"
+    comptime assert not is_quantized[Cache.dtype](), "FP8 caches: mokv's CPU kernels only (docs/quantized.md)"
     var kc = coll.get_key_cache(layer_idx)
     var vc = coll.get_value_cache(layer_idx)
     var batch_size = coll.batch_size()

@@ -38,7 +38,7 @@ from nn.kv_cache_ragged import generic_flash_attention_kv_cache_ragged
 
 from ..continuous import ContinuousBatchingKVCacheCollection
 from ..paged import PagedKVCacheCollection
-from ..types import Ptr, U32Ptr
+from ..types import Ptr, U32Ptr, is_quantized
 
 comptime MAX_KERNELS_ON_CPU = get_defined_bool["MOKV_MAX_KERNELS", False]()
 """Whether the CPU runs MAX's attention too (see the module docstring)."""
@@ -99,6 +99,7 @@ def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_
     """The attention op on a paged cache, through MAX's kernel (see the module)."""
     comptime Coll = PagedKVCacheCollection[dtype_code, H, D, page_size]
     comptime dtype = Coll.dtype
+    comptime assert not is_quantized[dtype](), "FP8 caches: mokv's CPU kernels only (docs/quantized.md)"
     var blocks = TileTensor(
         coll.blocks.unsafe_origin_cast[MutAnyOrigin](),
         row_major(Coord(coll.num_pages, Idx[2], coll.num_layers(), Idx[page_size], Idx[H], Idx[D])),

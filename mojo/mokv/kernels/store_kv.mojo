@@ -10,7 +10,8 @@ from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
-from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
+from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr, is_quantized
+from .fp8 import store_row
 from .parallel import parallel_units
 from .ragged import batch_of_token
 
@@ -28,7 +29,6 @@ def store_kv_cache[Cache: KVCacheT, in_dtype: DType, target: StaticString](
     var batch_size = cache.batch_size()
 
     comptime if is_cpu[target]():
-        comptime W = 16 if D % 16 == 0 else (8 if D % 8 == 0 else 1)
         # Chunks of tokens, not batch entries, so one long prefill still uses every core.
         comptime CHUNK = 32
         def body(chunk: Int) {imm cache, imm src, imm offsets, imm total_tokens, imm batch_size}:
@@ -37,13 +37,11 @@ def store_kv_cache[Cache: KVCacheT, in_dtype: DType, target: StaticString](
                 var b = batch_of_token(offsets, batch_size, tok)
                 var pos = cache.cache_length(b) + tok - Int(offsets[unsafe_offset=b])
                 for h in range(H):
-                    var row = src.unsafe_offset((tok * H + h) * D)
-                    var dst = cache.row_ptr(b, h, pos)
-                    for d in range(0, D, W):
-                        dst.unsafe_store(d, row.unsafe_load[width=W](d).cast[Cache.dtype]())
+                    store_row(cache, b, h, pos, src.unsafe_offset((tok * H + h) * D))
 
         parallel_units(body, ceildiv(total_tokens, CHUNK), ctx)
     else:
+        comptime assert not is_quantized[Cache.dtype](), "FP8 caches: mokv's CPU kernels only (docs/quantized.md)"
         # One block per token, threads over the token's H * D elements.
         def kernel() {var cache, var src, var offsets, var batch_size}:
             var tok = Int(block_idx.x)

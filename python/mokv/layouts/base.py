@@ -43,7 +43,12 @@ from ..config.params import KVCacheParams
 from ..config.quantization import QUANTIZED_DTYPES
 from ..mojo_package import kernels_path
 
-DTYPE_CODES: dict[DType, int] = {DType.float32: 0, DType.bfloat16: 1, DType.float16: 2}
+DTYPE_CODES: dict[DType, int] = {
+    DType.float32: 0,
+    DType.bfloat16: 1,
+    DType.float16: 2,
+    DType.float8_e4m3fn: 3,  # with its scales: `mokv.kv_collection_ctor.paged.scaled`
+}
 """Cache dtypes the kernels support, and their codes (`dtype_of` in mojo/mokv/types.mojo)."""
 
 

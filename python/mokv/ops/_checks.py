@@ -55,6 +55,27 @@ def layer_index(layer_idx: Any, num_layers: int | None = None) -> TensorValue:
     return host_scalar("layer_idx", layer_idx, DType.uint32)
 
 
+QUANTIZED_CACHE_DTYPES = (DType.float8_e4m3fn,)
+"""Cache dtypes whose values the kernels quantize as they write and dequantize as they
+read (MAX 26.7's scaled FP8 pages), computing in the activations' dtype."""
+COMPUTE_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
+
+
+def check_activation_dtype(name: str, x: TensorValue, cache_dtype: DType, op: str) -> None:
+    """`x` (q, k, v or hidden) must have the cache's dtype, or, over a quantized (FP8)
+    cache, a float dtype to compute in; a quantized cache is refused on a GPU."""
+    if cache_dtype not in QUANTIZED_CACHE_DTYPES:
+        check_dtype(name, x, cache_dtype)
+        return
+    check_dtype(name, x, *COMPUTE_DTYPES)
+    if not x.device.is_cpu():
+        raise ValueError(
+            f"{op}: a {cache_dtype.name} cache runs on mokv's CPU kernels only, got {name} on "
+            f"{x.device}: MAX 26.7's GPU attention and KV stores take no per-block scales "
+            "(docs/quantized.md)"
+        )
+
+
 CPU_HEAD_DIM_MULTIPLE = 16
 """The CPU fused_qkv_matmul and flash_attention kernels work on whole 16-lane vectors."""
 GPU_MAX_HEAD_DIM = 1024

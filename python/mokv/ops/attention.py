@@ -11,6 +11,7 @@ from max.graph import TensorType, TensorValue, ops
 from ..checks import check_device, check_dtype, check_rank, check_static_dim
 from ..layouts import collection_info
 from ._checks import (
+    check_activation_dtype,
     check_gpu_page_size,
     check_group,
     check_head_dim,
@@ -51,7 +52,8 @@ def flash_attention(
 
     Args:
         collection: a `PagedKVCacheCollection` or `ContinuousBatchingKVCacheCollection`.
-        q: [total_tokens, n_heads, head_dim], the cache's dtype.
+        q: [total_tokens, n_heads, head_dim], the cache's dtype (a float8_e4m3fn
+            cache: float32, bfloat16 or float16; K and V are dequantized as read).
         input_row_offsets: uint32 [batch_size + 1].
         layer_idx: layer to read (int, or uint32 scalar tensor on the host); an int
             must be below the collection's num_layers.
@@ -75,7 +77,7 @@ def flash_attention(
     """
     info = collection_info("collection", collection)
     q = TensorValue(q)
-    check_dtype("q", q, info.dtype)
+    check_activation_dtype("q", q, info.dtype, "flash_attention")
     check_rank("q", q, 3)
     check_static_dim("q", q, 2, info.head_size)
     n_heads = q.shape[1]

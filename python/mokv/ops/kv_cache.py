@@ -8,7 +8,13 @@ from max.graph import TensorValue, ops
 
 from ..checks import check_device, check_dtype, check_rank, check_same_dim, check_static_dim
 from ..layouts import collection_info
-from ._checks import check_row_offsets, emit_table_check, layer_index, wants_check
+from ._checks import (
+    check_activation_dtype,
+    check_row_offsets,
+    emit_table_check,
+    layer_index,
+    wants_check,
+)
 
 
 def store_kv(
@@ -27,8 +33,9 @@ def store_kv(
 
     Args:
         collection: a `PagedKVCacheCollection` or `ContinuousBatchingKVCacheCollection`.
-        k: [total_tokens, n_kv_heads, head_dim], the cache's dtype.
-        v: [total_tokens, n_kv_heads, head_dim], the cache's dtype.
+        k: [total_tokens, n_kv_heads, head_dim], the cache's dtype (a float8_e4m3fn
+            cache: float32, bfloat16 or float16, quantized per 128 lanes as written).
+        v: [total_tokens, n_kv_heads, head_dim], k's dtype.
         input_row_offsets: uint32 [batch_size + 1], row offsets of each batch entry.
         layer_idx: layer to write (int, or a uint32 scalar tensor on the host); an int
             must be below the collection's num_layers.
@@ -38,10 +45,11 @@ def store_kv(
     info = collection_info("collection", collection)
     k, v = TensorValue(k), TensorValue(v)
     for name, x in (("k", k), ("v", v)):
-        check_dtype(name, x, info.dtype)
+        check_activation_dtype(name, x, info.dtype, "store_kv")
         check_rank(name, x, 3)
         check_static_dim(name, x, 1, info.num_heads)
         check_static_dim(name, x, 2, info.head_size)
+    check_dtype("v", v, k.dtype)
     check_same_dim("k", k, 0, "v", v, 0)
     check_device("v", v, k.device)
     offsets = check_row_offsets(input_row_offsets, k.device)

@@ -12,6 +12,7 @@ from max.graph import StaticDim, TensorType, TensorValue, ops
 from ..checks import check_device, check_dtype, check_rank, check_same_dim, check_static_dim
 from ..layouts import collection_info
 from ._checks import (
+    check_activation_dtype,
     check_head_dim,
     check_row_offsets,
     emit_table_check,
@@ -38,7 +39,8 @@ def fused_qkv_matmul(
 
     Args:
         collection: a `PagedKVCacheCollection` or `ContinuousBatchingKVCacheCollection`.
-        hidden: [total_tokens, hidden_size], the cache's dtype.
+        hidden: [total_tokens, hidden_size], the cache's dtype (a float8_e4m3fn cache:
+            float32, bfloat16 or float16; K and V are quantized per 128 lanes as written).
         wqkv: [(n_heads + 2 * n_kv_heads) * head_dim, hidden_size], same dtype; rows are
             the Q heads, then the K heads, then the V heads (a Linear weight).
         input_row_offsets: uint32 [batch_size + 1].
@@ -68,9 +70,9 @@ def fused_qkv_matmul(
         raise ValueError(
             f"n_heads={n_heads} must be a multiple of the cache's {info.num_heads} KV heads"
         )
-    check_dtype("hidden", hidden, info.dtype)
+    check_activation_dtype("hidden", hidden, info.dtype, "fused_qkv_matmul")
     check_rank("hidden", hidden, 2)
-    check_dtype("wqkv", wqkv, info.dtype)
+    check_dtype("wqkv", wqkv, hidden.dtype)
     check_rank("wqkv", wqkv, 2)
     check_static_dim("wqkv", wqkv, 0, (n_heads + 2 * info.num_heads) * info.head_size)
     check_same_dim("wqkv", wqkv, 1, "hidden", hidden, 1)
@@ -100,7 +102,7 @@ def fused_qkv_matmul(
         positions = rope_rows(freqs_cis) if freqs_cis is not None else None
         collection = emit_table_check(collection, info, offsets, hidden, layer, positions)
     out_type = TensorType(
-        info.dtype, [hidden.shape[0], n_heads * info.head_size], device=hidden.device
+        hidden.dtype, [hidden.shape[0], n_heads * info.head_size], device=hidden.device
     )
     if on_tensor_cores:
         # MAX's matmul (tensor cores), then mokv's epilogue: RoPE, Q out, K/V into the cache.

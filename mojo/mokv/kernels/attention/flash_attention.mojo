@@ -74,7 +74,7 @@ from std.atomic import Atomic
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
-from ...types import KVCollectionT, Ptr, U32Ptr
+from ...types import KVCollectionT, Ptr, U32Ptr, is_quantized
 from ..parallel import parallel_units
 from ..simd import F32Ptr
 from .forms import PART_SLOT
@@ -140,7 +140,7 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
         var u = unit_ptr[unsafe_offset=i]
         attend_unit(kc, vc, q, output, u, group, n_q, scale, window, sink_log2, parts)
         if u.merge >= 0 and Atomic[Int64].fetch_add(pending_ptr.unsafe_offset(u.merge), -1) == 1:
-            merge_parts[q_dtype, D](merge_ptr[unsafe_offset=u.merge], parts, output, group, n_q, sink_log2)
+            merge_parts[q_dtype, D, is_quantized[Cache.dtype]()](merge_ptr[unsafe_offset=u.merge], parts, output, group, n_q, sink_log2)
 
     parallel_units(body, len(units), ctx)
     _ = pending^

@@ -5,8 +5,9 @@ from std.math import ceildiv
 from std.memory import stack_allocation
 from std.sys.info import size_of
 
-from ...types import KVCacheT, Ptr
+from ...types import KVCacheT, Ptr, is_quantized, scales_per_head
 from ..cpu import W
+from ..fp8 import stage_scaled_tile
 from ..simd import F32Ptr, exp2
 from .forms import BF16_DOT, BF16_PV_DOT, BK, DECODE_O_ORDER, KB, MAX_ROWS, PART_SLOT, RB
 from .pv import o_natural, pv_block
@@ -46,22 +47,25 @@ struct Merge(ImplicitlyCopyable, Movable):
 
 
 @always_inline
-def head_rows(ntok: Int, group: Int) -> Int:
+def head_rows[staged: Bool](ntok: Int, group: Int) -> Int:
     """Rows one KV head contributes to a unit: ntok x group, padded to a multiple of W
     when there are at least W (prefill's staged scores), else of RB (decode's 4-, 8-
     and 12-row forms); a single row (GQA 1 decode) is not padded. Padding rows get zero
-    queries and finite junk, and are never stored."""
+    queries and finite junk, and are never stored. `staged` (an FP8 cache, whose tiles
+    every unit stages as f32): always a multiple of W."""
     var rows = ntok * group
+    comptime if staged:
+        return ceildiv(rows, W) * W
     if rows == 1:  # one decode token of plain multi-head attention: 1-row blocks
         return 1
     return ceildiv(rows, W) * W if rows >= W else ceildiv(rows, RB) * RB
 
 
 @always_inline
-def _row_offset(u: Unit, r: Int, group: Int, n_q: Int, D: Int) -> Int:
+def _row_offset[staged: Bool](u: Unit, r: Int, group: Int, n_q: Int, D: Int) -> Int:
     """Element offset in q / output of unit row r (rows are KV-head-major, then token,
     then query head of the group). -1 for a padding row."""
-    var rows_hp = head_rows(u.ntok, group)
+    var rows_hp = head_rows[staged](u.ntok, group)
     var rr = r % rows_hp
     if rr >= u.ntok * group:
         return -1
@@ -69,10 +73,10 @@ def _row_offset(u: Unit, r: Int, group: Int, n_q: Int, D: Int) -> Int:
 
 
 @always_inline
-def _sink_weight(sink_log2: F32Ptr, u: Unit, r: Int, group: Int, m: Float32) -> Float32:
+def _sink_weight[staged: Bool](sink_log2: F32Ptr, u: Unit, r: Int, group: Int, m: Float32) -> Float32:
     """2^(sink - m): unit row r's head's sink (log2 units) against the row's softmax
     reference m, the term the sink adds to the row's sum (0 for a sink of -inf)."""
-    var rows_hp = head_rows(u.ntok, group)
+    var rows_hp = head_rows[staged](u.ntok, group)
     var head = (u.h0 + r // rows_hp) * group + (r % rows_hp) % group
     return exp2[5](SIMD[DType.float32, W](sink_log2[unsafe_offset=head] - m))[0]
 
@@ -108,17 +112,23 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
     at least W rows per head, from f32-staged tiles; decode units from K as stored, in
     the form that fits their rows per head), one lane-wise online-softmax step, and
     O += P V head by head. Decode units walk several heads per key tile.
+
+    An FP8 cache's units are all key-major: each K and V tile is staged as f32,
+    dequantized (`stage_scaled_tile`), and every form after the staging is the f32 one.
     """
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
     comptime assert D % W == 0, "head_size must be a multiple of 16 on CPU"
     comptime DOT = BF16_DOT[Cache.dtype, D]
-    var rows_hp = head_rows(u.ntok, group)
+    comptime STAGED = is_quantized[Cache.dtype]()
+    comptime NB = scales_per_head[D]() if STAGED else 0
+    var rows_hp = head_rows[STAGED](u.ntok, group)
     var rows_p = u.nh * rows_hp
-    var narrow = rows_hp == 8 or rows_hp == 4  # scores of a GQA 8 or 4 head from K as stored (`qk_group`)
+    # Scores of a GQA 8 or 4 head from K as stored (`qk_group`).
+    var narrow = not STAGED and (rows_hp == 8 or rows_hp == 4)
     # Staged, key-major scores for whole vectors of rows; a head of 8 rows is a decode
     # head for `qk_group` even where 8 rows fill a vector (the portable paths' W = 8).
-    var key_major = rows_hp % W == 0 and not narrow
+    var key_major = STAGED or (rows_hp % W == 0 and not narrow)
     var paired = BF16_PV_DOT[Cache.dtype, D] and not key_major  # P V with `dot_bf16`: O's columns in paired order
     var qs = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
     var o = stack_allocation[MAX_ROWS * D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
@@ -132,7 +142,7 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
     var first_pos = kc.cache_length(u.b) + u.i0  # position of the unit's first token
     var scale_log2 = scale * LOG2E  # scores in log2 units: the softmax takes powers of 2
     for r in range(rows_p):
-        var off = _row_offset(u, r, group, n_q, D)
+        var off = _row_offset[STAGED](u, r, group, n_q, D)
         comptime for c in range(0, D, W):
             var qv = SIMD[DType.float32, W](0)
             if off >= 0:
@@ -195,7 +205,10 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
         if key_major:
             for hh in range(u.nh):
                 prefetch_rows[Cache](vp.unsafe_offset(hh * D), n, D)
-                stage_tile[Cache](kf, kp.unsafe_offset(hh * D), n)
+                comptime if STAGED:
+                    stage_scaled_tile[Cache](kf, kp.unsafe_offset(hh * D), kc.scale_ptr(u.b, u.h0 + hh, k_tok), n)
+                else:
+                    stage_tile[Cache](kf, kp.unsafe_offset(hh * D), n)
                 var r = hh * rows_hp
                 var r_end = r + rows_hp
                 while r < r_end:
@@ -246,7 +259,10 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
         if key_major:
             for hh in range(u.nh):
                 prefetch_rows[Cache](kp_next.unsafe_offset(hh * D), n_next, D)
-                stage_tile[Cache](kf, vp.unsafe_offset(hh * D), n)
+                comptime if STAGED:
+                    stage_scaled_tile[Cache](kf, vp.unsafe_offset(hh * D), vc.scale_ptr(u.b, u.h0 + hh, k_tok), n)
+                else:
+                    stage_tile[Cache](kf, vp.unsafe_offset(hh * D), n)
                 for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
                     pv_block[DType.float32, D, D](o, s, r0, kf, n, kf, 0)
         else:
@@ -272,23 +288,23 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
             slot.unsafe_store(MAX_ROWS * (D + 1) + r, l.unsafe_load(r))
         return
     for r in range(rows_p):
-        var off = _row_offset(u, r, group, n_q, D)
+        var off = _row_offset[STAGED](u, r, group, n_q, D)
         if off < 0:
             continue
-        var sink = _sink_weight(sink_log2, u, r, group, m.unsafe_load(r))
+        var sink = _sink_weight[STAGED](sink_log2, u, r, group, m.unsafe_load(r))
         var inv = 1 / (l.unsafe_load(r) + sink)
         comptime for c in range(0, D, W):
             output.unsafe_store(off + c, (_o_row[D, Cache.dtype](o, r, c, key_major) * inv).cast[q_dtype]())
 
 
-def merge_parts[q_dtype: DType, D: Int](
+def merge_parts[q_dtype: DType, D: Int, staged: Bool](
     mg: Merge, parts: F32Ptr, output: Ptr[q_dtype], group: Int, n_q: Int, sink_log2: F32Ptr
 ):
     """Combines the softmax states of a unit's key splits: with M the largest running
     max, out = sum_s e^(m_s - M) o_s / (sum_s e^(m_s - M) l_s + e^(sink - M))."""
     var u = mg.unit
-    for r in range(u.nh * head_rows(u.ntok, group)):
-        var off = _row_offset(u, r, group, n_q, D)
+    for r in range(u.nh * head_rows[staged](u.ntok, group)):
+        var off = _row_offset[staged](u, r, group, n_q, D)
         if off < 0:
             continue
         var mx = Float32.MIN
@@ -302,6 +318,6 @@ def merge_parts[q_dtype: DType, D: Int](
             l += w * slot.unsafe_load(MAX_ROWS * (D + 1) + r)
             comptime for c in range(D // W):
                 acc[c] = SIMD[DType.float32, W](w).fma(slot.unsafe_load[width=W](r * D + c * W), acc[c])
-        l += _sink_weight(sink_log2, u, r, group, mx)
+        l += _sink_weight[staged](sink_log2, u, r, group, mx)
         comptime for c in range(D // W):
             output.unsafe_store(off + c * W, (acc[c] / l).cast[q_dtype]())

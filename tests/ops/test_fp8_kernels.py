@@ -1,0 +1,208 @@
+"""mokv's CPU kernels on FP8 pages with per-block scales (issue 53): `store_kv` and
+`fused_qkv_matmul` quantize as they write, `flash_attention` dequantizes as it reads.
+
+One graph per CPU path (native and portable): the scaled collection, `store_kv` into
+layer 0, `fused_qkv_matmul` into layer 1, attention over each layer. It runs twice on
+one cache: a prefill of three sequences, then a step of two decodes and one three-token
+chunk over those pages. Checked against tests/fp8_reference.py:
+
+- the pages' bytes and scales are EXACTLY the float64 reference's quantization of the
+  same values (store_kv: random values; fused_qkv_matmul: small integers, whose
+  projections are exact in float32, so numpy has the kernel's values too);
+- attention over the FP8 pages equals float64 attention over the reference's
+  dequantized values to float32 rounding (so the kernel reads the pages as the
+  reference does), and is within the bound `fp8_attention_bound` derives of float64
+  attention over the unquantized float32 values.
+"""
+
+from __future__ import annotations
+
+import mokv
+import numpy as np
+import pytest
+from max.driver import Buffer
+from max.dtype import DType
+from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+from mokv.ops import portable_cpu_paths
+from mokv.ops.cpu_paths import host_takes_portable_paths
+
+from ..fp8_reference import dequantize_blocks, quantize_blocks
+
+H, GROUP, D, PAGE, LAYERS, PAGES, HIDDEN = 2, 4, 128, 16, 2, 12, 64
+N_Q = H * GROUP
+NB = D // 128
+MAX_PAGES = 3  # lookup-table columns: 48 positions per sequence
+# Softmax scales of layers 0 and 1: layer 1's integer projections are ~20 per lane.
+SCALES = (1 / np.sqrt(D), 1 / np.sqrt(D) / 1024)
+PARAMS = mokv.KVCacheParams(
+    dtype=DType.float8_e4m3fn, n_kv_heads=H, head_dim=D, page_size=PAGE,
+    quantization=mokv.KVCacheQuantization(),
+)
+PREFILL = ([0, 0, 0], [20, 33, 5])  # (cache lengths, new tokens): pages cross at 16 and 32
+STEP = ([20, 33, 5], [1, 1, 3])  # two decodes and a chunk over the prefill's pages
+
+
+def _build() -> Graph:
+    cpu = DeviceRef.CPU()
+    f32 = DType.float32
+    with Graph("fp8_kernels", input_types=[
+        BufferType(DType.float8_e4m3fn, [PAGES, 2, LAYERS, PAGE, H, D], device=cpu),
+        BufferType(f32, [PAGES, 2, LAYERS, PAGE, H, NB], device=cpu),
+        TensorType(DType.uint32, ["batch"], device=cpu),
+        TensorType(DType.uint32, ["batch", MAX_PAGES], device=cpu),
+        TensorType(DType.uint32, [1, 2], device=cpu),
+        TensorType(f32, ["tokens", H, D], device=cpu),  # k
+        TensorType(f32, ["tokens", H, D], device=cpu),  # v
+        TensorType(f32, ["tokens", N_Q, D], device=cpu),  # q of layer 0
+        TensorType(f32, ["tokens", HIDDEN], device=cpu),
+        TensorType(f32, [(N_Q + 2 * H) * D, HIDDEN], device=cpu),
+        TensorType(DType.uint32, ["offsets"], device=cpu),
+    ]) as g:
+        blocks, scales, lengths, table, max_lengths, k, v, q, hidden, wqkv, offsets = g.inputs
+        kv = mokv.FetchPagedKVCacheCollection(PARAMS)(blocks.buffer, lengths, table, max_lengths, scales.buffer)
+        mokv.ops.store_kv(kv, k, v, offsets, 0)
+        q1 = mokv.ops.fused_qkv_matmul(kv, hidden, wqkv, offsets, 1, N_Q)
+        out0 = mokv.ops.flash_attention(kv, q, offsets, 0, SCALES[0])
+        q1 = ops.reshape(q1, [q1.shape[0], N_Q, D])
+        out1 = mokv.ops.flash_attention(kv, q1, offsets, 1, SCALES[1])
+        g.output(out0, q1, out1)
+    return g
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def model(request, session):
+    if request.param == "portable" and host_takes_portable_paths():
+        pytest.skip("this host's native CPU paths are the portable ones")
+    with portable_cpu_paths(session, request.param == "portable"):
+        return session.load(_build())
+
+
+def decode_e4m3fn(bits: np.ndarray) -> np.ndarray:
+    """The float64 values of e4m3fn bytes (sign, 4 exponent bits of bias 7, 3 mantissa)."""
+    bits = bits.astype(np.int64)
+    exp, man = (bits >> 3) & 0xF, bits & 0x7
+    mag = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp - 7))
+    return np.where(bits & 0x80, -mag, mag)
+
+
+class Pages:
+    """The FP8 cache's numpy arrays (the buffers alias them) and each sequence's pages."""
+
+    def __init__(self, rng):
+        self.bits = np.zeros((PAGES, 2, LAYERS, PAGE, H, D), np.uint8)
+        self.scales = np.full((PAGES, 2, LAYERS, PAGE, H, NB), np.nan, np.float32)
+        self.table = rng.permutation(PAGES)[: 3 * MAX_PAGES].reshape(3, MAX_PAGES).astype(np.uint32)
+
+    def where(self, b, positions):
+        pos = np.asarray(positions)
+        return self.table[b, pos // PAGE], pos % PAGE
+
+    def read(self, b, layer, kv, positions):
+        """(FP8 values as float64, scales) of `positions` of sequence b."""
+        page, row = self.where(b, positions)
+        return decode_e4m3fn(self.bits[page, kv, layer, row]), self.scales[page, kv, layer, row]
+
+
+def run(model, pages, rng, lengths, new, integers=False):
+    """One step; returns the step's inputs and the model's outputs (float32 numpy)."""
+    total = sum(new)
+    k, v = (rng.standard_normal((2, total, H, D)) * rng.uniform(0.1, 4, (2, total, H, 1)))
+    k[0, 0, :] = 0  # a block of zeros: scale 0, reads back zeros
+    q = rng.standard_normal((total, N_Q, D)) / 2
+    # Small integers: every projection is an exact float32 integer, as in numpy.
+    hidden = rng.integers(-3, 4, (total, HIDDEN))
+    wqkv = rng.integers(-2, 3, ((N_Q + 2 * H) * D, HIDDEN))
+    offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
+    f32 = [a.astype(np.float32) for a in (k, v, q, hidden, wqkv)]
+    max_lengths = np.array([[max(new), max(c + n for c, n in zip(lengths, new))]], np.uint32)
+    outs = model.execute(
+        Buffer.from_numpy(pages.bits).view(DType.float8_e4m3fn), Buffer.from_numpy(pages.scales),
+        Buffer.from_numpy(np.array(lengths, np.uint32)), Buffer.from_numpy(pages.table),
+        Buffer.from_numpy(max_lengths), *(Buffer.from_numpy(a) for a in f32), Buffer.from_numpy(offsets),
+    )
+    return dict(zip(("k", "v", "q", "hidden", "wqkv"), f32)), [o.to_numpy() for o in outs], offsets
+
+
+def projections(step):
+    """Layer 1's K and V of a step, [tokens, H, D] each (exact: integer sums)."""
+    qkv = step["hidden"].astype(np.float64) @ step["wqkv"].astype(np.float64).T
+    k = qkv[:, N_Q * D:(N_Q + H) * D].reshape(-1, H, D)
+    return k, qkv[:, (N_Q + H) * D:].reshape(-1, H, D)
+
+
+def attention(q, keys, values, lengths, offsets, scale):
+    """float64 causal GQA attention of each new token over its sequence's keys."""
+    out = np.zeros(q.shape)
+    for b in range(len(lengths)):
+        for i, t in enumerate(range(offsets[b], offsets[b + 1])):
+            n = lengths[b] + i + 1
+            for qh in range(N_Q):
+                s = keys[b][:n, qh // GROUP] @ q[t, qh] * scale
+                p = np.exp(s - s.max())
+                out[t, qh] = p / p.sum() @ values[b][:n, qh // GROUP]
+    return out
+
+
+def fp8_attention_bound(q, keys, values, approx_k, approx_v, lengths, offsets, scale):
+    """Per output row, a bound on |attention(q, approx) - attention(q, exact)|.
+
+    With score errors |ds_j| <= delta (delta = scale * max_j sum_i |q_i| |dk_ji|), the
+    softmax weights move by a factor within e^(+-2 delta), so sum_j |dp_j| <=
+    e^(2 delta) - 1, and O = sum_j p_j v_j moves by at most
+    (e^(2 delta) - 1) max |v| + max |dv| per element. A priori delta <= scale *
+    ||q||_1 * absmax(K block) * 2^-4 (e4m3fn keeps 3 mantissa bits); here the actual
+    errors of the reference's quantization are used."""
+    bound = np.zeros(q.shape[:2])
+    for b in range(len(lengths)):
+        for i, t in enumerate(range(offsets[b], offsets[b + 1])):
+            n = lengths[b] + i + 1
+            for qh in range(N_Q):
+                h = qh // GROUP
+                dk = np.abs(approx_k[b][:n, h] - keys[b][:n, h])
+                delta = scale * (dk @ np.abs(q[t, qh])).max()
+                dv = np.abs(approx_v[b][:n, h] - values[b][:n, h]).max()
+                bound[t, qh] = np.expm1(2 * delta) * np.abs(values[b][:n, h]).max() + dv
+    return bound
+
+
+def test_fp8_pages_store_and_attention(model):
+    rng = np.random.default_rng(53)
+    pages = Pages(rng)
+    steps = [run(model, pages, rng, *PREFILL), run(model, pages, rng, *STEP)]
+    # Each sequence's values per layer and K|V, in position order, across both steps.
+    seqs = {(layer, kv): [[], [], []] for layer in range(LAYERS) for kv in range(2)}
+    for step, _, offsets in steps:
+        layer1 = projections(step)
+        for b in range(3):
+            rows = slice(offsets[b], offsets[b + 1])
+            for kv, name in enumerate(("k", "v")):
+                seqs[0, kv][b].append(step[name][rows].astype(np.float64))
+                seqs[1, kv][b].append(layer1[kv][rows])
+    exact = {key: [np.concatenate(parts) for parts in per_seq] for key, per_seq in seqs.items()}
+
+    # 1. Pages: bytes and scales exactly the reference's quantization of the same values.
+    deq = {}
+    for (layer, kv), per_seq in exact.items():
+        deq[layer, kv] = []
+        for b, x in enumerate(per_seq):
+            want_q, want_scale = quantize_blocks(x.astype(np.float32), 128)
+            got_q, got_scale = pages.read(b, layer, kv, np.arange(len(x)))
+            assert np.array_equal(got_scale, want_scale), (layer, kv, b)
+            assert np.array_equal(got_q, want_q), (layer, kv, b)
+            deq[layer, kv].append(dequantize_blocks(got_q, got_scale, 128))
+    assert (exact[0, 0][0][0, 0] == 0).all() and (deq[0, 0][0][0, 0] == 0).all()
+
+    # 2. Attention: the reference's dequantized pages as read, and within the bound.
+    for (lengths, _), (step, outs, offsets) in zip((PREFILL, STEP), steps):
+        out0, q1, out1 = (o.astype(np.float64) for o in outs)
+        for layer, q in ((0, step["q"].astype(np.float64)), (1, q1)):
+            got = out0 if layer == 0 else out1
+            k, v = exact[layer, 0], exact[layer, 1]
+            dk, dv = deq[layer, 0], deq[layer, 1]
+            as_read = attention(q, dk, dv, lengths, offsets, SCALES[layer])
+            scale = np.abs(as_read).max()
+            np.testing.assert_allclose(got, as_read, rtol=0, atol=2e-5 * scale)
+            err = np.abs(got - attention(q, k, v, lengths, offsets, SCALES[layer])).max(axis=-1)
+            bound = fp8_attention_bound(q, k, v, dk, dv, lengths, offsets, SCALES[layer]) + 2e-5 * scale
+            assert (err <= bound).all(), (layer, err.max(), bound.min())
+            assert err.max() > 0  # the pages are quantized, not stored exactly

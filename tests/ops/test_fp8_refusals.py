@@ -1,0 +1,89 @@
+"""Where FP8 pages with per-block scales stop (issue 53), refused by name when a graph is
+built: mokv's ops on a GPU (MAX 26.7 has no GPU kernel for a scaled MHA cache), and
+MAX's own attention layer on a scaled cache (MAX refuses it itself, on any device)."""
+
+from __future__ import annotations
+
+import mokv
+import numpy as np
+import pytest
+from max.dtype import DType
+from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+from max.nn import LayerList
+from max.nn.attention import AttentionWithRope
+from max.nn.rotary_embedding import RotaryEmbedding
+
+FP8 = mokv.KVCacheParams(
+    dtype=DType.float8_e4m3fn, n_kv_heads=2, head_dim=128, page_size=16,
+    quantization=mokv.KVCacheQuantization(),
+)
+CPU = DeviceRef.CPU()
+
+
+def cache_types(device: DeviceRef) -> list:
+    return [
+        BufferType(DType.float8_e4m3fn, ["pages", 2, 1, 16, 2, 128], device=device),
+        BufferType(DType.float32, ["pages", 2, 1, 16, 2, 1], device=device),
+        TensorType(DType.uint32, ["batch"], device=device),
+        TensorType(DType.uint32, ["batch", "cols"], device=device),
+        TensorType(DType.uint32, [1, 2], device=CPU),
+    ]
+
+
+@pytest.mark.parametrize("op", ["store_kv", "fused_qkv_matmul", "flash_attention"])
+def test_activations_on_a_gpu_over_an_fp8_cache_are_refused_by_name(op):
+    gpu = DeviceRef.GPU()
+    with Graph("fp8_ops_on_gpu", input_types=[
+        *cache_types(CPU),
+        TensorType(DType.bfloat16, ["tokens", 2, 128], device=gpu),
+        TensorType(DType.bfloat16, ["tokens", 8, 128], device=gpu),
+        TensorType(DType.bfloat16, ["tokens", 64], device=gpu),
+        TensorType(DType.bfloat16, [12 * 128, 64], device=gpu),
+        TensorType(DType.uint32, ["offsets"], device=gpu),
+    ]) as g:
+        blocks, scales, lengths, table, max_lengths, kv, q, hidden, w, offsets = g.inputs
+        coll = mokv.FetchPagedKVCacheCollection(FP8)(blocks.buffer, lengths, table, max_lengths, scales.buffer)
+        calls = {
+            "store_kv": lambda: mokv.ops.store_kv(coll, kv, kv, offsets, 0),
+            "fused_qkv_matmul": lambda: mokv.ops.fused_qkv_matmul(coll, hidden, w, offsets, 0, 8),
+            "flash_attention": lambda: mokv.ops.flash_attention(coll, q, offsets, 0, 0.1),
+        }
+        with pytest.raises(ValueError, match=rf"{op}: a float8_e4m3fn cache runs on mokv's CPU "
+                           r"kernels only, .* take no per-block scales"):
+            calls[op]()
+
+
+def test_an_fp8_cache_takes_float_activations_and_no_other():
+    with Graph("fp8_int_q", input_types=[
+        *cache_types(CPU), TensorType(DType.int32, ["tokens", 8, 128], device=CPU),
+        TensorType(DType.uint32, ["offsets"], device=CPU),
+    ]) as g:
+        blocks, scales, lengths, table, max_lengths, q, offsets = g.inputs
+        coll = mokv.FetchPagedKVCacheCollection(FP8)(blocks.buffer, lengths, table, max_lengths, scales.buffer)
+        with pytest.raises(TypeError, match="q must have dtype float32 or bfloat16 or float16, got int32"):
+            mokv.ops.flash_attention(coll, q, offsets, 0, 0.1)
+
+
+@pytest.mark.parametrize("device", [CPU, DeviceRef.GPU()], ids=["cpu", "gpu"])
+def test_maxs_attention_layer_refuses_a_scaled_fp8_cache_itself(device):
+    # MAX 26.7's AttentionWithRope stores K and V with `rope_split_store_ragged`, which
+    # raises for a scaled cache before it reads the cache values: on any device, and on
+    # MAX's own manager's caches as on mokv's (docs/quantized.md).
+    rope = RotaryEmbedding(64, 8, 10000.0, 128, head_dim=128, interleaved=False)
+    layers = LayerList([AttentionWithRope(  # a LayerList (and a state) names the weights
+        rope=rope, num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
+        kv_params=mokv.max_kv_params(FP8, 1, [device]), devices=[device], dtype=DType.float32,
+    )])
+    layers.load_state_dict({
+        name: np.zeros([int(d) for d in w.shape], np.float32) for name, w in layers.raw_state_dict().items()
+    })
+    with Graph("max_layer_fp8", input_types=[
+        TensorType(DType.float32, ["tokens", 64], device=device),
+        TensorType(DType.uint32, ["offsets"], device=device),
+        TensorType(DType.float32, [128, 128], device=device),
+    ]) as g:
+        x, offsets, freqs = g.inputs
+        layer_idx = ops.constant(np.uint32(0), DType.uint32, CPU)
+        with pytest.raises(ValueError, match="rope_split_store_ragged does not support a scaled "
+                           "quantized KV cache"):
+            layers[0](layer_idx, x, None, freqs, offsets)
