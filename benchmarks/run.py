@@ -162,37 +162,23 @@ def run(parts: list[str], quick: bool, out: Path, portable: bool = False) -> dic
             man["mokv_profile"] = part("profile", "cProfile of mokv-paged",
                                        lambda: bench_managers.profile_mokv(quick))
             tick()
-        if "groups" in parts:
-            results["groups"] = part("groups", "sliding-window cache memory",
-                                     lambda: bench_groups.run(quick, tick))
-        if "recurrent" in parts:
-            results["recurrent"] = part("recurrent", "state checkpoints (hybrid cache)",
-                                        lambda: bench_recurrent.run(quick, tick))
-        if "attention" in parts:
-            results["attention"] = part("attention", "attention kernels (CPU)",
-                                        lambda: bench_attention.run(quick, tick, portable))
-        if "qkv" in parts:
-            results["qkv"] = part("qkv", "QKV projection (CPU)", lambda: bench_qkv.run(quick, tick, portable))
-        if "compile" in parts:
-            results["compile"] = part("compile", "compile cost (subprocesses)",
-                                      lambda: bench_compile.run(quick, tick))
-        if "serving" in parts:
-            results["serving"] = part("serving", "agent trace over HTTP (servers)",
-                                      lambda: bench_serving.run(quick, tick))
-        if "remote" in parts:
-            results["remote"] = part("remote", "shared tier (redis-servers)",
-                                     lambda: bench_remote.run(quick, tick))
-        if "cache_control" in parts:
-            results["cache_control"] = part("cache_control", "pins and write policies",
-                                            lambda: bench_cache_control.run(quick, tick))
-        if "mla" in parts:
-            results["mla"] = part("mla", "MLA caches and decode (CPU)", lambda: bench_mla.run(quick, tick))
-        if "fp8_tiers" in parts:
-            results["fp8_tiers"] = part("fp8_tiers", "FP8 pages in the tiers",
-                                        lambda: bench_fp8_tiers.run(quick, tick))
-        if "fp8_attention" in parts:
-            results["fp8_attention"] = part("fp8_attention", "FP8 pages' decode (CPU)",
-                                            lambda: bench_fp8_attention.run(quick, tick, portable))
+        # The parts that are one call each, in the order they run.
+        single_parts = (
+            ("groups", "sliding-window cache memory", lambda: bench_groups.run(quick, tick)),
+            ("recurrent", "state checkpoints (hybrid cache)", lambda: bench_recurrent.run(quick, tick)),
+            ("attention", "attention kernels (CPU)", lambda: bench_attention.run(quick, tick, portable)),
+            ("qkv", "QKV projection (CPU)", lambda: bench_qkv.run(quick, tick, portable)),
+            ("compile", "compile cost (subprocesses)", lambda: bench_compile.run(quick, tick)),
+            ("serving", "agent trace over HTTP (servers)", lambda: bench_serving.run(quick, tick)),
+            ("remote", "shared tier (redis-servers)", lambda: bench_remote.run(quick, tick)),
+            ("cache_control", "pins and write policies", lambda: bench_cache_control.run(quick, tick)),
+            ("mla", "MLA caches and decode (CPU)", lambda: bench_mla.run(quick, tick)),
+            ("fp8_tiers", "FP8 pages in the tiers", lambda: bench_fp8_tiers.run(quick, tick)),
+            ("fp8_attention", "FP8 pages' decode (CPU)", lambda: bench_fp8_attention.run(quick, tick, portable)),
+        )
+        for key, what, run_part in single_parts:
+            if key in parts:
+                results[key] = part(key, what, run_part)
         bar.update(task, description="done")
     results["machine"]["loadavg_end"] = os.getloadavg()
     out.mkdir(parents=True, exist_ok=True)
