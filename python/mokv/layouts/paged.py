@@ -49,6 +49,20 @@ from .base import CacheLayout, FetchKVCacheCollection, KVCollectionValue, Tensor
 
 T = TypeVar("T")
 B = TypeVar("B")
+D = TypeVar("D", int, str)
+
+
+def page_buffer_shape(params: KVCacheParams, num_layers: int, num_pages: D) -> list[D | int]:
+    """The shape of one device's pages: `[num_pages, kv_dim, num_layers, page_size,
+    n_kv_heads_per_device, head_dim]` (`num_pages` a count or a graph dim's name)."""
+    return [
+        num_pages,
+        params.kv_dim,
+        num_layers,
+        params.page_size,
+        params.n_kv_heads_per_device,
+        params.head_dim,
+    ]
 
 
 class RaggedKVCacheInputs(NamedTuple, Generic[B, T]):
@@ -112,14 +126,7 @@ class PagedLayout(CacheLayout):
         batch, pages, steps = (
             dim_prefix + n for n in ("batch_size", "max_num_pages", "steps_remaining")
         )
-        blocks_shape = [
-            pages_dim,
-            params.kv_dim,
-            num_layers,
-            params.page_size,
-            params.n_kv_heads_per_device,
-            params.head_dim,
-        ]
+        blocks_shape = page_buffer_shape(params, num_layers, pages_dim)
         inputs = RaggedKVCacheInputs(
             blocks=BufferType(params.dtype, blocks_shape, device=device),
             cache_lengths=TensorType(DType.uint32, [batch], device=device),
@@ -139,14 +146,7 @@ class PagedLayout(CacheLayout):
         num_steps: int,
     ) -> PagedInputs[Buffer, Buffer]:
         """Zero pages; a one-column lookup table of zeros."""
-        shape = (
-            0,
-            params.kv_dim,
-            num_layers,
-            params.page_size,
-            params.n_kv_heads_per_device,
-            params.head_dim,
-        )
+        shape = page_buffer_shape(params, num_layers, 0)
         inputs = RaggedKVCacheInputs(
             blocks=Buffer(params.dtype, shape),
             cache_lengths=Buffer(DType.uint32, (batch_size,)),

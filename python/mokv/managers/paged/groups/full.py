@@ -27,7 +27,7 @@ from ....cache.cache_memory import cache_buffer
 from ....cache.page_pool import PagePool
 from ....config.params import KVCacheParams
 from ....errors import InvariantError
-from ....layouts.paged import PagedInputs
+from ....layouts.paged import PagedInputs, page_buffer_shape
 from ....undo import UndoLog
 from ..inputs import PageTable, ceil_div
 from ..plans import CommitPlan, RequestState
@@ -69,14 +69,7 @@ class FullAttentionGroup:
         self.pool = PagePool(num_pages)
         self.pool.undo = undo
         self.undo = undo
-        shape = [
-            num_pages,
-            params.kv_dim,
-            len(layers),
-            params.page_size,
-            params.n_kv_heads_per_device,
-            params.head_dim,
-        ]
+        shape = page_buffer_shape(params, len(layers), num_pages)
         if slabs:  # views of a budget shared with other groups (`budget.py`)
             self.blocks = [slab.view(params.dtype, shape) for slab in slabs]
         else:
