@@ -2,15 +2,16 @@
 #   make demo   installs mokv into .venv and runs the demo on the CPU
 #   make serve  MAX's own OpenAI server with a mokv KV cache (`mokv serve`), serving a
 #               tiny local Llama on 127.0.0.1:8000 (SERVE_PORT=...); Ctrl-C stops it
-#   make test   installs mokv and its test tools into .venv (and, as root on Debian, the
-#               redis-server package that tests/remote/ starts) and runs every test
-#               (PYTEST_ARGS="--cpu-target znver3": every CPU kernel compiled for AVX2)
+#   make test   installs mokv, its test tools and torch's CPU build into .venv (and, as
+#               root on Debian, the redis-server package that tests/remote/ starts) and
+#               runs every test (PYTEST_ARGS="--cpu-target znver3": every CPU kernel
+#               compiled for AVX2)
 #   make test-remote  only the shared-tier tests (each starts its own redis-server, or a
 #               Redis Cluster of six; make test runs them too)
 #   make test-consumers  installs vLLM's event classes and NVIDIA Dynamo's KV indexer (CPU
 #               builds) and runs tests/consumers/: routers others wrote read mokv's events
-#   make test-hf  installs torch (CPU build) and checks the MLA decoder against Hugging
-#               Face's DeepSeek-V2 on the same weights (make test skips that test)
+#   make test-hf  only the MLA decoder's tests, Hugging Face's DeepSeek-V2 on the same
+#               weights among them (make test runs them too)
 #   make test-virtual-gpu  MAX's own layers on a mokv cache, compiled for a virtual sm_90
 #               (minutes: outside make test)
 #   make test-max-pipeline  MAX's own Llama pipeline generating on a mokv cache, against
@@ -49,7 +50,18 @@ SERVE_PORT ?= 8000
 serve: $(VENV)/.installed
 	$(PY) examples/serve.py --port $(SERVE_PORT)
 
-test: $(VENV)/.installed redis-server
+# torch for transformers' DeepSeek-V2 (the hf extra: tests/model/test_mla_decoder.py checks
+# the MLA decoder against it). PyPI's Linux torch is a CUDA build (GBs of NVIDIA libraries);
+# PyTorch's CPU index holds the same version as 2.13.0+cpu (190 MB), which pip prefers (a
+# local version sorts above the plain one). Where that index is out of reach and pip finds
+# the wheel elsewhere (find-links, a mirror), TORCH_CPU_INDEX= skips it: pip retries an
+# unreachable index for about a minute.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+$(VENV)/.hf: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[hf]" $(if $(TORCH_CPU_INDEX),--extra-index-url $(TORCH_CPU_INDEX))
+	touch $@
+
+test: $(VENV)/.hf redis-server
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-remote: $(VENV)/.installed redis-server
@@ -69,9 +81,7 @@ $(VENV)/.consumers: $(VENV)/.installed tests/consumers/requirements.txt
 test-consumers: $(VENV)/.consumers
 	$(PY) -m pytest -q -m consumers tests/consumers
 
-# torch for transformers' DeepSeek-V2 (the hf extra); without it make test skips that test.
-test-hf: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[hf]"
+test-hf: $(VENV)/.hf
 	$(PY) -m pytest -q tests/model/test_mla_decoder.py
 
 # Marked max_virtual_gpu (pyproject.toml): deselected by make test, selected here.
