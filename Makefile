@@ -12,8 +12,9 @@
 #               builds) and runs tests/consumers/: routers others wrote read mokv's events
 #   make test-hf  only the MLA decoder's tests, Hugging Face's DeepSeek-V2 on the same
 #               weights among them (make test runs them too)
-#   make test-virtual-gpu  MAX's own layers on a mokv cache, compiled for a virtual sm_90
-#               (minutes: outside make test)
+#   make test-virtual-gpu  every compile for a virtual GPU (tests/ops/test_virtual_gpu.py),
+#               with MAX's own Llama-style layers on a mokv cache for sm_90 (minutes:
+#               the one make test leaves out)
 #   make test-max-pipeline  MAX's own Llama pipeline generating on a mokv cache, against
 #               MAX's own manager (minutes: outside make test)
 #   make bench  runs the benchmark suite (make bench-quick: a shorter run), with vLLM's
@@ -84,9 +85,9 @@ test-consumers: $(VENV)/.consumers
 test-hf: $(VENV)/.hf
 	$(PY) -m pytest -q tests/model/test_mla_decoder.py
 
-# Marked max_virtual_gpu (pyproject.toml): deselected by make test, selected here.
+# The whole file: its -m replaces pyproject.toml's, which deselects max_virtual_gpu.
 test-virtual-gpu: $(VENV)/.installed
-	$(PY) -m pytest -q -m max_virtual_gpu tests/ops/test_virtual_gpu.py
+	$(PY) -m pytest -q -m "not max_pipeline" tests/ops/test_virtual_gpu.py
 
 # Marked max_pipeline (pyproject.toml): deselected by make test, selected here.
 test-max-pipeline: $(VENV)/.installed
