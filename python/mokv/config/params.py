@@ -35,9 +35,9 @@ from .quantization import (
     check_format,
     refuse_other_formats,
 )
-from .recurrent import RecurrentStateConfig
+from .recurrent import STATE_REGION_ID, RecurrentStateConfig
 from .sessions import SessionConfig
-from .tiers import HostTierConfig, TierConfig
+from .tiers import HostTierConfig, RemoteTierConfig, TierConfig
 
 Dim = TypeVar("Dim", bound=int | str)
 """A dim of a shape: static (int) or symbolic (str)."""
@@ -236,12 +236,19 @@ class KVCacheParams:
                     f"{name} with recurrent state {state.name!r}: mokv does not keep state "
                     "checkpoints beside events, sessions or pins yet"
                 )
-        for tier in self.tiers:  # the host tier keeps checkpoints (`groups/state_host.py`)
-            if not isinstance(tier, HostTierConfig):
+        for tier in self.tiers:  # they keep checkpoints (`groups/state_host.py`, `_shared.py`)
+            if not isinstance(tier, (HostTierConfig, RemoteTierConfig)):
                 raise ValueError(
                     f"tier {tier.name!r} with recurrent state {state.name!r}: mokv keeps "
-                    "state checkpoints in the host tier only, not yet in this one"
+                    "state checkpoints in the host and shared tiers only, not yet in this one"
                 )
+            if isinstance(tier, RemoteTierConfig):  # its keys name the regions
+                for region in state.regions:
+                    if not STATE_REGION_ID.fullmatch(region.leaf_id):
+                        raise ValueError(
+                            f"state region {region.leaf_id!r} with the shared tier: its keys "
+                            "need region ids of 1-64 characters of [A-Za-z0-9_]"
+                        )
 
     def _check_tiers(self) -> None:
         if not isinstance(self.tiers, (tuple, list)):

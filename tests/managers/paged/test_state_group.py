@@ -263,8 +263,9 @@ def test_what_a_cache_with_state_layers_refuses():
     groups = (CacheGroupConfig("full_attention", NUM_LAYERS),)
     with pytest.raises(ValueError, match="num_checkpoints=4 needs enable_prefix_caching"):
         small_params(groups=groups, recurrent=state, enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="tier .remote. with recurrent state .linear_attention."):
-        small_params(groups=groups, recurrent=state, tiers=(mokv.RemoteTierConfig("redis://127.0.0.1:1", "m"),))
+    bad = RecurrentStateConfig("s", (StateRegion("conv.x", 1, (2,), DType.float32),))
+    with pytest.raises(ValueError, match="state region 'conv.x' with the shared tier"):
+        small_params(groups=groups, recurrent=bad, tiers=(mokv.RemoteTierConfig("redis://127.0.0.1:1", "m"),))
     with pytest.raises(ValueError, match="checkpoint_every must be an int >= 1, got 0"):
         RecurrentStateConfig("s", STACK.regions(), checkpoint_every=0)
     with pytest.raises(ValueError, match="row_shape must be a non-empty tuple"):

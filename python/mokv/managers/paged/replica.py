@@ -90,6 +90,7 @@ from .group_tiers import build_group_tiers, host_checkpoint_capacity
 from .groups import FullAttentionGroup, JointGroups, SharedBudget, build_group
 from .groups.state import RecurrentStateGroup
 from .groups.state_host import HostCheckpoints
+from .groups.state_shared import shared_checkpoints
 from .inputs import ceil_div
 from .pins import NO_GRANT, PinGrant, PinTable
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
@@ -171,6 +172,7 @@ class PagedReplica:
                 max_requests,
                 undo,
                 HostCheckpoints(capacity, undo) if capacity else None,
+                shared_checkpoints(params, len(devices)),
             )
         self.states = states
         """The state layers' live blocks and checkpoints (`groups/state.py`), if any."""
@@ -801,6 +803,8 @@ class PagedReplica:
         """Closes the tiers (they send what they queued, a bounded wait)."""
         for stack in self.group_tiers:
             stack.close()
+        if self.states is not None:
+            self.states.close()
 
     def check_loads(self) -> None:
         """InvariantError unless every pending load writes a page its request owns

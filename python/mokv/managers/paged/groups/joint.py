@@ -60,6 +60,7 @@ from ..prefix import PrefixChains
 from .budget import SharedBudget
 from .full import FullAttentionGroup
 from .state import RecurrentStateGroup
+from .state_shared import SharedCheckpoint
 
 
 class JointGroups:
@@ -143,6 +144,7 @@ class JointGroups:
             for g, (f, k) in enumerate(zip(found, held))
         ]  # all found
         checkpoint = checkpoints[n - 1] if checkpoints else None
+        assert not isinstance(checkpoint, SharedCheckpoint), "the state's rule loaded it"
         hit = JointHit([h for h, _ in chain[:n]], pages, checkpoint)
         tiers = [p.tier for row in pages for p in row if isinstance(p, PendingLoad)]
         if tiers:  # the tokens the devices alone would not serve count as a tier's

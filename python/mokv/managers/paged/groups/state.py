@@ -53,9 +53,11 @@ from ....errors import InvariantError, StaleContextError
 from ....undo import UndoLog
 from ..plans import RequestState
 from .state_host import HostCheckpoints, StoredCheckpoint
+from .state_shared import SharedCheckpoint, SharedCheckpoints
 
-Checkpoint = int | StoredCheckpoint
-"""Where a checkpoint stands: a slot of the device pool, or the host tier's copy."""
+Checkpoint = int | StoredCheckpoint | SharedCheckpoint
+"""Where a checkpoint stands: a slot of the device pool, a host copy (the host tier's,
+or loaded from the shared tier), or the shared tier's, not loaded yet."""
 
 
 class RecurrentStateGroup:
@@ -71,10 +73,14 @@ class RecurrentStateGroup:
         max_requests: int,
         undo: UndoLog,
         host: HostCheckpoints | None = None,
+        shared: SharedCheckpoints | None = None,
     ) -> None:
         self.config = config
         self.host = host
         """The checkpoints evicted from the device, in the host tier (None without one)."""
+        self.shared = shared
+        """The checkpoints in the shared tier (None without one): every one taken here is
+        written through to it."""
         self.name = config.name
         self.page_size = page_size
         self.devices = devices
@@ -122,7 +128,8 @@ class RecurrentStateGroup:
 
     def found(self, chain: Sequence[tuple[int, bytes]]) -> list[Checkpoint | None]:
         """The checkpoint standing after each `(hash, token bytes)` page of the chain, on
-        the device or else in the host tier, None where there is none."""
+        the device, else in the host tier, else in the shared tier (probed, not loaded:
+        `longest_hit` loads the one it chooses), None where there is none."""
         host, lookup = self.host, self.pool.lookup
         out: list[Checkpoint | None] = []
         for h, data in chain:
@@ -130,13 +137,24 @@ class RecurrentStateGroup:
             if found is None and host is not None:
                 found = host.lookup(h, data)
             out.append(found)
+        missing = [i for i, found in enumerate(out) if found is None]
+        if self.shared is not None and missing:
+            probed = self.shared.probe([chain[i] for i in missing])
+            for i, found in zip(missing, probed):
+                out[i] = found
         return out
 
-    def longest_hit(self, checkpoints: Sequence[Checkpoint | None], n: int) -> int:
+    def longest_hit(self, checkpoints: list[Checkpoint | None], n: int) -> int:
         """The longest hit of at most `n` pages the group can resume: up to the last
-        checkpoint at or before page `n`; 0 when none stands there."""
+        checkpoint at or before page `n`; 0 when none stands there. A shared tier's
+        checkpoint it chooses is loaded here, in `checkpoints` (one that fails to load
+        becomes None, and the one before it is chosen)."""
         for m in range(min(n, len(checkpoints)), 0, -1):
-            if checkpoints[m - 1] is not None:
+            found = checkpoints[m - 1]
+            if isinstance(found, SharedCheckpoint):
+                assert self.shared is not None, "only a shared tier's probe finds one"
+                found = checkpoints[m - 1] = self.shared.load(found)
+            if found is not None:
                 return m
         return 0
 
@@ -169,9 +187,10 @@ class RecurrentStateGroup:
             if num_held:
                 self._keep(live)
             self._restore(live, checkpoint.copies)
-            if self.host is not None:  # it found the checkpoint
+            if self.host is not None and not checkpoint.shared:  # it found the checkpoint
                 self.host.touch(checkpoint.page_hash)
             return
+        assert not isinstance(checkpoint, SharedCheckpoint), "the hit loaded it"
         self.pool.acquire(checkpoint)  # out of the LRU while it is read...
         self._copy(self.checkpoint_block(checkpoint), live, keep_old=num_held > 0)
         self.pool.release([checkpoint])  # ...and back as its most recently used page
@@ -211,6 +230,8 @@ class RecurrentStateGroup:
             if self.host is not None:
                 self.host.store(old, old_tokens, copies)
         self._copy(self.live_block(req.slot), block, keep_old=False)
+        if self.shared is not None:  # written through, as committed pages are
+            self.shared.store(page_hash, token_bytes, self._host_copy(block))
         self.pool.commit_pages([slot], [page_hash], [token_bytes])
         self.pool.release([slot])
         self.undo.push(setattr, self, "checkpoints_taken", self.checkpoints_taken)
@@ -237,6 +258,11 @@ class RecurrentStateGroup:
     def release(self, req: RequestState) -> None:
         """The request's slot starts its next request from a fresh state."""
         self._set_position(req.slot, 0)
+
+    def close(self) -> None:
+        """Closes the shared tier's stores (they send what they queued)."""
+        if self.shared is not None:
+            self.shared.close()
 
     def _set_position(self, slot: int, tokens: int) -> None:
         self.undo.push(self.positions.__setitem__, slot, self.positions[slot])
