@@ -776,6 +776,10 @@ class PagedReplica:
             sink = events.group_sink(GroupSpec.of(group.index, group.kind, group.window_size))
             group.pool.events = sink
             stack.publish_to(sink)
+        if self.states is not None:  # its checkpoints, as a group after the others
+            self.states.pool.events = events.group_sink(
+                GroupSpec.of(len(self.groups), self.states.kind, None)
+            )
 
     def slide(self, batch: Sequence[TextGenerationContext]) -> None:
         """After a step's commits: every sliding-window group releases the pages of the
@@ -783,7 +787,7 @@ class PagedReplica:
         without a window."""
         if self.joint is not None:
             for ctx in batch:
-                self.joint.slide(self._requests[ctx.request_id], ctx.start_idx)
+                self.joint.slide(self._requests[ctx.request_id], ctx)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix in the pool and the tiers (pending loads still

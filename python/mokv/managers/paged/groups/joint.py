@@ -316,10 +316,12 @@ class JointGroups:
             group.pool.release(group.row(req)[first : min(held, new_first)])
             req.firsts[group.index] = new_first
 
-    def slide(self, req: RequestState, start_idx: int) -> None:
-        """Every group releases the request's pages that no step from `start_idx` reads,
-        a sliding group's evicted first but for the windows before `keep_ends`; the state
-        layers take a checkpoint if the step ended on their boundary."""
+    def slide(self, req: RequestState, ctx: TextGenerationContext) -> None:
+        """Every group releases the request's pages that no step from the context's
+        `start_idx` reads, a sliding group's evicted first but for the windows before
+        `keep_ends`; the state layers take a checkpoint if the step ended on their
+        boundary."""
+        start_idx = ctx.start_idx
         ends: tuple[int, ...] | None = None
         for group in self.groups:
             if group.pages_in_window and group.window_start(start_idx) > group.first(req):
@@ -331,7 +333,7 @@ class JointGroups:
             tokens = None
             if first.first(req) <= page < len(first.row(req)):
                 tokens = first.pool.page_tokens(first.row(req)[page])
-            self.states.slide(req, start_idx, tokens)
+            self.states.slide(req, start_idx, tokens, ctx)
 
     def keep_ends(self, req: RequestState) -> tuple[int, int]:
         """Where a later joint hit on the request's prefix is likely to end: after the

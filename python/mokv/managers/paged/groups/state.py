@@ -46,6 +46,7 @@ from max.driver import CPU, Buffer, Device
 from max.nn.kv_cache import RecurrentLeafInputs, RecurrentStateInputsPerDevice
 
 from ....cache.cache_memory import cache_buffer
+from ....cache.extra_keys import request_keys
 from ....cache.page_pool import PagePool
 from ....config.recurrent import RecurrentStateConfig
 from ....context import TextGenerationContext
@@ -58,6 +59,16 @@ from .state_shared import SharedCheckpoint, SharedCheckpoints
 Checkpoint = int | StoredCheckpoint | SharedCheckpoint
 """Where a checkpoint stands: a slot of the device pool, a host copy (the host tier's,
 or loaded from the shared tier), or the shared tier's, not loaded yet."""
+
+
+def checkpoint_hit(checkpoints: Sequence[object | None], n: int) -> int:
+    """The longest hit of at most `n` pages a state resumes from `checkpoints` (what
+    stands after each page of a chain, None where nothing does): up to the last one at
+    or before page `n`, 0 when none stands there (a router's reading of the events,
+    `mokv.events.PrefixRouterIndex`; `RecurrentStateGroup.longest_hit` also loads)."""
+    return next(
+        (m for m in range(min(n, len(checkpoints)), 0, -1) if checkpoints[m - 1] is not None), 0
+    )
 
 
 class RecurrentStateGroup:
@@ -195,12 +206,19 @@ class RecurrentStateGroup:
         self._copy(self.checkpoint_block(checkpoint), live, keep_old=num_held > 0)
         self.pool.release([checkpoint])  # ...and back as its most recently used page
 
-    def slide(self, req: RequestState, start_idx: int, token_bytes: bytes | None) -> bool:
+    def slide(
+        self,
+        req: RequestState,
+        start_idx: int,
+        token_bytes: bytes | None,
+        ctx: TextGenerationContext | None = None,
+    ) -> bool:
         """After a step that left the request's live state at token `start_idx`: records
         where its state is; when that is a boundary of `checkpoint_every` pages whose page
         is committed (`token_bytes`, None if it is not indexed) and no checkpoint stands
         there yet, copies the live block into a checkpoint slot, indexed under the page's
-        chain hash (the checkpoint whose slot it takes goes to the host tier, if any).
+        chain hash (the checkpoint whose slot it takes goes to the host tier, if any) and
+        announced to the pool's events with its parent and the page's keys (`ctx`'s).
         True if it took one."""
         self._set_position(req.slot, start_idx)
         page, rest = divmod(start_idx, self.page_size)
@@ -232,7 +250,12 @@ class RecurrentStateGroup:
         self._copy(self.live_block(req.slot), block, keep_old=False)
         if self.shared is not None:  # written through, as committed pages are
             self.shared.store(page_hash, token_bytes, self._host_copy(block))
-        self.pool.commit_pages([slot], [page_hash], [token_bytes])
+        parent = req.hashes[page - 2] if page > 1 else None
+        keys = None
+        if self.pool.events is not None and ctx is not None:
+            request = request_keys(ctx)
+            keys = request.page(page - 1, self.page_size) if request is not None else None
+        self.pool.commit_pages([slot], [page_hash], [token_bytes], [parent], [keys])
         self.pool.release([slot])
         self.undo.push(setattr, self, "checkpoints_taken", self.checkpoints_taken)
         self.checkpoints_taken += 1
