@@ -12,29 +12,20 @@ import mokv
 import numpy as np
 import pytest
 from max.dtype import DType
-from mokv import CacheGroupConfig, RecurrentStateConfig, StateRegion, TextContext
+from mokv import StateRegion, TextContext
 from mokv.remote import PageCodec, Rejection, StateLayout
 
-from ..managers.conftest import NUM_LAYERS, make_paged
 from ..managers.faults import Faults
-from ..managers.paged.test_state_group import PAGE, SHARED, STACK, live_state, prefill, reference
+from ..managers.paged.test_state_group import PAGE, SHARED, live_state, prefill, reference
+from ..managers.paged.test_state_group import hybrid as state_hybrid
 from ..managers.paged.test_state_group import skipped as skipped_tokens
 from ..managers.paged.test_state_tiers import checkpoint_memory, until_it_runs
 from .test_remote import fresh_namespace
 
 
 def hybrid(session, url, namespace, checkpoints=8):
-    state = RecurrentStateConfig(
-        "linear_attention", STACK.regions(), checkpoint_every=1, num_checkpoints=checkpoints
-    )
-    return make_paged(
-        session,
-        num_pages=24,
-        max_seq_len=64,
-        groups=(CacheGroupConfig("full_attention", NUM_LAYERS),),
-        recurrent=state,
-        tiers=(mokv.RemoteTierConfig(url=url, namespace=namespace),),
-    )
+    tier = mokv.RemoteTierConfig(url=url, namespace=namespace)
+    return state_hybrid(session, checkpoints=checkpoints, tiers=(tier,))
 
 
 def flush(m) -> None:

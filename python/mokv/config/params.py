@@ -216,9 +216,8 @@ class KVCacheParams:
     def _check_recurrent(self) -> None:
         """TypeError / ValueError naming what a cache with state layers cannot honour
         yet: another strategy, checkpoints without prefix caching, a tier other than
-        the host and shared tiers, a region id the shared tier's keys cannot name, and
-        sessions and pins (they would keep pages without their checkpoints), each by
-        name."""
+        the host and shared tiers, and a region id the shared tier's keys cannot name,
+        each by name."""
         state = self.recurrent
         if state is None:
             return
@@ -231,12 +230,6 @@ class KVCacheParams:
                 f"recurrent state {state.name!r}: num_checkpoints={state.num_checkpoints} "
                 "needs enable_prefix_caching (checkpoints are found by prefix hashes)"
             )
-        for name in ("sessions", "pins"):
-            if getattr(self, name):
-                raise ValueError(
-                    f"{name} with recurrent state {state.name!r}: mokv does not keep state "
-                    "checkpoints beside sessions or pins yet"
-                )
         for tier in self.tiers:  # they keep checkpoints (`groups/state_host.py`, `_shared.py`)
             if not isinstance(tier, (HostTierConfig, RemoteTierConfig)):
                 raise ValueError(

@@ -23,21 +23,21 @@ STACK = LinearAttentionStack(vocab_size=64, num_layers=2, heads=2, head_dim=3, s
 SHARED = [7, 3, 9, 1, 4, 4, 8, 2, 6]  # two pages and a token
 
 
-def hybrid(session, every=1, checkpoints=8, num_pages=24):
+def hybrid(session, every=1, checkpoints=8, num_pages=24, **features):
     state = RecurrentStateConfig(
         "linear_attention", STACK.regions(), checkpoint_every=every, num_checkpoints=checkpoints
     )
     return make_paged(
         session, num_pages=num_pages, max_seq_len=64,
-        groups=(CacheGroupConfig("full_attention", NUM_LAYERS),), recurrent=state,
+        groups=(CacheGroupConfig("full_attention", NUM_LAYERS),), recurrent=state, **features,
     )
 
 
-def prefill(m, rid, prompt, chunk=PAGE):
-    """Claims `rid` and runs its prompt in chunks of `chunk` tokens through the stack on
-    the manager's state inputs; returns the context and every output it computed, by
-    position (None where a prefix hit skipped it)."""
-    ctx = TextContext(np.array(prompt), rid)
+def prefill(m, rid, prompt, chunk=PAGE, **fields):
+    """Claims `rid` and runs its prompt (a context with `fields`) in chunks of `chunk`
+    tokens through the stack on the manager's state inputs; returns the context and
+    every output it computed, by position (None where a prefix hit skipped it)."""
+    ctx = TextContext(np.array(prompt), rid, **fields)
     m.external_claim(rid)
     outputs: list = [None] * len(prompt)
     while ctx.start_idx < len(prompt):

@@ -68,6 +68,7 @@ from max.nn.kv_cache import RecurrentStateInputsPerDevice
 from ...cache.cache_memory import cache_buffer
 from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
+from ...cache.page_pool import PagePool
 from ...config.params import KVCacheParams
 from ...context import RequestID, TextGenerationContext, check_cache_control
 from ...errors import (
@@ -97,6 +98,7 @@ from .plans import HELD, CommitPlan, Held, RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
 from .sizing import SlotGeometry
+from .window_tails import TailRule
 
 _page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
 _num_fresh = attrgetter("num_fresh")  # of a `Reservation`
@@ -225,9 +227,11 @@ class PagedReplica:
             else None
         )
         # Sessions and pins hold whole chains in a full group, tails in a window's.
-        held_in = [
+        held_in: list[tuple[PagePool, TierStack, int | TailRule]] = [
             (g.pool, stack, g.pages_in_window) for g, stack in zip(self.groups, self.group_tiers)
         ]
+        if states is not None and states.config.num_checkpoints:  # and each chain's checkpoint
+            held_in.append(states.held_in(params))
         shared_by = len(self.groups) if self.budget is not None else 1
         self.sessions: SessionTable | None = (
             BUILDERS.build(params.sessions, held_in, undo, shared_by) if params.sessions else None

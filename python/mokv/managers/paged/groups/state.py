@@ -39,6 +39,7 @@ block, an evicted checkpoint -- a host copy of the old state, written back on ro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import ClassVar
 
 import numpy as np
@@ -48,11 +49,14 @@ from max.nn.kv_cache import RecurrentLeafInputs, RecurrentStateInputsPerDevice
 from ....cache.cache_memory import cache_buffer
 from ....cache.extra_keys import request_keys
 from ....cache.page_pool import PagePool
+from ....config.params import KVCacheParams
 from ....config.recurrent import RecurrentStateConfig
 from ....context import TextGenerationContext
 from ....errors import InvariantError, StaleContextError
+from ....tiers.stack import TierStack
 from ....undo import UndoLog
 from ..plans import RequestState
+from ..window_tails import TailRule, checkpoint_tail
 from .state_host import HostCheckpoints, StoredCheckpoint
 from .state_shared import SharedCheckpoint, SharedCheckpoints
 
@@ -265,11 +269,15 @@ class RecurrentStateGroup:
         """The attention groups' pools (`pools`) evicted pages of these hashes: a
         checkpoint at a boundary no group's device holds any more leaves its slot (it
         serves no device hit: the groups need its page), kept by the host tier if there
-        is one (the attention pages may come back from their tiers)."""
+        is one (the attention pages may come back from their tiers). One a session
+        retains or a pin holds stays (it leaves by its pool's own order)."""
         pool = self.pool
+        pinned = pool.pinned_hashes if pool.num_pinned else frozenset()
         for page_hash in page_hashes:
             slot = pool.page_of(page_hash)
-            if slot is None or pool.ref_count(slot):
+            if slot is None or pool.ref_count(slot) or pool.is_retained(slot):
+                continue
+            if page_hash in pinned:
                 continue
             if any(p.page_of(page_hash) is not None for p in pools):
                 continue
@@ -281,6 +289,13 @@ class RecurrentStateGroup:
     def release(self, req: RequestState) -> None:
         """The request's slot starts its next request from a fresh state."""
         self._set_position(req.slot, 0)
+
+    def held_in(self, params: KVCacheParams) -> tuple[PagePool, TierStack, TailRule]:
+        """What sessions retain and pins hold of the state (`window_tails.py`): in the
+        checkpoint pool, each chain's last checkpoint boundary. Its tiers keep theirs by
+        their own LRU (an empty stack: the host tier's checkpoints are not retained)."""
+        every = self.config.checkpoint_every
+        return self.pool, TierStack((), params, 0, self.pool, []), partial(checkpoint_tail, every)
 
     def close(self) -> None:
         """Closes the shared tier's stores (they send what they queued)."""
@@ -370,10 +385,11 @@ class RecurrentStateGroup:
     def check_invariants(self) -> None:
         """InvariantError unless the checkpoint pool's invariants hold and no checkpoint
         is held outside a call."""
-        if self.pool.num_used:
+        pool = self.pool
+        held = sum(pool.ref_count(slot) > 0 for slot in range(pool.num_pages))
+        if held:  # (pinned checkpoints are not room, and not held either)
             raise InvariantError(
-                f"recurrent state {self.name!r}: {self.pool.num_used} checkpoints are held "
-                "between calls"
+                f"recurrent state {self.name!r}: {held} checkpoints are held between calls"
             )
         self.pool.check_invariants([])
         if self.host is not None:
