@@ -59,7 +59,7 @@ from ..plans import CommitPlan, JointHit, RequestState, Reservation
 from ..prefix import PrefixChains
 from .budget import SharedBudget
 from .full import FullAttentionGroup
-from .state import RecurrentStateGroup
+from .state import Checkpoint, RecurrentStateGroup
 from .state_shared import SharedCheckpoint
 
 
@@ -132,10 +132,11 @@ class JointGroups:
             partial(group.longest_hit, cast(list[int | None], pages))  # found: not None
             for group, pages in zip(self.groups, found)
         ]
-        checkpoints = self.states.found(chain) if self.states is not None else []
-        if self.states is not None:
-            rules.append(partial(self.states.longest_hit, checkpoints))
         n = longest_joint_hit(rules, len(chain))
+        checkpoints: list[Checkpoint | None] = []
+        if self.states is not None and n:  # never past the attention groups' hit: look
+            checkpoints = self.states.found(chain[:n])  # no further (a shared tier's probe)
+            n = longest_joint_hit([*rules, partial(self.states.longest_hit, checkpoints)], n)
         if not n:
             return None
         held = [group.held_of_hit(n) for group in self.groups]
