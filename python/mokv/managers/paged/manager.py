@@ -493,7 +493,7 @@ class PagedKVCacheManager(MaxManagerAPI):
         that is never announced again. With nothing held, everything after the reset's
         `AllBlocksCleared` chains from pages announced after it.
         """
-        if any(r.num_free_pages < r.num_pages for r in self.replicas):
+        if any(r.holds_pages for r in self.replicas):
             return False
         self._undo.run(self._reset_replicas)
         for publisher in self.kv_event_publishers:
