@@ -132,15 +132,21 @@ def test_pins_spill_to_the_host_tier_and_come_back(session):
         m.check_invariants()
 
 
-def test_a_session_pins_its_context_when_it_pauses(session):
+def sessions_and_pins(session, num_pages, max_seq_len):
+    """A manager with sessions and pins on one clock, and the clock."""
     clock = Clock()
     m = make_paged(
         session,
-        num_pages=12,
-        max_seq_len=24,
+        num_pages=num_pages,
+        max_seq_len=max_seq_len,
         sessions=SessionConfig(clock=clock),
         pins=PinConfig(clock=clock),
     )
+    return m, clock
+
+
+def test_a_session_pins_its_context_when_it_pauses(session):
+    m, clock = sessions_and_pins(session, num_pages=12, max_seq_len=24)
     agent = np.arange(9)
     turn(m, agent, "agent")
     assert m.pin_session("agent", 3600) == mokv.PinGrant(8, 8, 3600.0)
@@ -156,14 +162,7 @@ def test_a_session_pin_holds_only_pages_still_held(session):
     """Retention orders evictions, it does not prevent them: a session's chain whose
     pages are gone everywhere pins nothing (such a pin counted against the budget and
     reported tokens that nothing held; hypothesis found it, PinMachine)."""
-    clock = Clock()
-    m = make_paged(
-        session,
-        num_pages=8,
-        max_seq_len=32,
-        sessions=SessionConfig(clock=clock),
-        pins=PinConfig(clock=clock),
-    )
+    m, _ = sessions_and_pins(session, num_pages=8, max_seq_len=32)
     turn(m, np.arange(9), "agent")
     storm(m, 100, 7)  # requests of all eight pages: the kept ones go too
     assert sessions(m).retained("agent") == hashes(np.arange(8))
