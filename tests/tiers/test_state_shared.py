@@ -16,7 +16,7 @@ from mokv import StateRegion, TextContext
 from mokv.remote import PageCodec, Rejection, StateLayout
 
 from ..managers.faults import Faults
-from ..managers.paged.test_state_group import PAGE, SHARED, live_state, prefill, reference
+from ..managers.paged.test_state_group import PAGE, SHARED, STACK, live_state, prefill, reference
 from ..managers.paged.test_state_group import hybrid as state_hybrid
 from ..managers.paged.test_state_group import skipped as skipped_tokens
 from ..managers.paged.test_state_tiers import checkpoint_memory, until_it_runs
@@ -208,3 +208,49 @@ def test_caches_of_other_state_layouts_share_no_keys():
     assert bytes(ours.decode(value, 9, tokens)) == state.tobytes()
     assert PageCodec(layouts[2], "m").decode(value, 9, tokens) is Rejection.LAYOUT
     assert PageCodec(layouts[4], "m").decode(value, 9, tokens) is Rejection.KEYSPACE
+
+
+def prefill_two_shards(m, rid, prompt):
+    """`prefill` on a replica of two devices: the stack runs on shard 0's state, and
+    shard 1's state is kept at twice it (another shard's heads), before each step."""
+    ctx = TextContext(np.array(prompt), rid)
+    m.external_claim(rid)
+    while ctx.start_idx < len(prompt):
+        ctx.chunk(PAGE)
+        m.fetch([ctx])
+        ours, other = m.state_inputs([ctx])
+        STACK.run(ours.leaves, [ctx.tokens[ctx.start_idx : ctx.active_idx]])
+        for leaf, twin in zip(ours.leaves, other.leaves):
+            rows = leaf.live_row_ids.to_numpy()[:, 0]
+            twin.pool.to_numpy()[rows] = 2 * leaf.pool.to_numpy()[rows]
+        ctx.update(0)
+        m.step([ctx])
+    return ctx
+
+
+def test_each_device_shard_stores_and_loads_its_own_state(session, redis_server):
+    """Two devices (tensor parallel): a checkpoint is one value per shard, under each
+    shard's key space, and a resume restores both, each bit for bit."""
+    ns = fresh_namespace()
+    tier = mokv.RemoteTierConfig(url=redis_server.url, namespace=ns)
+    a = state_hybrid(session, n_devices=2, n_kv_heads=2, tiers=(tier,))
+    prefill_two_shards(a, "A", SHARED + [5, 5])
+    flush(a)
+    keys = checkpoint_keys(redis_server, ns)
+    assert sorted(key.decode().split(":")[3].split(".")[-2] for key in keys) == [
+        "tp0-2",
+        "tp0-2",
+        "tp1-2",
+        "tp1-2",
+    ]
+    b = state_hybrid(session, n_devices=2, n_kv_heads=2, tiers=(tier,))
+    prompt = SHARED[:8] + [60, 61]
+    ctx = resume_from_shared(b, prompt)
+    assert ctx.start_idx == 8
+    expected = reference(prompt[:8])[1]
+    for shard, scale in enumerate((1, 2)):
+        for leaf, theirs in zip(b.state_inputs([ctx])[shard].leaves, expected):
+            rows = leaf.live_row_ids.to_numpy()[:, 0]
+            np.testing.assert_array_equal(leaf.pool.to_numpy()[rows], scale * theirs)
+    a.close()
+    b.close()
