@@ -74,6 +74,7 @@ def test_another_manager_resumes_from_the_shared_checkpoint_bit_for_bit(session,
     shared = b.replicas[0].states.shared
     value = PageCodec(layout, ns).value_nbytes
     assert (shared.metrics().lookups, shared.metrics().bytes_read) == (1, value)
+    assert b.remote_metrics.hits == 2 + 1  # the attention pages, and the checkpoint
     b.release("B")
     _, out = prefill(b, "B2", prompt)
     assert skipped_tokens(out) == 8
