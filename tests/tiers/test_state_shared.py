@@ -16,7 +16,15 @@ from mokv import StateRegion, TextContext
 from mokv.remote import PageCodec, Rejection, StateLayout
 
 from ..managers.faults import Faults
-from ..managers.paged.test_state_group import PAGE, SHARED, STACK, live_state, prefill, reference
+from ..managers.paged.test_state_group import (
+    PAGE,
+    SHARED,
+    STACK,
+    live_state,
+    memory,
+    prefill,
+    reference,
+)
 from ..managers.paged.test_state_group import hybrid as state_hybrid
 from ..managers.paged.test_state_group import skipped as skipped_tokens
 from ..managers.paged.test_state_tiers import checkpoint_memory, until_it_runs
@@ -139,6 +147,58 @@ def test_a_checkpoint_the_device_evicted_comes_back_from_the_store_or_a_dead_one
     assert m.replicas[0].states.shared.metrics().errors > 0
     m.replicas[0].check_invariants()
     m.close()
+
+
+@pytest.mark.parametrize("mode", ["instead", "after"])
+def test_a_fault_in_a_step_that_writes_a_checkpoint_through_leaves_the_old_state(
+    session, redis_server, monkeypatch, mode
+):
+    """A fault at every inner call of the step that takes A's checkpoint at page 2 and
+    queues it to the store (taking page 1's slot: one slot, so no free slot's bytes
+    change): the state memory and the checkpoint index are as before; then the step
+    runs, and another manager resumes from what it stored."""
+    from mokv.managers.paged.groups.state import RecurrentStateGroup
+    from mokv.managers.paged.groups.state_shared import SharedCheckpoints
+
+    ns = fresh_namespace()
+    a = hybrid(session, redis_server.url, ns, checkpoints=1)
+    states = a.replicas[0].states
+    calls = {
+        SharedCheckpoints: ("store",),
+        RecurrentStateGroup: ("_copy", "_host_copy"),
+        states.pool.__class__: ("take", "commit_pages"),
+    }
+    faults = Faults(
+        monkeypatch, [(owner, name) for owner, names in calls.items() for name in names]
+    )
+    ctx = TextContext(np.array(SHARED), "A")
+    a.external_claim("A")
+    for page in range(2):
+        ctx.chunk(PAGE)
+        a.fetch([ctx])
+        (inputs,) = a.state_inputs([ctx])
+        STACK.run(inputs.leaves, [ctx.tokens[ctx.start_idx : ctx.active_idx]])
+        ctx.update(0)
+        if not page:
+            a.step([ctx])
+            continue
+        saved, indexed = memory(states), states.pool.indexed_hashes()
+
+        def unchanged(saved=saved, indexed=indexed):
+            assert states.pool.indexed_hashes() == indexed
+            for ours, old in zip(memory(states), saved):
+                np.testing.assert_array_equal(ours, old)
+
+        failed = until_it_runs(faults, mode, lambda: a.step([ctx]), unchanged)
+    assert failed >= 4 and len(states.pool.indexed_hashes()) == 1
+    flush(a)
+    b = hybrid(session, redis_server.url, ns)
+    prompt = SHARED[:8] + [60, 61]
+    ctx = resume_from_shared(b, prompt)
+    assert ctx.start_idx == 8
+    assert_state_after(b, ctx, prompt[:8])
+    a.close()
+    b.close()
 
 
 @pytest.mark.parametrize("mode", ["instead", "after"])
