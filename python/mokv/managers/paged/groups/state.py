@@ -28,8 +28,11 @@ Checkpoints are evicted least recently used first when a new one needs a slot; a
 touches the one it resumes from. A checkpoint also leaves its slot when every attention
 group evicted its boundary page (`boundaries_evicted`: no device hit reaches it). With
 a host tier (`host`: `state_host.py`) an evicted one is kept there, and a hit may
-resume from it. One whose attention pages were evicted can serve no
-hit (the attention groups no longer reach it) and waits for its turn to be evicted.
+resume from it; with a shared tier (`shared`: `state_shared.py`) every one taken is
+written through to the store, and a hit may resume from one another manager took. One
+whose attention pages were evicted can serve no hit (the attention groups no longer
+reach it) and waits for its turn to be evicted. Sessions and pins hold the checkpoint
+at each chain's last boundary (`held_in`): it is evicted last, or not while pinned.
 
 All or nothing: every change records its undo (the pool's, and for each copy that
 overwrites a state a later rollback could read again -- a continuing request's live
@@ -243,7 +246,7 @@ class RecurrentStateGroup:
         old = None if evicted is None else self.pool.page_hash(evicted)
         old_tokens = None if evicted is None else self.pool.page_tokens(evicted)
         taken = self.pool.take((), 1)
-        if taken is None:  # every slot is being read: impossible between calls
+        if taken is None:  # every slot is pinned (`held_in`): no checkpoint this time
             return False
         (slot,) = taken
         block = self.checkpoint_block(slot)
