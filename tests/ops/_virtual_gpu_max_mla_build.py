@@ -13,8 +13,11 @@ pipeline role) is built twice: on the inputs of a mokv `NullKVCacheManager`
 SAME_GRAPH). Then mokv's decode graph loads (COMPILED <seconds>) and its execute is
 refused (EXEC_REFUSED:<exception type>). Only that one compiles: equal texts compile
 alike, and the decode kernels read the same cache values as the fused op. It costs 273 s
-of CPU cold (2026-11-28, 2-core box at load 12-16); the "auto" graph 360 s at the same
-load (its prefill kernels too), and a second layer adds nothing but time.
+of CPU cold (2026-11-28, 2-core box at load 12-16), nearly all of it MAX's
+JitCompileKernels pass (its pass timing), and as much again for a graph that differs in
+the hidden size only: kernels compiled for one graph are not reused by the next. The
+"auto" graph took 360 s at the same load (its prefill kernels too); a second layer adds
+nothing but time.
 DeepSeek-V2-Lite's attention shapes (16 heads of 128 + 64, values of 128, a latent of
 512, no query compression) at a small hidden size, one layer, pages of 128.
 """
