@@ -15,9 +15,13 @@ from max.driver import CPU
 
 CONFIG = mg.DecoderConfig(
     vocab_size=128, hidden_size=64, num_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-    intermediate_size=128, max_seq_len=256,
+    intermediate_size=128, max_seq_len=512,
 )
-"""A smaller decoder than the default: same code paths, faster numpy reference."""
+"""A smaller decoder than the default: same code paths, faster numpy reference. Its RoPE
+table covers the longest sequence of examples/generate.py, which the example test runs on
+a checkpoint of this config: the example then loads the paged model's compiled graph from
+MAX's cache instead of compiling the default decoder's (positions below 256 have the
+same table rows at any length, so nothing else changes)."""
 
 PAGE_SIZE = 8
 MAX_BATCH_SIZE = 6

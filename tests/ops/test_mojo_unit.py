@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
-from mokv.mojo_package import _mojo_binary, mojo_target_flags
+from mokv.mojo_package import _clean_env, _mojo_binary, mojo_target_flags
 from mokv.ops import kernels_path
 from mokv.ops.cpu_paths import PORTABLE_DEFINE, host_cpu_flags, host_takes_portable_paths
 
@@ -57,6 +58,8 @@ def _mojo(command: str, *args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=600,
+        env=_clean_env(),  # the driver is a Python script: no PYTHONPATH of MAX's
+        cwd=tempfile.gettempdir(),  # nor the repository's mojo/ folder as its `mojo`
     )
 
 
