@@ -226,8 +226,8 @@ class FetchKVCacheCollection:
 
     Scaled FP8 pages (`kv_params.quantization`) take the layout's `ScaledInputs`, the
     scales last, and build the collection over both (`mokv.kv_collection_ctor.<name>
-    .scaled`); the paged layout's kernels hold them, nothing else does: unscaled FP8
-    pages and a continuous cache of FP8 pages are refused by name at construction.
+    .scaled`), paged or continuous; unscaled FP8 pages are refused by name at
+    construction (mokv's kernels read scaled pages only).
     """
 
     layout: CacheLayout
@@ -257,11 +257,6 @@ class FetchKVCacheCollection:
                 raise ValueError(
                     f"dtype={kv_params.dtype} without scales (MAX's unscaled FP8 pages): "
                     "mokv's kernels do not read them; MAX's own ops do (docs/quantized.md)"
-                )
-            if self.layout.name != "paged":
-                raise ValueError(
-                    f"dtype={kv_params.dtype}: mokv's kernels hold FP8 pages in the paged "
-                    f"layout only, not the {self.layout.name} one"
                 )
         dtype_code(kv_params.dtype)  # fail at construction for an unsupported dtype
         self.kv_params = kv_params
