@@ -87,6 +87,7 @@ struct ContinuousScaledKVCollectionCtor:
     ) raises -> ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]:
         comptime Coll = ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]
         comptime assert is_quantized[Coll.dtype](), "only an FP8 cache has scales"
+        comptime assert is_cpu[target](), "scaled FP8 pages: mokv's CPU kernels only (MAX 26.7's GPU MHA kernels read no scales)"
         return Coll(
             _elems(blocks.unsafe_ptr()),
             _f32(scales.unsafe_ptr()),
@@ -144,6 +145,7 @@ struct PagedScaledKVCollectionCtor:
     ) raises -> PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]:
         comptime Coll = PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]
         comptime assert is_quantized[Coll.dtype](), "only an FP8 cache has scales"
+        comptime assert is_cpu[target](), "scaled FP8 pages: mokv's CPU kernels only (MAX 26.7's GPU MHA kernels read no scales)"
         var ml = max_lengths.unsafe_ptr()
         return Coll(
             _elems(blocks.unsafe_ptr()),
