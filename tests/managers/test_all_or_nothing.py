@@ -240,6 +240,24 @@ class GroupPinWorld(GroupsMixin, PinWorld):
     """The pins' requests on a cache of groups."""
 
 
+class OverduePinWorld(World):
+    """Pins without a tier on 6 device pages (a budget of 3): A pins its two pages at
+    release; past its deadline F wants all six pages, which do not fit until the refused
+    reservation ends the overdue pin and plans again (`PagedReplica.end_overdue`)."""
+
+    num_pages = 6
+
+    def __init__(self, session):
+        self.clock = Clock()
+        super().__init__(session)
+        self.A.cache_control = mokv.CacheControl(pin_ttl_s=10.0)
+        self.F = TextContext(np.arange(60, 81), request_id="F")  # six pages with its next
+        self.contexts += [self.F]
+
+    def options(self) -> dict:
+        return dict(super().options(), pins=mokv.PinConfig(max_share=0.5, clock=self.clock))
+
+
 def _expire(w: SessionWorld | PinWorld) -> None:
     w.clock.now += 11.0
 
@@ -346,6 +364,16 @@ PIN_SCENARIO = [
     (None, lambda w: w.m.reset_prefix_cache()),
 ]
 
+OVERDUE_PIN_SCENARIO = [
+    (None, lambda w: w.m.external_claim(w.A.request_id)),
+    (None, lambda w: w.m.fetch([w.A])),
+    (lambda w: w.A.update(11), lambda w: _step(w, [w.A])),
+    (None, lambda w: w.m.release(w.A.request_id)),  # pins A's two pages: 4 pages of room
+    (_expire, lambda w: w.m.external_claim(w.F.request_id)),
+    (None, lambda w: w.m.maybe_reserve(w.F)),  # refused, ends the pin, plans again: fits
+    (None, lambda w: w.m.release(w.F.request_id)),
+]
+
 SCENARIOS = {
     "device": (World, SCENARIO),
     "host": (HostWorld, HOST_SCENARIO),
@@ -358,6 +386,7 @@ SCENARIOS = {
     "group-pins": (GroupPinWorld, PIN_SCENARIO),
     "wide-groups": (WideGroupWorld, WIDE_SCENARIO),
     "pins": (PinWorld, PIN_SCENARIO),
+    "overdue-pin": (OverduePinWorld, OVERDUE_PIN_SCENARIO),
 }
 
 
@@ -400,6 +429,7 @@ def _fault_targets():
         (TierStack, "unpin_prefixes"), (HostTier, "pin_prefixes"),
         (HostTier, "unpin_prefixes"), (PagePool, "claim"), (PagePool, "release_cold"),
         (SharedBudget, "grants"), (SharedBudget, "room"), (SharedBudget, "move"),
+        (PagedReplica, "end_overdue"),
     ]
 
 
@@ -706,5 +736,16 @@ def test_pin_scenario_runs_clean_and_keeps_the_pin(session):
     c = w.m.metrics.cache_control
     assert (c.granted, c.partial, c.refreshed, c.expired, c.withheld_pages) == (2, 1, 1, 2, 0)
     _run(w, PIN_SCENARIO[19:])
+    _release_all_and_check(w)
+    w.close()
+
+
+def test_overdue_pin_scenario_fits_only_once_the_pin_ends(session):
+    w = OverduePinWorld(session)
+    _run(w, OVERDUE_PIN_SCENARIO[:5])
+    assert w.m.replicas[0].pool.num_pinned == 2 and w.m.metrics.free_pages == 4
+    assert w.m.maybe_reserve(w.F) and not w.m.replicas[0].pins.pins
+    assert w.m.metrics.cache_control.expired == 1 and len(w.m.get_req_blocks("F")) == 6
+    _run(w, OVERDUE_PIN_SCENARIO[6:])
     _release_all_and_check(w)
     w.close()

@@ -175,6 +175,11 @@ class PrefixPinning(Protocol):
         """Whether the tier holds this pinned hash's page (pure)."""
         ...
 
+    def holds(self, page_hash: int) -> bool:
+        """Whether the tier holds this hash's page, pinned or not (pure): a pin may be
+        granted for it."""
+        ...
+
 
 @runtime_checkable
 class Retaining(Protocol):

@@ -304,7 +304,10 @@ class HostTier:
         return frozenset(self._prefix_pins)
 
     def holds_pinned(self, page_hash: int) -> bool:
-        return page_hash in self._prefix_pins and self.pool.page_of(page_hash) is not None
+        return page_hash in self._prefix_pins and self.holds(page_hash)
+
+    def holds(self, page_hash: int) -> bool:
+        return self.pool.page_of(page_hash) is not None
 
     def retain(self, page_hashes: Sequence[int]) -> None:
         self.pool.retain(page_hashes)

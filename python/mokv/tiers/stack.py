@@ -216,6 +216,10 @@ class TierStack:
         may spill (`PagePool.spill`)."""
         return any(tier.holds_pinned(page_hash) for tier in self._prefix_pinning)
 
+    def holds_pinnable(self, page_hash: int) -> bool:
+        """Whether a tier that keeps pins holds this hash's page (a pin may hold it)."""
+        return any(tier.holds(page_hash) for tier in self._prefix_pinning)
+
     @property
     def keeps_pins(self) -> bool:
         """Whether some tier keeps pinned prefixes."""

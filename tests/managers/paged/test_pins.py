@@ -13,7 +13,7 @@ from mokv import CacheControl, PinConfig, SessionConfig, TextContext
 from ...remote.conftest import redis_server  # noqa: F401 (a fixture)
 from ...tiers.test_remote import flush, fresh_namespace, remote_manager, serve
 from ..conftest import NUM_LAYERS, make_paged, small_params
-from .test_sessions import Clock, found, hashes, storm, turn
+from .test_sessions import Clock, found, hashes, sessions, storm, turn
 
 
 def pinned(ttl_s, **fields) -> CacheControl:
@@ -132,15 +132,21 @@ def test_pins_spill_to_the_host_tier_and_come_back(session):
         m.check_invariants()
 
 
-def test_a_session_pins_its_context_when_it_pauses(session):
+def sessions_and_pins(session, num_pages, max_seq_len):
+    """A manager with sessions and pins on one clock, and the clock."""
     clock = Clock()
     m = make_paged(
         session,
-        num_pages=12,
-        max_seq_len=24,
+        num_pages=num_pages,
+        max_seq_len=max_seq_len,
         sessions=SessionConfig(clock=clock),
         pins=PinConfig(clock=clock),
     )
+    return m, clock
+
+
+def test_a_session_pins_its_context_when_it_pauses(session):
+    m, clock = sessions_and_pins(session, num_pages=12, max_seq_len=24)
     agent = np.arange(9)
     turn(m, agent, "agent")
     assert m.pin_session("agent", 3600) == mokv.PinGrant(8, 8, 3600.0)
@@ -149,6 +155,22 @@ def test_a_session_pins_its_context_when_it_pauses(session):
     storm(m, 100, 3)
     assert found(m, np.r_[agent, [1, 50]]) == 8
     assert m.metrics.sessions.expired == 1
+    m.check_invariants()
+
+
+def test_a_session_pin_holds_only_pages_still_held(session):
+    """Retention orders evictions, it does not prevent them: a session's chain whose
+    pages are gone everywhere pins nothing (such a pin counted against the budget and
+    reported tokens that nothing held; hypothesis found it, PinMachine)."""
+    m, _ = sessions_and_pins(session, num_pages=8, max_seq_len=32)
+    turn(m, np.arange(9), "agent")
+    storm(m, 100, 7)  # requests of all eight pages: the kept ones go too
+    assert sessions(m).retained("agent") == hashes(np.arange(8))
+    assert m.pin_session("agent", 60) == mokv.PinGrant(8, 0, -math.inf)
+    assert not m.replicas[0].pins.pins and m.metrics.cache_control.refused == 1
+    turn(m, np.arange(5), "agent")  # the first page again: a pin takes it alone
+    assert m.pin_session("agent", 60) == mokv.PinGrant(8, 4, 60.0)
+    assert m.replicas[0].pool.num_pinned == 1
     m.check_invariants()
 
 
@@ -223,6 +245,17 @@ def test_reset_prefix_cache_ends_every_pin(session):
     assert m.reset_prefix_cache()
     assert not m.replicas[0].pins.pins and m.replicas[0].pool.num_pinned == 0
     assert m.metrics.free_pages == 8
+    m.check_invariants()
+
+
+def test_reset_prefix_cache_goes_ahead_beside_a_pin_no_tier_can_take(session):
+    """Without a host tier a pinned page is not room, yet no request holds it: the reset
+    goes ahead (it refused while any page was not room; hypothesis found it)."""
+    m = make_paged(session, num_pages=8, pins=PinConfig())
+    turn(m, np.arange(9), cache_control=pinned(60))
+    assert m.metrics.free_pages == 6
+    assert m.reset_prefix_cache()
+    assert not m.replicas[0].pins.pins and m.metrics.free_pages == 8
     m.check_invariants()
 
 

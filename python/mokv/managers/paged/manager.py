@@ -379,15 +379,25 @@ class PagedKVCacheManager(MaxManagerAPI):
             if plan is HELD:
                 return True
             if not plan.fits:  # asked of the pool once, by `plan`; nothing changed since
-                if not self._undo.run(replica.end_overdue):
-                    return False
-                plan = replica.plan(data, num_steps)  # what the overdue pins held is room
-                if plan is HELD or not plan.fits:
-                    return plan is HELD
+                return self._undo.run(self._reserve_after_expiry, replica, data, num_steps)
             self._undo.run(self._apply, replica, plan)
             return True
         finally:
             self._lock.release()
+
+    def _reserve_after_expiry(
+        self, replica: PagedReplica, data: TextGenerationContext, num_steps: int
+    ) -> bool:
+        """A reservation that did not fit ends the overdue sessions and pins (what they
+        held is room) and plans again: one bracket, so a failure in the second plan undoes
+        the ending too."""
+        if not replica.end_overdue():
+            return False
+        plan = replica.plan(data, num_steps)
+        if plan is HELD or not plan.fits:
+            return plan is HELD
+        self._apply(replica, plan)
+        return True
 
     def _apply(self, replica: PagedReplica, plan: Reservation) -> None:
         replica.apply([plan])
@@ -492,7 +502,7 @@ class PagedKVCacheManager(MaxManagerAPI):
         that is never announced again. With nothing held, everything after the reset's
         `AllBlocksCleared` chains from pages announced after it.
         """
-        if any(r.num_free_pages < r.num_pages for r in self.replicas):
+        if any(r.holds_pages for r in self.replicas):
             return False
         self._undo.run(self._reset_replicas)
         for publisher in self.kv_event_publishers:

@@ -9,9 +9,9 @@ and the tiers that pin (`PagePool.pin`, `TierStack.pin_prefixes`) while some pin
 holds them.
 
     a pin is asked for              `plan_pin` + `apply`: granted for the longest
-      (`manager.pin`, a release       leading part of the chain the budget allows
-      with `cache_control.pin_ttl_s`,  (`PinGrant` says how much)
-      `manager.pin_session`)
+      (`manager.pin`, a release       leading part of the chain that the device or a
+      with `cache_control.pin_ttl_s`,  tier that keeps pins still holds and the budget
+      `manager.pin_session`)           allows (`PinGrant` says how much)
     a reservation hits the whole    `refresh`: its deadline becomes now + its ttl
       pinned prefix
     its deadline passes             ended at the replica's next reservation,
@@ -53,7 +53,8 @@ class PinGrant(NamedTuple):
     requested_tokens: int
     """Tokens asked for (whole pages of the request's committed or found prefix)."""
     pinned_tokens: int
-    """Tokens pinned: fewer than asked when the budget ran out (0: none)."""
+    """Tokens pinned: fewer than asked when the budget ran out or the chain's later pages
+    are held nowhere any more (0: none)."""
     expires_at: float
     """The pin's deadline on the replica's clock (`-inf` when nothing was pinned)."""
 
@@ -160,10 +161,11 @@ class PinTable:
         return PinPlan(now, [pin for pin in self.pins.values() if pin.deadline <= now])
 
     def plan_pin(self, chain: Sequence[int], ttl_s: float) -> PinPlan:
-        """Pins the longest leading part of `chain` the budget allows, for `ttl_s`
-        seconds (the pins past their deadline end first)."""
+        """Pins the longest leading part of `chain` that is still held and the budget
+        allows, for `ttl_s` seconds (the pins past their deadline end first)."""
         plan = self.plan_expiry()
         plan.requested = len(chain)
+        chain = chain[: self._held(chain)]
         ending: dict[int, int] = {}
         for pin in plan.expired:
             for h in set(pin.chain):
@@ -195,6 +197,24 @@ class PinTable:
                 return plan
         plan.key = key
         return plan
+
+    def _held(self, chain: Sequence[int]) -> int:
+        """How many leading hashes of `chain` every group of whole chains holds, on the
+        device or in a tier that keeps pins. A pin holds pages that exist: a session's
+        retained chain may have lost pages to eviction (retention orders evictions, it
+        does not prevent them), and a pin on a lost hash would count against the budget
+        and report tokens as pinned that nothing holds."""
+        held = len(chain)
+        for pool, tiers in self._whole:
+            held = next(
+                (
+                    i
+                    for i, h in enumerate(chain[:held])
+                    if pool.page_of(h) is None and not tiers.holds_pinnable(h)
+                ),
+                held,
+            )
+        return held
 
     @staticmethod
     def _changes(expired: Iterable[Pin], new: Pin | None) -> list[Change]:

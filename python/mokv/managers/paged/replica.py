@@ -335,6 +335,13 @@ class PagedReplica:
         return budget.num_free
 
     @property
+    def holds_pages(self) -> bool:
+        """Whether some request holds a page (of any group). Not `num_free_pages <
+        num_pages`: a live pin's page that no tier can take is not room, yet no request
+        holds it."""
+        return any(g.held(req) for req in self._requests.values() for g in self.groups)
+
+    @property
     def num_pages(self) -> int:
         """Pages of every group; with a shared budget, its slots."""
         budget = self.budget
