@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mokv.mojo_package import _mojo_binary, mojo_target_flags
+from mokv.mojo_package import _clean_env, _mojo_binary, mojo_target_flags
 from mokv.ops import kernels_path
 from mokv.ops.cpu_paths import PORTABLE_DEFINE, host_cpu_flags, host_takes_portable_paths
 
@@ -57,6 +57,7 @@ def _mojo(command: str, *args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=600,
+        env=_clean_env(),  # MAX's libraries leave PYTHONPATH=":" behind (mojo_package.py)
     )
 
 
