@@ -487,6 +487,8 @@ class PagePool:
         self._page_hash[page_id] = self._page_tokens[page_id] = None
         self.unindexed.note([page_hash])
         self._free.append(page_id)
+        if self.events is not None:
+            self.events.removed(page_hash)
 
     def release_cold(self, page_ids: Sequence[int]) -> None:
         """`release`, but the hashed pages left without owners join the *old* end of the

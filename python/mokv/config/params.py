@@ -35,9 +35,9 @@ from .quantization import (
     check_format,
     refuse_other_formats,
 )
-from .recurrent import RecurrentStateConfig
+from .recurrent import STATE_REGION_ID, RecurrentStateConfig
 from .sessions import SessionConfig
-from .tiers import HostTierConfig, TierConfig
+from .tiers import HostTierConfig, RemoteTierConfig, TierConfig
 
 Dim = TypeVar("Dim", bound=int | str)
 """A dim of a shape: static (int) or symbolic (str)."""
@@ -215,9 +215,9 @@ class KVCacheParams:
 
     def _check_recurrent(self) -> None:
         """TypeError / ValueError naming what a cache with state layers cannot honour
-        yet: another strategy, checkpoints without prefix caching, and the features
-        that would keep pages without their checkpoints (a tier other than the host
-        tier, sessions, pins, events: each refused by name)."""
+        yet: another strategy, checkpoints without prefix caching, a tier other than
+        the host and shared tiers, and a region id the shared tier's keys cannot name,
+        each by name."""
         state = self.recurrent
         if state is None:
             return
@@ -230,18 +230,19 @@ class KVCacheParams:
                 f"recurrent state {state.name!r}: num_checkpoints={state.num_checkpoints} "
                 "needs enable_prefix_caching (checkpoints are found by prefix hashes)"
             )
-        for name in ("kv_events", "sessions", "pins"):
-            if getattr(self, name):
-                raise ValueError(
-                    f"{name} with recurrent state {state.name!r}: mokv does not keep state "
-                    "checkpoints beside events, sessions or pins yet"
-                )
-        for tier in self.tiers:  # the host tier keeps checkpoints (`groups/state_host.py`)
-            if not isinstance(tier, HostTierConfig):
+        for tier in self.tiers:  # they keep checkpoints (`groups/state_host.py`, `_shared.py`)
+            if not isinstance(tier, (HostTierConfig, RemoteTierConfig)):
                 raise ValueError(
                     f"tier {tier.name!r} with recurrent state {state.name!r}: mokv keeps "
-                    "state checkpoints in the host tier only, not yet in this one"
+                    "state checkpoints in the host and shared tiers only, not yet in this one"
                 )
+            if isinstance(tier, RemoteTierConfig):  # its keys name the regions
+                for region in state.regions:
+                    if not STATE_REGION_ID.fullmatch(region.leaf_id):
+                        raise ValueError(
+                            f"state region {region.leaf_id!r} with the shared tier: its keys "
+                            "need region ids of 1-64 characters of [A-Za-z0-9_]"
+                        )
 
     def _check_tiers(self) -> None:
         if not isinstance(self.tiers, (tuple, list)):

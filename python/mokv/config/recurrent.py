@@ -23,9 +23,14 @@ group holds at most `num_checkpoints`, evicting the least recently used.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from max.dtype import DType
+
+STATE_REGION_ID = re.compile(r"[A-Za-z0-9_]{1,64}")
+"""A region id the shared tier's keys can name (`mokv.remote.layout.StateLayout`): no
+'.', '-', '+' or ':' that would make two keys' fingerprints ambiguous."""
 
 
 @dataclass(frozen=True)

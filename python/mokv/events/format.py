@@ -56,6 +56,7 @@ SPEC_KINDS = {
     "full": KV_CACHE_SPEC_KIND,
     "sliding_window": "sliding_window",
     "mla": "mla_attention",
+    "recurrent": "mamba",
 }
 """vLLM 0.33's `KVCacheSpecKind` value of each group kind of mokv (`CacheGroup.kind`)."""
 

@@ -36,6 +36,10 @@ breakers: a failing store holds nothing), and those pages count for every source
 `shared_weight`, below its own device and host pages (issue 58 cites routers that ask
 a shared tier: Dynamo PR #7536, LMCache #4352).
 
+A source with recurrent-state layers announces its checkpoints as a group of kind
+"mamba" (a hash there: a state checkpoint after that page); its joint hit ends at the
+last checkpoint the attention groups reach (`checkpoint_hit`), as its manager's does.
+
 Pins (`mokv.CacheControl.pin_ttl_s`, docs/cache-control.md) are not in vLLM's event
 format; the router learns them from the requests it routes: `note_pin(source, tokens,
 ttl_s)` when it sends a request that asks for a pin to `source`. A pinned page stays on
@@ -71,9 +75,13 @@ from ..context import (
 from ..managers.paged.groups.full import run_hit
 from ..managers.paged.groups.joint import longest_joint_hit
 from ..managers.paged.groups.sliding import window_hit
+from ..managers.paged.groups.state import checkpoint_hit
 from .format import SPEC_KINDS, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 SLIDING_WINDOW = SPEC_KINDS["sliding_window"]
+RECURRENT = SPEC_KINDS["recurrent"]
+"""vLLM's kind of a state group's blocks ("mamba"): a hash in it is a checkpoint of
+the recurrent state after that page (`KVCacheParams.recurrent`, docs/recurrent.md)."""
 
 Source = tuple[str, int]
 """(server name, data-parallel replica)."""
@@ -185,6 +193,7 @@ class PrefixRouterIndex:
         # window (`kv_cache_spec_sliding_window` of its stores; None: every page)
         self._sources: dict[Source, dict[int, dict[str, set[int]]]] = {}
         self._windows: dict[Source, dict[int, int | None]] = {}
+        self._states: dict[Source, set[int]] = {}  # groups of checkpoints ("mamba")
         self._pins: dict[Source, dict[int, float]] = {}  # pinned hash -> deadline
         self.clock = clock
         self.num_ignored = 0
@@ -218,6 +227,7 @@ class PrefixRouterIndex:
         """Applies one batch of `source`'s events, in order."""
         groups = self._sources.setdefault(source, {})
         windows = self._windows.setdefault(source, {})
+        states = self._states.setdefault(source, set())
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
                 for tiers in groups.values():
@@ -243,6 +253,8 @@ class PrefixRouterIndex:
             if isinstance(event, BlockStored):
                 if event.kv_cache_spec_kind == SLIDING_WINDOW:
                     windows[group] = event.kv_cache_spec_sliding_window
+                elif event.kv_cache_spec_kind == RECURRENT:
+                    states.add(group)
                 by_tier[tier].update(event.block_hashes)
             else:
                 by_tier[tier].difference_update(event.block_hashes)
@@ -251,6 +263,7 @@ class PrefixRouterIndex:
         """Forgets everything about `source` (after a restart or an unrecoverable gap)."""
         self._sources.pop(source, None)
         self._windows.pop(source, None)
+        self._states.pop(source, None)
         self._pins.pop(source, None)
 
     def note_pin(
@@ -388,7 +401,9 @@ class PrefixRouterIndex:
         for source, groups in self._sources.items():
             windows = self._windows[source]
             if len(groups) > 1 or any(windows.values()):
-                out[source] = self._joint_weights(hashes, order, present, groups, windows)
+                out[source] = self._joint_weights(
+                    hashes, order, present, groups, windows, self._states[source]
+                )
                 continue
             held = next(iter(groups.values()), None)
             weights = []
@@ -409,31 +424,44 @@ class PrefixRouterIndex:
         present: int,
         groups: dict[int, dict[str, set[int]]],
         windows: dict[int, int | None],
+        states: set[int],
     ) -> list[float]:
         """The weights of the pages of the longest prefix of `hashes` every group of a
         source can serve, as its manager finds it (`groups/joint.py`): a full group needs
         every page of it, a sliding group only the pages its window reads before the
-        prefix's end. A page weighs the least, over the groups that need it, of each
-        one's best tier (the slowest copy is the one the request waits for); the shared
-        store's `present` pages count in every group."""
+        prefix's end, a state group (`states`) a checkpoint at its end (the prefix ends
+        at the last one the attention groups reach). A page weighs the least, over the
+        attention groups that need it, of each one's best tier (the slowest copy is the
+        one the request waits for); the shared store's `present` pages (attention pages)
+        count in every attention group."""
         shapes, found = [], []
         for g, held in groups.items():
             weights: list[float | None] = []
             for i, h in enumerate(hashes):
                 tier = next((t for t in order if h in held[t]), None)
-                if tier is None and i < present:
+                if tier is None and i < present and g not in states:
                     tier = "shared"
                 weights.append(None if tier is None else self.weights[tier])
             window = windows.get(g)
-            shapes.append(0 if window is None else -(-(window - 1) // self.page_size))
+            shapes.append(
+                None if g in states else 0 if window is None else -(-(window - 1) // self.page_size)
+            )
             found.append(weights)
         pages = [cast(list[int | None], f) for f in found]  # the rules read None or not
         rules = [
-            partial(run_hit, p) if not k else partial(window_hit, p, pages_in_window=k)
+            partial(checkpoint_hit, p)
+            if k is None
+            else partial(run_hit, p)
+            if not k
+            else partial(window_hit, p, pages_in_window=k)
             for p, k in zip(pages, shapes)
         ]
         n = longest_joint_hit(rules, len(hashes))
         return [
-            min(cast(float, f[i]) for f, k in zip(found, shapes) if not k or i >= n - k)
+            min(
+                cast(float, f[i])
+                for f, k in zip(found, shapes)
+                if k is not None and (not k or i >= n - k)
+            )
             for i in range(n)
         ]

@@ -37,6 +37,11 @@ What is published:
   `group_idx` the group's index, `kv_cache_spec_kind` its kind ("full_attention",
   "sliding_window", "mla_attention") and `kv_cache_spec_sliding_window` its window
   (`GroupSpec`); `BlockRemoved` carries `group_idx`. One event holds one group's pages.
+- Recurrent-state checkpoints (`KVCacheParams.recurrent`) are one more group after the
+  attention groups, of vLLM's state kind "mamba": a `BlockStored` of a boundary page's
+  hash, parent and tokens when a checkpoint is taken there on the device, a
+  `BlockRemoved` when it leaves its device slot (the host and shared tiers' checkpoints
+  are not announced: a router then counts fewer, never more, than the manager finds).
 A parent is always a hash this stream announced before (the pool commits a page only
 after its parent page was committed or found in the index).
 """

@@ -11,8 +11,10 @@ device, head_dim]`, C order; a scaled FP8 page's scales follow its values,
     offset size  field
          0    4  magic b"MKVP"
          4    2  version (3)
-         6    2  dtype code (1 float32, 2 bfloat16, 3 float16, 4 float8_e4m3fn)
-         8   20  shape: 5 x uint32 [2, layers, page_size, heads, head_dim]
+         6    2  dtype code (1 float32, 2 bfloat16, 3 float16, 4 float8_e4m3fn; 0 a
+                 recurrent-state checkpoint, whose regions have their own dtypes)
+         8   20  shape: 5 x uint32 [2, layers, page_size, heads, head_dim] (a
+                 checkpoint's: [0, regions, page_size, tp rank, tp degree])
         28    8  key space digest: xxh3-64 of the key prefix (`RemoteLayout.key_prefix`:
                  the namespace, the layout fingerprint, the MAC key's id)
         36    8  page hash
@@ -22,6 +24,10 @@ device, head_dim]`, C order; a scaled FP8 page's scales follow its values,
         64       tokens, keys digest, page bytes
        end-32   32  tag (MAC key only): HMAC-SHA256 with the key of the key prefix,
                  bytes 0..55, the tokens, the keys digest and the page bytes
+
+A recurrent state's checkpoint (`StateLayout`) is stored the same way under the chain
+hash and tokens of its boundary page: its "page bytes" are one device shard's state,
+region after region (each `[layers, *row_shape]` of its dtype, C order).
 
 `decode` trusts nothing: a value is accepted only if its length, magic, version and
 checksum are right, its layout (dtype, shape) is this one, it names this key space (a
@@ -51,7 +57,7 @@ from functools import cached_property
 from xxhash import xxh3_64, xxh3_64_intdigest
 
 from ..config.tiers import mac_key_bytes
-from .layout import DTYPE_CODES, RemoteLayout
+from .layout import RemoteLayout, StateLayout
 
 MAGIC = b"MKVP"
 VERSION = 3  # 3: the keys digest after the tokens
@@ -93,10 +99,10 @@ class PageCodec:
     """Values of `layout`'s pages under `namespace`, sealed with `mac_key` if given."""
 
     def __init__(
-        self, layout: RemoteLayout, namespace: str, mac_key: bytes | str | None = None
+        self, layout: RemoteLayout | StateLayout, namespace: str, mac_key: bytes | str | None = None
     ) -> None:
-        if not isinstance(layout, RemoteLayout):
-            raise TypeError(f"layout must be a RemoteLayout, got {layout!r}")
+        if not isinstance(layout, (RemoteLayout, StateLayout)):
+            raise TypeError(f"layout must be a RemoteLayout or a StateLayout, got {layout!r}")
         self.layout = layout
         self._mac_key = mac_key_bytes(mac_key)
         key_id = None if self._mac_key is None else mac_key_id(self._mac_key)
@@ -169,8 +175,8 @@ class PageCodec:
             0,
             MAGIC,
             VERSION,
-            DTYPE_CODES[layout.dtype],
-            *layout.page_shape,
+            layout.dtype_code,
+            *layout.header_shape,
             self._digest,
             page_hash,
             layout.page_size,
@@ -207,8 +213,8 @@ class PageCodec:
         if check.intdigest() != checksum or len(value) != size:
             return Rejection.CORRUPT
         if (
-            dtype_code != DTYPE_CODES[layout.dtype]
-            or tuple(shape) != layout.page_shape
+            dtype_code != layout.dtype_code
+            or tuple(shape) != layout.header_shape
             or num_bytes != layout.page_nbytes
         ):
             return Rejection.LAYOUT

@@ -37,12 +37,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar
 
 from max.dtype import DType
 
 from ..config.base import CACHE_DTYPES, PREFIX_HASH_ALGORITHMS
 from ..config.params import KVCacheParams
 from ..config.quantization import QUANTIZED_DTYPES
+from ..config.recurrent import STATE_REGION_ID, StateRegion
 from ..config.tiers import REMOTE_NAMESPACE
 
 KEY_PREFIX = "mokv:v4"  # v4: the fingerprint names the group kind (v3: keys digest)
@@ -187,6 +189,16 @@ class RemoteLayout:
             n *= dim
         return self.values_nbytes + n
 
+    @property
+    def dtype_code(self) -> int:
+        """The value header's dtype code (`codec.py`)."""
+        return DTYPE_CODES[self.dtype]
+
+    @property
+    def header_shape(self) -> tuple[int, ...]:
+        """The value header's shape: `page_shape`."""
+        return self.page_shape
+
     @cached_property
     def fingerprint(self) -> str:
         scales = f".s{self.scales_per_head}f32" if self.scales_per_head else ""
@@ -200,9 +212,90 @@ class RemoteLayout:
         """`mokv:v4:{namespace}:{fingerprint}:`, or `...{fingerprint}.mac-{key_id}:` for
         values sealed with a MAC key (`codec.PageCodec`); ValueError for a namespace
         that could make two keys ambiguous (empty, too long, or with ':' or spaces)."""
-        if not isinstance(namespace, str) or not REMOTE_NAMESPACE.fullmatch(namespace):
+        return key_prefix(namespace, self.fingerprint, key_id)
+
+
+def key_prefix(namespace: str, fingerprint: str, key_id: str | None) -> str:
+    """The keys of a namespace and layout fingerprint (`RemoteLayout.key_prefix`)."""
+    if not isinstance(namespace, str) or not REMOTE_NAMESPACE.fullmatch(namespace):
+        raise ValueError(
+            f"namespace must be 1-200 characters of [A-Za-z0-9._/@+-], got {namespace!r}"
+        )
+    mac = "" if key_id is None else f".mac-{key_id}"
+    return f"{KEY_PREFIX}:{namespace}:{fingerprint}{mac}:"
+
+
+STATE = "state"
+"""A recurrent state's checkpoints' fingerprints start with it (no dtype is called so)."""
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """The shape of one stored checkpoint of a recurrent state (`KVCacheParams.recurrent`)
+    on one device shard: everything two servers must agree on to share it. Its value is
+    the shard's state, region after region (`StateRegion`: `[num_layers, *row_shape]`
+    of its dtype), stored under the chain hash and tokens of its boundary page.
+
+    The fingerprint names every region's id, layers, row shape and dtype, the page size
+    (the tokens of a boundary), the shard and the hash scheme, e.g.
+    `state.p128.conv-l48-8192x3-bfloat16+ssm-l48-16x128x128-float32.tp0-1.xxh3`: two
+    caches whose states differ in any of them write and read disjoint keys.
+    """
+
+    regions: tuple[StateRegion, ...]
+    page_size: int
+    tp_rank: int = 0
+    tp_degree: int = 1
+    prefix_hash: str = "xxh3"
+    dtype_code: ClassVar[int] = 0
+    """The value header's dtype code: a checkpoint's (its regions name their dtypes)."""
+
+    def __post_init__(self) -> None:
+        for region in self.regions:
+            if not STATE_REGION_ID.fullmatch(region.leaf_id):
+                raise ValueError(
+                    f"state region {region.leaf_id!r}: a shared tier's keys need region ids "
+                    "of 1-64 characters of [A-Za-z0-9_]"
+                )
+        for name in ("page_size", "tp_degree"):
+            value = getattr(self, name)
+            if value.__class__ is not int or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.tp_rank.__class__ is not int or not 0 <= self.tp_rank < self.tp_degree:
+            raise ValueError(f"tp_rank must be in [0, {self.tp_degree}), got {self.tp_rank!r}")
+        if self.prefix_hash not in PREFIX_HASH_ALGORITHMS or self.prefix_hash == "builtin":
             raise ValueError(
-                f"namespace must be 1-200 characters of [A-Za-z0-9._/@+-], got {namespace!r}"
+                f"prefix_hash={self.prefix_hash!r}: a shared tier needs a stable hash "
+                "('xxh3' or 'sha256')"
             )
-        mac = "" if key_id is None else f".mac-{key_id}"
-        return f"{KEY_PREFIX}:{namespace}:{self.fingerprint}{mac}:"
+
+    @property
+    def header_shape(self) -> tuple[int, ...]:
+        """The value header's shape: `[0, regions, page_size, tp rank, tp degree]` (a
+        page's first dim is 1 or 2, so no page is read as a checkpoint)."""
+        return (0, len(self.regions), self.page_size, self.tp_rank, self.tp_degree)
+
+    @cached_property
+    def page_nbytes(self) -> int:
+        """Bytes of one shard's state (every region and layer)."""
+        return sum(region.bytes_per_state for region in self.regions)
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """A checkpoint's bytes as one flat run (`codec.PageCodec.new_value`)."""
+        return (self.page_nbytes,)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        regions = "+".join(
+            f"{r.leaf_id}-l{r.num_layers}-{'x'.join(map(str, r.row_shape))}-{r.dtype.name}"
+            for r in self.regions
+        )
+        return (
+            f"{STATE}.p{self.page_size}.{regions}"
+            f".tp{self.tp_rank}-{self.tp_degree}.{self.prefix_hash}"
+        )
+
+    def key_prefix(self, namespace: str, key_id: str | None = None) -> str:
+        """`RemoteLayout.key_prefix` of this fingerprint."""
+        return key_prefix(namespace, self.fingerprint, key_id)

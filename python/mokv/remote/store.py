@@ -10,6 +10,9 @@ What the manager's lookup chain calls (device -> host -> remote):
     lookup(chain, max_pages)            the validated bytes of the leading pages the
                                         server holds: one round trip to probe, one more
                                         (MGET) to fetch the hits, then every value checked
+    present(hashes) / get(hash, tokens) which of some pages the server holds (one
+                                        pipelined EXISTS each) / one page's validated
+                                        bytes (one GET): a recurrent state's checkpoints
     flush(timeout_s) / close()          wait for the queued writes / stop the writer
 
 `chain` is an iterable of (page hash, the page's token ids as int64 little-endian bytes)
@@ -52,7 +55,7 @@ from itertools import islice
 from ..config.tiers import MAX_TIMEOUT_S
 from .breaker import CircuitBreaker
 from .codec import PageCodec, Rejection
-from .layout import RemoteLayout
+from .layout import RemoteLayout, StateLayout
 from .nodes import NodeReplies, RedisNodes
 
 
@@ -128,7 +131,7 @@ class RemotePageStore:
         self,
         url: str | Sequence[str],
         namespace: str,
-        layout: RemoteLayout,
+        layout: RemoteLayout | StateLayout,
         *,
         mac_key: bytes | str | None = None,
         timeout_s: float = 0.25,
@@ -272,15 +275,31 @@ class RemotePageStore:
     def holds(self, page_hashes: Sequence[int]) -> int:
         """`probe` by the pages' hashes alone (what a router has): 0 on any failure,
         after at most one timeout per server (`mokv.events.PrefixRouterIndex(shared=)`)."""
-        if not page_hashes:
-            return 0
-        out = self._run([("EXISTS", self.key(page_hash)) for page_hash in page_hashes])
         found = 0
-        for reply, ok in zip(out.replies, out.answered):
-            if not ok or not reply:
+        for held in self.present(page_hashes):
+            if not held:
                 break
             found += 1
         return found
+
+    def present(self, page_hashes: Sequence[int]) -> list[bool]:
+        """Whether the server holds each of these pages (one pipelined EXISTS each, one
+        round trip per server; not validated): False for each page of a failed server.
+        A recurrent state's checkpoints stand at some boundaries of a chain, not in a
+        run, so their lookup asks for each (`groups/state_shared.py`)."""
+        if not page_hashes:
+            return []
+        out = self._run([("EXISTS", self.key(page_hash)) for page_hash in page_hashes])
+        return [bool(ok and reply) for reply, ok in zip(out.replies, out.answered)]
+
+    def get(self, page_hash: int, token_bytes: bytes) -> memoryview | None:
+        """The validated bytes of one page (one GET, counted as a lookup of one page),
+        None if the server lacks it, refuses it or fails: the page a caller chose after
+        a `present` probe."""
+        self._count(lookups=1)
+        page = self._fetch([(page_hash, token_bytes)])
+        self._count(hits=len(page), misses=1 - len(page))
+        return page[0] if page else None
 
     def lookup(
         self, chain: Iterable[tuple[int, bytes]], max_pages: int | None = None
@@ -292,22 +311,27 @@ class RemotePageStore:
         `layout.page_shape` order, ready to copy into a device page."""
         chain = list(islice(chain, max_pages))
         self._count(lookups=1)
-        pages: list[memoryview] = []
         found = self.holds([page_hash for page_hash, _ in chain])
-        if found:
-            out = self._run([("GET", self.key(h)) for h, _ in chain[:found]])
-            for value, ok, (page_hash, tokens) in zip(out.replies, out.answered, chain):
-                if not ok or value is None:  # a failed node, or evicted since the probe
-                    break
-                assert isinstance(value, bytes)
-                self._count(bytes_read=len(value))
-                page = self.codec.decode(value, page_hash, tokens)
-                if isinstance(page, Rejection):
-                    self._count(**{_REJECTION_COUNTER[page]: 1})
-                    break
-                pages.append(page)
+        pages = self._fetch(chain[:found]) if found else []
         self._count(hits=len(pages), misses=int(len(pages) < len(chain)))
         return pages
+
+    def _fetch(self, pages: Sequence[tuple[int, bytes]]) -> list[memoryview]:
+        """The validated bytes of the leading `pages` (one pipelined GET each), up to the
+        first one absent, refused or on a failed server."""
+        out = self._run([("GET", self.key(h)) for h, _ in pages])
+        found: list[memoryview] = []
+        for value, ok, (page_hash, tokens) in zip(out.replies, out.answered, pages):
+            if not ok or value is None:  # a failed node, or evicted since the probe
+                break
+            assert isinstance(value, bytes)
+            self._count(bytes_read=len(value))
+            page = self.codec.decode(value, page_hash, tokens)
+            if isinstance(page, Rejection):
+                self._count(**{_REJECTION_COUNTER[page]: 1})
+                break
+            found.append(page)
+        return found
 
     # --- plumbing -------------------------------------------------------------------
 

@@ -39,13 +39,40 @@ from ..events.format import MEDIUM_SHARED
 from ..events.publisher import TierEvents
 from ..metrics import TierMetrics
 from ..registry import BUILDERS
-from ..remote import PageCodec, RemoteLayout, RemoteMetrics, RemotePageStore
+from ..remote import PageCodec, RemoteLayout, RemoteMetrics, RemotePageStore, StateLayout
 from .base import CommittedPages, TierHit
 
 REMOTE_QUEUE_BYTES = 256 * 2**20
 """Most value bytes one shard's store holds queued for its writer before it drops pages:
 a page count alone would let large pages (4 MiB at Llama-3.2-1B's bf16 page of 128)
 queue a GiB per shard behind a slow server."""
+
+
+def open_stores(
+    config: RemoteTierConfig, layouts: Sequence[RemoteLayout | StateLayout]
+) -> list[RemotePageStore]:
+    """One store per layout (device shard) of `config`'s server and namespace, each
+    queueing at most `REMOTE_QUEUE_BYTES` of values. All or nothing: the stores opened
+    before a failure are closed (each runs a writer thread)."""
+    stores: list[RemotePageStore] = []
+    try:
+        for layout in layouts:
+            value_nbytes = PageCodec(layout, config.namespace, config.mac_key).value_nbytes
+            stores.append(
+                RemotePageStore(
+                    config.url,
+                    config.namespace,
+                    layout,
+                    mac_key=config.mac_key,
+                    timeout_s=config.timeout_s,
+                    max_queued_pages=max(8, REMOTE_QUEUE_BYTES // value_nbytes),
+                )
+            )
+    except BaseException:
+        for store in stores:
+            store.close()
+        raise
+    return stores
 
 
 class RemoteTier:
@@ -64,23 +91,8 @@ class RemoteTier:
         blocks: list[Buffer],
         scales: list[Buffer] | None = None,
     ) -> None:
-        self.stores: list[RemotePageStore] = []
-        try:
-            for layout in layouts:
-                value_nbytes = PageCodec(layout, config.namespace, config.mac_key).value_nbytes
-                self.stores.append(
-                    RemotePageStore(
-                        config.url,
-                        config.namespace,
-                        layout,
-                        mac_key=config.mac_key,
-                        timeout_s=config.timeout_s,
-                        max_queued_pages=max(8, REMOTE_QUEUE_BYTES // value_nbytes),
-                    )
-                )
-        except BaseException:
-            self.close()  # each store runs a writer thread
-            raise
+        self.stores = open_stores(config, layouts)
+        self._layouts = layouts
         self._blocks = blocks
         self._scales = scales  # each shard's scales beside its values (scaled pages)
         self._views: dict[int, np.ndarray] = {}  # numpy views of the buffers, by buffer id
@@ -111,7 +123,7 @@ class RemoteTier:
             if self._scales is None:
                 write_pages(pages, block, device_pages, self._views)
                 continue
-            split = self.stores[shard].layout.values_nbytes  # values, then scales
+            split = self._layouts[shard].values_nbytes  # values, then scales
             write_pages([p[:split] for p in pages], block, device_pages, self._views)
             write_pages([p[split:] for p in pages], self._scales[shard], device_pages, self._views)
         self._bytes_loaded += sum(page.nbytes for hit in hits for page in hit.handle)

@@ -23,21 +23,21 @@ STACK = LinearAttentionStack(vocab_size=64, num_layers=2, heads=2, head_dim=3, s
 SHARED = [7, 3, 9, 1, 4, 4, 8, 2, 6]  # two pages and a token
 
 
-def hybrid(session, every=1, checkpoints=8, num_pages=24):
+def hybrid(session, every=1, checkpoints=8, num_pages=24, **features):
     state = RecurrentStateConfig(
         "linear_attention", STACK.regions(), checkpoint_every=every, num_checkpoints=checkpoints
     )
     return make_paged(
         session, num_pages=num_pages, max_seq_len=64,
-        groups=(CacheGroupConfig("full_attention", NUM_LAYERS),), recurrent=state,
+        groups=(CacheGroupConfig("full_attention", NUM_LAYERS),), recurrent=state, **features,
     )
 
 
-def prefill(m, rid, prompt, chunk=PAGE):
-    """Claims `rid` and runs its prompt in chunks of `chunk` tokens through the stack on
-    the manager's state inputs; returns the context and every output it computed, by
-    position (None where a prefix hit skipped it)."""
-    ctx = TextContext(np.array(prompt), rid)
+def prefill(m, rid, prompt, chunk=PAGE, **fields):
+    """Claims `rid` and runs its prompt (a context with `fields`) in chunks of `chunk`
+    tokens through the stack on the manager's state inputs; returns the context and
+    every output it computed, by position (None where a prefix hit skipped it)."""
+    ctx = TextContext(np.array(prompt), rid, **fields)
     m.external_claim(rid)
     outputs: list = [None] * len(prompt)
     while ctx.start_idx < len(prompt):
@@ -263,8 +263,9 @@ def test_what_a_cache_with_state_layers_refuses():
     groups = (CacheGroupConfig("full_attention", NUM_LAYERS),)
     with pytest.raises(ValueError, match="num_checkpoints=4 needs enable_prefix_caching"):
         small_params(groups=groups, recurrent=state, enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="tier .remote. with recurrent state .linear_attention."):
-        small_params(groups=groups, recurrent=state, tiers=(mokv.RemoteTierConfig("redis://127.0.0.1:1", "m"),))
+    bad = RecurrentStateConfig("s", (StateRegion("conv.x", 1, (2,), DType.float32),))
+    with pytest.raises(ValueError, match="state region 'conv.x' with the shared tier"):
+        small_params(groups=groups, recurrent=bad, tiers=(mokv.RemoteTierConfig("redis://127.0.0.1:1", "m"),))
     with pytest.raises(ValueError, match="checkpoint_every must be an int >= 1, got 0"):
         RecurrentStateConfig("s", STACK.regions(), checkpoint_every=0)
     with pytest.raises(ValueError, match="row_shape must be a non-empty tuple"):

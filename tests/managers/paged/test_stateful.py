@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from max.dtype import DType
 from mokv import TextContext
 from mokv.events import PrefixRouterIndex
+from mokv.managers.paged.window_tails import checkpoint_tail
 
 from ..conftest import NUM_LAYERS, make_paged, small_params
 
@@ -515,6 +516,83 @@ class StateMachine(PagedManagerMachine):
         super().teardown()
 
 
+class StateSessionMachine(StateMachine):
+    """StateMachine's rules with sessions and pins on an injected clock: session turns
+    (whole requests on a growing context, released, pinning their prefix or not), ends,
+    and pauses past the time to live. Besides StateMachine's checks (a live state is the
+    hash of exactly its cached tokens, however a hit resumed it), the checkpoint pool
+    retains exactly each open session's last checkpoint boundary and pins exactly each
+    live pin's (`window_tails.checkpoint_tail`)."""
+
+    held_checkpoints = resumed = 0  # over every example: checkpoints kept, and resumed
+
+    def options(self) -> dict:
+        self.clock = Clock()
+        self.context: dict[str, list] = {sid: [] for sid in SESSION_IDS}
+        return dict(super().options(), sessions=mokv.SessionConfig(ttl_s=TTL_S, clock=self.clock),
+                    pins=mokv.PinConfig(max_share=1.0, clock=self.clock))
+
+    @precondition(lambda self: len(self.running) < 4)
+    @rule(sid=st.sampled_from(SESSION_IDS), new=st.lists(st.integers(0, 2), min_size=1,
+                                                         max_size=6), pin=st.booleans())
+    def session_turn(self, sid, new, pin):
+        context = self.context[sid]
+        if len(context) + len(new) >= MAX_SEQ_LEN - 1:
+            context = []  # a new conversation under the same session
+        self.turns = getattr(self, "turns", 0) + 1
+        ctx = TextContext(np.array(context + new), request_id=f"{sid}-t{self.turns}",
+                          session_id=sid,
+                          cache_control=mokv.CacheControl(pin_ttl_s=TTL_S) if pin else None)
+        self.m.claim(ctx.request_id)
+        try:
+            self.m.fetch([ctx])
+        except mokv.InsufficientPagesError:
+            self.m.release(ctx.request_id)
+            return
+        self.read_back_and_write(ctx)
+        ctx.update(0)
+        self.m.step([ctx])
+        self.m.release(ctx.request_id)
+        self.context[sid] = ctx.tokens.tolist()
+
+    @rule(sid=st.sampled_from(SESSION_IDS))
+    def end_session(self, sid):
+        self.m.end_session(sid)
+        self.context[sid] = []
+
+    @precondition(lambda self: len(self.running) < 4)
+    @rule(seconds=st.sampled_from([1.0, TTL_S + 1]))
+    def pause(self, seconds):
+        """Time passes; a reservation then ends the sessions and pins past their time."""
+        self.clock.now += seconds
+        self.pauses = getattr(self, "pauses", 0) + 1
+        ctx = TextContext(np.array([2, 1, 0, 2, 1]), request_id=f"pause{self.pauses}")
+        self.m.claim(ctx.request_id)
+        self.m.maybe_reserve(ctx)
+        self.m.release(ctx.request_id)
+
+    def stuck_pages(self) -> int:
+        return self.m.replicas[0].pool.num_pinned  # no tier takes them: not room
+
+    @invariant()
+    def pages_add_up(self):
+        held = {p for rid in self.running for p in self.m.get_req_blocks(rid)}
+        assert self.m.num_free_blocks + len(held) + self.stuck_pages() == self.num_pages
+
+    def teardown(self):
+        StateSessionMachine.resumed += self.m.metrics.cache_tokens
+        super().teardown()
+
+    @invariant()
+    def each_chain_holds_its_last_checkpoint(self):
+        replica = self.m.replicas[0]
+        pool = replica.states.pool
+        retained = {h for sid in SESSION_IDS for h in checkpoint_tail(1, replica.sessions.retained(sid))}
+        pinned = {h for pin in replica.pins.pins.values() for h in checkpoint_tail(1, pin.chain)}
+        assert (pool.retained_hashes, pool.pinned_hashes) == (retained, pinned)
+        StateSessionMachine.held_checkpoints += len(pool.indexed_hashes() & (retained | pinned))
+
+
 class WideGroupMachine(GroupMachine):
     """GroupMachine's rules on groups of different page sizes in one shared budget: a
     sliding page (two heads) is twice a full one (one head), so a slot holds one sliding
@@ -709,6 +787,11 @@ def test_random_operations_on_groups_with_host_tiers(session):
 def test_random_operations_with_recurrent_state(session):
     run_machine(session, StateMachine, 80)
     assert StateMachine.resumed_tokens > 0
+
+
+def test_random_operations_with_recurrent_state_sessions_and_pins(session):
+    run_machine(session, StateSessionMachine, 30)
+    assert StateSessionMachine.resumed > 0 and StateSessionMachine.held_checkpoints > 0
 
 
 def test_random_operations_on_groups_sharing_one_budget(session):

@@ -49,9 +49,12 @@ def cache_metrics(replicas: Sequence[PagedReplica]) -> KVCacheMetrics:
 def shared_tier_metrics(replicas: Sequence[PagedReplica]) -> RemoteMetrics:
     """The shared tier's own counters, summed over every store (one per device shard
     per replica, so with tensor parallelism each page counts once per shard): hits,
-    misses, rejected values, bytes each way, errors, timeouts, drops. All zero with
-    the tier off. The stores count from their own threads, so this takes no lock."""
+    misses, rejected values, bytes each way, errors, timeouts, drops; a recurrent
+    state's checkpoints' stores included (each checkpoint a value per shard). All zero
+    with the tier off. The stores count from their own threads, so this takes no lock."""
     tiers = (
         t for r in replicas for stack in r.group_tiers for t in stack if isinstance(t, RemoteTier)
     )
-    return sum((tier.store_metrics() for tier in tiers), RemoteMetrics())
+    pages = sum((tier.store_metrics() for tier in tiers), RemoteMetrics())
+    states = (r.states.shared for r in replicas if r.states is not None)
+    return sum((shared.metrics() for shared in states if shared is not None), pages)

@@ -44,7 +44,7 @@ from ...registry import BUILDERS
 from ...tiers.stack import TierStack
 from ...undo import UndoLog, set_values, values_of
 from .chain_counts import check_counts
-from .window_tails import Change, at_either_end, in_both, split_groups
+from .window_tails import Change, TailRule, at_either_end, in_both, split_groups
 
 
 class PinGrant(NamedTuple):
@@ -104,7 +104,7 @@ class PinTable:
     def __init__(
         self,
         config: PinConfig,
-        groups: Sequence[tuple[PagePool, TierStack, int]],
+        groups: Sequence[tuple[PagePool, TierStack, int | TailRule]],
         undo: UndoLog | None = None,
         shared_by: int = 1,
     ) -> None:

@@ -68,6 +68,7 @@ from max.nn.kv_cache import RecurrentStateInputsPerDevice
 from ...cache.cache_memory import cache_buffer
 from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
+from ...cache.page_pool import PagePool
 from ...config.params import KVCacheParams
 from ...context import RequestID, TextGenerationContext, check_cache_control
 from ...errors import (
@@ -90,12 +91,14 @@ from .group_tiers import build_group_tiers, host_checkpoint_capacity
 from .groups import FullAttentionGroup, JointGroups, SharedBudget, build_group
 from .groups.state import RecurrentStateGroup
 from .groups.state_host import HostCheckpoints
+from .groups.state_shared import shared_checkpoints
 from .inputs import ceil_div
 from .pins import NO_GRANT, PinGrant, PinTable
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
 from .prefix import PrefixChains
 from .sessions import SessionTable
 from .sizing import SlotGeometry
+from .window_tails import TailRule
 
 _page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
 _num_fresh = attrgetter("num_fresh")  # of a `Reservation`
@@ -174,6 +177,7 @@ class PagedReplica:
                 max_requests,
                 undo,
                 HostCheckpoints(capacity, undo) if capacity else None,
+                shared_checkpoints(params, len(devices)),
             )
         self.states = states
         """The state layers' live blocks and checkpoints (`groups/state.py`), if any."""
@@ -226,9 +230,11 @@ class PagedReplica:
             else None
         )
         # Sessions and pins hold whole chains in a full group, tails in a window's.
-        held_in = [
+        held_in: list[tuple[PagePool, TierStack, int | TailRule]] = [
             (g.pool, stack, g.pages_in_window) for g, stack in zip(self.groups, self.group_tiers)
         ]
+        if states is not None and states.config.num_checkpoints:  # and each chain's checkpoint
+            held_in.append(states.held_in(params))
         shared_by = len(self.groups) if self.budget is not None else 1
         self.sessions: SessionTable | None = (
             BUILDERS.build(params.sessions, held_in, undo, shared_by) if params.sessions else None
@@ -784,6 +790,10 @@ class PagedReplica:
             sink = events.group_sink(GroupSpec.of(group.index, group.kind, group.window_size))
             group.pool.events = sink
             stack.publish_to(sink)
+        if self.states is not None:  # its checkpoints, as a group after the others
+            self.states.pool.events = events.group_sink(
+                GroupSpec.of(len(self.groups), self.states.kind, None)
+            )
 
     def slide(self, batch: Sequence[TextGenerationContext]) -> None:
         """After a step's commits: every sliding-window group releases the pages of the
@@ -791,7 +801,7 @@ class PagedReplica:
         without a window."""
         if self.joint is not None:
             for ctx in batch:
-                self.joint.slide(self._requests[ctx.request_id], ctx.start_idx)
+                self.joint.slide(self._requests[ctx.request_id], ctx)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix in the pool and the tiers (pending loads still
@@ -811,6 +821,8 @@ class PagedReplica:
         """Closes the tiers (they send what they queued, a bounded wait)."""
         for stack in self.group_tiers:
             stack.close()
+        if self.states is not None:
+            self.states.close()
 
     def check_loads(self) -> None:
         """InvariantError unless every pending load writes a page its request owns

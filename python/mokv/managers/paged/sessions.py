@@ -51,7 +51,7 @@ from ...tiers.stack import TierStack
 from ...undo import UndoLog, set_values, values_of
 from .chain_counts import check_counts
 from .plans import RequestState, Reservation, Session
-from .window_tails import Change, in_both, split_groups
+from .window_tails import Change, TailRule, in_both, split_groups
 
 
 @dataclass(slots=True)
@@ -93,7 +93,7 @@ class SessionTable:
     def __init__(
         self,
         config: SessionConfig,
-        groups: Sequence[tuple[PagePool, TierStack, int]],
+        groups: Sequence[tuple[PagePool, TierStack, int | TailRule]],
         undo: UndoLog | None = None,
         shared_by: int = 1,
     ) -> None:

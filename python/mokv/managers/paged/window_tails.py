@@ -1,4 +1,5 @@
-"""WindowTails: what the sessions retain, or the pins hold, in a sliding-window group.
+"""WindowTails: what the sessions retain, or the pins hold, in a sliding-window group
+(or of the recurrent state's checkpoints).
 
 A session retains its chain so that its next turn finds it; a pin holds a prefix so
 that a later request finds it. In a cache of groups, that request's joint hit needs
@@ -8,6 +9,11 @@ window reads before the chain's end (the hit's end): the last `pages_in_window` 
 per hash as the session and pin tables count whole chains, in the group's pool and
 tiers; the pages before them stay ordinary cached pages, which the window's own
 pressure evicts first.
+
+The recurrent state's checkpoints (`groups/state.py`) are held the same way, their
+tail being one hash: the chain's last boundary of `checkpoint_every` pages
+(`checkpoint_tail`), where a next turn's joint hit resumes (it never passes the last
+checkpoint; a checkpoint taken there later, by a decode step ending on it, is held too).
 
 Every change records its undo in the manager's log before it changes anything, and
 cannot fail half-way (plain dict operations, then the pool's and tiers' own calls).
@@ -23,6 +29,9 @@ from ...tiers.stack import TierStack
 from ...undo import UndoLog
 from .chain_counts import check_counts
 
+TailRule = Callable[[Sequence[int]], tuple[int, ...]]
+"""The hashes of a chain a group holds (a window's last pages, a state's checkpoint)."""
+
 Change = tuple[tuple[int, ...], tuple[int, ...], bool]
 """A chain before and after a change, and whether the hashes it lets go go to the old
 end of the LRU (a session that ended, expired or was released; a pin) or the young end
@@ -30,19 +39,20 @@ end of the LRU (a session that ended, expired or was released; a pin) or the you
 
 
 class WindowTails:
-    """The tails of the chains one sliding group holds (see the module docstring):
-    `hold(hashes)` and `let_go(hashes, old_end)` change its pool and tiers, `held()`
-    is what its pool holds (for the checks)."""
+    """The tails of the chains one sliding group (or the state) holds (see the module
+    docstring), as `tail` says: `hold(hashes)` and `let_go(hashes, old_end)` change its
+    pool and tiers, `held()` is what its pool holds (for the checks)."""
 
     def __init__(
         self,
-        pages_in_window: int,
+        tail: TailRule,
         undo: UndoLog | None,
         hold: Callable[[list[int]], None],
         let_go: Callable[[list[int], bool], None],
         held: Callable[[], frozenset[int]],
     ) -> None:
-        self.pages_in_window = pages_in_window
+        self.tail = tail
+        """The hashes of a chain held (`window_tail`, `checkpoint_tail`)."""
         self.undo = undo
         self._hold, self._let_go, self._held = hold, let_go, held
         self._count: dict[int, int] = {}  # tail hash -> chains holding it
@@ -51,10 +61,6 @@ class WindowTails:
     def hashes(self) -> frozenset[int]:
         """Every tail hash held."""
         return frozenset(self._count)
-
-    def tail(self, chain: Sequence[int]) -> tuple[int, ...]:
-        """The pages of `chain` a later hit's window reads (its last ones)."""
-        return tuple(chain[-self.pages_in_window :]) if chain else ()
 
     def size_after(self, changes: Iterable[Change]) -> int:
         """How many distinct tail hashes would be held after `changes` (pure)."""
@@ -123,6 +129,18 @@ class WindowTails:
         check_counts(f"{holders} (window)", tails, self._count, self._held(), cap)
 
 
+def window_tail(pages_in_window: int, chain: Sequence[int]) -> tuple[int, ...]:
+    """The pages of `chain` a later hit's window reads (its last ones)."""
+    return tuple(chain[-pages_in_window:]) if chain else ()
+
+
+def checkpoint_tail(checkpoint_every: int, chain: Sequence[int]) -> tuple[int, ...]:
+    """The hash of `chain`'s last boundary of `checkpoint_every` pages (none in a chain
+    shorter than that): where a later joint hit on it resumes the state."""
+    end = len(chain) // checkpoint_every * checkpoint_every
+    return (chain[end - 1],) if end else ()
+
+
 def in_both(first: Callable[..., None], second: Callable[..., None]) -> Callable[..., None]:
     """A call of `first` then `second` with the same arguments (a group's pool, then its
     tiers: `WindowTails`' `hold` and `let_go`)."""
@@ -148,20 +166,21 @@ Holder = Callable[[PagePool, TierStack], Callable[..., None]]
 
 
 def split_groups(
-    groups: Sequence[tuple[PagePool, TierStack, int]],
+    groups: Sequence[tuple[PagePool, TierStack, int | TailRule]],
     undo: UndoLog | None,
     hold: Holder,
     let_go: Holder,
     held: str,
 ) -> tuple[list[tuple[PagePool, TierStack]], list[tuple[WindowTails, PagePool, TierStack]]]:
-    """A table's groups (`(pool, tiers, pages_in_window)`): those that hold whole
-    chains, and each sliding group's `WindowTails` (`held`: the pool's property of what
-    it holds, for the checks)."""
+    """A table's groups (`(pool, tiers, pages_in_window or a TailRule)`): those that
+    hold whole chains (0), and each other's `WindowTails` (a sliding group's window,
+    the state's checkpoint; `held`: the pool's property of what it holds, for the
+    checks)."""
     whole = [(pool, tiers) for pool, tiers, window in groups if not window]
     windows = [
         (
             WindowTails(
-                window,
+                window if callable(window) else partial(window_tail, window),
                 undo,
                 hold(pool, tiers),
                 let_go(pool, tiers),

@@ -59,7 +59,8 @@ from ..plans import CommitPlan, JointHit, RequestState, Reservation
 from ..prefix import PrefixChains
 from .budget import SharedBudget
 from .full import FullAttentionGroup
-from .state import RecurrentStateGroup
+from .state import Checkpoint, RecurrentStateGroup
+from .state_shared import SharedCheckpoint
 
 
 class JointGroups:
@@ -131,10 +132,11 @@ class JointGroups:
             partial(group.longest_hit, cast(list[int | None], pages))  # found: not None
             for group, pages in zip(self.groups, found)
         ]
-        checkpoints = self.states.found(chain) if self.states is not None else []
-        if self.states is not None:
-            rules.append(partial(self.states.longest_hit, checkpoints))
         n = longest_joint_hit(rules, len(chain))
+        checkpoints: list[Checkpoint | None] = []
+        if self.states is not None and n:  # never past the attention groups' hit: look
+            checkpoints = self.states.found(chain[:n])  # no further (a shared tier's probe)
+            n = longest_joint_hit([*rules, partial(self.states.longest_hit, checkpoints)], n)
         if not n:
             return None
         held = [group.held_of_hit(n) for group in self.groups]
@@ -143,6 +145,7 @@ class JointGroups:
             for g, (f, k) in enumerate(zip(found, held))
         ]  # all found
         checkpoint = checkpoints[n - 1] if checkpoints else None
+        assert not isinstance(checkpoint, SharedCheckpoint), "the state's rule loaded it"
         hit = JointHit([h for h, _ in chain[:n]], pages, checkpoint)
         tiers = [p.tier for row in pages for p in row if isinstance(p, PendingLoad)]
         if tiers:  # the tokens the devices alone would not serve count as a tier's
@@ -314,10 +317,12 @@ class JointGroups:
             group.pool.release(group.row(req)[first : min(held, new_first)])
             req.firsts[group.index] = new_first
 
-    def slide(self, req: RequestState, start_idx: int) -> None:
-        """Every group releases the request's pages that no step from `start_idx` reads,
-        a sliding group's evicted first but for the windows before `keep_ends`; the state
-        layers take a checkpoint if the step ended on their boundary."""
+    def slide(self, req: RequestState, ctx: TextGenerationContext) -> None:
+        """Every group releases the request's pages that no step from the context's
+        `start_idx` reads, a sliding group's evicted first but for the windows before
+        `keep_ends`; the state layers take a checkpoint if the step ended on their
+        boundary."""
+        start_idx = ctx.start_idx
         ends: tuple[int, ...] | None = None
         for group in self.groups:
             if group.pages_in_window and group.window_start(start_idx) > group.first(req):
@@ -329,7 +334,7 @@ class JointGroups:
             tokens = None
             if first.first(req) <= page < len(first.row(req)):
                 tokens = first.pool.page_tokens(first.row(req)[page])
-            self.states.slide(req, start_idx, tokens)
+            self.states.slide(req, start_idx, tokens, ctx)
 
     def keep_ends(self, req: RequestState) -> tuple[int, int]:
         """Where a later joint hit on the request's prefix is likely to end: after the

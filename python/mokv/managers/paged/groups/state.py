@@ -28,8 +28,11 @@ Checkpoints are evicted least recently used first when a new one needs a slot; a
 touches the one it resumes from. A checkpoint also leaves its slot when every attention
 group evicted its boundary page (`boundaries_evicted`: no device hit reaches it). With
 a host tier (`host`: `state_host.py`) an evicted one is kept there, and a hit may
-resume from it. One whose attention pages were evicted can serve no
-hit (the attention groups no longer reach it) and waits for its turn to be evicted.
+resume from it; with a shared tier (`shared`: `state_shared.py`) every one taken is
+written through to the store, and a hit may resume from one another manager took. One
+whose attention pages were evicted can serve no hit (the attention groups no longer
+reach it) and waits for its turn to be evicted. Sessions and pins hold the checkpoint
+at each chain's last boundary (`held_in`): it is evicted last, or not while pinned.
 
 All or nothing: every change records its undo (the pool's, and for each copy that
 overwrites a state a later rollback could read again -- a continuing request's live
@@ -39,6 +42,7 @@ block, an evicted checkpoint -- a host copy of the old state, written back on ro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import ClassVar
 
 import numpy as np
@@ -46,16 +50,32 @@ from max.driver import CPU, Buffer, Device
 from max.nn.kv_cache import RecurrentLeafInputs, RecurrentStateInputsPerDevice
 
 from ....cache.cache_memory import cache_buffer
+from ....cache.extra_keys import request_keys
 from ....cache.page_pool import PagePool
+from ....config.params import KVCacheParams
 from ....config.recurrent import RecurrentStateConfig
 from ....context import TextGenerationContext
 from ....errors import InvariantError, StaleContextError
+from ....tiers.stack import TierStack
 from ....undo import UndoLog
 from ..plans import RequestState
+from ..window_tails import TailRule, checkpoint_tail
 from .state_host import HostCheckpoints, StoredCheckpoint
+from .state_shared import SharedCheckpoint, SharedCheckpoints
 
-Checkpoint = int | StoredCheckpoint
-"""Where a checkpoint stands: a slot of the device pool, or the host tier's copy."""
+Checkpoint = int | StoredCheckpoint | SharedCheckpoint
+"""Where a checkpoint stands: a slot of the device pool, a host copy (the host tier's,
+or loaded from the shared tier), or the shared tier's, not loaded yet."""
+
+
+def checkpoint_hit(checkpoints: Sequence[object | None], n: int) -> int:
+    """The longest hit of at most `n` pages a state resumes from `checkpoints` (what
+    stands after each page of a chain, None where nothing does): up to the last one at
+    or before page `n`, 0 when none stands there (a router's reading of the events,
+    `mokv.events.PrefixRouterIndex`; `RecurrentStateGroup.longest_hit` also loads)."""
+    return next(
+        (m for m in range(min(n, len(checkpoints)), 0, -1) if checkpoints[m - 1] is not None), 0
+    )
 
 
 class RecurrentStateGroup:
@@ -71,10 +91,14 @@ class RecurrentStateGroup:
         max_requests: int,
         undo: UndoLog,
         host: HostCheckpoints | None = None,
+        shared: SharedCheckpoints | None = None,
     ) -> None:
         self.config = config
         self.host = host
         """The checkpoints evicted from the device, in the host tier (None without one)."""
+        self.shared = shared
+        """The checkpoints in the shared tier (None without one): every one taken here is
+        written through to it."""
         self.name = config.name
         self.page_size = page_size
         self.devices = devices
@@ -122,7 +146,8 @@ class RecurrentStateGroup:
 
     def found(self, chain: Sequence[tuple[int, bytes]]) -> list[Checkpoint | None]:
         """The checkpoint standing after each `(hash, token bytes)` page of the chain, on
-        the device or else in the host tier, None where there is none."""
+        the device, else in the host tier, else in the shared tier (probed, not loaded:
+        `longest_hit` loads the one it chooses), None where there is none."""
         host, lookup = self.host, self.pool.lookup
         out: list[Checkpoint | None] = []
         for h, data in chain:
@@ -130,13 +155,24 @@ class RecurrentStateGroup:
             if found is None and host is not None:
                 found = host.lookup(h, data)
             out.append(found)
+        missing = [i for i, found in enumerate(out) if found is None]
+        if self.shared is not None and missing:
+            probed = self.shared.probe([chain[i] for i in missing])
+            for i, found in zip(missing, probed):
+                out[i] = found
         return out
 
-    def longest_hit(self, checkpoints: Sequence[Checkpoint | None], n: int) -> int:
+    def longest_hit(self, checkpoints: list[Checkpoint | None], n: int) -> int:
         """The longest hit of at most `n` pages the group can resume: up to the last
-        checkpoint at or before page `n`; 0 when none stands there."""
+        checkpoint at or before page `n`; 0 when none stands there. A shared tier's
+        checkpoint it chooses is loaded here, in `checkpoints` (one that fails to load
+        becomes None, and the one before it is chosen)."""
         for m in range(min(n, len(checkpoints)), 0, -1):
-            if checkpoints[m - 1] is not None:
+            found = checkpoints[m - 1]
+            if isinstance(found, SharedCheckpoint):
+                assert self.shared is not None, "only a shared tier's probe finds one"
+                found = checkpoints[m - 1] = self.shared.load(found)
+            if found is not None:
                 return m
         return 0
 
@@ -169,19 +205,27 @@ class RecurrentStateGroup:
             if num_held:
                 self._keep(live)
             self._restore(live, checkpoint.copies)
-            if self.host is not None:  # it found the checkpoint
+            if self.host is not None and not checkpoint.shared:  # it found the checkpoint
                 self.host.touch(checkpoint.page_hash)
             return
+        assert not isinstance(checkpoint, SharedCheckpoint), "the hit loaded it"
         self.pool.acquire(checkpoint)  # out of the LRU while it is read...
         self._copy(self.checkpoint_block(checkpoint), live, keep_old=num_held > 0)
         self.pool.release([checkpoint])  # ...and back as its most recently used page
 
-    def slide(self, req: RequestState, start_idx: int, token_bytes: bytes | None) -> bool:
+    def slide(
+        self,
+        req: RequestState,
+        start_idx: int,
+        token_bytes: bytes | None,
+        ctx: TextGenerationContext | None = None,
+    ) -> bool:
         """After a step that left the request's live state at token `start_idx`: records
         where its state is; when that is a boundary of `checkpoint_every` pages whose page
         is committed (`token_bytes`, None if it is not indexed) and no checkpoint stands
         there yet, copies the live block into a checkpoint slot, indexed under the page's
-        chain hash (the checkpoint whose slot it takes goes to the host tier, if any).
+        chain hash (the checkpoint whose slot it takes goes to the host tier, if any) and
+        announced to the pool's events with its parent and the page's keys (`ctx`'s).
         True if it took one."""
         self._set_position(req.slot, start_idx)
         page, rest = divmod(start_idx, self.page_size)
@@ -202,7 +246,7 @@ class RecurrentStateGroup:
         old = None if evicted is None else self.pool.page_hash(evicted)
         old_tokens = None if evicted is None else self.pool.page_tokens(evicted)
         taken = self.pool.take((), 1)
-        if taken is None:  # every slot is being read: impossible between calls
+        if taken is None:  # every slot is pinned (`held_in`): no checkpoint this time
             return False
         (slot,) = taken
         block = self.checkpoint_block(slot)
@@ -211,7 +255,14 @@ class RecurrentStateGroup:
             if self.host is not None:
                 self.host.store(old, old_tokens, copies)
         self._copy(self.live_block(req.slot), block, keep_old=False)
-        self.pool.commit_pages([slot], [page_hash], [token_bytes])
+        if self.shared is not None:  # written through, as committed pages are
+            self.shared.store(page_hash, token_bytes, self._host_copy(block))
+        parent = req.hashes[page - 2] if page > 1 else None
+        keys = None
+        if self.pool.events is not None and ctx is not None:
+            request = request_keys(ctx)
+            keys = request.page(page - 1, self.page_size) if request is not None else None
+        self.pool.commit_pages([slot], [page_hash], [token_bytes], [parent], [keys])
         self.pool.release([slot])
         self.undo.push(setattr, self, "checkpoints_taken", self.checkpoints_taken)
         self.checkpoints_taken += 1
@@ -221,11 +272,15 @@ class RecurrentStateGroup:
         """The attention groups' pools (`pools`) evicted pages of these hashes: a
         checkpoint at a boundary no group's device holds any more leaves its slot (it
         serves no device hit: the groups need its page), kept by the host tier if there
-        is one (the attention pages may come back from their tiers)."""
+        is one (the attention pages may come back from their tiers). One a session
+        retains or a pin holds stays (it leaves by its pool's own order)."""
         pool = self.pool
+        pinned = pool.pinned_hashes if pool.num_pinned else frozenset()
         for page_hash in page_hashes:
             slot = pool.page_of(page_hash)
-            if slot is None or pool.ref_count(slot):
+            if slot is None or pool.ref_count(slot) or pool.is_retained(slot):
+                continue
+            if page_hash in pinned:
                 continue
             if any(p.page_of(page_hash) is not None for p in pools):
                 continue
@@ -237,6 +292,18 @@ class RecurrentStateGroup:
     def release(self, req: RequestState) -> None:
         """The request's slot starts its next request from a fresh state."""
         self._set_position(req.slot, 0)
+
+    def held_in(self, params: KVCacheParams) -> tuple[PagePool, TierStack, TailRule]:
+        """What sessions retain and pins hold of the state (`window_tails.py`): in the
+        checkpoint pool, each chain's last checkpoint boundary. Its tiers keep theirs by
+        their own LRU (an empty stack: the host tier's checkpoints are not retained)."""
+        every = self.config.checkpoint_every
+        return self.pool, TierStack((), params, 0, self.pool, []), partial(checkpoint_tail, every)
+
+    def close(self) -> None:
+        """Closes the shared tier's stores (they send what they queued)."""
+        if self.shared is not None:
+            self.shared.close()
 
     def _set_position(self, slot: int, tokens: int) -> None:
         self.undo.push(self.positions.__setitem__, slot, self.positions[slot])
@@ -321,10 +388,11 @@ class RecurrentStateGroup:
     def check_invariants(self) -> None:
         """InvariantError unless the checkpoint pool's invariants hold and no checkpoint
         is held outside a call."""
-        if self.pool.num_used:
+        pool = self.pool
+        held = sum(pool.ref_count(slot) > 0 for slot in range(pool.num_pages))
+        if held:  # (pinned checkpoints are not room, and not held either)
             raise InvariantError(
-                f"recurrent state {self.name!r}: {self.pool.num_used} checkpoints are held "
-                "between calls"
+                f"recurrent state {self.name!r}: {held} checkpoints are held between calls"
             )
         self.pool.check_invariants([])
         if self.host is not None:

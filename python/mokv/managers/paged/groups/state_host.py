@@ -31,11 +31,14 @@ from ....undo import UndoLog
 
 
 class StoredCheckpoint(NamedTuple):
-    """A checkpoint the host tier holds: its boundary page's hash and its state."""
+    """A checkpoint in host memory (the host tier's, or loaded from the shared tier):
+    its boundary page's hash and its state."""
 
     page_hash: int
     copies: list[list[Buffer]]
     """The state, region then device (`RecurrentStateGroup._host_copy`)."""
+    shared: bool = False
+    """Loaded from the shared tier (`state_shared.py`), not kept by this one."""
 
 
 class HostCheckpoints:
