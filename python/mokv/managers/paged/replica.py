@@ -138,9 +138,11 @@ class PagedReplica:
             values = slots.num_slots * slots.value_bytes
             for d in devices:
                 slab = cache_buffer(DType.uint8, [slots.num_slots * slots.slot_bytes], d)
-                slabs.append(slab[:values])
-                if slots.scale_bytes:
+                if slots.scale_bytes:  # views of the two regions (slices of one buffer)
+                    slabs.append(slab[:values])
                     scale_slabs.append(slab[values:])
+                else:
+                    slabs.append(slab)
         self.groups: list[FullAttentionGroup] = [
             build_group(
                 params,
