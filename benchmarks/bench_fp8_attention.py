@@ -7,8 +7,13 @@ float8_e4m3fn values (the last with MAX's per-128-lane float32 scales,
 `mokv.FetchPagedKVCacheCollection`), each side timed with bench_attention's interleaved
 read probes (`_decode_cells`). Decode streams every cached K and V row once: FP8 pages
 are 0.52x the bytes of bfloat16 pages (scales included), so a memory-bound kernel would
-run in about half bfloat16's time. mokv's FP8 path stages each K and V tile as float32
-(dequantized), then runs the float32 forms: the table shows how close it comes.
+run in about half bfloat16's time. mokv's FP8 decode reads the bytes in its decode forms
+(widened to float32 in registers, each key's scale folded into its scores and
+probabilities): the table shows how close it comes.
+
+With `portable`, the three caches again on the portable CPU paths (kernels/cpu.mojo),
+at the quick shapes only: three more graphs to compile, the part's main cost on a
+loaded machine (the first such run, at every shape, was stopped after 40 minutes).
 
 MAX's own CPU attention takes no FP8 cache (MAX 26.7 compiles no FP8 op for a CPU);
 its side is attempted with an FP8 cache and the refusal recorded.
@@ -105,26 +110,28 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
     probe = ReadProbe(1 << (28 if quick else 29))
     out: dict = {"shape": {"n_heads": H, "n_kv_heads": HKV, "head_dim": D, "page_size": PAGE},
                  "errors": {}, "decode": []}
-    makers: list[tuple[DType, Callable[[], Any]]] = [
-              (DType.float32, lambda: MokvSide(session, "paged", HKV, DType.float32)),
-              (DType.bfloat16, lambda: MokvSide(session, "paged", HKV, DType.bfloat16)),
-              (DType.float8_e4m3fn, lambda: Fp8Side(session))]
-    if portable:
-        makers.append((DType.float8_e4m3fn, lambda: Fp8Side(session, portable=True)))
+    paths = [False, True] if portable else [False]
     sides: list[tuple[DType, Any]] = []
-    for dtype, make in makers:
-        side = make()
-        side.name = f"{side.name}-{dtype.name}" if dtype != DType.float8_e4m3fn else side.name
-        sides.append((dtype, side))
-        if progress:
-            progress()
+    for on_portable in paths:
+        makers: list[tuple[DType, Callable[[], Any]]] = [
+            (DType.float32, lambda: MokvSide(session, "paged", HKV, DType.float32, portable=on_portable)),
+            (DType.bfloat16, lambda: MokvSide(session, "paged", HKV, DType.bfloat16, portable=on_portable)),
+            (DType.float8_e4m3fn, lambda: Fp8Side(session, portable=on_portable))]
+        for dtype, make in makers:
+            side = make()
+            side.name = f"{side.name}-{dtype.name}" if dtype != DType.float8_e4m3fn else side.name
+            sides.append((dtype, side))
+            if progress:
+                progress()
     for b, c in cases(quick):
         # The sides take turns (`_decode_cells`), timed against float32's bytes; each
-        # side's GB/s and share of the read are then scaled to the bytes it reads.
+        # side's GB/s and share of the read are then scaled to the bytes it reads. The
+        # portable sides join at the quick shapes only.
+        now = [(dtype, side) for dtype, side in sides if (b, c) in cases(True) or "portable" not in side.name]
         ref = kv_bytes(DType.float32, b, c)
-        cells = _decode_cells([side for _, side in sides], probe, b, c, ref, 0.3 if quick else 0.6)
+        cells = _decode_cells([side for _, side in now], probe, b, c, ref, 0.3 if quick else 0.6)
         row: dict = {"batch": b, "context": c}
-        for dtype, side in sides:
+        for dtype, side in now:
             own = kv_bytes(dtype, b, c)
             cell = cells[side.name]
             row[side.name] = {**cell, "kv_bytes": own, "GBps": cell["GBps"] * own / ref,
@@ -144,18 +151,22 @@ def run(quick: bool = False, progress=None, portable: bool = False) -> dict:
 
 
 def table(r: dict) -> list[str]:
-    """The markdown table of `run`'s result: ms per decode step (GB/s read, share of the
-    two-thread read) per cache dtype, and FP8's speed-up over bfloat16."""
-    sides = [k for k in r["decode"][0] if k not in ("batch", "context")]
-    fp8 = next(s for s in sides if s.endswith("fp8"))
+    """The markdown table of `run`'s result, a row per CPU path and shape: ms per decode
+    step (GB/s read, share of the two-thread read) per cache dtype, and bfloat16's time
+    over FP8's (above 1: FP8 is faster)."""
     lines = [f"### CPU decode attention over FP8, bf16 and f32 pages ({r['shape']['n_heads']} q heads, "
              f"{r['shape']['n_kv_heads']} KV heads of {r['shape']['head_dim']})", "",
-             "| batch × context | " + " | ".join(f"{s} ms (GB/s, share)" for s in sides) + " | bf16 / fp8 time |",
-             "|---" * (len(sides) + 2) + "|"]
-    for row in r["decode"]:
-        cells = [f"{row[s]['ms']:.2f} ({row[s]['GBps']:.1f}, {100 * row[s]['share_of_read']:.0f}%)" for s in sides]
-        ratio = row["mokv-paged-bfloat16"]["ms"] / row[fp8]["ms"]
-        lines.append(f"| {row['batch']} × {row['context']} | " + " | ".join(cells) + f" | ×{ratio:.2f} |")
+             "| path | batch × context | float32 ms (GB/s, share) | bfloat16 | FP8 + scales | bf16 / FP8 time |",
+             "|---|---|---|---|---|---|"]
+    for path, tag in (("native", ""), ("portable", "-portable")):
+        for row in r["decode"]:
+            names = [f"mokv-paged{tag}-float32", f"mokv-paged{tag}-bfloat16", f"mokv-paged-fp8{tag}"]
+            if names[2] not in row:
+                continue
+            cells = [f"{row[s]['ms']:.2f} ({row[s]['GBps']:.1f}, {100 * row[s]['share_of_read']:.0f}%)"
+                     for s in names]
+            ratio = row[names[1]]["ms"] / row[names[2]]["ms"]
+            lines.append(f"| {path} | {row['batch']} × {row['context']} | " + " | ".join(cells) + f" | ×{ratio:.2f} |")
     if r["errors"].get("max-paged-fp8"):
         lines.append(f"\nMAX's attention over an FP8 cache: {r['errors']['max-paged-fp8'][:300]}")
     return lines + [""]
@@ -163,7 +174,7 @@ def table(r: dict) -> list[str]:
 
 def plan_size(quick: bool, portable: bool = False) -> int:
     """Progress-bar steps `run` reports."""
-    return 3 + portable + len(cases(quick))
+    return 3 * (1 + portable) + len(cases(quick))
 
 
 if __name__ == "__main__":

@@ -45,9 +45,9 @@ Parts (each module's docstring says what it measures and why):
 (MAX's `max.driver.set_virtual_cpu_target`) and runs it on this host: `--cpu-target znver3` on an
 AVX-512 machine times the AVX2 code (both sides) that an AMD Zen 3 host runs.
 
---portable adds, to attention and qkv, mokv's kernels on the portable CPU paths (the
-paths of a host without AVX-512, forced with `mokv.ops.portable_cpu_paths`), timed
-beside the host's own paths and MAX's.
+--portable adds, to attention, qkv and fp8_attention, mokv's kernels on the portable CPU
+paths (the paths of a host without AVX-512, forced with `mokv.ops.portable_cpu_paths`),
+timed beside the host's own paths and MAX's.
 
 Results go to benchmarks/results/ (git-ignored): results.json, summary.md, *.png.
 """

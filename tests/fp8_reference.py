@@ -42,6 +42,16 @@ def round_e4m3fn(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.nan, np.copysign(q, x))
 
 
+def decode_e4m3fn(bits: np.ndarray) -> np.ndarray:
+    """The float64 values of e4m3fn bytes (sign, 4 exponent bits of bias 7, 3 mantissa;
+    exponent 15 with mantissa 7 is NaN)."""
+    bits = np.asarray(bits).astype(np.int64)
+    exp, man = (bits >> 3) & 0xF, bits & 0x7
+    mag = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp - 7))
+    mag = np.where((exp == 15) & (man == 7), np.nan, mag)
+    return np.where(bits & 0x80, -mag, mag)
+
+
 def quantize_blocks(x: np.ndarray, granularity: int) -> tuple[np.ndarray, np.ndarray]:
     """`x [..., head_dim]` (float32 values) as FP8 values (float64 holding e4m3fn
     values) and float32 scales `[..., head_dim // granularity]`."""

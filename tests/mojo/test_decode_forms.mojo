@@ -4,18 +4,21 @@
 the building CPU (attention/forms.mojo), so the attention tests over a graph only run this
 machine's variant. (With 8 lanes, MOKV_CPU_PORTABLE or AVX2, the 16-lane forms are skipped.)
 Here `_qk_narrow` runs with 8 and 16 lanes and `_qk_row_pairs` (bf16) for 4 and 8 rows
-per head, and `_pv_block` with and without `dot_bf16` and split widening, against sums
+per head, `qk_block` and `qk_heads` over f32 and FP8 keys, and `_pv_block` with and
+without `dot_bf16` and split widening (and over FP8 values), against sums
 taken in Float64. Every input is a multiple of 1/64 below 1
 in magnitude, exact in bf16, so products and their f32 sums are exact and the
-results must match to the bit.
+results must match to the bit. FP8 (e4m3fn) K and V are multiples of 1/8 below 1,
+with a power-of-two scale per key row (`widened_scale`), exact as well.
 """
 
 from std.sys.info import size_of
 from std.testing import assert_equal, TestSuite
 
 from mokv.continuous import ContinuousBatchingKVCache
-from mokv.kernels.attention.forms import BF16_DOT, BK, MAX_ROWS, NARROW_KEYS, O_NATURAL, O_PAIRED, O_SPLIT
+from mokv.kernels.attention.forms import BF16_DOT, BK, KB, MAX_ROWS, NARROW_KEYS, O_NATURAL, O_PAIRED, O_SPLIT, RB
 from mokv.kernels.attention.pv import o_natural, pv_block
+from mokv.kernels.attention.scores import qk_block, qk_heads
 from mokv.kernels.attention.scores_group import (
     ROW_PAIR_KEYS,
     qk_narrow,
@@ -25,7 +28,7 @@ from mokv.kernels.attention.scores_group import (
 )
 from mokv.kernels.cpu import HAS_AVX512_BF16, VECTOR_REGISTERS, W
 from mokv.kernels.simd import F32Ptr
-from mokv.types import Ptr
+from mokv.types import Ptr, is_quantized
 
 comptime H = 4  # KV heads of a token: K rows of one head are H * D elements apart
 comptime D = 128
@@ -34,6 +37,70 @@ comptime D = 128
 def _value(i: Int, salt: Int) -> Float32:
     """A fixed pseudo-random multiple of 1/64 in (-1, 1)."""
     return Float32((i * 7919 + salt * 104729) % 127 - 63) / 64
+
+
+def _cached[dtype: DType](i: Int, salt: Int) -> Scalar[dtype]:
+    """A cached K or V element: `_value`, or in FP8 a multiple of 1/8 in (-1, 1)
+    (e4m3fn has 3 mantissa bits)."""
+    comptime if is_quantized[dtype]():
+        return (Float32((i * 7919 + salt * 104729) % 15 - 7) / 8).cast[dtype]()
+    return _value(i, salt).cast[dtype]()
+
+
+def _row_scales[dtype: DType](n: Int) -> List[Float32]:
+    """[n keys, H heads] (one scale per head of 128 lanes): 2^((j + h) % 3 - 8) in FP8,
+    else 1 (unused)."""
+    var scales = List[Float32](length=n * H, fill=1)
+    comptime if is_quantized[dtype]():
+        for j in range(n):
+            for h in range(H):
+                scales[j * H + h] = Float32(1 << ((j + h) % 3)) / 256
+    return scales^
+
+
+def _dot[dtype: DType](k: List[Scalar[dtype]], ks: List[Float32], q: List[Float32], j: Int, r: Int, h: Int) -> Float64:
+    """Query row r . key j of head h (dequantized: times its scale), in Float64."""
+    var sum: Float64 = 0
+    for d in range(D):
+        var kd = k[j * H * D + h * D + d].cast[DType.float64]() * Float64(ks[j * H + h])
+        sum += Float64(q[r * D + d]) * kd
+    return sum
+
+
+def _check_block_and_heads[dtype: DType]() raises:
+    """`qk_block` (4 rows x KB keys: decode over FP8, a few new tokens otherwise) on
+    a full and a partial block of head 1, and `qk_heads` (one row per head, GQA 1) on
+    each key, against Float64 sums of the dequantized keys."""
+    comptime Cache = ContinuousBatchingKVCache[dtype, H, D]
+    comptime STRIDE = Cache.token_stride()
+    comptime n = KB + 1  # the second block is partial: it repeats key n - 1
+    var k = List[Scalar[dtype]](length=n * STRIDE, fill=0)
+    for i in range(len(k)):
+        k[i] = _cached[dtype](i, 5)
+    var ks = _row_scales[dtype](n)
+    var q = List[Float32](length=MAX_ROWS * D, fill=0)  # [rows, D]
+    for i in range(len(q)):
+        q[i] = _value(i, 6)
+    var s = List[Float32](length=BK * MAX_ROWS, fill=0)
+    var qp = q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var sp = s.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var kp = k.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var ksp = ks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+
+    comptime h = 1
+    for j0 in range(0, n, KB):
+        qk_block[Cache](qp, sp, 0, kp.unsafe_offset(h * D), ksp.unsafe_offset(h), j0, n)
+    for j in range(n):
+        for r in range(RB):
+            assert_equal(Float64(s[j * MAX_ROWS + r]), _dot(k, ks, q, j, r, h), String("qk_block key ", j, " row ", r))
+    for j in range(n):
+        qk_heads[Cache](qp, sp, 0, H, kp, kp, ksp, j)
+        for hh in range(H):
+            assert_equal(Float64(s[j * MAX_ROWS + hh]), _dot(k, ks, q, j, hh, hh), String("qk_heads key ", j, " head ", hh))
+    _ = k^  # read through pointers: keep them alive until here
+    _ = ks^
+    _ = q^
+    _ = s^
 
 
 def _check_scores[dtype: DType, R: Int, V: Int, full: Bool, ROW_PAIRS: Bool = False]() raises:
@@ -81,7 +148,8 @@ def _check_pv[dtype: DType, rb: Int, DOT: Bool, SPLIT: Bool = False]() raises:
     comptime n = 13  # odd: the paired form's last key pairs with a zero probability
     var v = List[Scalar[dtype]](length=n * STRIDE, fill=0)
     for i in range(len(v)):
-        v[i] = _value(i, 3).cast[dtype]()
+        v[i] = _cached[dtype](i, 3)
+    var vs = _row_scales[dtype](n)
     var p = List[Float32](length=BK * MAX_ROWS, fill=0)
     var pp = p.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     for j in range(n):
@@ -95,7 +163,8 @@ def _check_pv[dtype: DType, rb: Int, DOT: Bool, SPLIT: Bool = False]() raises:
     var o = List[Float32](length=rb * D, fill=0)
     var op = o.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var vp = v.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    pv_block[dtype, D, STRIDE, rb, DOT, SPLIT](op, pp, 0, vp, n, vp, 0)
+    var vsp = vs.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    pv_block[dtype, D, STRIDE, rb, H, DOT, SPLIT](op, pp, 0, vp, vsp, n, vp, 0)
     comptime order = O_PAIRED if DOT else (O_SPLIT if SPLIT else O_NATURAL)
     for r in range(rb):
         comptime for c in range(0, D, W):
@@ -103,12 +172,13 @@ def _check_pv[dtype: DType, rb: Int, DOT: Bool, SPLIT: Bool = False]() raises:
             comptime for i in range(W):
                 var want: Float64 = 0
                 for j in range(n):
-                    var vd = v[j * STRIDE + c + i].cast[DType.float64]()
+                    var vd = v[j * STRIDE + c + i].cast[DType.float64]() * Float64(vs[j * H])
                     want += Float64(abs(_value(j * rb + r, 4))) * Float64(vd)
                 var where = String("rb ", rb, " DOT ", DOT, " SPLIT ", SPLIT, " row ", r, " column ", c + i)
                 assert_equal(Float64(got[i]), want, where)
     _ = o^  # read through pointers: keep them alive until here
     _ = p^
+    _ = vs^
 
 
 def test_scores_in_8_and_16_lanes() raises:
@@ -129,10 +199,16 @@ def test_scores_over_keys_widened_for_row_pairs() raises:
         _check_scores[DType.bfloat16, R, W, False, True]()
 
 
+def test_block_and_head_scores_over_f32_and_fp8() raises:
+    _check_block_and_heads[DType.float32]()
+    _check_block_and_heads[DType.float8_e4m3fn]()
+
+
 def test_pv_with_and_without_the_bf16_dot_product() raises:
     comptime for rb in [1, 4, 8]:
         _check_pv[DType.float32, rb, False]()
         _check_pv[DType.bfloat16, rb, False]()
+        _check_pv[DType.float8_e4m3fn, rb, False]()
         comptime if VECTOR_REGISTERS >= 32:  # `SPLIT_PV`'s condition
             _check_pv[DType.bfloat16, rb, False, True]()
         comptime if HAS_AVX512_BF16:

@@ -28,7 +28,7 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 from mokv.ops import portable_cpu_paths
 from mokv.ops.cpu_paths import host_takes_portable_paths
 
-from ..fp8_reference import dequantize_blocks, quantize_blocks
+from ..fp8_reference import decode_e4m3fn, dequantize_blocks, quantize_blocks
 
 H, GROUP, D, PAGE, LAYERS, PAGES, HIDDEN = 2, 4, 128, 16, 2, 12, 64
 N_Q = H * GROUP
@@ -85,14 +85,6 @@ def model(request, session):
     layout = "continuous" if request.param == "continuous" else "paged"
     with portable_cpu_paths(session, request.param == "portable"):
         return layout, session.load(_build(layout))
-
-
-def decode_e4m3fn(bits: np.ndarray) -> np.ndarray:
-    """The float64 values of e4m3fn bytes (sign, 4 exponent bits of bias 7, 3 mantissa)."""
-    bits = bits.astype(np.int64)
-    exp, man = (bits >> 3) & 0xF, bits & 0x7
-    mag = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp - 7))
-    return np.where(bits & 0x80, -mag, mag)
 
 
 class Pages:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,8 @@ def _mojo(command: str, *args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=600,
-        env=_clean_env(),  # MAX's libraries leave PYTHONPATH=":" behind (mojo_package.py)
+        env=_clean_env(),  # the driver is a Python script: no PYTHONPATH of MAX's
+        cwd=tempfile.gettempdir(),  # nor the repository's mojo/ folder as its `mojo`
     )
 
 

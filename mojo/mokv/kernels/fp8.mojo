@@ -13,11 +13,9 @@ float64 reference in tests/fp8_reference.py spells out the same steps.
 
 from ..types import KVCacheT, Ptr, SCALE_BLOCK, ScalePtr, is_quantized, scales_per_head
 from .cpu import W
-from .simd import F32Ptr
+from .simd import E4M3FN_WIDENED, F32Ptr, widen
 
 comptime E4M3FN_MAX: Float32 = 448
-comptime E4M3FN_TO_F16_EXP: Float32 = 256
-"""`widen_e4m3fn` returns q / 256: its callers fold the 256 into the scale."""
 
 
 @always_inline
@@ -54,25 +52,19 @@ def store_row[Cache: KVCacheT, src_dtype: DType](cache: Cache, b: Int, h: Int, p
 
 
 @always_inline
-def widen_e4m3fn[width: Int = W](p: Ptr[DType.float8_e4m3fn], off: Int) -> SIMD[DType.float32, width]:
-    """Loads `width` e4m3fn values as float32, each divided by 256 (exactly).
-
-    The byte's sign, exponent and mantissa moved into a float16's fields (the byte's
-    7 low bits shifted up by 7 under its sign) make a float16 of value q * 2^-8:
-    e4m3fn's exponent bias is 7, float16's 15, and a subnormal (exponent 0) maps to a
-    float16 subnormal with the same ratio. The float16 then widens in hardware
-    (`vcvtph2ps`) instead of through the generic e4m3fn conversion. NaN (0x7F/0xFF)
-    never occurs: the quantize saturates."""
-    var bits = p.unsafe_bitcast[UInt8]().unsafe_load[width=width](off).cast[DType.uint16]()
-    var half = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
-    return SIMD[DType.float16, width](from_bits=half).cast[DType.float32]()
+def widened_scale[SSTRIDE: Int](scales: ScalePtr, j: Int) -> Float32:
+    """The factor that makes `widen`'s values of row j of a run (rows `SSTRIDE` scales
+    apart, from the first row's `scales`) into the dequantized values: the row's
+    scale times 256. With one scale per head (head_size 128) the decode forms fold it
+    into the row's scores (K) or probabilities (V) instead of into each value."""
+    return scales.unsafe_load(j * SSTRIDE) * (1 / E4M3FN_WIDENED)
 
 
 @always_inline
 def stage_scaled_tile[Cache: KVCacheT](dst: F32Ptr, src: Ptr[Cache.dtype], scales: ScalePtr, n: Int):
     """Copies n rows of one head of an FP8 cache into contiguous f32 [n, D],
-    dequantized: q * scale, rounded once (the 2^-8 of `widen_e4m3fn` is folded into
-    the scale, a power of two)."""
+    dequantized: q * scale, rounded once (the 2^-8 of `widen` is folded into the
+    scale, a power of two)."""
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
     comptime SSTRIDE = Cache.scale_stride()
@@ -80,6 +72,6 @@ def stage_scaled_tile[Cache: KVCacheT](dst: F32Ptr, src: Ptr[Cache.dtype], scale
     var q = rebind[Ptr[DType.float8_e4m3fn]](src)
     for j in range(n):
         comptime for blk in range(scales_per_head[D]()):
-            var s = SIMD[DType.float32, W](scales.unsafe_load(j * SSTRIDE + blk) * E4M3FN_TO_F16_EXP)
+            var s = SIMD[DType.float32, W](scales.unsafe_load(j * SSTRIDE + blk) * (1 / E4M3FN_WIDENED))
             comptime for c in range(blk * SCALE_BLOCK, (blk + 1) * SCALE_BLOCK, W):
-                dst.unsafe_store(j * D + c, widen_e4m3fn(q, j * STRIDE + c) * s)
+                dst.unsafe_store(j * D + c, widen(q, j * STRIDE + c) * s)

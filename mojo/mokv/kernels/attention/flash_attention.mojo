@@ -57,6 +57,16 @@ lanes and accumulators per register block alike:
     f32 products when scores have std 1 (output magnitudes up to ~0.2), 1.0-1.8e-2
     vs 3.5-5.8e-3 when they have std 4 (outputs up to ~2.3; the Q rounding error
     grows with the scores' size). GQA 8 bf16 at 16k context: ~2.9 -> ~2.0 ms.
+  * FP8 caches (float8_e4m3fn values, a float32 scale per 128 lanes): decode units
+    read the bytes in the decode forms, widened in registers to q / 256 through float16
+    (`simd.widen`: three integer ops and `vcvtph2ps` per vector), and fold each key's
+    scale (times 256) into its summed scores (`qk_block`, `qk_heads`) and into its
+    probabilities in P V (`pv_block`), one multiply per key and row instead of one
+    per element. GQA 8 and 4 heads take `qk_block` rather than `qk_narrow`: it widens
+    a vector of a key's bytes once for 4 rows, where `qk_narrow` widens a group of one
+    or two bytes per FMA. Prefill units stage each tile as f32, dequantized (q * scale
+    rounded once: `fp8.stage_scaled_tile`). Heads of several scale blocks (256 lanes)
+    stage in decode too (`STAGED_UNITS`).
   * Causality: the key loop stops at the unit's last visible position, so tiles the
     mask hides entirely are never read; only the diagonal tile applies a mask.
   * A sliding window (`window` keys, the query's own included; Gemma 3's local layers)
@@ -74,10 +84,10 @@ from std.atomic import Atomic
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
-from ...types import KVCollectionT, Ptr, U32Ptr, is_quantized
+from ...types import KVCollectionT, Ptr, U32Ptr
 from ..parallel import parallel_units
 from ..simd import F32Ptr
-from .forms import PART_SLOT
+from .forms import PART_SLOT, STAGED_UNITS
 from .plan import plan_units
 from .softmax import LOG2E
 from .unit import Merge, Unit, attend_unit, merge_parts
@@ -140,7 +150,7 @@ def flash_attention[Coll: KVCollectionT, q_dtype: DType, target: StaticString](
         var u = unit_ptr[unsafe_offset=i]
         attend_unit(kc, vc, q, output, u, group, n_q, scale, window, sink_log2, parts)
         if u.merge >= 0 and Atomic[Int64].fetch_add(pending_ptr.unsafe_offset(u.merge), -1) == 1:
-            merge_parts[q_dtype, D, is_quantized[Cache.dtype]()](merge_ptr[unsafe_offset=u.merge], parts, output, group, n_q, sink_log2)
+            merge_parts[q_dtype, D, STAGED_UNITS[Cache.dtype, D]](merge_ptr[unsafe_offset=u.merge], parts, output, group, n_q, sink_log2)
 
     parallel_units(body, len(units), ctx)
     _ = pending^

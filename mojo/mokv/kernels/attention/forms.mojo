@@ -2,6 +2,7 @@
 target (from kernels/cpu.mojo's features and tuning table): one place, so that a
 kernel file never tests a feature itself."""
 
+from ...types import is_quantized, scales_per_head
 from ..cpu import HALF_RATE_BF16_DOT, HAS_AVX512_BF16, SPLIT_512_UNITS, VECTOR_REGISTERS, W
 
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
@@ -60,3 +61,9 @@ comptime DECODE_O_ORDER[dtype: DType, D: Int] = O_PAIRED if BF16_PV_DOT[dtype, D
     O_SPLIT if SPLIT_PV[dtype, D] else O_NATURAL
 )
 """The column order decode units keep O in; prefill units keep it natural."""
+comptime STAGED_UNITS[dtype: DType, D: Int] = is_quantized[dtype]() and scales_per_head[D]() > 1
+"""Whether every unit over a `dtype` cache stages its K and V tiles as f32 and takes the
+prefill forms, decode units included: FP8 heads of more than one scale block (256
+lanes and up). The decode forms read FP8 bytes where a head has one scale (128
+lanes), folding it into each key's scores and probabilities; a key's two blocks'
+scales would need two partial dot products per key instead."""

@@ -3,8 +3,8 @@
 from std.math import ceildiv
 from std.sys.info import num_physical_cores
 
-from ...types import KVCacheT, U32Ptr, is_quantized
-from .forms import MAX_ROWS
+from ...types import KVCacheT, U32Ptr
+from .forms import MAX_ROWS, STAGED_UNITS
 from .unit import Merge, Unit, head_rows
 
 comptime MIN_SPLIT_KEYS = 256  # fewest keys a split of one unit's keys gets (split cost: one merge)
@@ -56,7 +56,7 @@ def plan_units[Cache: KVCacheT](
         while t < end:
             var ntok = min(tq, end - t)
             var nh = H
-            while nh * head_rows[is_quantized[Cache.dtype]()](ntok, group) > MAX_ROWS or H % nh != 0:
+            while nh * head_rows[STAGED_UNITS[Cache.dtype, Cache.kv_params.head_size]](ntok, group) > MAX_ROWS or H % nh != 0:
                 nh -= 1
             var first_pos = kc.cache_length(b) + t - start
             var k_lo = max(0, first_pos - window + 1) if window else 0

@@ -5,8 +5,9 @@ keep O's columns in the order their widening or `vdpbf16ps` pairing leaves them,
 from std.memory import bitcast
 from std.utils.index import IndexList
 
-from ...types import Ptr
+from ...types import Ptr, SCALE_BLOCK, ScalePtr, is_quantized
 from ..cpu import W
+from ..fp8 import widened_scale
 from ..simd import F32Ptr, dot_bf16, widen, widen_even, widen_odd
 from .forms import BF16_PV_DOT, MAX_ROWS, O_NATURAL, O_PAIRED, O_SPLIT, RB, SPLIT_PV
 from .tiles import prefetch_spread
@@ -14,12 +15,19 @@ from .tiles import prefetch_spread
 
 @always_inline
 def pv_block[
-    dtype: DType, D: Int, STRIDE: Int, rb: Int = RB, DOT: Bool = BF16_PV_DOT[dtype, D], SPLIT: Bool = SPLIT_PV[dtype, D]
+    dtype: DType,
+    D: Int,
+    STRIDE: Int,
+    rb: Int = RB,
+    SSTRIDE: Int = 0,
+    DOT: Bool = BF16_PV_DOT[dtype, D],
+    SPLIT: Bool = SPLIT_PV[dtype, D],
 ](
     o: F32Ptr,  # [rows, D] output accumulators
     p: F32Ptr,  # probabilities of this tile, key-major: P[r, j] at j * MAX_ROWS + r
     r0: Int,
     vp: Ptr[dtype],  # first value row of the tile; rows STRIDE apart
+    vs: ScalePtr,  # an FP8 cache's scales of that row, rows SSTRIDE apart (else unused)
     n: Int,
     pf: Ptr[dtype],  # rows to prefetch into L2, the columns of V being read (the next tile's K)
     pf_n: Int,  # rows of pf (0: no prefetch)
@@ -38,7 +46,9 @@ def pv_block[
     (`_pair_keys_mask`) until the unit's output (`o_natural`). One thread, cache in
     L2 (medians of three alternating runs): bf16 GQA 8 29.4 -> 27.5 us, GQA 4 35.3 ->
     33.6 us, GQA 1 78.7 -> 75.7 us; GQA 8 two threads at 1 x 16k 1.08 -> 1.05 ms.
-    Each step prefetches the same columns of pf's rows."""
+    Each step prefetches the same columns of pf's rows. An FP8 cache's V is widened
+    unscaled and each key's probability scaled instead (`widened_scale`: one scale
+    per head), one multiply per row and key."""
     comptime KSTEP = 2 if DOT else 1
     comptime NC = _pv_chunks(W // rb, D)
     comptime assert not DOT or NC % 2 == 0, "BF16_DOT pairs V columns 32 at a time"
@@ -71,8 +81,15 @@ def pv_block[
                 else:
                     comptime for cc in range(NC):
                         vv[cc] = widen(vp, j * STRIDE + c0 + cc * W)
+                var vsc: Float32 = 1
+                comptime if is_quantized[dtype]():
+                    comptime assert SSTRIDE > 0 and D == SCALE_BLOCK, "one scale per head, SSTRIDE apart"
+                    vsc = widened_scale[SSTRIDE](vs, j)
                 comptime for rr in range(rb):
-                    var pj = SIMD[DType.float32, W](p.unsafe_load(j * MAX_ROWS + r0 + rr))
+                    var pr = p.unsafe_load(j * MAX_ROWS + r0 + rr)
+                    comptime if is_quantized[dtype]():
+                        pr *= vsc
+                    var pj = SIMD[DType.float32, W](pr)
                     comptime for cc in range(NC):
                         acc[rr * NC + cc] = pj.fma(vv[cc], acc[rr * NC + cc])
         comptime for rr in range(rb):

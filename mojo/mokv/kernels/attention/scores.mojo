@@ -6,8 +6,9 @@ prefill). GQA 8 and 4 decode have forms of their own (scores_group.mojo)."""
 from std.sys.info import size_of
 from std.sys.intrinsics import prefetch, PrefetchOptions
 
-from ...types import KVCacheT, Ptr
+from ...types import KVCacheT, Ptr, SCALE_BLOCK, ScalePtr, is_quantized
 from ..cpu import W
+from ..fp8 import widened_scale
 from ..simd import F32Ptr, dot_bf16, lane_sums, widen
 from .forms import BF16_DOT, KB, MAX_ROWS, RB
 
@@ -18,6 +19,7 @@ def qk_block[Cache: KVCacheT](
     s: F32Ptr,  # [BK, MAX_ROWS] scores of this tile, key-major
     r0: Int,
     kp: Ptr[Cache.dtype],  # the head's first key row of the tile
+    ks: ScalePtr,  # an FP8 cache's scales of that row (else unused)
     j0: Int,
     n: Int,
 ):
@@ -34,7 +36,8 @@ def qk_block[Cache: KVCacheT](
     us, bf16 20.0 vs 19.9), before `qk_narrow` took GQA 4 decode. Keys past n
     repeat key n-1 (never read past the page); their scores land in unused slots. With
     BF16_DOT a step is 32 elements of D as stored: `dot_bf16` multiplies adjacent pairs
-    of D, which is how a key row lies in the cache, so K is used unconverted.
+    of D, which is how a key row lies in the cache, so K is used unconverted. An FP8
+    cache's K is widened unscaled and each key's sums scaled once (`widened_scale`).
     """
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
@@ -66,6 +69,12 @@ def qk_block[Cache: KVCacheT](
                     acc[kk * RB + rr] = rebind[SIMD[DType.float32, W]](qv).fma(
                         rebind[SIMD[DType.float32, W]](kv[kk]), acc[kk * RB + rr]
                     )
+    comptime if is_quantized[Cache.dtype]():
+        comptime assert D == SCALE_BLOCK, "one scale per key row"
+        comptime for kk in range(KB):
+            var ksc = widened_scale[Cache.scale_stride()](ks, min(j0 + kk, n - 1))
+            comptime for rr in range(RB):
+                acc[kk * RB + rr] *= ksc
     var sc = lane_sums(acc)
     comptime for kk in range(KB):
         s.unsafe_store((j0 + kk) * MAX_ROWS + r0, sc.slice[RB, offset=kk * RB]())
@@ -79,6 +88,7 @@ def qk_heads[Cache: KVCacheT](
     nh: Int,  # the unit's heads
     kp: Ptr[Cache.dtype],  # the unit's first key row of the tile
     vp: Ptr[Cache.dtype],  # the unit's first value row of the tile (prefetched)
+    ks: ScalePtr,  # an FP8 cache's scales of the unit's first key row of the tile (else unused)
     j: Int,
 ):
     """S^T[j, h0 .. h0 + 16] = one key's scores for 16 heads of one query row each
@@ -89,7 +99,8 @@ def qk_heads[Cache: KVCacheT](
     their scores land in padding rows. Against 1 row x 16 keys per butterfly with the
     row-major softmax it replaced (32 KV heads): one thread with the cache in L3, f32
     40-45 -> 46-49 GB/s, bf16 44-45 -> 51-52; two threads at 1 x 16k, bf16 27-28 ->
-    29-36 GB/s, f32 level within the noise (30-41 vs 29-38), four alternating runs."""
+    29-36 GB/s, f32 level within the noise (30-41 vs 29-38), four alternating runs.
+    An FP8 cache's K is widened unscaled and each head's sum scaled once."""
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
     comptime DOT = BF16_DOT[Cache.dtype, D]
@@ -117,6 +128,10 @@ def qk_heads[Cache: KVCacheT](
                 )
             else:
                 acc[hh] = rebind[SIMD[DType.float32, W]](qv).fma(widen(kj, hoff[hh] + c), acc[hh])
+    comptime if is_quantized[Cache.dtype]():
+        comptime assert D == SCALE_BLOCK, "one scale per head: adjacent heads' scales are adjacent"
+        comptime for hh in range(W):
+            acc[hh] *= widened_scale[Cache.scale_stride()](ks.unsafe_offset(hoff[hh] // D), j)
     s.unsafe_store(j * MAX_ROWS + h0, lane_sums(acc))
 
 

@@ -5,11 +5,11 @@ from std.math import ceildiv
 from std.memory import stack_allocation
 from std.sys.info import size_of
 
-from ...types import KVCacheT, Ptr, is_quantized, scales_per_head
+from ...types import KVCacheT, Ptr, is_quantized
 from ..cpu import W
 from ..fp8 import stage_scaled_tile
 from ..simd import F32Ptr, exp2
-from .forms import BF16_DOT, BF16_PV_DOT, BK, DECODE_O_ORDER, KB, MAX_ROWS, PART_SLOT, RB
+from .forms import BF16_DOT, BF16_PV_DOT, BK, DECODE_O_ORDER, KB, MAX_ROWS, PART_SLOT, RB, STAGED_UNITS
 from .pv import o_natural, pv_block
 from .scores import qk_block, qk_heads, qk_key_major
 from .scores_group import group_keys, qk_group, store_group_q
@@ -51,8 +51,8 @@ def head_rows[staged: Bool](ntok: Int, group: Int) -> Int:
     """Rows one KV head contributes to a unit: ntok x group, padded to a multiple of W
     when there are at least W (prefill's staged scores), else of RB (decode's 4-, 8-
     and 12-row forms); a single row (GQA 1 decode) is not padded. Padding rows get zero
-    queries and finite junk, and are never stored. `staged` (an FP8 cache, whose tiles
-    every unit stages as f32): always a multiple of W."""
+    queries and finite junk, and are never stored. `staged` (`STAGED_UNITS`: a cache
+    whose tiles every unit stages as f32): always a multiple of W."""
     var rows = ntok * group
     comptime if staged:
         return ceildiv(rows, W) * W
@@ -113,19 +113,26 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
     the form that fits their rows per head), one lane-wise online-softmax step, and
     O += P V head by head. Decode units walk several heads per key tile.
 
-    An FP8 cache's units are all key-major: each K and V tile is staged as f32,
-    dequantized (`stage_scaled_tile`), and every form after the staging is the f32 one.
+    An FP8 cache's key-major units stage each K and V tile as f32, dequantized
+    (`stage_scaled_tile`); its decode units read the bytes in the decode forms, which
+    widen them unscaled and fold each key's scale into its scores and probabilities
+    (one scale per head). With heads of several scale blocks (`STAGED_UNITS`) every
+    unit is key-major.
     """
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
     comptime assert D % W == 0, "head_size must be a multiple of 16 on CPU"
     comptime DOT = BF16_DOT[Cache.dtype, D]
-    comptime STAGED = is_quantized[Cache.dtype]()
-    comptime NB = scales_per_head[D]() if STAGED else 0
+    comptime SSTRIDE = Cache.scale_stride()
+    comptime FP8 = is_quantized[Cache.dtype]()
+    comptime NB = SSTRIDE // Cache.kv_params.num_heads  # scales per head
+    comptime STAGED = STAGED_UNITS[Cache.dtype, D]
     var rows_hp = head_rows[STAGED](u.ntok, group)
     var rows_p = u.nh * rows_hp
-    # Scores of a GQA 8 or 4 head from K as stored (`qk_group`).
-    var narrow = not STAGED and (rows_hp == 8 or rows_hp == 4)
+    # Scores of a GQA 8 or 4 head from K as stored (`qk_group`). Not over FP8 bytes:
+    # `qk_narrow` widens each key's group of 1-2 bytes for one FMA, `qk_block` a vector
+    # of W bytes for 4 rows' FMAs.
+    var narrow = not FP8 and (rows_hp == 8 or rows_hp == 4)
     # Staged, key-major scores for whole vectors of rows; a head of 8 rows is a decode
     # head for `qk_group` even where 8 rows fill a vector (the portable paths' W = 8).
     var key_major = STAGED or (rows_hp % W == 0 and not narrow)
@@ -202,11 +209,18 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
         # K rows while its V rows are read (P V).
         # The diagonal tile (some keys in some row's future), or a tile before some row's window.
         var masked = k_tok + n - 1 > first_pos or k_tok < all_see
+        # An FP8 cache's scales of the unit's first head at the tile's first key (the
+        # score buffer stands in for other caches: never read).
+        var ksp = s
+        var vsp = s
+        comptime if FP8:
+            ksp = kc.scale_ptr(u.b, u.h0, k_tok)
+            vsp = vc.scale_ptr(u.b, u.h0, k_tok)
         if key_major:
             for hh in range(u.nh):
                 prefetch_rows[Cache](vp.unsafe_offset(hh * D), n, D)
-                comptime if STAGED:
-                    stage_scaled_tile[Cache](kf, kp.unsafe_offset(hh * D), kc.scale_ptr(u.b, u.h0 + hh, k_tok), n)
+                comptime if FP8:
+                    stage_scaled_tile[Cache](kf, kp.unsafe_offset(hh * D), ksp.unsafe_offset(hh * NB), n)
                 else:
                     stage_tile[Cache](kf, kp.unsafe_offset(hh * D), n)
                 var r = hh * rows_hp
@@ -221,36 +235,38 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
                     else:
                         qk_key_major[D, 1](qs, kf, s, r, n)
                         r += W
-        elif narrow:
-            # Key blocks outer, heads inner: the tile is read in address order (a
-            # token's heads are adjacent), which the hardware prefetchers follow.
-            comptime NK = group_keys[Cache]()
-            for j0 in range(0, n, NK):
-                for hh in range(u.nh):
-                    var qh = qs.unsafe_offset(hh * rows_hp * D)
-                    var r0 = hh * rows_hp
-                    var kh = kp.unsafe_offset(hh * D)
-                    var vh = vp.unsafe_offset(hh * D)
-                    if j0 + NK > n:
-                        prefetch_rows[Cache](vh.unsafe_offset(j0 * STRIDE), n - j0, D)
-                        if rows_hp == 8:
-                            qk_group[Cache, 8, False](qh, s, r0, kh, vh, j0, n)
-                        else:
-                            qk_group[Cache, 4, False](qh, s, r0, kh, vh, j0, n)
-                    elif rows_hp == 8:
-                        qk_group[Cache, 8, True](qh, s, r0, kh, vh, j0, n)
-                    else:
-                        qk_group[Cache, 4, True](qh, s, r0, kh, vh, j0, n)
-        elif rows_hp == 1:  # GQA 1 decode: key by key, W heads at a time, in address order
-            for j in range(n):
-                for h0 in range(0, u.nh, W):
-                    qk_heads[Cache](qs, s, h0, u.nh, kp, vp, j)
-        else:  # key blocks outer, heads inner, as above
-            for j0 in range(0, n, KB):
-                for hh in range(u.nh):
-                    prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), min(KB, n - j0), D)
-                    for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
-                        qk_block[Cache](qs, s, r0, kp.unsafe_offset(hh * D), j0, n)
+        else:
+            comptime if not STAGED:  # (every unit is key-major)
+                if narrow:
+                    # Key blocks outer, heads inner: the tile is read in address order (a
+                    # token's heads are adjacent), which the hardware prefetchers follow.
+                    comptime NK = group_keys[Cache]()
+                    for j0 in range(0, n, NK):
+                        for hh in range(u.nh):
+                            var qh = qs.unsafe_offset(hh * rows_hp * D)
+                            var r0 = hh * rows_hp
+                            var kh = kp.unsafe_offset(hh * D)
+                            var vh = vp.unsafe_offset(hh * D)
+                            if j0 + NK > n:
+                                prefetch_rows[Cache](vh.unsafe_offset(j0 * STRIDE), n - j0, D)
+                                if rows_hp == 8:
+                                    qk_group[Cache, 8, False](qh, s, r0, kh, vh, j0, n)
+                                else:
+                                    qk_group[Cache, 4, False](qh, s, r0, kh, vh, j0, n)
+                            elif rows_hp == 8:
+                                qk_group[Cache, 8, True](qh, s, r0, kh, vh, j0, n)
+                            else:
+                                qk_group[Cache, 4, True](qh, s, r0, kh, vh, j0, n)
+                elif rows_hp == 1:  # GQA 1 decode: key by key, W heads at a time, in address order
+                    for j in range(n):
+                        for h0 in range(0, u.nh, W):
+                            qk_heads[Cache](qs, s, h0, u.nh, kp, vp, ksp, j)
+                else:  # key blocks outer, heads inner, as above
+                    for j0 in range(0, n, KB):
+                        for hh in range(u.nh):
+                            prefetch_rows[Cache](vp.unsafe_offset(j0 * STRIDE + hh * D), min(KB, n - j0), D)
+                            for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
+                                qk_block[Cache](qs, s, r0, kp.unsafe_offset(hh * D), ksp.unsafe_offset(hh * NB), j0, n)
         if paired:
             softmax_key_major[D, True](s, m, l, o, last, first, rows_p, n, k_tok, masked, pb)
         else:
@@ -259,24 +275,28 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
         if key_major:
             for hh in range(u.nh):
                 prefetch_rows[Cache](kp_next.unsafe_offset(hh * D), n_next, D)
-                comptime if STAGED:
-                    stage_scaled_tile[Cache](kf, vp.unsafe_offset(hh * D), vc.scale_ptr(u.b, u.h0 + hh, k_tok), n)
+                comptime if FP8:
+                    stage_scaled_tile[Cache](kf, vp.unsafe_offset(hh * D), vsp.unsafe_offset(hh * NB), n)
                 else:
                     stage_tile[Cache](kf, vp.unsafe_offset(hh * D), n)
                 for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
-                    pv_block[DType.float32, D, D](o, s, r0, kf, n, kf, 0)
+                    pv_block[DType.float32, D, D](o, s, r0, kf, vsp, n, kf, 0)
         else:
-            var p = pb if paired else s
-            for hh in range(u.nh):
-                var vh = vp.unsafe_offset(hh * D)
-                var kh = kp_next.unsafe_offset(hh * D)
-                if rows_hp == 8:
-                    pv_block[Cache.dtype, D, STRIDE, 8](o, p, hh * 8, vh, n, kh, n_next)
-                elif rows_hp == 1:
-                    pv_block[Cache.dtype, D, STRIDE, 1](o, p, hh, vh, n, kh, n_next)
-                else:
-                    for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
-                        pv_block[Cache.dtype, D, STRIDE](o, p, r0, vh, n, kh, n_next if r0 == hh * rows_hp else 0)
+            comptime if not STAGED:
+                var p = pb if paired else s
+                for hh in range(u.nh):
+                    var vh = vp.unsafe_offset(hh * D)
+                    var kh = kp_next.unsafe_offset(hh * D)
+                    var vsh = vsp.unsafe_offset(hh * NB)
+                    if rows_hp == 8:
+                        pv_block[Cache.dtype, D, STRIDE, 8, SSTRIDE](o, p, hh * 8, vh, vsh, n, kh, n_next)
+                    elif rows_hp == 1:
+                        pv_block[Cache.dtype, D, STRIDE, 1, SSTRIDE](o, p, hh, vh, vsh, n, kh, n_next)
+                    else:
+                        for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
+                            pv_block[Cache.dtype, D, STRIDE, RB, SSTRIDE](
+                                o, p, r0, vh, vsh, n, kh, n_next if r0 == hh * rows_hp else 0
+                            )
         k_tok += n
 
     if u.part >= 0:  # one split of the keys: keep the raw state for the merge
