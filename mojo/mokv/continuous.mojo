@@ -6,11 +6,16 @@ Layout of the manager's buffer (python/mokv/layouts/continuous.py, `ContinuousBa
     cache_lengths  uint32 [batch_size]   tokens cached before this step
     lookup_table   uint32 [batch_size]   slot of each batch entry
 
+    scales         float32 [max_batch_size, 2, num_layers, max_seq_len, num_heads,
+                   head_size // SCALE_BLOCK]   a float8_e4m3fn cache's per-block scales,
+                   slot by slot as the values (`mokv.kv_collection_ctor.continuous.scaled`);
+                   none for other dtypes
+
 Only the static dims (heads, head size) are struct parameters; slots, layers and
 `max_seq_len` come from the buffer's runtime shape so one kernel serves every model size.
 """
 
-from .types import KVCacheStaticParams, KVCacheT, KVCollectionT, Ptr, ScalePtr, U32Ptr, dtype_of, is_quantized
+from .types import KVCacheStaticParams, KVCacheT, KVCollectionT, Ptr, ScalePtr, U32Ptr, dtype_of, scales_per_head
 
 
 struct ContinuousBatchingKVCache[dtype_: DType, num_heads: Int, head_size: Int](KVCacheT):
@@ -26,10 +31,14 @@ struct ContinuousBatchingKVCache[dtype_: DType, num_heads: Int, head_size: Int](
     var max_seq_len: Int
     var slot_stride: Int  # elements between two slots: 2 * num_layers * max_seq_len * H * D
     var layer_offset: Int  # elements from a slot's start to this (kv, layer) plane
+    var scales: ScalePtr  # [max_batch_size, 2, num_layers, max_seq_len, H, D // SCALE_BLOCK]
+    var scales_slot_stride: Int  # the same strides in scales
+    var scales_layer_offset: Int
 
     def __init__[blocks_dtype: DType, //](
         out self,
         blocks: Ptr[blocks_dtype],
+        scales: ScalePtr,
         cache_lengths: U32Ptr,
         lookup_table: U32Ptr,
         batch_size: Int,
@@ -48,6 +57,9 @@ struct ContinuousBatchingKVCache[dtype_: DType, num_heads: Int, head_size: Int](
         comptime token_elems = Self.num_heads * Self.head_size
         self.slot_stride = 2 * num_layers * max_seq_len * token_elems
         self.layer_offset = (kv_idx * num_layers + layer_idx) * max_seq_len * token_elems
+        self.scales = scales
+        self.scales_slot_stride = 2 * num_layers * max_seq_len * Self.scale_stride()
+        self.scales_layer_offset = (kv_idx * num_layers + layer_idx) * max_seq_len * Self.scale_stride()
 
     def batch_size(self) -> Int:
         return self._batch_size
@@ -61,6 +73,12 @@ struct ContinuousBatchingKVCache[dtype_: DType, num_heads: Int, head_size: Int](
         var off = slot * self.slot_stride + self.layer_offset + (tok * Self.num_heads + head_idx) * Self.head_size
         return self.blocks.unsafe_offset(off)
 
+    def scale_ptr(self, batch_idx: Int, head_idx: Int, tok: Int) -> ScalePtr:
+        debug_assert(tok < self.max_seq_len, "token position past the slot's max_seq_len")
+        var slot = Int(self.lookup_table[unsafe_offset=batch_idx])
+        var off = slot * self.scales_slot_stride + self.scales_layer_offset + tok * Self.scale_stride() + head_idx * scales_per_head[Self.head_size]()
+        return self.scales.unsafe_offset(off)
+
     def max_positions(self) -> Int:
         return self.max_seq_len
 
@@ -71,10 +89,6 @@ struct ContinuousBatchingKVCache[dtype_: DType, num_heads: Int, head_size: Int](
     def token_stride() -> Int:
         return Self.num_heads * Self.head_size
 
-    def scale_ptr(self, batch_idx: Int, head_idx: Int, tok: Int) -> ScalePtr:
-        # MAX 26.7 has no scaled continuous cache either; the collection refuses FP8.
-        comptime assert not is_quantized[Self.dtype](), "continuous caches hold no FP8 values (issue 53: paged only)"
-        return self.cache_lengths.unsafe_bitcast[Float32]()
 
 
 struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int](KVCollectionT):
@@ -89,6 +103,7 @@ struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head
     comptime dtype = dtype_of[Self.dtype_code]()
 
     var blocks: Ptr[Self.dtype]
+    var scales: ScalePtr  # a float8_e4m3fn cache's scales (`mokv.kv_collection_ctor.continuous.scaled`); else unused
     var cache_lengths: U32Ptr
     var lookup_table: U32Ptr
     var _batch_size: Int
@@ -101,6 +116,7 @@ struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head
     def __init__[blocks_dtype: DType, //](
         out self,
         blocks: Ptr[blocks_dtype],
+        scales: ScalePtr,
         cache_lengths: U32Ptr,
         lookup_table: U32Ptr,
         batch_size: Int,
@@ -111,8 +127,8 @@ struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head
     ):
         # `dtype_of[code]()` does not fold at parse time, hence the inferred dtype + rebind.
         comptime assert blocks_dtype == Self.dtype, "blocks dtype does not match dtype_code"
-        comptime assert not is_quantized[Self.dtype](), "continuous caches hold no FP8 values (issue 53: paged only)"
         self.blocks = rebind[Ptr[Self.dtype]](blocks)
+        self.scales = scales
         self.cache_lengths = cache_lengths
         self.lookup_table = lookup_table
         self._batch_size = batch_size
@@ -125,6 +141,7 @@ struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head
         debug_assert(layer_idx < self._num_layers, "layer_idx out of range")
         return Self.CacheType(
             self.blocks,
+            self.scales,
             self.cache_lengths,
             self.lookup_table,
             self._batch_size,

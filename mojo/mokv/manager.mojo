@@ -31,7 +31,7 @@ from std.utils.lock import BlockingScopedLock, BlockingSpinLock
 
 from .continuous import ContinuousBatchingKVCacheCollection
 from .slots import ContinuousBatchingSlotTable, VALUE_ERROR
-from .types import KVCacheStaticParams, KVCollectionT, Ptr, U32Ptr, dtype_code_of
+from .types import KVCacheStaticParams, KVCollectionT, Ptr, U32Ptr, dtype_code_of, is_quantized
 
 
 struct _InflightBatch(Movable):
@@ -92,6 +92,7 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
         this_device: DeviceContext,
     ) raises:
         """Allocates the zero-filled cache of `max_batch_size` slots on `this_device`."""
+        comptime assert not is_quantized[Self.dtype](), "the Mojo manager holds no FP8 cache (it has no scales to hand the kernels)"
         comptime assert Self.kv_params.num_heads > 0, "kv_params.num_heads must be positive"
         comptime assert Self.kv_params.head_size > 0, "kv_params.head_size must be positive"
         if num_layers < 1:
@@ -154,7 +155,15 @@ struct ContinuousBatchingKVCacheManager[dtype: DType, kv_params: KVCacheStaticPa
             p = arrays.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
             device = arrays^
         var coll = Self.CollectionType(
-            self.blocks_ptr(), p, p.unsafe_offset(n), n, self.max_batch_size, self.num_layers, self.max_seq_len, is_empty
+            self.blocks_ptr(),
+            p.unsafe_bitcast[Float32](),  # no scales (no FP8 cache here): never read
+            p,
+            p.unsafe_offset(n),
+            n,
+            self.max_batch_size,
+            self.num_layers,
+            self.max_seq_len,
+            is_empty,
         )
         with BlockingScopedLock(self._inflight_lock):
             self._inflight.append(_InflightBatch(host^, device^, seq_ids.copy(), Int(p)))

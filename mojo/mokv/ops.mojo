@@ -55,8 +55,42 @@ struct ContinuousKVCollectionCtor:
         is_cache_empty: InputTensor[dtype=DType.bool, rank=1, ...],  # [1], host
         ctx: DeviceContext,
     ) raises -> ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]:
-        return ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size](
+        comptime Coll = ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]
+        comptime assert not is_quantized[Coll.dtype](), "an FP8 cache's collection takes its scales: mokv.kv_collection_ctor.continuous.scaled"
+        return Coll(
             _elems(blocks.unsafe_ptr()),
+            # No scales: any valid address (Mojo's pointers are non-null), never read.
+            _u32(cache_lengths.unsafe_ptr()).unsafe_bitcast[Float32](),
+            _u32(cache_lengths.unsafe_ptr()),
+            _u32(lookup_table.unsafe_ptr()),
+            cache_lengths.dim_size(0),
+            blocks.dim_size(0),
+            blocks.dim_size(2),
+            blocks.dim_size(3),
+            Bool(is_cache_empty.unsafe_ptr()[unsafe_offset=0]),
+        )
+
+
+@register("mokv.kv_collection_ctor.continuous.scaled")
+struct ContinuousScaledKVCollectionCtor:
+    """A float8_e4m3fn continuous cache with MAX 26.7's per-block scales: the values
+    and, beside them, one float32 scale per (slot, k|v, layer, token, head, 128 lanes)."""
+
+    @staticmethod
+    def execute[dtype_code: Int, num_heads: Int, head_size: Int, target: StaticString](
+        blocks: MutableInputTensor[rank=6, ...],  # [max_batch_size, 2, num_layers, max_seq_len, H, D]
+        scales: MutableInputTensor[dtype=DType.float32, rank=6, ...],  # [max_batch_size, 2, num_layers, max_seq_len, H, D // 128]
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size]
+        lookup_table: InputTensor[dtype=DType.uint32, rank=1, ...],  # [batch_size]
+        is_cache_empty: InputTensor[dtype=DType.bool, rank=1, ...],  # [1], host
+        ctx: DeviceContext,
+    ) raises -> ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]:
+        comptime Coll = ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]
+        comptime assert is_quantized[Coll.dtype](), "only an FP8 cache has scales"
+        comptime assert is_cpu[target](), "scaled FP8 pages: mokv's CPU kernels only (MAX 26.7's GPU MHA kernels read no scales)"
+        return Coll(
+            _elems(blocks.unsafe_ptr()),
+            _f32(scales.unsafe_ptr()),
             _u32(cache_lengths.unsafe_ptr()),
             _u32(lookup_table.unsafe_ptr()),
             cache_lengths.dim_size(0),
@@ -111,6 +145,7 @@ struct PagedScaledKVCollectionCtor:
     ) raises -> PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]:
         comptime Coll = PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]
         comptime assert is_quantized[Coll.dtype](), "only an FP8 cache has scales"
+        comptime assert is_cpu[target](), "scaled FP8 pages: mokv's CPU kernels only (MAX 26.7's GPU MHA kernels read no scales)"
         var ml = max_lengths.unsafe_ptr()
         return Coll(
             _elems(blocks.unsafe_ptr()),

@@ -1,7 +1,9 @@
 """mokv's CPU kernels on FP8 pages with per-block scales (issue 53): `store_kv` and
 `fused_qkv_matmul` quantize as they write, `flash_attention` dequantizes as it reads.
 
-One graph per CPU path (native and portable): the scaled collection, `store_kv` into
+One graph per CPU path (native and portable) over a paged cache, and one over a
+continuous cache (native path: the layouts differ only in where a token's row and
+scales are, which the portable path addresses alike): the scaled collection, `store_kv` into
 layer 0, `fused_qkv_matmul` into layer 1, attention over each layer. It runs twice on
 one cache: a prefill of three sequences, then a step of two decodes and one three-token
 chunk over those pages. Checked against tests/fp8_reference.py:
@@ -32,6 +34,7 @@ H, GROUP, D, PAGE, LAYERS, PAGES, HIDDEN = 2, 4, 128, 16, 2, 12, 64
 N_Q = H * GROUP
 NB = D // 128
 MAX_PAGES = 3  # lookup-table columns: 48 positions per sequence
+SLOTS = 4  # of a continuous cache, of MAX_PAGES * PAGE positions each
 # Softmax scales of layers 0 and 1: layer 1's integer projections are ~20 per lane.
 SCALES = (1 / np.sqrt(D), 1 / np.sqrt(D) / 1024)
 PARAMS = mokv.KVCacheParams(
@@ -42,15 +45,18 @@ PREFILL = ([0, 0, 0], [20, 33, 5])  # (cache lengths, new tokens): pages cross a
 STEP = ([20, 33, 5], [1, 1, 3])  # two decodes and a chunk over the prefill's pages
 
 
-def _build() -> Graph:
+def _build(layout: str) -> Graph:
     cpu = DeviceRef.CPU()
     f32 = DType.float32
+    paged = layout == "paged"
+    # The paged cache's pages, or the continuous cache's slots.
+    rows = [PAGES, 2, LAYERS, PAGE, H] if paged else [SLOTS, 2, LAYERS, MAX_PAGES * PAGE, H]
     with Graph("fp8_kernels", input_types=[
-        BufferType(DType.float8_e4m3fn, [PAGES, 2, LAYERS, PAGE, H, D], device=cpu),
-        BufferType(f32, [PAGES, 2, LAYERS, PAGE, H, NB], device=cpu),
+        BufferType(DType.float8_e4m3fn, [*rows, D], device=cpu),
+        BufferType(f32, [*rows, NB], device=cpu),
         TensorType(DType.uint32, ["batch"], device=cpu),
-        TensorType(DType.uint32, ["batch", MAX_PAGES], device=cpu),
-        TensorType(DType.uint32, [1, 2], device=cpu),
+        TensorType(DType.uint32, ["batch", MAX_PAGES] if paged else ["batch"], device=cpu),
+        TensorType(DType.uint32, [1, 2], device=cpu) if paged else TensorType(DType.bool, [1], device=cpu),
         TensorType(f32, ["tokens", H, D], device=cpu),  # k
         TensorType(f32, ["tokens", H, D], device=cpu),  # v
         TensorType(f32, ["tokens", N_Q, D], device=cpu),  # q of layer 0
@@ -58,8 +64,10 @@ def _build() -> Graph:
         TensorType(f32, [(N_Q + 2 * H) * D, HIDDEN], device=cpu),
         TensorType(DType.uint32, ["offsets"], device=cpu),
     ]) as g:
-        blocks, scales, lengths, table, max_lengths, k, v, q, hidden, wqkv, offsets = g.inputs
-        kv = mokv.FetchPagedKVCacheCollection(PARAMS)(blocks.buffer, lengths, table, max_lengths, scales.buffer)
+        blocks, scales, lengths, table, bounds, k, v, q, hidden, wqkv, offsets = g.inputs
+        fetch = (mokv.FetchPagedKVCacheCollection if paged
+                 else mokv.FetchContinuousBatchingKVCacheCollection)(PARAMS)
+        kv = fetch(blocks.buffer, lengths, table, bounds, scales.buffer)
         mokv.ops.store_kv(kv, k, v, offsets, 0)
         q1 = mokv.ops.fused_qkv_matmul(kv, hidden, wqkv, offsets, 1, N_Q)
         out0 = mokv.ops.flash_attention(kv, q, offsets, 0, SCALES[0])
@@ -69,25 +77,41 @@ def _build() -> Graph:
     return g
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module", params=["native", "portable", "continuous"])
 def model(request, session):
+    """(the layout, its model) on a CPU path."""
     if request.param == "portable" and host_takes_portable_paths():
         pytest.skip("this host's native CPU paths are the portable ones")
+    layout = "continuous" if request.param == "continuous" else "paged"
     with portable_cpu_paths(session, request.param == "portable"):
-        return session.load(_build())
+        return layout, session.load(_build(layout))
 
 
 class Pages:
-    """The FP8 cache's numpy arrays (the buffers alias them) and each sequence's pages."""
+    """The FP8 cache's numpy arrays (the buffers alias them) and each sequence's pages
+    (a paged cache) or slot (a continuous one)."""
 
-    def __init__(self, rng):
-        self.bits = np.zeros((PAGES, 2, LAYERS, PAGE, H, D), np.uint8)
-        self.scales = np.full((PAGES, 2, LAYERS, PAGE, H, NB), np.nan, np.float32)
-        self.table = rng.permutation(PAGES)[: 3 * MAX_PAGES].reshape(3, MAX_PAGES).astype(np.uint32)
+    def __init__(self, rng, layout: str):
+        self.paged = layout == "paged"
+        rows = (PAGES, 2, LAYERS, PAGE, H) if self.paged else (SLOTS, 2, LAYERS, MAX_PAGES * PAGE, H)
+        self.bits = np.zeros((*rows, D), np.uint8)
+        self.scales = np.full((*rows, NB), np.nan, np.float32)
+        if self.paged:
+            self.table = rng.permutation(PAGES)[: 3 * MAX_PAGES].reshape(3, MAX_PAGES).astype(np.uint32)
+        else:
+            self.table = rng.permutation(SLOTS)[:3].astype(np.uint32)
 
     def where(self, b, positions):
         pos = np.asarray(positions)
+        if not self.paged:
+            return self.table[b], pos
         return self.table[b, pos // PAGE], pos % PAGE
+
+    def bounds(self, lengths, new) -> np.ndarray:
+        """The paged cache's max lengths, the continuous cache's `is_cache_empty`."""
+        if not self.paged:
+            return np.array([not any(lengths)])
+        return np.array([[max(new), max(c + n for c, n in zip(lengths, new))]], np.uint32)
 
     def read(self, b, layer, kv, positions):
         """(FP8 values as float64, scales) of `positions` of sequence b."""
@@ -106,11 +130,11 @@ def run(model, pages, rng, lengths, new, integers=False):
     wqkv = rng.integers(-2, 3, ((N_Q + 2 * H) * D, HIDDEN))
     offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
     f32 = [a.astype(np.float32) for a in (k, v, q, hidden, wqkv)]
-    max_lengths = np.array([[max(new), max(c + n for c, n in zip(lengths, new))]], np.uint32)
     outs = model.execute(
         Buffer.from_numpy(pages.bits).view(DType.float8_e4m3fn), Buffer.from_numpy(pages.scales),
         Buffer.from_numpy(np.array(lengths, np.uint32)), Buffer.from_numpy(pages.table),
-        Buffer.from_numpy(max_lengths), *(Buffer.from_numpy(a) for a in f32), Buffer.from_numpy(offsets),
+        Buffer.from_numpy(pages.bounds(lengths, new)), *(Buffer.from_numpy(a) for a in f32),
+        Buffer.from_numpy(offsets),
     )
     return dict(zip(("k", "v", "q", "hidden", "wqkv"), f32)), [o.to_numpy() for o in outs], offsets
 
@@ -158,8 +182,9 @@ def fp8_attention_bound(q, keys, values, approx_k, approx_v, lengths, offsets, s
 
 
 def test_fp8_pages_store_and_attention(model):
+    layout, model = model
     rng = np.random.default_rng(53)
-    pages = Pages(rng)
+    pages = Pages(rng, layout)
     steps = [run(model, pages, rng, *PREFILL), run(model, pages, rng, *STEP)]
     # Each sequence's values per layer and K|V, in position order, across both steps.
     seqs = {(layer, kv): [[], [], []] for layer in range(LAYERS) for kv in range(2)}

@@ -1,6 +1,8 @@
-"""Where FP8 pages with per-block scales stop (issue 53), refused by name when a graph is
-built: mokv's ops on a GPU (MAX 26.7 has no GPU kernel for a scaled MHA cache), and
-MAX's own attention layer on a scaled cache (MAX refuses it itself, on any device)."""
+"""Where FP8 pages stop (issue 53), refused by name when a graph is built: mokv's ops
+and collections of scaled pages on a GPU (MAX 26.7 has no GPU kernel for a scaled MHA
+cache), MAX's own attention layer on a scaled cache (MAX refuses it itself, on any
+device) and on an unscaled one with bfloat16 queries (MAX's attention wants FP8
+queries there)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,19 @@ def test_activations_on_a_gpu_over_an_fp8_cache_are_refused_by_name(op):
             calls[op]()
 
 
+UNSCALED = mokv.KVCacheParams(dtype=DType.float8_e4m3fn, n_kv_heads=2, head_dim=128, page_size=128)
+
+
+@pytest.mark.parametrize("layout", [mokv.PAGED, mokv.CONTINUOUS], ids=["paged", "continuous"])
+def test_a_collection_of_scaled_fp8_pages_on_a_gpu_is_refused_by_name(layout):
+    gpu = DeviceRef.GPU()
+    with Graph("scaled_fp8_on_gpu", input_types=layout.input_symbols(FP8, 1, 256, gpu)) as g:
+        fetch = mokv.FetchKVCacheCollection(FP8, 1, layout)
+        with pytest.raises(ValueError, match=r"scaled FP8 pages .* on gpu:0: MAX 26.7's GPU "
+                           "attention and KV stores take no per-block scales for an MHA cache"):
+            fetch(*g.inputs)
+
+
 def test_an_fp8_cache_takes_float_activations_and_no_other():
     with Graph("fp8_int_q", input_types=[
         *cache_types(CPU), TensorType(DType.int32, ["tokens", 8, 128], device=CPU),
@@ -87,3 +102,27 @@ def test_maxs_attention_layer_refuses_a_scaled_fp8_cache_itself(device):
         with pytest.raises(ValueError, match="rope_split_store_ragged does not support a scaled "
                            "quantized KV cache"):
             layers[0](layer_idx, x, None, freqs, offsets)
+
+
+def test_maxs_attention_layer_on_unscaled_fp8_pages_wants_fp8_queries():
+    """MAX 26.7's AttentionWithRope (its Llama's layer) on unscaled FP8 pages (its
+    `--kv-cache-format float8_e4m3fn`) with bfloat16 weights and activations: MAX's own
+    `flash_attention_ragged` takes queries of the cache's dtype only, so the layer does
+    not build (a GPU graph, not compiled; the cache inputs are MAX's own params'). mokv's
+    `flash_attention` takes bfloat16 queries over those pages (docs/quantized.md)."""
+    from max.graph.weights import WeightData
+
+    from ._max_layers import Dims, build_layers, layers_graph
+
+    gpu = DeviceRef.GPU()
+    dims = Dims(dtype=DType.bfloat16, hidden=256, head_dim=128, page_size=128, num_layers=1)
+    layers = build_layers(dims, UNSCALED, gpu)
+    layers.load_state_dict({
+        name: WeightData.from_numpy(np.zeros([int(d) for d in w.shape], np.float32), name)
+        .astype(DType.bfloat16) for name, w in layers.raw_state_dict().items()
+    })
+    (symbols,) = mokv.max_kv_params(UNSCALED, 1, [gpu]).get_symbolic_inputs()
+    with pytest.raises(ValueError, match="expected input to be dtype: DType.float8_e4m3fn, "
+                       "got DType.bfloat16"):
+        layers_graph(symbols, layers, TensorType(DType.bfloat16, ["tokens", 256], device=gpu),
+                     TensorType(DType.float32, [128, 128], device=gpu))

@@ -91,27 +91,48 @@ def test_a_served_trace_reads_as_on_max_s_own_manager(session, fmt):
     assert ours[:used] + ours[used + 1 :] == theirs[:used] + theirs[used + 1 :]
 
 
-def test_a_tree_of_groups_of_fp8_pages(session):
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_tree_of_groups_of_fp8_pages(session, fmt):
     """test_groups.py's trace (a sliding window and a full group, pages sliding off)
-    with unscaled FP8 pages reads as on MAX's own manager; scaled pages in a cache of
-    groups are refused by name (the groups' shared budget holds values only)."""
-    from max.nn.kv_cache import MultiKVCacheParams
+    with FP8 pages reads as on MAX's own manager, and each group's inputs are MAX's leaf
+    by leaf in tree order: for scaled pages its three scale fields beside its values
+    (mokv's scales leaf with the values' pages, MAX's with pages of its own)."""
+    from max.nn.kv_cache import KVCacheInputsPerDevice, MultiKVCacheParams
 
     from .test_groups import loaders, trace
 
-    def tree(fields: dict) -> MultiKVCacheParams:
+    def params_tree(fields: dict) -> MultiKVCacheParams:
         return MultiKVCacheParams.from_params({
             "sliding_attention": max_params(num_layers=3, window_size=200, **fields),
             "full_attention": max_params(num_layers=1, **fields),
         })
 
-    theirs, ours = loaders(session, tree(UNSCALED), pages=400)
+    def scales(manager) -> list:
+        """Every leaf's kind, dtype and rank, and each group's scale fields."""
+        ctx = max_context([1, 2, 3])
+        manager.claim(ctx)
+        manager.alloc(ctx)
+        inputs = manager.runtime_inputs([[ctx]])
+        manager.release(ctx)
+        fields = [
+            (d.kv_scales.dtype, d.kv_scales.shape[1:], d.scales_page_stride.to_numpy().tolist(),
+             d.scales_lookup_table.shape)
+            for d in tree.leaves(inputs, leaf=KVCacheInputsPerDevice)
+            if d.kv_scales is not None
+        ]
+        kinds = [(type(leaf).__name__, leaf.dtype, len(leaf.shape)) for leaf in tree.leaves(inputs)]
+        return [list(inputs), kinds, fields]
+
+    theirs, ours = loaders(session, params_tree(FORMATS[fmt]), pages=400)
     assert trace(ours) == trace(theirs)
+    mine, max_own = scales(ours), scales(theirs)
+    assert mine == max_own
+    assert len(mine[1]) == (20 if fmt == "scaled" else 14)
+    if fmt == "scaled":
+        assert mine[2] == [(DType.float32, (2, 3, 128, 2, 2), [-1], (1, 24)),
+                           (DType.float32, (2, 1, 128, 2, 2), [-1], (1, 24))]
     for manager in (theirs, ours):
         manager.shutdown()
-    args = loader_args(session) | dict(params=tree(SCALED), max_seq_len=1024)
-    with pytest.raises(ValueError, match="scaled FP8 pages .* on a cache of groups"):
-        mokv_loader(**args)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

@@ -30,32 +30,40 @@ def cache_groups(kind: str) -> tuple[CacheGroupConfig, ...]:
     return (CacheGroupConfig("sliding", 1, window_size=WINDOW), other)
 
 
-def make(session, kind: str, tier, num_pages: int = 16) -> mokv.PagedKVCacheManager:
+def make(session, kind: str, tier, num_pages: int = 16, **fields) -> mokv.PagedKVCacheManager:
     """The groups share the device memory of `num_pages` pages of two layers (8: one
     request of 32 tokens takes it all)."""
     return make_paged(session, num_pages=num_pages, max_seq_len=32, groups=cache_groups(kind),
-                      tiers=(tier,))
+                      tiers=(tier,), **fields)
 
 
 def host_config() -> mokv.HostTierConfig:
     return mokv.HostTierConfig(swap_space_gb=HOST_BYTES / 2**30)
 
 
-def serve_filled(m, ctx: TextContext, seed: int) -> dict[str, dict[int, np.ndarray]]:
+def leaves(group) -> list[np.ndarray]:
+    """Aliasing views of the group's buffers on the first device: its values, and the
+    scales of scaled pages."""
+    return [page_copy.numpy_view(b[0]) for b in (group.blocks, group.scales) if b]
+
+
+def serve_filled(m, ctx: TextContext, seed: int) -> dict[str, dict[int, list[np.ndarray]]]:
     """Claims, fetches and steps `ctx` once; before the step, every page it holds in each
-    group gets random bytes (the model's keys and values, or latents). Returns, per
-    group name, each page index's bytes."""
+    group gets random bits (the model's keys and values, or latents, and their scales).
+    Returns, per group name, each page index's bits, leaf by leaf."""
     m.external_claim(ctx.request_id)
     m.fetch([ctx])
     rng = np.random.default_rng(seed)
-    written: dict[str, dict[int, np.ndarray]] = {}
+    written: dict[str, dict[int, list[np.ndarray]]] = {}
     for group in m.replicas[0].groups:
-        view = page_copy.numpy_view(group.blocks[0])
         first, pages = m.get_req_blocks_per_group(ctx.request_id)[group.name]
         written[group.name] = {}
         for idx, page in enumerate(pages, start=first):
-            view[page] = rng.integers(0, 2**32, view[page].shape, dtype=view.dtype)
-            written[group.name][idx] = view[page].copy()
+            written[group.name][idx] = []
+            for view in leaves(group):
+                bits = np.iinfo(view.dtype).max
+                view[page] = rng.integers(0, bits, view[page].shape, view.dtype, endpoint=True)
+                written[group.name][idx].append(view[page].copy())
     ctx.update(1)
     m.step([ctx])
     return written
@@ -86,9 +94,9 @@ def check_loaded(m, request_id: str, written, needed: dict[str, range]) -> None:
     rows = m.get_req_blocks_per_group(request_id)
     for group in m.replicas[0].groups:
         first, pages = rows[group.name]
-        view = page_copy.numpy_view(group.blocks[0])
         for idx in needed[group.name]:
-            np.testing.assert_array_equal(view[pages[idx - first]], written[group.name][idx])
+            for view, bits in zip(leaves(group), written[group.name][idx], strict=True):
+                np.testing.assert_array_equal(view[pages[idx - first]], bits)
 
 
 @pytest.mark.parametrize("kind", ["full", "mla"])
@@ -226,6 +234,45 @@ def test_the_shared_tier_keys_name_each_group_and_round_trip_its_pages(
     assert metrics.cache_tokens == metrics.remote_cache_tokens == 16
     # the window asked for its last 2 pages only, the full group for all 4
     assert b.remote_metrics.hits == 2 + 4 and b.remote_metrics.errors == 0
+    b.check_invariants()
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "remote"])
+def test_scaled_fp8_pages_of_each_group_carry_their_scales_through_its_tiers(
+        session, redis_server, tier):
+    """Scaled FP8 pages (a float32 scale per 4 values) in a cache of groups: each group's
+    tiers store its pages' scales with their values (the shared tier's keys name the
+    format), and a joint hit loads both back, bit for bit, into other device pages."""
+    from max.dtype import DType
+
+    fp8 = dict(dtype=DType.float8_e4m3fn, quantization=mokv.KVCacheQuantization(granularity=4))
+    config = (host_config() if tier == "host" else
+              mokv.RemoteTierConfig(url=redis_server.url, namespace=fresh_namespace()))
+    a = make(session, "full", config, num_pages=8, **fp8)
+    written = serve_filled(a, TextContext(np.arange(17), "A"), seed=1)
+    hashes = a.replicas[0].committed_hashes("A")
+    if tier == "host":
+        a.release("A")
+        evict_from_devices(a, hashes)
+        b = a
+    else:
+        for stack in a.replicas[0].group_tiers:
+            for store in stack.named("remote").stores:
+                assert store.flush(10)
+        keys = redis_server.client().keys(f"mokv:v4:{config.namespace}:*")
+        assert {key.decode().split(":")[3] for key in keys} == {
+            "float8_e4m3fn.p4.l1.h2.d8.s2f32.tp0-1.sliding_window-w6-g0.xxh3",
+            "float8_e4m3fn.p4.l1.h1.d16.s4f32.tp0-1.full-g1.xxh3",
+        }
+        b = make(session, "full", config, num_pages=8, **fp8)
+    ctx = TextContext(np.r_[np.arange(16), [5, 6]], "B")
+    b.external_claim("B")
+    assert b.maybe_reserve(ctx) and ctx.start_idx == 16
+    assert loads_by_group(b, "B") == {0: hashes[2:], 1: hashes}
+    b.fetch([ctx])
+    check_loaded(b, "B", written, {"sliding": range(2, 4), "full": range(4)})
     b.check_invariants()
     a.close()
     b.close()

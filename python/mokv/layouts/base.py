@@ -226,8 +226,10 @@ class FetchKVCacheCollection:
 
     Scaled FP8 pages (`kv_params.quantization`) take the layout's `ScaledInputs`, the
     scales last, and build the collection over both (`mokv.kv_collection_ctor.<name>
-    .scaled`); the paged layout's kernels hold them, nothing else does: unscaled FP8
-    pages and a continuous cache of FP8 pages are refused by name at construction.
+    .scaled`), paged or continuous, on the CPU (a GPU's are refused by name when the
+    collection is built); unscaled FP8 pages are refused by name at construction
+    (mokv's CPU kernels read scaled pages only; MAX 26.7's GPU attention reads FP8
+    pages only with FP8 queries).
     """
 
     layout: CacheLayout
@@ -256,12 +258,8 @@ class FetchKVCacheCollection:
             if kv_params.quantization is None:
                 raise ValueError(
                     f"dtype={kv_params.dtype} without scales (MAX's unscaled FP8 pages): "
-                    "mokv's kernels do not read them; MAX's own ops do (docs/quantized.md)"
-                )
-            if self.layout.name != "paged":
-                raise ValueError(
-                    f"dtype={kv_params.dtype}: mokv's kernels hold FP8 pages in the paged "
-                    f"layout only, not the {self.layout.name} one"
+                    "mokv's CPU kernels read scaled pages only, and MAX 26.7's GPU "
+                    "attention reads FP8 pages only with FP8 queries (docs/quantized.md)"
                 )
         dtype_code(kv_params.dtype)  # fail at construction for an unsupported dtype
         self.kv_params = kv_params
@@ -299,6 +297,12 @@ class FetchKVCacheCollection:
             check_rank(spec.name, value, spec.rank)
         for value in scales:
             _check_scales(value, blocks, params)
+        if scaled and not blocks.device.is_cpu():
+            raise ValueError(
+                f"scaled FP8 pages (quantization={params.quantization!r}) on "
+                f"{blocks.device}: MAX 26.7's GPU attention and KV stores take no per-block "
+                "scales for an MHA cache; mokv's CPU kernels read them (docs/quantized.md)"
+            )
         if self.checked and blocks.device != DeviceRef.CPU():
             raise ValueError(
                 f"checked=True needs a cache on the CPU (the table check reads the tables on "

@@ -96,3 +96,64 @@ def test_the_window_before_a_shared_prefix_end_outlives_older_pages(session):
     assert held(m, "D")["sliding"][1][:2] == window
     m.release("D")
     m.check_invariants()
+
+
+def test_a_slot_holds_its_pages_scales_beside_their_values(session):
+    """Scaled FP8 pages (granularity 4: a float32 scale per 4 one-byte values, as many
+    bytes of scales as of values). A slot is one page of the sliding group (2 heads of
+    16) or 4 of the full group (1 head of 8): 256 bytes of values and 256 of scales, in
+    one allocation of every slot's values, then every slot's scales. Each group's values
+    and scales views alias that memory slot by slot (written through one group, read
+    through the other), and the slots of different groups never overlap, in either
+    region, as slots move between the groups."""
+    from max.dtype import DType
+    from mokv import KVCacheQuantization
+    from mokv.cache.page_copy import numpy_view
+    from mokv.managers.paged.sizing import SlotGeometry, group_slots
+
+    from ..conftest import NUM_LAYERS, small_params
+
+    groups = (CacheGroupConfig("sliding", 1, window_size=5, head_dim=16),
+              CacheGroupConfig("full", 1, n_kv_heads=1))
+    fp8 = dict(dtype=DType.float8_e4m3fn, quantization=KVCacheQuantization(granularity=4))
+    assert group_slots(small_params(groups=groups, **fp8), NUM_LAYERS, 40 * 512 + 511) == (
+        SlotGeometry(512, (1, 4), 40, 256))
+    m = make_paged(session, num_pages=17, max_seq_len=52, groups=groups, **fp8)
+    replica = m.replicas[0]
+    budget = replica.budget
+    assert budget.num_slots == 17 and budget.ratios == [1, 4]
+
+    def views(g: int) -> list[np.ndarray]:  # a page's bytes per row: values, scales
+        group = replica.groups[g]
+        return [numpy_view(b).view(np.uint8).reshape(b.shape[0], -1)
+                for b in (group.blocks[0], group.scales[0])]
+
+    (sliding_values, sliding_scales), (full_values, full_scales) = views(0), views(1)
+    assert sliding_values.shape == sliding_scales.shape == (17, 256)
+    assert full_values.shape == full_scales.shape == (68, 64)
+    for region, (sliding, full) in enumerate([(sliding_values, full_values),
+                                              (sliding_scales, full_scales)]):
+        sliding[:] = (np.arange(17, dtype=np.uint8) + 100 * region)[:, None]
+        np.testing.assert_array_equal(full, sliding.reshape(68, 64))  # the same bytes
+    # A takes every slot: 13 of sliding pages (its window holds 2, 11 are cached) and 4
+    # of full pages (13 held, 3 free); B's 5 full pages need one more slot: one of the
+    # sliding group's, its cached page evicted.
+    served(m, TextContext(np.arange(50), "A"), 1)
+    before = budget.owner[:]
+    assert before.count(0) == 13 and before.count(1) == 4
+    b = TextContext(np.arange(1000, 1020), "B")
+    m.external_claim("B")
+    assert m.maybe_reserve(b)
+    moved = budget.owner[:]
+    assert sum(o == 0 and n == 1 for o, n in zip(before, moved)) == 1
+    rng = np.random.default_rng(0)
+    written = {}
+    for g, own in enumerate(views(0) + views(1)):  # sliding values, scales, full ...
+        group = g // 2
+        pages = [p for s, o in enumerate(moved) if o == group for p in budget.pages(group, s)]
+        written[g] = (pages, rng.integers(0, 256, (len(pages), own.shape[1]), np.uint8))
+        own[pages] = written[g][1]
+    for g, own in enumerate(views(0) + views(1)):
+        pages, data = written[g]
+        np.testing.assert_array_equal(own[pages], data)  # nothing overwrote another's
+    m.check_invariants()

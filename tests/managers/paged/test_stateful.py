@@ -51,9 +51,14 @@ class PagedManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.m = make_paged(SESSION, num_pages=self.num_pages, max_batch_size=4,
                             max_seq_len=MAX_SEQ_LEN, **self.options())
-        self.blocks = self.m.replicas[0].blocks[0].to_numpy()  # aliases the device buffer
+        self.blocks = self.written(self.m.replicas[0].group)  # aliases the device buffer
         self.running: dict[mokv.RequestID, TextContext] = {}
         self.preempted: list[TextContext] = []
+
+    @staticmethod
+    def written(group):
+        """The numpy view of a group's buffer the values read back are written to."""
+        return group.blocks[0].to_numpy()
 
     def cached_values(self, ctx):
         page_size = self.m.page_size
@@ -412,7 +417,7 @@ class GroupMachine(PagedManagerMachine):
     def __init__(self):
         super().__init__()
         self.num_pages = self.m.total_num_pages
-        self.group_blocks = {g.name: g.blocks[0].to_numpy() for g in self.m.replicas[0].groups}
+        self.group_blocks = {g.name: self.written(g) for g in self.m.replicas[0].groups}
 
     def window(self, name, start):
         """The first token a step from `start` reads in group `name`."""
@@ -638,6 +643,21 @@ class WideGroupMachine(GroupMachine):
         self.owners = list(budget.owner)
 
 
+class ScaledWideGroupMachine(WideGroupMachine):
+    """WideGroupMachine's rules on scaled FP8 pages (a float32 scale per 4 values): a
+    slot holds its pages' scales beside their values (groups/budget.py), and the values
+    read back are written to and read from each group's scales, so no group's scales
+    are written through another's view of a slot's scales either."""
+
+    def options(self) -> dict:
+        fp8 = dict(dtype=DType.float8_e4m3fn, quantization=mokv.KVCacheQuantization(granularity=4))
+        return super().options() | fp8
+
+    @staticmethod
+    def written(group):
+        return group.scales[0].to_numpy()
+
+
 PIN_TTL_S = (5.0, 30.0)
 
 
@@ -777,6 +797,12 @@ def test_random_operations_with_recurrent_state_sessions_and_pins(session):
 def test_random_operations_on_groups_sharing_one_budget(session):
     run_machine(session, WideGroupMachine, 120)
     assert WideGroupMachine.hit_tokens > 0 and WideGroupMachine.moved_slots > 0
+
+
+def test_random_operations_on_scaled_fp8_groups_sharing_one_budget(session):
+    moved = WideGroupMachine.moved_slots
+    run_machine(session, ScaledWideGroupMachine, 60)
+    assert ScaledWideGroupMachine.hit_tokens > 0 and WideGroupMachine.moved_slots > moved
 
 
 def test_random_operations_with_pins(session):

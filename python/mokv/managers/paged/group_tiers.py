@@ -53,17 +53,17 @@ Found = int | TierFind | None
 def build_group_tiers(
     params: KVCacheParams,
     num_layers: int,
-    groups: Sequence[tuple[PagePool, list[Buffer], str]],
+    groups: Sequence[tuple[PagePool, list[Buffer], str, list[Buffer] | None]],
     undo: UndoLog,
 ) -> list[TierStack]:
-    """One `TierStack` per group (`groups`: each one's pool, buffers and
-    `mokv.remote.layout.group_key`), each with its share of the host memory. All or
-    nothing: the stacks built before a failure are closed."""
+    """One `TierStack` per group (`groups`: each one's pool, buffers,
+    `mokv.remote.layout.group_key` and scales of scaled pages), each with its share of
+    the host memory. All or nothing: the stacks built before a failure are closed."""
     configs = params.cache_groups(num_layers)
     shares, _ = host_shares(params, num_layers)
     stacks: list[TierStack] = []
     try:
-        for (pool, blocks, key), config, share in zip(groups, configs, shares):
+        for (pool, blocks, key, scales), config, share in zip(groups, configs, shares):
             stacks.append(
                 TierStack(
                     [_share_of(tier, share) for tier in params.tiers],
@@ -72,6 +72,7 @@ def build_group_tiers(
                     pool,
                     blocks,
                     undo,
+                    scales,
                     group_key=key,
                 )
             )

@@ -59,7 +59,6 @@ from ..base import (
 )
 from ..increment import CacheLengthIncrementer
 from . import multistep, sizing
-from .hybrid import check_groups_supported
 from .inputs import ceil_div
 from .metrics import cache_metrics, num_free_pages, shared_tier_metrics
 from .pins import NO_GRANT, PinGrant
@@ -120,7 +119,7 @@ class PagedKVCacheManager(MaxManagerAPI):
             )
         check_devices_hold(params, available_cache_memory, self.devices)
         dp = params.data_parallel_degree
-        check_groups_supported(params, num_layers)
+        params.cache_groups(num_layers)  # ValueError for groups' layers that do not add up
         pages_per_seq = ceil_div(max_seq_len, params.page_size)
         slots = None
         if params.is_hybrid:  # one budget of slots for every group (`groups/budget.py`)

@@ -129,16 +129,20 @@ class PagedReplica:
         self.devices = devices
         self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
         # `num_pages[g]` pages for group `g`, or, with groups, views of one budget's
-        # slabs; `pool` and `blocks` are the first group's.
-        slabs = (
-            []
-            if slots is None
-            else [
-                cache_buffer(DType.uint8, [slots.num_slots * slots.slot_bytes], d) for d in devices
-            ]
-        )
+        # slabs (every slot's values, then every slot's scales of scaled pages:
+        # `sizing.py`); `pool` and `blocks` are the first group's.
+        slabs: list[Buffer] = []
+        scale_slabs: list[Buffer] = []
         if slots is not None:
             num_pages = [slots.num_slots * r for r in slots.ratios]
+            values = slots.num_slots * slots.value_bytes
+            for d in devices:
+                slab = cache_buffer(DType.uint8, [slots.num_slots * slots.slot_bytes], d)
+                if slots.scale_bytes:  # views of the two regions (slices of one buffer)
+                    slabs.append(slab[:values])
+                    scale_slabs.append(slab[values:])
+                else:
+                    slabs.append(slab)
         self.groups: list[FullAttentionGroup] = [
             build_group(
                 params,
@@ -150,6 +154,7 @@ class PagedReplica:
                 self.max_pages_per_seq,
                 undo,
                 slabs,
+                scale_slabs,
             )
             for index, (config, pages) in enumerate(zip(params.cache_groups(num_layers), num_pages))
         ]
@@ -194,7 +199,7 @@ class PagedReplica:
                 params,
                 num_layers,
                 [
-                    (g.pool, g.blocks, group_key(g.kind, g.index, g.window_size))
+                    (g.pool, g.blocks, group_key(g.kind, g.index, g.window_size), g.scales)
                     for g in self.groups
                 ],
                 undo,

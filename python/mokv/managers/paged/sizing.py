@@ -21,6 +21,13 @@ group, and holds between steps `request_pages` of each group (a sliding-window g
 mokv does as MAX 26.7's Jenga pool does (its huge blocks are these slots), without its
 padding: a slot is the exact least common multiple, so no byte of a page is padding
 (`docs/groups.md#memory`; `docs/benchmarks.md` measures both).
+
+Scaled FP8 pages (`KVCacheParams.quantization`) have a scales leaf beside their values.
+A slot holds its pages' scales too, in a region of its own after every slot's values
+(`SlotGeometry.scale_bytes`), so each group's values and scales stay one contiguous
+view each. A page's scales are its values' bytes times `scale size / (granularity *
+value size)`, the same factor in every group (the format is the cache's), so the
+`ratios[g]` pages of any group fill a slot's scales exactly as they fill its values.
 """
 
 from __future__ import annotations
@@ -58,6 +65,17 @@ def device_page_bytes(params: KVCacheParams, group: CacheGroupConfig) -> int:
     )
 
 
+def device_scale_bytes(params: KVCacheParams, group: CacheGroupConfig) -> int:
+    """Bytes of the scales of one page of `group` on one device (0: no scales): the
+    page's values' bytes, with `scales_per_head` scales of their dtype per head."""
+    shape = params.group_params(group)
+    if shape.quantization is None:
+        return 0
+    values = device_page_bytes(params, group)
+    per_head = shape.head_dim * shape.dtype.size_in_bytes
+    return values // per_head * shape.scales_per_head * shape.quantization.scale_dtype.size_in_bytes
+
+
 def request_pages(group: CacheGroupConfig, pages_per_seq: int, page_size: int) -> int:
     """Pages one request of `pages_per_seq` pages holds in `group` between steps."""
     if group.window_size is None:
@@ -70,10 +88,18 @@ class SlotGeometry:
     """How a replica's budget is cut for its groups (`groups/budget.py`)."""
 
     slot_bytes: int
-    """Bytes of one slot on one device: the least common multiple of the page sizes."""
+    """Bytes of one slot on one device: the least common multiple of the page sizes
+    (their values'), and the scales of scaled pages (`scale_bytes` of them)."""
     ratios: tuple[int, ...]
     """Pages of each group one slot holds."""
     num_slots: int
+    scale_bytes: int = 0
+    """Bytes of a slot's scales (of `ratios[g]` pages of any group), 0 without scales."""
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of a slot's values."""
+        return self.slot_bytes - self.scale_bytes
 
     def slots_for(self, pages: Sequence[int]) -> int:
         """Slots that hold `pages[g]` pages of each group."""
@@ -83,10 +109,14 @@ class SlotGeometry:
 def group_slots(params: KVCacheParams, num_layers: int, memory: int) -> SlotGeometry:
     """The slots of one replica's share of `memory` (each device holds its share of a
     replica's, `tensor_parallel_degree` of them)."""
-    sizes = [device_page_bytes(params, g) for g in params.cache_groups(num_layers)]
-    slot = lcm(*sizes)
+    groups = params.cache_groups(num_layers)
+    sizes = [device_page_bytes(params, g) for g in groups]
+    values = lcm(*sizes)
+    ratios = tuple(values // b for b in sizes)
+    scales = ratios[0] * device_scale_bytes(params, groups[0])  # any group's (module doc)
+    slot = values + scales
     per_device = memory // params.data_parallel_degree // params.tensor_parallel_degree
-    return SlotGeometry(slot, tuple(slot // b for b in sizes), per_device // slot)
+    return SlotGeometry(slot, ratios, per_device // slot, scales)
 
 
 def request_slots(

@@ -52,9 +52,10 @@ def build_group(
     max_pages_per_seq: int,
     undo: UndoLog,
     slabs: Sequence[Buffer] = (),
+    scale_slabs: Sequence[Buffer] = (),
 ) -> FullAttentionGroup:
     """The group of kind `config.kind`, `index`-th of its replica, on `num_pages` pages
-    (views of `slabs`, if any)."""
+    (views of `slabs`, if any, and of `scale_slabs` for scaled pages' scales)."""
     args = (
         params.group_params(config),
         range(config.num_layers),
@@ -70,11 +71,19 @@ def build_group(
             name=config.name,
             index=index,
             slabs=slabs,
+            scale_slabs=scale_slabs,
             latent_dim=config.latent_dim,
             rope_dim=config.mla_head_dim - config.latent_dim,
         )
     if config.window_size is None:
-        return FullAttentionGroup(*args, name=config.name, index=index, slabs=slabs)
+        return FullAttentionGroup(
+            *args, name=config.name, index=index, slabs=slabs, scale_slabs=scale_slabs
+        )
     return SlidingWindowGroup(
-        *args, name=config.name, index=index, slabs=slabs, window_size=config.window_size
+        *args,
+        name=config.name,
+        index=index,
+        slabs=slabs,
+        scale_slabs=scale_slabs,
+        window_size=config.window_size,
     )

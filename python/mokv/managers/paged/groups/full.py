@@ -39,8 +39,9 @@ class FullAttentionGroup:
     `name` is the group's (`CacheGroupConfig.name`) and `index` its place among the
     replica's groups: its row of a request is `req.rows[index]` in a replica of several
     groups, `req.pages` in one of a single group (`row`). `slabs` (one per device): the
-    memory its buffers view, shared with the other groups (`budget.py`); none: buffers
-    of its own."""
+    memory its buffers view, shared with the other groups (`budget.py`), and
+    `scale_slabs` the memory its scales view (scaled pages); none: buffers of its
+    own."""
 
     kind: ClassVar[str] = "full"
     window_size: int | None = None
@@ -60,6 +61,7 @@ class FullAttentionGroup:
         name: str = "full_attention",
         index: int = 0,
         slabs: Sequence[Buffer] = (),
+        scale_slabs: Sequence[Buffer] = (),
     ) -> None:
         self.name = name
         self.index = index
@@ -74,13 +76,15 @@ class FullAttentionGroup:
             self.blocks = [slab.view(params.dtype, shape) for slab in slabs]
         else:
             self.blocks = [cache_buffer(params.dtype, shape, d) for d in devices]
-        # A shared budget holds values only: `check_groups_supported` refuses scales there.
         scales_shape = params.scales_shape(shape)
-        self.scales: list[Buffer] | None = (
-            None
-            if params.quantization is None or scales_shape is None
-            else [cache_buffer(params.quantization.scale_dtype, scales_shape, d) for d in devices]
-        )
+        self.scales: list[Buffer] | None = None
+        if params.quantization is not None and scales_shape is not None:
+            scale_dtype = params.quantization.scale_dtype
+            self.scales = (
+                [slab.view(scale_dtype, scales_shape) for slab in scale_slabs]
+                if scale_slabs
+                else [cache_buffer(scale_dtype, scales_shape, d) for d in devices]
+            )
         self.page_table = PageTable(max_requests, max_pages_per_seq)
 
     def row(self, req: RequestState) -> list[int]:
