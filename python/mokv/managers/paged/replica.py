@@ -237,12 +237,12 @@ class PagedReplica:
         ]
         if states is not None and states.config.num_checkpoints:  # and each chain's checkpoint
             held_in.append(states.held_in(params))
-        shared_by = len(self.groups) if self.budget is not None else 1
+        shared = [g.pool for g in self.groups] if self.budget is not None else []
         self.sessions: SessionTable | None = (
-            BUILDERS.build(params.sessions, held_in, undo, shared_by) if params.sessions else None
+            BUILDERS.build(params.sessions, held_in, undo, shared) if params.sessions else None
         )
         self.pins: PinTable | None = (
-            BUILDERS.build(params.pins, held_in, undo, shared_by) if params.pins else None
+            BUILDERS.build(params.pins, held_in, undo, shared) if params.pins else None
         )
         for group, stack in zip(self.groups, self.group_tiers):
             if self.pins is not None and stack.keeps_pins:
