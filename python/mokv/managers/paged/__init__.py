@@ -3,6 +3,8 @@
 manager.py  PagedKVCacheManager: routing between data-parallel replicas, the contract
 replica.py  PagedReplica: one replica's requests, cache groups and tiers; plan, apply,
             commit
+replica_parts.py  build_replica_parts: a replica's groups, tiers, sessions and pins,
+            built from the params (all or nothing: what it opened is closed)
 groups/     the cache groups: the protocol (base.py) and one module per kind (full.py)
 plans.py    what a replica holds per request, and its calls' plans
 commit.py   plan_commit: the pages a step filled, with their hashes

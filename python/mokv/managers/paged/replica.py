@@ -58,17 +58,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from functools import partial
 from operator import attrgetter, itemgetter
 
 from max.driver import Buffer, Device
-from max.dtype import DType
 from max.nn.kv_cache import RecurrentStateInputsPerDevice
 
-from ...cache.cache_memory import cache_buffer
 from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
-from ...cache.page_pool import PagePool
 from ...config.params import KVCacheParams
 from ...context import RequestID, TextGenerationContext, check_cache_control
 from ...errors import (
@@ -80,25 +76,16 @@ from ...errors import (
 from ...events.publisher import EventRecorder, GroupSpec
 from ...layouts.paged import PagedInputs
 from ...metrics import prompt_tokens_in
-from ...registry import BUILDERS
-from ...remote.layout import group_key
 from ...tiers.base import CommittedPages
-from ...tiers.stack import PendingLoad, TierStack
+from ...tiers.stack import PendingLoad
 from ...undo import UndoLog
 from ..base import check_request_id
 from .commit import plan_commit
-from .group_tiers import build_group_tiers, host_checkpoint_capacity
-from .groups import FullAttentionGroup, JointGroups, SharedBudget, build_group
-from .groups.state import RecurrentStateGroup
-from .groups.state_host import HostCheckpoints
-from .groups.state_shared import shared_checkpoints
-from .inputs import ceil_div
-from .pins import NO_GRANT, PinGrant, PinTable
+from .groups import JointGroups
+from .pins import NO_GRANT, PinGrant
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
-from .prefix import PrefixChains
-from .sessions import SessionTable
+from .replica_parts import build_replica_parts
 from .sizing import SlotGeometry
-from .window_tails import TailRule
 
 _page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
 _num_fresh = attrgetter("num_fresh")  # of a `Reservation`
@@ -127,126 +114,36 @@ class PagedReplica:
         self.max_seq_len = max_seq_len
         self.max_requests = max_requests
         self.devices = devices
-        self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
-        # `num_pages[g]` pages for group `g`, or, with groups, views of one budget's
-        # slabs (every slot's values, then every slot's scales of scaled pages:
-        # `sizing.py`); `pool` and `blocks` are the first group's.
-        slabs: list[Buffer] = []
-        scale_slabs: list[Buffer] = []
-        if slots is not None:
-            num_pages = [slots.num_slots * r for r in slots.ratios]
-            values = slots.num_slots * slots.value_bytes
-            for d in devices:
-                slab = cache_buffer(DType.uint8, [slots.num_slots * slots.slot_bytes], d)
-                if slots.scale_bytes:  # views of the two regions (slices of one buffer)
-                    slabs.append(slab[:values])
-                    scale_slabs.append(slab[values:])
-                else:
-                    slabs.append(slab)
-        self.groups: list[FullAttentionGroup] = [
-            build_group(
-                params,
-                config,
-                index,
-                pages,
-                devices,
-                max_requests,
-                self.max_pages_per_seq,
-                undo,
-                slabs,
-                scale_slabs,
-            )
-            for index, (config, pages) in enumerate(zip(params.cache_groups(num_layers), num_pages))
-        ]
+        parts = build_replica_parts(
+            params,
+            num_pages,
+            max_requests,
+            max_seq_len,
+            num_layers,
+            devices,
+            hash_fn,
+            root_hash,
+            undo,
+            slots,
+        )
+        self.groups = parts.groups
+        # The first group's, named for the paths of a cache of one group.
         self.group = self.groups[0]
         self.pool = self.group.pool
         self.blocks = self.group.blocks
-        self.chains = PrefixChains(params, self.pool, hash_fn, root_hash, max_seq_len)
-        self.budget = (
-            None
-            if slots is None
-            else SharedBudget([g.pool for g in self.groups], slots.ratios, slots.num_slots)
-        )
-        if self.budget is not None:
-            self.budget.undo = undo
-        states = None
-        if params.recurrent is not None:
-            capacity = host_checkpoint_capacity(params, num_layers)
-            states = RecurrentStateGroup(
-                params.recurrent,
-                params.page_size,
-                devices,
-                max_requests,
-                undo,
-                HostCheckpoints(capacity, undo) if capacity else None,
-                shared_checkpoints(params, len(devices)),
-            )
-        self.states = states
-        """The state layers' live blocks and checkpoints (`groups/state.py`), if any."""
-        if states is not None:  # a checkpoint leaves with its boundary's pages
-            pools = [g.pool for g in self.groups]
-            for pool in pools:
-                pool.on_evict = partial(states.boundaries_evicted, pools)
-        self._prefix_caching = params.enable_prefix_caching
+        self.budget = parts.budget
+        self.states = parts.states
+        self.chains = parts.chains
+        self.group_tiers = parts.group_tiers
+        self.tiers = self.group_tiers[0]
+        self._tiered = bool(self.tiers)  # read on every reservation
+        self.joint = parts.joint
+        self.sessions = parts.sessions
+        self.pins = parts.pins
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}
         self.input_tokens = 0
         self.cache_tokens = 0
-        # Each group's tiers (`group_tiers.py`, none without `params.tiers`); `tiers`
-        # are the first group's.
-        self.group_tiers = (
-            build_group_tiers(
-                params,
-                num_layers,
-                [
-                    (g.pool, g.blocks, group_key(g.kind, g.index, g.window_size), g.scales)
-                    for g in self.groups
-                ],
-                undo,
-            )
-            if params.is_hybrid
-            else [
-                TierStack(
-                    params.tiers,
-                    params,
-                    num_layers,
-                    self.pool,
-                    self.blocks,
-                    undo,
-                    self.group.scales,
-                )
-            ]
-        )
-        self.tiers = self.group_tiers[0]
-        self._tiered = bool(self.tiers)  # read on every reservation
-        self.joint = (
-            JointGroups(
-                self.groups,
-                self.chains,
-                undo,
-                self.group_tiers if self._tiered else None,
-                self.budget,
-                self.states,
-            )
-            if params.is_hybrid
-            else None
-        )
-        # Sessions and pins hold whole chains in a full group, tails in a window's.
-        held_in: list[tuple[PagePool, TierStack, int | TailRule]] = [
-            (g.pool, stack, g.pages_in_window) for g, stack in zip(self.groups, self.group_tiers)
-        ]
-        if states is not None and states.config.num_checkpoints:  # and each chain's checkpoint
-            held_in.append(states.held_in(params))
-        shared = [g.pool for g in self.groups] if self.budget is not None else []
-        self.sessions: SessionTable | None = (
-            BUILDERS.build(params.sessions, held_in, undo, shared) if params.sessions else None
-        )
-        self.pins: PinTable | None = (
-            BUILDERS.build(params.pins, held_in, undo, shared) if params.pins else None
-        )
-        for group, stack in zip(self.groups, self.group_tiers):
-            if self.pins is not None and stack.keeps_pins:
-                group.pool.spill = stack.holds_pinned
         self.withheld_pages = 0
 
     # --- requests -------------------------------------------------------------------
