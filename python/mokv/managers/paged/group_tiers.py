@@ -128,7 +128,7 @@ def found_in_tiers(
     """`found` (a group's device page of each page of `chain`, None where it has none)
     with the pages its tiers hold filled in, tier after tier. A group that needs every
     page up to a hit (`window` 0) has its tiers continue the device's run, as a replica
-    of one group does (`PagedReplica._plan_hits`); a sliding group's tiers are asked
+    of one group does (`ReservationPlanner.plan_hits`); a sliding group's tiers are asked
     only for the pages the joint hit's rule reads (`WindowPages`). Changes nothing but
     the tiers' lookup counters."""
     if window:

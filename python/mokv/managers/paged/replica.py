@@ -63,10 +63,9 @@ from operator import attrgetter, itemgetter
 from max.driver import Buffer, Device
 from max.nn.kv_cache import RecurrentStateInputsPerDevice
 
-from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
 from ...config.params import KVCacheParams
-from ...context import RequestID, TextGenerationContext, check_cache_control
+from ...context import RequestID, TextGenerationContext
 from ...errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
@@ -83,6 +82,7 @@ from ..base import check_request_id
 from .commit import plan_commit
 from .groups import JointGroups
 from .pins import NO_GRANT, PinGrant
+from .planner import ReservationPlanner
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
 from .replica_parts import build_replica_parts
 from .sizing import SlotGeometry
@@ -140,6 +140,15 @@ class PagedReplica:
         self.joint = parts.joint
         self.sessions = parts.sessions
         self.pins = parts.pins
+        self.planner = ReservationPlanner(
+            self.page_size,
+            max_seq_len,
+            self.pool,
+            self.chains,
+            self.tiers,
+            self.joint,
+            self.pins is not None,
+        )
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}
         self.input_tokens = 0
@@ -297,22 +306,11 @@ class PagedReplica:
 
     def plan(self, ctx: TextGenerationContext, num_steps: int) -> Reservation | Held:
         """What reserving `ctx` for `num_steps` steps takes, as a value: `HELD` when the
-        request holds those steps already, else a `Reservation` that `fits` when the pool
-        could take it alone now (`apply` takes it). Raises for a request that is
-        unknown, stale or too long. Pure, but for what the chain memo remembers of its
-        readings and the tiers' lookup counters.
-
-        The cases, cheapest first (a scheduler asks for every running request at every
-        step, and for a waiting prompt at every step until it fits):
-
-            held     the window is held already (most decode steps)        HELD
-            fresh    no prefix can extend the request, which holds pages    fresh pages
-                     (a decode step onto a new page; a prompt's next chunk   only, no
-                     without a prefix to match: `takes_fresh_only`)          lookup
-            refused  a waiting prompt retried as it was refused last          that refusal
-                     (`PrefixChains.refused_again`)                          (the memo's)
-            else     device hits, then each tier's                          a full plan
-        """
+        request holds those steps already (most decode steps: answered here, first),
+        else the `Reservation` its `planner` works out (`ReservationPlanner.plan`), which
+        `fits` when the pool could take it alone now (`apply` takes it). Raises for a
+        request that is unknown, stale or too long. Pure, but for what the chain memo
+        remembers of its readings and the tiers' lookup counters."""
         try:  # `_request` and `check_window`'s test, inlined: this runs on every step
             req = self._requests[ctx.request_id]
         except KeyError:
@@ -325,95 +323,9 @@ class PagedReplica:
             self.joint.check_window(ctx, req)
         # `active_idx > start_idx` holds between steps; past `max_seq_len`, a plan raises.
         needed = ctx.active_idx + num_steps - 1
-        if needed <= self.max_seq_len:
-            if needed <= held:  # then no prefix can match either (`PrefixChains.can_match`)
-                return HELD
-            if self.joint is not None:
-                if not req.pages:  # a first reservation: its keys and control are checked
-                    request_keys(ctx)
-                    self._check_control(ctx)
-                return self.joint.plan(ctx, req, num_steps, self.max_seq_len)
-            if req.pages:
-                if self.takes_fresh_only(ctx, req):
-                    plan = self._reservation(ctx, req, num_steps, (), [])
-                    plan.room = self.pool.num_free  # `pool.room(())`: no hit to revive
-                    return plan
-            else:
-                refused = self.chains.refused_again(ctx, req, num_steps)
-                if refused is not None:
-                    return refused
-        return self._plan_hits(ctx, req, num_steps)
-
-    def _plan_hits(
-        self, ctx: TextGenerationContext, req: RequestState, num_steps: int
-    ) -> Reservation:
-        """`plan`'s last case: the device hits that continue the request's chain, then,
-        while the plan fits, each tier's hits after them."""
-        if not req.pages:  # a first reservation: every key is checked before any is used
-            request_keys(ctx)
-            self._check_control(ctx)
-        hits, tail = self.chains.device_hits(ctx, req, want_tail=self._tiered)
-        plan = self._reservation(ctx, req, num_steps, hits, [])
-        plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)
-        if tail is None:
-            if room < plan.num_fresh and not req.pages and not self._tiered:
-                self.chains.note_refusal(ctx, num_steps, plan)
-            return plan
-        loads: list[PendingLoad] = []
-        parent = hits[-1][1] if hits else plan.parent_hash
-        keys, first = request_keys(ctx), len(req.hashes) + len(hits)
-        for index, tier in enumerate(self.tiers):
-            # A tier hit needs a fresh device page as a miss does, and more hits only
-            # move the window further: a plan that does not fit cannot be made to fit
-            # by a lower tier, so it is not asked. That walk was most of the host tier's
-            # cost: a request at the head of the queue is retried every step until pages
-            # free up, and on the trace replay 97% of the host pages matched belonged to
-            # such tries; and the shared tier would fetch the same bytes at every retry.
-            if not plan.fits:
-                break
-            found = tier.lookup(tail.pages(len(loads)))
-            if not found:
-                continue
-            for hit in found:
-                page_keys = keys.page(first + len(loads), self.page_size) if keys else None
-                loads.append(PendingLoad(index, hit, parent, page_keys))
-                parent = hit.page_hash
-            plan = self._reservation(ctx, req, num_steps, hits, loads)
-            plan.room = room
-        return plan
-
-    def _check_control(self, ctx: TextGenerationContext) -> None:
-        """TypeError for a `cache_control` that is not a `mokv.CacheControl`; ValueError
-        for a pin on a replica without `params.pins` (never accepted and ignored)."""
-        control = check_cache_control(getattr(ctx, "cache_control", None))
-        if control is not None and control.pin_ttl_s is not None and self.pins is None:
-            raise ValueError(
-                f"request {ctx.request_id!r} asks for a pin (cache_control.pin_ttl_s="
-                f"{control.pin_ttl_s!r}) but KVCacheParams.pins is None"
-            )
-
-    def takes_fresh_only(self, ctx: TextGenerationContext, req: RequestState) -> bool:
-        """Whether reserving `ctx` can take fresh pages only, and no prefix: none may
-        extend it (`PrefixChains.can_match`), or it has no page left to look for (a decode
-        step onto a new page). Then `plan` asks for no hit."""
-        last_page = (ctx.end_idx - 1) // self.page_size  # the last one a prefix may reach
-        return last_page <= len(req.hashes) or not self.chains.can_match(ctx, req)
-
-    def _reservation(
-        self,
-        ctx: TextGenerationContext,
-        req: RequestState,
-        num_steps: int,
-        hits: Sequence[tuple[int, int]],
-        loads: list[PendingLoad],
-    ) -> Reservation:
-        """The reservation of `ctx` with these hits (`RequestState.reservation_size`; a
-        load takes a fresh page)."""
-        hit_tokens, num_new = req.reservation_size(
-            ctx, len(hits) + len(loads), num_steps, self.page_size, self.max_seq_len
-        )
-        parent = req.hashes[-1] if req.hashes else None
-        return Reservation(ctx, req, hits, hit_tokens, num_new + len(loads), list(loads), parent)
+        if needed <= held and needed <= self.max_seq_len:
+            return HELD  # then no prefix can match either (`PrefixChains.can_match`)
+        return self.planner.plan(ctx, req, num_steps, needed)
 
     def fits(self, plans: list[Reservation]) -> bool:
         """Whether the pool can take every plan's hits and fresh pages at once."""
