@@ -33,7 +33,7 @@ from ...config.params import KVCacheParams
 from ...config.recurrent import RecurrentStateConfig
 from ...config.tiers import HostTierConfig, TierConfig
 from ...tiers.base import TierHit
-from ...tiers.stack import TierStack
+from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from .sizing import group_bytes_per_page
 
@@ -81,6 +81,19 @@ def build_group_tiers(
             stack.close()
         raise
     return stacks
+
+
+def loads_by_group(
+    loads: Sequence[PendingLoad], num_groups: int
+) -> list[tuple[int, list[PendingLoad]]]:
+    """`loads` by cache group (`PendingLoad.group`), in group order, each group that has
+    some (all in group 0 for a replica of one group)."""
+    if num_groups == 1:
+        return [(0, list(loads))] if loads else []
+    by_group: list[list[PendingLoad]] = [[] for _ in range(num_groups)]
+    for load in loads:
+        by_group[load.group].append(load)
+    return [(g, group_loads) for g, group_loads in enumerate(by_group) if group_loads]
 
 
 def host_shares(params: KVCacheParams, num_layers: int) -> tuple[list[float], float]:

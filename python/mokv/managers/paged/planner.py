@@ -16,38 +16,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...cache.extra_keys import request_keys
-from ...cache.page_pool import PagePool
 from ...context import TextGenerationContext, check_cache_control
-from ...tiers.stack import PendingLoad, TierStack
-from .groups import JointGroups
+from ...tiers.stack import PendingLoad
 from .plans import RequestState, Reservation
-from .prefix import PrefixChains
+from .replica_parts import ReplicaParts
 
 
 class ReservationPlanner:
-    """Plans the reservations of one replica's requests (see the module docstring):
-    `pool`, `chains` and `tiers` are its first group's, `joint` its groups' joint hit
-    (None for one full group); `pins_on`: whether the replica has pins (a request's
-    `cache_control` asking for one is refused without)."""
+    """Plans the reservations of one replica's requests (see the module docstring) over
+    its `parts`: its first group's pool, chains and tiers, its groups' joint hit (None
+    for one full group), and whether it has pins (a request's `cache_control` asking
+    for one is refused without)."""
 
-    def __init__(
-        self,
-        page_size: int,
-        max_seq_len: int,
-        pool: PagePool,
-        chains: PrefixChains,
-        tiers: TierStack,
-        joint: JointGroups | None,
-        pins_on: bool,
-    ) -> None:
+    def __init__(self, parts: ReplicaParts, page_size: int, max_seq_len: int) -> None:
         self.page_size = page_size
         self.max_seq_len = max_seq_len
-        self.pool = pool
-        self.chains = chains
-        self.tiers = tiers
-        self._tiered = bool(tiers)  # read on every plan
-        self.joint = joint
-        self.pins_on = pins_on
+        self.pool = parts.groups[0].pool
+        self.chains = parts.chains
+        self.tiers = parts.group_tiers[0]
+        self._tiered = bool(self.tiers)  # read on every plan
+        self.joint = parts.joint
+        self.pins_on = parts.pins is not None
 
     def plan(
         self, ctx: TextGenerationContext, req: RequestState, num_steps: int, needed: int
