@@ -79,107 +79,77 @@ def build_replica_parts(
     """The parts of a replica of `max_requests` requests on `devices` (its devices split
     the KV heads): group `g` on `num_pages[g]` pages, or, with groups, on views of one
     budget of `slots`. Closes what it opened before it raises."""
-    opened: list[Callable[[], None]] = []  # each part's close, in the order opened
+    opened: list[Callable[[], None]] = []  # the close of each part that runs threads
     try:
-        return _build(
-            params,
-            num_pages,
-            max_requests,
-            max_seq_len,
-            num_layers,
-            devices,
-            hash_fn,
-            root_hash,
-            undo,
-            slots,
-            opened,
+        # `num_pages[g]` pages for group `g`, or, with groups, views of one budget's slabs
+        # (every slot's values, then every slot's scales of scaled pages: `sizing.py`).
+        slabs: list[Buffer] = []
+        scale_slabs: list[Buffer] = []
+        if slots is not None:
+            num_pages = [slots.num_slots * r for r in slots.ratios]
+            values = slots.num_slots * slots.value_bytes
+            for d in devices:
+                slab = cache_buffer(DType.uint8, [slots.num_slots * slots.slot_bytes], d)
+                if slots.scale_bytes:  # views of the two regions (slices of one buffer)
+                    slabs.append(slab[:values])
+                    scale_slabs.append(slab[values:])
+                else:
+                    slabs.append(slab)
+        max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
+        groups = [
+            build_group(
+                params,
+                config,
+                index,
+                pages,
+                devices,
+                max_requests,
+                max_pages_per_seq,
+                undo,
+                slabs,
+                scale_slabs,
+            )
+            for index, (config, pages) in enumerate(zip(params.cache_groups(num_layers), num_pages))
+        ]
+        pools = [g.pool for g in groups]
+        chains = PrefixChains(params, pools[0], hash_fn, root_hash, max_seq_len)
+        budget = None
+        if slots is not None:
+            budget = SharedBudget(pools, slots.ratios, slots.num_slots)
+            budget.undo = undo
+        states = _state_group(params, num_layers, devices, max_requests, undo, opened)
+        if states is not None:  # a checkpoint leaves with its boundary's pages
+            for pool in pools:
+                pool.on_evict = partial(states.boundaries_evicted, pools)
+        group_tiers = _group_tiers(params, num_layers, groups, undo)
+        opened.extend(stack.close for stack in group_tiers)
+        joint = None
+        if params.is_hybrid:
+            tiers = group_tiers if group_tiers[0] else None
+            joint = JointGroups(groups, chains, undo, tiers, budget, states)
+        # Sessions and pins hold whole chains in a full group, tails in a window's, and each
+        # chain's checkpoint; a share of a pool in the budget is of its part of it.
+        held_in: list[tuple[PagePool, TierStack, int | TailRule]] = [
+            (g.pool, stack, g.pages_in_window) for g, stack in zip(groups, group_tiers)
+        ]
+        if states is not None and states.config.num_checkpoints:
+            held_in.append(states.held_in(params))
+        shared = pools if budget is not None else []
+        sessions: SessionTable | None = (
+            BUILDERS.build(params.sessions, held_in, undo, shared) if params.sessions else None
         )
+        pins: PinTable | None = (
+            BUILDERS.build(params.pins, held_in, undo, shared) if params.pins else None
+        )
+        if pins is not None:  # a pinned page a host tier holds pinned too may leave the device
+            for group, stack in zip(groups, group_tiers):
+                if stack.keeps_pins:
+                    group.pool.spill = stack.holds_pinned
+        return ReplicaParts(groups, budget, states, chains, group_tiers, joint, sessions, pins)
     except BaseException:
         for close in reversed(opened):
             close()
         raise
-
-
-def _build(
-    params: KVCacheParams,
-    num_pages: Sequence[int],
-    max_requests: int,
-    max_seq_len: int,
-    num_layers: int,
-    devices: list[Device],
-    hash_fn: PageHashFn,
-    root_hash: int,
-    undo: UndoLog,
-    slots: SlotGeometry | None,
-    opened: list[Callable[[], None]],
-) -> ReplicaParts:
-    """`build_replica_parts`, appending to `opened` the close of each part that runs
-    threads as soon as it is open."""
-    # `num_pages[g]` pages for group `g`, or, with groups, views of one budget's slabs
-    # (every slot's values, then every slot's scales of scaled pages: `sizing.py`).
-    slabs: list[Buffer] = []
-    scale_slabs: list[Buffer] = []
-    if slots is not None:
-        num_pages = [slots.num_slots * r for r in slots.ratios]
-        values = slots.num_slots * slots.value_bytes
-        for d in devices:
-            slab = cache_buffer(DType.uint8, [slots.num_slots * slots.slot_bytes], d)
-            if slots.scale_bytes:  # views of the two regions (slices of one buffer)
-                slabs.append(slab[:values])
-                scale_slabs.append(slab[values:])
-            else:
-                slabs.append(slab)
-    max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
-    groups = [
-        build_group(
-            params,
-            config,
-            index,
-            pages,
-            devices,
-            max_requests,
-            max_pages_per_seq,
-            undo,
-            slabs,
-            scale_slabs,
-        )
-        for index, (config, pages) in enumerate(zip(params.cache_groups(num_layers), num_pages))
-    ]
-    pools = [g.pool for g in groups]
-    chains = PrefixChains(params, pools[0], hash_fn, root_hash, max_seq_len)
-    budget = None
-    if slots is not None:
-        budget = SharedBudget(pools, slots.ratios, slots.num_slots)
-        budget.undo = undo
-    states = _state_group(params, num_layers, devices, max_requests, undo, opened)
-    if states is not None:  # a checkpoint leaves with its boundary's pages
-        for pool in pools:
-            pool.on_evict = partial(states.boundaries_evicted, pools)
-    group_tiers = _group_tiers(params, num_layers, groups, undo)
-    opened.extend(stack.close for stack in group_tiers)
-    joint = None
-    if params.is_hybrid:
-        tiers = group_tiers if group_tiers[0] else None
-        joint = JointGroups(groups, chains, undo, tiers, budget, states)
-    # Sessions and pins hold whole chains in a full group, tails in a window's, and each
-    # chain's checkpoint; a share of a pool in the budget is of its part of it.
-    held_in: list[tuple[PagePool, TierStack, int | TailRule]] = [
-        (g.pool, stack, g.pages_in_window) for g, stack in zip(groups, group_tiers)
-    ]
-    if states is not None and states.config.num_checkpoints:
-        held_in.append(states.held_in(params))
-    shared = pools if budget is not None else []
-    sessions: SessionTable | None = (
-        BUILDERS.build(params.sessions, held_in, undo, shared) if params.sessions else None
-    )
-    pins: PinTable | None = (
-        BUILDERS.build(params.pins, held_in, undo, shared) if params.pins else None
-    )
-    if pins is not None:  # a pinned page a host tier holds pinned too may leave the device
-        for group, stack in zip(groups, group_tiers):
-            if stack.keeps_pins:
-                group.pool.spill = stack.holds_pinned
-    return ReplicaParts(groups, budget, states, chains, group_tiers, joint, sessions, pins)
 
 
 def _state_group(
