@@ -10,6 +10,7 @@ planner.py  ReservationPlanner: a reservation's hits and fresh pages, as a value
 take.py     ReservationTaker: a batch of planned reservations taken, all or nothing
 commit.py   plan_commit, PageCommitter: the pages a step filled, hashed and indexed
 loads.py    PendingLoads: tier hits reserved on requests, loaded before the graph
+batch_inputs.py  BatchInputs: a batch's graph inputs, and the prompt tokens they process
 prefix.py   PrefixChains: where a request's hash chain is rooted, its device hits
 chain_memo.py  each request's hash chain kept across its calls, with its last hits
 sessions.py SessionTable: the hash chains open sessions retain, until when

@@ -66,9 +66,9 @@ from ...errors import (
 )
 from ...events.publisher import EventRecorder, GroupSpec
 from ...layouts.paged import PagedInputs
-from ...metrics import prompt_tokens_in
 from ...undo import UndoLog
 from ..base import check_request_id
+from .batch_inputs import BatchInputs
 from .commit import PageCommitter, plan_commit
 from .loads import PendingLoads
 from .pins import NO_GRANT, PinGrant
@@ -135,9 +135,9 @@ class PagedReplica:
         self.taker = ReservationTaker(parts, undo, self.page_size)
         self.committer = PageCommitter(parts, undo)
         self.loads = PendingLoads(parts, undo)
+        self.inputs = BatchInputs(parts, undo)
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}
-        self.input_tokens = 0
 
     # --- requests -------------------------------------------------------------------
 
@@ -145,6 +145,11 @@ class PagedReplica:
     def num_free_slots(self) -> int:
         """Requests the replica can still claim."""
         return len(self._free_slots)
+
+    @property
+    def input_tokens(self) -> int:
+        """Prompt tokens the graph inputs made the model process (`BatchInputs`)."""
+        return self.inputs.input_tokens
 
     @property
     def cache_tokens(self) -> int:
@@ -352,7 +357,7 @@ class PagedReplica:
         self.loads.load([self._requests[ctx.request_id] for ctx in batch])
 
     def reset_metrics(self) -> None:
-        self.input_tokens = self.taker.cache_tokens = self.committer.withheld_pages = 0
+        self.inputs.input_tokens = self.taker.cache_tokens = self.committer.withheld_pages = 0
         for group in self.groups:
             group.pool.num_evicted_retained = 0
         for stack in self.group_tiers:
@@ -420,40 +425,14 @@ class PagedReplica:
         self, batch: list[TextGenerationContext], num_steps: int
     ) -> list[PagedInputs[Buffer, Buffer]]:
         """The batch's lookup table, cache lengths and max lengths on each device
-        (`PageTable.inputs`). Every request must already hold its pages."""
+        (`BatchInputs.runtime_inputs`). Every request must already hold its pages."""
         reqs = [self._requests[ctx.request_id] for ctx in batch]
-        slots = [req.slot for req in reqs]
-        starts = [ctx.start_idx for ctx in batch]
-        actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
-        if self.joint is not None:
-            inputs = self.joint.runtime_inputs(slots, starts, actives, num_steps)
-        else:
-            inputs = self.group.runtime_inputs(slots, starts, actives, num_steps)
-        self.undo.push(setattr, self, "input_tokens", self.input_tokens)
-        for req, ctx, start, active in zip(reqs, batch, starts, actives):
-            if req.prompt_end < 0:
-                self.undo.push(setattr, req, "prompt_end", -1)
-                req.prompt_end = ctx.end_idx
-            self.input_tokens += prompt_tokens_in(start, start + active, req.prompt_end)
-        return inputs
+        return self.inputs.runtime_inputs(batch, reqs, num_steps)
 
     def check_tables(self, batch: list[TextGenerationContext], num_steps: int) -> None:
         """InvariantError unless the tables `runtime_inputs` hands out for `batch` are safe
-        (`FullAttentionGroup.check_write_windows`; `enable_runtime_checks`)."""
-        if self.joint is not None:
-            self.joint.check_write_windows(batch, self._requests, num_steps)
-            return
-        self.group.check_write_windows(
-            (
-                (
-                    ctx.request_id,
-                    self._requests[ctx.request_id].pages,
-                    ctx.start_idx,
-                    ctx.active_idx + num_steps - 1,
-                )
-                for ctx in batch
-            ),
-        )
+        (`BatchInputs.check_tables`; `enable_runtime_checks`)."""
+        self.inputs.check_tables(batch, self._requests, num_steps)
 
     def check_invariants(self) -> None:
         if self.joint is not None:
