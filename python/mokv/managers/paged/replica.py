@@ -50,7 +50,6 @@ stands, and so does everything before it in the call).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter, itemgetter
 
 from max.driver import Buffer, Device
 from max.nn.kv_cache import RecurrentStateInputsPerDevice
@@ -77,9 +76,6 @@ from .plans import HELD, CommitPlan, Held, RequestState, Reservation
 from .replica_parts import build_replica_parts
 from .sizing import SlotGeometry
 from .take import ReservationTaker
-
-_page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
-_num_fresh = attrgetter("num_fresh")  # of a `Reservation`
 
 
 class PagedReplica:
@@ -127,7 +123,7 @@ class PagedReplica:
         self.chains = parts.chains
         self.group_tiers = parts.group_tiers
         self.tiers = self.group_tiers[0]
-        self._tiered = bool(self.tiers)  # read on every reservation
+        self._tiered = bool(self.tiers)  # read on every commit plan
         self.joint = parts.joint
         self.sessions = parts.sessions
         self.pins = parts.pins
