@@ -10,7 +10,7 @@ import mokv
 import pytest
 from max.driver import CPU
 from max.dtype import DType
-from max.graph import DeviceRef
+from max.graph import DeviceRef, Graph
 from mokv.config.quantization import KVCacheQuantization
 from mokv.layouts import DTYPE_CODES
 
@@ -163,12 +163,20 @@ def test_the_mojo_manager_refuses_fp8_pages_by_dtype(session):
         )
 
 
-def test_mokv_kernels_refuse_fp8_pages_they_do_not_hold_by_name():
-    # mokv's kernels hold scaled FP8 pages, paged or continuous (issue 53, item 2);
-    # MAX's unscaled pages are refused at construction.
-    for fetch in (mokv.FetchPagedKVCacheCollection, mokv.FetchContinuousBatchingKVCacheCollection):
-        with pytest.raises(ValueError, match="without scales .MAX's unscaled FP8 pages."):
-            fetch(params(dtype=DType.float8_e4m3fn), 3)
+@pytest.mark.parametrize("layout", [mokv.PAGED, mokv.CONTINUOUS], ids=["paged", "continuous"])
+def test_mokv_cpu_kernels_refuse_unscaled_fp8_pages_by_name(layout):
+    # mokv's CPU kernels hold scaled FP8 pages, paged or continuous (issue 53, item 2);
+    # MAX's unscaled pages run on a GPU only, so a CPU collection of them is refused
+    # when the graph is built (a GPU's: tests/ops/test_fp8_refusals.py).
+    unscaled = params(dtype=DType.float8_e4m3fn)
+    with Graph(
+        "unscaled_on_cpu", input_types=layout.input_symbols(unscaled, 3, 32, DeviceRef.CPU())
+    ) as g:
+        fetch = mokv.FetchKVCacheCollection(unscaled, 3, layout)
+        with pytest.raises(
+            ValueError, match="without scales .MAX's unscaled FP8 pages. on the CPU"
+        ):
+            fetch(*g.inputs)
 
 
 def fp8_manager(session) -> mokv.PagedKVCacheManager:

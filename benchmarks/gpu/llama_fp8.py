@@ -9,7 +9,12 @@ token for token. The model is a tiny Llama with random bfloat16 weights (a local
 checkpoint, `mokv_graphs.save_checkpoint`); prompts share a page-long prefix, and a
 second run on mokv's cache finds it in mokv's prefix cache (the FP8 pages reused).
 
-MAX compiles no FP8 op for a CPU, so this runs on a GPU only:
+MAX compiles no FP8 op for a CPU, so this runs on a GPU only. With MAX 26.7 it is
+expected to stop in MAX's own pipeline, on MAX's manager, before any mokv code: its
+`AttentionWithRope` hands bfloat16 queries to `flash_attention_ragged`, which takes
+queries of the cache's dtype only ("expected input to be dtype: DType.float8_e4m3fn";
+tests/ops/test_fp8_refusals.py), and its attention kernel reads FP8 pages only on
+sm_100-class and AMD GPUs (docs/quantized.md). The error lands in the JSON.
 
     python benchmarks/gpu/llama_fp8.py [--json PATH]    # exit 0: identical tokens
 

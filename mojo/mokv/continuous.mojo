@@ -15,7 +15,7 @@ Only the static dims (heads, head size) are struct parameters; slots, layers and
 `max_seq_len` come from the buffer's runtime shape so one kernel serves every model size.
 """
 
-from .types import KVCacheStaticParams, KVCacheT, KVCollectionT, Ptr, ScalePtr, U32Ptr, dtype_of, scales_per_head
+from .types import DTYPE_CODE_FLOAT8_E4M3FN, KVCacheStaticParams, KVCacheT, KVCollectionT, Ptr, ScalePtr, U32Ptr, dtype_of, scales_per_head
 
 
 struct ContinuousBatchingKVCache[dtype_: DType, num_heads: Int, head_size: Int](KVCacheT):
@@ -101,6 +101,7 @@ struct ContinuousBatchingKVCacheCollection[dtype_code: Int, num_heads: Int, head
     comptime CacheType = ContinuousBatchingKVCache[Self.dtype, Self.num_heads, Self.head_size]
     comptime name_str = "continuous"
     comptime dtype = dtype_of[Self.dtype_code]()
+    comptime scaled = Self.dtype_code == DTYPE_CODE_FLOAT8_E4M3FN
 
     var blocks: Ptr[Self.dtype]
     var scales: ScalePtr  # a float8_e4m3fn cache's scales (`mokv.kv_collection_ctor.continuous.scaled`); else unused

@@ -56,7 +56,9 @@ struct ContinuousKVCollectionCtor:
         ctx: DeviceContext,
     ) raises -> ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]:
         comptime Coll = ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]
-        comptime assert not is_quantized[Coll.dtype](), "an FP8 cache's collection takes its scales: mokv.kv_collection_ctor.continuous.scaled"
+        comptime assert not Coll.scaled, "an FP8 cache's collection takes its scales: mokv.kv_collection_ctor.continuous.scaled"
+        # MAX's unscaled FP8 pages (dtype code 4): on a GPU only (kernels/unscaled_fp8.mojo).
+        comptime assert not is_quantized[Coll.dtype]() or not is_cpu[target](), "unscaled FP8 pages: on a GPU only (docs/quantized.md)"
         return Coll(
             _elems(blocks.unsafe_ptr()),
             # No scales: any valid address (Mojo's pointers are non-null), never read.
@@ -86,7 +88,7 @@ struct ContinuousScaledKVCollectionCtor:
         ctx: DeviceContext,
     ) raises -> ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]:
         comptime Coll = ContinuousBatchingKVCacheCollection[dtype_code, num_heads, head_size]
-        comptime assert is_quantized[Coll.dtype](), "only an FP8 cache has scales"
+        comptime assert Coll.scaled, "only scaled FP8 pages (dtype code 3) have scales"
         comptime assert is_cpu[target](), "scaled FP8 pages: mokv's CPU kernels only (MAX 26.7's GPU MHA kernels read no scales)"
         return Coll(
             _elems(blocks.unsafe_ptr()),
@@ -112,7 +114,9 @@ struct PagedKVCollectionCtor:
         ctx: DeviceContext,
     ) raises -> PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]:
         comptime Coll = PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]
-        comptime assert not is_quantized[Coll.dtype](), "an FP8 cache's collection takes its scales: mokv.kv_collection_ctor.paged.scaled"
+        comptime assert not Coll.scaled, "an FP8 cache's collection takes its scales: mokv.kv_collection_ctor.paged.scaled"
+        # MAX's unscaled FP8 pages (dtype code 4): on a GPU only (kernels/unscaled_fp8.mojo).
+        comptime assert not is_quantized[Coll.dtype]() or not is_cpu[target](), "unscaled FP8 pages: on a GPU only (docs/quantized.md)"
         var ml = max_lengths.unsafe_ptr()
         return Coll(
             _elems(blocks.unsafe_ptr()),
@@ -144,7 +148,7 @@ struct PagedScaledKVCollectionCtor:
         ctx: DeviceContext,
     ) raises -> PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]:
         comptime Coll = PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]
-        comptime assert is_quantized[Coll.dtype](), "only an FP8 cache has scales"
+        comptime assert Coll.scaled, "only scaled FP8 pages (dtype code 3) have scales"
         comptime assert is_cpu[target](), "scaled FP8 pages: mokv's CPU kernels only (MAX 26.7's GPU MHA kernels read no scales)"
         var ml = max_lengths.unsafe_ptr()
         return Coll(

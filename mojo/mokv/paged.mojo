@@ -17,7 +17,7 @@ Token `tok` of entry `b` lives in page `lookup_table[b, tok // page_size]`, row
 is a power of two; pages, layers and table width are runtime.
 """
 
-from .types import KVCacheStaticParams, KVCacheT, KVCollectionT, Ptr, ScalePtr, U32Ptr, dtype_of, scales_per_head
+from .types import DTYPE_CODE_FLOAT8_E4M3FN, KVCacheStaticParams, KVCacheT, KVCollectionT, Ptr, ScalePtr, U32Ptr, dtype_of, scales_per_head
 
 
 struct PagedKVCache[dtype_: DType, num_heads: Int, head_size: Int, page_size: Int](KVCacheT):
@@ -112,6 +112,7 @@ struct PagedKVCacheCollection[dtype_code: Int, num_heads: Int, head_size: Int, p
     comptime CacheType = PagedKVCache[Self.dtype, Self.num_heads, Self.head_size, Self.page_size]
     comptime name_str = "paged"
     comptime dtype = dtype_of[Self.dtype_code]()
+    comptime scaled = Self.dtype_code == DTYPE_CODE_FLOAT8_E4M3FN
 
     var blocks: Ptr[Self.dtype]
     var scales: ScalePtr  # a float8_e4m3fn cache's scales (`mokv.kv_collection_ctor.paged.scaled`); else unused

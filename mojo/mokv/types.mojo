@@ -26,6 +26,10 @@ comptime DTYPE_CODE_FLOAT32 = 0
 comptime DTYPE_CODE_BFLOAT16 = 1
 comptime DTYPE_CODE_FLOAT16 = 2
 comptime DTYPE_CODE_FLOAT8_E4M3FN = 3
+"""float8_e4m3fn values with per-block scales (MAX's `KVCacheQuantizationConfig`)."""
+comptime DTYPE_CODE_FLOAT8_E4M3FN_UNSCALED = 4
+"""float8_e4m3fn values without scales: MAX's unscaled FP8 pages, on a GPU only
+(kernels/unscaled_fp8.mojo)."""
 
 comptime SCALE_BLOCK = 128
 """Lanes of a head that share one scale in a quantized cache: MAX 26.7's
@@ -34,7 +38,8 @@ comptime SCALE_BLOCK = 128
 
 
 def is_quantized[dtype: DType]() -> Bool:
-    """Whether a cache of `dtype` holds FP8 values with per-block scales."""
+    """Whether a cache of `dtype` holds FP8 values (scaled or not: a collection's
+    `scaled` says which)."""
     return dtype == DType.float8_e4m3fn
 
 
@@ -45,7 +50,7 @@ def scales_per_head[head_size: Int]() -> Int:
 
 def dtype_of[code: Int]() -> DType:
     """Returns the DType of a dtype code (the table in python/mokv/layouts/base.py)."""
-    comptime assert code >= 0 and code <= 3, "unknown mokv dtype code"
+    comptime assert code >= 0 and code <= 4, "unknown mokv dtype code"
     comptime if code == DTYPE_CODE_FLOAT32:
         return DType.float32
     elif code == DTYPE_CODE_BFLOAT16:
@@ -154,6 +159,9 @@ trait KVCollectionT(TrivialRegisterPassable):
 
     comptime CacheType: KVCacheT
     comptime name_str: StaticString
+    comptime scaled: Bool
+    """Whether the FP8 values have per-block scales (dtype code 3; code 4 is MAX's
+    unscaled FP8 pages; False for a cache of another dtype)."""
 
     def get_key_cache(self, layer_idx: Int) -> Self.CacheType:
         """The K cache of `layer_idx`."""

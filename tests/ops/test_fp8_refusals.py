@@ -2,7 +2,8 @@
 and collections of scaled pages on a GPU (MAX 26.7 has no GPU kernel for a scaled MHA
 cache), MAX's own attention layer on a scaled cache (MAX refuses it itself, on any
 device) and on an unscaled one with bfloat16 queries (MAX's attention wants FP8
-queries there)."""
+queries there). mokv's ops over unscaled pages build on a GPU (and compile for sm_90:
+test_virtual_gpu.py); a CPU collection of them is refused (tests/test_quantization.py)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,28 @@ def test_activations_on_a_gpu_over_an_fp8_cache_are_refused_by_name(op):
 
 
 UNSCALED = mokv.KVCacheParams(dtype=DType.float8_e4m3fn, n_kv_heads=2, head_dim=128, page_size=128)
+
+
+@pytest.mark.parametrize("layout", [mokv.PAGED, mokv.CONTINUOUS], ids=["paged", "continuous"])
+def test_mokv_ops_over_unscaled_fp8_pages_on_a_gpu_build(layout):
+    """MAX's unscaled FP8 pages on a GPU: the plain inputs (no scales leaf), a collection
+    of dtype code 4, and mokv's ops take float activations over it; attention returns
+    q's dtype (the op casts MAX's bfloat16 output back)."""
+    gpu = DeviceRef.GPU()
+    with Graph("unscaled_fp8_on_gpu", input_types=[
+        *layout.input_symbols(UNSCALED, 1, 256, gpu),
+        TensorType(DType.bfloat16, ["tokens", 2, 128], device=gpu),
+        TensorType(DType.float32, ["tokens", 8, 128], device=gpu),
+        TensorType(DType.uint32, ["offsets"], device=gpu),
+    ]) as g:
+        *cache, kv, q, offsets = g.inputs
+        coll = mokv.FetchKVCacheCollection(UNSCALED, 1, layout)(*cache)
+        info = layout.info(coll)
+        assert coll.type.parameters["dtype_code"] == 4
+        assert info.dtype == DType.float8_e4m3fn and not info.scaled
+        mokv.ops.store_kv(coll, kv, kv, offsets, 0)
+        out = mokv.ops.flash_attention(coll, q, offsets, 0, 0.1)
+        assert out.dtype == DType.float32 and out.device == gpu
 
 
 @pytest.mark.parametrize("layout", [mokv.PAGED, mokv.CONTINUOUS], ids=["paged", "continuous"])

@@ -45,12 +45,13 @@ from max.gpu import block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
-from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr, is_quantized
+from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .parallel import parallel_units
 from .ragged import batch_of_token
 from .cpu import VECTOR_REGISTERS, W
 from .fp8 import store_row
 from .simd import F32Ptr, lane_sums, widen
+from .unscaled_fp8 import saturated
 
 comptime TB = 64  # tokens per work unit: each weight row is read once per TB tokens
 comptime KC = 512  # K chunk: 4 weight rows of it (8 KiB f32) stay in L1
@@ -453,12 +454,13 @@ def _qkv_gpu[Coll: KVCollectionT, in_dtype: DType, rope: Bool, project: Bool](
 ) raises:
     """RoPE, Q out, K and V into the cache, on a GPU; with `project`, each feature's dot
     product first. One block per (token, head); thread d handles feature d (and, with
-    RoPE, its partner d +- D/2 too, which avoids shared memory and a barrier)."""
+    RoPE, its partner d +- D/2 too, which avoids shared memory and a barrier). Into
+    MAX's unscaled FP8 pages K and V are cast, saturated (kernels/unscaled_fp8.mojo)."""
     comptime Cache = Coll.CacheType
     comptime H = Cache.kv_params.num_heads
     comptime D = Cache.kv_params.head_size
     comptime assert not rope or D % 2 == 0, "RoPE needs an even head_size"
-    comptime assert not is_quantized[Cache.dtype](), "FP8 caches: mokv's CPU kernels only (docs/quantized.md)"
+    comptime assert not Coll.scaled, "scaled FP8 pages: mokv's CPU kernels only (docs/quantized.md)"
     var kc = coll.get_key_cache(layer_idx)
     var vc = coll.get_value_cache(layer_idx)
     var batch_size = coll.batch_size()
@@ -495,9 +497,9 @@ def _qkv_gpu[Coll: KVCollectionT, in_dtype: DType, rope: Bool, project: Bool](
         if band == 0:
             q_out.unsafe_store((tok * n_q + head) * D + d, x.cast[in_dtype]())
         elif band == 1:
-            kc.row_ptr(b, head, pos).unsafe_store(d, x.cast[Cache.dtype]())
+            kc.row_ptr(b, head, pos).unsafe_store(d, saturated[Cache.dtype](x))
         else:
-            vc.row_ptr(b, head, pos).unsafe_store(d, x.cast[Cache.dtype]())
+            vc.row_ptr(b, head, pos).unsafe_store(d, saturated[Cache.dtype](x))
 
     if total_tokens > 0:
         ctx.enqueue_function(kernel, grid_dim=(total_tokens, n_heads_all), block_dim=D)

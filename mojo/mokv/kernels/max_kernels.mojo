@@ -39,6 +39,7 @@ from nn.kv_cache_ragged import generic_flash_attention_kv_cache_ragged
 from ..continuous import ContinuousBatchingKVCacheCollection
 from ..paged import PagedKVCacheCollection
 from ..types import Ptr, U32Ptr, is_quantized
+from .unscaled_fp8 import cast_on_gpu
 
 comptime MAX_KERNELS_ON_CPU = get_defined_bool["MOKV_MAX_KERNELS", False]()
 """Whether the CPU runs MAX's attention too (see the module docstring)."""
@@ -50,9 +51,9 @@ def uses_max_attention[target: StaticString]() -> Bool:
     return not is_cpu[target]() or MAX_KERNELS_ON_CPU
 
 
-def _max_attention[Coll: MaxKVCollectionT, q_dtype: DType, n_q: Int, window: Int, target: StaticString](
+def _max_attention[Coll: MaxKVCollectionT, q_dtype: DType, out_dtype: DType, n_q: Int, window: Int, target: StaticString](
     collection: Coll,
-    output: Ptr[q_dtype],  # [total_tokens, n_q, D]
+    output: Ptr[out_dtype],  # [total_tokens, n_q, D]
     q: Ptr[q_dtype],  # [total_tokens, n_q, D]
     offsets: U32Ptr,  # [batch_size + 1]
     batch_size: Int,
@@ -86,6 +87,52 @@ def _max_attention[Coll: MaxKVCollectionT, q_dtype: DType, n_q: Int, window: Int
         )
 
 
+def _attention_over[Coll: MaxKVCollectionT, q_dtype: DType, n_q: Int, window: Int, target: StaticString](
+    collection: Coll,
+    output: Ptr[q_dtype],  # [total_tokens, n_q, D]
+    q: Ptr[q_dtype],  # [total_tokens, n_q, D]
+    offsets: U32Ptr,
+    batch_size: Int,
+    total_tokens: Int,
+    layer_idx: Int,
+    scale: Float32,
+    max_new_tokens: Int,
+    max_cache_length: Int,
+    ctx: DeviceContext,
+) raises:
+    """`_max_attention` for the op: as it is, or over (unscaled) FP8 pages through MAX's
+    native FP8 path (kernels/unscaled_fp8.mojo): the queries cast to e4m3fn and a
+    bfloat16 output, cast to q's dtype unless it is bfloat16. Scratch buffers are
+    stream-ordered, kept alive until every kernel that reads them is enqueued."""
+    comptime if not is_quantized[Coll.dtype]():
+        _max_attention[n_q=n_q, window=window, target=target](
+            collection, output, q, offsets, batch_size, total_tokens, layer_idx, scale, max_new_tokens, max_cache_length, ctx
+        )
+    else:
+        comptime assert not is_cpu[target](), "FP8 pages on the CPU: mokv's kernels (docs/quantized.md)"
+        comptime FP8 = DType.float8_e4m3fn
+        comptime BF16 = DType.bfloat16
+        var n = total_tokens * n_q * Coll.kv_params.head_size
+        var q8 = ctx.enqueue_create_buffer[FP8](n)
+        var q8_ptr = q8.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+        cast_on_gpu(q8_ptr, q, n, ctx)
+        comptime if q_dtype == BF16:
+            _max_attention[n_q=n_q, window=window, target=target](
+                collection, rebind[Ptr[BF16]](output), q8_ptr, offsets, batch_size, total_tokens, layer_idx, scale,
+                max_new_tokens, max_cache_length, ctx,
+            )
+        else:
+            var out16 = ctx.enqueue_create_buffer[BF16](n)
+            var out16_ptr = out16.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+            _max_attention[n_q=n_q, window=window, target=target](
+                collection, out16_ptr, q8_ptr, offsets, batch_size, total_tokens, layer_idx, scale,
+                max_new_tokens, max_cache_length, ctx,
+            )
+            cast_on_gpu(output, out16_ptr, n, ctx)
+            _ = out16^
+        _ = q8^
+
+
 def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_dtype: DType, n_q: Int, window: Int, target: StaticString](
     coll: PagedKVCacheCollection[dtype_code, H, D, page_size],
     output: Ptr[q_dtype],
@@ -99,7 +146,7 @@ def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_
     """The attention op on a paged cache, through MAX's kernel (see the module)."""
     comptime Coll = PagedKVCacheCollection[dtype_code, H, D, page_size]
     comptime dtype = Coll.dtype
-    comptime assert not is_quantized[dtype](), "FP8 caches: mokv's CPU kernels only (docs/quantized.md)"
+    comptime assert not Coll.scaled, "scaled FP8 pages: mokv's CPU kernels only (docs/quantized.md)"
     var blocks = TileTensor(
         coll.blocks.unsafe_origin_cast[MutAnyOrigin](),
         row_major(Coord(coll.num_pages, Idx[2], coll.num_layers(), Idx[page_size], Idx[H], Idx[D])),
@@ -112,7 +159,7 @@ def paged_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_
     var view = MaxPagedCollection[
         dtype, MaxKVCacheStaticParams(num_heads=H, head_size=D), page_size, MutAnyOrigin, ImmutAnyOrigin, ImmutAnyOrigin, MutAnyOrigin
     ](blocks, lengths, table, UInt32(coll.max_new_tokens), UInt32(max_cache))
-    _max_attention[n_q=n_q, window=window, target=target](
+    _attention_over[n_q=n_q, window=window, target=target](
         view, output, q, offsets, coll.batch_size(), total_tokens, layer_idx, scale, coll.max_new_tokens, max_cache, ctx
     )
 
@@ -130,6 +177,7 @@ def continuous_attention_with_max[dtype_code: Int, H: Int, D: Int, q_dtype: DTyp
     """The attention op on a continuous cache, through MAX's kernel (see the module)."""
     comptime Coll = ContinuousBatchingKVCacheCollection[dtype_code, H, D]
     comptime dtype = Coll.dtype
+    comptime assert not Coll.scaled, "scaled FP8 pages: mokv's CPU kernels only (docs/quantized.md)"
     var batch_size = coll.batch_size()
     var blocks = TileTensor(
         coll.blocks.unsafe_origin_cast[MutAnyOrigin](),
@@ -141,6 +189,6 @@ def continuous_attention_with_max[dtype_code: Int, H: Int, D: Int, q_dtype: DTyp
     var view = MaxContinuousCollection[dtype, MaxKVCacheStaticParams(num_heads=H, head_size=D)](
         blocks, lengths, slots, UInt32(max_new), UInt32(coll.max_seq_len)
     )
-    _max_attention[n_q=n_q, window=window, target=target](
+    _attention_over[n_q=n_q, window=window, target=target](
         view, output, q, offsets, batch_size, total_tokens, layer_idx, scale, max_new, coll.max_seq_len, ctx
     )

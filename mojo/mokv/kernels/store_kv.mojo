@@ -10,20 +10,22 @@ from max.gpu import block_dim, block_idx, thread_idx
 from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu
 
-from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr, is_quantized
+from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .fp8 import store_row
 from .parallel import parallel_units
 from .ragged import batch_of_token
+from .unscaled_fp8 import saturated
 
 
-def store_kv_cache[Cache: KVCacheT, in_dtype: DType, target: StaticString](
+def store_kv_cache[Cache: KVCacheT, in_dtype: DType, scaled: Bool, target: StaticString](
     cache: Cache,
     src: Ptr[in_dtype],  # [total_tokens, num_heads, head_size]
     offsets: U32Ptr,  # [batch_size + 1]
     total_tokens: Int,
     ctx: DeviceContext,
 ) raises:
-    """Writes `src` into `cache` at each token's position (one K or V plane)."""
+    """Writes `src` into `cache` at each token's position (one K or V plane); `scaled`:
+    the collection's (an FP8 cache's values have per-block scales)."""
     comptime H = Cache.kv_params.num_heads
     comptime D = Cache.kv_params.head_size
     var batch_size = cache.batch_size()
@@ -41,8 +43,9 @@ def store_kv_cache[Cache: KVCacheT, in_dtype: DType, target: StaticString](
 
         parallel_units(body, ceildiv(total_tokens, CHUNK), ctx)
     else:
-        comptime assert not is_quantized[Cache.dtype](), "FP8 caches: mokv's CPU kernels only (docs/quantized.md)"
-        # One block per token, threads over the token's H * D elements.
+        comptime assert not scaled, "scaled FP8 pages: mokv's CPU kernels only (docs/quantized.md)"
+        # One block per token, threads over the token's H * D elements. An FP8 cache
+        # here is unscaled (kernels/unscaled_fp8.mojo): each value cast, saturated.
         def kernel() {var cache, var src, var offsets, var batch_size}:
             var tok = Int(block_idx.x)
             var b = batch_of_token(offsets, batch_size, tok)
@@ -51,7 +54,7 @@ def store_kv_cache[Cache: KVCacheT, in_dtype: DType, target: StaticString](
             while e < H * D:
                 var h = e // D
                 var d = e % D
-                cache.row_ptr(b, h, pos).unsafe_store(d, src.unsafe_load(tok * H * D + e).cast[Cache.dtype]())
+                cache.row_ptr(b, h, pos).unsafe_store(d, saturated[Cache.dtype](src.unsafe_load(tok * H * D + e)))
                 e += Int(block_dim.x)
 
         if total_tokens > 0:
@@ -68,5 +71,5 @@ def store_kv[Coll: KVCollectionT, in_dtype: DType, target: StaticString](
     ctx: DeviceContext,
 ) raises:
     """Stores K and V of `layer_idx` (generic body of `mokv.store_kv.ragged.*`)."""
-    store_kv_cache[target=target](coll.get_key_cache(layer_idx), k, offsets, total_tokens, ctx)
-    store_kv_cache[target=target](coll.get_value_cache(layer_idx), v, offsets, total_tokens, ctx)
+    store_kv_cache[scaled=Coll.scaled, target=target](coll.get_key_cache(layer_idx), k, offsets, total_tokens, ctx)
+    store_kv_cache[scaled=Coll.scaled, target=target](coll.get_value_cache(layer_idx), v, offsets, total_tokens, ctx)

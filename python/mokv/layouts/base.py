@@ -50,6 +50,8 @@ DTYPE_CODES: dict[DType, int] = {
     DType.float8_e4m3fn: 3,  # with its scales: `mokv.kv_collection_ctor.paged.scaled`
 }
 """Cache dtypes the kernels support, and their codes (`dtype_of` in mojo/mokv/types.mojo)."""
+UNSCALED_FP8_CODE = 4
+"""The code of float8_e4m3fn pages without scales (MAX's unscaled FP8 pages; a GPU's)."""
 
 
 def dtype_code(dtype: DType) -> int:
@@ -80,6 +82,7 @@ class CollectionInfo(NamedTuple):
     num_layers: int | None = None  # layers of the cache buffer, when known at graph build
     page_size: int | None = None  # tokens per page (paged layouts)
     checked: bool = False  # the fetcher's `checked`: wrappers check the runtime tables
+    scaled: bool = False  # FP8 values with per-block scales (not MAX's unscaled pages)
     inputs: tuple[Any, ...] = ()  # the flat input values the collection was built from
 
 
@@ -153,8 +156,9 @@ class CacheLayout(ABC):
 
     def collection_parameters(self, params: KVCacheParams) -> dict[str, int]:
         """The Mojo collection struct's parameters."""
+        unscaled_fp8 = params.dtype in QUANTIZED_DTYPES and params.quantization is None
         return {
-            "dtype_code": dtype_code(params.dtype),
+            "dtype_code": UNSCALED_FP8_CODE if unscaled_fp8 else dtype_code(params.dtype),
             "num_heads": params.n_kv_heads_per_device,
             "head_size": params.head_dim,
         }
@@ -177,6 +181,7 @@ class CacheLayout(ABC):
         """The static facts of a collection value of this layout."""
         params = collection.type.parameters
         code_to_dtype = {code: dtype for dtype, code in DTYPE_CODES.items()}
+        code_to_dtype[UNSCALED_FP8_CODE] = DType.float8_e4m3fn
         return CollectionInfo(
             self,
             code_to_dtype[int(params["dtype_code"])],
@@ -185,6 +190,7 @@ class CacheLayout(ABC):
             num_layers=getattr(collection, "num_layers", None),
             page_size=int(params["page_size"]) if "page_size" in params else None,
             checked=bool(getattr(collection, "checked", False)),
+            scaled=int(params["dtype_code"]) == DTYPE_CODES[DType.float8_e4m3fn],
             inputs=tuple(getattr(collection, "inputs", ())),
         )
 
@@ -227,9 +233,9 @@ class FetchKVCacheCollection:
     Scaled FP8 pages (`kv_params.quantization`) take the layout's `ScaledInputs`, the
     scales last, and build the collection over both (`mokv.kv_collection_ctor.<name>
     .scaled`), paged or continuous, on the CPU (a GPU's are refused by name when the
-    collection is built); unscaled FP8 pages are refused by name at construction
-    (mokv's CPU kernels read scaled pages only; MAX 26.7's GPU attention reads FP8
-    pages only with FP8 queries).
+    collection is built); unscaled FP8 pages (MAX's `--kv-cache-format float8_e4m3fn`)
+    take the plain `Inputs` on a GPU, and are refused by name on the CPU, whose kernels
+    read scaled pages only.
     """
 
     layout: CacheLayout
@@ -254,13 +260,6 @@ class FetchKVCacheCollection:
             raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
         if not isinstance(checked, bool):
             raise TypeError(f"checked must be a bool, got {checked!r}")
-        if kv_params.dtype in QUANTIZED_DTYPES:
-            if kv_params.quantization is None:
-                raise ValueError(
-                    f"dtype={kv_params.dtype} without scales (MAX's unscaled FP8 pages): "
-                    "mokv's CPU kernels read scaled pages only, and MAX 26.7's GPU "
-                    "attention reads FP8 pages only with FP8 queries (docs/quantized.md)"
-                )
         dtype_code(kv_params.dtype)  # fail at construction for an unsupported dtype
         self.kv_params = kv_params
         self.num_layers = num_layers
@@ -297,6 +296,12 @@ class FetchKVCacheCollection:
             check_rank(spec.name, value, spec.rank)
         for value in scales:
             _check_scales(value, blocks, params)
+        if params.dtype in QUANTIZED_DTYPES and not scaled and blocks.device.is_cpu():
+            raise ValueError(
+                f"dtype={params.dtype} without scales (MAX's unscaled FP8 pages) on the "
+                "CPU: mokv's CPU kernels read scaled pages only; unscaled ones run on a "
+                "GPU (docs/quantized.md)"
+            )
         if scaled and not blocks.device.is_cpu():
             raise ValueError(
                 f"scaled FP8 pages (quantization={params.quantization!r}) on "

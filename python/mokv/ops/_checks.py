@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from max.driver import accelerator_api, accelerator_architecture_name, accelerator_count
 from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, ops
 
@@ -57,22 +58,45 @@ def layer_index(layer_idx: Any, num_layers: int | None = None) -> TensorValue:
 
 QUANTIZED_CACHE_DTYPES = (DType.float8_e4m3fn,)
 """Cache dtypes whose values the kernels quantize as they write and dequantize as they
-read (MAX 26.7's scaled FP8 pages), computing in the activations' dtype."""
+read (MAX 26.7's FP8 pages, scaled or not), computing in the activations' dtype."""
 COMPUTE_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
 
 
-def check_activation_dtype(name: str, x: TensorValue, cache_dtype: DType, op: str) -> None:
+def check_activation_dtype(
+    name: str, x: TensorValue, cache_dtype: DType, op: str, scaled: bool
+) -> None:
     """`x` (q, k, v or hidden) must have the cache's dtype, or, over a quantized (FP8)
-    cache, a float dtype to compute in; a quantized cache is refused on a GPU."""
+    cache, a float dtype to compute in; a scaled one is refused on a GPU (MAX's
+    unscaled FP8 pages run there)."""
     if cache_dtype not in QUANTIZED_CACHE_DTYPES:
         check_dtype(name, x, cache_dtype)
         return
     check_dtype(name, x, *COMPUTE_DTYPES)
-    if not x.device.is_cpu():
+    if scaled and not x.device.is_cpu():
         raise ValueError(
             f"{op}: a {cache_dtype.name} cache runs on mokv's CPU kernels only, got {name} on "
             f"{x.device}: MAX 26.7's GPU attention and KV stores take no per-block scales "
             "(docs/quantized.md)"
+        )
+
+
+NATIVE_FP8_CUDA_ARCHS = ("sm_100", "sm_101", "sm_103")
+"""NVIDIA GPUs on which MAX 26.7's attention reads FP8 pages (its native FP8 path, Blackwell
+datacenter parts: `_is_sm10x_gpu`); on AMD GPUs it does too, on none before sm_100."""
+
+
+def check_native_fp8_attention(op: str, device: DeviceRef) -> None:
+    """ValueError naming the GPU unless MAX's attention reads FP8 pages on it (when
+    the graph is built where MAX sees a GPU, virtual ones included; elsewhere the
+    compile for the GPU stops in MAX's kernel)."""
+    if device.is_cpu() or accelerator_count() == 0 or accelerator_api() != "cuda":
+        return
+    arch = accelerator_architecture_name()
+    if not arch.startswith(NATIVE_FP8_CUDA_ARCHS):
+        raise ValueError(
+            f"{op} over unscaled FP8 pages on {arch}: MAX 26.7's attention reads FP8 pages "
+            f"only on its native FP8 path, on {', '.join(NATIVE_FP8_CUDA_ARCHS)} or AMD "
+            "GPUs (docs/quantized.md)"
         )
 
 

@@ -11,10 +11,12 @@ from max.graph import TensorType, TensorValue, ops
 from ..checks import check_device, check_dtype, check_rank, check_static_dim
 from ..layouts import collection_info
 from ._checks import (
+    QUANTIZED_CACHE_DTYPES,
     check_activation_dtype,
     check_gpu_page_size,
     check_group,
     check_head_dim,
+    check_native_fp8_attention,
     check_row_offsets,
     emit_table_check,
     host_scalar,
@@ -77,7 +79,9 @@ def flash_attention(
     """
     info = collection_info("collection", collection)
     q = TensorValue(q)
-    check_activation_dtype("q", q, info.dtype, "flash_attention")
+    check_activation_dtype("q", q, info.dtype, "flash_attention", info.scaled)
+    if info.dtype in QUANTIZED_CACHE_DTYPES and not info.scaled:
+        check_native_fp8_attention("flash_attention", q.device)
     check_rank("q", q, 3)
     check_static_dim("q", q, 2, info.head_size)
     n_heads = q.shape[1]

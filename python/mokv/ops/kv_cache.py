@@ -45,7 +45,7 @@ def store_kv(
     info = collection_info("collection", collection)
     k, v = TensorValue(k), TensorValue(v)
     for name, x in (("k", k), ("v", v)):
-        check_activation_dtype(name, x, info.dtype, "store_kv")
+        check_activation_dtype(name, x, info.dtype, "store_kv", info.scaled)
         check_rank(name, x, 3)
         check_static_dim(name, x, 1, info.num_heads)
         check_static_dim(name, x, 2, info.head_size)

@@ -70,7 +70,7 @@ def fused_qkv_matmul(
         raise ValueError(
             f"n_heads={n_heads} must be a multiple of the cache's {info.num_heads} KV heads"
         )
-    check_activation_dtype("hidden", hidden, info.dtype, "fused_qkv_matmul")
+    check_activation_dtype("hidden", hidden, info.dtype, "fused_qkv_matmul", info.scaled)
     check_rank("hidden", hidden, 2)
     check_dtype("wqkv", wqkv, hidden.dtype)
     check_rank("wqkv", wqkv, 2)
@@ -85,8 +85,9 @@ def fused_qkv_matmul(
     # on an H200), and a float32 cache asks for float32 arithmetic. Not on AMD: MAX 26.7's bf16
     # matmul does not compile for gfx942 through virtual devices ("Cannot select: intrinsic
     # llvm.amdgcn.fdot2.f32.bf16", the compiler aborts). There mokv's own op projects.
+    # The activations' dtype decides, not the cache's (an FP8 cache takes any of three).
     on_tensor_cores = (
-        hidden.device.is_gpu() and accelerator_api() == "cuda" and info.dtype != DType.float32
+        hidden.device.is_gpu() and accelerator_api() == "cuda" and hidden.dtype != DType.float32
     )
     name = info.layout.op_name("qkv_epilogue" if on_tensor_cores else "fused_qkv_matmul")
     extra: list[TensorValue] = []
