@@ -54,14 +54,17 @@ def test_ops_compile_for_virtual_gpu(api: str, arch: str) -> None:
     compiles_then_refuses(SCRIPT, api, arch, 900)
 
 
-def test_ops_over_unscaled_fp8_pages_compile_for_virtual_sm100() -> None:
+@pytest.mark.parametrize("cache", ["paged", pytest.param("continuous", marks=pytest.mark.max_virtual_gpu)])
+def test_ops_over_unscaled_fp8_pages_compile_for_virtual_sm100(cache: str) -> None:
     """mokv's store_kv, fused_qkv_matmul and flash_attention over MAX's unscaled FP8
-    pages (MAX's native FP8 attention: e4m3fn queries, a bfloat16 output), paged and
-    continuous (docs/quantized.md). sm_100: MAX 26.7 reads FP8 pages on no earlier
-    NVIDIA GPU. Cost: 21 min wall, 9 min of CPU, on the 2-core box at load 8
-    (2026-11-28), where the bfloat16 build above took 12 min wall, 4.4 of CPU."""
+    pages (MAX's native FP8 attention: e4m3fn queries, a bfloat16 output), paged; the
+    continuous cache's store_kv and windowed attention with float32 queries only in
+    `make test-virtual-gpu` (another MAX attention kernel). sm_100: MAX 26.7 reads FP8
+    pages on no earlier NVIDIA GPU (docs/quantized.md). Cost of both in one graph: 21 min
+    wall, 9 min of CPU on the 2-core box at load 8 (2026-11-28), where the bfloat16
+    build above took 12 min wall, 4.4 of CPU."""
     kernels_path()
-    compiles_then_refuses(SCRIPT, "cuda", "sm_100", 1800, "unscaled_fp8")
+    compiles_then_refuses(SCRIPT, "cuda", "sm_100", 1800, "unscaled_fp8", cache)
 
 
 def test_attention_over_unscaled_fp8_pages_is_refused_for_virtual_sm90() -> None:
