@@ -31,6 +31,7 @@ SCRIPT = Path(__file__).with_name("_virtual_gpu_build.py")
 MAX_SCRIPT = Path(__file__).with_name("_virtual_gpu_max_build.py")
 MLA_SCRIPT = Path(__file__).with_name("_virtual_gpu_mla_build.py")
 MAX_MLA_SCRIPT = Path(__file__).with_name("_virtual_gpu_max_mla_build.py")
+FP8_SCRIPT = Path(__file__).with_name("_virtual_gpu_fp8_build.py")
 
 
 def compiles_then_refuses(script: Path, api: str, arch: str, timeout: int) -> str:
@@ -57,6 +58,14 @@ def test_ops_compile_for_virtual_gpu(api: str, arch: str) -> None:
 @pytest.mark.max_virtual_gpu
 def test_max_layers_on_a_mokv_cache_compile_for_virtual_sm90() -> None:
     compiles_then_refuses(MAX_SCRIPT, "cuda", "sm_90", 1800)
+
+
+def test_scaled_fp8_ops_compile_for_virtual_sm90() -> None:
+    """store_kv, fused_qkv_matmul (RoPE: MAX's matmul, then mokv's quantizing epilogue)
+    and flash_attention (the pages dequantized into bfloat16, then MAX's kernel) over
+    scaled FP8 pages, paged, bfloat16 activations: TIME_PLACEHOLDER."""
+    kernels_path()
+    compiles_then_refuses(FP8_SCRIPT, "cuda", "sm_90", 1200)
 
 
 def test_mla_ops_compile_for_virtual_sm90() -> None:

@@ -12,6 +12,7 @@ from max.gpu.host.info import is_cpu
 
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr, is_quantized
 from .fp8 import store_row
+from .fp8_gpu import store_rows_quantized
 from .parallel import parallel_units
 from .ragged import batch_of_token
 
@@ -40,8 +41,9 @@ def store_kv_cache[Cache: KVCacheT, in_dtype: DType, target: StaticString](
                     store_row(cache, b, h, pos, src.unsafe_offset((tok * H + h) * D))
 
         parallel_units(body, ceildiv(total_tokens, CHUNK), ctx)
+    elif is_quantized[Cache.dtype]():
+        store_rows_quantized(cache, src, offsets, total_tokens, ctx)
     else:
-        comptime assert not is_quantized[Cache.dtype](), "FP8 caches: mokv's CPU kernels only (docs/quantized.md)"
         # One block per token, threads over the token's H * D elements.
         def kernel() {var cache, var src, var offsets, var batch_size}:
             var tok = Int(block_idx.x)

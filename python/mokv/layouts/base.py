@@ -226,10 +226,10 @@ class FetchKVCacheCollection:
 
     Scaled FP8 pages (`kv_params.quantization`) take the layout's `ScaledInputs`, the
     scales last, and build the collection over both (`mokv.kv_collection_ctor.<name>
-    .scaled`), paged or continuous, on the CPU (a GPU's are refused by name when the
-    collection is built); unscaled FP8 pages are refused by name at construction
-    (mokv's CPU kernels read scaled pages only; MAX 26.7's GPU attention reads FP8
-    pages only with FP8 queries).
+    .scaled`), paged or continuous, on the CPU, and paged on a GPU (a continuous
+    cache's are refused there by name when the collection is built); unscaled FP8
+    pages are refused by name at construction (mokv's CPU kernels read scaled pages
+    only; MAX 26.7's GPU attention reads FP8 pages only with FP8 queries).
     """
 
     layout: CacheLayout
@@ -297,11 +297,11 @@ class FetchKVCacheCollection:
             check_rank(spec.name, value, spec.rank)
         for value in scales:
             _check_scales(value, blocks, params)
-        if scaled and not blocks.device.is_cpu():
+        if scaled and not blocks.device.is_cpu() and layout.name != "paged":
             raise ValueError(
-                f"scaled FP8 pages (quantization={params.quantization!r}) on "
-                f"{blocks.device}: MAX 26.7's GPU attention and KV stores take no per-block "
-                "scales for an MHA cache; mokv's CPU kernels read them (docs/quantized.md)"
+                f"scaled FP8 pages (quantization={params.quantization!r}) in a {layout.name} "
+                f"cache on {blocks.device}: on a GPU mokv reads scaled pages in a paged "
+                "cache only (docs/quantized.md)"
             )
         if self.checked and blocks.device != DeviceRef.CPU():
             raise ValueError(

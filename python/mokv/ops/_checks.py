@@ -63,16 +63,15 @@ COMPUTE_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
 
 def check_activation_dtype(name: str, x: TensorValue, cache_dtype: DType, op: str) -> None:
     """`x` (q, k, v or hidden) must have the cache's dtype, or, over a quantized (FP8)
-    cache, a float dtype to compute in; a quantized cache is refused on a GPU."""
+    cache, a float dtype to compute in (bfloat16 on a GPU)."""
     if cache_dtype not in QUANTIZED_CACHE_DTYPES:
         check_dtype(name, x, cache_dtype)
         return
     check_dtype(name, x, *COMPUTE_DTYPES)
-    if not x.device.is_cpu():
+    if not x.device.is_cpu() and x.dtype != DType.bfloat16:
         raise ValueError(
-            f"{op}: a {cache_dtype.name} cache runs on mokv's CPU kernels only, got {name} on "
-            f"{x.device}: MAX 26.7's GPU attention and KV stores take no per-block scales "
-            "(docs/quantized.md)"
+            f"{op}: over a {cache_dtype.name} cache on a GPU, {name} must be bfloat16 (MAX's "
+            f"attention kernel reads the pages dequantized to bfloat16), got {x.dtype.name}"
         )
 
 
