@@ -2,13 +2,15 @@
 pages (paged) compiled for a virtual GPU.
 
     python _virtual_gpu_fp8_build.py <api> <arch>      e.g. cuda sm_90
-Prints COMPILED after load and EXEC_REFUSED:<exception type> after execute fails.
+Prints COMPILED <seconds> after load and EXEC_REFUSED:<exception type> after execute
+fails.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from max import driver
 
@@ -16,8 +18,7 @@ driver.set_virtual_device_api(sys.argv[1])
 driver.set_virtual_device_target_arch(sys.argv[2])
 driver.set_virtual_device_count(1)
 
-import numpy as np  # noqa: E402
-from max.driver import CPU, Accelerator, Buffer  # noqa: E402
+from max.driver import CPU, Accelerator  # noqa: E402
 from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession  # noqa: E402
 from max.graph import DeviceRef, Graph, TensorType, ops  # noqa: E402
@@ -26,6 +27,9 @@ from mokv.config.params import KVCacheParams  # noqa: E402
 from mokv.config.quantization import KVCacheQuantization  # noqa: E402
 from mokv.layouts import PAGED, FetchPagedKVCacheCollection  # noqa: E402
 from mokv.ops import flash_attention, fused_qkv_matmul, kernels_path, store_kv  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _virtual_gpu_load import load_then_execute  # type: ignore[import-not-found]  # noqa: E402
 
 
 def main() -> None:
@@ -48,14 +52,8 @@ def main() -> None:
         q = fused_qkv_matmul(kv, h, w, off, 1, n_q, freqs_cis=freqs)
         q3 = ops.reshape(q, [q.shape[0], n_q, 128])
         g.output(flash_attention(kv, q3, off, 1, 0.08))
-    session = InferenceSession(devices=[CPU(), gpu])
     with filter_collection_warnings():
-        model = session.load(g)
-    print("COMPILED", flush=True)
-    try:
-        model.execute(*[Buffer.from_numpy(np.zeros(1, np.float32))])
-    except Exception as exc:  # noqa: BLE001 - the type is what the test checks
-        print(f"EXEC_REFUSED:{type(exc).__name__}", flush=True)
+        load_then_execute(InferenceSession(devices=[CPU(), gpu]), g)
 
 
 if __name__ == "__main__":

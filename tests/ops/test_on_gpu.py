@@ -16,23 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 
-import mokv
-import numpy as np
 import pytest
-from max.driver import CPU, Accelerator, Buffer, accelerator_count
+from max.driver import CPU, Accelerator, accelerator_count
 from max.dtype import DType
 from max.engine import InferenceSession
-from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+from max.graph import DeviceRef
 from mokv.compiler_output import filter_collection_warnings
 from mokv.ops import kernels_path
 
-from ..fp8_reference import decode_e4m3fn, dequantize_blocks, quantize_blocks
 from . import test_store_attention as cpu_tests  # a module: its tests are not collected twice
 from . import test_window_attention
 from .conftest import PARTS, Config
 from .graph_bundle import Bundle
-from .test_fp8_dequantize import round_to_bfloat16
-from .test_fp8_kernels import N_Q, D, H, attention, fp8_attention_bound
+from .test_fp8_dequantize import FP8_GPU_TOL, check_scaled_attention, scaled_attention_model
 from .test_fused_qkv import CASES, LAYOUTS, _check, _ids
 from .test_store_attention import (
     CONT_F32_MHA,
@@ -151,86 +147,10 @@ def test_sliding_window_on_gpu(gpu_compiled, cfg, cache_lengths, new_tokens):
     check(cfg, *out, tol=gpu_tol(cfg))
 
 
-FP8_PAGES, FP8_COLS = 6, 24  # two pages per sequence, and MAX's 16 columns of padding (+ 6)
-FP8_STEPS = (([0, 0], [150, 40]), ([150, 40], [1, 3]))  # a prefill over two pages, then a decode and a chunk
-FP8_BF16_TOL = 2e-2
-"""Of the largest output: over scaled FP8 pages a GPU attends in bfloat16 (q, the
-dequantized scratch, MAX's softmax weights and the output, 2^-8 relative each)."""
-
-
-def _fp8_gpu_model(session):
-    """store_kv then flash_attention over scaled FP8 pages of 128 (H, GROUP and D of
-    test_fp8_kernels.py), float32 inputs cast to bfloat16 in the graph."""
-    gpu, f32 = DeviceRef.GPU(), DType.float32
-    params = mokv.KVCacheParams(dtype=DType.float8_e4m3fn, n_kv_heads=H, head_dim=D, page_size=128,
-                                quantization=mokv.KVCacheQuantization())
-    with Graph("fp8_scaled_gpu", input_types=[
-        BufferType(DType.float8_e4m3fn, [FP8_PAGES, 2, 1, 128, H, D], device=gpu),
-        BufferType(f32, [FP8_PAGES, 2, 1, 128, H, D // 128], device=gpu),
-        TensorType(DType.uint32, ["batch"], device=gpu),
-        TensorType(DType.uint32, ["batch", FP8_COLS], device=gpu),
-        TensorType(DType.uint32, [1, 2], device=DeviceRef.CPU()),
-        TensorType(f32, ["tokens", H, D], device=gpu),
-        TensorType(f32, ["tokens", H, D], device=gpu),
-        TensorType(f32, ["tokens", N_Q, D], device=gpu),
-        TensorType(DType.uint32, ["offsets"], device=gpu),
-    ], custom_extensions=[kernels_path()]) as g:
-        blocks, scales, lengths, table, bounds, k, v, q, offsets = g.inputs
-        kv = mokv.FetchPagedKVCacheCollection(params)(blocks.buffer, lengths, table, bounds, scales.buffer)
-        k, v, q = (ops.cast(x.tensor, DType.bfloat16) for x in (k, v, q))
-        mokv.ops.store_kv(kv, k, v, offsets, 0)
-        out = mokv.ops.flash_attention(kv, q, offsets, 0, 1 / 128**0.5)
-        g.output(ops.cast(out, f32))
-    with filter_collection_warnings():
-        return session.load(g)
-
 
 def test_scaled_fp8_pages_on_gpu():
-    """The pages hold exactly the float64 reference's quantization of the (bfloat16)
-    values, and attention is within docs/quantized.md's bound (+ bfloat16's rounding)
-    of float64 attention over the unquantized values, and within bfloat16's rounding
-    of float64 attention over the pages as the reference dequantizes them."""
+    """test_fp8_dequantize.py's checks of the GPU path of scaled FP8 pages, on a GPU:
+    store_kv (the CPU's row quantizer), then attention through the bfloat16 scratch."""
     gpu = Accelerator()
-    model = _fp8_gpu_model(InferenceSession(devices=[CPU(), gpu]))
-    rng = np.random.default_rng(53)
-    bits = Buffer.from_numpy(np.zeros((FP8_PAGES, 2, 1, 128, H, D), np.uint8)).view(DType.float8_e4m3fn).to(gpu)
-    scales = Buffer.from_numpy(np.zeros((FP8_PAGES, 2, 1, 128, H, D // 128), np.float32)).to(gpu)
-    pages = rng.permutation(FP8_PAGES)[:4].reshape(2, 2)
-    table = np.concatenate([pages, np.full((2, FP8_COLS - 2), pages[0, 0])], axis=1).astype(np.uint32)
-    seqs: dict = {"k": [[], []], "v": [[], []]}
-    for lengths, new in FP8_STEPS:
-        total = sum(new)
-        k, v = (round_to_bfloat16(rng.standard_normal((total, H, D)) * rng.uniform(0.1, 4, (total, H, 1)))
-                for _ in range(2))
-        q = round_to_bfloat16(rng.standard_normal((total, N_Q, D)) / 2)
-        offsets = np.concatenate([[0], np.cumsum(new)]).astype(np.uint32)
-        bounds = np.array([[max(new), max(c + n for c, n in zip(lengths, new))]], np.uint32)
-        host = [np.array(lengths, np.uint32), table, None, k, v, q, offsets]
-        args = [Buffer.from_numpy(a).to(gpu) if a is not None else Buffer.from_numpy(bounds) for a in host]
-        gpu.synchronize()
-        (out,) = model.execute(bits, scales, *args)
-        got = out.to(CPU()).to_numpy().astype(np.float64)
-        for b in range(2):
-            for name, x in (("k", k), ("v", v)):
-                seqs[name][b].append(x[offsets[b]:offsets[b + 1]].astype(np.float64))
-        exact = {name: [np.concatenate(parts) for parts in per_seq] for name, per_seq in seqs.items()}
-        page_bits = bits.to(CPU()).view(DType.uint8).to_numpy()
-        page_scales = scales.to(CPU()).to_numpy()
-        deq: dict = {"k": [], "v": []}
-        for kv_idx, name in enumerate(("k", "v")):
-            for b, x in enumerate(exact[name]):
-                pos = np.arange(len(x))
-                page, row = table[b, pos // 128], pos % 128
-                got_q = decode_e4m3fn(page_bits[page, kv_idx, 0, row])
-                got_scale = page_scales[page, kv_idx, 0, row]
-                want_q, want_scale = quantize_blocks(x.astype(np.float32), 128)
-                assert np.array_equal(got_scale, want_scale) and np.array_equal(got_q, want_q), (name, b)
-                deq[name].append(dequantize_blocks(got_q, got_scale, 128))
-        scale = 1 / 128**0.5
-        as_read = attention(q, [round_to_bfloat16(x.astype(np.float32)) for x in deq["k"]],
-                            [round_to_bfloat16(x.astype(np.float32)) for x in deq["v"]], lengths, offsets, scale)
-        tol = FP8_BF16_TOL * np.abs(as_read).max()
-        np.testing.assert_allclose(got, as_read, rtol=0, atol=tol)
-        err = np.abs(got - attention(q, exact["k"], exact["v"], lengths, offsets, scale)).max(axis=-1)
-        bound = fp8_attention_bound(q, exact["k"], exact["v"], deq["k"], deq["v"], lengths, offsets, scale)
-        assert (err <= bound + tol).all(), (err.max(), bound.min())
+    model = scaled_attention_model(InferenceSession(devices=[CPU(), gpu]), DeviceRef.GPU())
+    check_scaled_attention(model, gpu, FP8_GPU_TOL)
