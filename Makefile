@@ -54,12 +54,17 @@ serve: $(VENV)/.installed
 # torch for transformers' DeepSeek-V2 (the hf extra: tests/model/test_mla_decoder.py checks
 # the MLA decoder against it). PyPI's Linux torch is a CUDA build (GBs of NVIDIA libraries);
 # PyTorch's CPU index holds the same version as 2.13.0+cpu (190 MB), which pip prefers (a
-# local version sorts above the plain one). Where that index is out of reach and pip finds
-# the wheel elsewhere (find-links, a mirror), TORCH_CPU_INDEX= skips it: pip retries an
-# unreachable index for about a minute.
+# local version sorts above the plain one). An http(s) index is probed once (5 s at most) and left
+# out, with a one-line note, where it is out of reach: pip would retry it for about a minute,
+# printing a warning per try, and find the wheel elsewhere (find-links, a mirror) anyway.
+# TORCH_CPU_INDEX= never uses it.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX_ARGS = $(if $(TORCH_CPU_INDEX),$(shell $(PYTHON) -c \
+  "import sys, urllib.request as r; u = sys.argv[1]; u.startswith('http') and r.urlopen(u + '/torch/', timeout=5)" \
+  '$(TORCH_CPU_INDEX)' >/dev/null 2>&1 && echo --extra-index-url '$(TORCH_CPU_INDEX)' \
+  || echo "PyTorch's CPU index $(TORCH_CPU_INDEX) is out of reach: torch from pip's other sources" >&2))
 $(VENV)/.hf: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[hf]" $(if $(TORCH_CPU_INDEX),--extra-index-url $(TORCH_CPU_INDEX))
+	$(PY) -m pip install -q -e ".[hf]" $(TORCH_INDEX_ARGS)
 	touch $@
 
 test: $(VENV)/.hf redis-server
@@ -70,12 +75,12 @@ test-remote: $(VENV)/.installed redis-server
 	  tests/events/test_shared_presence.py
 
 # Routers that others wrote, fed mokv's events (tests/consumers/, pytest marker
-# `consumers`): vllm's kv_events classes need torch (the CPU build, pinned: a plain `torch`
-# would pull a multi-GB CUDA build) and vllm --no-deps with what its import chain loads;
+# `consumers`): vllm's kv_events classes need torch (the CPU build from PyTorch's CPU index,
+# as for .hf: PyPI's Linux torch is a multi-GB CUDA build) and vllm --no-deps with what its import chain loads;
 # Dynamo's standalone indexer ships in the ai-dynamo-runtime wheel. Never part of `make test`
 # (without them those tests skip, saying how to install them).
 $(VENV)/.consumers: $(VENV)/.installed tests/consumers/requirements.txt
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX_ARGS)
 	$(PY) -m pip install -q --no-deps -r tests/consumers/requirements.txt
 	touch $@
 
@@ -102,7 +107,7 @@ docs: $(VENV)/.installed
 # import chain needs (benchmarks/requirements-vllm.txt). Never installed by `make test`.
 $(VENV)/.bench: $(VENV)/.installed benchmarks/requirements-vllm.txt
 	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX_ARGS)
 	$(PY) -m pip install -q --no-deps -r benchmarks/requirements-vllm.txt
 	touch $@
 

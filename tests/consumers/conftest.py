@@ -19,6 +19,7 @@ import pytest
 from max.driver import CPU
 from mokv.events import EventSubscriber, KVEventsConfig, PrefixRouterIndex
 
+from tests.child_env import child_env
 from tests.managers.conftest import NUM_LAYERS, small_params
 
 PAGE_SIZE = 4
@@ -98,7 +99,7 @@ class DynamoIndexer:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            stdout=self.log, stderr=subprocess.STDOUT, env=child_env(),
         )
         deadline = time.monotonic() + 30
         while True:

@@ -161,3 +161,27 @@ def test_vllm_reads_each_cache_groups_fields(session):
         ("BlockStored", m.replicas[0].committed_hashes("A"), 0, "sliding_window", 6),
         ("BlockStored", m.replicas[0].committed_hashes("A"), 1, "full_attention", None)]
     assert msgspec.msgpack.encode(theirs) == payload
+
+
+def test_vllm_reads_state_checkpoints_as_its_mamba_kind(session):
+    """A cache with recurrent-state layers: its checkpoints' events decode with vLLM's own
+    classes as blocks of one more group, of `KVCacheSpecKind.MAMBA`, under their boundary
+    pages' hashes, and re-encode to the same bytes."""
+    from vllm.v1.kv_cache_interface import KVCacheSpecKind
+
+    from tests.managers.paged.test_state_group import SHARED, hybrid, prefill
+
+    m = hybrid(session, checkpoints=1)  # a second checkpoint evicts the first
+    recorder = EventRecorder()
+    m.replicas[0].publish_to(recorder)
+    prefill(m, "A", SHARED + [5, 5])  # checkpoints after pages 1 and 2
+    h1, h2 = m.replicas[0].committed_hashes("A")
+    payload = msgspec.msgpack.encode(KVEventBatch(2.5, build_events(recorder.take(), 4), 0))
+    theirs = msgspec.msgpack.decode(payload, type=kv_events.KVEventBatch)
+    assert msgspec.msgpack.encode(theirs) == payload
+    state = [(type(e).__name__, e.block_hashes, e.kv_cache_spec_kind if isinstance(
+        e, kv_events.BlockStored) else None) for e in theirs.events if e.group_idx == 1]
+    mamba = KVCacheSpecKind.MAMBA.value
+    assert state == [("BlockStored", [h1], mamba), ("BlockRemoved", [h1], None),
+                     ("BlockStored", [h2], mamba)]
+    m.close()

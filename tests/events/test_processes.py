@@ -4,7 +4,6 @@ that manager's own hash index. And page hashes (salted too) are the same in anot
 process with another hash seed."""
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -14,17 +13,10 @@ from pathlib import Path
 import numpy as np
 from mokv.events import PrefixRouterIndex
 
+from ..child_env import child_env
 from .conftest import free_port_runs
 
 HERE = Path(__file__).resolve().parent
-
-
-def child_env(**extra) -> dict:
-    # MAX's native code leaves PYTHONPATH=":" etc. in the C environment; pass Python's view.
-    drop = ("PYTHONEXECUTABLE", "PYTHONPATH", "MOJO_PYTHON_LIBRARY")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(extra)
-    return env
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:

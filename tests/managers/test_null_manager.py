@@ -10,6 +10,7 @@ import pytest
 from max.driver import CPU
 from mokv import TextContext
 
+from ..child_env import child_env
 from .conftest import NUM_LAYERS, make_paged, small_params
 
 
@@ -147,6 +148,7 @@ def test_load_kv_manager_returns_the_null_manager_on_virtual_devices():
         import os
         os._exit(0)  # MAX can abort at shutdown after virtual-device use; all is printed
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=child_env())
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["NullKVCacheManager", "gpu:0"]

@@ -30,6 +30,8 @@ from mokv_graphs.mla_decoder import (
 )
 from mokv_graphs.mla_hf import write_hf_checkpoint
 
+from ..child_env import child_env
+
 CONFIG = MLADecoderConfig()
 PAGE = 4
 
@@ -154,6 +156,6 @@ def test_the_gpu_deepseek_script_writes_its_checkpoint_and_imports():
     writes its checkpoint, imports the pipeline and reads the config back."""
     root = Path(__file__).parents[2]
     proc = subprocess.run([sys.executable, "benchmarks/gpu/deepseek.py", "--check"], cwd=root,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "CHECKED DeepseekV2ForCausalLM deepseek_v2 512" in proc.stdout

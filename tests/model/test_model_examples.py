@@ -7,6 +7,7 @@ from pathlib import Path
 import mokv_graphs as mg
 import pytest
 
+from ..child_env import child_env
 from .conftest import PAGE_SIZE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def test_compile_only_example(tmp_path, strategy):
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / "compile_only.py"),
          "--strategy", strategy, "--out", str(tmp_path / "decoder.mef")],
-        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
+        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT, env=child_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"NullKVCacheManager, {strategy} layout" in proc.stdout
@@ -49,7 +50,7 @@ def test_generate_example(tmp_path, config, weights):
         [sys.executable, "-c", WITH_SUITE_DEFINES, str(REPO_ROOT / "examples" / "generate.py"),
          "--requests", "6",
          "--weights", str(checkpoint), "--page-size", str(PAGE_SIZE), "--pages", "160"],
-        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
+        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT, env=child_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Compiled mokv_decoder_paged" in proc.stdout
@@ -61,7 +62,7 @@ def test_quickstart_example():
     with sequence ids) run and leave the state they print."""
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / "quickstart.py")],
-        check=False, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+        check=False, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=child_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ctx3 shares the system prompt" in proc.stdout and "start_idx=32" in proc.stdout

@@ -17,6 +17,7 @@ from mokv.cache.extra_keys import chain_root
 from mokv.cache.hashing import encode_extra_keys, iter_page_hashes, page_hash_fn, salted_root
 from mokv.events import PrefixRouterIndex
 
+from ...child_env import child_env
 from ...remote.conftest import redis_server  # noqa: F401 (fixture)
 from ..conftest import make_paged
 
@@ -132,12 +133,6 @@ def test_contexts_check_their_keys():
                         (("a", 0, 0), "length"), (("a", 0, 1.0), "length")]:
         with pytest.raises((TypeError, ValueError), match=match):
             MultimodalInput(*args)
-
-
-def child_env(**extra) -> dict:
-    # MAX's native code leaves PYTHONPATH=":" etc. in the C environment; pass Python's view.
-    drop = ("PYTHONEXECUTABLE", "PYTHONPATH", "MOJO_PYTHON_LIBRARY")
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
 def test_two_processes_share_pages_of_equal_keys_only(session, redis_server):  # noqa: F811
