@@ -49,7 +49,7 @@ def main() -> None:
     # Scaled FP8 pages (NVIDIA only): MAX's attention runs over a bfloat16 scratch of the
     # same shapes as `params`' pages, so it shares the bfloat16 graph's kernel build.
     fp8 = dataclasses.replace(params, dtype=DType.float8_e4m3fn, quantization=KVCacheQuantization())
-    fp8_paged = PAGED.input_symbols(fp8, layers, 64, dev) if sys.argv[1] == "cuda" else []
+    fp8_paged: list = list(PAGED.input_symbols(fp8, layers, 64, dev)) if sys.argv[1] == "cuda" else []
     with Graph(
         "virtual_gpu", input_types=[*paged, *cont, ht, wt, kt, ot, ft, *fp8_paged],
         custom_extensions=[kernels_path()],
