@@ -8,8 +8,9 @@ float8_e4m3fn values (the last with MAX's per-128-lane float32 scales,
 read probes (`_decode_cells`). Decode streams every cached K and V row once: FP8 pages
 are 0.52x the bytes of bfloat16 pages (scales included), so a memory-bound kernel would
 run in about half bfloat16's time. mokv's FP8 decode reads the bytes in its decode forms
-(widened to float32 in registers, each key's scale folded into its scores and
-probabilities): the table shows how close it comes.
+(widened in registers, to bfloat16 for `vdpbf16ps` on a CPU with AVX-512 BF16, else to
+float32; each key's scale folded into its scores and probabilities): the table shows how
+close it comes.
 
 With `portable`, the three caches again on the portable CPU paths (kernels/cpu.mojo),
 at the quick shapes only: three more graphs to compile, the part's main cost on a

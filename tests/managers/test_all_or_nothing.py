@@ -17,7 +17,7 @@ from mokv.cache.page_copy import HostPages
 from mokv.cache.page_pool import PagePool
 from mokv.events import KVEventBatch, PrefixRouterIndex, build_events
 from mokv.events.publisher import _REMOVED, EventPublisher, EventRecorder, MediumSink
-from mokv.managers.paged import commit, prefix, replica
+from mokv.managers.paged import commit, planner, prefix
 from mokv.managers.paged.groups import (
     FullAttentionGroup,
     JointGroups,
@@ -416,7 +416,7 @@ def _fault_targets():
         (MediumSink, "stored"), (MediumSink, "removed"), (EventPublisher, "end_step"),
         (PagePool, "retain"), (PagePool, "unretain"), (HostPagePool, "retain"),
         (HostPagePool, "unretain"), (prefix, "hash_inputs"), (prefix, "page_keys"),
-        (commit, "request_keys"), (replica, "request_keys"), (SessionTable, "plan_release"),
+        (commit, "request_keys"), (planner, "request_keys"), (SessionTable, "plan_release"),
         (SessionTable, "plan_end"), (SessionTable, "plan_expiry"), (SessionTable, "apply"),
         (PagedReplica, "slide"), (JointGroups, "hit"), (JointGroups, "fits"),
         (JointGroups, "take"), (JointGroups, "commit_pages"), (JointGroups, "release"),

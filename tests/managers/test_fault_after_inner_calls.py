@@ -78,7 +78,7 @@ def test_a_decode_step_onto_a_new_page_gives_it_back(session, monkeypatch, owner
     m = manager(session)
     a = TextContext(np.arange(8), "A")
     served(m, a)  # two full pages, committed; the token after them needs a third
-    assert m.replicas[0].takes_fresh_only(a, m.replicas[0]._requests["A"])  # `grow`
+    assert m.replicas[0].planner.takes_fresh_only(a, m.replicas[0]._requests["A"])  # `grow`
     before = m.get_req_blocks("A"), m.num_free_blocks
     fault(monkeypatch, owner, name)
     with pytest.raises(Injected):

@@ -5,15 +5,18 @@ the building CPU (attention/forms.mojo), so the attention tests over a graph onl
 machine's variant. (With 8 lanes, MOKV_CPU_PORTABLE or AVX2, the 16-lane forms are skipped.)
 Here `_qk_narrow` runs with 8 and 16 lanes and `_qk_row_pairs` (bf16) for 4 and 8 rows
 per head, `qk_block` and `qk_heads` over f32 and FP8 keys, and `_pv_block` with and
-without `dot_bf16` and split widening (and over FP8 values), against sums
+without `dot_bf16` and split widening (and over FP8 values, widened to bf16 for
+`dot_bf16`: `widen_bf16`, checked on every byte), against sums
 taken in Float64. Every input is a multiple of 1/64 below 1
 in magnitude, exact in bf16, so products and their f32 sums are exact and the
-results must match to the bit. FP8 (e4m3fn) K and V are multiples of 1/8 below 1,
-with a power-of-two scale per key row (`widened_scale`), exact as well.
+results must match to the bit. FP8 (e4m3fn) K and V are multiples of 1/8 below 1, a
+third of them times 2^-6 (subnormals), with a power-of-two scale per key row
+(`widened_scale`), exact as well.
 """
 
 from std.sys.info import size_of
-from std.testing import assert_equal, TestSuite
+from std.memory import bitcast
+from std.testing import assert_equal, assert_true, TestSuite
 
 from mokv.continuous import ContinuousBatchingKVCache
 from mokv.kernels.attention.forms import BF16_DOT, BK, KB, MAX_ROWS, NARROW_KEYS, O_NATURAL, O_PAIRED, O_SPLIT, RB
@@ -27,7 +30,8 @@ from mokv.kernels.attention.scores_group import (
     store_row_pairs_q,
 )
 from mokv.kernels.cpu import HAS_AVX512_BF16, VECTOR_REGISTERS, W
-from mokv.kernels.simd import F32Ptr
+from mokv.kernels.fp8 import widened_scale
+from mokv.kernels.simd import F32Ptr, widen_bf16
 from mokv.types import Ptr, is_quantized
 
 comptime H = 4  # KV heads of a token: K rows of one head are H * D elements apart
@@ -41,9 +45,10 @@ def _value(i: Int, salt: Int) -> Float32:
 
 def _cached[dtype: DType](i: Int, salt: Int) -> Scalar[dtype]:
     """A cached K or V element: `_value`, or in FP8 a multiple of 1/8 in (-1, 1)
-    (e4m3fn has 3 mantissa bits)."""
+    (e4m3fn has 3 mantissa bits), every third one times 2^-6: a subnormal e4m3fn."""
     comptime if is_quantized[dtype]():
-        return (Float32((i * 7919 + salt * 104729) % 15 - 7) / 8).cast[dtype]()
+        var tiny = Float32(1) / 64 if i % 3 == 0 else Float32(1)
+        return (Float32((i * 7919 + salt * 104729) % 15 - 7) / 8 * tiny).cast[dtype]()
     return _value(i, salt).cast[dtype]()
 
 
@@ -58,12 +63,13 @@ def _row_scales[dtype: DType](n: Int) -> List[Float32]:
     return scales^
 
 
-def _dot[dtype: DType](k: List[Scalar[dtype]], ks: List[Float32], q: List[Float32], j: Int, r: Int, h: Int) -> Float64:
-    """Query row r . key j of head h (dequantized: times its scale), in Float64."""
+def _dot[dtype: DType](k: List[Scalar[dtype]], ks: List[Float32], j: Int, r: Int, h: Int) -> Float64:
+    """Query row r (`_value(r * D + d, 6)`) . key j of head h (dequantized: times its
+    scale), in Float64."""
     var sum: Float64 = 0
     for d in range(D):
         var kd = k[j * H * D + h * D + d].cast[DType.float64]() * Float64(ks[j * H + h])
-        sum += Float64(q[r * D + d]) * kd
+        sum += Float64(_value(r * D + d, 6)) * kd
     return sum
 
 
@@ -78,11 +84,14 @@ def _check_block_and_heads[dtype: DType]() raises:
     for i in range(len(k)):
         k[i] = _cached[dtype](i, 5)
     var ks = _row_scales[dtype](n)
-    var q = List[Float32](length=MAX_ROWS * D, fill=0)  # [rows, D]
-    for i in range(len(q)):
-        q[i] = _value(i, 6)
-    var s = List[Float32](length=BK * MAX_ROWS, fill=0)
+    var q = List[Float32](length=MAX_ROWS * D, fill=0)  # [rows, D], in bf16 where BF16_DOT
     var qp = q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    for i in range(len(q)):
+        comptime if BF16_DOT[dtype, D]:
+            qp.unsafe_bitcast[BFloat16]().unsafe_store(i, _value(i, 6).cast[DType.bfloat16]())
+        else:
+            q[i] = _value(i, 6)
+    var s = List[Float32](length=BK * MAX_ROWS, fill=0)
     var sp = s.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var kp = k.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var ksp = ks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
@@ -92,11 +101,11 @@ def _check_block_and_heads[dtype: DType]() raises:
         qk_block[Cache](qp, sp, 0, kp.unsafe_offset(h * D), ksp.unsafe_offset(h), j0, n)
     for j in range(n):
         for r in range(RB):
-            assert_equal(Float64(s[j * MAX_ROWS + r]), _dot(k, ks, q, j, r, h), String("qk_block key ", j, " row ", r))
+            assert_equal(Float64(s[j * MAX_ROWS + r]), _dot(k, ks, j, r, h), String("qk_block key ", j, " row ", r))
     for j in range(n):
         qk_heads[Cache](qp, sp, 0, H, kp, kp, ksp, j)
         for hh in range(H):
-            assert_equal(Float64(s[j * MAX_ROWS + hh]), _dot(k, ks, q, j, hh, hh), String("qk_heads key ", j, " head ", hh))
+            assert_equal(Float64(s[j * MAX_ROWS + hh]), _dot(k, ks, j, hh, hh), String("qk_heads key ", j, " head ", hh))
     _ = k^  # read through pointers: keep them alive until here
     _ = ks^
     _ = q^
@@ -150,6 +159,7 @@ def _check_pv[dtype: DType, rb: Int, DOT: Bool, SPLIT: Bool = False]() raises:
     for i in range(len(v)):
         v[i] = _cached[dtype](i, 3)
     var vs = _row_scales[dtype](n)
+    var vsp = vs.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var p = List[Float32](length=BK * MAX_ROWS, fill=0)
     var pp = p.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     for j in range(n):
@@ -157,13 +167,14 @@ def _check_pv[dtype: DType, rb: Int, DOT: Bool, SPLIT: Bool = False]() raises:
             var pr = abs(_value(j * rb + r, 4))
             comptime if DOT:  # bf16 pairs (P[r, j], P[r, j + 1]) in one 32-bit slot
                 var slot = (j // 2) * MAX_ROWS + r
+                comptime if is_quantized[dtype]():  # times the key's V scale (`softmax_key_major`)
+                    pr *= widened_scale[H](vsp, j)
                 pp.unsafe_bitcast[BFloat16]().unsafe_store(slot * 2 + j % 2, pr.cast[DType.bfloat16]())
             else:
                 pp.unsafe_store(j * MAX_ROWS + r, pr)
     var o = List[Float32](length=rb * D, fill=0)
     var op = o.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var vp = v.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var vsp = vs.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     pv_block[dtype, D, STRIDE, rb, H, DOT, SPLIT](op, pp, 0, vp, vsp, n, vp, 0)
     comptime order = O_PAIRED if DOT else (O_SPLIT if SPLIT else O_NATURAL)
     for r in range(rb):
@@ -213,6 +224,30 @@ def test_pv_with_and_without_the_bf16_dot_product() raises:
             _check_pv[DType.bfloat16, rb, False, True]()
         comptime if HAS_AVX512_BF16:
             _check_pv[DType.bfloat16, rb, True]()
+            _check_pv[DType.float8_e4m3fn, rb, True]()
+
+
+def test_fp8_widens_to_bf16_exactly() raises:
+    """`widen_bf16` (AVX-512 BF16) of every e4m3fn byte but the two NaNs, subnormals
+    and zeros included, against Mojo's own e4m3fn -> f32 conversion over 256. The bf16
+    values are normal (`vdpbf16ps` reads subnormals as zero): checked by their
+    exponent field."""
+    comptime if HAS_AVX512_BF16:
+        var bytes = List[UInt8](length=256, fill=0)
+        for i in range(256):
+            bytes[i] = UInt8(i)
+        var bp = bytes.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[Scalar[DType.float8_e4m3fn]]()
+        for c in range(0, 256, 2 * W):
+            var got = widen_bf16(bp, c)
+            var bits = bitcast[DType.uint16, 2 * W](got)
+            for i in range(2 * W):
+                var b = c + i
+                if b & 0x7F == 0x7F:
+                    continue
+                var want = bp[unsafe_offset=b].cast[DType.float32]() / 256
+                assert_equal(got[i].cast[DType.float32](), want, String("byte ", b))
+                assert_true(want == 0 or (bits[i] >> 7) & 0xFF != 0, String("subnormal bf16 for byte ", b))
+        _ = bytes^
 
 
 def main() raises:

@@ -70,21 +70,24 @@ def test_mojos_cast_on_fp8_pages_is_the_reference_on_every_boundary():
 
 @pytest.mark.parametrize("cpu_path", ["native", "portable"])
 def test_the_kernels_read_every_byte_as_the_reference(cpu_path):
-    # The attention's widening of FP8 bytes (simd.mojo `widen`: the bits moved into a
-    # float16, widened in hardware), on all 256 bytes: exactly the reference's value
-    # (times the 2^-8 its callers fold into the scale). The two NaN bytes, which no
-    # page holds (the quantize saturates at 448), read as +-480.
+    # The attention's widenings of FP8 bytes (simd.mojo `widen`: the bits moved into a
+    # float16, widened in hardware; and with AVX-512 BF16 `widen_bf16`: the bits moved
+    # into a bfloat16, subnormals from a table), on all 256 bytes: exactly the
+    # reference's value (times the 2^-8 its callers fold into the scale). The two NaN
+    # bytes, which no page holds (the quantize saturates at 448), read as +-480.
     _skip_unrunnable(cpu_path)
     proc = _mojo("run", *CPU_PATHS[cpu_path], str(WIDEN_BYTES))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     bits = np.array([int(line, 16) for line in proc.stdout.split()], np.uint32)
-    got = bits.view(np.float32).astype(np.float64)
+    assert len(bits) in (256, 512), len(bits)
     want = decode_e4m3fn(np.arange(256))
     finite = ~np.isnan(want)
-    assert len(got) == 256 and finite.sum() == 254
-    assert np.array_equal(got[finite], want[finite])
-    assert np.array_equal(np.signbit(got[finite]), np.signbit(want[finite]))  # 0x80 is -0
-    assert got[0x7F] == 480 and got[0xFF] == -480
+    assert finite.sum() == 254
+    for widening in bits.reshape(-1, 256):
+        got = widening.view(np.float32).astype(np.float64)
+        assert np.array_equal(got[finite], want[finite])
+        assert np.array_equal(np.signbit(got[finite]), np.signbit(want[finite]))  # 0x80 is -0
+        assert got[0x7F] == 480 and got[0xFF] == -480
 
 
 def test_maxs_own_graph_ops_refuse_fp8_on_the_cpu():

@@ -8,6 +8,8 @@ a dead server or a fault at any inner call is a miss or the old state."""
 
 from __future__ import annotations
 
+import threading
+
 import mokv
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from max.dtype import DType
 from mokv import StateRegion, TextContext
 from mokv.remote import PageCodec, Rejection, StateLayout
 
-from ..managers.faults import Faults
+from ..managers.faults import Faults, Injected
 from ..managers.paged.test_state_group import (
     PAGE,
     SHARED,
@@ -315,3 +317,34 @@ def test_each_device_shard_stores_and_loads_its_own_state(session, redis_server)
             np.testing.assert_array_equal(leaf.pool.to_numpy()[rows], scale * theirs)
     a.close()
     b.close()
+
+
+def test_a_replica_that_fails_after_opening_its_stores_closes_them(
+    session, redis_server, monkeypatch
+):
+    """A fault at each call that builds a replica's parts after its shared checkpoint
+    stores opened (each runs a writer thread) -- its tiers, which open the page stores,
+    the join of its groups, the last one: the constructor raises, and no thread it started
+    outlives it; then a constructor without a fault builds."""
+    from mokv.managers.paged.groups import JointGroups
+    from mokv.tiers.stack import TierStack
+
+    ns = fresh_namespace()
+    hybrid(session, redis_server.url, ns).close()  # threads started once per process
+    before = set(threading.enumerate())
+    faults = Faults(monkeypatch, [(TierStack, "__init__"), (JointGroups, "__init__")])
+    failed = 0
+    while True:
+        faults.arm(failed + 1)
+        try:
+            m = hybrid(session, redis_server.url, ns)
+        except Injected:
+            failed += 1
+            assert set(threading.enumerate()) <= before, f"threads left after fault {failed}"
+            continue
+        break
+    # the group's tiers, the join, the checkpoints' (empty) stack that pins would hold
+    assert failed == 3 and faults.calls == 3
+    assert len(set(threading.enumerate()) - before) == 2  # a checkpoint and a page store
+    m.close()
+    assert set(threading.enumerate()) <= before

@@ -40,6 +40,42 @@ def widen[dtype: DType, width: Int = W](p: Ptr[dtype], off: Int) -> SIMD[DType.f
         return p.unsafe_load[width=width](off).cast[DType.float32]()
 
 
+def _e4m3fn_subnormals_bf16() -> SIMD[DType.uint16, 32]:
+    """bf16 bits of m * 2^-17 (an e4m3fn subnormal, m * 2^-9, over 256) at index m < 8;
+    `widen_bf16` looks them up by the byte's low 5 bits (the rest never looked up)."""
+    var t = SIMD[DType.uint16, 32](0)
+    t[1] = 0x3700  # 2^-17
+    t[2] = 0x3780  # 2^-16
+    t[3] = 0x37C0  # 1.5 * 2^-16
+    t[4] = 0x3800  # 2^-15
+    t[5] = 0x3820
+    t[6] = 0x3840
+    t[7] = 0x3860  # 1.75 * 2^-15
+    return t
+
+
+@always_inline
+def widen_bf16[dtype: DType](p: Ptr[dtype], off: Int) -> SIMD[DType.bfloat16, 2 * W]:
+    """Loads 2W e4m3fn bytes as bf16 of value q / 256 (`E4M3FN_WIDENED`, as `widen`),
+    exactly, for `dot_bf16`: e4m3fn has 4 exponent bits and 3 mantissa bits, bf16 8
+    and 7. A normal byte's exponent and mantissa move into bf16's fields (shifted left
+    by 4, the exponent raised by 112 = 127 - 7 - 8); a subnormal one (exponent 0:
+    m * 2^-9, zero included) becomes a normal bf16 from a table of its 8 values, since
+    `vdpbf16ps` reads bf16 subnormals as zero; the sign is bit 7's. Seven ops per 2W
+    bytes (sign extension, shift, test, table permute, blend, two logic ops), where
+    `widen` takes eight per 2W to float32 (four per W). The NaN bytes 0x7F / 0xFF read
+    as +-480 / 256, as with `widen` (no page holds them: the quantize saturates)."""
+    comptime assert dtype == DType.float8_e4m3fn, "widen_bf16 reads e4m3fn bytes"
+    comptime assert HAS_AVX512_BF16 and W == 16, "for `dot_bf16`: AVX-512 (vpermw)"
+    var wide = p.unsafe_bitcast[Int8]().unsafe_load[width=2 * W](off).cast[DType.int16]()
+    var word = bitcast[DType.uint16, 2 * W](wide)
+    var normal = ((word << 4) & 0x07F0) | 0x3800
+    comptime table = _e4m3fn_subnormals_bf16()
+    var sub = llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", SIMD[DType.uint16, 2 * W]](table, word)
+    var magnitude = (word & 0x78).eq(0).select(sub, normal)
+    return bitcast[DType.bfloat16, 2 * W](magnitude | (word & 0x8000))
+
+
 @always_inline
 def widen_even[width: Int = W](words: SIMD[DType.uint32, width]) -> SIMD[DType.float32, width]:
     """The even bf16 of `words` (pairs of bf16 loaded as 32-bit words) as f32: a shift.

@@ -341,10 +341,10 @@ def test_a_refused_retry_is_answered_without_a_plan(session, monkeypatch):
     (`PrefixChains.refused_again`); it is planned again when a token of a page that
     decides its hits changes, when it asks for other steps, and once it may fit."""
     m = _five_pages_held_by_a(session)
-    replica, plans = m.replicas[0], []
-    real_plan = replica._plan_hits  # a plan that looks its hits up
+    planner, plans = m.replicas[0].planner, []
+    real_plan = planner.plan_hits  # a plan that looks its hits up
     monkeypatch.setattr(
-        replica, "_plan_hits", lambda ctx, req, n: plans.append(n) or real_plan(ctx, req, n)
+        planner, "plan_hits", lambda ctx, req, n: plans.append(n) or real_plan(ctx, req, n)
     )
     b = TextContext(np.concatenate([np.arange(8), np.arange(100, 116)]), request_id="B")
 
@@ -416,11 +416,11 @@ def test_a_refused_retry_whose_hits_were_evicted_is_answered_without_a_plan(
     one of a twin manager without the memo."""
     twins = [make_paged(session, num_pages=8, max_seq_len=32) for _ in range(2)]
     twins[1].replicas[0].chains.memo = ChainMemo(0)
-    replica, plans = twins[0].replicas[0], []
-    real_plan = replica._plan_hits  # a plan that looks its hits up
+    planner, plans = twins[0].replicas[0].planner, []
+    real_plan = planner.plan_hits  # a plan that looks its hits up
     monkeypatch.setattr(
-        replica,
-        "_plan_hits",
+        planner,
+        "plan_hits",
         lambda ctx, req, n: plans.append(ctx.request_id) or real_plan(ctx, req, n),
     )
 

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mokv import CacheControl, PinConfig, SessionConfig
+from mokv import (
+    CacheControl,
+    CacheGroupConfig,
+    PinConfig,
+    RecurrentStateConfig,
+    SessionConfig,
+)
 
+from ..conftest import NUM_LAYERS, make_paged
 from .test_sessions import Clock
-from .test_state_group import SHARED, prefill, reference, skipped
+from .test_state_group import SHARED, STACK, prefill, reference, skipped
 from .test_state_group import hybrid as state_hybrid
 
 AGENT = SHARED[:8]  # two pages: checkpoints at pages 1 and 2
@@ -87,4 +94,39 @@ def test_a_session_expiry_lets_its_checkpoint_go(session):
     traffic(m, 0)  # its first reservation ends the session
     assert states.pool.retained_hashes == frozenset()
     assert h2 not in states.pool.indexed_hashes()
+    m.check_invariants()
+
+
+def test_a_pin_beside_groups_of_a_shared_budget_holds_its_checkpoint(session):
+    """The checkpoint pool is outside the budget the attention groups share (its slots
+    are its own), so the pins' budget there is `max_share` of all its slots: of 2
+    checkpoints, 1 at the default share of a half. Divided by the 2 groups sharing the
+    budget it would be none, and the pin refused."""
+    state = RecurrentStateConfig(
+        "linear_attention", STACK.regions(), checkpoint_every=2, num_checkpoints=2
+    )
+    groups = (
+        CacheGroupConfig("sliding", 1, window_size=8),
+        CacheGroupConfig("full", NUM_LAYERS - 1),
+    )
+    m = make_paged(
+        session,
+        num_pages=32,
+        max_seq_len=64,
+        groups=groups,
+        recurrent=state,
+        pins=PinConfig(clock=Clock()),
+    )
+    replica = m.replicas[0]
+    assert replica.budget is not None and replica.pins is not None
+    first = turn(m, "A", AGENT, cache_control=CacheControl(pin_ttl_s=60))
+    np.testing.assert_array_equal(np.array(first), reference(AGENT)[0])
+    states = replica.states
+    (h2,) = states.pool.indexed_hashes()  # every 2 pages: page 2's only
+    assert states.pool.pinned_hashes == {h2}
+    assert replica.pins.group_cap(states.pool) == 1
+    # the groups' pools are views of one budget: half of it each, then the share
+    assert all(
+        replica.pins.group_cap(g.pool) == int(0.5 * (g.pool.num_pages // 2)) for g in replica.groups
+    )
     m.check_invariants()

@@ -105,6 +105,10 @@ class PagedManagerMachine(RuleBasedStateMachine):
             self.read_back_and_write(ctx)
             ctx.update(token)
         self.m.step(batch)
+        for ctx in batch:  # finished: a prefix hit can move a window to max_seq_len, and
+            if ctx.end_idx > MAX_SEQ_LEN:  # its step's token then goes past it
+                del self.running[ctx.request_id]
+                self.m.release(ctx.request_id)
 
     def read_back_and_write(self, ctx):
         """Checks the request's cached tokens hold their values, then writes the values of

@@ -58,15 +58,21 @@ lanes and accumulators per register block alike:
     vs 3.5-5.8e-3 when they have std 4 (outputs up to ~2.3; the Q rounding error
     grows with the scores' size). GQA 8 bf16 at 16k context: ~2.9 -> ~2.0 ms.
   * FP8 caches (float8_e4m3fn values, a float32 scale per 128 lanes): decode units
-    read the bytes in the decode forms, widened in registers to q / 256 through float16
-    (`simd.widen`: three integer ops and `vcvtph2ps` per vector), and fold each key's
-    scale (times 256) into its summed scores (`qk_block`, `qk_heads`) and into its
-    probabilities in P V (`pv_block`), one multiply per key and row instead of one
-    per element. GQA 8 and 4 heads take `qk_block` rather than `qk_narrow`: it widens
-    a vector of a key's bytes once for 4 rows, where `qk_narrow` widens a group of one
-    or two bytes per FMA. Prefill units stage each tile as f32, dequantized (q * scale
-    rounded once: `fp8.stage_scaled_tile`). Heads of several scale blocks (256 lanes)
-    stage in decode too (`STAGED_UNITS`).
+    read the bytes in the decode forms, widened in registers without their scale,
+    and fold each key's scale (times 256) into its summed scores (`qk_block`,
+    `qk_heads`) and into its probabilities in P V (`pv_block`), one multiply per key
+    and row instead of one per element. With BF16_DOT (AVX-512 BF16) the bytes widen
+    to bf16, exactly (`simd.widen_bf16`: e4m3fn's 4 exponent and 3 mantissa bits fit
+    bf16's 8 and 7; subnormals through a table), and scores and P V take `vdpbf16ps`
+    as bf16 caches do, Q rounded to bf16 once per query and P times each key's V
+    scale rounded to bf16 once per tile (`softmax_key_major`): the same rounding, so
+    the same accuracy, as bf16 decode. Elsewhere they widen to f32 (`simd.widen`:
+    through float16, three integer ops and `vcvtph2ps` per vector) for f32 FMAs. GQA
+    8 and 4 heads take `qk_block` rather than `qk_narrow`: it widens a vector of a
+    key's bytes once for 4 rows, where `qk_narrow` widens a group of one or two bytes
+    per FMA. Prefill units stage each tile as f32, dequantized (q * scale rounded
+    once: `fp8.stage_scaled_tile`). Heads of several scale blocks (256 lanes) stage in
+    decode too (`STAGED_UNITS`).
   * Causality: the key loop stops at the unit's last visible position, so tiles the
     mask hides entirely are never read; only the diagonal tile applies a mask.
   * A sliding window (`window` keys, the query's own included; Gemma 3's local layers)

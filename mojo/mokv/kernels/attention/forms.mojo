@@ -2,7 +2,7 @@
 target (from kernels/cpu.mojo's features and tuning table): one place, so that a
 kernel file never tests a feature itself."""
 
-from ...types import is_quantized, scales_per_head
+from ...types import SCALE_BLOCK, is_quantized, scales_per_head
 from ..cpu import HALF_RATE_BF16_DOT, HAS_AVX512_BF16, SPLIT_512_UNITS, VECTOR_REGISTERS, W
 
 comptime I32Ptr = Pointer[Int32, MutUntrackedOrigin]
@@ -26,12 +26,15 @@ us). CPUs with whole 512-bit units run 16 lanes at twice the rate of 8: there, a
 x0.87-0.91, f32 GQA 4 x0.97."""
 comptime PART_SLOT[D: Int] = MAX_ROWS * (D + 2)
 """Floats of one partial softmax state: o [MAX_ROWS, D], then m and l [MAX_ROWS]."""
-comptime BF16_DOT[dtype: DType, D: Int] = HAS_AVX512_BF16 and dtype == DType.bfloat16 and D % (2 * W) == 0
+comptime BF16_DOT[dtype: DType, D: Int] = (
+    HAS_AVX512_BF16 and D % (2 * W) == 0 and (dtype == DType.bfloat16 or (is_quantized[dtype]() and D == SCALE_BLOCK))
+)
 """Whether decode scores over a `dtype` cache use `dot_bf16`: Q is then rounded to
-bf16 once per query (see attention/__init__.mojo)."""
+bf16 once per query (see flash_attention.mojo). bf16 K is read as stored; FP8 K (one
+scale per head) is widened to bf16 in registers, exactly (`simd.widen_bf16`)."""
 comptime BF16_PV_DOT[dtype: DType, D: Int] = BF16_DOT[dtype, D] and not HALF_RATE_BF16_DOT
 """Whether decode P V over a `dtype` cache uses `dot_bf16` as well (P then rounded to
-bf16 once per tile). Where `vdpbf16ps` runs at half rate, P V widens each V chunk to
+bf16 once per tile; over FP8, P times each key's V scale: `softmax_key_major`). Where `vdpbf16ps` runs at half rate, P V widens each V chunk to
 f32 once and feeds it to the FMAs of all the head's rows instead: emeraldrapids,
 against `dot_bf16` P V (1 x 16k unless said, three rounds): bf16 GQA 8 2.32 -> 1.97 ms,
 4 x 8k 4.35 -> 3.74 ms, GQA 4 x0.90, GQA 1 x0.93."""

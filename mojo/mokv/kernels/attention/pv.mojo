@@ -8,7 +8,7 @@ from std.utils.index import IndexList
 from ...types import Ptr, SCALE_BLOCK, ScalePtr, is_quantized
 from ..cpu import W
 from ..fp8 import widened_scale
-from ..simd import F32Ptr, dot_bf16, widen, widen_even, widen_odd
+from ..simd import F32Ptr, dot_bf16, widen, widen_bf16, widen_even, widen_odd
 from .forms import BF16_PV_DOT, MAX_ROWS, O_NATURAL, O_PAIRED, O_SPLIT, RB, SPLIT_PV
 from .tiles import prefetch_spread
 
@@ -48,7 +48,9 @@ def pv_block[
     33.6 us, GQA 1 78.7 -> 75.7 us; GQA 8 two threads at 1 x 16k 1.08 -> 1.05 ms.
     Each step prefetches the same columns of pf's rows. An FP8 cache's V is widened
     unscaled and each key's probability scaled instead (`widened_scale`: one scale
-    per head), one multiply per row and key."""
+    per head), one multiply per row and key; with DOT, V is widened to bf16
+    (`widen_bf16`) and p holds the probabilities already scaled (`softmax_key_major`
+    rounds P times the scale to bf16 once)."""
     comptime KSTEP = 2 if DOT else 1
     comptime NC = _pv_chunks(W // rb, D)
     comptime assert not DOT or NC % 2 == 0, "BF16_DOT pairs V columns 32 at a time"
@@ -62,10 +64,16 @@ def pv_block[
                 var j1 = min(j + 1, n - 1)
                 var vv = Array[SIMD[DType.bfloat16, 2 * W], NC](fill=0)
                 comptime for cc in range(0, NC, 2):
-                    var v0 = vp.unsafe_load[width=2 * W](j * STRIDE + c0 + cc * W)
-                    var v1 = vp.unsafe_load[width=2 * W](j1 * STRIDE + c0 + cc * W)
-                    vv[cc] = rebind[SIMD[DType.bfloat16, 2 * W]](v0.shuffle[_pair_keys_mask[0]()](v1))
-                    vv[cc + 1] = rebind[SIMD[DType.bfloat16, 2 * W]](v0.shuffle[_pair_keys_mask[1]()](v1))
+                    var v0: SIMD[DType.bfloat16, 2 * W]
+                    var v1: SIMD[DType.bfloat16, 2 * W]
+                    comptime if is_quantized[dtype]():
+                        v0 = widen_bf16(vp, j * STRIDE + c0 + cc * W)
+                        v1 = widen_bf16(vp, j1 * STRIDE + c0 + cc * W)
+                    else:
+                        v0 = rebind[SIMD[DType.bfloat16, 2 * W]](vp.unsafe_load[width=2 * W](j * STRIDE + c0 + cc * W))
+                        v1 = rebind[SIMD[DType.bfloat16, 2 * W]](vp.unsafe_load[width=2 * W](j1 * STRIDE + c0 + cc * W))
+                    vv[cc] = v0.shuffle[_pair_keys_mask[0]()](v1)
+                    vv[cc + 1] = v0.shuffle[_pair_keys_mask[1]()](v1)
                 comptime for rr in range(rb):
                     var pair = p.unsafe_bitcast[UInt32]().unsafe_load((j // 2) * MAX_ROWS + r0 + rr)
                     var pj = bitcast[DType.bfloat16, 2 * W](SIMD[DType.uint32, W](pair))

@@ -9,7 +9,7 @@ from std.sys.intrinsics import prefetch, PrefetchOptions
 from ...types import KVCacheT, Ptr, SCALE_BLOCK, ScalePtr, is_quantized
 from ..cpu import W
 from ..fp8 import widened_scale
-from ..simd import F32Ptr, dot_bf16, lane_sums, widen
+from ..simd import F32Ptr, dot_bf16, lane_sums, widen, widen_bf16
 from .forms import BF16_DOT, KB, MAX_ROWS, RB
 
 
@@ -37,7 +37,8 @@ def qk_block[Cache: KVCacheT](
     repeat key n-1 (never read past the page); their scores land in unused slots. With
     BF16_DOT a step is 32 elements of D as stored: `dot_bf16` multiplies adjacent pairs
     of D, which is how a key row lies in the cache, so K is used unconverted. An FP8
-    cache's K is widened unscaled and each key's sums scaled once (`widened_scale`).
+    cache's K is widened unscaled (to bf16 with BF16_DOT: `widen_bf16`, else to f32)
+    and each key's sums scaled once (`widened_scale`).
     """
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
@@ -52,7 +53,9 @@ def qk_block[Cache: KVCacheT](
     comptime for c in range(0, D, CH):
         var kv = Array[SIMD[qdt, CH], KB](fill=0)
         comptime for kk in range(KB):
-            comptime if DOT:
+            comptime if DOT and is_quantized[Cache.dtype]():
+                kv[kk] = rebind[SIMD[qdt, CH]](widen_bf16(kp, koff[kk] + c))
+            elif DOT:
                 kv[kk] = rebind[SIMD[qdt, CH]](kp.unsafe_load[width=CH](koff[kk] + c))
             else:
                 kv[kk] = rebind[SIMD[qdt, CH]](widen(kp, koff[kk] + c))
@@ -100,7 +103,8 @@ def qk_heads[Cache: KVCacheT](
     row-major softmax it replaced (32 KV heads): one thread with the cache in L3, f32
     40-45 -> 46-49 GB/s, bf16 44-45 -> 51-52; two threads at 1 x 16k, bf16 27-28 ->
     29-36 GB/s, f32 level within the noise (30-41 vs 29-38), four alternating runs.
-    An FP8 cache's K is widened unscaled and each head's sum scaled once."""
+    An FP8 cache's K is widened unscaled (as in `qk_block`) and each head's sum scaled
+    once."""
     comptime D = Cache.kv_params.head_size
     comptime STRIDE = Cache.token_stride()
     comptime DOT = BF16_DOT[Cache.dtype, D]
@@ -121,11 +125,12 @@ def qk_heads[Cache: KVCacheT](
         comptime for hh in range(W):
             var qv = qp.unsafe_load[width=CH](hoff[hh] + c)
             comptime if DOT:
-                acc[hh] = dot_bf16(
-                    acc[hh],
-                    rebind[SIMD[DType.bfloat16, 2 * W]](qv),
-                    rebind[SIMD[DType.bfloat16, 2 * W]](kj.unsafe_load[width=CH](hoff[hh] + c)),
-                )
+                var kv: SIMD[DType.bfloat16, 2 * W]
+                comptime if is_quantized[Cache.dtype]():
+                    kv = widen_bf16(kj, hoff[hh] + c)
+                else:
+                    kv = rebind[SIMD[DType.bfloat16, 2 * W]](kj.unsafe_load[width=CH](hoff[hh] + c))
+                acc[hh] = dot_bf16(acc[hh], rebind[SIMD[DType.bfloat16, 2 * W]](qv), kv)
             else:
                 acc[hh] = rebind[SIMD[DType.float32, W]](qv).fma(widen(kj, hoff[hh] + c), acc[hh])
     comptime if is_quantized[Cache.dtype]():

@@ -23,7 +23,7 @@ def _rescale_row[D: Int](o: F32Ptr, r: Int, alpha: Float32):
             o.unsafe_store(r * D + c, o.unsafe_load[width=W](r * D + c) * alpha)
 
 
-def softmax_key_major[D: Int, PAIRS: Bool](
+def softmax_key_major[D: Int, PAIRS: Bool, SCALED: Bool = False](
     s: F32Ptr,  # [BK, MAX_ROWS] scores S^T[j, r] of this tile, in log2 units
     m: F32Ptr,  # [MAX_ROWS] running maxima (the reference P is taken against)
     l: F32Ptr,  # [MAX_ROWS] running sums
@@ -35,16 +35,20 @@ def softmax_key_major[D: Int, PAIRS: Bool](
     k_tok: Int,  # position of the tile's first key
     masked: Bool,
     pb: F32Ptr,  # PAIRS: [BK // 2, MAX_ROWS] bf16 pairs of P
+    ps: F32Ptr,  # SCALED: [BK, MAX_ROWS] what each P[r, j] is multiplied by in pb (an FP8 cache's V scales)
 ):
     """One online-softmax step over a tile's key-major scores, W rows at a time:
     maxima, masks and sums are lane-wise, with no horizontal reductions. P replaces
     the scores in s or, with PAIRS (`pv_block`'s BF16_DOT input), goes to pb rounded
     to bf16 pairs (P[r, j], P[r, j+1]) in 32-bit slots (j // 2) * MAX_ROWS + r, with
     P[r, n] = 0 for an odd n (rows up to a multiple of W: padding rows hold junk, never
-    used). A masked tile (the diagonal, or a sliding window's first tiles) hides the
-    keys past a row's `last` and before its `first`. Rounding in the exp pass saves a pass over P; the maximum runs in four
-    chains, where one was bound by the latency of a NaN-aware `max` (bf16 GQA 8, one
-    thread: 16.4 -> 16.9 GB/s with the cache in L2, 2.27 -> 2.08 ms at 16k).
+    used). With SCALED (P V over an FP8 cache with `dot_bf16`), pb holds P[r, j] times
+    ps[j, r], the key's V scale, rounded once, and the sums stay P's. A masked tile
+    (the diagonal, or a sliding window's first tiles) hides the keys past a row's
+    `last` and before its `first`. Rounding in the exp pass saves a pass over P; the
+    maximum runs in four chains, where one was bound by the latency of a NaN-aware
+    `max` (bf16 GQA 8, one thread: 16.4 -> 16.9 GB/s with the cache in L2, 2.27 ->
+    2.08 ms at 16k).
 
     Scores are in log2 units (the queries carry log2(e)), so P = 2^(S - m) with the
     polynomial `exp2`, degree 3 when P is rounded to bf16 next. The running max m is
@@ -88,6 +92,10 @@ def softmax_key_major[D: Int, PAIRS: Bool](
                     e1 = exp2[3](s.unsafe_load[width=W]((j + 1) * MAX_ROWS + r0) - ref_m)
                 sum += e0
                 sum_odd += e1
+                comptime if SCALED:
+                    e0 *= ps.unsafe_load[width=W](j * MAX_ROWS + r0)
+                    if j + 1 < n:  # (ps holds no key n)
+                        e1 *= ps.unsafe_load[width=W]((j + 1) * MAX_ROWS + r0)
                 var pair = e0.cast[DType.bfloat16]().interleave(e1.cast[DType.bfloat16]())
                 pbh.unsafe_store(((j // 2) * MAX_ROWS + r0) * 2, pair)
             sum += sum_odd

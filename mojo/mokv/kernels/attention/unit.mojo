@@ -5,9 +5,9 @@ from std.math import ceildiv
 from std.memory import stack_allocation
 from std.sys.info import size_of
 
-from ...types import KVCacheT, Ptr, is_quantized
+from ...types import KVCacheT, Ptr, ScalePtr, is_quantized
 from ..cpu import W
-from ..fp8 import stage_scaled_tile
+from ..fp8 import stage_scaled_tile, widened_scale
 from ..simd import F32Ptr, exp2
 from .forms import BF16_DOT, BF16_PV_DOT, BK, DECODE_O_ORDER, KB, MAX_ROWS, PART_SLOT, RB, STAGED_UNITS
 from .pv import o_natural, pv_block
@@ -90,6 +90,24 @@ def _o_row[D: Int, dtype: DType](o: F32Ptr, r: Int, c: Int, key_major: Bool) -> 
     return o_natural[D, DECODE_O_ORDER[dtype, D]](o, r, c)
 
 
+@always_inline
+def _v_scales_by_row[SSTRIDE: Int](ps: F32Ptr, scales: ScalePtr, nh: Int, rows_hp: Int, n: Int):
+    """ps[j, r] = key j's V scale (`widened_scale`) for every row r of the unit's nh heads
+    of rows_hp rows (one scale per head): the factors `softmax_key_major` rounds into
+    P for `dot_bf16` P V over an FP8 cache. (Decode units stage no tile: ps is that
+    buffer, BK x MAX_ROWS floats of its BK x D.)"""
+    for j in range(n):
+        for hh in range(nh):
+            var sc = widened_scale[SSTRIDE](scales.unsafe_offset(hh), j)
+            var row = ps.unsafe_offset(j * MAX_ROWS + hh * rows_hp)
+            if rows_hp % 4 == 0:
+                for r in range(0, rows_hp, 4):
+                    row.unsafe_store(r, SIMD[DType.float32, 4](sc))
+            else:
+                for r in range(rows_hp):
+                    row.unsafe_store(r, sc)
+
+
 def attend_unit[Cache: KVCacheT, q_dtype: DType](
     kc: Cache,
     vc: Cache,
@@ -115,8 +133,8 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
 
     An FP8 cache's key-major units stage each K and V tile as f32, dequantized
     (`stage_scaled_tile`); its decode units read the bytes in the decode forms, which
-    widen them unscaled and fold each key's scale into its scores and probabilities
-    (one scale per head). With heads of several scale blocks (`STAGED_UNITS`) every
+    widen them unscaled (to bf16 for `dot_bf16`, else f32) and fold each key's scale
+    into its scores and probabilities (one scale per head). With heads of several scale blocks (`STAGED_UNITS`) every
     unit is key-major.
     """
     comptime D = Cache.kv_params.head_size
@@ -131,8 +149,9 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
     var rows_p = u.nh * rows_hp
     # Scores of a GQA 8 or 4 head from K as stored (`qk_group`). Not over FP8 bytes:
     # `qk_narrow` widens each key's group of 1-2 bytes for one FMA, `qk_block` a vector
-    # of W bytes for 4 rows' FMAs.
-    var narrow = not FP8 and (rows_hp == 8 or rows_hp == 4)
+    # of W bytes for 4 rows' FMAs (or dot products).
+    comptime GROUP_FORMS = not FP8
+    var narrow = GROUP_FORMS and (rows_hp == 8 or rows_hp == 4)
     # Staged, key-major scores for whole vectors of rows; a head of 8 rows is a decode
     # head for `qk_group` even where 8 rows fill a vector (the portable paths' W = 8).
     var key_major = STAGED or (rows_hp % W == 0 and not narrow)
@@ -158,11 +177,12 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
                 comptime for i in range(W):
                     qs.unsafe_store((c + i) * MAX_ROWS + r, qv[i])
             elif narrow:  # per head, in `qk_group`'s lane order
-                var head_q = qs.unsafe_offset((r // rows_hp) * rows_hp * D)
-                if rows_hp == 8:
-                    store_group_q[Cache, 8](head_q, r, c, qv)
-                else:
-                    store_group_q[Cache, 4](head_q, r, c, qv)
+                comptime if GROUP_FORMS:
+                    var head_q = qs.unsafe_offset((r // rows_hp) * rows_hp * D)
+                    if rows_hp == 8:
+                        store_group_q[Cache, 8](head_q, r, c, qv)
+                    else:
+                        store_group_q[Cache, 4](head_q, r, c, qv)
             else:  # qs is Q [rows, D], in bf16 for `dot_bf16` scores
                 comptime if DOT:
                     qs.unsafe_bitcast[BFloat16]().unsafe_store(r * D + c, qv.cast[DType.bfloat16]())
@@ -240,23 +260,24 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
                 if narrow:
                     # Key blocks outer, heads inner: the tile is read in address order (a
                     # token's heads are adjacent), which the hardware prefetchers follow.
-                    comptime NK = group_keys[Cache]()
-                    for j0 in range(0, n, NK):
-                        for hh in range(u.nh):
-                            var qh = qs.unsafe_offset(hh * rows_hp * D)
-                            var r0 = hh * rows_hp
-                            var kh = kp.unsafe_offset(hh * D)
-                            var vh = vp.unsafe_offset(hh * D)
-                            if j0 + NK > n:
-                                prefetch_rows[Cache](vh.unsafe_offset(j0 * STRIDE), n - j0, D)
-                                if rows_hp == 8:
-                                    qk_group[Cache, 8, False](qh, s, r0, kh, vh, j0, n)
+                    comptime if GROUP_FORMS:
+                        comptime NK = group_keys[Cache]()
+                        for j0 in range(0, n, NK):
+                            for hh in range(u.nh):
+                                var qh = qs.unsafe_offset(hh * rows_hp * D)
+                                var r0 = hh * rows_hp
+                                var kh = kp.unsafe_offset(hh * D)
+                                var vh = vp.unsafe_offset(hh * D)
+                                if j0 + NK > n:
+                                    prefetch_rows[Cache](vh.unsafe_offset(j0 * STRIDE), n - j0, D)
+                                    if rows_hp == 8:
+                                        qk_group[Cache, 8, False](qh, s, r0, kh, vh, j0, n)
+                                    else:
+                                        qk_group[Cache, 4, False](qh, s, r0, kh, vh, j0, n)
+                                elif rows_hp == 8:
+                                    qk_group[Cache, 8, True](qh, s, r0, kh, vh, j0, n)
                                 else:
-                                    qk_group[Cache, 4, False](qh, s, r0, kh, vh, j0, n)
-                            elif rows_hp == 8:
-                                qk_group[Cache, 8, True](qh, s, r0, kh, vh, j0, n)
-                            else:
-                                qk_group[Cache, 4, True](qh, s, r0, kh, vh, j0, n)
+                                    qk_group[Cache, 4, True](qh, s, r0, kh, vh, j0, n)
                 elif rows_hp == 1:  # GQA 1 decode: key by key, W heads at a time, in address order
                     for j in range(n):
                         for h0 in range(0, u.nh, W):
@@ -268,9 +289,11 @@ def attend_unit[Cache: KVCacheT, q_dtype: DType](
                             for r0 in range(hh * rows_hp, (hh + 1) * rows_hp, RB):
                                 qk_block[Cache](qs, s, r0, kp.unsafe_offset(hh * D), ksp.unsafe_offset(hh * NB), j0, n)
         if paired:
-            softmax_key_major[D, True](s, m, l, o, last, first, rows_p, n, k_tok, masked, pb)
+            comptime if FP8:  # P rounded to bf16 times each key's V scale: kf holds them by row
+                _v_scales_by_row[SSTRIDE](kf, vsp, u.nh, rows_hp, n)
+            softmax_key_major[D, True, FP8](s, m, l, o, last, first, rows_p, n, k_tok, masked, pb, kf)
         else:
-            softmax_key_major[D, False](s, m, l, o, last, first, rows_p, n, k_tok, masked, pb)
+            softmax_key_major[D, False](s, m, l, o, last, first, rows_p, n, k_tok, masked, pb, kf)
 
         if key_major:
             for hh in range(u.nh):

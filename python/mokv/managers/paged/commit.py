@@ -1,9 +1,10 @@
 """What a paged replica's `step` commits: the pages its requests filled.
 
 `plan_commit` works out, without changing anything, which of a batch's pages became
-full since their last step and their hash chain; the replica's `commit` then indexes
-them in its group (`FullAttentionGroup.commit_pages`, which shares duplicates) and hands
-the new ones to its tiers.
+full since their last step and their hash chain; a `PageCommitter` (the replica's)
+then indexes them in its groups (`FullAttentionGroup.commit_pages`, which shares
+duplicates; `JointGroups.commit_pages` with several) and hands the new ones to their
+tiers, and counts what the requests' write policies kept out of the index.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from collections.abc import Callable, Sequence
 
 from ...cache.extra_keys import request_keys
 from ...context import RequestID, TextGenerationContext
+from ...tiers.base import CommittedPages
+from ...undo import UndoLog
 from .plans import CommitPlan, RequestState
 from .prefix import PrefixChains
+from .replica_parts import ReplicaParts
+from .take import truncate
 
 NOTHING = CommitPlan([], [], [], [], [], [], [])
 """Read only: a step that commits nothing."""
@@ -76,3 +81,66 @@ def plan_commit(
             parent = page_hash
         plans.append((req, new_hashes))
     return CommitPlan(plans, owners, page_ids, hashes, datas, parents, keys, withheld)
+
+
+class PageCommitter:
+    """Applies one replica's commit plans (see the module docstring) over its `parts`;
+    `undo` is the manager's log."""
+
+    def __init__(self, parts: ReplicaParts, undo: UndoLog) -> None:
+        self.undo = undo
+        self.groups = parts.groups
+        self.group = parts.groups[0]
+        self.joint = parts.joint
+        self.group_tiers = parts.group_tiers
+        self._tiered = bool(parts.group_tiers[0])
+        self.withheld_pages = 0
+        """Pages the requests' write policies kept out of the index."""
+
+    def commit(self, plan: CommitPlan) -> None:
+        """Indexes the planned pages in one all-or-nothing pool call, moves each request
+        off the pages that duplicate an indexed one (`FullAttentionGroup.commit_pages`),
+        then hands the newly indexed pages to every tier (`Tier.store`: after the device
+        commit, so a tier's failure can only leave that tier with fewer pages)."""
+        indexed: list[list[bool]] = []
+        if plan.withheld:
+            self._withhold(plan.withheld)
+        if plan.page_ids:
+            if self.joint is not None:
+                indexed = self.joint.commit_pages(plan)
+            else:
+                indexed = [self.group.commit_pages(plan)]
+        for req, new_hashes in plan.requests:
+            self.undo.push(
+                truncate, self.group, req, len(req.pages), len(req.hashes), len(req.loads)
+            )
+            req.hashes.extend(new_hashes)
+        if not self._tiered:
+            return
+        # Every tier hears every step (a host tier's `min_hits` stores at any step).
+        indexed = indexed or [[] for _ in self.group_tiers]
+        for stack, group, group_indexed in zip(self.group_tiers, self.groups, indexed):
+            new = [i for i, ok in enumerate(group_indexed) if ok]
+            page_ids = plan.page_ids if group is self.group else None
+            stack.store(
+                CommittedPages(
+                    [
+                        page_ids[i]
+                        if page_ids is not None
+                        else group.row(plan.owners[i][0])[plan.owners[i][1]]
+                        for i in new
+                    ],
+                    [plan.hashes[i] for i in new],
+                    [plan.datas[i] for i in new],
+                    [plan.parents[i] for i in new],
+                    [plan.keys[i] for i in new],
+                )
+            )
+
+    def _withhold(self, withheld: list[tuple[RequestState, int]]) -> None:
+        """Counts the pages write policies newly kept out of the index."""
+        self.undo.push(setattr, self, "withheld_pages", self.withheld_pages)
+        for req, num_pages in withheld:
+            self.undo.push(setattr, req, "num_withheld", req.num_withheld)
+            self.withheld_pages += num_pages - req.num_withheld
+            req.num_withheld = num_pages

@@ -33,7 +33,7 @@ from ...config.params import KVCacheParams
 from ...config.recurrent import RecurrentStateConfig
 from ...config.tiers import HostTierConfig, TierConfig
 from ...tiers.base import TierHit
-from ...tiers.stack import TierStack
+from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from .sizing import group_bytes_per_page
 
@@ -83,6 +83,19 @@ def build_group_tiers(
     return stacks
 
 
+def loads_by_group(
+    loads: Sequence[PendingLoad], num_groups: int
+) -> list[tuple[int, list[PendingLoad]]]:
+    """`loads` by cache group (`PendingLoad.group`), in group order, each group that has
+    some (all in group 0 for a replica of one group)."""
+    if num_groups == 1:
+        return [(0, list(loads))] if loads else []
+    by_group: list[list[PendingLoad]] = [[] for _ in range(num_groups)]
+    for load in loads:
+        by_group[load.group].append(load)
+    return [(g, group_loads) for g, group_loads in enumerate(by_group) if group_loads]
+
+
 def host_shares(params: KVCacheParams, num_layers: int) -> tuple[list[float], float]:
     """The share of the host tier's memory each group's pages take, and the recurrent
     state's checkpoints (0 without state layers): in proportion to the bytes each keeps
@@ -128,7 +141,7 @@ def found_in_tiers(
     """`found` (a group's device page of each page of `chain`, None where it has none)
     with the pages its tiers hold filled in, tier after tier. A group that needs every
     page up to a hit (`window` 0) has its tiers continue the device's run, as a replica
-    of one group does (`PagedReplica._plan_hits`); a sliding group's tiers are asked
+    of one group does (`ReservationPlanner.plan_hits`); a sliding group's tiers are asked
     only for the pages the joint hit's rule reads (`WindowPages`). Changes nothing but
     the tiers' lookup counters."""
     if window:

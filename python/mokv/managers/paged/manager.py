@@ -64,7 +64,7 @@ from .metrics import cache_metrics, num_free_pages, shared_tier_metrics
 from .pins import NO_GRANT, PinGrant
 from .plans import HELD
 from .replica import PagedReplica, Reservation
-from .sizing import check_devices_hold, group_slots, pages_per_replica
+from .sizing import check_devices_hold, replica_pages
 
 _request_id = attrgetter("request_id")  # of a context
 
@@ -120,30 +120,7 @@ class PagedKVCacheManager(MaxManagerAPI):
         check_devices_hold(params, available_cache_memory, self.devices)
         dp = params.data_parallel_degree
         params.cache_groups(num_layers)  # ValueError for groups' layers that do not add up
-        pages_per_seq = ceil_div(max_seq_len, params.page_size)
-        slots = None
-        if params.is_hybrid:  # one budget of slots for every group (`groups/budget.py`)
-            slots = group_slots(params, num_layers, available_cache_memory)
-            num_pages = [slots.num_slots * r for r in slots.ratios]
-            needed = slots.slots_for([pages_per_seq] * len(num_pages))
-            if needed > slots.num_slots:
-                names = [g.name for g in params.groups]
-                raise InsufficientMemoryError(
-                    f"available_cache_memory={available_cache_memory} bytes gives "
-                    f"{slots.num_slots} slot(s) of {slots.slot_bytes} bytes per device "
-                    f"and replica for groups {names}; one sequence of "
-                    f"max_seq_len={max_seq_len} needs {needed} ({pages_per_seq} pages "
-                    f"of each group, {list(slots.ratios)} to a slot)"
-                )
-        else:
-            num_pages = [pages_per_replica(params, num_layers, available_cache_memory)]
-            if num_pages[0] < pages_per_seq:
-                raise InsufficientMemoryError(
-                    f"available_cache_memory={available_cache_memory} bytes gives "
-                    f"{num_pages[0]} page(s) per replica; one sequence of "
-                    f"max_seq_len={max_seq_len} needs {pages_per_seq} (at "
-                    f"{params.bytes_per_page(num_layers)} bytes per page)"
-                )
+        num_pages, slots = replica_pages(params, num_layers, available_cache_memory, max_seq_len)
         if max_batch_size < dp:
             raise ValueError(
                 f"max_batch_size={max_batch_size} is smaller than data_parallel_degree={dp}"

@@ -44,6 +44,7 @@ from ...registry import BUILDERS
 from ...tiers.stack import TierStack
 from ...undo import UndoLog, set_values, values_of
 from .chain_counts import check_counts
+from .groups.budget import budget_part
 from .window_tails import Change, TailRule, at_either_end, in_both, split_groups
 
 
@@ -97,16 +98,17 @@ class PinTable:
     docstring): `groups` are its cache groups' `(pool, tiers, pages_in_window)`, one for
     a replica of one group. A group without a window pins the whole chains, within
     `cap`; a sliding group only their tails (`WindowTails`), within its own budget
-    (`group_cap`). `shared_by`: the groups whose pools are views of one shared budget
-    (`groups/budget.py`), each pool as large as the memory: each group's budget is of a
-    `1 / shared_by` part of it, so that all pins together stay within `max_share`."""
+    (`group_cap`). `shared`: the pools that are views of one shared budget
+    (`groups/budget.py`), each as large as the memory: each of their groups' budget is of
+    a `1 / len(shared)` part of it, so that all pins together stay within `max_share`; a
+    pool outside it (the checkpoints') has a budget of all its pages (`budget_part`)."""
 
     def __init__(
         self,
         config: PinConfig,
         groups: Sequence[tuple[PagePool, TierStack, int | TailRule]],
         undo: UndoLog | None = None,
-        shared_by: int = 1,
+        shared: Sequence[PagePool] = (),
     ) -> None:
         self.config = config
         self.clock = config.clock
@@ -120,7 +122,7 @@ class PinTable:
         )
         self._pools = [pool for pool, _, _ in groups]
         # The hashes pinned whole must fit the smallest group that holds them whole.
-        self._shared_by = shared_by
+        self._shared = shared
         self.cap = min(self.group_cap(pool) for pool, _ in self._whole or [groups[0][:2]])
         self.pins: dict[int, Pin] = {}
         self._count: dict[int, int] = {}  # pinned hash -> pins holding it
@@ -128,7 +130,7 @@ class PinTable:
 
     def group_cap(self, pool: PagePool) -> int:
         """The most pages pins may hold in a group of `pool`."""
-        return self.config.cap(pool.num_pages // self._shared_by)
+        return self.config.cap(budget_part(pool, self._shared))
 
     def reset_metrics(self) -> None:
         self.num_granted = self.num_partial = self.num_refused = 0

@@ -27,50 +27,36 @@ A request's pages, drawn as token regions (page_size 4 here):
 Prefix matching (prefix.py) extends a request with the longest run of pages that
 continues its hash chain: device pages first, then each tier in order.
 
-Committing the pages a step filled (`step`) is planned by `commit.plan_commit` and
-applied by `commit` through the group.
-Sessions (`params.sessions`) are `sessions.py`: a request's first reservation starts
-its session, its release makes the session retain its chain. Pins (`params.pins`) are
-`pins.py`: a reservation's hits renew the pins they complete, a release with
-`ctx.cache_control.pin_ttl_s` pins the request's chain, and a request's write policy
-caps what `commit` indexes (`commit.py`).
-
-Reserving is planned once, then applied. `plan` works out one request's hits and fresh
-pages without changing anything, asking the pool once how many fresh pages it could
-take (`Reservation.room`); `fits` checks a batch of plans against the pool; `apply`
-takes their pages in one all-or-nothing pool call before it moves the contexts' windows.
+The replica holds the requests and drives parts that own their own state, each in its
+module: built from the params by `replica_parts.py` (groups, budget, state, tiers,
+joint hit, sessions, pins); reserving is planned once, then applied: `plan` works out
+one request's hits and fresh pages without changing anything (`planner.py`), `fits`
+checks a batch of plans against the pool, `apply` takes their pages in one
+all-or-nothing pool call before it moves the contexts' windows (`take.py`); the pages a
+step filled are planned and committed by `commit.py`; tier hits wait as pending loads
+until `fetch` loads them (`loads.py`). Sessions (`params.sessions`, `sessions.py`): a
+request's first reservation starts its session, its release makes the session retain
+its chain. Pins (`params.pins`, `pins.py`): a reservation's hits renew the pins they
+complete, a release with `ctx.cache_control.pin_ttl_s` pins the request's chain, and a
+request's write policy caps what `commit` indexes.
 
 Undo. Every change records how to undo it in `undo` (`mokv.undo.UndoLog`, the
 manager's), which the pool, the tiers and the event recorder share, so that the manager
 rolls back a call that raised anywhere. A context's window cannot be moved back: once
 `apply` moved the windows of its hit contexts, it commits the log (the reservation
 stands, and so does everything before it in the call).
-
-Tiers (`params.tiers`, `mokv.tiers`). A tier hit takes a fresh device page and becomes
-a pending load on its request, pinned in its tier from `apply` on; `fetch` runs the
-pending loads of its batch (`load_pending`) before the graph
-runs and then indexes the loaded pages, so later requests find them on the device.
-`commit` hands the pages it newly indexed to every tier (`store`). Releasing a request
-drops its pending loads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
-from functools import partial
-from operator import attrgetter, itemgetter
 
 from max.driver import Buffer, Device
-from max.dtype import DType
 from max.nn.kv_cache import RecurrentStateInputsPerDevice
 
-from ...cache.cache_memory import cache_buffer
-from ...cache.extra_keys import request_keys
 from ...cache.hashing import PageHashFn
-from ...cache.page_pool import PagePool
 from ...config.params import KVCacheParams
-from ...context import RequestID, TextGenerationContext, check_cache_control
+from ...context import RequestID, TextGenerationContext
 from ...errors import (
     AlreadyClaimedError,
     BatchTooLargeError,
@@ -79,29 +65,17 @@ from ...errors import (
 )
 from ...events.publisher import EventRecorder, GroupSpec
 from ...layouts.paged import PagedInputs
-from ...metrics import prompt_tokens_in
-from ...registry import BUILDERS
-from ...remote.layout import group_key
-from ...tiers.base import CommittedPages
-from ...tiers.stack import PendingLoad, TierStack
 from ...undo import UndoLog
 from ..base import check_request_id
-from .commit import plan_commit
-from .group_tiers import build_group_tiers, host_checkpoint_capacity
-from .groups import FullAttentionGroup, JointGroups, SharedBudget, build_group
-from .groups.state import RecurrentStateGroup
-from .groups.state_host import HostCheckpoints
-from .groups.state_shared import shared_checkpoints
-from .inputs import ceil_div
-from .pins import NO_GRANT, PinGrant, PinTable
+from .batch_inputs import BatchInputs
+from .commit import PageCommitter, plan_commit
+from .loads import PendingLoads
+from .pins import NO_GRANT, PinGrant
+from .planner import ReservationPlanner
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
-from .prefix import PrefixChains
-from .sessions import SessionTable
+from .replica_parts import build_replica_parts
 from .sizing import SlotGeometry
-from .window_tails import TailRule
-
-_page_id, _page_hash = itemgetter(0), itemgetter(1)  # of a `(page id, hash)` hit
-_num_fresh = attrgetter("num_fresh")  # of a `Reservation`
+from .take import ReservationTaker
 
 
 class PagedReplica:
@@ -127,127 +101,39 @@ class PagedReplica:
         self.max_seq_len = max_seq_len
         self.max_requests = max_requests
         self.devices = devices
-        self.max_pages_per_seq = ceil_div(max_seq_len, params.page_size)
-        # `num_pages[g]` pages for group `g`, or, with groups, views of one budget's
-        # slabs (every slot's values, then every slot's scales of scaled pages:
-        # `sizing.py`); `pool` and `blocks` are the first group's.
-        slabs: list[Buffer] = []
-        scale_slabs: list[Buffer] = []
-        if slots is not None:
-            num_pages = [slots.num_slots * r for r in slots.ratios]
-            values = slots.num_slots * slots.value_bytes
-            for d in devices:
-                slab = cache_buffer(DType.uint8, [slots.num_slots * slots.slot_bytes], d)
-                if slots.scale_bytes:  # views of the two regions (slices of one buffer)
-                    slabs.append(slab[:values])
-                    scale_slabs.append(slab[values:])
-                else:
-                    slabs.append(slab)
-        self.groups: list[FullAttentionGroup] = [
-            build_group(
-                params,
-                config,
-                index,
-                pages,
-                devices,
-                max_requests,
-                self.max_pages_per_seq,
-                undo,
-                slabs,
-                scale_slabs,
-            )
-            for index, (config, pages) in enumerate(zip(params.cache_groups(num_layers), num_pages))
-        ]
+        parts = build_replica_parts(
+            params,
+            num_pages,
+            max_requests,
+            max_seq_len,
+            num_layers,
+            devices,
+            hash_fn,
+            root_hash,
+            undo,
+            slots,
+        )
+        self.groups = parts.groups
+        # The first group's, named for the paths of a cache of one group.
         self.group = self.groups[0]
         self.pool = self.group.pool
         self.blocks = self.group.blocks
-        self.chains = PrefixChains(params, self.pool, hash_fn, root_hash, max_seq_len)
-        self.budget = (
-            None
-            if slots is None
-            else SharedBudget([g.pool for g in self.groups], slots.ratios, slots.num_slots)
-        )
-        if self.budget is not None:
-            self.budget.undo = undo
-        states = None
-        if params.recurrent is not None:
-            capacity = host_checkpoint_capacity(params, num_layers)
-            states = RecurrentStateGroup(
-                params.recurrent,
-                params.page_size,
-                devices,
-                max_requests,
-                undo,
-                HostCheckpoints(capacity, undo) if capacity else None,
-                shared_checkpoints(params, len(devices)),
-            )
-        self.states = states
-        """The state layers' live blocks and checkpoints (`groups/state.py`), if any."""
-        if states is not None:  # a checkpoint leaves with its boundary's pages
-            pools = [g.pool for g in self.groups]
-            for pool in pools:
-                pool.on_evict = partial(states.boundaries_evicted, pools)
-        self._prefix_caching = params.enable_prefix_caching
+        self.budget = parts.budget
+        self.states = parts.states
+        self.chains = parts.chains
+        self.group_tiers = parts.group_tiers
+        self.tiers = self.group_tiers[0]
+        self._tiered = bool(self.tiers)  # read on every commit plan
+        self.joint = parts.joint
+        self.sessions = parts.sessions
+        self.pins = parts.pins
+        self.planner = ReservationPlanner(parts, self.page_size, max_seq_len)
+        self.taker = ReservationTaker(parts, undo, self.page_size)
+        self.committer = PageCommitter(parts, undo)
+        self.loads = PendingLoads(parts, undo)
+        self.inputs = BatchInputs(parts, undo)
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._requests: dict[RequestID, RequestState] = {}
-        self.input_tokens = 0
-        self.cache_tokens = 0
-        # Each group's tiers (`group_tiers.py`, none without `params.tiers`); `tiers`
-        # are the first group's.
-        self.group_tiers = (
-            build_group_tiers(
-                params,
-                num_layers,
-                [
-                    (g.pool, g.blocks, group_key(g.kind, g.index, g.window_size), g.scales)
-                    for g in self.groups
-                ],
-                undo,
-            )
-            if params.is_hybrid
-            else [
-                TierStack(
-                    params.tiers,
-                    params,
-                    num_layers,
-                    self.pool,
-                    self.blocks,
-                    undo,
-                    self.group.scales,
-                )
-            ]
-        )
-        self.tiers = self.group_tiers[0]
-        self._tiered = bool(self.tiers)  # read on every reservation
-        self.joint = (
-            JointGroups(
-                self.groups,
-                self.chains,
-                undo,
-                self.group_tiers if self._tiered else None,
-                self.budget,
-                self.states,
-            )
-            if params.is_hybrid
-            else None
-        )
-        # Sessions and pins hold whole chains in a full group, tails in a window's.
-        held_in: list[tuple[PagePool, TierStack, int | TailRule]] = [
-            (g.pool, stack, g.pages_in_window) for g, stack in zip(self.groups, self.group_tiers)
-        ]
-        if states is not None and states.config.num_checkpoints:  # and each chain's checkpoint
-            held_in.append(states.held_in(params))
-        shared_by = len(self.groups) if self.budget is not None else 1
-        self.sessions: SessionTable | None = (
-            BUILDERS.build(params.sessions, held_in, undo, shared_by) if params.sessions else None
-        )
-        self.pins: PinTable | None = (
-            BUILDERS.build(params.pins, held_in, undo, shared_by) if params.pins else None
-        )
-        for group, stack in zip(self.groups, self.group_tiers):
-            if self.pins is not None and stack.keeps_pins:
-                group.pool.spill = stack.holds_pinned
-        self.withheld_pages = 0
 
     # --- requests -------------------------------------------------------------------
 
@@ -255,6 +141,21 @@ class PagedReplica:
     def num_free_slots(self) -> int:
         """Requests the replica can still claim."""
         return len(self._free_slots)
+
+    @property
+    def input_tokens(self) -> int:
+        """Prompt tokens the graph inputs made the model process (`BatchInputs`)."""
+        return self.inputs.input_tokens
+
+    @property
+    def cache_tokens(self) -> int:
+        """Prompt tokens the reservations found cached (`ReservationTaker.cache_tokens`)."""
+        return self.taker.cache_tokens
+
+    @property
+    def withheld_pages(self) -> int:
+        """Pages write policies kept out of the index (`PageCommitter.withheld_pages`)."""
+        return self.committer.withheld_pages
 
     @property
     def num_requests(self) -> int:
@@ -291,8 +192,7 @@ class PagedReplica:
         elif req.pages:  # none: a request released after its admission did not fit
             self.pool.release(reversed(req.pages))  # tail first: the prefix is evicted last
         if req.loads:
-            for g, loads in self._loads_by_group(req.loads):
-                self.group_tiers[g].unpin(loads)
+            self.loads.unpin(req)
         del self._requests[request_id]
         self._free_slots.append(req.slot)
         self.undo.push(self._unrelease, request_id, req)
@@ -368,10 +268,7 @@ class PagedReplica:
     def pending_loads(self, request_id: RequestID) -> list[tuple[str, int, int]]:
         """(tier name, device page, page hash) of each tier hit reserved for the request
         and not yet loaded, in chain order."""
-        return [
-            (self.group_tiers[ld.group].tiers[ld.tier].name, ld.page, ld.hit.page_hash)
-            for ld in self._request(request_id).loads
-        ]
+        return self.loads.described(self._request(request_id))
 
     def _request(self, request_id: RequestID) -> RequestState:
         """The claimed request; TypeError for an id that is not a str, as the manager's
@@ -400,22 +297,11 @@ class PagedReplica:
 
     def plan(self, ctx: TextGenerationContext, num_steps: int) -> Reservation | Held:
         """What reserving `ctx` for `num_steps` steps takes, as a value: `HELD` when the
-        request holds those steps already, else a `Reservation` that `fits` when the pool
-        could take it alone now (`apply` takes it). Raises for a request that is
-        unknown, stale or too long. Pure, but for what the chain memo remembers of its
-        readings and the tiers' lookup counters.
-
-        The cases, cheapest first (a scheduler asks for every running request at every
-        step, and for a waiting prompt at every step until it fits):
-
-            held     the window is held already (most decode steps)        HELD
-            fresh    no prefix can extend the request, which holds pages    fresh pages
-                     (a decode step onto a new page; a prompt's next chunk   only, no
-                     without a prefix to match: `takes_fresh_only`)          lookup
-            refused  a waiting prompt retried as it was refused last          that refusal
-                     (`PrefixChains.refused_again`)                          (the memo's)
-            else     device hits, then each tier's                          a full plan
-        """
+        request holds those steps already (most decode steps: answered here, first),
+        else the `Reservation` its `planner` works out (`ReservationPlanner.plan`), which
+        `fits` when the pool could take it alone now (`apply` takes it). Raises for a
+        request that is unknown, stale or too long. Pure, but for what the chain memo
+        remembers of its readings and the tiers' lookup counters."""
         try:  # `_request` and `check_window`'s test, inlined: this runs on every step
             req = self._requests[ctx.request_id]
         except KeyError:
@@ -428,236 +314,24 @@ class PagedReplica:
             self.joint.check_window(ctx, req)
         # `active_idx > start_idx` holds between steps; past `max_seq_len`, a plan raises.
         needed = ctx.active_idx + num_steps - 1
-        if needed <= self.max_seq_len:
-            if needed <= held:  # then no prefix can match either (`PrefixChains.can_match`)
-                return HELD
-            if self.joint is not None:
-                if not req.pages:  # a first reservation: its keys and control are checked
-                    request_keys(ctx)
-                    self._check_control(ctx)
-                return self.joint.plan(ctx, req, num_steps, self.max_seq_len)
-            if req.pages:
-                if self.takes_fresh_only(ctx, req):
-                    plan = self._reservation(ctx, req, num_steps, (), [])
-                    plan.room = self.pool.num_free  # `pool.room(())`: no hit to revive
-                    return plan
-            else:
-                refused = self.chains.refused_again(ctx, req, num_steps)
-                if refused is not None:
-                    return refused
-        return self._plan_hits(ctx, req, num_steps)
-
-    def _plan_hits(
-        self, ctx: TextGenerationContext, req: RequestState, num_steps: int
-    ) -> Reservation:
-        """`plan`'s last case: the device hits that continue the request's chain, then,
-        while the plan fits, each tier's hits after them."""
-        if not req.pages:  # a first reservation: every key is checked before any is used
-            request_keys(ctx)
-            self._check_control(ctx)
-        hits, tail = self.chains.device_hits(ctx, req, want_tail=self._tiered)
-        plan = self._reservation(ctx, req, num_steps, hits, [])
-        plan.room = room = self.chains.room(ctx.request_id, hits, plan.num_fresh)
-        if tail is None:
-            if room < plan.num_fresh and not req.pages and not self._tiered:
-                self.chains.note_refusal(ctx, num_steps, plan)
-            return plan
-        loads: list[PendingLoad] = []
-        parent = hits[-1][1] if hits else plan.parent_hash
-        keys, first = request_keys(ctx), len(req.hashes) + len(hits)
-        for index, tier in enumerate(self.tiers):
-            # A tier hit needs a fresh device page as a miss does, and more hits only
-            # move the window further: a plan that does not fit cannot be made to fit
-            # by a lower tier, so it is not asked. That walk was most of the host tier's
-            # cost: a request at the head of the queue is retried every step until pages
-            # free up, and on the trace replay 97% of the host pages matched belonged to
-            # such tries; and the shared tier would fetch the same bytes at every retry.
-            if not plan.fits:
-                break
-            found = tier.lookup(tail.pages(len(loads)))
-            if not found:
-                continue
-            for hit in found:
-                page_keys = keys.page(first + len(loads), self.page_size) if keys else None
-                loads.append(PendingLoad(index, hit, parent, page_keys))
-                parent = hit.page_hash
-            plan = self._reservation(ctx, req, num_steps, hits, loads)
-            plan.room = room
-        return plan
-
-    def _check_control(self, ctx: TextGenerationContext) -> None:
-        """TypeError for a `cache_control` that is not a `mokv.CacheControl`; ValueError
-        for a pin on a replica without `params.pins` (never accepted and ignored)."""
-        control = check_cache_control(getattr(ctx, "cache_control", None))
-        if control is not None and control.pin_ttl_s is not None and self.pins is None:
-            raise ValueError(
-                f"request {ctx.request_id!r} asks for a pin (cache_control.pin_ttl_s="
-                f"{control.pin_ttl_s!r}) but KVCacheParams.pins is None"
-            )
-
-    def takes_fresh_only(self, ctx: TextGenerationContext, req: RequestState) -> bool:
-        """Whether reserving `ctx` can take fresh pages only, and no prefix: none may
-        extend it (`PrefixChains.can_match`), or it has no page left to look for (a decode
-        step onto a new page). Then `plan` asks for no hit."""
-        last_page = (ctx.end_idx - 1) // self.page_size  # the last one a prefix may reach
-        return last_page <= len(req.hashes) or not self.chains.can_match(ctx, req)
-
-    def _reservation(
-        self,
-        ctx: TextGenerationContext,
-        req: RequestState,
-        num_steps: int,
-        hits: Sequence[tuple[int, int]],
-        loads: list[PendingLoad],
-    ) -> Reservation:
-        """The reservation of `ctx` with these hits (`RequestState.reservation_size`; a
-        load takes a fresh page)."""
-        hit_tokens, num_new = req.reservation_size(
-            ctx, len(hits) + len(loads), num_steps, self.page_size, self.max_seq_len
-        )
-        parent = req.hashes[-1] if req.hashes else None
-        return Reservation(ctx, req, hits, hit_tokens, num_new + len(loads), list(loads), parent)
+        if needed <= held and needed <= self.max_seq_len:
+            return HELD  # then no prefix can match either (`PrefixChains.can_match`)
+        return self.planner.plan(ctx, req, num_steps, needed)
 
     def fits(self, plans: list[Reservation]) -> bool:
-        """Whether the pool can take every plan's hits and fresh pages at once."""
-        if self.joint is not None:
-            return self.joint.fits(plans)
-        hit_pages = [page_id for plan in plans for page_id, _ in plan.hits]
-        return self.pool.can_take(hit_pages, sum(p.num_fresh for p in plans))
+        """Whether the pool can take every plan's hits and fresh pages at once
+        (`ReservationTaker.fits`)."""
+        return self.taker.fits(plans)
 
     def apply(self, plans: list[Reservation]) -> None:
         """Takes the pages of `plans` (which `fits`), then moves each hit context's
-        window, last, and commits the undo log (a window cannot be moved back).
-
-        If a context's own `skip_cached_prefix` raises, the plans whose contexts moved
-        stand and the others are undone exactly (`_settle`). Each tier hit takes a fresh
-        device page and is pinned in its tier, so it stays loadable from the moment it
-        was matched (TensorRT-LLM #12878).
-        """
-        mark = len(self.undo)
-        self._take(plans)
-        moving = [plan for plan in plans if plan.hits or plan.loads or plan.joint]
-        if not moving:
-            return
-        try:
-            for plan in moving:
-                plan.ctx.skip_cached_prefix(plan.hit_tokens)
-        except BaseException:
-            self._settle(moving, mark)
-            raise
-        self.undo.commit()
+        window and commits the undo log (`ReservationTaker.apply`)."""
+        self.taker.apply(plans)
 
     def end_overdue(self) -> bool:
-        """Ends the sessions and pins past their time to live (with undo records); whether
-        any ended. `_take` ends them before it evicts, and a refused reservation ends them
-        and plans again (`PagedKVCacheManager.maybe_reserve`): until ended, an overdue pin
-        still holds its pages out of the room, and must not refuse a request."""
-        ended = False
-        sessions, pins = self.sessions, self.pins
-        if sessions is not None:
-            retention = sessions.plan_expiry()
-            if retention:
-                sessions.apply(retention)
-                ended = True
-        if pins is not None:
-            expiry = pins.plan_expiry()
-            if expiry:
-                pins.apply(expiry)
-                ended = True
-        return ended
-
-    def _take(self, plans: list[Reservation]) -> None:
-        """The pages, pins and counters of `plans`, with their undo records; no window
-        moves."""
-        if self.joint is not None:
-            self._take_joint(self.joint, plans)
-            return
-        hit_pages = [page_id for plan in plans if plan.hits for page_id, _ in plan.hits]
-        sessions, pins = self.sessions, self.pins
-        if sessions is not None or pins is not None:
-            self.end_overdue()  # before evicting
-        new_pages = self.pool.take(hit_pages, sum(map(_num_fresh, plans)))
-        if new_pages is None:
-            raise InvariantError("a reservation that fits could not take its pages")
-        fresh = list(new_pages) if self._tiered else new_pages
-        firsts = [not plan.req.pages for plan in plans] if sessions is not None else []
-        for plan in plans:
-            req, taken = plan.req, new_pages[: plan.num_fresh]
-            del new_pages[: plan.num_fresh]
-            if plan.hits or plan.loads:  # `can_match`: the window starts at the hashes' end
-                self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
-                self.cache_tokens += plan.hit_tokens - len(req.hashes) * self.page_size
-            held = len(req.pages)
-            if not held and req.control is None:
-                self._keep_control(req, plan.ctx)
-            self.undo.push(self._truncate, req, held, len(req.hashes), len(req.loads))
-            if plan.hits:
-                req.pages.extend(map(_page_id, plan.hits))  # in C: a prompt's hits
-                req.hashes.extend(map(_page_hash, plan.hits))
-            req.pages.extend(taken)  # the loads' pages first, in chain order
-            if plan.loads:
-                req.hashes.extend(load.hit.page_hash for load in plan.loads)
-                loads = [replace(ld, device_page=page) for ld, page in zip(plan.loads, taken)]
-                req.loads.extend(loads)
-                self.tiers.pin(loads)
-                self.tiers.count_served(plan.loads, self.page_size)
-            self.group.page_table.set_row(req.slot, req.pages, held)
-        if sessions is not None:  # a request's first reservation starts its session
-            sessions.start_requests(plans, firsts)
-        if pins is not None and pins.pins:  # a hit on a whole pinned prefix renews it
-            pins.refresh(
-                h
-                for plan in plans
-                for h in (*map(_page_hash, plan.hits), *(ld.hit.page_hash for ld in plan.loads))
-            )
-        if self._tiered:  # what the plans took (see `Tier.note_reserved`)
-            self.tiers.note_reserved(fresh, [plan.device_hit_run(self.page_size) for plan in plans])
-
-    def _take_joint(self, joint: JointGroups, plans: list[Reservation]) -> None:
-        """`_take` on a cache of groups (`JointGroups.take`): the plans' pages in every
-        group, their tier hits pinned in their groups' tiers, their sessions started,
-        the pins they hit renewed."""
-        sessions, pins = self.sessions, self.pins
-        if sessions is not None or pins is not None:
-            self.end_overdue()  # before evicting
-        firsts = [not plan.req.pages for plan in plans]
-        for plan, first in zip(plans, firsts):
-            if first and plan.req.control is None:
-                self._keep_control(plan.req, plan.ctx)
-            if plan.joint is not None:
-                self.undo.push(setattr, self, "cache_tokens", self.cache_tokens)
-                self.cache_tokens += plan.hit_tokens - len(plan.req.hashes) * self.page_size
-        for g, group_loads in self._loads_by_group(joint.take(plans)):
-            self.group_tiers[g].pin(group_loads)
-        for plan in plans:
-            hit = plan.joint
-            if hit is not None and hit.num_device >= 0:
-                served = (len(hit.hashes) - hit.num_device) * self.page_size
-                self.tiers.count_tokens(hit.slowest_tier, served)
-        if sessions is not None:  # a request's first reservation starts its session
-            sessions.start_requests(plans, firsts)
-        if pins is not None and pins.pins:  # a hit on a whole pinned prefix renews it
-            pins.refresh(h for plan in plans if plan.joint for h in plan.joint.hashes)
-
-    def _keep_control(self, req: RequestState, ctx: TextGenerationContext) -> None:
-        """A request's first reservation keeps what its context asks of the cache (its
-        write policy, its pin at release)."""
-        control = getattr(ctx, "cache_control", None)
-        if control is not None:
-            self.undo.push(setattr, req, "control", None)
-            req.control = control
-
-    def _settle(self, moving: list[Reservation], mark: int) -> None:
-        """After a context's `skip_cached_prefix` raised: a plan stands if its context
-        moved (a window cannot be moved back), else it is undone, with the changes since
-        `mark` (the pages it evicted come back)."""
-        moved = [plan for plan in moving if plan.ctx.start_idx == plan.hit_tokens]
-        if len(moved) < len(moving):
-            self.undo.rollback(mark)
-            if moved:
-                self._take(moved)
-        if moved:
-            self.undo.commit()
+        """Ends the sessions and pins past their time to live; whether any ended
+        (`ReservationTaker.end_overdue`)."""
+        return self.taker.end_overdue()
 
     # --- commits (`step`) -----------------------------------------------------------
 
@@ -667,115 +341,25 @@ class PagedReplica:
         return plan_commit(batch, self._requests, self._request, self.chains, keyed)
 
     def commit(self, plan: CommitPlan) -> None:
-        """Indexes the planned pages in one all-or-nothing pool call, moves each request
-        off the pages that duplicate an indexed one (`FullAttentionGroup.commit_pages`),
-        then hands the newly indexed pages to every tier (`Tier.store`: after the device commit, so
-        a tier's failure can only leave that tier with fewer pages)."""
-        indexed: list[list[bool]] = []
-        if plan.withheld:
-            self._withhold(plan.withheld)
-        if plan.page_ids:
-            if self.joint is not None:
-                indexed = self.joint.commit_pages(plan)
-            else:
-                indexed = [self.group.commit_pages(plan)]
-        for req, new_hashes in plan.requests:
-            self.undo.push(self._truncate, req, len(req.pages), len(req.hashes), len(req.loads))
-            req.hashes.extend(new_hashes)
-        if not self._tiered:
-            return
-        # Every tier hears every step (a host tier's `min_hits` stores at any step).
-        indexed = indexed or [[] for _ in self.group_tiers]
-        for stack, group, group_indexed in zip(self.group_tiers, self.groups, indexed):
-            new = [i for i, ok in enumerate(group_indexed) if ok]
-            page_ids = plan.page_ids if group is self.group else None
-            stack.store(
-                CommittedPages(
-                    [
-                        page_ids[i]
-                        if page_ids is not None
-                        else group.row(plan.owners[i][0])[plan.owners[i][1]]
-                        for i in new
-                    ],
-                    [plan.hashes[i] for i in new],
-                    [plan.datas[i] for i in new],
-                    [plan.parents[i] for i in new],
-                    [plan.keys[i] for i in new],
-                )
-            )
-
-    def _withhold(self, withheld: list[tuple[RequestState, int]]) -> None:
-        """Counts the pages write policies newly kept out of the index."""
-        self.undo.push(setattr, self, "withheld_pages", self.withheld_pages)
-        for req, num_pages in withheld:
-            self.undo.push(setattr, req, "num_withheld", req.num_withheld)
-            self.withheld_pages += num_pages - req.num_withheld
-            req.num_withheld = num_pages
+        """Indexes the planned pages and hands the new ones to the tiers
+        (`PageCommitter.commit`)."""
+        self.committer.commit(plan)
 
     # --- tiers ----------------------------------------------------------------------
 
     def load_pending(self, batch: list[TextGenerationContext]) -> None:
-        """Copies the tier hits of `batch`'s requests into their device pages (one batch
-        per tier and device), then indexes those pages on the device and unpins the
-        hits. All or nothing: the copies only write pages the requests own, so a failure
-        before the index changes leaves the loads pending, to run again."""
-        reqs = [self._requests[ctx.request_id] for ctx in batch]
-        pending = [load for req in reqs for load in req.loads]
-        if not pending:
-            return
-        # Every group's copies first, then the index changes: a failing copy leaves
-        # every load pending.
-        by_group = [
-            (g, self.group_tiers[g].load(loads)) for g, loads in self._loads_by_group(pending)
-        ]
-        for g, loads in by_group:
-            group = self.groups[g]
-            # A page loaded while another request committed the same prefix on the
-            # device is shared as a duplicate commit is (`FullAttentionGroup.commit_pages`).
-            # Only the pages each request holds: a window's row below its first holds
-            # the pad page (0) or pages it released, which may be others' now.
-            owner = {
-                row[idx]: (req, idx)
-                for req in reqs
-                for row in (group.row(req),)
-                for idx in range(group.first(req), len(row))
-            }
-            group.commit_pages(
-                CommitPlan(
-                    [],
-                    [owner[ld.page] for ld in loads],
-                    [ld.page for ld in loads],
-                    [ld.hit.page_hash for ld in loads],
-                    [ld.hit.token_bytes for ld in loads],
-                    [ld.parent_hash for ld in loads],
-                    [ld.keys for ld in loads],
-                )
-            )
-        for req in reqs:
-            if req.loads:
-                self.undo.push(req.loads.extend, list(req.loads))  # onto the emptied list
-                req.loads.clear()
-        for g, loads in by_group:
-            self.group_tiers[g].unpin(loads)
-
-    def _loads_by_group(self, loads: Sequence[PendingLoad]) -> list[tuple[int, list[PendingLoad]]]:
-        """`loads` by cache group, in group order (one group without groups)."""
-        if len(self.group_tiers) == 1:
-            return [(0, list(loads))] if loads else []
-        by_group: list[list[PendingLoad]] = [[] for _ in self.group_tiers]
-        for load in loads:
-            by_group[load.group].append(load)
-        return [(g, group_loads) for g, group_loads in enumerate(by_group) if group_loads]
+        """Loads the tier hits of `batch`'s requests into their device pages and indexes
+        them there (`PendingLoads.load`)."""
+        self.loads.load([self._requests[ctx.request_id] for ctx in batch])
 
     def reset_metrics(self) -> None:
-        self.input_tokens = self.cache_tokens = 0
+        self.inputs.input_tokens = self.taker.cache_tokens = self.committer.withheld_pages = 0
         for group in self.groups:
             group.pool.num_evicted_retained = 0
         for stack in self.group_tiers:
             stack.reset_metrics()
         if self.sessions is not None:
             self.sessions.reset_metrics()
-        self.withheld_pages = 0
         for group in self.groups:
             group.pool.num_spilled = 0
         if self.pins is not None:
@@ -827,21 +411,9 @@ class PagedReplica:
             self.states.close()
 
     def check_loads(self) -> None:
-        """InvariantError unless every pending load writes a page its request owns
-        without a hash, and each tier holds exactly the pending loads' hits pinned, each
-        still holding its tokens (`Tier.check_invariants`)."""
-        for request_id, req in self._requests.items():
-            for load in req.loads:
-                page, group = load.page, self.groups[load.group]
-                if page not in group.held(req) or group.pool.page_hash(page) is not None:
-                    raise InvariantError(
-                        f"request {request_id!r} loads into device page {page} of group "
-                        f"{group.name!r}, which it does not own or which is hashed"
-                    )
-        pending = [ld for req in self._requests.values() for ld in req.loads]
-        by_group = dict(self._loads_by_group(pending))
-        for g, stack in enumerate(self.group_tiers):
-            stack.check_invariants(by_group.get(g, []))
+        """InvariantError unless the pending loads and the tiers' pins agree
+        (`PendingLoads.check`)."""
+        self.loads.check(self._requests)
 
     # --- graph inputs ---------------------------------------------------------------
 
@@ -849,47 +421,14 @@ class PagedReplica:
         self, batch: list[TextGenerationContext], num_steps: int
     ) -> list[PagedInputs[Buffer, Buffer]]:
         """The batch's lookup table, cache lengths and max lengths on each device
-        (`PageTable.inputs`). Every request must already hold its pages."""
+        (`BatchInputs.runtime_inputs`). Every request must already hold its pages."""
         reqs = [self._requests[ctx.request_id] for ctx in batch]
-        slots = [req.slot for req in reqs]
-        starts = [ctx.start_idx for ctx in batch]
-        actives = [ctx.active_idx - start for ctx, start in zip(batch, starts)]
-        if self.joint is not None:
-            inputs = self.joint.runtime_inputs(slots, starts, actives, num_steps)
-        else:
-            inputs = self.group.runtime_inputs(slots, starts, actives, num_steps)
-        self.undo.push(setattr, self, "input_tokens", self.input_tokens)
-        for req, ctx, start, active in zip(reqs, batch, starts, actives):
-            if req.prompt_end < 0:
-                self.undo.push(setattr, req, "prompt_end", -1)
-                req.prompt_end = ctx.end_idx
-            self.input_tokens += prompt_tokens_in(start, start + active, req.prompt_end)
-        return inputs
+        return self.inputs.runtime_inputs(batch, reqs, num_steps)
 
     def check_tables(self, batch: list[TextGenerationContext], num_steps: int) -> None:
         """InvariantError unless the tables `runtime_inputs` hands out for `batch` are safe
-        (`FullAttentionGroup.check_write_windows`; `enable_runtime_checks`)."""
-        if self.joint is not None:
-            self.joint.check_write_windows(batch, self._requests, num_steps)
-            return
-        self.group.check_write_windows(
-            (
-                (
-                    ctx.request_id,
-                    self._requests[ctx.request_id].pages,
-                    ctx.start_idx,
-                    ctx.active_idx + num_steps - 1,
-                )
-                for ctx in batch
-            ),
-        )
-
-    def _truncate(self, req: RequestState, num_pages: int, num_hashes: int, num_loads: int) -> None:
-        """Undoes what a request's pages, hashes and loads gained (idempotent)."""
-        del req.pages[num_pages:]
-        del req.hashes[num_hashes:]
-        del req.loads[num_loads:]
-        self.group.write_row(req)
+        (`BatchInputs.check_tables`; `enable_runtime_checks`)."""
+        self.inputs.check_tables(batch, self._requests, num_steps)
 
     def check_invariants(self) -> None:
         if self.joint is not None:

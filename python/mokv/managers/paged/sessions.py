@@ -50,6 +50,7 @@ from ...registry import BUILDERS
 from ...tiers.stack import TierStack
 from ...undo import UndoLog, set_values, values_of
 from .chain_counts import check_counts
+from .groups.budget import budget_part
 from .plans import RequestState, Reservation, Session
 from .window_tails import Change, TailRule, in_both, split_groups
 
@@ -86,16 +87,16 @@ class SessionTable:
     """The open sessions of one replica, over its pools and tiers (see the module
     docstring): `groups` are its cache groups' `(pool, tiers, pages_in_window)`, one
     for a replica of one group. A group without a window retains the sessions' whole
-    chains; a sliding group only their tails (`WindowTails`). `shared_by`: the groups
-    whose pools are views of one shared budget (`groups/budget.py`), each pool as large
-    as the memory: the share is of a `1 / shared_by` part of it."""
+    chains; a sliding group only their tails (`WindowTails`). `shared`: the pools that
+    are views of one shared budget (`groups/budget.py`), each as large as the memory: the
+    share is of a `1 / len(shared)` part of it (`budget_part`)."""
 
     def __init__(
         self,
         config: SessionConfig,
         groups: Sequence[tuple[PagePool, TierStack, int | TailRule]],
         undo: UndoLog | None = None,
-        shared_by: int = 1,
+        shared: Sequence[PagePool] = (),
     ) -> None:
         self.config = config
         self.undo = undo
@@ -112,7 +113,7 @@ class SessionTable:
         # The hashes retained whole must fit the smallest group that holds them whole.
         self.cap = config.cap(
             min(
-                pool.num_pages // shared_by + tiers.local_pages
+                budget_part(pool, shared) + tiers.local_pages
                 for pool, tiers in self._whole or [groups[0][:2]]
             )
         )

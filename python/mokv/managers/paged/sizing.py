@@ -134,6 +134,36 @@ def pages_per_replica(params: KVCacheParams, num_layers: int, memory: int) -> in
     return memory // params.data_parallel_degree // params.bytes_per_page(num_layers)
 
 
+def replica_pages(
+    params: KVCacheParams, num_layers: int, memory: int, max_seq_len: int
+) -> tuple[list[int], SlotGeometry | None]:
+    """Each group's pages per replica for `memory` bytes (`available_cache_memory`) over
+    all devices, and with groups the slots of the budget they share (`groups/budget.py`;
+    None for one group); InsufficientMemoryError unless one sequence of `max_seq_len`
+    tokens fits."""
+    pages_per_seq = ceil_div(max_seq_len, params.page_size)
+    if not params.is_hybrid:
+        num_pages = pages_per_replica(params, num_layers, memory)
+        if num_pages < pages_per_seq:
+            raise InsufficientMemoryError(
+                f"available_cache_memory={memory} bytes gives {num_pages} page(s) per "
+                f"replica; one sequence of max_seq_len={max_seq_len} needs {pages_per_seq} "
+                f"(at {params.bytes_per_page(num_layers)} bytes per page)"
+            )
+        return [num_pages], None
+    slots = group_slots(params, num_layers, memory)
+    needed = slots.slots_for([pages_per_seq] * len(slots.ratios))
+    if needed > slots.num_slots:
+        names = [g.name for g in params.groups]
+        raise InsufficientMemoryError(
+            f"available_cache_memory={memory} bytes gives {slots.num_slots} slot(s) of "
+            f"{slots.slot_bytes} bytes per device and replica for groups {names}; one "
+            f"sequence of max_seq_len={max_seq_len} needs {needed} ({pages_per_seq} pages "
+            f"of each group, {list(slots.ratios)} to a slot)"
+        )
+    return [slots.num_slots * r for r in slots.ratios], slots
+
+
 def check_devices_hold(params: KVCacheParams, memory: int, devices: Sequence[Device]) -> None:
     """InsufficientMemoryError unless each device can hold its share of `memory` (a
     replica's share, split over its devices), read from MAX's `Device.stats`: a budget

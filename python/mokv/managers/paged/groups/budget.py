@@ -43,6 +43,17 @@ from ....errors import InvariantError
 from ....undo import UndoLog
 
 
+def budget_part(pool: PagePool, shared: Sequence[PagePool]) -> int:
+    """The pages of `pool` that a share of a replica's pages (`PinConfig.cap`,
+    `SessionConfig.cap`) is taken of: all of them, or, for one of the `shared` pools (the
+    views of one `SharedBudget`, each as large as the whole memory), a `1 / len(shared)`
+    part, so that the groups' shares together stay within the memory's. A pool outside
+    the budget (a recurrent state's checkpoint slots) has memory of its own: all of it."""
+    if any(p is pool for p in shared):
+        return pool.num_pages // len(shared)
+    return pool.num_pages
+
+
 class SharedBudget:
     """The slots of one replica's groups (see the module docstring); `pools[g]` is group
     `g`'s pool of `num_slots * ratios[g]` pages."""
