@@ -20,7 +20,12 @@ from .paged import PagedKVCacheCollection
 from .types import Ptr, U32Ptr, is_quantized
 from .kernels.attention import flash_attention
 from .kernels.fused_qkv import fused_qkv_matmul, qkv_epilogue
-from .kernels.max_kernels import continuous_attention_with_max, paged_attention_with_max, uses_max_attention
+from .kernels.max_kernels import (
+    continuous_attention_with_max,
+    paged_attention_with_max,
+    paged_scaled_attention_with_max,
+    uses_max_attention,
+)
 from .kernels.store_kv import store_kv
 from .types import KVCollectionT
 
@@ -149,7 +154,6 @@ struct PagedScaledKVCollectionCtor:
     ) raises -> PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]:
         comptime Coll = PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size]
         comptime assert Coll.scaled, "only scaled FP8 pages (dtype code 3) have scales"
-        comptime assert is_cpu[target](), "scaled FP8 pages: mokv's CPU kernels only (MAX 26.7's GPU MHA kernels read no scales)"
         var ml = max_lengths.unsafe_ptr()
         return Coll(
             _elems(blocks.unsafe_ptr()),
@@ -492,16 +496,20 @@ struct FlashAttentionPaged:
         comptime if uses_max_attention[target]():
             if sinks.dim_size(0):
                 raise Error("flash_attention: attention sinks run on mokv's CPU kernel only")
-            paged_attention_with_max[n_q=num_q_heads, window=window_size, target=target](
-                collection,
-                _elems(output.unsafe_ptr()),
-                _elems(q.unsafe_ptr()),
-                _u32(input_row_offsets.unsafe_ptr()),
-                q.dim_size(0),
-                Int(layer_idx.unsafe_ptr()[unsafe_offset=0]),
-                scale.unsafe_ptr()[unsafe_offset=0],
-                ctx,
-            )
+            var out_ptr = _elems(output.unsafe_ptr())
+            var q_ptr = _elems(q.unsafe_ptr())
+            var offsets = _u32(input_row_offsets.unsafe_ptr())
+            var layer = Int(layer_idx.unsafe_ptr()[unsafe_offset=0])
+            var softmax_scale = scale.unsafe_ptr()[unsafe_offset=0]
+            comptime if PagedKVCacheCollection[dtype_code, num_heads, head_size, page_size].scaled:
+                # Scaled FP8 pages: through a bfloat16 scratch (kernels/fp8_gpu.mojo).
+                paged_scaled_attention_with_max[n_q=num_q_heads, window=window_size, target=target](
+                    collection, out_ptr, q_ptr, offsets, q.dim_size(0), layer, softmax_scale, ctx
+                )
+            else:
+                paged_attention_with_max[n_q=num_q_heads, window=window_size, target=target](
+                    collection, out_ptr, q_ptr, offsets, q.dim_size(0), layer, softmax_scale, ctx
+                )
         else:
             _attention[target=target](output, q, input_row_offsets, collection, layer_idx, scale, sinks, window_size, ctx)
 

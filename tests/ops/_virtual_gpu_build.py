@@ -8,6 +8,7 @@ Prints COMPILED after load and EXEC_REFUSED:<exception type> after execute fails
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -24,6 +25,7 @@ from max.engine import InferenceSession  # noqa: E402
 from max.graph import DeviceRef, Graph, TensorType, ops  # noqa: E402
 from mokv.compiler_output import filter_collection_warnings  # noqa: E402
 from mokv.config.params import KVCacheParams  # noqa: E402
+from mokv.config.quantization import KVCacheQuantization  # noqa: E402
 from mokv.layouts import (  # noqa: E402
     CONTINUOUS,
     PAGED,
@@ -40,10 +42,15 @@ def main() -> None:
     n_q, hidden, layers = 8, 256, 2
     paged, cont, ht, wt, kt, ot = graph_types(params, 64, DType.bfloat16, n_q, hidden, layers)
     ft = TensorType(DType.float32, [64, 128], device=dev)
+    # Scaled FP8 pages (NVIDIA only): MAX's attention runs over a bfloat16 scratch of the
+    # same shapes as `params`' pages, so it shares the bfloat16 graph's kernel build.
+    fp8 = dataclasses.replace(params, dtype=DType.float8_e4m3fn, quantization=KVCacheQuantization())
+    fp8_paged: list = list(PAGED.input_symbols(fp8, layers, 64, dev)) if sys.argv[1] == "cuda" else []
     with Graph(
-        "virtual_gpu", input_types=[*paged, *cont, ht, wt, kt, ot, ft], custom_extensions=[kernels_path()]
+        "virtual_gpu", input_types=[*paged, *cont, ht, wt, kt, ot, ft, *fp8_paged],
+        custom_extensions=[kernels_path()],
     ) as g:
-        p_in, c_in, (h, w, k, off, freqs) = g.inputs[:4], g.inputs[4:8], g.inputs[8:]
+        p_in, c_in, (h, w, k, off, freqs) = g.inputs[:4], g.inputs[4:8], g.inputs[8:13]
         outs = []
         for kv in (FetchPagedKVCacheCollection(params, layers)(*p_in),
                    FetchContinuousBatchingKVCacheCollection(params, layers)(*c_in)):
@@ -53,6 +60,11 @@ def main() -> None:
             q3 = ops.reshape(q, [q.shape[0], n_q, 128])
             outs.append(flash_attention(kv, q3, off, 1, 0.08))
             outs.append(flash_attention(kv, q3, off, 1, 0.08, window_size=300))  # MAX's window mask
+        if fp8_paged:
+            kv = FetchPagedKVCacheCollection(fp8, layers)(*g.inputs[13:])
+            store_kv(kv, k, k, off, 0)
+            q = fused_qkv_matmul(kv, h, w, off, 1, n_q, freqs_cis=freqs)
+            outs.append(flash_attention(kv, ops.reshape(q, [q.shape[0], n_q, 128]), off, 1, 0.08))
         g.output(*outs)
     # One collection read by 16 ops: MAX 26.7 cuts a GPU graph into regions of at most
     # 16 ops, so the collection crosses a region boundary while ops of its own region

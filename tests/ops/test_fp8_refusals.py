@@ -1,9 +1,10 @@
 """Where FP8 pages stop (issue 53), refused by name when a graph is built: mokv's ops
-and collections of scaled pages on a GPU (MAX 26.7 has no GPU kernel for a scaled MHA
-cache), MAX's own attention layer on a scaled cache (MAX refuses it itself, on any
-device) and on an unscaled one with bfloat16 queries (MAX's attention wants FP8
-queries there). mokv's ops over unscaled pages build on a GPU (and compile for sm_90:
-test_virtual_gpu.py); a CPU collection of them is refused (tests/test_quantization.py)."""
+over scaled pages on a GPU with activations other than bfloat16, a continuous
+collection of scaled pages on a GPU, MAX's own attention layer on a scaled cache (MAX
+refuses it itself, on any device) and on an unscaled one with bfloat16 queries (MAX's
+attention wants FP8 queries there). mokv's ops over unscaled pages build on a GPU
+(compiled for sm_100 in test_virtual_gpu.py); a CPU collection of them is refused
+(tests/test_quantization.py)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,16 @@ def cache_types(device: DeviceRef) -> list:
 
 
 @pytest.mark.parametrize("op", ["store_kv", "fused_qkv_matmul", "flash_attention"])
-def test_activations_on_a_gpu_over_an_fp8_cache_are_refused_by_name(op):
+def test_activations_on_a_gpu_over_an_fp8_cache_are_bfloat16(op):
+    """On a GPU, MAX's attention kernel reads scaled pages dequantized to bfloat16."""
     gpu = DeviceRef.GPU()
+    f32 = DType.float32
     with Graph("fp8_ops_on_gpu", input_types=[
-        *cache_types(CPU),
-        TensorType(DType.bfloat16, ["tokens", 2, 128], device=gpu),
-        TensorType(DType.bfloat16, ["tokens", 8, 128], device=gpu),
-        TensorType(DType.bfloat16, ["tokens", 64], device=gpu),
-        TensorType(DType.bfloat16, [12 * 128, 64], device=gpu),
+        *cache_types(gpu),
+        TensorType(f32, ["tokens", 2, 128], device=gpu),
+        TensorType(f32, ["tokens", 8, 128], device=gpu),
+        TensorType(f32, ["tokens", 64], device=gpu),
+        TensorType(f32, [12 * 128, 64], device=gpu),
         TensorType(DType.uint32, ["offsets"], device=gpu),
     ]) as g:
         blocks, scales, lengths, table, max_lengths, kv, q, hidden, w, offsets = g.inputs
@@ -51,8 +54,8 @@ def test_activations_on_a_gpu_over_an_fp8_cache_are_refused_by_name(op):
             "fused_qkv_matmul": lambda: mokv.ops.fused_qkv_matmul(coll, hidden, w, offsets, 0, 8),
             "flash_attention": lambda: mokv.ops.flash_attention(coll, q, offsets, 0, 0.1),
         }
-        with pytest.raises(ValueError, match=rf"{op}: a float8_e4m3fn cache runs on mokv's CPU "
-                           r"kernels only, .* take no per-block scales"):
+        with pytest.raises(ValueError, match=rf"{op}: over a float8_e4m3fn cache on a GPU, .* "
+                           r"must be bfloat16 .*, got float32"):
             calls[op]()
 
 
@@ -81,14 +84,17 @@ def test_mokv_ops_over_unscaled_fp8_pages_on_a_gpu_build(layout):
         assert out.dtype == DType.float32 and out.device == gpu
 
 
-@pytest.mark.parametrize("layout", [mokv.PAGED, mokv.CONTINUOUS], ids=["paged", "continuous"])
-def test_a_collection_of_scaled_fp8_pages_on_a_gpu_is_refused_by_name(layout):
+def test_a_continuous_collection_of_scaled_fp8_pages_on_a_gpu_is_refused_by_name():
     gpu = DeviceRef.GPU()
+    layout = mokv.CONTINUOUS
     with Graph("scaled_fp8_on_gpu", input_types=layout.input_symbols(FP8, 1, 256, gpu)) as g:
         fetch = mokv.FetchKVCacheCollection(FP8, 1, layout)
-        with pytest.raises(ValueError, match=r"scaled FP8 pages .* on gpu:0: MAX 26.7's GPU "
-                           "attention and KV stores take no per-block scales for an MHA cache"):
+        with pytest.raises(ValueError, match=r"scaled FP8 pages .* in a continuous cache on "
+                           "gpu:0: on a GPU mokv reads scaled pages in a paged cache only"):
             fetch(*g.inputs)
+    # The paged layout's collection builds there (compiled in test_virtual_gpu.py).
+    with Graph("scaled_fp8_paged_on_gpu", input_types=mokv.PAGED.input_symbols(FP8, 1, 256, gpu)) as g:
+        assert mokv.FetchKVCacheCollection(FP8, 1, mokv.PAGED)(*g.inputs) is not None
 
 
 def test_an_fp8_cache_takes_float_activations_and_no_other():

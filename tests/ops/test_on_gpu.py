@@ -40,6 +40,7 @@ from . import test_store_attention as cpu_tests  # a module: its tests are not c
 from . import test_window_attention
 from .conftest import PARTS, Config
 from .graph_bundle import Bundle
+from .test_fp8_dequantize import FP8_GPU_TOL, check_scaled_attention, scaled_attention_model
 from .test_fused_qkv import CASES, LAYOUTS, _check, _ids
 from .test_store_attention import (
     CONT_F32_MHA,
@@ -262,3 +263,10 @@ def test_unscaled_fp8_pages_on_gpu():
         err = out_f32[rows] - ref
         assert np.sqrt((err**2).mean() / (ref**2).mean()) < 2.0**-4, b
         assert np.abs(err).max() < np.abs(vq).max() / 16, b
+
+def test_scaled_fp8_pages_on_gpu():
+    """test_fp8_dequantize.py's checks of the GPU path of scaled FP8 pages, on a GPU:
+    store_kv (the CPU's row quantizer), then attention through the bfloat16 scratch."""
+    gpu = Accelerator()
+    model = scaled_attention_model(InferenceSession(devices=[CPU(), gpu]), DeviceRef.GPU())
+    check_scaled_attention(model, gpu, FP8_GPU_TOL)

@@ -3,7 +3,10 @@
 Virtual-device mode is process-global, so each target builds in a subprocess
 (`_virtual_gpu_build.py`): constructor + store_kv + fused_qkv_matmul (plain and RoPE)
 + flash_attention (MAX's kernel on mokv's view), for both cache kinds, bf16, pages of
-128. Loading must succeed and executing must raise MAX's `CompileOnlyExecutionError`.
+128; for sm_90 also over scaled FP8 pages (paged: the quantizing writes, and attention
+through the bfloat16 scratch, whose MAX kernel is the bfloat16 graph's): they add
+~60 CPU-s to the sm_90 build (311 against 251, the two builds side by side at load 8,
+2026-11-28; a graph of their own took 570 s wall). Loading must succeed and executing must raise MAX's `CompileOnlyExecutionError`.
 Each build compiles MAX's attention kernels: ~2 minutes for sm_90, ~1.5 for gfx950 on
 the 2-core box. AMD is built for gfx950 (CDNA4): MAX 26.7's attention kernel does not
 compile for gfx942 ("MMA shape requires CDNA4 or newer", in its AMD MMA path).

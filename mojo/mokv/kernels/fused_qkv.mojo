@@ -439,6 +439,37 @@ def qkv_epilogue[Coll: KVCollectionT, in_dtype: DType, rope: Bool, target: Stati
         _qkv_gpu[Coll, in_dtype, rope, project=False](coll, q_out, qkv, q_out, offsets, freqs, total_tokens, 0, n_q, layer_idx, ctx)
 
 
+@always_inline
+def _qkv_feature[in_dtype: DType, D: Int, project: Bool](
+    src: Ptr[in_dtype], wqkv: Ptr[in_dtype], K: Int, tok: Int, j: Int, n_heads_all: Int, f: Int
+) -> Float32:
+    """Feature f of head j (across the three bands) of token tok: its dot product, or
+    its entry of the projections."""
+    comptime if project:
+        var s: Float32 = 0
+        for k in range(K):
+            s += src.unsafe_load(tok * K + k).cast[DType.float32]() * wqkv.unsafe_load((j * D + f) * K + k).cast[DType.float32]()
+        return s
+    else:
+        return src.unsafe_load((tok * n_heads_all + j) * D + f).cast[DType.float32]()
+
+
+@always_inline
+def _qkv_value[in_dtype: DType, D: Int, project: Bool](
+    src: Ptr[in_dtype], wqkv: Ptr[in_dtype], freqs: F32Ptr, K: Int, tok: Int, j: Int, n_heads_all: Int, pos: Int, rotate: Bool, f: Int
+) -> Float32:
+    """Feature f as it is stored: rotated with its partner f +- D/2 when `rotate`."""
+    var x = _qkv_feature[in_dtype, D, project](src, wqkv, K, tok, j, n_heads_all, f)
+    if rotate:
+        comptime HALF = D // 2
+        var i = f % HALF
+        var partner = _qkv_feature[in_dtype, D, project](src, wqkv, K, tok, j, n_heads_all, (f + HALF) % D)
+        var cos = freqs.unsafe_load(pos * D + i)
+        var sin = freqs.unsafe_load(pos * D + HALF + i)
+        x = x * cos - partner * sin if f < HALF else x * cos + partner * sin
+    return x
+
+
 def _qkv_gpu[Coll: KVCollectionT, in_dtype: DType, rope: Bool, project: Bool](
     coll: Coll,
     q_out: Ptr[in_dtype],  # [total_tokens, n_q * D]
@@ -455,12 +486,13 @@ def _qkv_gpu[Coll: KVCollectionT, in_dtype: DType, rope: Bool, project: Bool](
     """RoPE, Q out, K and V into the cache, on a GPU; with `project`, each feature's dot
     product first. One block per (token, head); thread d handles feature d (and, with
     RoPE, its partner d +- D/2 too, which avoids shared memory and a barrier). Into
-    MAX's unscaled FP8 pages K and V are cast, saturated (kernels/unscaled_fp8.mojo)."""
+    scaled FP8 pages, thread 0 of a K or V head computes the head's whole row and
+    quantizes it with the CPU's `store_row` (a scale needs the row's absmax); into MAX's
+    unscaled FP8 pages each value is cast, saturated (kernels/unscaled_fp8.mojo)."""
     comptime Cache = Coll.CacheType
     comptime H = Cache.kv_params.num_heads
     comptime D = Cache.kv_params.head_size
     comptime assert not rope or D % 2 == 0, "RoPE needs an even head_size"
-    comptime assert not Coll.scaled, "scaled FP8 pages: mokv's CPU kernels only (docs/quantized.md)"
     var kc = coll.get_key_cache(layer_idx)
     var vc = coll.get_value_cache(layer_idx)
     var batch_size = coll.batch_size()
@@ -472,34 +504,23 @@ def _qkv_gpu[Coll: KVCollectionT, in_dtype: DType, rope: Bool, project: Bool](
         var d = Int(thread_idx.x)
         var b = batch_of_token(offsets, batch_size, tok)
         var pos = kc.cache_length(b) + tok - Int(offsets[unsafe_offset=b])
-
-        @always_inline
-        def feature(f: Int) {var src, var wqkv, var K, var tok, var j, var n_heads_all} -> Float32:
-            comptime if project:
-                var s: Float32 = 0
-                for k in range(K):
-                    s += src.unsafe_load(tok * K + k).cast[DType.float32]() * wqkv.unsafe_load((j * D + f) * K + k).cast[DType.float32]()
-                return s
-            else:
-                return src.unsafe_load((tok * n_heads_all + j) * D + f).cast[DType.float32]()
-
-        var x = feature(d)
         var band = 0 if j < n_q else (1 if j < n_q + H else 2)
         var head = j - (0 if band == 0 else (n_q if band == 1 else n_q + H))
-        comptime if rope:
-            if band < 2:
-                comptime HALF = D // 2
-                var i = d % HALF
-                var partner = feature((d + HALF) % D)
-                var cos = freqs.unsafe_load(pos * D + i)
-                var sin = freqs.unsafe_load(pos * D + HALF + i)
-                x = x * cos - partner * sin if d < HALF else x * cos + partner * sin
+        var rotate = rope and band < 2
         if band == 0:
+            var x = _qkv_value[in_dtype, D, project](src, wqkv, freqs, K, tok, j, n_heads_all, pos, rotate, d)
             q_out.unsafe_store((tok * n_q + head) * D + d, x.cast[in_dtype]())
-        elif band == 1:
-            kc.row_ptr(b, head, pos).unsafe_store(d, saturated[Cache.dtype](x))
+            return
+        var cache = kc if band == 1 else vc
+        comptime if Coll.scaled:
+            if d == 0:
+                var row = stack_allocation[D, Float32]().unsafe_origin_cast[MutUntrackedOrigin]()
+                for f in range(D):
+                    row.unsafe_store(f, _qkv_value[in_dtype, D, project](src, wqkv, freqs, K, tok, j, n_heads_all, pos, rotate, f))
+                store_row(cache, b, head, pos, row)
         else:
-            vc.row_ptr(b, head, pos).unsafe_store(d, saturated[Cache.dtype](x))
+            var x = _qkv_value[in_dtype, D, project](src, wqkv, freqs, K, tok, j, n_heads_all, pos, rotate, d)
+            cache.row_ptr(b, head, pos).unsafe_store(d, saturated[Cache.dtype](x))
 
     if total_tokens > 0:
         ctx.enqueue_function(kernel, grid_dim=(total_tokens, n_heads_all), block_dim=D)

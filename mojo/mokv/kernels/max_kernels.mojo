@@ -5,7 +5,9 @@ file.
 On a GPU, mokv's attention op runs MAX's `generic_flash_attention_kv_cache_ragged` (its
 Hopper and MI300 kernels, split keys as MAX decides) on a MAX view of mokv's collection:
 mokv's pages and slots are byte-identical to MAX's, so the view is three tensor views
-over the same pointers, nothing is copied. On the CPU mokv's own kernels run (faster
+over the same pointers, nothing is copied (but for scaled FP8 pages, which MAX's
+kernel cannot read: `paged_scaled_attention_with_max` copies them, dequantized, into a
+bfloat16 scratch first). On the CPU mokv's own kernels run (faster
 than MAX's there); the define `MOKV_MAX_KERNELS=true` makes the CPU run MAX's kernel
 through this same view, which is how the suite checks the view against numpy on a
 machine without a GPU.
@@ -21,6 +23,7 @@ What MAX's views need beyond mokv's tables, and where it comes from:
     (the slot's capacity; MAX sizes its key splits from it, never its results).
 """
 
+from std.math import ceildiv
 from std.sys.defines import get_defined_bool
 
 from kv_cache.types import (
@@ -39,6 +42,7 @@ from nn.kv_cache_ragged import generic_flash_attention_kv_cache_ragged
 from ..continuous import ContinuousBatchingKVCacheCollection
 from ..paged import PagedKVCacheCollection
 from ..types import Ptr, U32Ptr, is_quantized
+from .fp8_gpu import dequantize_pages
 from .unscaled_fp8 import cast_on_gpu
 
 comptime MAX_KERNELS_ON_CPU = get_defined_bool["MOKV_MAX_KERNELS", False]()
@@ -192,3 +196,45 @@ def continuous_attention_with_max[dtype_code: Int, H: Int, D: Int, q_dtype: DTyp
     _attention_over[n_q=n_q, window=window, target=target](
         view, output, q, offsets, batch_size, total_tokens, layer_idx, scale, max_new, coll.max_seq_len, ctx
     )
+
+
+def paged_scaled_attention_with_max[dtype_code: Int, H: Int, D: Int, page_size: Int, q_dtype: DType, n_q: Int, window: Int, target: StaticString](
+    coll: PagedKVCacheCollection[dtype_code, H, D, page_size],
+    output: Ptr[q_dtype],
+    q: Ptr[q_dtype],
+    offsets: U32Ptr,
+    total_tokens: Int,
+    layer_idx: Int,
+    scale: Float32,
+    ctx: DeviceContext,
+) raises:
+    """The attention op on scaled FP8 pages: MAX's kernel reads no per-block scales, so
+    the pages this batch reads in this layer are first dequantized into a bfloat16
+    scratch cache of one layer (kernels/fp8_gpu.mojo), and MAX's kernel runs over it
+    as over a bfloat16 cache. The scratch and its table are stream-ordered buffers,
+    kept alive until MAX's kernel is enqueued."""
+    comptime BF16 = DType.bfloat16
+    comptime assert q_dtype == BF16, "attention over scaled FP8 pages takes bfloat16 queries (MAX's kernel over the bfloat16 scratch)"
+    var batch_size = coll.batch_size()
+    var cols = coll.max_num_pages
+    var pages_per_row = max(1, min(cols, ceildiv(coll.max_cache_length, page_size)))
+    var num_pages = batch_size * pages_per_row
+    var scratch = ctx.enqueue_create_buffer[BF16](max(1, num_pages) * 2 * page_size * H * D)
+    var table = ctx.enqueue_create_buffer[DType.uint32](max(1, batch_size * cols))
+    var scratch_ptr = scratch.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+    var table_ptr = table.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+    dequantize_pages[target=target](coll, layer_idx, offsets, scratch_ptr, table_ptr, pages_per_row, ctx)
+    var blocks = TileTensor(
+        scratch_ptr.unsafe_origin_cast[MutAnyOrigin](),
+        row_major(Coord(max(1, num_pages), Idx[2], Idx[1], Idx[page_size], Idx[H], Idx[D])),
+    )
+    var lengths = TileTensor(coll.cache_lengths.unsafe_origin_cast[MutAnyOrigin](), row_major(Coord(batch_size))).as_imm()
+    var table_view = TileTensor(table_ptr.unsafe_origin_cast[MutAnyOrigin](), row_major(Coord(batch_size, cols))).as_imm()
+    var view = MaxPagedCollection[
+        BF16, MaxKVCacheStaticParams(num_heads=H, head_size=D), page_size, MutAnyOrigin, ImmutAnyOrigin, ImmutAnyOrigin, MutAnyOrigin
+    ](blocks, lengths, table_view, UInt32(coll.max_new_tokens), UInt32(coll.max_cache_length))
+    _max_attention[n_q=n_q, window=window, target=target](
+        view, output, q, offsets, batch_size, total_tokens, 0, scale, coll.max_new_tokens, coll.max_cache_length, ctx
+    )
+    _ = scratch^
+    _ = table^

@@ -12,6 +12,7 @@ from max.gpu.host.info import is_cpu
 
 from ..types import KVCacheT, KVCollectionT, Ptr, U32Ptr
 from .fp8 import store_row
+from .fp8_gpu import store_rows_quantized
 from .parallel import parallel_units
 from .ragged import batch_of_token
 from .unscaled_fp8 import saturated
@@ -42,8 +43,9 @@ def store_kv_cache[Cache: KVCacheT, in_dtype: DType, scaled: Bool, target: Stati
                     store_row(cache, b, h, pos, src.unsafe_offset((tok * H + h) * D))
 
         parallel_units(body, ceildiv(total_tokens, CHUNK), ctx)
+    elif scaled:
+        store_rows_quantized(cache, src, offsets, total_tokens, ctx)
     else:
-        comptime assert not scaled, "scaled FP8 pages: mokv's CPU kernels only (docs/quantized.md)"
         # One block per token, threads over the token's H * D elements. An FP8 cache
         # here is unscaled (kernels/unscaled_fp8.mojo): each value cast, saturated.
         def kernel() {var cache, var src, var offsets, var batch_size}:

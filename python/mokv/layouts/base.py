@@ -232,10 +232,10 @@ class FetchKVCacheCollection:
 
     Scaled FP8 pages (`kv_params.quantization`) take the layout's `ScaledInputs`, the
     scales last, and build the collection over both (`mokv.kv_collection_ctor.<name>
-    .scaled`), paged or continuous, on the CPU (a GPU's are refused by name when the
-    collection is built); unscaled FP8 pages (MAX's `--kv-cache-format float8_e4m3fn`)
-    take the plain `Inputs` on a GPU, and are refused by name on the CPU, whose kernels
-    read scaled pages only.
+    .scaled`), paged or continuous, on the CPU, and paged on a GPU (a continuous
+    cache's are refused there by name when the collection is built); unscaled FP8 pages
+    (MAX's `--kv-cache-format float8_e4m3fn`) take the plain `Inputs` on a GPU, and are
+    refused by name on the CPU, whose kernels read scaled pages only.
     """
 
     layout: CacheLayout
@@ -302,11 +302,11 @@ class FetchKVCacheCollection:
                 "CPU: mokv's CPU kernels read scaled pages only; unscaled ones run on a "
                 "GPU (docs/quantized.md)"
             )
-        if scaled and not blocks.device.is_cpu():
+        if scaled and not blocks.device.is_cpu() and layout.name != "paged":
             raise ValueError(
-                f"scaled FP8 pages (quantization={params.quantization!r}) on "
-                f"{blocks.device}: MAX 26.7's GPU attention and KV stores take no per-block "
-                "scales for an MHA cache; mokv's CPU kernels read them (docs/quantized.md)"
+                f"scaled FP8 pages (quantization={params.quantization!r}) in a {layout.name} "
+                f"cache on {blocks.device}: on a GPU mokv reads scaled pages in a paged "
+                "cache only (docs/quantized.md)"
             )
         if self.checked and blocks.device != DeviceRef.CPU():
             raise ValueError(

@@ -66,17 +66,16 @@ def check_activation_dtype(
     name: str, x: TensorValue, cache_dtype: DType, op: str, scaled: bool
 ) -> None:
     """`x` (q, k, v or hidden) must have the cache's dtype, or, over a quantized (FP8)
-    cache, a float dtype to compute in; a scaled one is refused on a GPU (MAX's
-    unscaled FP8 pages run there)."""
+    cache, a float dtype to compute in; bfloat16 over scaled pages on a GPU (MAX's
+    kernel reads them dequantized to bfloat16 there)."""
     if cache_dtype not in QUANTIZED_CACHE_DTYPES:
         check_dtype(name, x, cache_dtype)
         return
     check_dtype(name, x, *COMPUTE_DTYPES)
-    if scaled and not x.device.is_cpu():
+    if scaled and not x.device.is_cpu() and x.dtype != DType.bfloat16:
         raise ValueError(
-            f"{op}: a {cache_dtype.name} cache runs on mokv's CPU kernels only, got {name} on "
-            f"{x.device}: MAX 26.7's GPU attention and KV stores take no per-block scales "
-            "(docs/quantized.md)"
+            f"{op}: over a {cache_dtype.name} cache on a GPU, {name} must be bfloat16 (MAX's "
+            f"attention kernel reads the pages dequantized to bfloat16), got {x.dtype.name}"
         )
 
 
