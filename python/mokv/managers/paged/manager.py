@@ -64,6 +64,7 @@ from .metrics import cache_metrics, num_free_pages, shared_tier_metrics
 from .pins import NO_GRANT, PinGrant
 from .plans import HELD
 from .replica import PagedReplica, Reservation
+from .replica_parts import build_replica_parts
 from .sizing import check_devices_hold, replica_pages
 
 _request_id = attrgetter("request_id")  # of a context
@@ -133,16 +134,18 @@ class PagedKVCacheManager(MaxManagerAPI):
             for r in range(dp):
                 self.replicas.append(
                     PagedReplica(
-                        params,
-                        num_pages,
-                        ceil_div(max_batch_size, dp),
-                        max_seq_len,
-                        num_layers,
-                        list(self.devices[r * tp : (r + 1) * tp]),
-                        hash_fn,
-                        root,
-                        self._undo,
-                        slots,
+                        build_replica_parts(
+                            params,
+                            num_pages,
+                            ceil_div(max_batch_size, dp),
+                            max_seq_len,
+                            num_layers,
+                            list(self.devices[r * tp : (r + 1) * tp]),
+                            hash_fn,
+                            root,
+                            self._undo,
+                            slots,
+                        )
                     )
                 )
             # One publisher per replica (its own PUB socket), opened last so that nothing

@@ -51,11 +51,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from max.driver import Buffer, Device
+from max.driver import Buffer
 from max.nn.kv_cache import RecurrentStateInputsPerDevice
 
-from ...cache.hashing import PageHashFn
-from ...config.params import KVCacheParams
 from ...context import RequestID, TextGenerationContext
 from ...errors import (
     AlreadyClaimedError,
@@ -65,7 +63,6 @@ from ...errors import (
 )
 from ...events.publisher import EventRecorder, GroupSpec
 from ...layouts.paged import PagedInputs
-from ...undo import UndoLog
 from ..base import check_request_id
 from .batch_inputs import BatchInputs
 from .commit import PageCommitter, plan_commit
@@ -73,8 +70,7 @@ from .loads import PendingLoads
 from .pins import NO_GRANT, PinGrant
 from .planner import ReservationPlanner
 from .plans import HELD, CommitPlan, Held, RequestState, Reservation
-from .replica_parts import build_replica_parts
-from .sizing import SlotGeometry
+from .replica_parts import ReplicaParts
 from .take import ReservationTaker
 
 
@@ -82,37 +78,14 @@ class PagedReplica:
     """The pages, buffers, requests and tiers of one replica (its devices split the KV
     heads)."""
 
-    def __init__(
-        self,
-        params: KVCacheParams,
-        num_pages: Sequence[int],
-        max_requests: int,
-        max_seq_len: int,
-        num_layers: int,
-        devices: list[Device],
-        hash_fn: PageHashFn,
-        root_hash: int,
-        undo: UndoLog,
-        slots: SlotGeometry | None = None,
-    ) -> None:
-        self.params = params
-        self.undo = undo
-        self.page_size = params.page_size
-        self.max_seq_len = max_seq_len
-        self.max_requests = max_requests
-        self.devices = devices
-        parts = build_replica_parts(
-            params,
-            num_pages,
-            max_requests,
-            max_seq_len,
-            num_layers,
-            devices,
-            hash_fn,
-            root_hash,
-            undo,
-            slots,
-        )
+    def __init__(self, parts: ReplicaParts) -> None:
+        """A replica of `parts` (`replica_parts.build_replica_parts`)."""
+        self.params = parts.params
+        self.undo = undo = parts.undo
+        self.page_size = parts.params.page_size
+        self.max_seq_len = max_seq_len = parts.max_seq_len
+        self.max_requests = max_requests = parts.max_requests
+        self.devices = parts.devices
         self.groups = parts.groups
         # The first group's, named for the paths of a cache of one group.
         self.group = self.groups[0]

@@ -62,6 +62,12 @@ class ReplicaParts:
     """The joint prefix hit of a cache of groups or a window (`groups/joint.py`)."""
     sessions: SessionTable | None
     pins: PinTable | None
+    params: KVCacheParams
+    devices: list[Device]
+    """The replica's devices (they split the KV heads)."""
+    max_requests: int
+    max_seq_len: int
+    undo: UndoLog
 
 
 def build_replica_parts(
@@ -145,7 +151,21 @@ def build_replica_parts(
             for group, stack in zip(groups, group_tiers):
                 if stack.keeps_pins:
                     group.pool.spill = stack.holds_pinned
-        return ReplicaParts(groups, budget, states, chains, group_tiers, joint, sessions, pins)
+        return ReplicaParts(
+            groups,
+            budget,
+            states,
+            chains,
+            group_tiers,
+            joint,
+            sessions,
+            pins,
+            params,
+            devices,
+            max_requests,
+            max_seq_len,
+            undo,
+        )
     except BaseException:
         for close in reversed(opened):
             close()
