@@ -515,6 +515,28 @@ class StateMachine(PagedManagerMachine):
         assert pool[row, 0] == (expected[start - 1] if start else 0), (ctx.request_id, start)
         pool[row, 0] = expected[end - 1]
 
+    @precondition(lambda self: len(self.running) < 4)
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=2, max_size=2))
+    def repeat_a_prompt(self, tokens):
+        """A prompt of two whole pages served twice, each time in one step: the first
+        leaves a checkpoint at its end, and the second resumes from it unless the pages
+        or the checkpoint were evicted between (the coverage check counts the resumes;
+        random chunks line this up only sometimes)."""
+        prompt = [3] * (2 * self.m.page_size)
+        for turn, token in enumerate(tokens):
+            rid = f"repeat{getattr(self, 'claims', 0)}.{turn}"
+            ctx = TextContext(np.array(prompt + [token] * turn), request_id=rid)
+            self.m.claim(rid)
+            try:
+                self.m.fetch([ctx])
+            except mokv.InsufficientPagesError:
+                self.m.release(rid)
+                return
+            self.read_back_and_write(ctx)  # a resumed state must be the prompt's
+            ctx.update(token)
+            self.m.step([ctx])
+            self.m.release(rid)
+
     def teardown(self):
         StateMachine.resumed_tokens += self.m.metrics.cache_tokens
         super().teardown()
